@@ -1,0 +1,82 @@
+/* Shared declarations of the in-process agent (libgpucr.so). */
+#ifndef GPUCR_AGENT_H
+#define GPUCR_AGENT_H
+#include <stdarg.h>
+#include <stdbool.h>
+#include <stdint.h>
+#include "cutypes.h"
+
+#define GPUCR_EXPORT __attribute__((visibility("default")))
+
+/* ---- entry table (entry.c) ---- */
+enum gpucr_entry_kind { GATED, CUSTOM };
+enum gpucr_entry_id {
+#define E(kind, sym, base, ver, pt, params, args) ENTRY_##sym,
+#include "entrypoints.def"
+#undef E
+    ENTRY_COUNT
+};
+struct gpucr_entry {
+    const char *symbol, *base;
+    int version, per_thread, kind;
+    void *wrapper;   /* the agent's function with this ABI */
+    void *real;      /* the driver's, as its own resolver returns it */
+};
+extern struct gpucr_entry gpucr_entries[ENTRY_COUNT];
+
+/* Typed access to the real driver function of an entry: REAL(cuMemAlloc_v2)(&p, n). */
+#define E(kind, sym, base, ver, pt, params, args) typedef CUresult (*pfn_##sym) params;
+#include "entrypoints.def"
+#undef E
+#define REAL(sym) ((pfn_##sym)gpucr_entries[ENTRY_##sym].real)
+
+void gpucr_init(void);                       /* idempotent: load libcuda, resolve the table */
+bool gpucr_cuda_loaded(void);
+const struct gpucr_entry *gpucr_entry_by_symbol(const char *symbol);
+const struct gpucr_entry *gpucr_entry_by_real(void *real);
+bool gpucr_is_wrapper(void *p);
+void *gpucr_real_dlsym(void *handle, const char *name);
+
+/* Driver functions the agent calls itself but does not wrap (resolved in entry.c). */
+struct gpucr_driver {
+    CUresult (*cuGetProcAddress_v2)(const char *, void **, int, cuuint64_t, int *);
+    CUresult (*cuCtxGetCurrent)(CUcontext *);
+    CUresult (*cuCtxSetCurrent)(CUcontext);
+    CUresult (*cuCtxGetDevice)(CUdevice *);
+    CUresult (*cuCtxSynchronize)(void);
+    CUresult (*cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
+    CUresult (*cuMemAddressFree)(CUdeviceptr, size_t);
+    CUresult (*cuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
+    CUresult (*cuMemGetInfo_v2)(size_t *, size_t *);
+    CUresult (*cuMemHostRegister_v2)(void *, size_t, unsigned);
+    CUresult (*cuMemHostUnregister)(void *);
+    CUresult (*cuStreamCreate)(CUstream *, unsigned);
+    CUresult (*cuStreamSynchronize)(CUstream);
+    CUresult (*cuStreamDestroy_v2)(CUstream);
+    CUresult (*cuGetErrorString)(CUresult, const char **);
+    CUresult (*cuDeviceGetAttribute)(int *, int, CUdevice);
+    int (*simcudaIsSimulated)(void);     /* present only in simcuda, the test double */
+};
+extern struct gpucr_driver gpucr_drv;
+const char *gpucr_cu_errstr(CUresult rc);
+const char *gpucr_libcuda_path(void);
+
+/* ---- gate (gate.c) ---- */
+void gpucr_gate_enter(void);
+void gpucr_gate_leave(void);
+/* Close the gate and wait for calls in flight; false (gate reopened) if they do not drain in time. */
+bool gpucr_gate_close(int64_t deadline_ns, long *in_flight_left);
+void gpucr_gate_open(void);
+bool gpucr_gate_is_closed(void);
+
+/* ---- time and logging (util.c) ---- */
+int64_t gpucr_now_ns(void);
+void gpucr_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void gpucr_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* ---- channel (channel.c) ---- */
+void gpucr_channel_start(void);
+void gpucr_channel_after_fork_child(void);
+const char *gpucr_runtime_dir(void);
+
+#endif

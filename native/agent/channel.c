@@ -1,0 +1,341 @@
+/* The control channel: one Unix socket per process, <runtime dir>/<pid>.sock, in a directory only
+ * its user can enter. Requests are single lines "VERB key=value ...", at most 4 KiB; each answer is
+ * one JSON line. Only the same user or root may connect (SO_PEERCRED). */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+#include "dataplane.h"
+#include "registry.h"
+
+#define MAX_REQUEST 4096
+#define MAX_CLIENTS 8
+
+static char g_dir[256], g_sock[300];
+static int g_listen = -1;
+static pthread_mutex_t g_op = PTHREAD_MUTEX_INITIALIZER;   /* one checkpoint/restore at a time */
+static int g_clients;
+static pthread_mutex_t g_clients_mu = PTHREAD_MUTEX_INITIALIZER;
+
+const char *gpucr_runtime_dir(void) { return g_dir; }
+
+/* <GPUCR_RUNTIME_DIR> or $XDG_RUNTIME_DIR/gpucr or /tmp/gpucr-<uid>; the same rule as the Python side. */
+static int make_runtime_dir(void)
+{
+    const char *env = getenv("GPUCR_RUNTIME_DIR"), *xdg = getenv("XDG_RUNTIME_DIR");
+    if (env && *env) snprintf(g_dir, sizeof g_dir, "%s", env);
+    else if (xdg && *xdg) snprintf(g_dir, sizeof g_dir, "%s/gpucr", xdg);
+    else snprintf(g_dir, sizeof g_dir, "/tmp/gpucr-%u", (unsigned)getuid());
+    if (mkdir(g_dir, 0700) != 0 && errno != EEXIST) return -1;
+    struct stat st;
+    if (lstat(g_dir, &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != getuid() || (st.st_mode & 0077)) {
+        gpucr_warn("runtime dir %s is not a private directory of this user (want owner uid %u, mode 0700); "
+                   "the control channel is off", g_dir, (unsigned)getuid());
+        return -1;
+    }
+    return 0;
+}
+
+/* ---- a tiny JSON writer ---- */
+struct jb { char buf[8192]; size_t len; bool first; };
+static void jb_raw(struct jb *j, const char *s)
+{
+    size_t n = strlen(s);
+    if (j->len + n < sizeof j->buf) { memcpy(j->buf + j->len, s, n); j->len += n; j->buf[j->len] = 0; }
+}
+static void jb_key(struct jb *j, const char *k)
+{
+    if (!j->first) jb_raw(j, ",");
+    j->first = false;
+    jb_raw(j, "\""); jb_raw(j, k); jb_raw(j, "\":");
+}
+static void jb_str(struct jb *j, const char *k, const char *v)
+{
+    jb_key(j, k);
+    jb_raw(j, "\"");
+    char esc[8];
+    for (const unsigned char *p = (const unsigned char *)v; *p; p++) {
+        if (*p == '"' || *p == '\\') { esc[0] = '\\'; esc[1] = (char)*p; esc[2] = 0; }
+        else if (*p < 0x20) snprintf(esc, sizeof esc, "\\u%04x", *p);
+        else { esc[0] = (char)*p; esc[1] = 0; }
+        jb_raw(j, esc);
+    }
+    jb_raw(j, "\"");
+}
+static void jb_int(struct jb *j, const char *k, long long v) { char s[32]; snprintf(s, sizeof s, "%lld", v); jb_key(j, k); jb_raw(j, s); }
+static void jb_dbl(struct jb *j, const char *k, double v) { char s[32]; snprintf(s, sizeof s, "%.3f", v); jb_key(j, k); jb_raw(j, s); }
+static void jb_bool(struct jb *j, const char *k, bool v) { jb_key(j, k); jb_raw(j, v ? "true" : "false"); }
+static void jb_open(struct jb *j) { j->len = 0; j->first = true; j->buf[0] = 0; jb_raw(j, "{"); }
+static void jb_sub(struct jb *j, const char *k) { jb_key(j, k); jb_raw(j, "{"); j->first = true; }
+static void jb_end(struct jb *j) { jb_raw(j, "}"); j->first = false; }
+
+/* Whether the process has loaded a CUDA driver, through the agent or on its own. */
+static bool cuda_present(void)
+{
+    if (gpucr_cuda_loaded()) return true;
+    void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    if (h) dlclose(h);
+    return h != NULL;
+}
+
+static void reply_hello(struct jb *j)
+{
+    jb_bool(j, "ok", true);
+    jb_str(j, "agent", "gpucr");
+    jb_int(j, "protocol", 1);
+    jb_int(j, "pid", getpid());
+    jb_int(j, "uid", getuid());
+    jb_bool(j, "cuda", cuda_present());
+    jb_bool(j, "simulated", gpucr_drv.simcudaIsSimulated && gpucr_drv.simcudaIsSimulated());
+    jb_str(j, "libcuda", gpucr_libcuda_path());
+}
+
+static void reply_status(struct jb *j)
+{
+    struct dp_status st;
+    dp_get_status(&st);
+    jb_bool(j, "ok", true);
+    jb_int(j, "pid", getpid());
+    jb_bool(j, "cuda", cuda_present());
+    jb_bool(j, "simulated", gpucr_drv.simcudaIsSimulated && gpucr_drv.simcudaIsSimulated());
+    jb_str(j, "state", st.state == AGENT_RUNNING ? "running" : "checkpointed");
+    jb_int(j, "generation", st.generation);
+    reg_lock();
+    long n = 0, conv = 0, app = 0, kept = 0;
+    size_t moved = 0, left = 0;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        n++;
+        if (p->kind == PHYS_CONVERTED) conv++; else if (p->kind == PHYS_APP_VMM) app++;
+        if (p->released || reg_phys_movable(p)) moved += p->size;
+        else { kept++; left += p->size; }
+    }
+    jb_sub(j, "allocations");
+    jb_int(j, "tracked", n);
+    jb_int(j, "converted", conv);
+    jb_int(j, "app_vmm", app);
+    jb_int(j, "tracked_bytes", (long long)moved);
+    jb_int(j, "vmm_left_to_driver", kept);
+    jb_int(j, "vmm_left_to_driver_bytes", (long long)left);
+    jb_int(j, "native", g_reg.native_count);
+    jb_int(j, "native_bytes", (long long)g_reg.native_bytes);
+    jb_int(j, "pool", g_reg.pool_count);
+    jb_int(j, "pool_bytes", (long long)g_reg.pool_bytes);
+    jb_int(j, "managed", g_reg.managed_count);
+    jb_int(j, "managed_bytes", (long long)g_reg.managed_bytes);
+    jb_int(j, "ipc_exports", g_reg.ipc_exports);
+    jb_end(j);
+    jb_int(j, "bytes_left_to_driver", (long long)(left + g_reg.native_bytes + g_reg.pool_bytes));
+    reg_unlock();
+    jb_int(j, "staging_bytes", (long long)st.staging_bytes);
+    jb_str(j, "staging", st.staging_kind);
+    jb_sub(j, "last_cycle_ms");
+    jb_dbl(j, "staging", st.last.staging);
+    jb_dbl(j, "gate", st.last.gate);
+    jb_dbl(j, "sync", st.last.sync);
+    jb_dbl(j, "copy_out", st.last.copy_out);
+    jb_dbl(j, "release", st.last.release);
+    jb_dbl(j, "data_in", st.last.copy_in);
+    jb_int(j, "bytes_out", (long long)st.last.bytes_out);
+    jb_int(j, "bytes_in", (long long)st.last.bytes_in);
+    jb_end(j);
+    char why[512];
+    dp_preflight(why, sizeof why);
+    jb_str(j, "refusal", why);
+}
+
+static int arg_int(const char *req, const char *key, int dflt)
+{
+    char pat[64];
+    snprintf(pat, sizeof pat, " %s=", key);
+    const char *p = strstr(req, pat);
+    if (!p) return dflt;
+    char *end;
+    long v = strtol(p + strlen(pat), &end, 10);
+    if (end == p + strlen(pat) || v < 0 || v > 24L * 3600 * 1000) return -1;
+    return (int)v;
+}
+
+static void reply_error(struct jb *j, const char *msg) { jb_open(j); jb_bool(j, "ok", false); jb_str(j, "error", msg); }
+
+static void handle(const char *req, struct jb *j)
+{
+    char verb[32] = "";
+    size_t vl = strcspn(req, " ");
+    if (vl == 0 || vl >= sizeof verb) { reply_error(j, "malformed request: expected 'VERB [key=value ...]'"); return; }
+    memcpy(verb, req, vl);
+    jb_open(j);
+    if (!strcmp(verb, "hello")) { reply_hello(j); return; }
+    if (!strcmp(verb, "status")) { reply_status(j); return; }
+    bool ckpt = !strcmp(verb, "checkpoint"), rest = !strcmp(verb, "restore");
+    if (!ckpt && !rest) { reply_error(j, "unknown request verb"); return; }
+    int timeout_ms = arg_int(req, "timeout_ms", 30000);
+    if (timeout_ms <= 0) { reply_error(j, "timeout_ms must be a positive number of milliseconds"); return; }
+    if (!cuda_present()) { reply_error(j, "the process has not loaded the CUDA driver: nothing to checkpoint"); return; }
+    if (pthread_mutex_trylock(&g_op) != 0) { reply_error(j, "busy: another checkpoint or restore of this process is in progress"); return; }
+    char err[600] = "";
+    gpucr_init();
+    int rc = ckpt ? dp_checkpoint(timeout_ms, err, sizeof err) : dp_restore(timeout_ms, err, sizeof err);
+    pthread_mutex_unlock(&g_op);
+    if (rc) { reply_error(j, err); return; }
+    reply_status(j);
+}
+
+static bool peer_allowed(int fd)
+{
+    struct ucred cr;
+    socklen_t len = sizeof cr;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0) return false;
+    return cr.uid == getuid() || cr.uid == 0;
+}
+
+static void send_line(int fd, struct jb *j)
+{
+    jb_raw(j, "}\n");
+    size_t off = 0;
+    while (off < j->len) {
+        ssize_t n = send(fd, j->buf + off, j->len - off, MSG_NOSIGNAL);
+        if (n <= 0) return;
+        off += (size_t)n;
+    }
+}
+
+static void *serve_client(void *arg)
+{
+    int fd = (int)(intptr_t)arg;
+    struct jb *j = malloc(sizeof *j);
+    char *req = malloc(MAX_REQUEST + 1);
+    size_t have = 0;
+    if (!j || !req) goto out;
+    if (!peer_allowed(fd)) {
+        reply_error(j, "permission denied: only the process's own user or root may control it");
+        send_line(fd, j);
+        goto out;
+    }
+    for (;;) {
+        ssize_t n = recv(fd, req + have, MAX_REQUEST - have, 0);
+        if (n <= 0) break;
+        have += (size_t)n;
+        char *nl;
+        while ((nl = memchr(req, '\n', have))) {
+            *nl = 0;
+            size_t used = (size_t)(nl - req) + 1;
+            if (memchr(req, 0, used - 1)) reply_error(j, "malformed request: NUL byte");
+            else handle(req, j);
+            send_line(fd, j);
+            memmove(req, req + used, have - used);
+            have -= used;
+        }
+        if (have == MAX_REQUEST) {
+            reply_error(j, "request too long (at most 4096 bytes)");
+            send_line(fd, j);
+            /* read what the client still sends, briefly, so closing does not reset the answer away */
+            shutdown(fd, SHUT_WR);
+            struct timeval tv = {1, 0};
+            setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+            while (recv(fd, req, MAX_REQUEST, 0) > 0) {}
+            break;
+        }
+    }
+out:
+    free(j);
+    free(req);
+    close(fd);
+    pthread_mutex_lock(&g_clients_mu);
+    g_clients--;
+    pthread_mutex_unlock(&g_clients_mu);
+    return NULL;
+}
+
+static void *accept_loop(void *arg)
+{
+    (void)arg;
+    for (;;) {
+        int fd = accept4(g_listen, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) { if (errno == EINTR || errno == ECONNABORTED) continue; break; }
+        /* a client that stops mid-request must not hold its thread for ever */
+        struct timeval tv = {60, 0};
+        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+        pthread_mutex_lock(&g_clients_mu);
+        bool room = g_clients < MAX_CLIENTS;
+        if (room) g_clients++;
+        pthread_mutex_unlock(&g_clients_mu);
+        pthread_t th;
+        if (!room || pthread_create(&th, NULL, serve_client, (void *)(intptr_t)fd) != 0) {
+            if (room) { pthread_mutex_lock(&g_clients_mu); g_clients--; pthread_mutex_unlock(&g_clients_mu); }
+            static const char busy[] = "{\"ok\":false,\"error\":\"busy: too many connections\"}\n";
+            send(fd, busy, sizeof busy - 1, MSG_NOSIGNAL);
+            close(fd);
+            continue;
+        }
+        pthread_detach(th);
+    }
+    return NULL;
+}
+
+static void remove_socket(void)
+{
+    if (g_sock[0] && g_listen >= 0) unlink(g_sock);
+}
+
+void gpucr_channel_start(void)
+{
+    if (make_runtime_dir()) return;
+    snprintf(g_sock, sizeof g_sock, "%s/%d.sock", g_dir, (int)getpid());
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return;
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (strlen(g_sock) >= sizeof sa.sun_path) { close(fd); gpucr_warn("runtime dir path too long: %s", g_dir); return; }
+    strcpy(sa.sun_path, g_sock);
+    unlink(g_sock);
+    mode_t old = umask(0177);   /* the socket is born 0600 */
+    int rc = bind(fd, (struct sockaddr *)&sa, sizeof sa);
+    umask(old);
+    if (rc != 0 || listen(fd, 8) != 0) { gpucr_warn("cannot listen on %s: %s", g_sock, strerror(errno)); close(fd); return; }
+    g_listen = fd;
+    /* the channel thread must not take signals meant for the application */
+    sigset_t all, prev;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &prev);
+    pthread_t th;
+    if (pthread_create(&th, NULL, accept_loop, NULL) == 0) pthread_detach(th);
+    pthread_sigmask(SIG_SETMASK, &prev, NULL);
+    gpucr_log("control channel at %s", g_sock);
+}
+
+void gpucr_channel_after_fork_child(void)
+{
+    /* The parent's socket is the parent's: close our copy, never unlink it, and start our own. */
+    if (g_listen >= 0) close(g_listen);
+    g_listen = -1;
+    g_sock[0] = 0;
+    pthread_mutex_init(&g_op, NULL);
+    pthread_mutex_init(&g_clients_mu, NULL);
+    g_clients = 0;
+    gpucr_channel_start();
+}
+
+static void on_fork_child(void)
+{
+    reg_reset_after_fork();
+    dp_reset_after_fork();
+    gpucr_channel_after_fork_child();
+}
+
+__attribute__((constructor)) static void agent_start(void)
+{
+    const char *off = getenv("GPUCR_AGENT_DISABLE");
+    if (off && *off && *off != '0') return;
+    gpucr_channel_start();
+    pthread_atfork(NULL, NULL, on_fork_child);
+    atexit(remove_socket);
+}
+
+__attribute__((destructor)) static void agent_stop(void) { remove_socket(); }

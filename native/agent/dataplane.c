@@ -1,0 +1,497 @@
+/* The data plane: moves tracked allocations between device memory and pinned host staging, in
+ * chunks spread over several streams, and releases / re-creates their physical memory. */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#include "dataplane.h"
+#include "registry.h"
+
+#define NSTREAMS 4
+#define CHUNK ((size_t)64 << 20)
+
+struct ctx_streams { CUcontext ctx; CUstream s[NSTREAMS]; };
+
+static struct {
+    enum agent_state state;
+    long generation;
+    struct phase_times last;
+    /* staging: one shared mapping, pinned once and reused by every later cycle */
+    int fd;
+    void *base;
+    size_t cap;
+    bool registered;
+    struct ctx_streams streams[16];
+    int nstreams;
+} g_dp = {.fd = -1};
+
+static double ms_since(int64_t t0) { return (double)(gpucr_now_ns() - t0) / 1e6; }
+
+static void seterr(char *err, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void seterr(char *err, size_t len, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, len, fmt, ap);
+    va_end(ap);
+}
+
+static struct ctx_streams *streams_for(CUcontext ctx)
+{
+    for (int i = 0; i < g_dp.nstreams; i++)
+        if (g_dp.streams[i].ctx == ctx) return &g_dp.streams[i];
+    if (g_dp.nstreams >= 16) return NULL;
+    struct ctx_streams *cs = &g_dp.streams[g_dp.nstreams];
+    gpucr_drv.cuCtxSetCurrent(ctx);
+    for (int i = 0; i < NSTREAMS; i++)
+        if (gpucr_drv.cuStreamCreate(&cs->s[i], CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) return NULL;
+    cs->ctx = ctx;
+    g_dp.nstreams++;
+    return cs;
+}
+
+static size_t host_available(void)
+{
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return (size_t)-1;
+    char line[256];
+    size_t kb = (size_t)-1 / 1024;
+    while (fgets(line, sizeof line, f))
+        if (sscanf(line, "MemAvailable: %zu kB", &kb) == 1) break;
+    fclose(f);
+    return kb * 1024;
+}
+
+static void staging_drop(void)
+{
+    if (g_dp.registered) gpucr_drv.cuMemHostUnregister(g_dp.base);
+    if (g_dp.base) munmap(g_dp.base, g_dp.cap);
+    if (g_dp.fd >= 0) close(g_dp.fd);
+    g_dp.base = NULL; g_dp.cap = 0; g_dp.fd = -1; g_dp.registered = false;
+}
+
+/* Staging of at least `need` bytes, pinned; kept for later cycles. Needs a current context. */
+static int staging_ensure(size_t need, char *err, size_t errlen)
+{
+    if (g_dp.base && g_dp.cap >= need) return 0;
+    size_t cap = (need + CHUNK - 1) / CHUNK * CHUNK;
+    size_t avail = host_available() + (g_dp.base ? g_dp.cap : 0);
+    if (cap > avail) {
+        seterr(err, errlen, "not enough host memory for staging: need %zu MiB, %zu MiB available; free host memory and retry",
+               cap >> 20, avail >> 20);
+        return -1;
+    }
+    staging_drop();
+    int fd = memfd_create("gpucr-staging", MFD_CLOEXEC);
+    if (fd < 0 || ftruncate(fd, (off_t)cap) != 0) {
+        seterr(err, errlen, "cannot create %zu MiB of staging: %s", cap >> 20, strerror(errno));
+        if (fd >= 0) close(fd);
+        return -1;
+    }
+    void *base = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    if (base == MAP_FAILED) {
+        seterr(err, errlen, "cannot map %zu MiB of staging: %s", cap >> 20, strerror(errno));
+        close(fd);
+        return -1;
+    }
+    g_dp.fd = fd; g_dp.base = base; g_dp.cap = cap;
+    CUresult rc = gpucr_drv.cuMemHostRegister_v2(base, cap, CU_MEMHOSTREGISTER_PORTABLE);
+    g_dp.registered = rc == CUDA_SUCCESS;
+    if (!g_dp.registered) gpucr_warn("staging could not be pinned (%s); copies will be slower", gpucr_cu_errstr(rc));
+    return 0;
+}
+
+/* Copy [off, off+size) of one allocation in chunks round-robin over its context's streams. */
+static CUresult copy_chunks(struct phys *p, CUdeviceptr va, bool out, int *turn)
+{
+    struct ctx_streams *cs = streams_for(p->ctx);
+    if (!cs) return CUDA_ERROR_OUT_OF_MEMORY;
+    gpucr_drv.cuCtxSetCurrent(p->ctx);
+    char *host = (char *)g_dp.base + p->staging_off;
+    for (size_t off = 0; off < p->size; off += CHUNK) {
+        size_t n = p->size - off < CHUNK ? p->size - off : CHUNK;
+        CUstream s = cs->s[(*turn)++ % NSTREAMS];
+        CUresult rc = out ? REAL(cuMemcpyDtoHAsync_v2)(host + off, va + off, n, s)
+                          : REAL(cuMemcpyHtoDAsync_v2)(va + off, host + off, n, s);
+        if (rc != CUDA_SUCCESS) return rc;
+    }
+    return CUDA_SUCCESS;
+}
+
+static CUresult sync_streams(void)
+{
+    CUresult first = CUDA_SUCCESS;
+    for (int i = 0; i < g_dp.nstreams; i++) {
+        gpucr_drv.cuCtxSetCurrent(g_dp.streams[i].ctx);
+        for (int j = 0; j < NSTREAMS; j++) {
+            CUresult rc = gpucr_drv.cuStreamSynchronize(g_dp.streams[i].s[j]);
+            if (rc != CUDA_SUCCESS && first == CUDA_SUCCESS) first = rc;
+        }
+    }
+    return first;
+}
+
+static const struct mapping *full_mapping(const struct phys *p)
+{
+    for (const struct mapping *m = p->maps; m; m = m->next)
+        if (m->offset == 0 && m->size == p->size && m->ndesc > 0) return m;
+    return NULL;
+}
+
+/* ---- work with a deadline: cuCtxSynchronize and cuMemHostRegister have none (the latter may wait
+ * for the device), so such steps run in a helper thread that is left to finish on its own if the
+ * deadline passes; a later checkpoint then finds its result (e.g. staging that is ready). ---- */
+struct deadline_job {
+    pthread_mutex_t mu;
+    pthread_cond_t cv;
+    int refs;
+    bool done;
+    int (*fn)(struct deadline_job *);
+    int rc;
+    char err[256];
+    size_t need;                /* staging job: bytes wanted */
+    CUcontext ctx;              /* staging job: context to register with */
+    CUcontext ctxs[16];         /* sync job: contexts to synchronise */
+    int nctx;
+};
+
+static void job_put(struct deadline_job *j)
+{
+    pthread_mutex_lock(&j->mu);
+    bool last = --j->refs == 0;
+    pthread_mutex_unlock(&j->mu);
+    if (last) { pthread_mutex_destroy(&j->mu); pthread_cond_destroy(&j->cv); free(j); }
+}
+
+static void *job_thread(void *arg)
+{
+    struct deadline_job *j = arg;
+    int rc = j->fn(j);
+    pthread_mutex_lock(&j->mu);
+    j->rc = rc;
+    j->done = true;
+    pthread_cond_broadcast(&j->cv);
+    pthread_mutex_unlock(&j->mu);
+    job_put(j);
+    return NULL;
+}
+
+static struct deadline_job *job_new(int (*fn)(struct deadline_job *))
+{
+    struct deadline_job *j = calloc(1, sizeof *j);
+    if (!j) return NULL;
+    pthread_mutex_init(&j->mu, NULL);
+    pthread_cond_init(&j->cv, NULL);
+    j->refs = 2;
+    j->fn = fn;
+    return j;
+}
+
+/* Run the job; 0 when it finished in time (its own result in j->rc), -1 when the deadline passed. */
+static int job_run(struct deadline_job *j, int64_t deadline_ns)
+{
+    pthread_t th;
+    sigset_t all, prev;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &prev);   /* helper threads take no application signals */
+    int created = pthread_create(&th, NULL, job_thread, j);
+    pthread_sigmask(SIG_SETMASK, &prev, NULL);
+    if (created != 0) { j->rc = -1; snprintf(j->err, sizeof j->err, "cannot start a thread"); j->refs = 1; return 0; }
+    pthread_detach(th);
+    pthread_mutex_lock(&j->mu);
+    while (!j->done) {
+        int64_t left = deadline_ns - gpucr_now_ns();
+        if (left <= 0) break;
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        int64_t abs_ns = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec + (left < 10000000 ? left : 10000000);
+        ts.tv_sec = abs_ns / 1000000000LL; ts.tv_nsec = abs_ns % 1000000000LL;
+        pthread_cond_timedwait(&j->cv, &j->mu, &ts);
+    }
+    bool done = j->done;
+    pthread_mutex_unlock(&j->mu);
+    return done ? 0 : -1;
+}
+
+static int sync_job(struct deadline_job *j)
+{
+    for (int i = 0; i < j->nctx; i++) {
+        gpucr_drv.cuCtxSetCurrent(j->ctxs[i]);
+        CUresult rc = gpucr_drv.cuCtxSynchronize();
+        if (rc != CUDA_SUCCESS) { snprintf(j->err, sizeof j->err, "%s", gpucr_cu_errstr(rc)); return -1; }
+    }
+    return 0;
+}
+
+static pthread_mutex_t g_staging_mu = PTHREAD_MUTEX_INITIALIZER;
+
+static int staging_job(struct deadline_job *j)
+{
+    pthread_mutex_lock(&g_staging_mu);
+    gpucr_drv.cuCtxSetCurrent(j->ctx);
+    int rc = staging_ensure(j->need, j->err, sizeof j->err);
+    pthread_mutex_unlock(&g_staging_mu);
+    return rc;
+}
+
+void dp_preflight(char *why, size_t len)
+{
+    why[0] = 0;
+    reg_lock();
+    long shared = 0;
+    for (struct phys *p = g_reg.all; p; p = p->next_all)
+        if (p->kind == PHYS_IMPORTED || p->exported) shared++;
+    if (g_reg.managed_count)
+        snprintf(why, len, "the process uses managed memory (cuMemAllocManaged / cudaMallocManaged: %ld allocations, %zu MiB), "
+                 "which no CUDA checkpoint can save; allocate with cudaMalloc instead",
+                 g_reg.managed_count, g_reg.managed_bytes >> 20);
+    else if (g_reg.ipc_exports)
+        snprintf(why, len, "the process exported memory with legacy CUDA IPC (cuIpcGetMemHandle, %ld exports), which the "
+                 "driver's checkpoint cannot cover; share memory through VMM POSIX-fd handles instead", g_reg.ipc_exports);
+    else if (shared)
+        snprintf(why, len, "the process shares %ld VMM allocations with other processes (cuMemExportToShareableHandle / "
+                 "cuMemImportFromShareableHandle); checkpointing shared memory is not supported yet", shared);
+    reg_unlock();
+}
+
+/* Undo the release of every released allocation (or, with only_released=false, nothing else):
+ * re-create, map, set access, copy back. Returns the first error; allocations that failed stay released. */
+static CUresult bring_back(char *err, size_t errlen, int *turn)
+{
+    CUresult first = CUDA_SUCCESS;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        if (!p->released) continue;
+        gpucr_drv.cuCtxSetCurrent(p->ctx);
+        CUmemGenericAllocationHandle h = 0;
+        CUresult rc = REAL(cuMemCreate)(&h, p->size, &p->prop, 0);
+        struct mapping *done_upto = NULL;
+        if (rc == CUDA_SUCCESS) {
+            for (struct mapping *m = p->maps; m; m = m->next) {
+                rc = REAL(cuMemMap)(m->va, m->size, m->offset, h, 0);
+                if (rc == CUDA_SUCCESS) rc = REAL(cuMemSetAccess)(m->va, m->size, m->desc, (size_t)m->ndesc);
+                if (rc != CUDA_SUCCESS) { REAL(cuMemUnmap)(m->va, m->size); done_upto = m; break; }
+            }
+            if (rc != CUDA_SUCCESS) {
+                for (struct mapping *m = p->maps; m != done_upto; m = m->next) REAL(cuMemUnmap)(m->va, m->size);
+                REAL(cuMemRelease)(h);
+            }
+        }
+        if (rc != CUDA_SUCCESS) {
+            if (first == CUDA_SUCCESS) {
+                first = rc;
+                seterr(err, errlen, "re-creating %zu MiB at 0x%llx failed: %s", p->size >> 20,
+                       (unsigned long long)(p->maps ? p->maps->va : 0), gpucr_cu_errstr(rc));
+            }
+            continue;
+        }
+        reg_set_real(p, h);
+        /* the handle references the application held before the checkpoint, no more and no fewer */
+        if (p->kind == PHYS_APP_VMM) {
+            if (p->app_refs == 0) REAL(cuMemRelease)(h);
+            for (int i = 1; i < p->app_refs; i++) {
+                CUmemGenericAllocationHandle again;
+                REAL(cuMemRetainAllocationHandle)(&again, (void *)(uintptr_t)p->maps->va);
+            }
+        }
+        p->released = false;
+        const struct mapping *fm = full_mapping(p);
+        rc = copy_chunks(p, fm->va, false, turn);
+        if (rc != CUDA_SUCCESS && first == CUDA_SUCCESS) {
+            first = rc;
+            seterr(err, errlen, "copying back %zu MiB failed: %s", p->size >> 20, gpucr_cu_errstr(rc));
+        }
+    }
+    return first;
+}
+
+/* Give back the physical memory of an allocation whose data is in staging. */
+static CUresult release_one(struct phys *p)
+{
+    gpucr_drv.cuCtxSetCurrent(p->ctx);
+    for (struct mapping *m = p->maps; m; m = m->next) {
+        CUresult rc = REAL(cuMemUnmap)(m->va, m->size);
+        if (rc != CUDA_SUCCESS) {
+            for (struct mapping *n = p->maps; n != m; n = n->next) {
+                REAL(cuMemMap)(n->va, n->size, n->offset, p->real, 0);
+                REAL(cuMemSetAccess)(n->va, n->size, n->desc, (size_t)n->ndesc);
+            }
+            return rc;
+        }
+    }
+    int refs = p->kind == PHYS_CONVERTED ? 1 : p->app_refs;
+    for (int i = 0; i < refs; i++) REAL(cuMemRelease)(p->real);
+    reg_set_real(p, 0);
+    p->released = true;
+    return CUDA_SUCCESS;
+}
+
+int dp_checkpoint(int timeout_ms, char *err, size_t errlen)
+{
+    if (g_dp.state != AGENT_RUNNING) { seterr(err, errlen, "the process is already checkpointed"); return -1; }
+    char why[512];
+    dp_preflight(why, sizeof why);
+    if (why[0]) { seterr(err, errlen, "refused before touching the process: %s", why); return -1; }
+
+    /* Size staging before anything is touched: a refusal here leaves the application untouched. */
+    reg_lock();
+    size_t need = 0;
+    CUcontext any_ctx = NULL;
+    for (struct phys *p = g_reg.all; p; p = p->next_all)
+        if (reg_phys_movable(p)) { p->staging_off = need; need += p->size; any_ctx = p->ctx; }
+    reg_unlock();
+    struct phase_times t = {0};
+    CUcontext saved = NULL;
+    if (gpucr_drv.cuCtxGetCurrent) gpucr_drv.cuCtxGetCurrent(&saved);
+    int64_t deadline = gpucr_now_ns() + (int64_t)timeout_ms * 1000000LL;
+    int64_t t0 = gpucr_now_ns();
+    if (need) {
+        struct deadline_job *j = job_new(staging_job);
+        if (!j) { seterr(err, errlen, "out of host memory"); return -1; }
+        j->need = need;
+        j->ctx = any_ctx;
+        int late = job_run(j, deadline), rc = j->rc;
+        if (!late && rc) seterr(err, errlen, "%s; checkpoint refused, the application runs on", j->err);
+        job_put(j);
+        if (late) {
+            seterr(err, errlen, "preparing %zu MiB of pinned staging took longer than the %d ms deadline; it goes on in "
+                   "the background, so retry the checkpoint shortly (the application runs on)", need >> 20, timeout_ms);
+            return -1;
+        }
+        if (rc) return -1;
+    }
+    t.staging = ms_since(t0);
+
+    t0 = gpucr_now_ns();
+    long left = 0;
+    if (!gpucr_gate_close(deadline, &left)) {
+        seterr(err, errlen, "%ld CUDA calls were still in flight after %d ms; checkpoint refused, the application runs on",
+               left, timeout_ms);
+        return -1;
+    }
+    t.gate = ms_since(t0);
+    t0 = gpucr_now_ns();
+    struct deadline_job *sj = job_new(sync_job);
+    if (!sj) { gpucr_gate_open(); seterr(err, errlen, "out of host memory"); return -1; }
+    reg_lock();
+    sj->nctx = g_reg.nctx;
+    memcpy(sj->ctxs, g_reg.ctxs, sizeof sj->ctxs);
+    reg_unlock();
+    int late = job_run(sj, deadline), src_rc = sj->rc;
+    char serr[256];
+    snprintf(serr, sizeof serr, "%s", sj->err);
+    job_put(sj);
+    t.sync = ms_since(t0);
+    if (late || src_rc) {
+        gpucr_gate_open();
+        if (late)
+            seterr(err, errlen, "device work did not finish within %d ms (a long-running kernel?); checkpoint refused, the application runs on", timeout_ms);
+        else
+            seterr(err, errlen, "synchronising the device failed: %s; checkpoint refused", serr);
+        return -1;
+    }
+    CUresult rc;
+
+    /* The registry cannot change now: every wrapper that could change it is behind the gate. */
+    t0 = gpucr_now_ns();
+    int turn = 0;
+    rc = CUDA_SUCCESS;
+    for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
+        if (reg_phys_movable(p) && p->staging_off + p->size <= g_dp.cap) rc = copy_chunks(p, full_mapping(p)->va, true, &turn);
+    CUresult src = sync_streams();
+    if (rc == CUDA_SUCCESS) rc = src;
+    t.copy_out = ms_since(t0);
+    t.bytes_out = need;
+    if (rc != CUDA_SUCCESS) {
+        gpucr_gate_open();
+        seterr(err, errlen, "copying device memory out failed: %s; checkpoint refused, nothing was released", gpucr_cu_errstr(rc));
+        return -1;
+    }
+
+    t0 = gpucr_now_ns();
+    for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
+        if (reg_phys_movable(p)) rc = release_one(p);
+    t.release = ms_since(t0);
+    if (rc != CUDA_SUCCESS) {
+        char e2[256] = "";
+        bring_back(e2, sizeof e2, &turn);
+        sync_streams();
+        gpucr_gate_open();
+        seterr(err, errlen, "releasing device memory failed: %s; rolled back, the application runs on%s%s",
+               gpucr_cu_errstr(rc), e2[0] ? " (" : "", e2);
+        return -1;
+    }
+    if (saved) gpucr_drv.cuCtxSetCurrent(saved);
+    t.copy_in = 0;
+    g_dp.last = t;
+    g_dp.state = AGENT_CHECKPOINTED;
+    gpucr_log("checkpointed %zu bytes: gate %.1f ms, sync %.1f ms, copy %.1f ms, release %.1f ms", need, t.gate, t.sync,
+              t.copy_out, t.release);
+    return 0;
+}
+
+int dp_restore(int timeout_ms, char *err, size_t errlen)
+{
+    (void)timeout_ms;
+    if (g_dp.state != AGENT_CHECKPOINTED) { seterr(err, errlen, "the process is not checkpointed"); return -1; }
+    size_t need = 0;
+    CUcontext any_ctx = NULL;
+    for (struct phys *p = g_reg.all; p; p = p->next_all)
+        if (p->released) { need += p->size; any_ctx = p->ctx; }
+    int64_t t0 = gpucr_now_ns();
+    if (need) {
+        /* A restore that runs out of device memory half way helps no one: check first. */
+        size_t free_b = 0, total = 0;
+        gpucr_drv.cuCtxSetCurrent(any_ctx);
+        if (gpucr_drv.cuMemGetInfo_v2(&free_b, &total) == CUDA_SUCCESS && free_b < need) {
+            seterr(err, errlen, "not enough free GPU memory to restore: need %zu MiB, %zu MiB free; free GPU memory and run "
+                   "'gpucr restore' again (the process stays checkpointed)", need >> 20, free_b >> 20);
+            return -1;
+        }
+    }
+    int turn = 0;
+    CUresult rc = bring_back(err, errlen, &turn);
+    CUresult src = sync_streams();
+    double both = ms_since(t0);
+    if (rc == CUDA_SUCCESS && src != CUDA_SUCCESS) {
+        rc = src;
+        seterr(err, errlen, "copying data back failed: %s", gpucr_cu_errstr(rc));
+    }
+    if (rc != CUDA_SUCCESS) {
+        /* stay checkpointed: give back what was re-created, the data is still in staging */
+        for (struct phys *p = g_reg.all; p; p = p->next_all)
+            if (!p->released && reg_phys_movable(p)) release_one(p);
+        size_t l = strlen(err);
+        snprintf(err + l, errlen - l, "; the process stays checkpointed");
+        return -1;
+    }
+    /* Re-mapping and copying overlap (each allocation's copy is queued as soon as it is mapped): one figure. */
+    g_dp.last.copy_in = both;
+    g_dp.last.bytes_in = need;
+    g_dp.state = AGENT_RUNNING;
+    g_dp.generation++;
+    gpucr_gate_open();
+    return 0;
+}
+
+void dp_get_status(struct dp_status *out)
+{
+    out->state = g_dp.state;
+    out->generation = g_dp.generation;
+    out->last = g_dp.last;
+    out->staging_bytes = g_dp.cap;
+    out->staging_kind = g_dp.registered ? "memfd-pinned" : (g_dp.cap ? "memfd" : "none");
+}
+
+void dp_reset_after_fork(void)
+{
+    /* the parent's staging and streams are not the child's: forget them without driver calls */
+    if (g_dp.base) munmap(g_dp.base, g_dp.cap);
+    if (g_dp.fd >= 0) close(g_dp.fd);
+    memset(&g_dp, 0, sizeof g_dp);
+    g_dp.fd = -1;
+}

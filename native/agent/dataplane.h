@@ -1,0 +1,29 @@
+#ifndef GPUCR_DATAPLANE_H
+#define GPUCR_DATAPLANE_H
+#include "agent.h"
+
+struct phase_times {            /* milliseconds of the last cycle's phases */
+    double staging, gate, sync, copy_out, release, copy_in;
+    uint64_t bytes_out, bytes_in;
+};
+
+enum agent_state { AGENT_RUNNING, AGENT_CHECKPOINTED };
+
+struct dp_status {
+    enum agent_state state;
+    long generation;            /* completed checkpoints */
+    struct phase_times last;
+    size_t staging_bytes;
+    const char *staging_kind;
+};
+
+/* Close the gate, synchronise, copy every movable allocation out and release its physical memory.
+ * On failure nothing is released, the gate is open again, and err says why. */
+int dp_checkpoint(int timeout_ms, char *err, size_t errlen);
+/* Re-create, re-map and copy back; then open the gate. On failure the process stays checkpointed. */
+int dp_restore(int timeout_ms, char *err, size_t errlen);
+void dp_get_status(struct dp_status *out);
+/* Coverage problems that make a checkpoint unsafe, as one line; empty when there are none. */
+void dp_preflight(char *why, size_t len);
+void dp_reset_after_fork(void);
+#endif

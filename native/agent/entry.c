@@ -1,0 +1,155 @@
+/* The entry table: its instance, the generated gated wrappers, and the resolution of every entry's
+ * real driver function through the driver's own resolver. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "agent.h"
+
+/* Prototypes of the hand-written wrappers, so the table can point at them. */
+#define E(kind, sym, base, ver, pt, params, args) GPUCR_EXPORT CUresult sym params;
+#include "entrypoints.def"
+#undef E
+
+/* A gated wrapper: the real call runs with the gate held open. */
+#define WRAP_GATED(sym, params, args)                                  \
+    GPUCR_EXPORT CUresult sym params                                   \
+    {                                                                  \
+        gpucr_init();                                                  \
+        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;               \
+        gpucr_gate_enter();                                            \
+        CUresult rc = REAL(sym) args;                                  \
+        gpucr_gate_leave();                                            \
+        return rc;                                                     \
+    }
+#define WRAP_CUSTOM(sym, params, args)
+#define E(kind, sym, base, ver, pt, params, args) WRAP_##kind(sym, params, args)
+#include "entrypoints.def"
+#undef E
+
+struct gpucr_entry gpucr_entries[ENTRY_COUNT] = {
+#define E(kind, sym, base, ver, pt, params, args) [ENTRY_##sym] = {#sym, #base, ver, pt, kind, (void *)sym, NULL},
+#include "entrypoints.def"
+#undef E
+};
+
+struct gpucr_driver gpucr_drv;
+static void *g_libcuda;
+static char g_libcuda_path[4096];
+static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+
+void *gpucr_real_dlsym(void *handle, const char *name)
+{
+    static void *(*real)(void *, const char *);
+    if (!real) {
+        /* dlvsym is not interposed; ask for the default dlsym of either glibc era. */
+        real = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+        if (!real) real = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+    }
+    return real ? real(handle, name) : NULL;
+}
+
+const char *gpucr_libcuda_path(void) { return g_libcuda_path; }
+bool gpucr_cuda_loaded(void) { return g_libcuda != NULL; }
+
+static void *drv_sym(const char *name)
+{
+    void *p = NULL;
+    int status = 0;
+    if (gpucr_drv.cuGetProcAddress_v2 &&
+        gpucr_drv.cuGetProcAddress_v2(name, &p, 12000, CU_GET_PROC_ADDRESS_LEGACY_STREAM, &status) == CUDA_SUCCESS && p)
+        return p;
+    /* the resolver wants base names; fall back to the exported symbol */
+    return gpucr_real_dlsym(g_libcuda, name);
+}
+
+static void do_init(void)
+{
+    const char *path = getenv("GPUCR_LIBCUDA");
+    if (!path || !*path) path = "libcuda.so.1";
+    g_libcuda = dlopen(path, RTLD_NOW | RTLD_GLOBAL);
+    if (!g_libcuda) {
+        gpucr_warn("cannot load the CUDA driver (%s): %s", path, dlerror());
+        return;
+    }
+    Dl_info info;
+    void *any = gpucr_real_dlsym(g_libcuda, "cuInit");
+    if (any && dladdr(any, &info) && info.dli_fname) strncpy(g_libcuda_path, info.dli_fname, sizeof g_libcuda_path - 1);
+    else strncpy(g_libcuda_path, path, sizeof g_libcuda_path - 1);
+
+    gpucr_drv.cuGetProcAddress_v2 = gpucr_real_dlsym(g_libcuda, "cuGetProcAddress_v2");
+    for (int i = 0; i < ENTRY_COUNT; i++) {
+        struct gpucr_entry *e = &gpucr_entries[i];
+        void *p = NULL;
+        int status = 0;
+        cuuint64_t flags = e->per_thread ? CU_GET_PROC_ADDRESS_PER_THREAD_DEFAULT_STREAM : CU_GET_PROC_ADDRESS_LEGACY_STREAM;
+        if (gpucr_drv.cuGetProcAddress_v2 &&
+            gpucr_drv.cuGetProcAddress_v2(e->base, &p, e->version, flags, &status) == CUDA_SUCCESS && p)
+            e->real = p;
+        else
+            e->real = gpucr_real_dlsym(g_libcuda, e->symbol);
+    }
+#define D(name) gpucr_drv.name = drv_sym(#name)
+    D(cuCtxGetCurrent); D(cuCtxSetCurrent); D(cuCtxGetDevice); D(cuCtxSynchronize);
+    D(cuMemAddressReserve); D(cuMemAddressFree); D(cuMemGetAllocationGranularity);
+    D(cuMemHostUnregister); D(cuStreamCreate); D(cuStreamSynchronize);
+    D(cuGetErrorString); D(cuDeviceGetAttribute);
+#undef D
+    /* versioned names the resolver knows by their base name */
+    gpucr_drv.cuMemGetInfo_v2 = drv_sym("cuMemGetInfo");
+    gpucr_drv.cuMemHostRegister_v2 = drv_sym("cuMemHostRegister");
+    gpucr_drv.cuStreamDestroy_v2 = drv_sym("cuStreamDestroy");
+    gpucr_drv.simcudaIsSimulated = gpucr_real_dlsym(g_libcuda, "simcudaIsSimulated");
+    gpucr_log("driver %s loaded, %d entry points resolved", g_libcuda_path, ENTRY_COUNT);
+}
+
+void gpucr_init(void) { pthread_once(&g_once, do_init); }
+
+const struct gpucr_entry *gpucr_entry_by_symbol(const char *symbol)
+{
+    if (!symbol || symbol[0] != 'c' || symbol[1] != 'u') return NULL;
+    for (int i = 0; i < ENTRY_COUNT; i++)
+        if (strcmp(gpucr_entries[i].symbol, symbol) == 0) return &gpucr_entries[i];
+    return NULL;
+}
+
+const struct gpucr_entry *gpucr_entry_by_real(void *real)
+{
+    if (!real) return NULL;
+    for (int i = 0; i < ENTRY_COUNT; i++)
+        if (gpucr_entries[i].real == real) return &gpucr_entries[i];
+    return NULL;
+}
+
+bool gpucr_is_wrapper(void *p)
+{
+    for (int i = 0; i < ENTRY_COUNT; i++)
+        if (gpucr_entries[i].wrapper == p) return true;
+    return false;
+}
+
+const char *gpucr_cu_errstr(CUresult rc)
+{
+    const char *s = NULL;
+    if (gpucr_drv.cuGetErrorString && gpucr_drv.cuGetErrorString(rc, &s) == CUDA_SUCCESS && s) return s;
+    return "unknown CUDA error";
+}
+
+/* For the table test: the agent's view of its own table, one "symbol base version per_thread kind" per line. */
+GPUCR_EXPORT const char *gpucr_entry_table(void)
+{
+    static char *text;
+    if (text) return text;
+    size_t cap = 128 * ENTRY_COUNT, len = 0;
+    char *buf = malloc(cap);
+    if (!buf) return "";
+    for (int i = 0; i < ENTRY_COUNT; i++) {
+        const struct gpucr_entry *e = &gpucr_entries[i];
+        len += (size_t)snprintf(buf + len, cap - len, "%s %s %d %d %s\n", e->symbol, e->base, e->version, e->per_thread,
+                                e->kind == GATED ? "GATED" : "CUSTOM");
+    }
+    text = buf;
+    return text;
+}

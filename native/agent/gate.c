@@ -1,0 +1,78 @@
+/* The checkpoint gate: every wrapped entry point that submits device work or changes device memory
+ * passes through it. Open, it costs two atomic operations. A checkpoint closes it and waits, with a
+ * deadline, for the calls in flight to return; callers that arrive meanwhile wait until it opens. */
+#include <errno.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <time.h>
+#include "agent.h"
+
+static atomic_int g_closed;
+static atomic_long g_in_flight;
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_opened = PTHREAD_COND_INITIALIZER;
+static pthread_cond_t g_drained = PTHREAD_COND_INITIALIZER;
+/* A wrapper reached from inside another wrapper on the same thread is already counted. */
+static __thread int t_depth;
+
+static void signal_drained(void)
+{
+    pthread_mutex_lock(&g_mu);
+    pthread_cond_broadcast(&g_drained);
+    pthread_mutex_unlock(&g_mu);
+}
+
+void gpucr_gate_enter(void)
+{
+    if (t_depth++ > 0) return;
+    for (;;) {
+        atomic_fetch_add(&g_in_flight, 1);
+        if (!atomic_load(&g_closed)) return;
+        /* Closed: step back out so the closer can drain, then wait for it to reopen. */
+        if (atomic_fetch_sub(&g_in_flight, 1) == 1) signal_drained();
+        pthread_mutex_lock(&g_mu);
+        while (atomic_load(&g_closed)) pthread_cond_wait(&g_opened, &g_mu);
+        pthread_mutex_unlock(&g_mu);
+    }
+}
+
+void gpucr_gate_leave(void)
+{
+    if (--t_depth > 0) return;
+    if (atomic_fetch_sub(&g_in_flight, 1) == 1 && atomic_load(&g_closed)) signal_drained();
+}
+
+bool gpucr_gate_close(int64_t deadline_ns, long *in_flight_left)
+{
+    pthread_mutex_lock(&g_mu);
+    atomic_store(&g_closed, 1);
+    while (atomic_load(&g_in_flight) > 0) {
+        int64_t now = gpucr_now_ns();
+        if (now >= deadline_ns) {
+            if (in_flight_left) *in_flight_left = atomic_load(&g_in_flight);
+            atomic_store(&g_closed, 0);
+            pthread_cond_broadcast(&g_opened);
+            pthread_mutex_unlock(&g_mu);
+            return false;
+        }
+        /* Wake at least every 10 ms: the condition is also re-checked without a signal. */
+        int64_t wake = now + 10000000LL < deadline_ns ? now + 10000000LL : deadline_ns;
+        struct timespec rt;
+        clock_gettime(CLOCK_REALTIME, &rt);
+        int64_t abs_ns = (int64_t)rt.tv_sec * 1000000000LL + rt.tv_nsec + (wake - now);
+        struct timespec ts = {abs_ns / 1000000000LL, abs_ns % 1000000000LL};
+        pthread_cond_timedwait(&g_drained, &g_mu, &ts);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return true;
+}
+
+void gpucr_gate_open(void)
+{
+    pthread_mutex_lock(&g_mu);
+    atomic_store(&g_closed, 0);
+    pthread_cond_broadcast(&g_opened);
+    pthread_mutex_unlock(&g_mu);
+}
+
+bool gpucr_gate_is_closed(void) { return atomic_load(&g_closed) != 0; }

@@ -1,0 +1,113 @@
+/* Every way a library can reach a driver function: dlsym on libcuda, the driver's resolvers
+ * (cuGetProcAddress, cuGetProcAddress_v2) and the runtime's (cudaGetDriverEntryPoint*).
+ * Rule: resolve first with the caller's own name, version and flags; only when that succeeded,
+ * hand back the wrapper whose real function is exactly the pointer the resolver returned. A pointer
+ * the table does not know is returned unchanged, so no caller ever gets a wrapper of another ABI. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <link.h>
+#include <string.h>
+#include "agent.h"
+
+static void *substitute(void *p)
+{
+    if (!p || gpucr_is_wrapper(p)) return p;
+    const struct gpucr_entry *e = gpucr_entry_by_real(p);
+    return e ? e->wrapper : p;
+}
+
+GPUCR_EXPORT CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, cuuint64_t flags, int *status)
+{
+    gpucr_init();
+    if (!REAL(cuGetProcAddress_v2)) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = REAL(cuGetProcAddress_v2)(sym, pfn, ver, flags, status);
+    if (rc == CUDA_SUCCESS && pfn) *pfn = substitute(*pfn);
+    return rc;
+}
+
+GPUCR_EXPORT CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, cuuint64_t flags)
+{
+    gpucr_init();
+    if (!REAL(cuGetProcAddress)) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = REAL(cuGetProcAddress)(sym, pfn, ver, flags);
+    if (rc == CUDA_SUCCESS && pfn) *pfn = substitute(*pfn);
+    return rc;
+}
+
+/* ---- dlsym ---- */
+
+/* dlsym(RTLD_NEXT, ...) means "after the caller's object"; forwarded from here it would mean "after
+ * libgpucr", so walk the link map from the caller's object ourselves. */
+static void *dlsym_next_after(const void *caller, const char *name)
+{
+    Dl_info info;
+    struct link_map *lm = NULL;
+    if (!dladdr1(caller, &info, (void **)&lm, RTLD_DL_LINKMAP) || !lm) return gpucr_real_dlsym(RTLD_NEXT, name);
+    for (struct link_map *l = lm->l_next; l; l = l->l_next) {
+        void *h = dlopen(l->l_name && *l->l_name ? l->l_name : NULL, RTLD_LAZY | RTLD_NOLOAD);
+        if (!h) continue;
+        void *p = gpucr_real_dlsym(h, name);
+        dlclose(h);
+        if (p) return p;
+    }
+    return NULL;
+}
+
+GPUCR_EXPORT void *dlsym(void *handle, const char *name)
+{
+    void *p = handle == RTLD_NEXT ? dlsym_next_after(__builtin_return_address(0), name) : gpucr_real_dlsym(handle, name);
+    if (!p || name[0] != 'c' || name[1] != 'u') return p;
+    /* The wrapper itself resolves its real function lazily, so nothing is initialised here: the
+     * driver may call dlsym while it is being loaded. */
+    const struct gpucr_entry *e = gpucr_entry_by_symbol(name);
+    return e ? e->wrapper : p;
+}
+
+/* ---- the runtime's resolvers (dynamic libcudart; a static runtime comes through dlsym above) ---- */
+
+struct find_ctx { const char *name; void *found; };
+
+static int find_in_cudart(struct dl_phdr_info *info, size_t size, void *data)
+{
+    (void)size;
+    struct find_ctx *c = data;
+    if (!info->dlpi_name || !strstr(info->dlpi_name, "libcudart")) return 0;
+    void *h = dlopen(info->dlpi_name, RTLD_LAZY | RTLD_NOLOAD);
+    if (!h) return 0;
+    c->found = gpucr_real_dlsym(h, c->name);
+    dlclose(h);
+    return c->found != NULL;
+}
+
+/* The runtime is often loaded RTLD_LOCAL (by PyTorch), out of RTLD_NEXT's reach: look for it. */
+static void *cudart_sym(const char *name)
+{
+    void *p = gpucr_real_dlsym(RTLD_NEXT, name);
+    if (p) return p;
+    struct find_ctx c = {name, NULL};
+    dl_iterate_phdr(find_in_cudart, &c);
+    return c.found;
+}
+
+#define RUNTIME_RESOLVER(fn, params, args)                                     \
+    GPUCR_EXPORT cudaError_t fn params                                         \
+    {                                                                          \
+        static cudaError_t(*real) params;                                      \
+        gpucr_init();                                                          \
+        if (!real) real = (cudaError_t(*) params)cudart_sym(#fn);              \
+        if (!real) return 801; /* cudaErrorNotSupported */                     \
+        cudaError_t rc = real args;                                            \
+        if (rc == 0 && pfn) *pfn = substitute(*pfn);                           \
+        return rc;                                                             \
+    }
+
+RUNTIME_RESOLVER(cudaGetDriverEntryPoint, (const char *sym, void **pfn, unsigned long long flags, int *status),
+                 (sym, pfn, flags, status))
+RUNTIME_RESOLVER(cudaGetDriverEntryPoint_ptsz, (const char *sym, void **pfn, unsigned long long flags, int *status),
+                 (sym, pfn, flags, status))
+RUNTIME_RESOLVER(cudaGetDriverEntryPointByVersion,
+                 (const char *sym, void **pfn, unsigned int ver, unsigned long long flags, int *status),
+                 (sym, pfn, ver, flags, status))
+RUNTIME_RESOLVER(cudaGetDriverEntryPointByVersion_ptsz,
+                 (const char *sym, void **pfn, unsigned int ver, unsigned long long flags, int *status),
+                 (sym, pfn, ver, flags, status))

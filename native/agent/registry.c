@@ -1,0 +1,110 @@
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include "registry.h"
+
+struct registry g_reg;
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+
+void reg_lock(void) { pthread_mutex_lock(&g_mu); }
+void reg_unlock(void) { pthread_mutex_unlock(&g_mu); }
+
+void reg_note_ctx(CUcontext ctx)
+{
+    if (!ctx) return;
+    for (int i = 0; i < g_reg.nctx; i++)
+        if (g_reg.ctxs[i] == ctx) return;
+    if (g_reg.nctx < (int)(sizeof g_reg.ctxs / sizeof g_reg.ctxs[0])) g_reg.ctxs[g_reg.nctx++] = ctx;
+}
+
+struct phys *reg_phys_new(enum phys_kind kind, CUmemGenericAllocationHandle real, size_t size,
+                          const CUmemAllocationProp *prop, CUcontext ctx)
+{
+    struct phys *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->kind = kind;
+    p->size = size;
+    if (prop) p->prop = *prop;
+    p->ctx = ctx;
+    p->app_refs = kind == PHYS_CONVERTED ? 0 : 1;
+    reg_set_real(p, real);
+    if (kind != PHYS_CONVERTED) {
+        /* The application keeps the first driver handle as its name for this memory; a restore
+         * changes the driver's handle, never the application's. */
+        p->app_handle = real;
+        if (hmap_get(&g_reg.by_app_handle, real)) p->app_handle = (1ULL << 63) | (uint64_t)(uintptr_t)p;
+        hmap_put(&g_reg.by_app_handle, p->app_handle, p);
+    }
+    reg_note_ctx(ctx);
+    p->next_all = g_reg.all;
+    if (g_reg.all) g_reg.all->prev_all = p;
+    g_reg.all = p;
+    return p;
+}
+
+void reg_set_real(struct phys *p, CUmemGenericAllocationHandle real)
+{
+    if (p->real && hmap_get(&g_reg.by_real_handle, p->real) == p) hmap_del(&g_reg.by_real_handle, p->real);
+    p->real = real;
+    if (real) hmap_put(&g_reg.by_real_handle, real, p);
+}
+
+void reg_phys_free(struct phys *p)
+{
+    while (p->maps) reg_map_remove(p->maps);
+    reg_set_real(p, 0);
+    if (p->app_handle) hmap_del(&g_reg.by_app_handle, p->app_handle);
+    if (p->kind == PHYS_CONVERTED) hmap_del(&g_reg.conv_by_va, p->resv_va);
+    if (p->prev_all) p->prev_all->next_all = p->next_all; else g_reg.all = p->next_all;
+    if (p->next_all) p->next_all->prev_all = p->prev_all;
+    free(p);
+}
+
+struct mapping *reg_map_add(struct phys *p, CUdeviceptr va, size_t size, size_t offset)
+{
+    struct mapping *m = calloc(1, sizeof *m);
+    if (!m) return NULL;
+    m->va = va; m->size = size; m->offset = offset; m->phys = p;
+    m->next = p->maps;
+    p->maps = m;
+    hmap_put(&g_reg.map_by_va, va, m);
+    return m;
+}
+
+void reg_map_remove(struct mapping *m)
+{
+    struct phys *p = m->phys;
+    for (struct mapping **pp = &p->maps; *pp; pp = &(*pp)->next)
+        if (*pp == m) { *pp = m->next; break; }
+    if (hmap_get(&g_reg.map_by_va, m->va) == m) hmap_del(&g_reg.map_by_va, m->va);
+    free(m);
+}
+
+struct phys *reg_phys_containing(CUdeviceptr ptr)
+{
+    for (struct phys *p = g_reg.all; p; p = p->next_all)
+        for (struct mapping *m = p->maps; m; m = m->next)
+            if (ptr >= m->va && ptr < m->va + m->size) return p;
+    return NULL;
+}
+
+bool reg_phys_movable(const struct phys *p)
+{
+    if (p->kind == PHYS_IMPORTED || p->exported) return false;
+    /* The data plane reads the memory through one mapping that covers all of it. */
+    for (const struct mapping *m = p->maps; m; m = m->next)
+        if (m->offset == 0 && m->size == p->size && m->ndesc > 0) return true;
+    return false;
+}
+
+/* The child of fork() shares no CUDA state with its parent: forget the parent's registry without
+ * touching any driver object (they are not the child's). */
+void reg_reset_after_fork(void)
+{
+    pthread_mutex_init(&g_mu, NULL);
+    g_reg.all = NULL;   /* the parent's records are leaked in the child on purpose: never freed twice */
+    memset(&g_reg.by_app_handle, 0, sizeof(struct hmap) * 7);
+    g_reg.native_bytes = g_reg.pool_bytes = g_reg.managed_bytes = 0;
+    g_reg.native_count = g_reg.pool_count = g_reg.managed_count = g_reg.ipc_exports = 0;
+    g_reg.nctx = 0;
+}

@@ -1,0 +1,66 @@
+/* The registry: every live device allocation the agent has seen, and what the checkpoint can do
+ * with it. Guarded by reg_lock(); wrappers hold the gate open while they change it, so a
+ * checkpoint (gate closed) sees it still. */
+#ifndef GPUCR_REGISTRY_H
+#define GPUCR_REGISTRY_H
+#include "agent.h"
+#include "hmap.h"
+
+#define MAX_ACCESS 4
+
+struct mapping {
+    CUdeviceptr va;
+    size_t size, offset;
+    int ndesc;
+    CUmemAccessDesc desc[MAX_ACCESS];
+    struct phys *phys;
+    struct mapping *next;       /* the phys's other mappings */
+};
+
+enum phys_kind { PHYS_CONVERTED, PHYS_APP_VMM, PHYS_IMPORTED };
+
+/* One piece of physical device memory: a plain allocation the agent turned into VMM, or a handle
+ * the application created or imported itself. */
+struct phys {
+    enum phys_kind kind;
+    uint64_t app_handle;        /* the value the application holds (0: it holds none) */
+    CUmemGenericAllocationHandle real;  /* the driver's handle now (0 while checkpointed) */
+    size_t size;
+    CUmemAllocationProp prop;
+    CUcontext ctx;
+    int app_refs;               /* references the application holds on the handle */
+    bool exported;
+    struct mapping *maps;
+    CUdeviceptr resv_va;        /* PHYS_CONVERTED: the VA reservation the agent owns */
+    size_t resv_size, user_size;
+    /* checkpoint bookkeeping */
+    bool released;              /* physical memory given back, data in staging */
+    size_t staging_off;
+    struct phys *next_all, *prev_all;
+};
+
+struct registry {
+    struct phys *all;
+    struct hmap by_app_handle, by_real_handle, conv_by_va, map_by_va;
+    struct hmap native_by_va, pool_by_va, managed_by_va;   /* values: (void*)size */
+    size_t native_bytes, pool_bytes, managed_bytes;
+    long native_count, pool_count, managed_count, ipc_exports;
+    CUcontext ctxs[16];
+    int nctx;
+};
+
+extern struct registry g_reg;
+void reg_lock(void);
+void reg_unlock(void);
+void reg_note_ctx(CUcontext ctx);
+struct phys *reg_phys_new(enum phys_kind kind, CUmemGenericAllocationHandle real, size_t size,
+                          const CUmemAllocationProp *prop, CUcontext ctx);
+void reg_phys_free(struct phys *p);
+void reg_set_real(struct phys *p, CUmemGenericAllocationHandle real);
+struct mapping *reg_map_add(struct phys *p, CUdeviceptr va, size_t size, size_t offset);
+void reg_map_remove(struct mapping *m);
+struct phys *reg_phys_containing(CUdeviceptr ptr);
+/* Whether the data plane moves this allocation itself (else the driver's checkpoint does). */
+bool reg_phys_movable(const struct phys *p);
+void reg_reset_after_fork(void);
+#endif

@@ -1,0 +1,44 @@
+/* Time and logging. Logging goes to stderr, which the application owns: warnings only by default,
+ * everything with GPUCR_LOG=1. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+#include "agent.h"
+
+int64_t gpucr_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+static void vlog(const char *fmt, va_list ap)
+{
+    char line[1024];
+    int n = snprintf(line, sizeof line, "gpucr[%d]: ", (int)getpid());
+    vsnprintf(line + n, sizeof line - (size_t)n, fmt, ap);
+    fprintf(stderr, "%s\n", line);
+}
+
+void gpucr_log(const char *fmt, ...)
+{
+    static int enabled = -1;
+    if (enabled < 0) {
+        const char *v = getenv("GPUCR_LOG");
+        enabled = v && *v && *v != '0';
+    }
+    if (!enabled) return;
+    va_list ap;
+    va_start(ap, fmt);
+    vlog(fmt, ap);
+    va_end(ap);
+}
+
+void gpucr_warn(const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vlog(fmt, ap);
+    va_end(ap);
+}

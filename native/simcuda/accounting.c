@@ -1,0 +1,286 @@
+/*
+ * Device-memory accounting across processes, so that several simulated CUDA processes share
+ * one simulated device the way they share a real one: a process's usage (its physical
+ * allocations, granule-rounded, plus SIMCUDA_CTX_BYTES per live context) is published in
+ * <rundir>/<pid>.mem, and free memory is the device total minus what every live process
+ * publishes. That is what makes "checkpoint gives the memory back" observable from outside,
+ * and what lets a restore fail for lack of memory.
+ *
+ * File format: one line "<device> <bytes>" per device, replaced atomically (write a temporary
+ * file, rename it). Files of dead processes are ignored and removed by whoever reads them.
+ * Charging (the only path that can run out of memory) holds an flock on <rundir>/lock so two
+ * processes cannot both take the last free bytes.
+ */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "simcuda.h"
+
+static struct {
+    pthread_mutex_t mu;
+    size_t used[SIM_MAX_DEVICES]; /* this process, as published */
+    char dir[PATH_MAX];
+    char mem_path[PATH_MAX];
+    int lock_fd;
+    bool published; /* a .mem file exists and must be removed at exit */
+} usage = {.mu = PTHREAD_MUTEX_INITIALIZER, .lock_fd = -1};
+
+CUresult sim_rundir(char *buf, size_t len)
+{
+    const char *env = getenv("SIMCUDA_DIR");
+    int n = env && *env ? snprintf(buf, len, "%s", env) : snprintf(buf, len, "/tmp/simcuda-%u", (unsigned)geteuid());
+    if (n < 0 || (size_t)n >= len)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (mkdir(buf, 0700) != 0 && errno != EEXIST) {
+        fprintf(stderr, "simcuda: cannot create runtime dir %s: %s\n", buf, strerror(errno));
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    /* The dir holds control sockets and usage files other processes trust: refuse one that
+     * someone else owns or can write to, and do not follow a symlink planted in /tmp. */
+    struct stat st;
+    if (lstat(buf, &st) != 0 || !S_ISDIR(st.st_mode)) {
+        fprintf(stderr, "simcuda: runtime dir %s is not a directory\n", buf);
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    if (st.st_uid != geteuid() || (st.st_mode & 022)) {
+        fprintf(stderr, "simcuda: refusing runtime dir %s (owner uid %u, mode %03o)\n", buf, (unsigned)st.st_uid,
+                (unsigned)(st.st_mode & 0777));
+        return CUDA_ERROR_NOT_PERMITTED;
+    }
+    return CUDA_SUCCESS;
+}
+
+CUresult sim_rundir_path(char *buf, size_t len, pid_t pid, const char *suffix)
+{
+    char dir[PATH_MAX];
+    CUresult rc = sim_rundir(dir, sizeof(dir));
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    int n = snprintf(buf, len, "%s/%d%s", dir, (int)pid, suffix);
+    return n < 0 || (size_t)n >= len ? CUDA_ERROR_INVALID_VALUE : CUDA_SUCCESS;
+}
+
+/* ---- reading what processes publish ---- */
+
+static bool parse_pid(const char *name, pid_t *pid)
+{
+    char *end;
+    long v = strtol(name, &end, 10);
+    if (end == name || strcmp(end, ".mem") != 0 || v <= 0 || v > INT_MAX)
+        return false;
+    *pid = (pid_t)v;
+    return true;
+}
+
+/* Adds the per-device bytes of one .mem file to sums[]; false if it cannot be read. */
+static bool read_mem_file(int dirfd, const char *name, size_t sums[SIM_MAX_DEVICES])
+{
+    int fd = openat(dirfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
+    if (fd < 0)
+        return false;
+    FILE *f = fdopen(fd, "r");
+    if (!f) {
+        close(fd);
+        return false;
+    }
+    int dev;
+    unsigned long long bytes;
+    while (fscanf(f, "%d %llu", &dev, &bytes) == 2)
+        if (dev >= 0 && dev < SIM_MAX_DEVICES)
+            sums[dev] += bytes;
+    fclose(f);
+    return true;
+}
+
+/* Sums the usage every live process except skip publishes in dir. A file whose process is
+ * gone is removed (a pid reused in the instant between the check and the unlink could lose
+ * its file until its next change; acceptable for a test double). */
+static void read_usage(const char *dir, pid_t skip, size_t sums[SIM_MAX_DEVICES])
+{
+    DIR *d = opendir(dir);
+    if (!d)
+        return;
+    struct dirent *e;
+    while ((e = readdir(d)) != NULL) {
+        pid_t pid;
+        if (!parse_pid(e->d_name, &pid) || pid == skip)
+            continue;
+        if (kill(pid, 0) != 0 && errno == ESRCH) {
+            unlinkat(dirfd(d), e->d_name, 0);
+            continue;
+        }
+        read_mem_file(dirfd(d), e->d_name, sums);
+    }
+    closedir(d);
+}
+
+/* ---- this process's usage ---- */
+
+static void publish_locked(void)
+{
+    char tmp[PATH_MAX + 8];
+    snprintf(tmp, sizeof(tmp), "%s.tmp", usage.mem_path);
+    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd < 0) {
+        fprintf(stderr, "simcuda: cannot write %s: %s\n", tmp, strerror(errno));
+        return;
+    }
+    char buf[SIM_MAX_DEVICES * 32];
+    size_t off = 0;
+    for (int d = 0; d < sim_cfg.ndevices; d++)
+        off += (size_t)snprintf(buf + off, sizeof(buf) - off, "%d %zu\n", d, usage.used[d]);
+    bool ok = write(fd, buf, off) == (ssize_t)off;
+    ok = close(fd) == 0 && ok;
+    if (!ok || rename(tmp, usage.mem_path) != 0) {
+        fprintf(stderr, "simcuda: cannot publish %s: %s\n", usage.mem_path, strerror(errno));
+        unlink(tmp);
+        return;
+    }
+    usage.published = true;
+}
+
+static void acct_atexit(void)
+{
+    if (getpid() == sim_cfg.pid && usage.published)
+        unlink(usage.mem_path);
+}
+
+CUresult sim_acct_init(void)
+{
+    CUresult rc = sim_rundir(usage.dir, sizeof(usage.dir));
+    if (rc == CUDA_SUCCESS)
+        rc = sim_rundir_path(usage.mem_path, sizeof(usage.mem_path), sim_cfg.pid, ".mem");
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    char lock_path[PATH_MAX + 8];
+    snprintf(lock_path, sizeof(lock_path), "%s/lock", usage.dir);
+    usage.lock_fd = open(lock_path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (usage.lock_fd < 0) {
+        fprintf(stderr, "simcuda: cannot open %s: %s\n", lock_path, strerror(errno));
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    atexit(acct_atexit);
+    return CUDA_SUCCESS;
+}
+
+/* Charges bytes[d] on every device if every device has room; the common core of both
+ * charge calls. Holds the dir flock so the check and the publication are one step for
+ * every process. */
+static CUresult charge(const size_t bytes[SIM_MAX_DEVICES])
+{
+    pthread_mutex_lock(&usage.mu);
+    while (flock(usage.lock_fd, LOCK_EX) != 0 && errno == EINTR)
+        ;
+    size_t others[SIM_MAX_DEVICES] = {0};
+    read_usage(usage.dir, sim_cfg.pid, others);
+    CUresult rc = CUDA_SUCCESS;
+    for (int d = 0; d < sim_cfg.ndevices; d++) {
+        size_t taken = others[d] + usage.used[d];
+        if (bytes[d] && (taken > sim_cfg.total_mem || bytes[d] > sim_cfg.total_mem - taken))
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    if (rc == CUDA_SUCCESS) {
+        for (int d = 0; d < sim_cfg.ndevices; d++)
+            usage.used[d] += bytes[d];
+        publish_locked();
+    }
+    flock(usage.lock_fd, LOCK_UN);
+    pthread_mutex_unlock(&usage.mu);
+    return rc;
+}
+
+CUresult sim_acct_charge(int dev, size_t bytes)
+{
+    size_t all[SIM_MAX_DEVICES] = {0};
+    all[dev] = bytes;
+    return bytes ? charge(all) : CUDA_SUCCESS;
+}
+
+CUresult sim_acct_charge_all(const size_t bytes[SIM_MAX_DEVICES])
+{
+    return charge(bytes);
+}
+
+void sim_acct_uncharge_all(const size_t bytes[SIM_MAX_DEVICES])
+{
+    pthread_mutex_lock(&usage.mu);
+    for (int d = 0; d < sim_cfg.ndevices; d++)
+        usage.used[d] -= bytes[d] < usage.used[d] ? bytes[d] : usage.used[d];
+    publish_locked();
+    pthread_mutex_unlock(&usage.mu);
+}
+
+void sim_acct_uncharge(int dev, size_t bytes)
+{
+    size_t all[SIM_MAX_DEVICES] = {0};
+    all[dev] = bytes;
+    if (bytes)
+        sim_acct_uncharge_all(all);
+}
+
+size_t sim_acct_free(int dev)
+{
+    pthread_mutex_lock(&usage.mu);
+    size_t others[SIM_MAX_DEVICES] = {0};
+    read_usage(usage.dir, sim_cfg.pid, others);
+    size_t taken = others[dev] + usage.used[dev];
+    pthread_mutex_unlock(&usage.mu);
+    return taken >= sim_cfg.total_mem ? 0 : sim_cfg.total_mem - taken;
+}
+
+/* ---- extensions: usage as nvidia-smi would show it, without cuInit or a context ---- */
+
+SIMAPI CUresult simcudaDeviceMemUsed(int device, size_t *used, size_t *total)
+{
+    struct sim_config cfg;
+    sim_config_load(&cfg);
+    if (device < 0 || device >= cfg.ndevices)
+        return CUDA_ERROR_INVALID_DEVICE;
+    char dir[PATH_MAX];
+    CUresult rc = sim_rundir(dir, sizeof(dir));
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    size_t sums[SIM_MAX_DEVICES] = {0};
+    read_usage(dir, 0, sums);
+    if (used)
+        *used = sums[device];
+    if (total)
+        *total = cfg.total_mem;
+    return CUDA_SUCCESS;
+}
+
+/* A live process that publishes nothing holds nothing: used = 0. A pid with no process is
+ * CUDA_ERROR_INVALID_VALUE, as in the checkpoint API. */
+SIMAPI CUresult simcudaProcessMemUsed(int pid, size_t *used)
+{
+    if (pid <= 0 || !used)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (kill(pid, 0) != 0 && errno == ESRCH)
+        return CUDA_ERROR_INVALID_VALUE;
+    char dir[PATH_MAX], name[32];
+    CUresult rc = sim_rundir(dir, sizeof(dir));
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    snprintf(name, sizeof(name), "%d.mem", pid);
+    size_t sums[SIM_MAX_DEVICES] = {0};
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+        read_mem_file(dfd, name, sums);
+        close(dfd);
+    }
+    *used = 0;
+    for (int d = 0; d < SIM_MAX_DEVICES; d++)
+        *used += sums[d];
+    return CUDA_SUCCESS;
+}

@@ -1,0 +1,638 @@
+/*
+ * Device work: copies, memsets, streams, events, host functions, modules and builtin kernels.
+ *
+ * Everything runs synchronously on the calling thread at enqueue time, so an "async" call has
+ * finished when it returns and every stream is always idle. Streams and events still exist as
+ * objects with lifetimes, so handle misuse is caught. The per-thread-stream variants
+ * (_ptds/_ptsz) behave exactly like the legacy ones (with synchronous work they are equal)
+ * but are separate functions, so a caller can tell which one cuGetProcAddress handed out.
+ * Variants call the shared static code, never another exported entry point: a call through
+ * the PLT could land in an interposer (gpucr's agent) and be counted twice.
+ *
+ * Kernels come from one pseudo-image, any NUL-terminated string starting "simcuda-builtin";
+ * its functions are the builtins below. A kernel validates its pointer arguments like the
+ * copies do, and fails with CUDA_ERROR_ILLEGAL_ADDRESS instead of faulting.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "simcuda.h"
+
+#define SIM_IMAGE_PREFIX "simcuda-builtin"
+
+/* ---- builtin kernels: params[i] points at the i-th argument's value, as on CUDA ---- */
+
+#define ARG(type, i) (*(const type *)params[i])
+
+static CUresult k_fill_u32(void **params)
+{
+    uintptr_t p = ARG(CUdeviceptr, 0);
+    unsigned v = ARG(unsigned, 1);
+    unsigned long long n = ARG(unsigned long long, 2);
+    CUresult rc = CUDA_ERROR_ILLEGAL_ADDRESS;
+    sim_mem_rdlock();
+    if (n <= SIZE_MAX / 4 && sim_mem_accessible(p, n * 4, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) {
+        for (uint32_t *q = (uint32_t *)p; n--;)
+            *q++ = v;
+        rc = CUDA_SUCCESS;
+    }
+    sim_mem_unlock();
+    return rc;
+}
+
+static CUresult k_add_u32(void **params)
+{
+    uintptr_t p = ARG(CUdeviceptr, 0);
+    unsigned v = ARG(unsigned, 1);
+    unsigned long long n = ARG(unsigned long long, 2);
+    CUresult rc = CUDA_ERROR_ILLEGAL_ADDRESS;
+    sim_mem_rdlock();
+    if (n <= SIZE_MAX / 4 && sim_mem_accessible(p, n * 4, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) {
+        for (uint32_t *q = (uint32_t *)p; n--;)
+            *q++ += v;
+        rc = CUDA_SUCCESS;
+    }
+    sim_mem_unlock();
+    return rc;
+}
+
+/* A long-running kernel: holds no lock, only its place in the API gate. */
+static CUresult k_spin_ms(void **params)
+{
+    unsigned ms = ARG(unsigned, 0);
+    struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
+    while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
+        ;
+    return CUDA_SUCCESS;
+}
+
+static CUresult k_checksum_u32(void **params)
+{
+    uintptr_t p = ARG(CUdeviceptr, 0);
+    unsigned long long n = ARG(unsigned long long, 1);
+    uintptr_t out = ARG(CUdeviceptr, 2);
+    CUresult rc = CUDA_ERROR_ILLEGAL_ADDRESS;
+    sim_mem_rdlock();
+    if (n <= SIZE_MAX / 4 && sim_mem_accessible(p, n * 4, CU_MEM_ACCESS_FLAGS_PROT_READ) &&
+        sim_mem_accessible(out, 8, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) {
+        uint64_t sum = 0;
+        for (const uint32_t *q = (const uint32_t *)p; n--;)
+            sum += *q++;
+        memcpy((void *)out, &sum, sizeof(sum));
+        rc = CUDA_SUCCESS;
+    }
+    sim_mem_unlock();
+    return rc;
+}
+
+struct builtin {
+    const char *name;
+    unsigned nparams;
+    CUresult (*run)(void **params);
+};
+
+static const struct builtin builtins[] = {
+    {"fill_u32", 3, k_fill_u32},
+    {"add_u32", 3, k_add_u32},
+    {"spin_ms", 1, k_spin_ms},
+    {"checksum_u32", 3, k_checksum_u32},
+};
+#define NBUILTINS (sizeof(builtins) / sizeof(builtins[0]))
+
+/* ---- objects ---- */
+
+struct sim_stream {
+    struct sim_stream *next;
+    struct sim_ctx *ctx;
+    unsigned flags;
+    int priority;
+};
+
+struct sim_event {
+    struct sim_event *next;
+    struct sim_ctx *ctx;
+    unsigned flags;
+    bool recorded;
+    struct timespec when;
+};
+
+struct sim_func {
+    struct sim_module *mod;
+    const struct builtin *builtin;
+};
+
+struct sim_module {
+    struct sim_module *next;
+    struct sim_ctx *ctx;
+    struct sim_func funcs[NBUILTINS];
+};
+
+static struct {
+    pthread_mutex_t mu;
+    struct sim_stream *streams;
+    struct sim_event *events;
+    struct sim_module *modules;
+} ex = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+/* Unlinks obj from a singly linked list of any of the object types above (next comes first). */
+#define LIST_REMOVE(head, obj)                                                                 \
+    do {                                                                                       \
+        for (__typeof__(head) *l_ = &(head); *l_; l_ = &(*l_)->next)                           \
+            if (*l_ == (obj)) {                                                                \
+                *l_ = (obj)->next;                                                             \
+                break;                                                                         \
+            }                                                                                  \
+    } while (0)
+
+#define LIST_CONTAINS(head, obj, found)                                                        \
+    do {                                                                                       \
+        found = false;                                                                         \
+        for (__typeof__(head) x_ = (head); x_ && !found; x_ = x_->next)                        \
+            found = x_ == (obj);                                                               \
+    } while (0)
+
+CUresult sim_stream_check(CUstream s)
+{
+    if (s == NULL || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD)
+        return CUDA_SUCCESS;
+    bool found;
+    pthread_mutex_lock(&ex.mu);
+    LIST_CONTAINS(ex.streams, s, found);
+    pthread_mutex_unlock(&ex.mu);
+    return found ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+static bool event_known_locked(struct sim_event *e)
+{
+    bool found;
+    LIST_CONTAINS(ex.events, e, found);
+    return found;
+}
+
+void sim_exec_drop_ctx(struct sim_ctx *ctx)
+{
+    pthread_mutex_lock(&ex.mu);
+    for (struct sim_stream **l = &ex.streams, *s; (s = *l);)
+        if (s->ctx == ctx) {
+            *l = s->next;
+            free(s);
+        } else {
+            l = &s->next;
+        }
+    for (struct sim_event **l = &ex.events, *e; (e = *l);)
+        if (e->ctx == ctx) {
+            *l = e->next;
+            free(e);
+        } else {
+            l = &e->next;
+        }
+    for (struct sim_module **l = &ex.modules, *m; (m = *l);)
+        if (m->ctx == ctx) {
+            *l = m->next;
+            free(m);
+        } else {
+            l = &m->next;
+        }
+    pthread_mutex_unlock(&ex.mu);
+}
+
+/* The context and stream every piece of work needs. */
+static CUresult work_begin(CUstream stream)
+{
+    struct sim_ctx *c;
+    CUresult rc = sim_ctx_current(&c);
+    return rc != CUDA_SUCCESS ? rc : sim_stream_check(stream);
+}
+
+/* ---- copies ---- */
+
+enum side { SIDE_DEVICE, SIDE_HOST, SIDE_ANY };
+
+/* A device side must be accessible device (or pinned host) memory; a host side is not
+ * checked, as the real driver does not; SIDE_ANY (cuMemcpy) is device if in the arena. */
+static bool side_ok(enum side side, uintptr_t p, size_t n, int need)
+{
+    if (side == SIDE_HOST || (side == SIDE_ANY && !sim_mem_in_arena(p)))
+        return true;
+    return sim_mem_accessible(p, n, need);
+}
+
+static CUresult copy(uintptr_t dst, enum side dside, uintptr_t src, enum side sside, size_t n, CUstream stream)
+{
+    CUresult rc = work_begin(stream);
+    if (rc != CUDA_SUCCESS || n == 0)
+        return rc;
+    sim_mem_rdlock();
+    if (side_ok(dside, dst, n, CU_MEM_ACCESS_FLAGS_PROT_READWRITE) && side_ok(sside, src, n, CU_MEM_ACCESS_FLAGS_PROT_READ))
+        memmove((void *)dst, (const void *)src, n);
+    else
+        rc = CUDA_ERROR_INVALID_VALUE;
+    sim_mem_unlock();
+    return rc;
+}
+
+#define U(p) ((uintptr_t)(p))
+
+SIMAPI CUresult cuMemcpy(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount)
+{
+    SIM_GATED(copy(U(dst), SIDE_ANY, U(src), SIDE_ANY, ByteCount, NULL));
+}
+SIMAPI CUresult cuMemcpy_ptds(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount)
+{
+    SIM_GATED(copy(U(dst), SIDE_ANY, U(src), SIDE_ANY, ByteCount, NULL));
+}
+
+SIMAPI CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream)
+{
+    SIM_GATED(copy(U(dst), SIDE_ANY, U(src), SIDE_ANY, ByteCount, hStream));
+}
+SIMAPI CUresult cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream)
+{
+    SIM_GATED(copy(U(dst), SIDE_ANY, U(src), SIDE_ANY, ByteCount, hStream));
+}
+
+SIMAPI CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount)
+{
+    SIM_GATED(copy(U(dstDevice), SIDE_DEVICE, U(srcHost), SIDE_HOST, ByteCount, NULL));
+}
+SIMAPI CUresult cuMemcpyHtoD_v2_ptds(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount)
+{
+    SIM_GATED(copy(U(dstDevice), SIDE_DEVICE, U(srcHost), SIDE_HOST, ByteCount, NULL));
+}
+
+SIMAPI CUresult cuMemcpyDtoH_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount)
+{
+    SIM_GATED(copy(U(dstHost), SIDE_HOST, U(srcDevice), SIDE_DEVICE, ByteCount, NULL));
+}
+SIMAPI CUresult cuMemcpyDtoH_v2_ptds(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount)
+{
+    SIM_GATED(copy(U(dstHost), SIDE_HOST, U(srcDevice), SIDE_DEVICE, ByteCount, NULL));
+}
+
+SIMAPI CUresult cuMemcpyDtoD_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount)
+{
+    SIM_GATED(copy(U(dstDevice), SIDE_DEVICE, U(srcDevice), SIDE_DEVICE, ByteCount, NULL));
+}
+SIMAPI CUresult cuMemcpyDtoD_v2_ptds(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount)
+{
+    SIM_GATED(copy(U(dstDevice), SIDE_DEVICE, U(srcDevice), SIDE_DEVICE, ByteCount, NULL));
+}
+
+SIMAPI CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount, CUstream hStream)
+{
+    SIM_GATED(copy(U(dstDevice), SIDE_DEVICE, U(srcHost), SIDE_HOST, ByteCount, hStream));
+}
+SIMAPI CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
+                                          CUstream hStream)
+{
+    SIM_GATED(copy(U(dstDevice), SIDE_DEVICE, U(srcHost), SIDE_HOST, ByteCount, hStream));
+}
+
+SIMAPI CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream)
+{
+    SIM_GATED(copy(U(dstHost), SIDE_HOST, U(srcDevice), SIDE_DEVICE, ByteCount, hStream));
+}
+SIMAPI CUresult cuMemcpyDtoHAsync_v2_ptsz(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream)
+{
+    SIM_GATED(copy(U(dstHost), SIDE_HOST, U(srcDevice), SIDE_DEVICE, ByteCount, hStream));
+}
+
+SIMAPI CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream)
+{
+    SIM_GATED(copy(U(dstDevice), SIDE_DEVICE, U(srcDevice), SIDE_DEVICE, ByteCount, hStream));
+}
+SIMAPI CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount,
+                                          CUstream hStream)
+{
+    SIM_GATED(copy(U(dstDevice), SIDE_DEVICE, U(srcDevice), SIDE_DEVICE, ByteCount, hStream));
+}
+
+/* ---- memsets ---- */
+
+static CUresult memset_n(uintptr_t dst, uint32_t value, unsigned elem, size_t n, CUstream stream)
+{
+    CUresult rc = work_begin(stream);
+    if (rc != CUDA_SUCCESS || n == 0)
+        return rc;
+    if (dst % elem != 0 || n > SIZE_MAX / elem)
+        return CUDA_ERROR_INVALID_VALUE;
+    sim_mem_rdlock();
+    if (!sim_mem_accessible(dst, n * elem, CU_MEM_ACCESS_FLAGS_PROT_READWRITE))
+        rc = CUDA_ERROR_INVALID_VALUE;
+    else if (elem == 1)
+        memset((void *)dst, (int)value, n);
+    else if (elem == 2)
+        for (uint16_t *p = (uint16_t *)dst; n--;)
+            *p++ = (uint16_t)value;
+    else
+        for (uint32_t *p = (uint32_t *)dst; n--;)
+            *p++ = value;
+    sim_mem_unlock();
+    return rc;
+}
+
+SIMAPI CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N) { SIM_GATED(memset_n(U(dstDevice), uc, 1, N, NULL)); }
+SIMAPI CUresult cuMemsetD8_v2_ptds(CUdeviceptr dstDevice, unsigned char uc, size_t N) { SIM_GATED(memset_n(U(dstDevice), uc, 1, N, NULL)); }
+SIMAPI CUresult cuMemsetD16_v2(CUdeviceptr dstDevice, unsigned short us, size_t N) { SIM_GATED(memset_n(U(dstDevice), us, 2, N, NULL)); }
+SIMAPI CUresult cuMemsetD16_v2_ptds(CUdeviceptr dstDevice, unsigned short us, size_t N) { SIM_GATED(memset_n(U(dstDevice), us, 2, N, NULL)); }
+SIMAPI CUresult cuMemsetD32_v2(CUdeviceptr dstDevice, unsigned int ui, size_t N) { SIM_GATED(memset_n(U(dstDevice), ui, 4, N, NULL)); }
+SIMAPI CUresult cuMemsetD32_v2_ptds(CUdeviceptr dstDevice, unsigned int ui, size_t N) { SIM_GATED(memset_n(U(dstDevice), ui, 4, N, NULL)); }
+
+SIMAPI CUresult cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream)
+{
+    SIM_GATED(memset_n(U(dstDevice), uc, 1, N, hStream));
+}
+SIMAPI CUresult cuMemsetD8Async_ptsz(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream)
+{
+    SIM_GATED(memset_n(U(dstDevice), uc, 1, N, hStream));
+}
+SIMAPI CUresult cuMemsetD16Async(CUdeviceptr dstDevice, unsigned short us, size_t N, CUstream hStream)
+{
+    SIM_GATED(memset_n(U(dstDevice), us, 2, N, hStream));
+}
+SIMAPI CUresult cuMemsetD16Async_ptsz(CUdeviceptr dstDevice, unsigned short us, size_t N, CUstream hStream)
+{
+    SIM_GATED(memset_n(U(dstDevice), us, 2, N, hStream));
+}
+SIMAPI CUresult cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream)
+{
+    SIM_GATED(memset_n(U(dstDevice), ui, 4, N, hStream));
+}
+SIMAPI CUresult cuMemsetD32Async_ptsz(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream)
+{
+    SIM_GATED(memset_n(U(dstDevice), ui, 4, N, hStream));
+}
+
+/* ---- streams ---- */
+
+static CUresult stream_create(CUstream *ph, unsigned flags, int priority)
+{
+    struct sim_ctx *c;
+    CUresult rc = sim_ctx_current(&c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (!ph || (flags & ~1u)) /* CU_STREAM_DEFAULT or CU_STREAM_NON_BLOCKING */
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_stream *s = malloc(sizeof(*s));
+    if (!s)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&ex.mu);
+    *s = (struct sim_stream){.next = ex.streams, .ctx = c, .flags = flags, .priority = priority};
+    ex.streams = s;
+    pthread_mutex_unlock(&ex.mu);
+    *ph = s;
+    return CUDA_SUCCESS;
+}
+SIMAPI CUresult cuStreamCreate(CUstream *phStream, unsigned int Flags) { SIM_GATED(stream_create(phStream, Flags, 0)); }
+SIMAPI CUresult cuStreamCreateWithPriority(CUstream *phStream, unsigned int flags, int priority)
+{
+    SIM_GATED(stream_create(phStream, flags, priority));
+}
+
+static CUresult stream_destroy(CUstream s)
+{
+    bool found;
+    pthread_mutex_lock(&ex.mu);
+    LIST_CONTAINS(ex.streams, s, found);
+    if (found)
+        LIST_REMOVE(ex.streams, s);
+    pthread_mutex_unlock(&ex.mu);
+    if (!found)
+        return CUDA_ERROR_INVALID_HANDLE;
+    free(s);
+    return CUDA_SUCCESS;
+}
+SIMAPI CUresult cuStreamDestroy_v2(CUstream hStream) { SIM_GATED(stream_destroy(hStream)); }
+SIMAPI CUresult cuStreamDestroy(CUstream hStream) { SIM_GATED(stream_destroy(hStream)); }
+
+/* Nothing is ever pending: synchronize and query succeed for any valid stream. */
+SIMAPI CUresult cuStreamSynchronize(CUstream hStream) { SIM_GATED(work_begin(hStream)); }
+SIMAPI CUresult cuStreamSynchronize_ptsz(CUstream hStream) { SIM_GATED(work_begin(hStream)); }
+SIMAPI CUresult cuStreamQuery(CUstream hStream) { SIM_GATED(work_begin(hStream)); }
+SIMAPI CUresult cuStreamQuery_ptsz(CUstream hStream) { SIM_GATED(work_begin(hStream)); }
+
+static CUresult launch_host_func(CUstream stream, CUhostFn fn, void *user_data)
+{
+    CUresult rc = work_begin(stream);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (!fn)
+        return CUDA_ERROR_INVALID_VALUE;
+    fn(user_data); /* no lock held: the function may call the API (the gate allows nesting) */
+    return CUDA_SUCCESS;
+}
+SIMAPI CUresult cuLaunchHostFunc(CUstream hStream, CUhostFn fn, void *userData)
+{
+    SIM_GATED(launch_host_func(hStream, fn, userData));
+}
+SIMAPI CUresult cuLaunchHostFunc_ptsz(CUstream hStream, CUhostFn fn, void *userData)
+{
+    SIM_GATED(launch_host_func(hStream, fn, userData));
+}
+
+/* ---- events ---- */
+
+static CUresult event_create(CUevent *ph, unsigned flags)
+{
+    struct sim_ctx *c;
+    CUresult rc = sim_ctx_current(&c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (!ph || (flags & ~0x7u)) /* BLOCKING_SYNC | DISABLE_TIMING | INTERPROCESS */
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_event *e = malloc(sizeof(*e));
+    if (!e)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    pthread_mutex_lock(&ex.mu);
+    *e = (struct sim_event){.next = ex.events, .ctx = c, .flags = flags};
+    ex.events = e;
+    pthread_mutex_unlock(&ex.mu);
+    *ph = e;
+    return CUDA_SUCCESS;
+}
+SIMAPI CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags) { SIM_GATED(event_create(phEvent, Flags)); }
+
+static CUresult event_record(CUevent e, CUstream stream)
+{
+    CUresult rc = work_begin(stream);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    pthread_mutex_lock(&ex.mu);
+    if (event_known_locked(e)) {
+        clock_gettime(CLOCK_MONOTONIC, &e->when);
+        e->recorded = true;
+    } else {
+        rc = CUDA_ERROR_INVALID_HANDLE;
+    }
+    pthread_mutex_unlock(&ex.mu);
+    return rc;
+}
+SIMAPI CUresult cuEventRecord(CUevent hEvent, CUstream hStream) { SIM_GATED(event_record(hEvent, hStream)); }
+SIMAPI CUresult cuEventRecord_ptsz(CUevent hEvent, CUstream hStream) { SIM_GATED(event_record(hEvent, hStream)); }
+
+static CUresult event_synchronize(CUevent e)
+{
+    pthread_mutex_lock(&ex.mu);
+    bool known = event_known_locked(e);
+    pthread_mutex_unlock(&ex.mu);
+    return known ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+SIMAPI CUresult cuEventSynchronize(CUevent hEvent) { SIM_GATED(event_synchronize(hEvent)); }
+
+static CUresult event_destroy(CUevent e)
+{
+    pthread_mutex_lock(&ex.mu);
+    bool known = event_known_locked(e);
+    if (known)
+        LIST_REMOVE(ex.events, e);
+    pthread_mutex_unlock(&ex.mu);
+    if (known)
+        free(e);
+    return known ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+SIMAPI CUresult cuEventDestroy_v2(CUevent hEvent) { SIM_GATED(event_destroy(hEvent)); }
+SIMAPI CUresult cuEventDestroy(CUevent hEvent) { SIM_GATED(event_destroy(hEvent)); }
+
+static CUresult event_elapsed(float *ms, CUevent start, CUevent end)
+{
+    if (!ms)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = CUDA_ERROR_INVALID_HANDLE;
+    pthread_mutex_lock(&ex.mu);
+    if (event_known_locked(start) && event_known_locked(end) && start->recorded && end->recorded &&
+        !((start->flags | end->flags) & CU_EVENT_DISABLE_TIMING)) {
+        *ms = (float)((double)(end->when.tv_sec - start->when.tv_sec) * 1e3 +
+                      (double)(end->when.tv_nsec - start->when.tv_nsec) / 1e6);
+        rc = CUDA_SUCCESS;
+    }
+    pthread_mutex_unlock(&ex.mu);
+    return rc;
+}
+SIMAPI CUresult cuEventElapsedTime_v2(float *pMilliseconds, CUevent hStart, CUevent hEnd)
+{
+    SIM_GATED(event_elapsed(pMilliseconds, hStart, hEnd));
+}
+SIMAPI CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd)
+{
+    SIM_GATED(event_elapsed(pMilliseconds, hStart, hEnd));
+}
+
+/* ---- modules and launches ---- */
+
+static CUresult module_load_data(CUmodule *pmod, const void *image)
+{
+    struct sim_ctx *c;
+    CUresult rc = sim_ctx_current(&c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (!pmod || !image)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (strncmp((const char *)image, SIM_IMAGE_PREFIX, strlen(SIM_IMAGE_PREFIX)) != 0)
+        return CUDA_ERROR_INVALID_IMAGE; /* a real cubin/PTX/fatbin: simcuda runs no GPU code */
+    struct sim_module *m = calloc(1, sizeof(*m));
+    if (!m)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    m->ctx = c;
+    for (size_t i = 0; i < NBUILTINS; i++)
+        m->funcs[i] = (struct sim_func){.mod = m, .builtin = &builtins[i]};
+    pthread_mutex_lock(&ex.mu);
+    m->next = ex.modules;
+    ex.modules = m;
+    pthread_mutex_unlock(&ex.mu);
+    *pmod = m;
+    return CUDA_SUCCESS;
+}
+SIMAPI CUresult cuModuleLoadData(CUmodule *module, const void *image) { SIM_GATED(module_load_data(module, image)); }
+
+static CUresult module_get_function(CUfunction *pf, CUmodule mod, const char *name)
+{
+    if (!pf || !name)
+        return CUDA_ERROR_INVALID_VALUE;
+    bool found;
+    CUresult rc = CUDA_ERROR_NOT_FOUND;
+    pthread_mutex_lock(&ex.mu);
+    LIST_CONTAINS(ex.modules, mod, found);
+    if (!found)
+        rc = CUDA_ERROR_INVALID_HANDLE;
+    for (size_t i = 0; found && i < NBUILTINS; i++)
+        if (strcmp(builtins[i].name, name) == 0) {
+            *pf = &mod->funcs[i];
+            rc = CUDA_SUCCESS;
+            break;
+        }
+    pthread_mutex_unlock(&ex.mu);
+    return rc;
+}
+SIMAPI CUresult cuModuleGetFunction(CUfunction *hfunc, CUmodule hmod, const char *name)
+{
+    SIM_GATED(module_get_function(hfunc, hmod, name));
+}
+
+static CUresult module_unload(CUmodule mod)
+{
+    bool found;
+    pthread_mutex_lock(&ex.mu);
+    LIST_CONTAINS(ex.modules, mod, found);
+    if (found)
+        LIST_REMOVE(ex.modules, mod);
+    pthread_mutex_unlock(&ex.mu);
+    if (!found)
+        return CUDA_ERROR_INVALID_HANDLE;
+    free(mod);
+    return CUDA_SUCCESS;
+}
+SIMAPI CUresult cuModuleUnload(CUmodule hmod) { SIM_GATED(module_unload(hmod)); }
+
+/* The builtin behind a function handle, if its module is still loaded. */
+static const struct builtin *function_builtin(CUfunction f)
+{
+    const struct builtin *b = NULL;
+    pthread_mutex_lock(&ex.mu);
+    for (struct sim_module *m = ex.modules; m && !b; m = m->next)
+        if (f >= &m->funcs[0] && f < &m->funcs[NBUILTINS])
+            b = f->builtin;
+    pthread_mutex_unlock(&ex.mu);
+    return b;
+}
+
+static CUresult launch_kernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
+                              unsigned bz, CUstream stream, void **params, void **extra)
+{
+    CUresult rc = work_begin(stream);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    const struct builtin *b = function_builtin(f);
+    if (!b)
+        return CUDA_ERROR_INVALID_HANDLE;
+    if (!gx || !gy || !gz || !bx || !by || !bz || (uint64_t)bx * by * bz > 1024)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (!params)
+        return extra ? CUDA_ERROR_NOT_SUPPORTED : CUDA_ERROR_INVALID_VALUE; /* no packed-buffer launches */
+    for (unsigned i = 0; i < b->nparams; i++)
+        if (!params[i])
+            return CUDA_ERROR_INVALID_VALUE;
+    /* The grid shape does not matter: a builtin does all of its work in one call. No lock is
+     * held here, so a long kernel only occupies its place in the API gate. */
+    return b->run(params);
+}
+SIMAPI CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
+                               unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,
+                               unsigned int sharedMemBytes, CUstream hStream, void **kernelParams, void **extra)
+{
+    (void)sharedMemBytes;
+    SIM_GATED(launch_kernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream, kernelParams,
+                            extra));
+}
+SIMAPI CUresult cuLaunchKernel_ptsz(CUfunction f, unsigned int gridDimX, unsigned int gridDimY,
+                                    unsigned int gridDimZ, unsigned int blockDimX, unsigned int blockDimY,
+                                    unsigned int blockDimZ, unsigned int sharedMemBytes, CUstream hStream,
+                                    void **kernelParams, void **extra)
+{
+    (void)sharedMemBytes;
+    SIM_GATED(launch_kernel(f, gridDimX, gridDimY, gridDimZ, blockDimX, blockDimY, blockDimZ, hStream, kernelParams,
+                            extra));
+}

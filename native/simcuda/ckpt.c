@@ -1,0 +1,329 @@
+/*
+ * The driver checkpoint API: a real state machine, driven across processes.
+ *
+ * Target side: cuInit starts one control thread serving <rundir>/<pid>.ctl (mode 0600 in a
+ * 0700 dir; the peer's uid is checked with SO_PEERCRED: ours or root). Each connection carries
+ * one fixed-size request and gets one reply. The thread alone owns the process state:
+ *   RUNNING --lock--> LOCKED --checkpoint--> CHECKPOINTED --restore--> LOCKED --unlock--> RUNNING
+ * LOCK closes the API gate and waits for calls in flight (timeoutMs, 0 = for ever; on timeout
+ * the gate reopens and the reply is CUDA_ERROR_TIMEOUT). CHECKPOINT saves and frees every
+ * physical allocation and stops charging contexts, so the process uses 0 bytes of device
+ * memory. RESTORE first checks the device has room (else CUDA_ERROR_OUT_OF_MEMORY, still
+ * CHECKPOINTED and restorable later), then puts every byte back at the same address.
+ * A request in the wrong state gets CUDA_ERROR_ILLEGAL_STATE.
+ *
+ * Controller side: the cuCheckpointProcess* calls connect to the target's socket; they need
+ * no cuInit. No such process: CUDA_ERROR_INVALID_VALUE. A live process with no socket (not a
+ * simcuda CUDA process): CUDA_ERROR_NOT_INITIALIZED.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include "simcuda.h"
+
+#define SIM_CTL_MAGIC 0x31434d53u /* "SMC1": bump with any change to the structs below */
+#define SIM_CTL_RECV_TIMEOUT_S 5  /* a controller that connects and says nothing is dropped */
+
+enum sim_ctl_op { OP_GET_STATE = 1, OP_LOCK, OP_CHECKPOINT, OP_RESTORE, OP_UNLOCK, OP_GET_TID };
+
+struct sim_ctl_req {
+    uint32_t magic;
+    uint32_t op;
+    uint32_t timeout_ms;
+    uint32_t reserved;
+};
+
+struct sim_ctl_rep {
+    uint32_t magic;
+    int32_t result;
+    int32_t state;
+    int32_t tid;
+};
+
+/* ---- target side ---- */
+
+static struct {
+    CUprocessState state; /* only the control thread reads or writes it */
+    pid_t tid;
+    int listen_fd;
+    bool fail_restore;
+    char path[PATH_MAX];
+} ck = {.listen_fd = -1};
+
+static CUresult do_checkpoint(void)
+{
+    size_t freed[SIM_MAX_DEVICES] = {0};
+    sim_ctx_lock();
+    CUresult rc = sim_mem_checkpoint(freed);
+    if (rc == CUDA_SUCCESS) {
+        sim_ctx_costs_locked(freed); /* contexts are part of what a checkpoint gives back */
+        sim_acct_uncharge_all(freed);
+    }
+    sim_ctx_unlock();
+    return rc;
+}
+
+static CUresult do_restore(void)
+{
+    if (ck.fail_restore) { /* SIMCUDA_FAIL_RESTORE=1: fail once, stay restorable */
+        ck.fail_restore = false;
+        return CUDA_ERROR_UNKNOWN;
+    }
+    size_t need[SIM_MAX_DEVICES] = {0};
+    sim_ctx_lock();
+    sim_mem_checkpointed_bytes(need);
+    sim_ctx_costs_locked(need);
+    CUresult rc = sim_acct_charge_all(need); /* the room check: all or nothing */
+    if (rc == CUDA_SUCCESS && (rc = sim_mem_restore()) != CUDA_SUCCESS)
+        sim_acct_uncharge_all(need);
+    sim_ctx_unlock();
+    return rc;
+}
+
+static CUresult handle(const struct sim_ctl_req *req)
+{
+    switch (req->op) {
+    case OP_GET_STATE:
+    case OP_GET_TID:
+        return CUDA_SUCCESS;
+    case OP_LOCK:
+        if (ck.state != CU_PROCESS_STATE_RUNNING)
+            return CUDA_ERROR_ILLEGAL_STATE;
+        if (!sim_gate_close(req->timeout_ms))
+            return CUDA_ERROR_TIMEOUT;
+        ck.state = CU_PROCESS_STATE_LOCKED;
+        return CUDA_SUCCESS;
+    case OP_CHECKPOINT: {
+        if (ck.state != CU_PROCESS_STATE_LOCKED)
+            return CUDA_ERROR_ILLEGAL_STATE;
+        CUresult rc = do_checkpoint();
+        if (rc == CUDA_SUCCESS)
+            ck.state = CU_PROCESS_STATE_CHECKPOINTED;
+        return rc;
+    }
+    case OP_RESTORE: {
+        if (ck.state != CU_PROCESS_STATE_CHECKPOINTED)
+            return CUDA_ERROR_ILLEGAL_STATE;
+        CUresult rc = do_restore();
+        if (rc == CUDA_SUCCESS)
+            ck.state = CU_PROCESS_STATE_LOCKED;
+        return rc;
+    }
+    case OP_UNLOCK:
+        if (ck.state != CU_PROCESS_STATE_LOCKED)
+            return CUDA_ERROR_ILLEGAL_STATE;
+        sim_gate_open();
+        ck.state = CU_PROCESS_STATE_RUNNING;
+        return CUDA_SUCCESS;
+    default:
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+}
+
+static bool io_full(int fd, void *buf, size_t len, bool writing)
+{
+    for (size_t done = 0; done < len;) {
+        ssize_t n = writing ? send(fd, (char *)buf + done, len - done, MSG_NOSIGNAL)
+                            : recv(fd, (char *)buf + done, len - done, 0);
+        if (n < 0 && errno == EINTR)
+            continue;
+        if (n <= 0)
+            return false;
+        done += (size_t)n;
+    }
+    return true;
+}
+
+static void serve(int fd)
+{
+    struct sim_ctl_rep rep = {.magic = SIM_CTL_MAGIC};
+    struct ucred cred;
+    socklen_t len = sizeof(cred);
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || (cred.uid != geteuid() && cred.uid != 0)) {
+        rep.result = CUDA_ERROR_NOT_PERMITTED;
+        io_full(fd, &rep, sizeof(rep), true);
+        return;
+    }
+    struct timeval tv = {.tv_sec = SIM_CTL_RECV_TIMEOUT_S};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    struct sim_ctl_req req;
+    if (!io_full(fd, &req, sizeof(req), false))
+        return;
+    rep.result = req.magic == SIM_CTL_MAGIC ? handle(&req) : CUDA_ERROR_INVALID_VALUE;
+    rep.state = ck.state;
+    rep.tid = ck.tid;
+    io_full(fd, &rep, sizeof(rep), true);
+}
+
+static void *ctl_main(void *arg)
+{
+    (void)arg;
+    ck.tid = gettid();
+    for (;;) {
+        int fd = accept4(ck.listen_fd, NULL, NULL, SOCK_CLOEXEC);
+        if (fd < 0) {
+            if (errno == EBADF || errno == EINVAL)
+                return NULL; /* the socket is gone: nothing left to serve */
+            if (errno != EINTR && errno != ECONNABORTED)
+                usleep(10000); /* e.g. out of fds: back off instead of spinning */
+            continue;
+        }
+        serve(fd);
+        close(fd);
+    }
+}
+
+static void ctl_atexit(void)
+{
+    if (getpid() == sim_cfg.pid)
+        unlink(ck.path);
+}
+
+CUresult sim_ctl_start(void)
+{
+    ck.fail_restore = sim_cfg.fail_restore;
+    CUresult rc = sim_rundir_path(ck.path, sizeof(ck.path), sim_cfg.pid, ".ctl");
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (strlen(ck.path) >= sizeof(sa.sun_path)) {
+        fprintf(stderr, "simcuda: control socket path too long: %s\n", ck.path);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
+    strcpy(sa.sun_path, ck.path);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    unlink(ck.path); /* left by an earlier process that had our pid */
+    /* The 0700 dir already keeps others out; 0600 on the socket says the same thing twice. */
+    if (bind(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0 || chmod(ck.path, 0600) != 0 || listen(fd, 16) != 0) {
+        fprintf(stderr, "simcuda: cannot listen on %s: %s\n", ck.path, strerror(errno));
+        close(fd);
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    ck.listen_fd = fd;
+
+    /* The control thread takes no signals: they belong to the application's threads. */
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pthread_t th;
+    int err = pthread_create(&th, NULL, ctl_main, NULL);
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    if (err != 0) {
+        close(fd);
+        unlink(ck.path);
+        ck.listen_fd = -1;
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    }
+    pthread_detach(th);
+    atexit(ctl_atexit);
+    return CUDA_SUCCESS;
+}
+
+/* ---- controller side ---- */
+
+static CUresult ctl_call(int pid, uint32_t op, uint32_t timeout_ms, struct sim_ctl_rep *rep)
+{
+    if (pid <= 0 || (kill(pid, 0) != 0 && errno == ESRCH))
+        return CUDA_ERROR_INVALID_VALUE;
+    char path[PATH_MAX];
+    CUresult rc = sim_rundir_path(path, sizeof(path), pid, ".ctl");
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    if (strlen(path) >= sizeof(sa.sun_path))
+        return CUDA_ERROR_INVALID_VALUE;
+    strcpy(sa.sun_path, path);
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0)
+        return CUDA_ERROR_OPERATING_SYSTEM;
+    if (connect(fd, (struct sockaddr *)&sa, sizeof(sa)) != 0) {
+        int err = errno;
+        close(fd);
+        /* No socket, or a stale one nobody listens on: alive but not a simcuda CUDA process. */
+        return err == EACCES || err == EPERM ? CUDA_ERROR_NOT_PERMITTED : CUDA_ERROR_NOT_INITIALIZED;
+    }
+    struct sim_ctl_req req = {.magic = SIM_CTL_MAGIC, .op = op, .timeout_ms = timeout_ms};
+    bool ok = io_full(fd, &req, sizeof(req), true) && io_full(fd, rep, sizeof(*rep), false);
+    close(fd);
+    if (!ok) /* the target died while we waited, or hung up */
+        return kill(pid, 0) != 0 && errno == ESRCH ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_UNKNOWN;
+    return rep->magic == SIM_CTL_MAGIC ? rep->result : CUDA_ERROR_UNKNOWN;
+}
+
+static bool all_zero(const void *p, size_t n)
+{
+    for (const unsigned char *c = p; n--; c++)
+        if (*c)
+            return false;
+    return true;
+}
+
+SIMAPI CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
+{
+    if (args && (args->reserved0 || !all_zero(args->reserved1, sizeof(args->reserved1))))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctl_rep rep;
+    return ctl_call(pid, OP_LOCK, args ? args->timeoutMs : 0, &rep);
+}
+
+SIMAPI CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args)
+{
+    if (args && !all_zero(args, sizeof(*args)))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctl_rep rep;
+    return ctl_call(pid, OP_CHECKPOINT, 0, &rep);
+}
+
+SIMAPI CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
+{
+    if (args) {
+        if (!all_zero(args->reserved, sizeof(args->reserved)) || args->reserved1)
+            return CUDA_ERROR_INVALID_VALUE;
+        if (args->gpuPairs || args->gpuPairsCount)
+            return CUDA_ERROR_NOT_SUPPORTED; /* no restoring onto another (simulated) GPU */
+    }
+    struct sim_ctl_rep rep;
+    return ctl_call(pid, OP_RESTORE, 0, &rep);
+}
+
+SIMAPI CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)
+{
+    if (args && !all_zero(args, sizeof(*args)))
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctl_rep rep;
+    return ctl_call(pid, OP_UNLOCK, 0, &rep);
+}
+
+SIMAPI CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state)
+{
+    if (!state)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctl_rep rep;
+    CUresult rc = ctl_call(pid, OP_GET_STATE, 0, &rep);
+    if (rc == CUDA_SUCCESS)
+        *state = rep.state;
+    return rc;
+}
+
+SIMAPI CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
+{
+    if (!tid)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctl_rep rep;
+    CUresult rc = ctl_call(pid, OP_GET_TID, 0, &rep);
+    if (rc == CUDA_SUCCESS)
+        *tid = rep.tid;
+    return rc;
+}

@@ -1,0 +1,186 @@
+/*
+ * simcuda internals shared between the source files. simcuda is a TEST DOUBLE of the CUDA
+ * driver: "device memory" is host memory at stable addresses, work runs synchronously on the
+ * calling thread, and the driver checkpoint API is a real state machine served over a Unix
+ * socket, so CI without a GPU can run checkpoint/restore end to end with real processes.
+ *
+ * Files, one job each:
+ *   init.c        cuInit, configuration from the environment, process-wide start-up
+ *   gate.c        the API gate every entry point passes (what the checkpoint lock closes)
+ *   accounting.c  the runtime dir and per-process device-memory accounting across processes
+ *   memory.c      VA arena, physical allocations (memfds), mappings, host registrations,
+ *                 and saving/re-creating physical memory for checkpoint/restore
+ *   api_device.c  devices and contexts
+ *   api_memory.c  memory entry points (plain, VMM, pools, IPC, host, pointer attributes)
+ *   api_exec.c    copies, memsets, streams, events, modules, builtin kernels
+ *   ckpt.c        the checkpoint state machine, its control socket, and the controller side
+ *   procaddr.c    cuGetProcAddress over a static table of our own entry points
+ *   errors.c      cuGetErrorString / cuGetErrorName
+ *
+ * Lock order (never take an earlier lock while holding a later one):
+ *   ctx lock (api_device.c) -> exec lock (api_exec.c) -> memory rwlock -> accounting lock
+ *   -> the runtime dir's flock. The gate's mutex is only ever held on its own.
+ */
+#ifndef SIMCUDA_H
+#define SIMCUDA_H
+
+#include <stdbool.h>
+#include <sys/types.h>
+
+#define SIMCUDA_BUILDING
+#include "simcuda_api.h"
+
+#pragma GCC visibility push(hidden)
+
+#define SIM_GRANULE (2ull << 20)     /* VMM granularity, as on the H200 */
+#define SIM_MAX_DEVICES 16
+#define SIM_DRIVER_VERSION 13000
+#define SIM_PITCH_ALIGN 512
+
+static inline size_t sim_round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+/* ---- init.c: configuration and process start-up ---- */
+
+struct sim_config {
+    int ndevices;        /* SIMCUDA_DEVICES, default 1 */
+    size_t total_mem;    /* SIMCUDA_TOTAL_MEM bytes per device, default 16 GiB */
+    size_t ctx_bytes;    /* SIMCUDA_CTX_BYTES per live context, default 64 MiB */
+    bool fail_restore;   /* SIMCUDA_FAIL_RESTORE=1: the next RESTORE fails (one shot) */
+    pid_t pid;           /* the process that ran cuInit (a forked child is not it) */
+};
+extern struct sim_config sim_cfg;
+
+/* Reads the environment into a config; the controller side uses it without cuInit. */
+void sim_config_load(struct sim_config *cfg);
+/* True once cuInit succeeded in this process (and we are not a forked child of it). */
+bool sim_is_ready(void);
+
+/* ---- gate.c ---- */
+
+CUresult sim_gate_enter(void);
+void sim_gate_exit(void);
+bool sim_gate_close(unsigned timeout_ms); /* false: timed out, gate reopened */
+void sim_gate_open(void);
+
+/* Runs an entry point's body inside the gate: blocks while the process is locked. */
+#define SIM_GATED(expr)                                                                       \
+    do {                                                                                      \
+        CUresult sim_gated_rc_ = sim_gate_enter();                                            \
+        if (sim_gated_rc_ != CUDA_SUCCESS)                                                    \
+            return sim_gated_rc_;                                                             \
+        sim_gated_rc_ = (expr);                                                               \
+        sim_gate_exit();                                                                      \
+        return sim_gated_rc_;                                                                 \
+    } while (0)
+
+/* ---- accounting.c ---- */
+
+/* Resolves, creates (0700) and checks the per-user runtime dir into buf. */
+CUresult sim_rundir(char *buf, size_t len);
+/* Builds "<rundir>/<pid><suffix>". */
+CUresult sim_rundir_path(char *buf, size_t len, pid_t pid, const char *suffix);
+CUresult sim_acct_init(void);
+/* Charges bytes to this process on dev; CUDA_ERROR_OUT_OF_MEMORY if the device lacks room. */
+CUresult sim_acct_charge(int dev, size_t bytes);
+void sim_acct_uncharge(int dev, size_t bytes);
+/* All-or-nothing charge of bytes[dev] on every device (restore). */
+CUresult sim_acct_charge_all(const size_t bytes[SIM_MAX_DEVICES]);
+void sim_acct_uncharge_all(const size_t bytes[SIM_MAX_DEVICES]);
+/* Free bytes on dev as every live process sees it. */
+size_t sim_acct_free(int dev);
+
+/* ---- api_device.c: contexts ---- */
+
+struct sim_ctx {
+    struct sim_ctx *next; /* every context ever made; see api_device.c for why none is freed */
+    int device;
+    unsigned flags;
+    bool primary;
+    bool live;
+};
+
+/* The calling thread's current context, or CUDA_ERROR_INVALID_CONTEXT. */
+CUresult sim_ctx_current(struct sim_ctx **out);
+bool sim_ctx_is_live(struct sim_ctx *ctx);
+/* Per-device context cost (ctx_bytes per live context); caller holds the ctx lock. */
+void sim_ctx_costs_locked(size_t per_dev[SIM_MAX_DEVICES]);
+void sim_ctx_lock(void);
+void sim_ctx_unlock(void);
+CUresult sim_device_check(CUdevice dev);
+
+/* ---- memory.c ---- */
+
+enum sim_alloc_kind { SIM_ALLOC_PLAIN, SIM_ALLOC_MANAGED, SIM_ALLOC_POOL };
+
+/* What cuPointerGetAttribute / cuMemGetAddressRange know about an address. */
+struct sim_ptrinfo {
+    int memory_type; /* CU_MEMORYTYPE_DEVICE or CU_MEMORYTYPE_HOST */
+    CUdeviceptr base;
+    size_t size;
+    struct sim_ctx *ctx;
+    int device;
+    bool vmm;                 /* an application VMM mapping, not a cuMemAlloc-family allocation */
+    enum sim_alloc_kind kind; /* when !vmm */
+};
+
+CUresult sim_mem_init(void);
+
+/* Copies, memsets and kernels hold the read lock while they touch memory, so that nothing is
+ * unmapped under them; everything that changes the maps takes the write lock. */
+void sim_mem_rdlock(void);
+void sim_mem_unlock(void);
+/* With the read lock held: is [p, p+n) device memory mapped with at least `need` access
+ * (CU_MEM_ACCESS_FLAGS_PROT_READ or _READWRITE), or registered/allocated host memory? */
+bool sim_mem_accessible(uintptr_t p, size_t n, int need);
+bool sim_mem_in_arena(uintptr_t p);
+
+CUresult sim_vmm_reserve(CUdeviceptr *va, size_t size, size_t align, CUdeviceptr hint);
+CUresult sim_vmm_free(CUdeviceptr va, size_t size);
+CUresult sim_vmm_create(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop);
+CUresult sim_vmm_release(CUmemGenericAllocationHandle h);
+CUresult sim_vmm_map(CUdeviceptr va, size_t size, size_t offset, CUmemGenericAllocationHandle h,
+                     struct sim_ctx *ctx);
+CUresult sim_vmm_unmap(CUdeviceptr va, size_t size);
+CUresult sim_vmm_set_access(CUdeviceptr va, size_t size, int flags);
+CUresult sim_vmm_get_access(CUdeviceptr va, int *flags);
+CUresult sim_vmm_retain(CUmemGenericAllocationHandle *h, CUdeviceptr va);
+CUresult sim_vmm_get_prop(CUmemAllocationProp *prop, CUmemGenericAllocationHandle h);
+CUresult sim_vmm_export_fd(int *fd, CUmemGenericAllocationHandle h);
+CUresult sim_vmm_import_fd(CUmemGenericAllocationHandle *h, int fd);
+
+CUresult sim_alloc(CUdeviceptr *va, size_t size, enum sim_alloc_kind kind, struct sim_ctx *ctx);
+CUresult sim_free(CUdeviceptr va);
+CUresult sim_ptrinfo(CUdeviceptr p, struct sim_ptrinfo *info);
+/* Frees the cuMemAlloc-family allocations and pinned host memory of a context going away. */
+void sim_mem_drop_ctx(struct sim_ctx *ctx);
+
+CUresult sim_host_alloc(void **pp, size_t size, unsigned flags, struct sim_ctx *ctx);
+CUresult sim_host_free(void *p);
+CUresult sim_host_register(void *p, size_t size, unsigned flags, struct sim_ctx *ctx);
+CUresult sim_host_unregister(void *p);
+
+/* Checkpoint support, called by the control thread while the gate is closed. Accounting is
+ * left to the caller. sim_mem_checkpoint copies every physical allocation into private host
+ * memory and frees it (mappings become PROT_NONE reservations at the same addresses);
+ * charged[dev] receives the bytes they had charged. sim_mem_checkpointed_bytes says what a
+ * restore will charge again. sim_mem_restore re-creates, refills and re-maps everything with
+ * the same protections; when it fails nothing has changed (still checkpointed). */
+CUresult sim_mem_checkpoint(size_t charged[SIM_MAX_DEVICES]);
+void sim_mem_checkpointed_bytes(size_t need[SIM_MAX_DEVICES]);
+CUresult sim_mem_restore(void);
+
+/* ---- api_exec.c ---- */
+
+/* Forgets the streams, events and modules of a context that is going away. */
+void sim_exec_drop_ctx(struct sim_ctx *ctx);
+/* NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD or a live stream; else CUDA_ERROR_INVALID_HANDLE. */
+CUresult sim_stream_check(CUstream s);
+
+/* ---- ckpt.c ---- */
+
+/* Starts the control thread serving <rundir>/<pid>.ctl. */
+CUresult sim_ctl_start(void);
+
+#pragma GCC visibility pop
+
+#endif /* SIMCUDA_H */

@@ -1,0 +1,193 @@
+"""The gpucr command."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any, Callable
+
+from . import coordinator, paths
+from .errors import GpucrError
+
+
+def _mib(n: int | None) -> str:
+    return "n/a" if n is None else f"{n / 2**20:,.0f} MiB"
+
+
+def _print_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, sort_keys=True))
+
+
+def _fmt_phases(phases: dict[str, float]) -> str:
+    return ", ".join(f"{k.replace('_', ' ')} {v:.3f} s" for k, v in phases.items())
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    cmd = a.cmd[1:] if a.cmd and a.cmd[0] == "--" else a.cmd
+    if not cmd:
+        raise GpucrError("nothing to run: give a command after '--', e.g. gpucr run -- python3 app.py")
+    env = paths.run_env(simulate=a.simulate)
+    if a.simulate:
+        print("gpucr: running on simcuda, the simulated driver (a test double; no GPU is used)", file=sys.stderr)
+    try:
+        os.execvpe(cmd[0], cmd, env)
+    except OSError as exc:
+        raise GpucrError(f"cannot run {cmd[0]}: {exc.strerror}") from exc
+
+
+def cmd_lib(a: argparse.Namespace) -> int:
+    print(paths.simcuda_dir() / "libcuda.so.1" if a.simcuda else paths.agent_lib())
+    return 0
+
+
+def cmd_checkpoint(a: argparse.Namespace) -> int:
+    rc = 0
+    for pid in a.pids:
+        try:
+            r = coordinator.checkpoint(pid, level=a.level, timeout=a.timeout)
+        except GpucrError as exc:
+            print(f"gpucr: error: {exc}", file=sys.stderr)
+            rc = 1
+            continue
+        if a.json:
+            _print_json(r)
+        else:
+            used = r["gpu_used_bytes"]
+            print(f"process {pid}: checkpointed (level {r['level']}); {_mib(r['bytes_moved'])} moved by gpucr, "
+                  f"{_mib(r['bytes_left_to_driver'])} left to the driver; GPU memory used {_mib(used['before'])} -> "
+                  f"{_mib(used['after'])}; {_fmt_phases(r['phases_s'])}")
+    return rc
+
+
+def cmd_restore(a: argparse.Namespace) -> int:
+    rc = 0
+    for pid in a.pids:
+        try:
+            r = coordinator.restore(pid, timeout=a.timeout)
+        except GpucrError as exc:
+            print(f"gpucr: error: {exc}", file=sys.stderr)
+            rc = 1
+            continue
+        if a.json:
+            _print_json(r)
+        else:
+            print(f"process {pid}: restored and running; {_mib(r.get('bytes_moved', 0))} copied back; "
+                  f"{_fmt_phases(r['phases_s'])}")
+    return rc
+
+
+def _status_lines(st: dict[str, Any]) -> list[str]:
+    if st.get("state") == "unreachable":
+        return [f"process {st['pid']}: unreachable: {st.get('error')}"]
+    al = st.get("allocations", {})
+    state = st["state"] + (f" (level {st['level']})" if st.get("level") else "")
+    lines = [f"process {st['pid']}: {state}" + ("" if st.get("cuda") else ", CUDA not loaded") +
+             (" [simcuda]" if st.get("simulated") else ""),
+             f"  command      {st.get('cmd', '')}",
+             f"  tracked      {al.get('tracked', 0)} allocations, {_mib(al.get('tracked_bytes', 0))} moved by gpucr "
+             f"({al.get('converted', 0)} converted, {al.get('app_vmm', 0)} application VMM)",
+             f"  driver path  {_mib(st.get('bytes_left_to_driver', 0))} left to the driver's checkpoint "
+             f"({al.get('native', 0)} small, {al.get('pool', 0)} pool, {al.get('vmm_left_to_driver', 0)} partial VMM)",
+             f"  staging      {_mib(st.get('staging_bytes', 0))} ({st.get('staging')})",
+             f"  checkpoints  {st.get('generation', 0)} completed"]
+    cyc = st.get("last_cycle_ms") or {}
+    if any(cyc.get(k) for k in ("gate", "copy_out", "data_in")):
+        lines.append("  last cycle   " + ", ".join(f"{k.replace('_', ' ')} {cyc[k]:.1f} ms"
+                                                   for k in ("gate", "sync", "copy_out", "release", "data_in")))
+    if st.get("refusal"):
+        lines.append(f"  cannot checkpoint: {st['refusal']}")
+    return lines
+
+
+def cmd_status(a: argparse.Namespace) -> int:
+    rows = [coordinator.status(a.pid)] if a.pid else coordinator.ps()
+    if a.json:
+        _print_json(rows[0] if a.pid else rows)
+    elif not rows:
+        print("no processes under gpucr")
+    else:
+        for st in rows:
+            print("\n".join(_status_lines(st)))
+    return 0
+
+
+def cmd_ps(a: argparse.Namespace) -> int:
+    rows = coordinator.ps()
+    if a.json:
+        _print_json(rows)
+        return 0
+    if not rows:
+        print("no processes under gpucr")
+        return 0
+    print(f"{'PID':>8}  {'STATE':<14} {'LEVEL':<5} {'TRACKED':>12} {'DRIVER':>12}  COMMAND")
+    for st in rows:
+        al = st.get("allocations", {})
+        state = st.get("state", "?") if st.get("cuda", True) else "no-cuda"
+        print(f"{st['pid']:>8}  {state:<14} {st.get('level') or '-':<5} {_mib(al.get('tracked_bytes')):>12} "
+              f"{_mib(st.get('bytes_left_to_driver')):>12}  {st.get('cmd', st.get('error', ''))[:60]}")
+    return 0
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from . import demo
+    return demo.main(simulate=a.simulate, as_json=a.json)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpucr", description="Checkpoint and restore the GPU state of running CUDA processes.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    r = sub.add_parser("run", help="run a command under gpucr's agent")
+    r.add_argument("--simulate", action="store_true", help="use simcuda, the simulated driver (test double), instead of a GPU")
+    r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
+    r.set_defaults(fn=cmd_run)
+
+    lb = sub.add_parser("lib", help="print the agent's path, for LD_PRELOAD=$(gpucr lib) CMD")
+    lb.add_argument("--simcuda", action="store_true", help="print the simulated driver's path instead")
+    lb.set_defaults(fn=cmd_lib)
+
+    def pid_cmd(name: str, fn: Callable, help_: str, level: bool) -> None:
+        c = sub.add_parser(name, help=help_)
+        c.add_argument("pids", type=int, nargs="+", metavar="PID")
+        if level:
+            c.add_argument("--level", choices=coordinator.LEVELS, default="full",
+                           help="full: data and driver control state (GPU memory to the driver's floor); "
+                                "data: data only, the CUDA context stays (faster both ways)")
+        c.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                       help="deadline for draining calls in flight and each driver step (default 30)")
+        c.add_argument("--json", action="store_true", help="machine-readable output")
+        c.set_defaults(fn=fn)
+
+    pid_cmd("checkpoint", cmd_checkpoint, "save a process's GPU memory and give the GPU back", True)
+    pid_cmd("restore", cmd_restore, "put a checkpointed process's GPU memory back and let it run", False)
+
+    s = sub.add_parser("status", help="state, tracked memory and last cycle's timings of one or all processes")
+    s.add_argument("pid", type=int, nargs="?", metavar="PID")
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(fn=cmd_status)
+
+    ps = sub.add_parser("ps", help="list the processes under gpucr")
+    ps.add_argument("--json", action="store_true")
+    ps.set_defaults(fn=cmd_ps)
+
+    d = sub.add_parser("demo", help="run, checkpoint and restore a small workload (on the GPU if there is one)")
+    d.add_argument("--simulate", action="store_true", help="use simcuda even if a GPU is present")
+    d.add_argument("--json", action="store_true")
+    d.set_defaults(fn=cmd_demo)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return args.fn(args)
+    except GpucrError as exc:
+        print(f"gpucr: error: {exc}", file=sys.stderr)
+        return exc.code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

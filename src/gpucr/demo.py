@@ -1,0 +1,83 @@
+"""`gpucr demo`: run a workload, checkpoint it, show the GPU memory given back, restore it, and
+check that every byte, every address and the next computation are what they were."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from typing import Any
+
+from . import coordinator
+from .driver import Driver, driver_for, gpu_memory
+from .errors import GpucrError
+from .paths import simcuda_dir
+from .workloads.runner import Workload
+
+
+def gpu_present() -> bool:
+    """An NVIDIA GPU answers through NVML and PyTorch is importable (no CUDA context is created)."""
+    from .driver import _nvml_memory
+    return _nvml_memory(0) is not None and importlib.util.find_spec("torch") is not None
+
+
+def _used(drv: Driver) -> int | None:
+    m = gpu_memory(drv)
+    return m.used if m else None
+
+
+def main(simulate: bool = False, as_json: bool = False) -> int:
+    real = not simulate and gpu_present()
+    say = (lambda *a: None) if as_json else (lambda *a: print(*a, flush=True))
+    if real:
+        drv = driver_for("libcuda.so.1")
+        say("gpucr demo on the GPU: a PyTorch process holding 2 GiB")
+        module, args = "torch_app", ["--gib", "2"]
+    else:
+        drv = driver_for(str(simcuda_dir() / "libcuda.so.1"))
+        say("gpucr demo on simcuda, the SIMULATED driver (a test double over host memory): no GPU was found "
+            "or --simulate was given, so no GPU result is shown here")
+        module, args = "driver_app", ["--sizes", "64M,16M,3M,100K", "--pitch", "--vmm-mib", "32"]
+    fig: dict[str, Any] = {"simulated": not real, "workload": module}
+    fig["gpu_used_before_start"] = _used(drv)
+    with Workload(module, *args, simulate=not real) as app:
+        before = app.ask("digest")
+        result_before = app.ask("compute") if real else None
+        fig["gpu_used_running"] = _used(drv)
+        say(f"  started pid {app.pid}; GPU memory used: {fig['gpu_used_before_start'] / 2**20:,.0f} MiB before it, "
+            f"{fig['gpu_used_running'] / 2**20:,.0f} MiB with it")
+        ck = coordinator.checkpoint(app.pid, level="full")
+        fig["gpu_used_checkpointed"] = _used(drv)
+        fig["checkpoint"] = ck
+        say(f"  checkpointed: {ck['bytes_moved'] / 2**20:,.0f} MiB moved by gpucr; GPU memory used now "
+            f"{fig['gpu_used_checkpointed'] / 2**20:,.0f} MiB; "
+            + ", ".join(f"{k} {v:.3f} s" for k, v in ck["phases_s"].items()))
+        rs = coordinator.restore(app.pid)
+        fig["restore"] = rs
+        fig["gpu_used_restored"] = _used(drv)
+        after = app.ask("digest")
+        result_after = app.ask("compute") if real else None
+        if not real:
+            app.ask("work 7")   # the application carries on: its next kernels run on the restored memory
+            app.ask("work -7")
+            result_after = result_before = {"digest_after_work": app.ask("digest")["digest"] == before["digest"]}
+        say(f"  restored: GPU memory used {fig['gpu_used_restored'] / 2**20:,.0f} MiB; "
+            + ", ".join(f"{k} {v:.3f} s" for k, v in rs["phases_s"].items()))
+    checks = {"bytes_identical": before["digest"] == after["digest"],
+              "addresses_identical": before["ptrs"] == after["ptrs"],
+              "next_computation_identical": result_before == result_after}
+    fig["checks"] = checks
+    ok = all(checks.values())
+    for k, v in checks.items():
+        say(f"  {k.replace('_', ' ')}: {'yes' if v else 'NO'}")
+    say("demo passed" if ok else "demo FAILED")
+    if as_json:
+        print(json.dumps(fig, indent=2))
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except GpucrError as exc:
+        print(f"gpucr: error: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,189 @@
+"""ctypes binding of the CUDA driver's process checkpoint API, and of what gpucr reads about the GPU.
+
+All ctypes signatures live here. One `Driver` is one initialised driver (cuInit once); the
+coordinator keeps it for every action it takes, so each step does not pay a fresh cuInit.
+"""
+from __future__ import annotations
+
+import ctypes
+import enum
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import GpucrError
+
+
+class ProcessState(enum.IntEnum):
+    RUNNING = 0
+    LOCKED = 1
+    CHECKPOINTED = 2
+    FAILED = 3
+
+
+class _LockArgs(ctypes.Structure):
+    _fields_ = [("timeoutMs", ctypes.c_uint), ("reserved0", ctypes.c_uint), ("reserved1", ctypes.c_uint64 * 7)]
+
+
+class _Args8(ctypes.Structure):  # CUcheckpointCheckpointArgs and CUcheckpointUnlockArgs
+    _fields_ = [("reserved", ctypes.c_uint64 * 8)]
+
+
+class _GpuPair(ctypes.Structure):
+    _fields_ = [("oldUuid", ctypes.c_ubyte * 16), ("newUuid", ctypes.c_ubyte * 16)]
+
+
+class _RestoreArgs(ctypes.Structure):
+    _fields_ = [("gpuPairs", ctypes.POINTER(_GpuPair)), ("gpuPairsCount", ctypes.c_uint),
+                ("reserved", ctypes.c_char * 44), ("reserved1", ctypes.c_uint64)]
+
+
+assert ctypes.sizeof(_LockArgs) == 64 and ctypes.sizeof(_Args8) == 64 and ctypes.sizeof(_RestoreArgs) == 64
+
+CUDA_ERROR_TIMEOUT = 909
+CUDA_ERROR_OUT_OF_MEMORY = 2
+
+
+class DriverError(GpucrError):
+    def __init__(self, what: str, rc: int, text: str) -> None:
+        super().__init__(f"{what} failed: {text} (CUDA error {rc})")
+        self.rc = rc
+
+
+@dataclass(frozen=True)
+class GpuMemory:
+    used: int
+    total: int
+
+    @property
+    def free(self) -> int:
+        return self.total - self.used
+
+
+def _sig(lib: ctypes.CDLL, name: str, *argtypes) -> None:
+    fn = getattr(lib, name)
+    fn.argtypes = list(argtypes)
+    fn.restype = ctypes.c_int
+
+
+class Driver:
+    """The checkpoint half of the CUDA driver API, for acting on other processes."""
+
+    def __init__(self, libpath: str | Path = "libcuda.so.1") -> None:
+        self.path = str(libpath)
+        try:
+            self._cu = ctypes.CDLL(self.path)
+        except OSError as exc:
+            raise GpucrError(f"cannot load the CUDA driver {self.path}: {exc}") from exc
+        cu = self._cu
+        pid, p = ctypes.c_int, ctypes.c_void_p
+        _sig(cu, "cuInit", ctypes.c_uint)
+        _sig(cu, "cuDriverGetVersion", ctypes.POINTER(ctypes.c_int))
+        _sig(cu, "cuGetErrorString", ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
+        try:
+            _sig(cu, "cuCheckpointProcessLock", pid, p)
+            _sig(cu, "cuCheckpointProcessCheckpoint", pid, p)
+            _sig(cu, "cuCheckpointProcessRestore", pid, p)
+            _sig(cu, "cuCheckpointProcessUnlock", pid, p)
+            _sig(cu, "cuCheckpointProcessGetState", pid, ctypes.POINTER(ctypes.c_int))
+        except AttributeError as exc:
+            raise GpucrError(f"the CUDA driver {self.path} has no checkpoint API (driver 555 or newer is needed)") from exc
+        self.simulated = hasattr(cu, "simcudaIsSimulated")
+        self._lock = threading.Lock()
+        self._check(cu.cuInit(0), "cuInit")
+
+    # ---- helpers ----
+    def _errstr(self, rc: int) -> str:
+        s = ctypes.c_char_p()
+        if self._cu.cuGetErrorString(rc, ctypes.byref(s)) == 0 and s.value:
+            return s.value.decode(errors="replace")
+        return "unknown error"
+
+    def _check(self, rc: int, what: str) -> None:
+        if rc != 0:
+            raise DriverError(what, rc, self._errstr(rc))
+
+    def version(self) -> int:
+        v = ctypes.c_int()
+        self._check(self._cu.cuDriverGetVersion(ctypes.byref(v)), "cuDriverGetVersion")
+        return v.value
+
+    # ---- the process checkpoint API ----
+    def state(self, target_pid: int) -> ProcessState:
+        s = ctypes.c_int()
+        self._check(self._cu.cuCheckpointProcessGetState(target_pid, ctypes.byref(s)), f"reading the CUDA state of process {target_pid}")
+        return ProcessState(s.value)
+
+    def lock(self, target_pid: int, timeout_ms: int) -> None:
+        args = _LockArgs(timeoutMs=max(1, int(timeout_ms)))
+        self._check(self._cu.cuCheckpointProcessLock(target_pid, ctypes.byref(args)), f"driver lock of process {target_pid}")
+
+    def checkpoint(self, target_pid: int) -> None:
+        self._check(self._cu.cuCheckpointProcessCheckpoint(target_pid, ctypes.byref(_Args8())), f"driver checkpoint of process {target_pid}")
+
+    def restore(self, target_pid: int, gpu_pairs: list[tuple[bytes, bytes]] | None = None) -> None:
+        args = _RestoreArgs()
+        if gpu_pairs:
+            pairs = (_GpuPair * len(gpu_pairs))()
+            for i, (old, new) in enumerate(gpu_pairs):
+                pairs[i].oldUuid[:] = list(old)
+                pairs[i].newUuid[:] = list(new)
+            args.gpuPairs = ctypes.cast(pairs, ctypes.POINTER(_GpuPair))
+            args.gpuPairsCount = len(gpu_pairs)
+        self._check(self._cu.cuCheckpointProcessRestore(target_pid, ctypes.byref(args)), f"driver restore of process {target_pid}")
+
+    def unlock(self, target_pid: int) -> None:
+        self._check(self._cu.cuCheckpointProcessUnlock(target_pid, ctypes.byref(_Args8())), f"driver unlock of process {target_pid}")
+
+
+_drivers: dict[str, Driver] = {}
+_drivers_lock = threading.Lock()
+
+
+def driver_for(libpath: str) -> Driver:
+    """One initialised Driver per driver library, reused for every action of this process."""
+    with _drivers_lock:
+        if libpath not in _drivers:
+            _drivers[libpath] = Driver(libpath)
+        return _drivers[libpath]
+
+
+def gpu_memory(driver: Driver, device: int = 0) -> GpuMemory | None:
+    """Device memory in use by everyone, as nvidia-smi shows it (NVML; simcuda's own count when simulated).
+
+    Needs no CUDA context, so reading it costs the card nothing.
+    """
+    if driver.simulated:
+        used, total = ctypes.c_size_t(), ctypes.c_size_t()
+        fn = driver._cu.simcudaDeviceMemUsed
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t), ctypes.POINTER(ctypes.c_size_t)]
+        if fn(device, ctypes.byref(used), ctypes.byref(total)) != 0:
+            return None
+        return GpuMemory(used.value, total.value)
+    return _nvml_memory(device)
+
+
+class _NvmlMemory(ctypes.Structure):
+    _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
+
+
+_nvml: ctypes.CDLL | None = None
+
+
+def _nvml_memory(device: int) -> GpuMemory | None:
+    global _nvml
+    try:
+        if _nvml is None:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+            if lib.nvmlInit_v2() != 0:
+                return None
+            _nvml = lib
+        handle = ctypes.c_void_p()
+        if _nvml.nvmlDeviceGetHandleByIndex_v2(device, ctypes.byref(handle)) != 0:
+            return None
+        mem = _NvmlMemory()
+        if _nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)) != 0:
+            return None
+        return GpuMemory(mem.used, mem.total)
+    except OSError:
+        return None

@@ -1,0 +1,218 @@
+"""A CUDA driver-API application written with ctypes, like a plain C++ program would be.
+
+On simcuda (the simulated driver, a test double) its kernels are simcuda's builtins; on a real GPU
+it does the same through copies and memsets. Allocations: plain cuMemAlloc buffers of the given
+sizes, a pitched one, and (with --vmm) the application's own VMM range mapped in 2 MiB handles, the
+way PyTorch's expandable segments do.
+
+Commands: digest | work N | loop start | loop stop | spin MS | free I | alloc BYTES | quit
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+import threading
+
+from .protocol import serve
+
+cu = ctypes.CDLL("libcuda.so.1")
+SIM = hasattr(cu, "simcudaIsSimulated")
+u64, sz, vp = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
+
+
+class Loc(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class Prop(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("handleTypes", ctypes.c_int), ("loc", Loc), ("win32", vp),
+                ("flags", ctypes.c_ubyte * 8)]
+
+
+class Access(ctypes.Structure):
+    _fields_ = [("loc", Loc), ("flags", ctypes.c_int)]
+
+
+def _sig(name, *args):
+    f = getattr(cu, name)
+    f.argtypes, f.restype = list(args), ctypes.c_int
+    return f
+
+
+cuInit = _sig("cuInit", ctypes.c_uint)
+cuDevicePrimaryCtxRetain = _sig("cuDevicePrimaryCtxRetain", ctypes.POINTER(vp), ctypes.c_int)
+cuCtxSetCurrent = _sig("cuCtxSetCurrent", vp)
+cuMemAlloc = _sig("cuMemAlloc_v2", ctypes.POINTER(u64), sz)
+cuMemAllocPitch = _sig("cuMemAllocPitch_v2", ctypes.POINTER(u64), ctypes.POINTER(sz), sz, sz, ctypes.c_uint)
+cuMemFree = _sig("cuMemFree_v2", u64)
+cuMemcpyHtoD = _sig("cuMemcpyHtoD_v2", u64, vp, sz)
+cuMemcpyDtoH = _sig("cuMemcpyDtoH_v2", vp, u64, sz)
+cuMemsetD32 = _sig("cuMemsetD32_v2", u64, ctypes.c_uint, sz)
+cuCtxSynchronize = _sig("cuCtxSynchronize")
+cuMemAddressReserve = _sig("cuMemAddressReserve", ctypes.POINTER(u64), sz, sz, u64, u64)
+cuMemCreate = _sig("cuMemCreate", ctypes.POINTER(u64), sz, ctypes.POINTER(Prop), u64)
+cuMemMap = _sig("cuMemMap", u64, sz, sz, u64, u64)
+cuMemSetAccess = _sig("cuMemSetAccess", u64, sz, ctypes.POINTER(Access), sz)
+cuMemRelease = _sig("cuMemRelease", u64)
+if SIM:
+    cuModuleLoadData = _sig("cuModuleLoadData", ctypes.POINTER(vp), ctypes.c_char_p)
+    cuModuleGetFunction = _sig("cuModuleGetFunction", ctypes.POINTER(vp), vp, ctypes.c_char_p)
+    cuLaunchKernel = _sig("cuLaunchKernel", vp, *([ctypes.c_uint] * 7), vp, ctypes.POINTER(vp), ctypes.POINTER(vp))
+
+
+def check(rc: int, what: str) -> None:
+    if rc != 0:
+        raise RuntimeError(f"{what}: CUDA error {rc}")
+
+
+class App:
+    def __init__(self, sizes: list[int], pitch: bool, vmm_mib: int, seed: int) -> None:
+        check(cuInit(0), "cuInit")
+        self.ctx = vp()
+        check(cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), 0), "ctx")
+        check(cuCtxSetCurrent(self.ctx), "set ctx")
+        self.bufs: list[tuple[int, int]] = []   # (device pointer, bytes)
+        for i, n in enumerate(sizes):
+            self.bufs.append((self._alloc(n), n))
+        if pitch:
+            p, pitch_b = u64(), sz()
+            check(cuMemAllocPitch(ctypes.byref(p), ctypes.byref(pitch_b), 3000, 700, 4), "pitch")
+            self.bufs.append((p.value, pitch_b.value * 700))
+        if vmm_mib:
+            self.bufs.append((self._vmm(vmm_mib << 20), vmm_mib << 20))
+        for i, (p, n) in enumerate(self.bufs):
+            self._fill(p, n, seed + i)
+        check(cuCtxSynchronize(), "sync")
+        if SIM:
+            self.mod, self.add = vp(), vp()
+            check(cuModuleLoadData(ctypes.byref(self.mod), b"simcuda-builtin"), "module")
+            check(cuModuleGetFunction(ctypes.byref(self.add), self.mod, b"add_u32"), "add_u32")
+            self.spin_fn = vp()
+            check(cuModuleGetFunction(ctypes.byref(self.spin_fn), self.mod, b"spin_ms"), "spin_ms")
+        self.loop_thread: threading.Thread | None = None
+        self.loop_stop = threading.Event()
+        self.loop_iters = 0
+        self.loop_error: str | None = None
+
+    def _alloc(self, n: int) -> int:
+        p = u64()
+        check(cuMemAlloc(ctypes.byref(p), n), f"cuMemAlloc({n})")
+        return p.value
+
+    def _vmm(self, n: int) -> int:
+        gran = 2 << 20
+        va = u64()
+        check(cuMemAddressReserve(ctypes.byref(va), n, 0, 0, 0), "reserve")
+        prop = Prop(type=1, handleTypes=0, loc=Loc(1, 0))
+        acc = Access(loc=Loc(1, 0), flags=3)
+        for off in range(0, n, gran):
+            h = u64()
+            check(cuMemCreate(ctypes.byref(h), gran, ctypes.byref(prop), 0), "create")
+            check(cuMemMap(va.value + off, gran, 0, h.value, 0), "map")
+            check(cuMemSetAccess(va.value + off, gran, ctypes.byref(acc), 1), "access")
+            check(cuMemRelease(h.value), "release")   # the mapping keeps it, as PyTorch does
+        return va.value
+
+    def _fill(self, p: int, n: int, seed: int) -> None:
+        data = hashlib.shake_256(seed.to_bytes(8, "little")).digest(min(n, 1 << 16))
+        block = (data * (n // len(data) + 1))[:n]
+        check(cuMemcpyHtoD(p, block, n), "fill")
+
+    def digest(self) -> str:
+        h = hashlib.sha256()
+        for p, n in self.bufs:
+            buf = ctypes.create_string_buffer(n)
+            check(cuMemcpyDtoH(buf, p, n), "read back")
+            h.update(buf.raw)
+        return h.hexdigest()
+
+    def _add(self, p: int, n: int, v: int) -> None:
+        if SIM:
+            args = [u64(p), ctypes.c_uint(v & 0xFFFFFFFF), u64(n // 4)]
+            params = (vp * 3)(*[ctypes.cast(ctypes.byref(a), vp) for a in args])
+            check(cuLaunchKernel(self.add, 1, 1, 1, 1, 1, 1, 0, None, params, None), "add_u32")
+        else:  # no kernels of our own on a real GPU: read, add, write back
+            arr = (ctypes.c_uint32 * (n // 4))()
+            check(cuMemcpyDtoH(arr, p, n), "read")
+            for i in range(len(arr)):
+                arr[i] = (arr[i] + v) & 0xFFFFFFFF
+            check(cuMemcpyHtoD(p, arr, n), "write")
+
+    def work(self, v: int) -> None:
+        for p, n in self.bufs:
+            self._add(p, n, v)
+        check(cuCtxSynchronize(), "sync")
+
+    def _loop(self) -> None:
+        # +1 then -1 on the first buffer, as fast as possible: a lost or doubled launch shows in the digest
+        check(cuCtxSetCurrent(self.ctx), "set ctx")
+        p, n = self.bufs[0]
+        try:
+            while not self.loop_stop.is_set():
+                self._add(p, n, 1)
+                self._add(p, n, -1)
+                self.loop_iters += 1
+        except Exception as exc:  # reported by "loop stop"
+            self.loop_error = str(exc)
+
+    def spin(self, ms: int) -> None:
+        def run() -> None:
+            check(cuCtxSetCurrent(self.ctx), "set ctx")
+            arg = ctypes.c_uint(ms)
+            params = (vp * 1)(ctypes.cast(ctypes.byref(arg), vp))
+            check(cuLaunchKernel(self.spin_fn, 1, 1, 1, 1, 1, 1, 0, None, params, None), "spin_ms")
+        threading.Thread(target=run, daemon=True).start()
+
+    def handle(self, words: list[str]) -> dict:
+        cmd = words[0]
+        if cmd == "digest":
+            return {"digest": self.digest(), "ptrs": [p for p, _ in self.bufs], "bytes": sum(n for _, n in self.bufs)}
+        if cmd == "work":
+            self.work(int(words[1]))
+            return {"done": True}
+        if cmd == "loop" and words[1] == "start":
+            self.loop_stop.clear()
+            self.loop_iters = 0
+            self.loop_thread = threading.Thread(target=self._loop, daemon=True)
+            self.loop_thread.start()
+            return {"started": True}
+        if cmd == "loop" and words[1] == "stop":
+            self.loop_stop.set()
+            if self.loop_thread:
+                self.loop_thread.join()
+            return {"iterations": self.loop_iters, "error": self.loop_error}
+        if cmd == "spin":
+            self.spin(int(words[1]))
+            return {"started": True}
+        if cmd == "alloc":
+            n = int(words[1])
+            p = self._alloc(n)
+            self._fill(p, n, len(self.bufs))
+            self.bufs.append((p, n))
+            return {"ptr": p}
+        if cmd == "free":
+            p, _ = self.bufs.pop(int(words[1]))
+            check(cuMemFree(p), "free")
+            return {"freed": p}
+        raise ValueError(f"unknown command {cmd}")
+
+
+def parse_size(s: str) -> int:
+    mult = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    return int(float(s[:-1]) * mult[s[-1].upper()]) if s[-1].upper() in mult else int(s)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="8M,3M,64K,1000", help="comma-separated buffer sizes (K/M/G suffixes)")
+    ap.add_argument("--pitch", action="store_true")
+    ap.add_argument("--vmm-mib", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=1)
+    a = ap.parse_args()
+    app = App([parse_size(s) for s in a.sizes.split(",") if s], a.pitch, a.vmm_mib, a.seed)
+    serve(app.handle, {"simulated": SIM})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""A PyTorch application holding --gib GiB of random data in several tensors (default caching
+allocator, or expandable segments through PYTORCH_CUDA_ALLOC_CONF), with a small model to compute on.
+
+Commands: digest | compute | work | loop start | loop stop | graph start | graph stop | quit
+"""
+from __future__ import annotations
+
+import argparse
+import threading
+
+import torch
+
+from .protocol import serve
+
+CHUNK = 1 << 28  # elements of int32 per digest step (1 GiB)
+
+
+def tensor_digest(t: torch.Tensor) -> list[int]:
+    """A position-sensitive checksum of every byte, computed on the GPU in 1 GiB steps."""
+    flat = t.view(-1).view(torch.int32)
+    s1 = torch.zeros((), dtype=torch.int64, device=t.device)
+    s2 = torch.zeros((), dtype=torch.int64, device=t.device)
+    for off in range(0, flat.numel(), CHUNK):
+        part = flat[off:off + CHUNK].to(torch.int64)
+        s1 += part.sum()
+        idx = torch.arange(off, off + part.numel(), device=t.device, dtype=torch.int64)
+        s2 += (part * (idx * 2654435761 % 1000003 + 1)).sum()
+        del part, idx
+    return [int(s1), int(s2)]
+
+
+class App:
+    def __init__(self, gib: float, seed: int) -> None:
+        torch.manual_seed(seed)
+        n_total = int(gib * (1 << 30)) // 4
+        per = 1 << 28
+        self.data: list[torch.Tensor] = []
+        while n_total > 0:
+            n = min(per, n_total)
+            self.data.append(torch.randint(-2**31, 2**31 - 1, (n,), dtype=torch.int32, device="cuda"))
+            n_total -= n
+        self.w = torch.randn(2048, 2048, device="cuda")
+        self.small = [torch.full((k,), k, dtype=torch.float32, device="cuda") for k in (1, 17, 1000, 70000)]
+        self.counter = torch.zeros(1, dtype=torch.int64, device="cuda")
+        torch.cuda.synchronize()
+        self.stop = threading.Event()
+        self.thread: threading.Thread | None = None
+        self.iters = 0
+        self.error: str | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def digest(self) -> dict:
+        d = [tensor_digest(t) for t in self.data + self.small + [self.counter, self.w]]
+        torch.cuda.synchronize()
+        ptrs = [t.data_ptr() for t in self.data + self.small + [self.counter, self.w]]
+        return {"digest": d, "ptrs": ptrs, "bytes": sum(t.numel() * t.element_size() for t in self.data)}
+
+    def compute(self) -> dict:
+        y = (self.w @ self.w).relu().sum(dim=0)
+        return {"result": [float(v) for v in y[:8].tolist()], "checksum": float(y.double().sum())}
+
+    def work(self) -> dict:
+        for t in self.data:
+            t.add_(3)
+            t.sub_(3)
+        self.counter += 1
+        torch.cuda.synchronize()
+        return {"counter": int(self.counter)}
+
+    def _loop(self, use_graph: bool) -> None:
+        try:
+            x = self.data[0][: 1 << 24]
+            if use_graph:
+                s = torch.cuda.Stream()
+                with torch.cuda.stream(s):
+                    g = torch.cuda.CUDAGraph()
+                    x.add_(1); x.sub_(1)   # warm-up outside capture
+                    torch.cuda.synchronize()
+                    with torch.cuda.graph(g, stream=s):
+                        x.add_(1)
+                        x.sub_(1)
+                    self.graph = g
+                    while not self.stop.is_set():
+                        g.replay()
+                        self.iters += 1
+                        if self.iters % 64 == 0:
+                            s.synchronize()
+                    s.synchronize()
+            else:
+                while not self.stop.is_set():
+                    x.add_(1)
+                    x.sub_(1)
+                    self.iters += 1
+                    if self.iters % 256 == 0:
+                        torch.cuda.synchronize()
+                torch.cuda.synchronize()
+        except Exception as exc:
+            self.error = f"{type(exc).__name__}: {exc}"
+
+    def handle(self, words: list[str]) -> dict:
+        cmd = words[0]
+        if cmd == "digest":
+            return self.digest()
+        if cmd == "compute":
+            return self.compute()
+        if cmd == "work":
+            return self.work()
+        if cmd == "sleep":   # one kernel that spins on the GPU for about SECONDS (a stuck-kernel stand-in)
+            cycles = int(float(words[1]) * torch.cuda.get_device_properties(0).clock_rate * 1000)
+            torch.cuda._sleep(cycles)
+            return {"launched": True}
+        if cmd in ("loop", "graph") and words[1] == "start":
+            self.stop.clear()
+            self.iters = 0
+            self.error = None
+            self.thread = threading.Thread(target=self._loop, args=(cmd == "graph",), daemon=True)
+            self.thread.start()
+            return {"started": True}
+        if cmd in ("loop", "graph") and words[1] == "stop":
+            self.stop.set()
+            if self.thread:
+                self.thread.join()
+            torch.cuda.synchronize()
+            return {"iterations": self.iters, "error": self.error}
+        raise ValueError(f"unknown command {cmd}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args()
+    app = App(a.gib, a.seed)
+    serve(app.handle, {"framework": "torch", "torch": torch.__version__,
+                       "reserved_bytes": torch.cuda.memory_reserved()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,78 @@
+"""Shared fixtures. CPU tests run the whole pipeline on simcuda, the simulated driver (a test double):
+real processes under LD_PRELOAD, real sockets, real staging. GPU tests skip without an NVIDIA GPU."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from gpucr import paths
+from gpucr.workloads.runner import Workload
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(autouse=True)
+def _private_dirs(tmp_path_factory, monkeypatch):
+    """Each test gets its own agent runtime dir and simcuda device, so tests cannot see each other."""
+    base = tmp_path_factory.mktemp("rt")
+    rt, sim = base / "gpucr", base / "simcuda"
+    rt.mkdir(mode=0o700)
+    sim.mkdir(mode=0o700)
+    monkeypatch.setenv("GPUCR_RUNTIME_DIR", str(rt))
+    monkeypatch.setenv("SIMCUDA_DIR", str(sim))
+    monkeypatch.setenv("SIMCUDA_TOTAL_MEM", str(4 << 30))
+    yield
+
+
+@pytest.fixture
+def sim_app():
+    """Start driver_app on simcuda; every app started is stopped at the end."""
+    apps: list[Workload] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> Workload:
+        w = Workload("driver_app", *args, simulate=True, env=env)
+        apps.append(w)
+        return w
+
+    yield start
+    for w in apps:
+        if w.proc.poll() is None:
+            w.proc.kill()
+        w.proc.wait()
+
+
+def gpucr_cli(*args: str, env: dict[str, str] | None = None, user: int | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
+    """Run the gpucr command as a user would."""
+    cmd = [sys.executable, "-m", "gpucr.cli", *args]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, env=env or os.environ.copy(), timeout=timeout)
+
+
+def sim_driver():
+    from gpucr.driver import driver_for
+    return driver_for(str(paths.simcuda_dir() / "libcuda.so.1"))
+
+
+def nvidia_gpu() -> bool:
+    from gpucr.driver import _nvml_memory
+    return _nvml_memory(0) is not None
+
+
+gpu = pytest.mark.skipif(not nvidia_gpu(), reason="needs an NVIDIA GPU (NVML found none): GPU tests run on the lent H200 via scripts/gpu-check")
+
+
+@pytest.fixture(scope="module")
+def sim_agent_socket(tmp_path_factory):
+    """One long-lived agent for property tests (hypothesis runs many examples per test)."""
+    base = tmp_path_factory.mktemp("fuzz")
+    env = dict(os.environ, GPUCR_RUNTIME_DIR=str(base / "rt"), SIMCUDA_DIR=str(base / "sim"))
+    (base / "rt").mkdir(mode=0o700)
+    (base / "sim").mkdir(mode=0o700)
+    w = Workload("driver_app", "--sizes", "4M", simulate=True, env=env)
+    yield base / "rt" / f"{w.pid}.sock"
+    w.close()

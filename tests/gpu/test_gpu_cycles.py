@@ -1,0 +1,100 @@
+"""On a real NVIDIA GPU (the lent H200): frameworks' processes checkpointed at level full give the
+card back to within 16 MiB of idle, and come back byte-identical at the same addresses."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+import gpucr
+from gpucr.driver import ProcessState, driver_for, gpu_memory
+from gpucr.workloads.runner import Workload
+
+from conftest import gpu
+
+pytestmark = [gpu, pytest.mark.gpu]
+MiB = 1 << 20
+SLACK = 16 * MiB
+RESULTS = Path(os.environ.get("GPUCR_GPU_RESULTS", "/tmp/gpucr-gpu-results.jsonl"))
+
+
+def used() -> int:
+    return gpu_memory(driver_for("libcuda.so.1")).used
+
+
+def record(**row) -> None:
+    with RESULTS.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+
+
+def cycles(name: str, module: str, args: list[str], n: int, env: dict | None = None) -> None:
+    idle = used()
+    with Workload(module, *args, env=env) as app:
+        held = used() - idle
+        for i in range(n):
+            app.ask("work")
+            before = app.ask("digest")
+            result = app.ask("compute")
+            ck = gpucr.checkpoint(app.pid, level="full", timeout=60)
+            during = used()
+            assert during - idle <= SLACK, f"{name} cycle {i}: {(during - idle) / MiB:.0f} MiB above idle while checkpointed"
+            assert gpucr.status(app.pid)["state"] == "checkpointed"
+            rs = gpucr.restore(app.pid, timeout=60)
+            after = app.ask("digest")
+            assert after["digest"] == before["digest"], f"{name} cycle {i}: bytes differ"
+            assert after["ptrs"] == before["ptrs"], f"{name} cycle {i}: addresses moved"
+            assert app.ask("compute") == result, f"{name} cycle {i}: computation differs"
+            record(test=name, cycle=i, held_mib=held / MiB, above_idle_while_ckpt_mib=(during - idle) / MiB,
+                   bytes_moved=ck["bytes_moved"], left_to_driver=ck["bytes_left_to_driver"],
+                   ckpt=ck["phases_s"], agent_ms=ck["agent_ms"], restore=rs["phases_s"])
+
+
+def test_torch_default_allocator_20gib_ten_cycles():
+    cycles("torch-20GiB", "torch_app", ["--gib", "20"], 10)
+
+
+def test_torch_expandable_segments_ten_cycles():
+    env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True")
+    cycles("torch-expandable-8GiB", "torch_app", ["--gib", "8"], 10, env=env)
+
+
+def test_cupy_ten_cycles():
+    pytest.importorskip("cupy")
+    cycles("cupy-8GiB", "cupy_app", ["--gib", "8"], 10)
+
+
+@pytest.mark.parametrize("mode", ["loop", "graph"])
+def test_checkpoint_mid_loop(mode):
+    with Workload("torch_app", "--gib", "2") as app:
+        before = app.ask("digest")
+        app.ask(f"{mode} start")
+        time.sleep(0.5)
+        for i in range(3):
+            gpucr.checkpoint(app.pid, level="full", timeout=30)
+            time.sleep(0.2)
+            gpucr.restore(app.pid, timeout=30)
+            time.sleep(0.3)
+        out = app.ask(f"{mode} stop")
+        assert out["error"] is None and out["iterations"] > 100, out
+        after = app.ask("digest")
+        assert after["digest"] == before["digest"], "a launch was lost or doubled"
+        record(test=f"mid-{mode}", iterations=out["iterations"])
+
+
+def test_long_kernel_past_deadline_is_refused_and_app_runs_on():
+    with Workload("torch_app", "--gib", "1") as app:
+        before = app.ask("digest")
+        app.ask("sleep 8")   # a kernel that runs ~8 s
+        time.sleep(0.2)
+        t0 = time.perf_counter()
+        with pytest.raises(gpucr.GpucrError, match="did not finish|in flight"):
+            gpucr.checkpoint(app.pid, timeout=1.0)
+        refused_after = time.perf_counter() - t0
+        assert refused_after < 5
+        assert driver_for("libcuda.so.1").state(app.pid) == ProcessState.RUNNING
+        assert gpucr.status(app.pid)["state"] == "running"
+        assert app.ask("digest")["digest"] == before["digest"]
+        record(test="deadline", refused_after_s=refused_after)

@@ -1,0 +1,86 @@
+"""Bad input: one clear line, a non-zero exit, and the target untouched."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from gpucr import paths
+
+from conftest import gpucr_cli, sim_driver
+
+
+def one_line_error(r: subprocess.CompletedProcess, pattern: str) -> None:
+    assert r.returncode != 0, r
+    lines = [l for l in r.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith("gpucr: error: ") and pattern in lines[0], lines[0]
+
+
+def test_pid_that_does_not_exist():
+    one_line_error(gpucr_cli("checkpoint", "999999999"), "no process with pid 999999999")
+    one_line_error(gpucr_cli("restore", "999999999"), "no process with pid")
+    one_line_error(gpucr_cli("status", "999999999"), "no process with pid")
+
+
+def test_process_not_under_gpucr():
+    p = subprocess.Popen(["sleep", "30"])
+    try:
+        one_line_error(gpucr_cli("checkpoint", str(p.pid)), "not running under gpucr")
+        assert p.poll() is None
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_non_cuda_process_under_gpucr():
+    p = subprocess.Popen(["sleep", "30"], env=paths.run_env(simulate=True))
+    try:
+        sock = paths.runtime_dir() / f"{p.pid}.sock"
+        for _ in range(100):
+            if sock.exists():
+                break
+            time.sleep(0.05)
+        one_line_error(gpucr_cli("checkpoint", str(p.pid)), "has not loaded the CUDA driver")
+        assert p.poll() is None
+    finally:
+        p.kill()
+        p.wait()
+
+
+def test_checkpoint_twice_and_restore_running(sim_app):
+    app = sim_app("--sizes", "8M")
+    before = app.ask("digest")
+    one_line_error(gpucr_cli("restore", str(app.pid)), "is not checkpointed")
+    assert gpucr_cli("checkpoint", str(app.pid)).returncode == 0
+    one_line_error(gpucr_cli("checkpoint", str(app.pid)), "already checkpointed")
+    one_line_error(gpucr_cli("checkpoint", "--level", "data", str(app.pid)), "already checkpointed")
+    assert gpucr_cli("restore", str(app.pid)).returncode == 0
+    assert app.ask("digest") == before
+    # data level: a second checkpoint is refused by the agent's state too
+    assert gpucr_cli("checkpoint", "--level", "data", str(app.pid)).returncode == 0
+    one_line_error(gpucr_cli("checkpoint", str(app.pid)), "already checkpointed")
+    assert gpucr_cli("restore", str(app.pid)).returncode == 0
+    assert app.ask("digest") == before
+
+
+def test_bad_arguments():
+    r = gpucr_cli("checkpoint", "--timeout", "-1", str(os.getpid()))
+    assert r.returncode != 0
+    r = gpucr_cli("checkpoint", "notapid")
+    assert r.returncode != 0 and "invalid int value" in r.stderr
+    one_line_error(gpucr_cli("run"), "nothing to run")
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to start a process as another user")
+def test_process_of_another_user(sim_app):
+    app = sim_app("--sizes", "8M")   # owned by root
+    before = app.ask("digest")
+    env = dict(os.environ, HOME="/tmp", PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = gpucr_cli("checkpoint", str(app.pid), env=env, user=65534)
+    one_line_error(r, "belongs to user root")
+    assert sim_driver().state(app.pid).name == "RUNNING"
+    assert app.ask("digest") == before

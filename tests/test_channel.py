@@ -1,0 +1,56 @@
+"""The agent's control channel: private, validated, and still serving after bad requests."""
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+
+from hypothesis import given, settings, strategies as st
+
+from gpucr import paths
+
+
+def talk(sock_path, data: bytes) -> list[dict]:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(10)
+    s.connect(str(sock_path))
+    s.sendall(data)
+    s.shutdown(socket.SHUT_WR)
+    out = b""
+    while True:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        out += chunk
+    s.close()
+    return [json.loads(l) for l in out.splitlines() if l]
+
+
+def test_runtime_dir_and_socket_are_private(sim_app):
+    app = sim_app("--sizes", "4M")
+    d = paths.runtime_dir()
+    sock = d / f"{app.pid}.sock"
+    assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
+
+
+def test_malformed_requests_get_errors_and_agent_keeps_serving(sim_app):
+    app = sim_app("--sizes", "4M")
+    sock = paths.runtime_dir() / f"{app.pid}.sock"
+    replies = talk(sock, b"\n" + b"bogus\n" + b"checkpoint timeout_ms=-5\n" + b"checkpoint timeout_ms=abc\n" + b"hel\x00lo\n" + b"hello\n")
+    assert [r["ok"] for r in replies] == [False, False, False, False, False, True]
+    assert "unknown request verb" in replies[1]["error"]
+    too_long = talk(sock, b"x" * 5000)
+    assert too_long and not too_long[0]["ok"] and "too long" in too_long[0]["error"]
+    assert talk(sock, b"status\n")[0]["state"] == "running"
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.binary(max_size=600))
+def test_fuzz_channel_never_breaks_the_agent(sim_agent_socket, data):
+    replies = talk(sim_agent_socket, data + b"\n")
+    for r in replies:
+        assert isinstance(r["ok"], bool)
+    # nothing random may start a checkpoint that leaves the app parked
+    assert talk(sim_agent_socket, b"status\n")[0]["state"] == "running"

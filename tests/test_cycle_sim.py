@@ -1,0 +1,127 @@
+"""Checkpoint/restore of a real process on simcuda: memory given back, bytes and addresses kept."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+import gpucr
+from gpucr.driver import ProcessState, gpu_memory
+
+from conftest import sim_driver
+
+MiB = 1 << 20
+
+
+def used() -> int:
+    return gpu_memory(sim_driver()).used
+
+
+def test_full_cycle_gives_back_all_memory_and_restores_every_byte(sim_app):
+    idle = used()
+    app = sim_app("--sizes", "64M,16M,3M,100K,1000", "--pitch", "--vmm-mib", "32")
+    running = used()
+    assert running - idle >= 115 * MiB
+    before = app.ask("digest")
+
+    ck = gpucr.checkpoint(app.pid, level="full", timeout=10)
+    assert ck["state"] == "checkpointed"
+    # everything above 2 MiB moved by gpucr: 64M + 16M + 3M(->4M) + pitched 3072*700 (->4M) + 32M of app VMM
+    assert ck["bytes_moved"] >= (64 + 16 + 4 + 2 + 32) * MiB
+    assert used() - idle == 0, "the driver's floor on simcuda is zero"
+    st = gpucr.status(app.pid)
+    assert st["state"] == "checkpointed" and st["level"] == "full"
+
+    rs = gpucr.restore(app.pid, timeout=10)
+    assert rs["state"] == "running"
+    after = app.ask("digest")
+    assert after["digest"] == before["digest"]
+    assert after["ptrs"] == before["ptrs"]
+    assert used() == running
+    # the application carries on: kernels on the restored memory give the right result
+    app.ask("work 5")
+    app.ask("work -5")
+    assert app.ask("digest")["digest"] == before["digest"]
+
+
+def test_data_level_keeps_context_and_skips_driver(sim_app):
+    app = sim_app("--sizes", "32M,8M")
+    before = app.ask("digest")
+    running = used()
+    ck = gpucr.checkpoint(app.pid, level="data")
+    assert ck["level"] == "data" and "control_out" not in ck["phases_s"]
+    assert sim_driver().state(app.pid) == ProcessState.RUNNING
+    # the 40 MiB are given back, the context (64 MiB on simcuda) stays
+    assert running - used() >= 40 * MiB
+    assert gpucr.status(app.pid)["level"] == "data"
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before
+
+
+def test_ten_cycles_with_work_between(sim_app):
+    app = sim_app("--sizes", "16M,4M,100K", "--vmm-mib", "8")
+    for i in range(10):
+        app.ask(f"work {i + 1}")
+        before = app.ask("digest")
+        gpucr.checkpoint(app.pid, level="full" if i % 2 == 0 else "data")
+        gpucr.restore(app.pid)
+        assert app.ask("digest") == before, f"cycle {i}"
+    assert gpucr.status(app.pid)["generation"] == 10
+
+
+def test_checkpoint_mid_loop_of_kernel_launches(sim_app):
+    app = sim_app("--sizes", "8M")
+    before = app.ask("digest")
+    app.ask("loop start")
+    time.sleep(0.2)
+    for _ in range(3):
+        gpucr.checkpoint(app.pid, timeout=10)
+        time.sleep(0.1)   # the loop thread is parked at the gate meanwhile
+        gpucr.restore(app.pid)
+        time.sleep(0.1)
+    out = app.ask("loop stop")
+    assert out["error"] is None and out["iterations"] > 10
+    assert app.ask("digest")["digest"] == before["digest"], "a launch was lost or doubled"
+
+
+def test_calls_in_flight_past_the_deadline_refuse_and_app_runs_on(sim_app):
+    app = sim_app("--sizes", "8M")
+    before = app.ask("digest")
+    app.ask("spin 3000")      # a kernel (a call in flight) that outlasts the deadline
+    time.sleep(0.2)
+    with pytest.raises(gpucr.GpucrError, match="in flight|did not finish"):
+        gpucr.checkpoint(app.pid, timeout=0.5)
+    assert gpucr.status(app.pid)["state"] == "running"
+    assert sim_driver().state(app.pid) == ProcessState.RUNNING
+    app.ask("work 1")
+    app.ask("work -1")
+    assert app.ask("digest")["digest"] == before["digest"]
+
+
+def test_allocations_after_restore_and_frees_are_tracked(sim_app):
+    app = sim_app("--sizes", "8M,4M")
+    gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid)
+    app.ask("alloc 6291456")
+    app.ask("free 0")
+    before = app.ask("digest")
+    st = gpucr.status(app.pid)
+    assert st["allocations"]["converted"] == 2
+    gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before
+
+
+def test_restore_refused_without_room_then_succeeds(sim_app, monkeypatch):
+    app = sim_app("--sizes", "64M")
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    # another workload takes nearly all of the simulated 4 GiB card meanwhile
+    hog = sim_app("--sizes", "4000M")
+    with pytest.raises(gpucr.GpucrError, match="not enough free GPU memory"):
+        gpucr.restore(app.pid)
+    assert gpucr.status(app.pid)["state"] == "checkpointed"
+    assert sim_driver().state(app.pid) == ProcessState.CHECKPOINTED
+    hog.close()
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before
