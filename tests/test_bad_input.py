@@ -84,3 +84,16 @@ def test_process_of_another_user(sim_app):
     one_line_error(r, "belongs to user root")
     assert sim_driver().state(app.pid).name == "RUNNING"
     assert app.ask("digest") == before
+
+
+def test_doctor_reports_and_advises():
+    import json
+    r = gpucr_cli("doctor", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    for key in ("hugepages_free", "memlock_limit", "driver", "gpu", "advice"):
+        assert key in d
+    env = dict(os.environ, LD_LIBRARY_PATH=str(paths.simcuda_dir()))
+    d = json.loads(gpucr_cli("doctor", "--json", env=env).stdout)
+    assert d["driver"]["checkpoint_api"] is True and d["driver"]["simulated"] is True
+    assert gpucr_cli("doctor").returncode == 0

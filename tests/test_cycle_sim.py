@@ -125,3 +125,50 @@ def test_restore_refused_without_room_then_succeeds(sim_app, monkeypatch):
     hog.close()
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
+
+
+def test_staging_file_backend_and_drop_policy(sim_app, tmp_path):
+    import os
+    sdir = tmp_path / "staging"
+    sdir.mkdir()
+    env = dict(os.environ, GPUCR_STAGING=f"file:{sdir}")
+    app = sim_app("--sizes", "16M,4M", env=env)
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    st = gpucr.status(app.pid)
+    assert st["staging"] == "file" and st["staging_bytes"] >= 20 * MiB
+    assert len(list(sdir.iterdir())) == st["staging_segments"] >= 1
+    gpucr.restore(app.pid, drop_staging=True)
+    assert app.ask("digest") == before
+    st = gpucr.status(app.pid)
+    assert st["staging_bytes"] == 0 and list(sdir.iterdir()) == []
+
+
+def test_staging_prepared_ahead_as_allocations_grow(sim_app):
+    import os
+    app = sim_app("--sizes", "32M", env=dict(os.environ, GPUCR_STAGING_AHEAD="1"))
+    deadline = time.time() + 10
+    while gpucr.status(app.pid)["staging_bytes"] < 32 * MiB and time.time() < deadline:
+        time.sleep(0.1)
+    st = gpucr.status(app.pid)
+    assert st["staging_ahead"] and st["staging_bytes"] >= 32 * MiB and st["generation"] == 0
+    app.ask(f"alloc {300 * MiB}")
+    deadline = time.time() + 10
+    while gpucr.status(app.pid)["staging_bytes"] < 332 * MiB and time.time() < deadline:
+        time.sleep(0.1)
+    assert gpucr.status(app.pid)["staging_bytes"] >= 332 * MiB
+    before = app.ask("digest")
+    ck = gpucr.checkpoint(app.pid)
+    assert ck["agent_ms"]["staging"] < 50, "staging was ready: the checkpoint must not prepare it"
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before
+
+
+def test_status_reports_every_phase_of_the_last_cycle(sim_app):
+    app = sim_app("--sizes", "8M")
+    gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid)
+    cyc = gpucr.status(app.pid)["last_cycle_ms"]
+    for k in ("staging", "gate", "sync", "copy_out", "release", "driver_lock", "control_out", "control_in", "data_in"):
+        assert k in cyc
+    assert cyc["control_out"] > 0 and cyc["control_in"] > 0 and cyc["bytes_out"] == cyc["bytes_in"] >= 8 * MiB

@@ -15,6 +15,7 @@
 #include <unistd.h>
 #include "dataplane.h"
 #include "registry.h"
+#include "staging.h"
 
 #define MAX_REQUEST 4096
 #define MAX_CLIENTS 8
@@ -26,6 +27,10 @@ static int g_clients;
 static pthread_mutex_t g_clients_mu = PTHREAD_MUTEX_INITIALIZER;
 
 const char *gpucr_runtime_dir(void) { return g_dir; }
+
+/* The controller's share of the last cycle (driver steps), which only it can time. */
+static struct { double driver_lock, control_out, control_in, driver_unlock; } g_notes;
+
 
 /* <GPUCR_RUNTIME_DIR> or $XDG_RUNTIME_DIR/gpucr or /tmp/gpucr-<uid>; the same rule as the Python side. */
 static int make_runtime_dir(void)
@@ -134,8 +139,13 @@ static void reply_status(struct jb *j)
     jb_end(j);
     jb_int(j, "bytes_left_to_driver", (long long)(left + g_reg.native_bytes + g_reg.pool_bytes));
     reg_unlock();
-    jb_int(j, "staging_bytes", (long long)st.staging_bytes);
-    jb_str(j, "staging", st.staging_kind);
+    struct staging_info si;
+    staging_get_info(&si);
+    jb_int(j, "staging_bytes", (long long)si.bytes);
+    jb_int(j, "staging_pinned_bytes", (long long)si.pinned_bytes);
+    jb_int(j, "staging_segments", si.segments);
+    jb_str(j, "staging", si.kind);
+    jb_bool(j, "staging_ahead", si.ahead);
     jb_sub(j, "last_cycle_ms");
     jb_dbl(j, "staging", st.last.staging);
     jb_dbl(j, "gate", st.last.gate);
@@ -143,12 +153,28 @@ static void reply_status(struct jb *j)
     jb_dbl(j, "copy_out", st.last.copy_out);
     jb_dbl(j, "release", st.last.release);
     jb_dbl(j, "data_in", st.last.copy_in);
+    jb_dbl(j, "driver_lock", g_notes.driver_lock);
+    jb_dbl(j, "control_out", g_notes.control_out);
+    jb_dbl(j, "control_in", g_notes.control_in);
+    jb_dbl(j, "driver_unlock", g_notes.driver_unlock);
     jb_int(j, "bytes_out", (long long)st.last.bytes_out);
     jb_int(j, "bytes_in", (long long)st.last.bytes_in);
     jb_end(j);
     char why[512];
     dp_preflight(why, sizeof why);
     jb_str(j, "refusal", why);
+}
+
+static long long arg_ll(const char *req, const char *key, long long dflt, long long max)
+{
+    char pat[64];
+    snprintf(pat, sizeof pat, " %s=", key);
+    const char *p = strstr(req, pat);
+    if (!p) return dflt;
+    char *end;
+    long long v = strtoll(p + strlen(pat), &end, 10);
+    if (end == p + strlen(pat) || (*end && *end != ' ') || v < 0 || v > max) return -1;
+    return v;
 }
 
 static int arg_int(const char *req, const char *key, int dflt)
@@ -159,7 +185,7 @@ static int arg_int(const char *req, const char *key, int dflt)
     if (!p) return dflt;
     char *end;
     long v = strtol(p + strlen(pat), &end, 10);
-    if (end == p + strlen(pat) || v < 0 || v > 24L * 3600 * 1000) return -1;
+    if (end == p + strlen(pat) || (*end && *end != ' ') || v < 0 || v > 24L * 3600 * 1000) return -1;
     return (int)v;
 }
 
@@ -174,6 +200,22 @@ static void handle(const char *req, struct jb *j)
     jb_open(j);
     if (!strcmp(verb, "hello")) { reply_hello(j); return; }
     if (!strcmp(verb, "status")) { reply_status(j); return; }
+    if (!strcmp(verb, "note")) {
+        /* microseconds of the driver steps, as the controller measured them */
+        const long long max = 86400LL * 1000000;
+        long long v[4] = {arg_ll(req, "driver_lock_us", 0, max), arg_ll(req, "control_out_us", 0, max),
+                          arg_ll(req, "control_in_us", 0, max), arg_ll(req, "driver_unlock_us", 0, max)};
+        for (int i = 0; i < 4; i++)
+            if (v[i] < 0) { reply_error(j, "note takes *_us=MICROSECONDS values"); return; }
+        if (strstr(req, " driver_lock_us=") || strstr(req, " control_out_us=")) {
+            g_notes.driver_lock = (double)v[0] / 1000; g_notes.control_out = (double)v[1] / 1000;
+        }
+        if (strstr(req, " control_in_us=") || strstr(req, " driver_unlock_us=")) {
+            g_notes.control_in = (double)v[2] / 1000; g_notes.driver_unlock = (double)v[3] / 1000;
+        }
+        jb_bool(j, "ok", true);
+        return;
+    }
     bool ckpt = !strcmp(verb, "checkpoint"), rest = !strcmp(verb, "restore");
     if (!ckpt && !rest) { reply_error(j, "unknown request verb"); return; }
     int timeout_ms = arg_int(req, "timeout_ms", 30000);
@@ -182,7 +224,10 @@ static void handle(const char *req, struct jb *j)
     if (pthread_mutex_trylock(&g_op) != 0) { reply_error(j, "busy: another checkpoint or restore of this process is in progress"); return; }
     char err[600] = "";
     gpucr_init();
-    int rc = ckpt ? dp_checkpoint(timeout_ms, err, sizeof err) : dp_restore(timeout_ms, err, sizeof err);
+    int drop = arg_int(req, "drop_staging", 0);
+    if (drop < 0 || drop > 1) { pthread_mutex_unlock(&g_op); reply_error(j, "drop_staging must be 0 or 1"); return; }
+    if (ckpt) g_notes.driver_lock = g_notes.control_out = g_notes.control_in = g_notes.driver_unlock = 0;
+    int rc = ckpt ? dp_checkpoint(timeout_ms, err, sizeof err) : dp_restore(timeout_ms, drop == 1, err, sizeof err);
     pthread_mutex_unlock(&g_op);
     if (rc) { reply_error(j, err); return; }
     reply_status(j);
@@ -334,6 +379,7 @@ __attribute__((constructor)) static void agent_start(void)
     const char *off = getenv("GPUCR_AGENT_DISABLE");
     if (off && *off && *off != '0') return;
     gpucr_channel_start();
+    staging_start_ahead();
     pthread_atfork(NULL, NULL, on_fork_child);
     atexit(remove_socket);
 }

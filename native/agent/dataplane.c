@@ -11,6 +11,7 @@
 #include <unistd.h>
 #include "dataplane.h"
 #include "registry.h"
+#include "staging.h"
 
 #define NSTREAMS 4
 #define CHUNK ((size_t)64 << 20)
@@ -21,14 +22,9 @@ static struct {
     enum agent_state state;
     long generation;
     struct phase_times last;
-    /* staging: one shared mapping, pinned once and reused by every later cycle */
-    int fd;
-    void *base;
-    size_t cap;
-    bool registered;
     struct ctx_streams streams[16];
     int nstreams;
-} g_dp = {.fd = -1};
+} g_dp;
 
 static double ms_since(int64_t t0) { return (double)(gpucr_now_ns() - t0) / 1e6; }
 
@@ -55,64 +51,13 @@ static struct ctx_streams *streams_for(CUcontext ctx)
     return cs;
 }
 
-static size_t host_available(void)
-{
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (!f) return (size_t)-1;
-    char line[256];
-    size_t kb = (size_t)-1 / 1024;
-    while (fgets(line, sizeof line, f))
-        if (sscanf(line, "MemAvailable: %zu kB", &kb) == 1) break;
-    fclose(f);
-    return kb * 1024;
-}
-
-static void staging_drop(void)
-{
-    if (g_dp.registered) gpucr_drv.cuMemHostUnregister(g_dp.base);
-    if (g_dp.base) munmap(g_dp.base, g_dp.cap);
-    if (g_dp.fd >= 0) close(g_dp.fd);
-    g_dp.base = NULL; g_dp.cap = 0; g_dp.fd = -1; g_dp.registered = false;
-}
-
-/* Staging of at least `need` bytes, pinned; kept for later cycles. Needs a current context. */
-static int staging_ensure(size_t need, char *err, size_t errlen)
-{
-    if (g_dp.base && g_dp.cap >= need) return 0;
-    size_t cap = (need + CHUNK - 1) / CHUNK * CHUNK;
-    size_t avail = host_available() + (g_dp.base ? g_dp.cap : 0);
-    if (cap > avail) {
-        seterr(err, errlen, "not enough host memory for staging: need %zu MiB, %zu MiB available; free host memory and retry",
-               cap >> 20, avail >> 20);
-        return -1;
-    }
-    staging_drop();
-    int fd = memfd_create("gpucr-staging", MFD_CLOEXEC);
-    if (fd < 0 || ftruncate(fd, (off_t)cap) != 0) {
-        seterr(err, errlen, "cannot create %zu MiB of staging: %s", cap >> 20, strerror(errno));
-        if (fd >= 0) close(fd);
-        return -1;
-    }
-    void *base = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
-    if (base == MAP_FAILED) {
-        seterr(err, errlen, "cannot map %zu MiB of staging: %s", cap >> 20, strerror(errno));
-        close(fd);
-        return -1;
-    }
-    g_dp.fd = fd; g_dp.base = base; g_dp.cap = cap;
-    CUresult rc = gpucr_drv.cuMemHostRegister_v2(base, cap, CU_MEMHOSTREGISTER_PORTABLE);
-    g_dp.registered = rc == CUDA_SUCCESS;
-    if (!g_dp.registered) gpucr_warn("staging could not be pinned (%s); copies will be slower", gpucr_cu_errstr(rc));
-    return 0;
-}
-
 /* Copy [off, off+size) of one allocation in chunks round-robin over its context's streams. */
 static CUresult copy_chunks(struct phys *p, CUdeviceptr va, bool out, int *turn)
 {
     struct ctx_streams *cs = streams_for(p->ctx);
     if (!cs) return CUDA_ERROR_OUT_OF_MEMORY;
     gpucr_drv.cuCtxSetCurrent(p->ctx);
-    char *host = (char *)g_dp.base + p->staging_off;
+    char *host = p->staging;
     for (size_t off = 0; off < p->size; off += CHUNK) {
         size_t n = p->size - off < CHUNK ? p->size - off : CHUNK;
         CUstream s = cs->s[(*turn)++ % NSTREAMS];
@@ -154,7 +99,8 @@ struct deadline_job {
     int (*fn)(struct deadline_job *);
     int rc;
     char err[256];
-    size_t need;                /* staging job: bytes wanted */
+    size_t *sizes;              /* staging job: the allocations to place */
+    int nsizes;
     CUcontext ctx;              /* staging job: context to register with */
     CUcontext ctxs[16];         /* sync job: contexts to synchronise */
     int nctx;
@@ -165,7 +111,7 @@ static void job_put(struct deadline_job *j)
     pthread_mutex_lock(&j->mu);
     bool last = --j->refs == 0;
     pthread_mutex_unlock(&j->mu);
-    if (last) { pthread_mutex_destroy(&j->mu); pthread_cond_destroy(&j->cv); free(j); }
+    if (last) { pthread_mutex_destroy(&j->mu); pthread_cond_destroy(&j->cv); free(j->sizes); free(j); }
 }
 
 static void *job_thread(void *arg)
@@ -234,7 +180,7 @@ static int staging_job(struct deadline_job *j)
 {
     pthread_mutex_lock(&g_staging_mu);
     gpucr_drv.cuCtxSetCurrent(j->ctx);
-    int rc = staging_ensure(j->need, j->err, sizeof j->err);
+    int rc = staging_fit(j->sizes, j->nsizes, j->err, sizeof j->err);
     pthread_mutex_unlock(&g_staging_mu);
     return rc;
 }
@@ -342,7 +288,7 @@ int dp_checkpoint(int timeout_ms, char *err, size_t errlen)
     size_t need = 0;
     CUcontext any_ctx = NULL;
     for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if (reg_phys_movable(p)) { p->staging_off = need; need += p->size; any_ctx = p->ctx; }
+        if (reg_phys_movable(p)) { need += p->size; any_ctx = p->ctx; }
     reg_unlock();
     struct phase_times t = {0};
     CUcontext saved = NULL;
@@ -352,7 +298,7 @@ int dp_checkpoint(int timeout_ms, char *err, size_t errlen)
     if (need) {
         struct deadline_job *j = job_new(staging_job);
         if (!j) { seterr(err, errlen, "out of host memory"); return -1; }
-        j->need = need;
+        j->sizes = staging_movable_sizes(&j->nsizes, NULL);
         j->ctx = any_ctx;
         int late = job_run(j, deadline), rc = j->rc;
         if (!late && rc) seterr(err, errlen, "%s; checkpoint refused, the application runs on", j->err);
@@ -400,8 +346,12 @@ int dp_checkpoint(int timeout_ms, char *err, size_t errlen)
     t0 = gpucr_now_ns();
     int turn = 0;
     rc = CUDA_SUCCESS;
-    for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
-        if (reg_phys_movable(p) && p->staging_off + p->size <= g_dp.cap) rc = copy_chunks(p, full_mapping(p)->va, true, &turn);
+    staging_rewind();
+    for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all) {
+        if (!reg_phys_movable(p)) continue;
+        p->staging = staging_take(p->size);
+        rc = p->staging ? copy_chunks(p, full_mapping(p)->va, true, &turn) : CUDA_ERROR_OUT_OF_MEMORY;
+    }
     CUresult src = sync_streams();
     if (rc == CUDA_SUCCESS) rc = src;
     t.copy_out = ms_since(t0);
@@ -434,7 +384,7 @@ int dp_checkpoint(int timeout_ms, char *err, size_t errlen)
     return 0;
 }
 
-int dp_restore(int timeout_ms, char *err, size_t errlen)
+int dp_restore(int timeout_ms, bool drop_staging, char *err, size_t errlen)
 {
     (void)timeout_ms;
     if (g_dp.state != AGENT_CHECKPOINTED) { seterr(err, errlen, "the process is not checkpointed"); return -1; }
@@ -475,6 +425,9 @@ int dp_restore(int timeout_ms, char *err, size_t errlen)
     g_dp.state = AGENT_RUNNING;
     g_dp.generation++;
     gpucr_gate_open();
+    /* policy: keep staging pinned for the next cycle (fast) or give the host memory back */
+    const char *policy = getenv("GPUCR_STAGING_POLICY");
+    if (drop_staging || (policy && !strcmp(policy, "drop"))) staging_drop();
     return 0;
 }
 
@@ -483,15 +436,11 @@ void dp_get_status(struct dp_status *out)
     out->state = g_dp.state;
     out->generation = g_dp.generation;
     out->last = g_dp.last;
-    out->staging_bytes = g_dp.cap;
-    out->staging_kind = g_dp.registered ? "memfd-pinned" : (g_dp.cap ? "memfd" : "none");
 }
 
 void dp_reset_after_fork(void)
 {
     /* the parent's staging and streams are not the child's: forget them without driver calls */
-    if (g_dp.base) munmap(g_dp.base, g_dp.cap);
-    if (g_dp.fd >= 0) close(g_dp.fd);
+    staging_reset_after_fork();
     memset(&g_dp, 0, sizeof g_dp);
-    g_dp.fd = -1;
 }

@@ -13,15 +13,13 @@ struct dp_status {
     enum agent_state state;
     long generation;            /* completed checkpoints */
     struct phase_times last;
-    size_t staging_bytes;
-    const char *staging_kind;
 };
 
 /* Close the gate, synchronise, copy every movable allocation out and release its physical memory.
  * On failure nothing is released, the gate is open again, and err says why. */
 int dp_checkpoint(int timeout_ms, char *err, size_t errlen);
 /* Re-create, re-map and copy back; then open the gate. On failure the process stays checkpointed. */
-int dp_restore(int timeout_ms, char *err, size_t errlen);
+int dp_restore(int timeout_ms, bool drop_staging, char *err, size_t errlen);
 void dp_get_status(struct dp_status *out);
 /* Coverage problems that make a checkpoint unsafe, as one line; empty when there are none. */
 void dp_preflight(char *why, size_t len);

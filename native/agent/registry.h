@@ -35,7 +35,7 @@ struct phys {
     size_t resv_size, user_size;
     /* checkpoint bookkeeping */
     bool released;              /* physical memory given back, data in staging */
-    size_t staging_off;
+    void *staging;              /* where its data waits in host staging */
     struct phys *next_all, *prev_all;
 };
 

@@ -28,6 +28,12 @@ def cmd_run(a: argparse.Namespace) -> int:
     if not cmd:
         raise GpucrError("nothing to run: give a command after '--', e.g. gpucr run -- python3 app.py")
     env = paths.run_env(simulate=a.simulate)
+    if a.staging:
+        env["GPUCR_STAGING"] = a.staging
+    if a.staging_ahead:
+        env["GPUCR_STAGING_AHEAD"] = "1"
+    if a.staging_policy:
+        env["GPUCR_STAGING_POLICY"] = a.staging_policy
     if a.simulate:
         print("gpucr: running on simcuda, the simulated driver (a test double; no GPU is used)", file=sys.stderr)
     try:
@@ -64,7 +70,7 @@ def cmd_restore(a: argparse.Namespace) -> int:
     rc = 0
     for pid in a.pids:
         try:
-            r = coordinator.restore(pid, timeout=a.timeout)
+            r = coordinator.restore(pid, timeout=a.timeout, drop_staging=a.drop_staging)
         except GpucrError as exc:
             print(f"gpucr: error: {exc}", file=sys.stderr)
             rc = 1
@@ -89,12 +95,16 @@ def _status_lines(st: dict[str, Any]) -> list[str]:
              f"({al.get('converted', 0)} converted, {al.get('app_vmm', 0)} application VMM)",
              f"  driver path  {_mib(st.get('bytes_left_to_driver', 0))} left to the driver's checkpoint "
              f"({al.get('native', 0)} small, {al.get('pool', 0)} pool, {al.get('vmm_left_to_driver', 0)} partial VMM)",
-             f"  staging      {_mib(st.get('staging_bytes', 0))} ({st.get('staging')})",
+             f"  staging      {_mib(st.get('staging_bytes', 0))} in {st.get('staging_segments', 0)} segments "
+             f"({st.get('staging')}, {_mib(st.get('staging_pinned_bytes', 0))} pinned"
+             f"{', prepared ahead' if st.get('staging_ahead') else ''})",
              f"  checkpoints  {st.get('generation', 0)} completed"]
     cyc = st.get("last_cycle_ms") or {}
     if any(cyc.get(k) for k in ("gate", "copy_out", "data_in")):
-        lines.append("  last cycle   " + ", ".join(f"{k.replace('_', ' ')} {cyc[k]:.1f} ms"
-                                                   for k in ("gate", "sync", "copy_out", "release", "data_in")))
+        lines.append("  last cycle   " + ", ".join(
+            f"{k.replace('_', ' ')} {cyc[k]:.1f} ms"
+            for k in ("staging", "gate", "sync", "copy_out", "release", "driver_lock", "control_out", "control_in",
+                      "driver_unlock", "data_in") if k in cyc))
     if st.get("refusal"):
         lines.append(f"  cannot checkpoint: {st['refusal']}")
     return lines
@@ -134,12 +144,23 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return demo.main(simulate=a.simulate, as_json=a.json)
 
 
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from . import doctor
+    return doctor.main(as_json=a.json)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="gpucr", description="Checkpoint and restore the GPU state of running CUDA processes.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="run a command under gpucr's agent")
     r.add_argument("--simulate", action="store_true", help="use simcuda, the simulated driver (test double), instead of a GPU")
+    r.add_argument("--staging", metavar="KIND", help="host staging: auto (hugetlbfs when hugepages are free, else "
+                   "shared memory; the default), hugetlbfs, shm, or file:DIR")
+    r.add_argument("--staging-ahead", action="store_true",
+                   help="prepare and pin staging in the background as allocations grow, so a checkpoint finds it ready")
+    r.add_argument("--staging-policy", choices=("keep", "drop"),
+                   help="after a restore, keep staging pinned for the next cycle (default) or give it back")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     r.set_defaults(fn=cmd_run)
 
@@ -161,6 +182,8 @@ def _parser() -> argparse.ArgumentParser:
 
     pid_cmd("checkpoint", cmd_checkpoint, "save a process's GPU memory and give the GPU back", True)
     pid_cmd("restore", cmd_restore, "put a checkpointed process's GPU memory back and let it run", False)
+    sub.choices["restore"].add_argument("--drop-staging", action="store_true",
+                                        help="give the host staging back after the restore (default: keep it for the next cycle)")
 
     s = sub.add_parser("status", help="state, tracked memory and last cycle's timings of one or all processes")
     s.add_argument("pid", type=int, nargs="?", metavar="PID")
@@ -170,6 +193,10 @@ def _parser() -> argparse.ArgumentParser:
     ps = sub.add_parser("ps", help="list the processes under gpucr")
     ps.add_argument("--json", action="store_true")
     ps.set_defaults(fn=cmd_ps)
+
+    dr = sub.add_parser("doctor", help="report hugepages, pinned-memory limits, driver and checkpoint API, with advice")
+    dr.add_argument("--json", action="store_true")
+    dr.set_defaults(fn=cmd_doctor)
 
     d = sub.add_parser("demo", help="run, checkpoint and restore a small workload (on the GPU if there is one)")
     d.add_argument("--simulate", action="store_true", help="use simcuda even if a GPU is present")

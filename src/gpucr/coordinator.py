@@ -95,6 +95,8 @@ def checkpoint(pid: int, level: str = "full", timeout: float = 30.0) -> dict[str
             except DriverError as exc:
                 _roll_back(drv, agent, pid)
                 raise GpucrError(f"{exc}; rolled back, process {pid} runs on with its data intact") from exc
+            agent.call("note", timeout=10.0, driver_lock_us=result["phases_s"]["driver_lock"] * 1e6,
+                       control_out_us=result["phases_s"]["control_out"] * 1e6)
             final = drv.state(pid)
             if final != ProcessState.CHECKPOINTED:
                 raise GpucrError(f"process {pid} ended in driver state {final.name.lower()} instead of checkpointed")
@@ -116,8 +118,11 @@ def _roll_back(drv: Driver, agent, pid: int) -> None:
         agent.call("restore", timeout=600.0)
 
 
-def restore(pid: int, timeout: float = 30.0) -> dict[str, Any]:
-    """Put every byte back at the same address and let the process carry on."""
+def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False) -> dict[str, Any]:
+    """Put every byte back at the same address and let the process carry on.
+
+    `drop_staging` gives the host staging back afterwards (else it stays pinned for the next cycle).
+    """
     if timeout <= 0:
         raise GpucrError("the timeout must be a positive number of seconds")
     t = targets.resolve(pid)
@@ -149,9 +154,13 @@ def restore(pid: int, timeout: float = 30.0) -> dict[str, Any]:
             t0 = time.perf_counter()
             drv.unlock(pid)
             result["phases_s"]["driver_unlock"] = time.perf_counter() - t0
+            ph = result["phases_s"]
+            agent.call("note", timeout=10.0, control_in_us=ph.get("control_in", 0) * 1e6,
+                       driver_unlock_us=ph["driver_unlock"] * 1e6)
         if st["state"] == "checkpointed":
             t0 = time.perf_counter()
-            out = agent.call("restore", timeout=_reply_timeout(timeout), timeout_ms=int(timeout * 1000))
+            out = agent.call("restore", timeout=_reply_timeout(timeout), timeout_ms=int(timeout * 1000),
+                             drop_staging=int(drop_staging))
             result["phases_s"]["data_in"] = time.perf_counter() - t0
             result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
     result["state"] = "running"

@@ -1,0 +1,284 @@
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
+#include "registry.h"
+#include "staging.h"
+
+#define HUGE_PAGE ((size_t)2 << 20)
+#define MIN_SEG ((size_t)256 << 20)
+#define TOUCH_THREADS 8
+
+enum kind { K_HUGETLB, K_SHM, K_FILE };
+static const char *const KIND_NAME[] = {"hugetlbfs", "shm", "file"};
+
+struct seg { int fd; void *base; size_t cap, used; bool pinned; enum kind kind; char path[300]; };
+
+static struct {
+    pthread_mutex_t mu;         /* guards segs: the preparer and a checkpoint may both grow it */
+    struct seg segs[STAGING_MAX_SEGS];
+    int n;
+    bool ahead;
+} S = {.mu = PTHREAD_MUTEX_INITIALIZER};
+
+static size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+static size_t meminfo(const char *key)
+{
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    size_t v = 0, klen = strlen(key);
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, key, klen) && line[klen] == ':') { v = strtoull(line + klen + 1, NULL, 10); break; }
+    fclose(f);
+    return v;
+}
+
+struct touch { char *base; size_t len, page; };
+static void *touch_range(void *arg)
+{
+    struct touch *t = arg;
+    for (size_t off = 0; off < t->len; off += t->page) ((volatile char *)t->base)[off] = 0;
+    return NULL;
+}
+
+/* Fault the pages in with several threads: one thread tops out well below the memory bandwidth. */
+static void touch_parallel(char *base, size_t len, size_t page)
+{
+    int n = TOUCH_THREADS;
+    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
+    if (cpus > 0 && cpus < n) n = (int)cpus;
+    size_t per = round_up(len / (size_t)n + 1, page);
+    pthread_t th[TOUCH_THREADS];
+    struct touch t[TOUCH_THREADS];
+    int started = 0;
+    sigset_t all, prev;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &prev);
+    for (int i = 0; i < n; i++) {
+        size_t off = (size_t)i * per;
+        if (off >= len) break;
+        t[i] = (struct touch){base + off, off + per > len ? len - off : per, page};
+        if (pthread_create(&th[i], NULL, touch_range, &t[i]) == 0) started++;
+        else touch_range(&t[i]);
+        if (started != i + 1) break;
+    }
+    pthread_sigmask(SIG_SETMASK, &prev, NULL);
+    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
+}
+
+/* The backend asked for with GPUCR_STAGING: auto (default), hugetlbfs, shm or file:DIR. */
+static enum kind wanted_kind(size_t cap, const char **dir)
+{
+    const char *v = getenv("GPUCR_STAGING");
+    *dir = NULL;
+    if (v && !strncmp(v, "file:", 5)) { *dir = v + 5; return K_FILE; }
+    if (v && !strcmp(v, "shm")) return K_SHM;
+    if (v && !strcmp(v, "hugetlbfs")) return K_HUGETLB;
+    /* auto: hugepages when enough are free */
+    return meminfo("HugePages_Free") * HUGE_PAGE >= cap ? K_HUGETLB : K_SHM;
+}
+
+static int seg_create(struct seg *g, size_t cap, char *err, size_t errlen)
+{
+    const char *dir;
+    char path[300] = "";
+    enum kind k = wanted_kind(round_up(cap, HUGE_PAGE), &dir);
+    int fd = -1;
+    if (k == K_HUGETLB) {
+        cap = round_up(cap, HUGE_PAGE);
+        fd = memfd_create("gpucr-staging", MFD_CLOEXEC | MFD_HUGETLB);
+        if (fd < 0 || ftruncate(fd, (off_t)cap) != 0) {
+            if (fd >= 0) close(fd);
+            if (getenv("GPUCR_STAGING") && !strcmp(getenv("GPUCR_STAGING"), "hugetlbfs")) {
+                snprintf(err, errlen, "cannot get %zu MiB of hugepages for staging (%s); reserve them with "
+                         "'echo N > /proc/sys/vm/nr_hugepages' or use GPUCR_STAGING=shm", cap >> 20, strerror(errno));
+                return -1;
+            }
+            fd = -1;
+            k = K_SHM;
+        }
+    }
+    if (k == K_SHM) {
+        fd = memfd_create("gpucr-staging", MFD_CLOEXEC);
+        if (fd >= 0 && ftruncate(fd, (off_t)cap) != 0) { close(fd); fd = -1; }
+    } else if (k == K_FILE) {
+        static int serial;
+        snprintf(path, sizeof path, "%s/gpucr-staging-%d-%d", dir, (int)getpid(), ++serial);
+        fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (fd >= 0 && ftruncate(fd, (off_t)cap) != 0) { close(fd); unlink(path); fd = -1; }
+    }
+    if (fd < 0) {
+        snprintf(err, errlen, "cannot create %zu MiB of %s staging: %s", cap >> 20, KIND_NAME[k], strerror(errno));
+        return -1;
+    }
+    void *base = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    if (base == MAP_FAILED) {
+        snprintf(err, errlen, "cannot map %zu MiB of %s staging: %s", cap >> 20, KIND_NAME[k], strerror(errno));
+        close(fd);
+        if (k == K_FILE) unlink(path);
+        return -1;
+    }
+    touch_parallel(base, cap, k == K_HUGETLB ? HUGE_PAGE : (size_t)sysconf(_SC_PAGESIZE));
+    *g = (struct seg){.fd = fd, .base = base, .cap = cap, .kind = k};
+    if (k == K_FILE) memcpy(g->path, path, sizeof g->path);
+    CUresult rc = gpucr_drv.cuMemHostRegister_v2(base, cap, CU_MEMHOSTREGISTER_PORTABLE);
+    g->pinned = rc == CUDA_SUCCESS;
+    if (!g->pinned) gpucr_log("staging segment of %zu MiB could not be pinned (%s): copies use the slower pageable path",
+                              cap >> 20, gpucr_cu_errstr(rc));
+    return 0;
+}
+
+/* Bytes of `sizes` that first fit, in this order, leaves without a place in the segments. */
+static size_t shortfall_locked(const size_t *sizes, int n)
+{
+    size_t used[STAGING_MAX_SEGS] = {0}, missing = 0;
+    for (int k = 0; k < n; k++) {
+        int i = 0;
+        while (i < S.n && S.segs[i].cap - used[i] < sizes[k]) i++;
+        if (i < S.n) used[i] += sizes[k]; else missing += sizes[k];
+    }
+    return missing;
+}
+
+int staging_fit(const size_t *sizes, int n, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&S.mu);
+    size_t missing = shortfall_locked(sizes, n);
+    int rc = 0;
+    if (missing) {
+        /* one new segment takes everything that did not fit, so the plan always succeeds */
+        size_t add = round_up(missing < MIN_SEG ? MIN_SEG : missing, HUGE_PAGE);
+        const char *dir;
+        enum kind k = wanted_kind(add, &dir);
+        size_t avail = k == K_HUGETLB ? meminfo("HugePages_Free") * HUGE_PAGE : meminfo("MemAvailable") * 1024;
+        if (k != K_FILE && add > avail) {
+            snprintf(err, errlen, "not enough host memory for staging: need %zu MiB more, %zu MiB available; free host "
+                     "memory (or use GPUCR_STAGING=file:DIR) and retry", add >> 20, avail >> 20);
+            rc = -1;
+        } else if (S.n == STAGING_MAX_SEGS) {
+            snprintf(err, errlen, "staging has reached %d segments; restart the process to consolidate", STAGING_MAX_SEGS);
+            rc = -1;
+        } else {
+            rc = seg_create(&S.segs[S.n], add, err, errlen);
+            if (rc == 0) S.n++;
+        }
+    }
+    pthread_mutex_unlock(&S.mu);
+    return rc;
+}
+
+void *staging_take(size_t size)
+{
+    /* first fit, in the order staging_fit planned with */
+    pthread_mutex_lock(&S.mu);
+    void *p = NULL;
+    for (int i = 0; i < S.n && !p; i++) {
+        struct seg *g = &S.segs[i];
+        if (g->cap - g->used >= size) { p = (char *)g->base + g->used; g->used += size; }
+    }
+    pthread_mutex_unlock(&S.mu);
+    return p;
+}
+
+void staging_rewind(void)
+{
+    pthread_mutex_lock(&S.mu);
+    for (int i = 0; i < S.n; i++) S.segs[i].used = 0;
+    pthread_mutex_unlock(&S.mu);
+}
+
+void staging_drop(void)
+{
+    pthread_mutex_lock(&S.mu);
+    for (int i = 0; i < S.n; i++) {
+        struct seg *g = &S.segs[i];
+        if (g->pinned) gpucr_drv.cuMemHostUnregister(g->base);
+        munmap(g->base, g->cap);
+        close(g->fd);
+        if (g->kind == K_FILE) unlink(g->path);
+    }
+    S.n = 0;
+    pthread_mutex_unlock(&S.mu);
+}
+
+void staging_get_info(struct staging_info *out)
+{
+    pthread_mutex_lock(&S.mu);
+    *out = (struct staging_info){.segments = S.n, .kind = S.n ? KIND_NAME[S.segs[S.n - 1].kind] : "none", .ahead = S.ahead};
+    for (int i = 0; i < S.n; i++) {
+        out->bytes += S.segs[i].cap;
+        if (S.segs[i].pinned) out->pinned_bytes += S.segs[i].cap;
+    }
+    pthread_mutex_unlock(&S.mu);
+}
+
+/* ---- preparing ahead: as the movable bytes grow, grow staging in the background ---- */
+/* The sizes of every allocation a checkpoint would move now, in registry order (as it moves them). */
+size_t *staging_movable_sizes(int *n, CUcontext *ctx)
+{
+    reg_lock();
+    int count = 0;
+    for (struct phys *p = g_reg.all; p; p = p->next_all)
+        if (reg_phys_movable(p) || p->released) count++;
+    size_t *sizes = malloc(sizeof *sizes * (size_t)(count ? count : 1));
+    int k = 0;
+    for (struct phys *p = g_reg.all; p && sizes; p = p->next_all)
+        if (reg_phys_movable(p) || p->released) { sizes[k++] = p->size; if (ctx) *ctx = p->ctx; }
+    reg_unlock();
+    *n = k;
+    return sizes;
+}
+
+static void *ahead_loop(void *arg)
+{
+    (void)arg;
+    for (;;) {
+        usleep(250 * 1000);
+        int n = 0;
+        CUcontext ctx = NULL;
+        size_t *sizes = staging_movable_sizes(&n, &ctx);
+        if (!sizes) continue;
+        pthread_mutex_lock(&S.mu);
+        size_t missing = shortfall_locked(sizes, n);
+        pthread_mutex_unlock(&S.mu);
+        char err[256];
+        if (missing && ctx) {
+            gpucr_drv.cuCtxSetCurrent(ctx);
+            if (staging_fit(sizes, n, err, sizeof err)) {
+                gpucr_log("preparing staging ahead: %s", err);
+                usleep(5 * 1000 * 1000);   /* host memory is short: do not spin on it */
+            }
+        }
+        free(sizes);
+    }
+    return NULL;
+}
+
+void staging_start_ahead(void)
+{
+    const char *v = getenv("GPUCR_STAGING_AHEAD");
+    if (!v || !*v || *v == '0' || S.ahead) return;
+    sigset_t all, prev;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &prev);
+    pthread_t th;
+    if (pthread_create(&th, NULL, ahead_loop, NULL) == 0) { pthread_detach(th); S.ahead = true; }
+    pthread_sigmask(SIG_SETMASK, &prev, NULL);
+}
+
+void staging_reset_after_fork(void)
+{
+    /* the parent's staging is the parent's: unmap our copy, never unregister or unlink it */
+    pthread_mutex_init(&S.mu, NULL);
+    for (int i = 0; i < S.n; i++) { munmap(S.segs[i].base, S.segs[i].cap); close(S.segs[i].fd); }
+    S.n = 0;
+    S.ahead = false;
+}

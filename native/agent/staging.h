@@ -1,0 +1,30 @@
+/* Host staging: where device data waits while the process is checkpointed. Segments of shared
+ * memory (2 MiB hugepages through hugetlbfs when the host has them free, else ordinary shared
+ * memory, or a file in a chosen directory), touched by several threads, pinned once with
+ * cuMemHostRegister and reused by every later cycle. */
+#ifndef GPUCR_STAGING_H
+#define GPUCR_STAGING_H
+#include "agent.h"
+
+#define STAGING_MAX_SEGS 64
+
+struct staging_info {
+    size_t bytes, pinned_bytes;
+    int segments;
+    const char *kind;           /* of the newest segment: "hugetlbfs", "shm", "file" or "none" */
+    bool ahead;                 /* prepared in the background as allocations grow */
+};
+
+/* Make room for allocations of these sizes, placed first fit in this order (adds at most one
+ * segment; never moves what exists). Needs a current context for pinning. 0, or -1 with err set. */
+int staging_fit(const size_t *sizes, int n, char *err, size_t errlen);
+size_t *staging_movable_sizes(int *n, CUcontext *ctx);   /* malloc'd; the caller frees */
+/* Hand out `size` bytes for this cycle (first fit); NULL if the capacity is exhausted. */
+void *staging_take(size_t size);
+void staging_rewind(void);      /* the next cycle hands out from the start again */
+void staging_drop(void);        /* give all host memory back */
+void staging_get_info(struct staging_info *out);
+/* Start the background preparer (GPUCR_STAGING_AHEAD=1): keeps capacity >= movable bytes. */
+void staging_start_ahead(void);
+void staging_reset_after_fork(void);
+#endif

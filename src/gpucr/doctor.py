@@ -1,0 +1,96 @@
+"""`gpucr doctor`: what on this host decides how fast and how safely gpucr can work."""
+from __future__ import annotations
+
+import os
+import resource
+from pathlib import Path
+from typing import Any
+
+from . import paths
+from .driver import Driver, _nvml_memory
+from .errors import GpucrError
+
+HUGE = 2 << 20
+
+
+def _meminfo() -> dict[str, int]:
+    out = {}
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        key, _, rest = line.partition(":")
+        out[key] = int(rest.split()[0])
+    return out
+
+
+def report() -> dict[str, Any]:
+    mi = _meminfo()
+    r: dict[str, Any] = {
+        "host_memory_available_bytes": mi.get("MemAvailable", 0) * 1024,
+        "hugepages_total": mi.get("HugePages_Total", 0),
+        "hugepages_free": mi.get("HugePages_Free", 0),
+        "hugepage_bytes": mi.get("Hugepagesize", 0) * 1024,
+        "memlock_limit": None if resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] == resource.RLIM_INFINITY
+        else resource.getrlimit(resource.RLIMIT_MEMLOCK)[0],
+        "runtime_dir": str(paths.runtime_dir()),
+    }
+    try:
+        r["transparent_hugepages"] = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
+    except OSError:
+        r["transparent_hugepages"] = None
+    try:
+        r["agent"] = str(paths.agent_lib())
+    except GpucrError as exc:
+        r["agent"] = None
+        r["agent_problem"] = str(exc)
+    gpu = _nvml_memory(0)
+    r["gpu"] = None if gpu is None else {"total_bytes": gpu.total, "used_bytes": gpu.used}
+    try:
+        drv = Driver("libcuda.so.1")
+        r["driver"] = {"library": drv.path, "cuda_version": drv.version(), "checkpoint_api": True, "simulated": drv.simulated}
+    except GpucrError as exc:
+        loaded = "cannot load" not in str(exc)
+        r["driver"] = {"problem": str(exc), "loaded": loaded, "checkpoint_api": False if loaded else None}
+    return r
+
+
+def advice(r: dict[str, Any]) -> list[str]:
+    tips = []
+    if r["hugepages_free"] == 0:
+        tips.append("no hugepages are reserved: staging falls back to 4 KiB shared memory, which takes ~2-4x longer "
+                    "to prepare; as root, reserve N GiB with: echo $((N*512)) > /proc/sys/vm/nr_hugepages")
+    if r["memlock_limit"] is not None and os.geteuid() != 0:   # root may pin past the limit
+        tips.append(f"the locked-memory limit is {r['memlock_limit'] >> 20} MiB; pinning staging may fail: raise it "
+                    "with 'ulimit -l unlimited' (or in /etc/security/limits.conf)")
+    if r["gpu"] is None:
+        tips.append("no NVIDIA GPU answered through NVML: only 'gpucr run --simulate' (simcuda, a test double) works here")
+    if r["driver"].get("loaded") is False:
+        tips.append("no CUDA driver (libcuda.so.1) could be loaded: install the NVIDIA driver, or use simcuda "
+                    "with 'gpucr run --simulate'")
+    elif not r["driver"].get("checkpoint_api"):
+        tips.append("the CUDA driver's checkpoint API is missing (driver 555 or newer has it): only --level data can work")
+    return tips
+
+
+def main(as_json: bool = False) -> int:
+    import json
+    r = report()
+    r["advice"] = advice(r)
+    if as_json:
+        print(json.dumps(r, indent=2))
+        return 0
+    gib = lambda b: f"{b / 2**30:.1f} GiB"
+    drv = r["driver"]
+    print(f"driver        {drv.get('library', 'libcuda.so.1')}: " + (f"CUDA {drv['cuda_version'] // 1000}.{drv['cuda_version'] % 1000 // 10}, "
+          f"checkpoint API present" if "cuda_version" in drv else drv.get("problem", "")))
+    print(f"gpu           " + ("none found (NVML)" if r["gpu"] is None else
+                               f"{gib(r['gpu']['total_bytes'])}, {gib(r['gpu']['used_bytes'])} in use"))
+    print(f"host memory   {gib(r['host_memory_available_bytes'])} available")
+    print(f"hugepages     {r['hugepages_free']} free of {r['hugepages_total']} ({gib(r['hugepages_free'] * r['hugepage_bytes'])})"
+          f"; transparent hugepages: {r['transparent_hugepages']}")
+    limit = "unlimited" if r["memlock_limit"] is None else f"{r['memlock_limit'] >> 20} MiB"
+    print(f"pinned memory limit (ulimit -l): {limit}"
+          + (" (root may exceed it)" if os.geteuid() == 0 else ""))
+    print(f"agent         {r['agent'] or r.get('agent_problem')}")
+    print(f"runtime dir   {r['runtime_dir']}")
+    for t in r["advice"]:
+        print(f"advice: {t}")
+    return 0
