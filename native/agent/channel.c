@@ -16,6 +16,7 @@
 #include "dataplane.h"
 #include "registry.h"
 #include "staging.h"
+#include "json.h"
 
 #define MAX_REQUEST 4096
 #define MAX_CLIENTS 8
@@ -49,39 +50,6 @@ static int make_runtime_dir(void)
     return 0;
 }
 
-/* ---- a tiny JSON writer ---- */
-struct jb { char buf[8192]; size_t len; bool first; };
-static void jb_raw(struct jb *j, const char *s)
-{
-    size_t n = strlen(s);
-    if (j->len + n < sizeof j->buf) { memcpy(j->buf + j->len, s, n); j->len += n; j->buf[j->len] = 0; }
-}
-static void jb_key(struct jb *j, const char *k)
-{
-    if (!j->first) jb_raw(j, ",");
-    j->first = false;
-    jb_raw(j, "\""); jb_raw(j, k); jb_raw(j, "\":");
-}
-static void jb_str(struct jb *j, const char *k, const char *v)
-{
-    jb_key(j, k);
-    jb_raw(j, "\"");
-    char esc[8];
-    for (const unsigned char *p = (const unsigned char *)v; *p; p++) {
-        if (*p == '"' || *p == '\\') { esc[0] = '\\'; esc[1] = (char)*p; esc[2] = 0; }
-        else if (*p < 0x20) snprintf(esc, sizeof esc, "\\u%04x", *p);
-        else { esc[0] = (char)*p; esc[1] = 0; }
-        jb_raw(j, esc);
-    }
-    jb_raw(j, "\"");
-}
-static void jb_int(struct jb *j, const char *k, long long v) { char s[32]; snprintf(s, sizeof s, "%lld", v); jb_key(j, k); jb_raw(j, s); }
-static void jb_dbl(struct jb *j, const char *k, double v) { char s[32]; snprintf(s, sizeof s, "%.3f", v); jb_key(j, k); jb_raw(j, s); }
-static void jb_bool(struct jb *j, const char *k, bool v) { jb_key(j, k); jb_raw(j, v ? "true" : "false"); }
-static void jb_open(struct jb *j) { j->len = 0; j->first = true; j->buf[0] = 0; jb_raw(j, "{"); }
-static void jb_sub(struct jb *j, const char *k) { jb_key(j, k); jb_raw(j, "{"); j->first = true; }
-static void jb_end(struct jb *j) { jb_raw(j, "}"); j->first = false; }
-
 /* Whether the process has loaded a CUDA driver, through the agent or on its own. */
 static bool cuda_present(void)
 {
@@ -112,6 +80,7 @@ static void reply_status(struct jb *j)
     jb_bool(j, "cuda", cuda_present());
     jb_bool(j, "simulated", gpucr_drv.simcudaIsSimulated && gpucr_drv.simcudaIsSimulated());
     jb_str(j, "state", st.state == AGENT_RUNNING ? "running" : "checkpointed");
+    jb_bool(j, "staged", st.staged);
     jb_int(j, "generation", st.generation);
     reg_lock();
     long n = 0, conv = 0, app = 0, kept = 0;
@@ -189,48 +158,85 @@ static int arg_int(const char *req, const char *key, int dflt)
     return (int)v;
 }
 
-static void reply_error(struct jb *j, const char *msg) { jb_open(j); jb_bool(j, "ok", false); jb_str(j, "error", msg); }
+#define reply_error jb_error
 
-static void handle(const char *req, struct jb *j)
+/* One connection. A checkpoint asked for with lease=1 belongs to its connection until the
+ * controller says "commit": if the connection ends first (the controller died), the agent rolls
+ * the process back to running by itself. */
+struct client {
+    int fd;
+    bool lease;                 /* this connection's checkpoint is not committed yet */
+    int fds[STAGING_MAX_SEGS];  /* to send with the answer (SCM_RIGHTS) */
+    int nfds;
+};
+
+static void reply_note(const char *req, struct jb *j)
+{
+    /* microseconds of the driver steps, as the controller measured them */
+    const long long max = 86400LL * 1000000;
+    long long v[4] = {arg_ll(req, "driver_lock_us", 0, max), arg_ll(req, "control_out_us", 0, max),
+                      arg_ll(req, "control_in_us", 0, max), arg_ll(req, "driver_unlock_us", 0, max)};
+    for (int i = 0; i < 4; i++)
+        if (v[i] < 0) { reply_error(j, "note takes *_us=MICROSECONDS values"); return; }
+    if (strstr(req, " driver_lock_us=") || strstr(req, " control_out_us=")) {
+        g_notes.driver_lock = (double)v[0] / 1000; g_notes.control_out = (double)v[1] / 1000;
+    }
+    if (strstr(req, " control_in_us=") || strstr(req, " driver_unlock_us=")) {
+        g_notes.control_in = (double)v[2] / 1000; g_notes.driver_unlock = (double)v[3] / 1000;
+    }
+    jb_bool(j, "ok", true);
+}
+
+/* Requests that change the process: one at a time (a second controller is told "busy"). */
+static void handle_op(const char *verb, const char *req, struct jb *j, struct client *c)
+{
+    int timeout_ms = arg_int(req, "timeout_ms", 30000);
+    int drop = arg_int(req, "drop_staging", 0), lease = arg_int(req, "lease", 0);
+    if (timeout_ms <= 0) { reply_error(j, "timeout_ms must be a positive number of milliseconds"); return; }
+    if (drop < 0 || drop > 1 || lease < 0 || lease > 1) { reply_error(j, "drop_staging and lease must be 0 or 1"); return; }
+    if (!cuda_present()) { reply_error(j, "the process has not loaded the CUDA driver: nothing to checkpoint"); return; }
+    if (pthread_mutex_trylock(&g_op) != 0) { reply_error(j, "busy: another checkpoint or restore of this process is in progress"); return; }
+    gpucr_init();
+    char err[600] = "";
+    int rc;
+    bool status_after = true;
+    if (!strcmp(verb, "checkpoint")) {
+        g_notes.driver_lock = g_notes.control_out = g_notes.control_in = g_notes.driver_unlock = 0;
+        rc = dp_checkpoint(timeout_ms, err, sizeof err);
+        if (rc == 0 && lease) c->lease = true;
+    } else if (!strcmp(verb, "restore")) {
+        rc = dp_restore(timeout_ms, drop == 1, err, sizeof err);
+        if (rc == 0) c->lease = false;
+    } else if (!strcmp(verb, "layout")) {
+        rc = dp_layout(j, c->fds, &c->nfds, STAGING_MAX_SEGS, err, sizeof err);
+        status_after = false;
+    } else if (!strcmp(verb, "drop")) {
+        rc = dp_drop_staged(err, sizeof err);
+    } else if (!strcmp(verb, "unpin")) {
+        rc = dp_unpin(err, sizeof err);
+    } else {   /* stage */
+        rc = dp_stage(err, sizeof err);
+    }
+    pthread_mutex_unlock(&g_op);
+    if (rc) { c->nfds = 0; reply_error(j, err); return; }
+    if (status_after) reply_status(j);
+}
+
+static void handle(const char *req, struct jb *j, struct client *c)
 {
     char verb[32] = "";
     size_t vl = strcspn(req, " ");
     if (vl == 0 || vl >= sizeof verb) { reply_error(j, "malformed request: expected 'VERB [key=value ...]'"); return; }
     memcpy(verb, req, vl);
     jb_open(j);
-    if (!strcmp(verb, "hello")) { reply_hello(j); return; }
-    if (!strcmp(verb, "status")) { reply_status(j); return; }
-    if (!strcmp(verb, "note")) {
-        /* microseconds of the driver steps, as the controller measured them */
-        const long long max = 86400LL * 1000000;
-        long long v[4] = {arg_ll(req, "driver_lock_us", 0, max), arg_ll(req, "control_out_us", 0, max),
-                          arg_ll(req, "control_in_us", 0, max), arg_ll(req, "driver_unlock_us", 0, max)};
-        for (int i = 0; i < 4; i++)
-            if (v[i] < 0) { reply_error(j, "note takes *_us=MICROSECONDS values"); return; }
-        if (strstr(req, " driver_lock_us=") || strstr(req, " control_out_us=")) {
-            g_notes.driver_lock = (double)v[0] / 1000; g_notes.control_out = (double)v[1] / 1000;
-        }
-        if (strstr(req, " control_in_us=") || strstr(req, " driver_unlock_us=")) {
-            g_notes.control_in = (double)v[2] / 1000; g_notes.driver_unlock = (double)v[3] / 1000;
-        }
-        jb_bool(j, "ok", true);
-        return;
-    }
-    bool ckpt = !strcmp(verb, "checkpoint"), rest = !strcmp(verb, "restore");
-    if (!ckpt && !rest) { reply_error(j, "unknown request verb"); return; }
-    int timeout_ms = arg_int(req, "timeout_ms", 30000);
-    if (timeout_ms <= 0) { reply_error(j, "timeout_ms must be a positive number of milliseconds"); return; }
-    if (!cuda_present()) { reply_error(j, "the process has not loaded the CUDA driver: nothing to checkpoint"); return; }
-    if (pthread_mutex_trylock(&g_op) != 0) { reply_error(j, "busy: another checkpoint or restore of this process is in progress"); return; }
-    char err[600] = "";
-    gpucr_init();
-    int drop = arg_int(req, "drop_staging", 0);
-    if (drop < 0 || drop > 1) { pthread_mutex_unlock(&g_op); reply_error(j, "drop_staging must be 0 or 1"); return; }
-    if (ckpt) g_notes.driver_lock = g_notes.control_out = g_notes.control_in = g_notes.driver_unlock = 0;
-    int rc = ckpt ? dp_checkpoint(timeout_ms, err, sizeof err) : dp_restore(timeout_ms, drop == 1, err, sizeof err);
-    pthread_mutex_unlock(&g_op);
-    if (rc) { reply_error(j, err); return; }
-    reply_status(j);
+    if (!strcmp(verb, "hello")) reply_hello(j);
+    else if (!strcmp(verb, "status")) reply_status(j);
+    else if (!strcmp(verb, "note")) reply_note(req, j);
+    else if (!strcmp(verb, "commit")) { c->lease = false; jb_bool(j, "ok", true); }
+    else if (!strcmp(verb, "checkpoint") || !strcmp(verb, "restore") || !strcmp(verb, "layout") ||
+             !strcmp(verb, "drop") || !strcmp(verb, "stage") || !strcmp(verb, "unpin"))
+        handle_op(verb, req, j, c);
+    else reply_error(j, "unknown request verb");
 }
 
 static bool peer_allowed(int fd)
@@ -241,58 +247,91 @@ static bool peer_allowed(int fd)
     return cr.uid == getuid() || cr.uid == 0;
 }
 
-static void send_line(int fd, struct jb *j)
+/* Send the answer; file descriptors, if any, ride along with its first byte. */
+static void send_answer(struct client *c, struct jb *j)
 {
-    jb_raw(j, "}\n");
+    jb_close(j);
     size_t off = 0;
+    if (c->nfds > 0) {
+        char ctl[CMSG_SPACE(sizeof(int) * STAGING_MAX_SEGS)];
+        memset(ctl, 0, sizeof ctl);
+        struct iovec iov = {j->buf, j->len};
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl,
+                            .msg_controllen = CMSG_SPACE(sizeof(int) * (size_t)c->nfds)};
+        struct cmsghdr *cm = CMSG_FIRSTHDR(&mh);
+        cm->cmsg_level = SOL_SOCKET;
+        cm->cmsg_type = SCM_RIGHTS;
+        cm->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)c->nfds);
+        memcpy(CMSG_DATA(cm), c->fds, sizeof(int) * (size_t)c->nfds);
+        ssize_t n = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
+        c->nfds = 0;
+        if (n <= 0) return;
+        off = (size_t)n;
+    }
     while (off < j->len) {
-        ssize_t n = send(fd, j->buf + off, j->len - off, MSG_NOSIGNAL);
+        ssize_t n = send(c->fd, j->buf + off, j->len - off, MSG_NOSIGNAL);
         if (n <= 0) return;
         off += (size_t)n;
     }
 }
 
+/* The controller that checkpointed under a lease is gone before committing: undo it. */
+static void roll_back_abandoned(void)
+{
+    pthread_mutex_lock(&g_op);
+    struct dp_status st;
+    dp_get_status(&st);
+    if (st.state == AGENT_CHECKPOINTED && st.staged) {
+        char err[600] = "";
+        /* if the driver holds the process locked, this waits until a new controller unlocks it */
+        if (dp_restore(30000, false, err, sizeof err)) gpucr_warn("rolling back an abandoned checkpoint failed: %s", err);
+        else gpucr_warn("the controller went away during a checkpoint: rolled back, the application runs on");
+    }
+    pthread_mutex_unlock(&g_op);
+}
+
 static void *serve_client(void *arg)
 {
-    int fd = (int)(intptr_t)arg;
-    struct jb *j = malloc(sizeof *j);
+    struct client c = {.fd = (int)(intptr_t)arg};
+    struct jb j = {0};
     char *req = malloc(MAX_REQUEST + 1);
     size_t have = 0;
-    if (!j || !req) goto out;
-    if (!peer_allowed(fd)) {
-        reply_error(j, "permission denied: only the process's own user or root may control it");
-        send_line(fd, j);
+    if (!req) goto out;
+    if (!peer_allowed(c.fd)) {
+        reply_error(&j, "permission denied: only the process's own user or root may control it");
+        send_answer(&c, &j);
         goto out;
     }
     for (;;) {
-        ssize_t n = recv(fd, req + have, MAX_REQUEST - have, 0);
+        ssize_t n = recv(c.fd, req + have, MAX_REQUEST - have, 0);
         if (n <= 0) break;
         have += (size_t)n;
         char *nl;
         while ((nl = memchr(req, '\n', have))) {
             *nl = 0;
             size_t used = (size_t)(nl - req) + 1;
-            if (memchr(req, 0, used - 1)) reply_error(j, "malformed request: NUL byte");
-            else handle(req, j);
-            send_line(fd, j);
+            if (memchr(req, 0, used - 1)) reply_error(&j, "malformed request: NUL byte");
+            else handle(req, &j, &c);
+            send_answer(&c, &j);
             memmove(req, req + used, have - used);
             have -= used;
         }
         if (have == MAX_REQUEST) {
-            reply_error(j, "request too long (at most 4096 bytes)");
-            send_line(fd, j);
+            reply_error(&j, "request too long (at most 4096 bytes)");
+            send_answer(&c, &j);
             /* read what the client still sends, briefly, so closing does not reset the answer away */
-            shutdown(fd, SHUT_WR);
+            shutdown(c.fd, SHUT_WR);
             struct timeval tv = {1, 0};
-            setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-            while (recv(fd, req, MAX_REQUEST, 0) > 0) {}
+            setsockopt(c.fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+            while (recv(c.fd, req, MAX_REQUEST, 0) > 0) {}
             break;
         }
     }
 out:
-    free(j);
+    if (c.lease) roll_back_abandoned();
+    jb_free(&j);
     free(req);
-    close(fd);
+    close(c.fd);
     pthread_mutex_lock(&g_clients_mu);
     g_clients--;
     pthread_mutex_unlock(&g_clients_mu);
@@ -306,7 +345,7 @@ static void *accept_loop(void *arg)
         int fd = accept4(g_listen, NULL, NULL, SOCK_CLOEXEC);
         if (fd < 0) { if (errno == EINTR || errno == ECONNABORTED) continue; break; }
         /* a client that stops mid-request must not hold its thread for ever */
-        struct timeval tv = {60, 0};
+        struct timeval tv = {3600, 0};
         setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
         pthread_mutex_lock(&g_clients_mu);
         bool room = g_clients < MAX_CLIENTS;

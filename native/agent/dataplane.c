@@ -21,6 +21,7 @@ struct ctx_streams { CUcontext ctx; CUstream s[NSTREAMS]; };
 static struct {
     enum agent_state state;
     long generation;
+    bool staged;                /* while checkpointed: the data is in staging (not only in an image) */
     struct phase_times last;
     struct ctx_streams streams[16];
     int nstreams;
@@ -86,6 +87,12 @@ static const struct mapping *full_mapping(const struct phys *p)
     for (const struct mapping *m = p->maps; m; m = m->next)
         if (m->offset == 0 && m->size == p->size && m->ndesc > 0) return m;
     return NULL;
+}
+
+static CUdeviceptr full_mapping_va(const struct phys *p)
+{
+    const struct mapping *m = full_mapping(p);
+    return m ? m->va : 0;
 }
 
 /* ---- work with a deadline: cuCtxSynchronize and cuMemHostRegister have none (the latter may wait
@@ -379,6 +386,8 @@ int dp_checkpoint(int timeout_ms, char *err, size_t errlen)
     t.copy_in = 0;
     g_dp.last = t;
     g_dp.state = AGENT_CHECKPOINTED;
+    g_dp.staged = true;
+    g_dp.generation++;
     gpucr_log("checkpointed %zu bytes: gate %.1f ms, sync %.1f ms, copy %.1f ms, release %.1f ms", need, t.gate, t.sync,
               t.copy_out, t.release);
     return 0;
@@ -388,6 +397,10 @@ int dp_restore(int timeout_ms, bool drop_staging, char *err, size_t errlen)
 {
     (void)timeout_ms;
     if (g_dp.state != AGENT_CHECKPOINTED) { seterr(err, errlen, "the process is not checkpointed"); return -1; }
+    if (!g_dp.staged) {
+        seterr(err, errlen, "the process's data is not in host memory: restore it from its image (gpucr restore --image DIR)");
+        return -1;
+    }
     size_t need = 0;
     CUcontext any_ctx = NULL;
     for (struct phys *p = g_reg.all; p; p = p->next_all)
@@ -423,7 +436,6 @@ int dp_restore(int timeout_ms, bool drop_staging, char *err, size_t errlen)
     g_dp.last.copy_in = both;
     g_dp.last.bytes_in = need;
     g_dp.state = AGENT_RUNNING;
-    g_dp.generation++;
     gpucr_gate_open();
     /* policy: keep staging pinned for the next cycle (fast) or give the host memory back */
     const char *policy = getenv("GPUCR_STAGING_POLICY");
@@ -433,6 +445,7 @@ int dp_restore(int timeout_ms, bool drop_staging, char *err, size_t errlen)
 
 void dp_get_status(struct dp_status *out)
 {
+    out->staged = g_dp.staged;
     out->state = g_dp.state;
     out->generation = g_dp.generation;
     out->last = g_dp.last;
@@ -443,4 +456,88 @@ void dp_reset_after_fork(void)
     /* the parent's staging and streams are not the child's: forget them without driver calls */
     staging_reset_after_fork();
     memset(&g_dp, 0, sizeof g_dp);
+}
+
+/* ---- handing the staged data to the controller (images) ---- */
+
+int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t errlen)
+{
+    if (g_dp.state != AGENT_CHECKPOINTED || !g_dp.staged) {
+        seterr(err, errlen, g_dp.state != AGENT_CHECKPOINTED ? "the process is not checkpointed" : "the data is not staged");
+        return -1;
+    }
+    size_t sizes[STAGING_MAX_SEGS];
+    const char *kinds[STAGING_MAX_SEGS];
+    *nfds = staging_segments(fds, sizes, kinds, maxfds);
+    jb_bool(j, "ok", true);
+    jb_int(j, "generation", g_dp.generation);
+    jb_arr(j, "segments");
+    for (int i = 0; i < *nfds; i++) {
+        jb_sub(j, NULL);
+        jb_int(j, "index", i);
+        jb_int(j, "bytes", (long long)sizes[i]);
+        jb_str(j, "kind", kinds[i]);
+        jb_end(j);
+    }
+    jb_arr_end(j);
+    jb_arr(j, "allocations");
+    reg_lock();
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        if (!p->released) continue;
+        int seg = -1;
+        size_t off = 0;
+        if (!p->staging || staging_locate(p->staging, &seg, &off)) continue;
+        jb_sub(j, NULL);
+        jb_int(j, "va", (long long)full_mapping_va(p));
+        jb_int(j, "bytes", (long long)p->size);
+        jb_str(j, "kind", p->kind == PHYS_CONVERTED ? "converted" : "app_vmm");
+        jb_int(j, "segment", seg);
+        jb_int(j, "offset", (long long)off);
+        jb_end(j);
+    }
+    reg_unlock();
+    jb_arr_end(j);
+    return 0;
+}
+
+int dp_drop_staged(char *err, size_t errlen)
+{
+    if (g_dp.state != AGENT_CHECKPOINTED || !g_dp.staged) {
+        seterr(err, errlen, g_dp.state != AGENT_CHECKPOINTED ? "the process is not checkpointed" : "the data is not staged");
+        return -1;
+    }
+    for (struct phys *p = g_reg.all; p; p = p->next_all) p->staging = NULL;
+    staging_drop();
+    g_dp.staged = false;
+    return 0;
+}
+
+int dp_unpin(char *err, size_t errlen)
+{
+    if (g_dp.state != AGENT_CHECKPOINTED) { seterr(err, errlen, "the process is not checkpointed"); return -1; }
+    staging_unpin();
+    return 0;
+}
+
+int dp_stage(char *err, size_t errlen)
+{
+    if (g_dp.state != AGENT_CHECKPOINTED || g_dp.staged) {
+        seterr(err, errlen, g_dp.state != AGENT_CHECKPOINTED ? "the process is not checkpointed" : "the data is already staged");
+        return -1;
+    }
+    int n = 0, k = 0;
+    CUcontext ctx = NULL;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) if (p->released) { n++; ctx = p->ctx; }
+    size_t *sizes = malloc(sizeof *sizes * (size_t)(n ? n : 1));
+    if (!sizes) { seterr(err, errlen, "out of host memory"); return -1; }
+    for (struct phys *p = g_reg.all; p; p = p->next_all) if (p->released) sizes[k++] = p->size;
+    if (ctx) gpucr_drv.cuCtxSetCurrent(ctx);
+    int rc = staging_fit(sizes, n, err, errlen);
+    free(sizes);
+    if (rc) return -1;
+    staging_rewind();
+    for (struct phys *p = g_reg.all; p; p = p->next_all)
+        if (p->released) p->staging = staging_take(p->size);
+    g_dp.staged = true;
+    return 0;
 }

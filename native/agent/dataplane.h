@@ -1,6 +1,7 @@
 #ifndef GPUCR_DATAPLANE_H
 #define GPUCR_DATAPLANE_H
 #include "agent.h"
+#include "json.h"
 
 struct phase_times {            /* milliseconds of the last cycle's phases */
     double staging, gate, sync, copy_out, release, copy_in;
@@ -11,6 +12,7 @@ enum agent_state { AGENT_RUNNING, AGENT_CHECKPOINTED };
 
 struct dp_status {
     enum agent_state state;
+    bool staged;
     long generation;            /* completed checkpoints */
     struct phase_times last;
 };
@@ -24,4 +26,10 @@ void dp_get_status(struct dp_status *out);
 /* Coverage problems that make a checkpoint unsafe, as one line; empty when there are none. */
 void dp_preflight(char *why, size_t len);
 void dp_reset_after_fork(void);
+/* Images: describe the staged data and hand out the staging segments' fds; give staging up once
+ * the data is safe in an image; re-create staging to be filled from an image before a restore. */
+int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t errlen);
+int dp_drop_staged(char *err, size_t errlen);
+int dp_stage(char *err, size_t errlen);
+int dp_unpin(char *err, size_t errlen);
 #endif

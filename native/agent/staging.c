@@ -209,6 +209,35 @@ void staging_drop(void)
     pthread_mutex_unlock(&S.mu);
 }
 
+void staging_unpin(void)
+{
+    pthread_mutex_lock(&S.mu);
+    for (int i = 0; i < S.n; i++)
+        if (S.segs[i].pinned) { gpucr_drv.cuMemHostUnregister(S.segs[i].base); S.segs[i].pinned = false; }
+    pthread_mutex_unlock(&S.mu);
+}
+
+int staging_locate(const void *p, int *seg, size_t *off)
+{
+    pthread_mutex_lock(&S.mu);
+    int found = -1;
+    for (int i = 0; i < S.n; i++) {
+        const char *b = S.segs[i].base;
+        if ((const char *)p >= b && (const char *)p < b + S.segs[i].cap) { *seg = i; *off = (size_t)((const char *)p - b); found = 0; break; }
+    }
+    pthread_mutex_unlock(&S.mu);
+    return found;
+}
+
+int staging_segments(int *fds, size_t *sizes, const char **kinds, int max)
+{
+    pthread_mutex_lock(&S.mu);
+    int n = S.n < max ? S.n : max;
+    for (int i = 0; i < n; i++) { fds[i] = S.segs[i].fd; sizes[i] = S.segs[i].cap; kinds[i] = KIND_NAME[S.segs[i].kind]; }
+    pthread_mutex_unlock(&S.mu);
+    return n;
+}
+
 void staging_get_info(struct staging_info *out)
 {
     pthread_mutex_lock(&S.mu);
@@ -227,11 +256,11 @@ size_t *staging_movable_sizes(int *n, CUcontext *ctx)
     reg_lock();
     int count = 0;
     for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if (reg_phys_movable(p) || p->released) count++;
+        if (reg_phys_movable(p) && !p->released) count++;
     size_t *sizes = malloc(sizeof *sizes * (size_t)(count ? count : 1));
     int k = 0;
     for (struct phys *p = g_reg.all; p && sizes; p = p->next_all)
-        if (reg_phys_movable(p) || p->released) { sizes[k++] = p->size; if (ctx) *ctx = p->ctx; }
+        if (reg_phys_movable(p) && !p->released) { sizes[k++] = p->size; if (ctx) *ctx = p->ctx; }
     reg_unlock();
     *n = k;
     return sizes;
@@ -242,6 +271,7 @@ static void *ahead_loop(void *arg)
     (void)arg;
     for (;;) {
         usleep(250 * 1000);
+        if (gpucr_gate_is_closed()) continue;   /* checkpointed or checkpointing: staging is not to grow now */
         int n = 0;
         CUcontext ctx = NULL;
         size_t *sizes = staging_movable_sizes(&n, &ctx);

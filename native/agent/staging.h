@@ -23,7 +23,14 @@ size_t *staging_movable_sizes(int *n, CUcontext *ctx);   /* malloc'd; the caller
 void *staging_take(size_t size);
 void staging_rewind(void);      /* the next cycle hands out from the start again */
 void staging_drop(void);        /* give all host memory back */
+/* Unpin every segment (before the driver locks the process, when the data is headed for an image:
+ * dropping pinned memory later would need the driver while it holds the process). */
+void staging_unpin(void);
 void staging_get_info(struct staging_info *out);
+/* Segment index and offset of a staging address; -1 if it is not in staging. */
+int staging_locate(const void *p, int *seg, size_t *off);
+/* The segments' file descriptors (to hand to the controller), sizes and kinds; returns the count. */
+int staging_segments(int *fds, size_t *sizes, const char **kinds, int max);
 /* Start the background preparer (GPUCR_STAGING_AHEAD=1): keeps capacity >= movable bytes. */
 void staging_start_ahead(void);
 void staging_reset_after_fork(void);

@@ -2,13 +2,14 @@
 from __future__ import annotations
 
 import json
+import os
 import socket
 from pathlib import Path
 from typing import Any
 
 from .errors import GpucrError
 
-MAX_REPLY = 1 << 20
+MAX_REPLY = 64 << 20
 
 
 class AgentClient:
@@ -37,12 +38,25 @@ class AgentClient:
 
     def call(self, verb: str, timeout: float = 30.0, **args: int) -> dict[str, Any]:
         """Send one request and return the agent's answer; raise GpucrError when it says no."""
+        reply, fds = self._call(verb, timeout, False, args)
+        return reply
+
+    def call_with_fds(self, verb: str, timeout: float = 30.0, **args: int) -> tuple[dict[str, Any], list[int]]:
+        """Like call, for answers that carry file descriptors (the staging segments); the caller closes them."""
+        return self._call(verb, timeout, True, args)
+
+    def _call(self, verb: str, timeout: float, want_fds: bool, args: dict) -> tuple[dict[str, Any], list[int]]:
         line = " ".join([verb, *(f"{k}={int(v)}" for k, v in args.items())]) + "\n"
         self._sock.settimeout(timeout)
+        fds: list[int] = []
         try:
             self._sock.sendall(line.encode())
             while b"\n" not in self._buf:
-                chunk = self._sock.recv(65536)
+                if want_fds and not fds:
+                    chunk, got, _, _ = socket.recv_fds(self._sock, 65536, 64)
+                    fds.extend(got)
+                else:
+                    chunk = self._sock.recv(65536)
                 if not chunk:
                     raise GpucrError(f"process {self.pid} closed the control channel during '{verb}' (did it exit?)")
                 self._buf += chunk
@@ -56,7 +70,14 @@ class AgentClient:
         try:
             reply = json.loads(raw)
         except ValueError as exc:
+            _close_all(fds)
             raise GpucrError(f"process {self.pid} sent a malformed answer to '{verb}'") from exc
         if not reply.get("ok"):
+            _close_all(fds)
             raise GpucrError(f"process {self.pid}: {reply.get('error', 'request failed')}")
-        return reply
+        return reply, fds
+
+
+def _close_all(fds: list[int]) -> None:
+    for fd in fds:
+        os.close(fd)

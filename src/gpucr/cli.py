@@ -47,11 +47,17 @@ def cmd_lib(a: argparse.Namespace) -> int:
     return 0
 
 
+def _image_dir(base: str, pid: int, count: int) -> str:
+    """One directory per process when several are named: DIR/PID."""
+    return os.path.join(base, str(pid)) if count > 1 else base
+
+
 def cmd_checkpoint(a: argparse.Namespace) -> int:
     rc = 0
     for pid in a.pids:
         try:
-            r = coordinator.checkpoint(pid, level=a.level, timeout=a.timeout)
+            r = coordinator.checkpoint(pid, level=a.level, timeout=a.timeout,
+                                       image=_image_dir(a.image, pid, len(a.pids)) if a.image else None)
         except GpucrError as exc:
             print(f"gpucr: error: {exc}", file=sys.stderr)
             rc = 1
@@ -63,6 +69,11 @@ def cmd_checkpoint(a: argparse.Namespace) -> int:
             print(f"process {pid}: checkpointed (level {r['level']}); {_mib(r['bytes_moved'])} moved by gpucr, "
                   f"{_mib(r['bytes_left_to_driver'])} left to the driver; GPU memory used {_mib(used['before'])} -> "
                   f"{_mib(used['after'])}; {_fmt_phases(r['phases_s'])}")
+            if "image" in r:
+                im = r["image"]
+                print(f"  image {im['dir']}: {_mib(im['bytes'])} ({_mib(im['bytes_written'])} written, zero chunks skipped) "
+                      f"in {im['seconds']:.2f} s, {im['gb_per_s']:.2f} GB/s{' (direct I/O)' if im['direct_io'] else ''}; "
+                      "host staging released")
     return rc
 
 
@@ -70,7 +81,8 @@ def cmd_restore(a: argparse.Namespace) -> int:
     rc = 0
     for pid in a.pids:
         try:
-            r = coordinator.restore(pid, timeout=a.timeout, drop_staging=a.drop_staging)
+            r = coordinator.restore(pid, timeout=a.timeout, drop_staging=a.drop_staging, force=a.force,
+                                    image=_image_dir(a.image, pid, len(a.pids)) if a.image else None)
         except GpucrError as exc:
             print(f"gpucr: error: {exc}", file=sys.stderr)
             rc = 1
@@ -144,6 +156,36 @@ def cmd_demo(a: argparse.Namespace) -> int:
     return demo.main(simulate=a.simulate, as_json=a.json)
 
 
+def cmd_bench(a: argparse.Namespace) -> int:
+    from .bench import run
+    return run.main(a)
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    from pathlib import Path
+    from . import manifest
+    m = manifest.load(Path(a.dir))
+    if a.json:
+        _print_json(m)
+        return 0
+    print(f"checkpoint {m['id']}, taken {m['created']} on {m['host']}" + (" [simcuda]" if m.get("simulated") else ""))
+    print(f"  gpu          {m['gpu']['name']} ({m['gpu']['uuid']}), driver CUDA {m['driver_version']}, level {m['level']}")
+    for p in m["processes"]:
+        al = p["allocations"]
+        zero = sum(1 for a in p["data"] for c in a["chunks"] if c.get("zero"))
+        chunks = sum(len(a["chunks"]) for a in p["data"])
+        print(f"  process {p['pid']} (start time {p['start_time']}), checkpoint {p['generation']}")
+        print(f"    moved by gpucr  {al['moved_by_gpucr']} allocations, {_mib(al['bytes'])}, {chunks} chunks ({zero} zero)")
+        print(f"    left to driver  {al['left_to_driver']} allocations, {_mib(al['left_to_driver_bytes'])}")
+        print("    domains         " + ", ".join(f"{k}: {v}" for k, v in p["domains"].items()))
+        print(f"    unknown         {'; '.join(p['unknown']) or 'nothing'}")
+    if "image" in m:
+        im = m["image"]
+        print(f"  written      {_mib(im['bytes_written'])} in {im['seconds']:.2f} s ({im['gb_per_s']:.2f} GB/s"
+              f"{', direct I/O' if im['direct_io'] else ''})")
+    return 0
+
+
 def cmd_doctor(a: argparse.Namespace) -> int:
     from . import doctor
     return doctor.main(as_json=a.json)
@@ -178,12 +220,21 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
                        help="deadline for draining calls in flight and each driver step (default 30)")
         c.add_argument("--json", action="store_true", help="machine-readable output")
+        c.add_argument("--image", metavar="DIR", help="checkpoint: also write the data to DIR and free the host staging; "
+                       "restore: read the data back from DIR (checked against its manifest)")
         c.set_defaults(fn=fn)
 
     pid_cmd("checkpoint", cmd_checkpoint, "save a process's GPU memory and give the GPU back", True)
     pid_cmd("restore", cmd_restore, "put a checkpointed process's GPU memory back and let it run", False)
     sub.choices["restore"].add_argument("--drop-staging", action="store_true",
                                         help="give the host staging back after the restore (default: keep it for the next cycle)")
+    sub.choices["restore"].add_argument("--force", action="store_true",
+                                        help="restore even if the manifest lists state it does not cover")
+
+    ins = sub.add_parser("inspect", help="print a checkpoint image's manifest (its certificate)")
+    ins.add_argument("dir", metavar="DIR")
+    ins.add_argument("--json", action="store_true")
+    ins.set_defaults(fn=cmd_inspect)
 
     s = sub.add_parser("status", help="state, tracked memory and last cycle's timings of one or all processes")
     s.add_argument("pid", type=int, nargs="?", metavar="PID")
@@ -202,6 +253,11 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--simulate", action="store_true", help="use simcuda even if a GPU is present")
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=cmd_demo)
+
+    from .bench.run import add_arguments as bench_arguments
+    bn = sub.add_parser("bench", help="gpucr against the driver's own checkpoint, side by side (JSON, chart, table)")
+    bench_arguments(bn)
+    bn.set_defaults(fn=cmd_bench)
     return p
 
 

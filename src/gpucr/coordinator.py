@@ -6,11 +6,15 @@ Any failure rolls back to a running process, or leaves it checkpointed and resto
 """
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import Any
 
+from . import manifest
 from . import target as targets
-from .driver import CUDA_ERROR_OUT_OF_MEMORY, Driver, DriverError, ProcessState, driver_for, gpu_memory
+from .app import AppChannel
+from .driver import CUDA_ERROR_OUT_OF_MEMORY, Driver, DriverError, ProcessState, device_info, driver_for, gpu_memory
 from .errors import GpucrError
 
 LEVELS = ("full", "data")
@@ -57,8 +61,49 @@ def status(pid: int) -> dict[str, Any]:
     return st
 
 
-def checkpoint(pid: int, level: str = "full", timeout: float = 30.0) -> dict[str, Any]:
-    """Save the process's GPU memory and give it back; the process stays alive, parked."""
+def _app_channel(t: targets.Target) -> AppChannel | None:
+    path = t.socket.with_name(f"{t.pid}.app.sock")
+    return AppChannel(str(path)) if path.exists() else None
+
+
+def _app_prepare(t: targets.Target, timeout: float) -> AppChannel | None:
+    """Let an application that joined the cut prepare; abort (it runs on) if it fails or hangs."""
+    try:
+        app = _app_channel(t)
+    except OSError:
+        return None
+    if app is None:
+        return None
+    try:
+        reply = app.ask("prepare", timeout)
+    except (OSError, ValueError) as exc:
+        app.close()
+        what = "did not finish within the deadline" if isinstance(exc, TimeoutError) else f"failed ({exc})"
+        raise GpucrError(f"the application's prepare callback {what}; checkpoint aborted, process {t.pid} runs on") from exc
+    if not reply.get("ok"):
+        _app_resume(app)
+        raise GpucrError(f"the application refused to prepare: {reply.get('error')}; checkpoint aborted, "
+                         f"process {t.pid} runs on")
+    return app
+
+
+def _app_resume(app: AppChannel | None) -> None:
+    if app is None:
+        return
+    try:
+        app.ask("resume", 60.0)
+    except (OSError, ValueError):
+        pass
+    finally:
+        app.close()
+
+
+def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str | Path | None = None) -> dict[str, Any]:
+    """Save the process's GPU memory and give it back; the process stays alive, parked.
+
+    With `image`, the data is also written to that directory (with its manifest) and the host
+    staging is released, so host memory is freed too.
+    """
     if level not in LEVELS:
         raise GpucrError(f"unknown level '{level}': use one of {', '.join(LEVELS)}")
     if timeout <= 0:
@@ -70,6 +115,9 @@ def checkpoint(pid: int, level: str = "full", timeout: float = 30.0) -> dict[str
     if dstate != ProcessState.RUNNING:
         raise GpucrError(f"process {pid} is already checkpointed (driver state {dstate.name.lower()}); "
                          f"restore it with 'gpucr restore {pid}'")
+    image_dir = Path(image) if image is not None else None
+    if image_dir is not None and image_dir.exists() and any(image_dir.iterdir()):
+        raise GpucrError(f"the image directory {image_dir} is not empty; give a new or empty directory")
     timeout_ms = int(timeout * 1000)
     result: dict[str, Any] = {"pid": pid, "level": level, "phases_s": {}}
     before = _mem(drv)
@@ -77,13 +125,23 @@ def checkpoint(pid: int, level: str = "full", timeout: float = 30.0) -> dict[str
         st = agent.call("status", timeout=10.0)
         if st["state"] != "running":
             raise GpucrError(f"process {pid} is already checkpointed (level data); restore it with 'gpucr restore {pid}'")
-        t0 = time.perf_counter()
-        out = agent.call("checkpoint", timeout=_reply_timeout(timeout), timeout_ms=timeout_ms)
+        app = _app_prepare(t, timeout)
+        epoch = None
+        try:
+            t0 = time.perf_counter()
+            # lease=1: should this controller die before it commits, the agent rolls the process back itself
+            out = agent.call("checkpoint", timeout=_reply_timeout(timeout), timeout_ms=timeout_ms, lease=1)
+        except GpucrError:
+            _app_resume(app)
+            raise
         result["phases_s"]["data_out"] = time.perf_counter() - t0
         cyc = out["last_cycle_ms"]
         result["agent_ms"] = {k: cyc[k] for k in ("staging", "gate", "sync", "copy_out", "release")}
         result["bytes_moved"] = cyc["bytes_out"]
         result["bytes_left_to_driver"] = out["bytes_left_to_driver"]
+        result["generation"] = out["generation"]
+        if image_dir is not None:
+            agent.call("unpin", timeout=60.0)   # its memory goes away once on disk; the driver must not be needed then
         if level == "full":
             t0 = time.perf_counter()
             try:
@@ -94,15 +152,44 @@ def checkpoint(pid: int, level: str = "full", timeout: float = 30.0) -> dict[str
                 result["phases_s"]["control_out"] = time.perf_counter() - t1
             except DriverError as exc:
                 _roll_back(drv, agent, pid)
+                _app_resume(app)
                 raise GpucrError(f"{exc}; rolled back, process {pid} runs on with its data intact") from exc
             agent.call("note", timeout=10.0, driver_lock_us=result["phases_s"]["driver_lock"] * 1e6,
                        control_out_us=result["phases_s"]["control_out"] * 1e6)
             final = drv.state(pid)
             if final != ProcessState.CHECKPOINTED:
                 raise GpucrError(f"process {pid} ended in driver state {final.name.lower()} instead of checkpointed")
-    result["state"] = "checkpointed"
-    result["gpu_used_bytes"] = {"before": before, "after": _mem(drv)}
+        agent.call("commit", timeout=10.0)
+        if app is not None:
+            try:
+                epoch = app.ask("epoch", 5.0).get("epoch")
+            except (OSError, ValueError):
+                epoch = None
+            app.close()
+        result["state"] = "checkpointed"
+        result["gpu_used_bytes"] = {"before": before, "after": _mem(drv)}
+        if image_dir is not None:
+            result["image"] = _write_image(t, drv, agent, image_dir, level, out, epoch)
     return result
+
+
+def _write_image(t: targets.Target, drv: Driver, agent, directory: Path, level: str, status: dict, epoch) -> dict:
+    """Write the staged data and its manifest, then let the process give its staging back."""
+    from . import image as images   # needs xxhash: only image work pays for importing it
+    layout, fds = agent.call_with_fds("layout", timeout=60.0)
+    try:
+        allocs, stats = images.write(directory, layout, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    gpu = device_info(drv)
+    m = manifest.build(pid=t.pid, start_time=t.start_time, generation=layout["generation"], level=level, gpu=gpu,
+                       driver_version=drv.version(), status=status, allocations=allocs, epoch=epoch,
+                       simulated=drv.simulated)
+    m["image"] = stats
+    manifest.save(directory, m)
+    agent.call("drop", timeout=60.0)   # the data is safe on disk: free the host memory too
+    return {"dir": str(directory), "id": m["id"], **stats}
 
 
 def _roll_back(drv: Driver, agent, pid: int) -> None:
@@ -118,9 +205,11 @@ def _roll_back(drv: Driver, agent, pid: int) -> None:
         agent.call("restore", timeout=600.0)
 
 
-def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False) -> dict[str, Any]:
+def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: str | Path | None = None,
+            force: bool = False) -> dict[str, Any]:
     """Put every byte back at the same address and let the process carry on.
 
+    `image` restores the data from a checkpoint image (verified against its manifest first);
     `drop_staging` gives the host staging back afterwards (else it stays pinned for the next cycle).
     """
     if timeout <= 0:
@@ -134,6 +223,14 @@ def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False) -> dict
         st = agent.call("status", timeout=10.0)
         if dstate == ProcessState.RUNNING and st["state"] == "running":
             raise GpucrError(f"process {pid} is not checkpointed: nothing to restore")
+        entry = None
+        if image is not None:
+            m = manifest.load(Path(image))
+            entry = manifest.check_restore(m, pid=pid, start_time=t.start_time, generation=st["generation"],
+                                           gpu=device_info(drv), force=force)
+        elif st["state"] == "checkpointed" and not st.get("staged", True):
+            raise GpucrError(f"process {pid}'s data was written to an image and is no longer in host memory: "
+                             f"restore it with 'gpucr restore --image DIR {pid}'")
         if dstate == ProcessState.CHECKPOINTED:
             need = st["allocations"]["tracked_bytes"] + st["bytes_left_to_driver"]
             mem = gpu_memory(drv)
@@ -157,15 +254,39 @@ def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False) -> dict
             ph = result["phases_s"]
             agent.call("note", timeout=10.0, control_in_us=ph.get("control_in", 0) * 1e6,
                        driver_unlock_us=ph["driver_unlock"] * 1e6)
+        if entry is not None and st["state"] == "checkpointed":
+            from . import image as images
+            if st.get("staged"):
+                agent.call("drop", timeout=60.0)   # the image is the source now
+            t0 = time.perf_counter()
+            agent.call("stage", timeout=_reply_timeout(timeout))
+            layout, fds = agent.call_with_fds("layout", timeout=60.0)
+            try:
+                result["image"] = images.read(Path(image), entry["data"], layout, fds)
+            except GpucrError as exc:
+                agent.call("drop", timeout=60.0)
+                raise GpucrError(f"{exc}; process {pid} stays checkpointed: restore it from an intact image") from exc
+            finally:
+                for fd in fds:
+                    os.close(fd)
+            result["phases_s"]["image_read"] = time.perf_counter() - t0
         if st["state"] == "checkpointed":
             t0 = time.perf_counter()
             out = agent.call("restore", timeout=_reply_timeout(timeout), timeout_ms=int(timeout * 1000),
                              drop_staging=int(drop_staging))
             result["phases_s"]["data_in"] = time.perf_counter() - t0
             result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
+    _app_resume(_app_channel_quiet(t))
     result["state"] = "running"
     result["gpu_used_bytes"] = _mem(drv)
     return result
+
+
+def _app_channel_quiet(t: targets.Target) -> AppChannel | None:
+    try:
+        return _app_channel(t)
+    except OSError:
+        return None
 
 
 def ps() -> list[dict[str, Any]]:

@@ -187,3 +187,21 @@ def _nvml_memory(device: int) -> GpuMemory | None:
         return GpuMemory(mem.used, mem.total)
     except OSError:
         return None
+
+
+def device_info(driver: Driver, ordinal: int = 0) -> dict[str, str]:
+    """Name and UUID of a GPU, through the driver (no context needed)."""
+    cu = driver._cu
+    dev = ctypes.c_int()
+    name = ctypes.create_string_buffer(256)
+    uuid = (ctypes.c_ubyte * 16)()
+    out = {"name": "unknown", "uuid": "unknown"}
+    if cu.cuDeviceGet(ctypes.byref(dev), ordinal) != 0:
+        return out
+    if cu.cuDeviceGetName(name, 256, dev) == 0:
+        out["name"] = name.value.decode(errors="replace")
+    get_uuid = getattr(cu, "cuDeviceGetUuid_v2", None) or getattr(cu, "cuDeviceGetUuid")
+    if get_uuid(ctypes.byref(uuid), dev) == 0:
+        h = bytes(uuid).hex()
+        out["uuid"] = f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    return out

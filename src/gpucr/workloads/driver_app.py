@@ -191,6 +191,30 @@ class App:
             self._fill(p, n, len(self.bufs))
             self.bufs.append((p, n))
             return {"ptr": p}
+        if cmd == "join":   # join the cut: prepare succeeds (ok), raises (fail) or never returns (hang)
+            import gpucr.app
+            mode = words[1]
+            self.joined = {"prepared": 0, "resumed": 0}
+
+            def prepare() -> None:
+                if mode == "fail":
+                    raise RuntimeError("not now")
+                if mode == "hang":
+                    threading.Event().wait()
+                self.joined["prepared"] += 1
+
+            def resume() -> None:
+                self.joined["resumed"] += 1
+            gpucr.app.on_checkpoint(prepare, resume)
+            gpucr.app.publish_epoch(int(words[2]) if len(words) > 2 else 0)
+            return {"joined": mode}
+        if cmd == "joined":
+            return dict(self.joined)
+        if cmd == "zero":   # memset buffer I to zero on the device
+            p, n = self.bufs[int(words[1])]
+            check(cuMemsetD32(p, 0, n // 4), "memset")
+            check(cuCtxSynchronize(), "sync")
+            return {"zeroed": p}
         if cmd == "free":
             p, _ = self.bufs.pop(int(words[1]))
             check(cuMemFree(p), "free")

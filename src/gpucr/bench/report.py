@@ -1,0 +1,161 @@
+"""Render `gpucr bench` results: a Markdown table for the README and a PNG chart.
+
+    python3 -m gpucr.bench.report RESULTS.json [MORE.json ...] [--chart PNG]
+
+Several files (say one per workload, from separate runs) are merged into one table; files
+measured on simcuda and on a GPU are never mixed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+GiB = 1 << 30
+
+# chart segments: (median key, label, colour); a checkpoint bar stacks the *_out keys, a restore bar the *_in keys
+OUT_PARTS = (("data_out_s", "data (gpucr agent)", "#1f77b4"), ("control_out_s", "control (driver)", "#ff7f0e"),
+             ("driver_out_s", "driver: data + control", "#7f7f7f"))
+IN_PARTS = (("data_in_s", "data (gpucr agent)", "#1f77b4"), ("control_in_s", "control (driver)", "#ff7f0e"),
+            ("driver_in_s", "driver: data + control", "#7f7f7f"))
+REST = ("other (coordinator's own time)", "#d9d9d9")
+
+
+def load(paths: list[str | Path]) -> dict[str, Any]:
+    """One results dict from one or several files; workloads of later files are added."""
+    merged: dict[str, Any] | None = None
+    for p in paths:
+        r = json.loads(Path(p).read_text())
+        if merged is None:
+            merged = r
+            continue
+        if bool(r.get("simulated")) != bool(merged.get("simulated")):
+            raise ValueError(f"{p}: simulated (simcuda) and GPU results cannot be shown together")
+        merged["workloads"].update(r["workloads"])
+        merged["ceiling"] = merged.get("ceiling") or r.get("ceiling")
+    if merged is None:
+        raise ValueError("no results file given")
+    return merged
+
+
+def _s(x: float | None) -> str:
+    return "–" if x is None else f"{x:.3f}"
+
+
+def _rate(gbps: float | None, share: float | None) -> str:
+    if gbps is None:
+        return "–"
+    return f"{gbps:.1f}" + (f" ({share:.0%})" if share is not None else "")
+
+
+def _gib(n: int | None) -> str:
+    return "–" if n is None else f"{n / GiB:.2f}"
+
+
+def markdown(res: dict[str, Any]) -> str:
+    dev, sw = res.get("device", {}), res.get("software", {})
+    lines = []
+    if res.get("simulated"):
+        lines += [f"**{res.get('warning') or 'SIMULATED: NOT GPU RESULTS'}**", ""]
+    lines.append(f"{dev.get('name')}, driver {dev.get('driver_version')}, CUDA {dev.get('cuda_version')}; "
+                 f"gpucr {sw.get('gpucr')}, torch {sw.get('torch')}, transformers {sw.get('transformers')}; "
+                 f"{res.get('date')}; median of {res.get('settings', {}).get('repeat')} cycles.")
+    c = res.get("ceiling")
+    if c:
+        lines.append(f"Pinned-copy ceiling ({_gib(c['bytes'])} GiB): D2H {c['d2h_gbps']:.1f} GB/s, "
+                     f"H2D {c['h2d_gbps']:.1f} GB/s; rates below show their share of it.")
+    lines += ["", "| workload | method | checkpoint s | restore s | gate+sync s | data out s | control out s | "
+              "control in s | data in s | moved GiB | GB/s out | GB/s in | GiB held while checkpointed | correct |",
+              "|" + " --- |" * 14]
+    for wname, w in res.get("workloads", {}).items():
+        for mname, m in w.get("methods", {}).items():
+            if m.get("error"):
+                lines.append(f"| {wname} | {mname} | failed: {m['error'][:80]} |" + " |" * 11)
+                continue
+            d = m["median"]
+            lines.append(" | ".join([
+                f"| {wname}", mname, _s(d["checkpoint_s"]), _s(d["restore_s"]), _s(d["gate_sync_s"]),
+                _s(d["data_out_s"]), _s(d["control_out_s"]), _s(d["control_in_s"]), _s(d["data_in_s"]),
+                _gib(d["bytes_out"]), _rate(d["gbps_out"], d["ceiling_share_out"]),
+                _rate(d["gbps_in"], d["ceiling_share_in"]), _gib(d["gpu_held_checkpointed_bytes"]),
+                "yes" if m.get("correct") else "**NO**"]) + " |")
+    sp = [f"{w}: {k.replace('_vs_', ' vs ')} checkpoint {v['checkpoint']:.1f}x, restore {v['restore']:.1f}x faster"
+          for w, wr in res.get("workloads", {}).items() for k, v in (wr.get("speedups") or {}).items()]
+    if sp:
+        lines += [""] + [f"- {s}" for s in sp]
+    lines += ["", "driver / driver-fresh: the driver's own checkpoint (data and control in one step; its bytes are "
+              "the process's whole GPU footprint); gpucr-full: agent moves the data, driver the control state; "
+              "gpucr-data: data only, the CUDA context stays."]
+    return "\n".join(lines)
+
+
+def chart(res: dict[str, Any], path: str | Path) -> None:
+    """Per workload, for each method a checkpoint and a restore bar, stacked by where the time went."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    workloads = [(n, w) for n, w in res.get("workloads", {}).items()
+                 if any(not m.get("error") for m in w.get("methods", {}).values())]
+    n = max(1, len(workloads))
+    fig, axes = plt.subplots(1, n, figsize=(max(9.0, 4.5 * n), 5.6), squeeze=False)
+    for ax, (wname, w) in zip(axes[0], workloads):
+        ms = [(n, m["median"]) for n, m in w["methods"].items() if not m.get("error")]
+        ticks, labels = [], []
+        for i, (mname, d) in enumerate(ms):
+            for j, (parts, total_key, hatch) in enumerate(((OUT_PARTS, "checkpoint_s", ""), (IN_PARTS, "restore_s", "//"))):
+                x, bottom = i * 3 + j, 0.0
+                for key, _, colour in parts:
+                    if d.get(key):
+                        ax.bar(x, d[key], bottom=bottom, color=colour, hatch=hatch, edgecolor="black", linewidth=0.4)
+                        bottom += d[key]
+                rest = (d.get(total_key) or 0.0) - bottom
+                if rest > 0:
+                    ax.bar(x, rest, bottom=bottom, color=REST[1], hatch=hatch, edgecolor="black", linewidth=0.4)
+                ax.text(x, d.get(total_key) or bottom, _s(d.get(total_key)), ha="center", va="bottom", fontsize=7)
+            ticks.append(i * 3 + 0.5)
+            labels.append(mname)
+        ax.set_xticks(ticks, labels, rotation=20, fontsize=8)
+        ax.set_title(wname)
+        ax.set_ylabel("seconds (median)")
+        ax.grid(axis="y", alpha=0.3)
+    seen = {label: colour for parts in (OUT_PARTS, IN_PARTS) for _, label, colour in parts}
+    handles = [Patch(facecolor=c, edgecolor="black", label=lbl) for lbl, c in seen.items()]
+    handles += [Patch(facecolor=REST[1], edgecolor="black", label=REST[0]),
+                Patch(facecolor="white", edgecolor="black", label="left: checkpoint"),
+                Patch(facecolor="white", edgecolor="black", hatch="//", label="right: restore")]
+    fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8)
+    dev = res.get("device", {})
+    title = f"gpucr bench: {dev.get('name')}\ndriver {dev.get('driver_version')}, CUDA {dev.get('cuda_version')}, {res.get('date')}"
+    if res.get("simulated"):
+        fig.suptitle("SIMULATED (simcuda test double): NOT GPU RESULTS\n" + title, color="red", fontsize=12,
+                     fontweight="bold")
+    else:
+        fig.suptitle(title, fontsize=10)
+    fig.tight_layout(rect=(0, 0.13, 1, 0.86))
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python3 -m gpucr.bench.report", description="Markdown table (and chart) of gpucr bench results")
+    ap.add_argument("results", nargs="+", metavar="RESULTS.json")
+    ap.add_argument("--chart", metavar="PNG", help="also draw the chart of the merged results")
+    a = ap.parse_args(argv)
+    try:
+        res = load(a.results)
+    except (OSError, ValueError, KeyError) as exc:
+        print(f"gpucr: error: cannot read the results: {exc}", file=sys.stderr)
+        return 1
+    print(markdown(res))
+    if a.chart:
+        chart(res, a.chart)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,281 @@
+"""`gpucr bench`: every method on every workload, side by side, in one invocation.
+
+Per workload, the methods that need a plain process (the driver's own checkpoint) share one, and
+gpucr's methods share one under the agent, after one warm-up cycle that prepares the agent's
+staging (reported apart). Each cycle is checked: same bytes, same addresses, same next tokens.
+The JSON is rewritten after every workload, so a run cut short keeps what it measured.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import datetime as dt
+import importlib.metadata
+import json
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import gpucr
+
+from . import methods as M
+from . import report
+from ..demo import gpu_present
+from ..driver import Driver, driver_for, gpu_memory
+from ..errors import GpucrError
+from ..paths import simcuda_dir
+
+SCHEMA = "gpucr-bench/1"
+DEFAULT_WORKLOADS = "llama3-8b,phi4-mini,pythia-1b,qwen3-1.7b,raw:8"
+SIMULATED_WORKLOADS = "raw:0.25"
+SIMULATED_BANNER = ("SIMULATED: these numbers come from simcuda, a test double over host memory, not from a GPU. "
+                    "They are NOT GPU results.")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workloads", default=None, metavar="LIST",
+                   help=f"comma-separated: raw:GIB and LLM servers (default {DEFAULT_WORKLOADS}; "
+                        f"{SIMULATED_WORKLOADS} on simcuda, where only raw workloads run)")
+    p.add_argument("--methods", default=",".join(M.METHODS), metavar="LIST",
+                   help=f"comma-separated, of {','.join(M.METHODS)} (default all)")
+    p.add_argument("--gpu-util", type=float, default=0.5, help="share of the GPU an LLM server may hold, "
+                   "weights and KV cache (vLLM's --gpu-memory-utilization; default 0.5)")
+    p.add_argument("--repeat", type=int, default=3, help="timed cycles per method and workload (default 3)")
+    p.add_argument("--ceiling-gib", type=float, default=None, help="size of the pinned copy that measures the "
+                   "ceiling (default 8; 0.25 on simcuda)")
+    p.add_argument("--out", default=None, metavar="JSON", help="results file (default gpucr-bench-DATE.json here)")
+    p.add_argument("--chart", default=None, metavar="PNG", help="chart file (default: the results file with .png)")
+    p.add_argument("--simulate", action="store_true", help="use simcuda, the simulated driver (test double), "
+                   "even if a GPU is present")
+
+
+def _say(msg: str) -> None:
+    print(f"gpucr bench: {msg}", file=sys.stderr, flush=True)
+
+
+# ---- what the results were measured on ----
+
+def _nvml_text(fn: str, *args: Any) -> str | None:
+    try:
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+        if lib.nvmlInit_v2() != 0:
+            return None
+        buf = ctypes.create_string_buffer(256)
+        if args:   # a device query: the handle first
+            h = ctypes.c_void_p()
+            if lib.nvmlDeviceGetHandleByIndex_v2(args[0], ctypes.byref(h)) != 0:
+                return None
+            rc = getattr(lib, fn)(h, buf, 256)
+        else:
+            rc = getattr(lib, fn)(buf, 256)
+        return buf.value.decode() if rc == 0 else None
+    except OSError:
+        return None
+
+
+def _version(pkg: str) -> str | None:
+    try:
+        return importlib.metadata.version(pkg)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def environment(drv: Driver, simulated: bool) -> dict[str, Any]:
+    v = drv.version()
+    mem = gpu_memory(drv)
+    try:
+        host_mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        host_mem = None
+    return {
+        "host": {"name": socket.gethostname(), "cpus": os.cpu_count(), "memory_bytes": host_mem,
+                 "platform": platform.platform()},
+        "device": {"name": "simcuda (simulated driver, test double)" if simulated else _nvml_text("nvmlDeviceGetName", 0),
+                   "driver_version": "simcuda" if simulated else _nvml_text("nvmlSystemGetDriverVersion"),
+                   "cuda_version": f"{v // 1000}.{v % 1000 // 10}", "memory_total_bytes": mem.total if mem else None},
+        "software": {"python": platform.python_version(), "gpucr": gpucr.__version__,
+                     "torch": _version("torch"), "transformers": _version("transformers")},
+    }
+
+
+# ---- one workload process, several methods ----
+
+def _used(drv: Driver) -> Callable[[], int | None]:
+    def read() -> int | None:
+        m = gpu_memory(drv)
+        return m.used if m else None
+    return read
+
+
+def _settle(used: Callable[[], int | None], idle: int | None, timeout: float = 30.0) -> None:
+    """Wait for an exited process's memory to be given back, so the next idle reading is true."""
+    end = time.monotonic() + timeout
+    while idle is not None and time.monotonic() < end:
+        now = used()
+        if now is None or now <= idle + (64 << 20):
+            return
+        time.sleep(0.2)
+
+
+def _diff(a: int | None, b: int | None) -> int | None:
+    return a - b if a is not None and b is not None else None
+
+
+def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, ceiling: dict | None,
+              repeat: int, out: dict[str, dict[str, Any]]) -> None:
+    """Start one process for `group`, then time `repeat` cycles of each method on it; each method's
+    results go into `out` as soon as it is done, so a later failure keeps them."""
+    used = _used(drv)
+    under_agent = group[0].under_agent
+    idle = used()
+    _say(f"{spec.name}: starting {'under the agent' if under_agent else 'without the agent'} "
+         f"for {', '.join(m.name for m in group)}")
+    w = M.start(spec, under_agent, simulate)
+    ok_exit = False
+    try:
+        info = w.ask("info")
+        running = used()
+        proc = {"pid": w.pid, "info": info, "gpu_used_idle_bytes": idle, "gpu_used_running_bytes": running,
+                "footprint_bytes": _diff(running, idle)}
+        ref = M.observe(w, spec)
+        warmup = None
+        if under_agent:
+            _say(f"{spec.name}: warm-up cycle (the agent prepares its staging once)")
+            ck, rs, _ = M.timed_cycle(M.GpucrMethod("full", timeout=M.WARMUP_TIMEOUT_S), w.pid, used)
+            warmup = {"checkpoint_s": ck["wall_s"], "restore_s": rs["wall_s"], "staging_ms": ck["agent_ms"]["staging"],
+                      "checkpoint": ck, "restore": rs, "correct": M.compare(ref, M.observe(w, spec))}
+            _say(f"{spec.name}: warm-up checkpoint {ck['wall_s']:.3f} s (staging {ck['agent_ms']['staging'] / 1000:.3f} s), "
+                 f"restore {rs['wall_s']:.3f} s")
+        for m in group:
+            samples = []
+            for i in range(repeat):
+                ck, rs, used_ck = M.timed_cycle(m, w.pid, used)
+                row = M.metrics(m, ck, rs, proc["footprint_bytes"], ceiling)
+                row["gpu_held_checkpointed_bytes"] = _diff(used_ck, idle)
+                row["correct"] = M.compare(ref, M.observe(w, spec))
+                samples.append(row)
+                _say(f"{spec.name} {m.name} {i + 1}/{repeat}: checkpoint {row['checkpoint_s']:.3f} s, "
+                     f"restore {row['restore_s']:.3f} s, correct: {'yes' if all(row['correct'].values()) else 'NO'}")
+            checks = [s["correct"] for s in samples] + ([warmup["correct"]] if warmup else [])
+            out[m.name] = {"process": proc, "warmup": warmup, "samples": samples, "median": M.medians(samples),
+                           "correct": all(all(c.values()) for c in checks), "error": None}
+        ok_exit = True
+    finally:
+        if ok_exit:
+            w.close()
+        else:   # it may be parked by a checkpoint half done: it cannot be asked to quit
+            w.proc.kill()
+            w.proc.wait()
+        _settle(used, idle)
+
+
+def speedups(by_method: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """gpucr-full against the driver's own path, from the side-by-side medians."""
+    out = {}
+    g = (by_method.get("gpucr-full") or {}).get("median")
+    for base in ("driver", "driver-fresh"):
+        b = (by_method.get(base) or {}).get("median")
+        if g and b and g["checkpoint_s"] and g["restore_s"]:
+            out[f"gpucr-full_vs_{base}"] = {"checkpoint": b["checkpoint_s"] / g["checkpoint_s"],
+                                            "restore": b["restore_s"] / g["restore_s"]}
+    return out
+
+
+def _write(path: Path, results: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(results, indent=2) + "\n")
+    os.replace(tmp, path)
+
+
+def _groups(ms: list[M.Method]) -> list[list[M.Method]]:
+    """Plain-process methods together, agent methods together, in the order first asked for."""
+    groups: dict[bool, list[M.Method]] = {}
+    for m in ms:
+        groups.setdefault(m.under_agent, []).append(m)
+    return list(groups.values())
+
+
+def main(a: argparse.Namespace) -> int:
+    if a.repeat < 1:
+        raise GpucrError("--repeat must be at least 1")
+    if not 0 < a.gpu_util < 1:
+        raise GpucrError("--gpu-util is a share of the GPU, between 0 and 1")
+    simulated = a.simulate or not gpu_present()
+    names = [n.strip() for n in a.methods.split(",") if n.strip()]
+    for n in names:
+        if n not in M.METHODS:
+            raise GpucrError(f"unknown method '{n}': use some of {', '.join(M.METHODS)}")
+    specs = [M.parse_workload(w, a.gpu_util)
+             for w in (a.workloads or (SIMULATED_WORKLOADS if simulated else DEFAULT_WORKLOADS)).split(",") if w.strip()]
+    skipped = []
+    if simulated:
+        _say(SIMULATED_BANNER)
+        skipped = [s.name for s in specs if s.llm]
+        specs = [s for s in specs if not s.llm]
+        if skipped:
+            _say(f"skipping {', '.join(skipped)}: LLM workloads need a GPU")
+    if not specs:
+        raise GpucrError("no workload to run")
+    drv = driver_for(str(simcuda_dir() / "libcuda.so.1") if simulated else "libcuda.so.1")
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    out = Path(a.out or f"gpucr-bench-{'SIMULATED-' if simulated else ''}{stamp}.json")
+    chart = Path(a.chart) if a.chart else out.with_suffix(".png")
+
+    results: dict[str, Any] = {
+        "schema": SCHEMA, "simulated": simulated, "warning": SIMULATED_BANNER if simulated else None,
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **environment(drv, simulated),
+        "settings": {"workloads": [s.name for s in specs], "skipped_workloads": skipped, "methods": names,
+                     "gpu_util": a.gpu_util, "repeat": a.repeat, "generate_tokens": M.GENERATE_TOKENS,
+                     "step_timeout_s": M.STEP_TIMEOUT_S},
+        "ceiling": None, "workloads": {}}
+    if "ceiling" in names:
+        gib = a.ceiling_gib or (0.25 if simulated else 8.0)
+        _say(f"measuring the pinned-copy ceiling ({gib:g} GiB)")
+        results["ceiling"] = M.ceiling(simulated, gib)
+        _say(f"ceiling: D2H {results['ceiling']['d2h_gbps']:.1f} GB/s, H2D {results['ceiling']['h2d_gbps']:.1f} GB/s")
+    methods = [M.make(n, drv, simulated) for n in names if n != "ceiling"]
+    failed = False
+    for spec in specs:
+        wres: dict[str, Any] = {"module": spec.module, "args": list(spec.args), "methods": {}}
+        results["workloads"][spec.name] = wres
+        for group in _groups(methods):
+            try:
+                run_group(spec, group, simulated, drv, results["ceiling"], a.repeat, wres["methods"])
+            except (GpucrError, RuntimeError, OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
+                failed = True
+                _say(f"{spec.name}: {', '.join(m.name for m in group)} failed: {exc}")
+                for m in group:
+                    wres["methods"].setdefault(m.name, {"error": str(exc), "correct": False})
+        wres["speedups"] = speedups(wres["methods"])
+        _write(out, results)
+    failed = failed or not all(r.get("correct") for w in results["workloads"].values() for r in w["methods"].values())
+    try:
+        report.chart(results, chart)
+    except ImportError:
+        chart = None
+        _say("no chart: matplotlib is not installed (pip install 'gpucr[bench]')")
+    print(report.markdown(results))
+    _say(f"results: {out}" + (f", chart: {chart}" if chart else ""))
+    if simulated:
+        _say(SIMULATED_BANNER)
+    return 1 if failed else 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="gpucr bench", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return p
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main(_parser().parse_args()))
+    except GpucrError as exc:
+        print(f"gpucr: error: {exc}", file=sys.stderr)
+        sys.exit(1)

@@ -1,0 +1,76 @@
+"""A raw buffer of --gib GiB of random bytes and nothing else: the plainest thing to checkpoint.
+
+On a GPU with PyTorch it is one torch tensor (digest computed on the GPU); on simcuda (the
+simulated driver, a test double) or without PyTorch it is one cuMemAlloc buffer through
+driver_app (digest over a host read-back).
+
+Commands: digest | info | quit
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib.util
+
+
+def simulated() -> bool:
+    """Whether the libcuda.so.1 this process loads is simcuda (asked without cuInit)."""
+    return hasattr(ctypes.CDLL("libcuda.so.1"), "simcudaIsSimulated")
+
+
+class TorchRaw:
+    def __init__(self, nbytes: int, seed: int) -> None:
+        import torch
+        self.torch = torch
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        self.buf = torch.empty(nbytes // 4, dtype=torch.int32, device="cuda")
+        self.buf.random_(generator=g)
+        torch.cuda.synchronize()
+
+    def digest(self) -> dict:
+        from .torch_app import tensor_digest
+        d = tensor_digest(self.buf)
+        self.torch.cuda.synchronize()
+        self.torch.cuda.empty_cache()   # the digest's temporaries are not part of the footprint
+        return {"digest": d, "ptrs": [self.buf.data_ptr()], "bytes": self.buf.numel() * 4}
+
+    def info(self) -> dict:
+        return {"data_bytes": self.buf.numel() * 4, "reserved_bytes": self.torch.cuda.memory_reserved(),
+                "framework": "torch"}
+
+
+class DriverRaw:
+    def __init__(self, nbytes: int, seed: int) -> None:
+        from .driver_app import App
+        self.app = App([nbytes], pitch=False, vmm_mib=0, seed=seed)
+
+    def digest(self) -> dict:
+        return self.app.handle(["digest"])
+
+    def info(self) -> dict:
+        return {"data_bytes": sum(n for _, n in self.app.bufs), "reserved_bytes": None, "framework": "driver-api"}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--gib", type=float, default=8.0)
+    ap.add_argument("--seed", type=int, default=3)
+    a = ap.parse_args()
+    nbytes = int(a.gib * (1 << 30)) // 4 * 4
+    sim = simulated()
+    use_torch = not sim and importlib.util.find_spec("torch") is not None
+    app = TorchRaw(nbytes, a.seed) if use_torch else DriverRaw(nbytes, a.seed)
+
+    def handle(words: list[str]) -> dict:
+        if words[0] == "digest":
+            return app.digest()
+        if words[0] == "info":
+            return app.info()
+        raise ValueError(f"unknown command {words[0]}")
+
+    from .protocol import serve
+    serve(handle, {"simulated": sim, **app.info()})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,147 @@
+"""Checkpoint images and their certificate, on simcuda: written, host memory freed, restored
+byte-exact; every broken or foreign image refused with the process still restorable."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+
+import gpucr
+from gpucr.driver import ProcessState
+
+from conftest import gpucr_cli, sim_driver
+
+MiB = 1 << 20
+
+
+def rss_shmem(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def chunk_file_offset(image: Path, zero: bool = False) -> int:
+    m = json.loads((image / "manifest.json").read_text())
+    for a in m["processes"][0]["data"]:
+        for c in a["chunks"]:
+            if bool(c.get("zero")) == zero:
+                return a["file_offset"] + c["offset"]
+    raise AssertionError("no such chunk")
+
+
+def test_image_frees_host_memory_and_restores_byte_exact(sim_app, tmp_path):
+    app = sim_app("--sizes", "64M,16M,3M,100K", "--vmm-mib", "16")
+    app.ask(f"alloc {32 * MiB}")   # filled with a pattern; plus a zero buffer below
+    before = app.ask("digest")
+    img = tmp_path / "img"
+    ck = gpucr.checkpoint(app.pid, image=img)
+    assert (img / "manifest.json").exists() and (img / "data.bin").exists()
+    st = gpucr.status(app.pid)
+    assert st["staging_bytes"] == 0 and st["staged"] is False
+    assert rss_shmem(app.pid) < 16 * MiB, "the staging must be released after the image is written"
+    assert ck["image"]["bytes"] >= 64 * MiB
+    m = json.loads((img / "manifest.json").read_text())
+    p = m["processes"][0]
+    assert p["pid"] == app.pid and p["generation"] == 1 and m["simulated"] is True
+    assert p["domains"]["cuda_data"] == "covered" and p["domains"]["app_epoch"] == "unknown" and p["unknown"] == []
+    r = gpucr_cli("inspect", str(img))
+    assert r.returncode == 0 and f"process {app.pid}" in r.stdout and "chunks" in r.stdout
+    # without the image, a restore is refused clearly
+    with pytest.raises(gpucr.GpucrError, match="--image"):
+        gpucr.restore(app.pid)
+    rs = gpucr.restore(app.pid, image=img)
+    assert rs["image"]["bytes"] == ck["image"]["bytes"]
+    assert app.ask("digest") == before
+
+
+def test_zero_chunks_are_recorded_not_written(sim_app, tmp_path):
+    app = sim_app("--sizes", "8M,256M")
+    app.ask("zero 1")
+    before = app.ask("digest")
+    img = tmp_path / "z"
+    ck = gpucr.checkpoint(app.pid, image=img)
+    assert ck["image"]["bytes"] >= 264 * MiB and ck["image"]["bytes_written"] <= 8 * MiB
+    m = json.loads((img / "manifest.json").read_text())
+    zero = [c for a in m["processes"][0]["data"] for c in a["chunks"] if c.get("zero")]
+    assert len(zero) == 4 and all("xxh3_64" not in c for c in zero)
+    assert os.stat(img / "data.bin").st_blocks * 512 <= 16 * MiB, "zero chunks must not take disk space"
+    gpucr.restore(app.pid, image=img)
+    assert app.ask("digest") == before
+
+
+def test_broken_and_foreign_images_are_refused(sim_app, tmp_path):
+    app = sim_app("--sizes", "64M,8M")
+    before = app.ask("digest")
+    old = tmp_path / "gen1"
+    gpucr.checkpoint(app.pid, image=old)
+    gpucr.restore(app.pid, image=old)
+    assert app.ask("digest") == before
+
+    good = tmp_path / "gen2"
+    gpucr.checkpoint(app.pid, image=good)
+    def broken(name: str) -> Path:
+        d = tmp_path / name
+        shutil.copytree(good, d)
+        return d
+
+    corrupt = broken("corrupt")
+    with open(corrupt / "data.bin", "r+b") as f:
+        off = chunk_file_offset(corrupt) + 4096
+        f.seek(off)
+        b = f.read(1)
+        f.seek(off)
+        f.write(bytes([b[0] ^ 0xFF]))
+    truncated = broken("truncated")
+    os.truncate(truncated / "data.bin", (truncated / "data.bin").stat().st_size - 4096)
+    no_manifest = broken("nomanifest")
+    (no_manifest / "manifest.json").unlink()
+
+    other = sim_app("--sizes", "64M,8M")
+    foreign = tmp_path / "foreign"
+    gpucr.checkpoint(other.pid, image=foreign)
+
+    cases = [(corrupt, "does not match its digest"), (truncated, "truncated"), (no_manifest, "no checkpoint manifest"),
+             (foreign, f"not of process {app.pid}"), (old, "stale image")]
+    for image, why in cases:
+        r = gpucr_cli("restore", "--image", str(image), str(app.pid))
+        assert r.returncode != 0, image
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and why in lines[0], (image, r.stderr)
+        assert gpucr.status(app.pid)["state"] == "checkpointed"
+    gpucr.restore(app.pid, image=good)
+    assert app.ask("digest") == before
+    gpucr.restore(other.pid, image=foreign)
+
+
+def test_app_joins_the_cut(sim_app, tmp_path):
+    app = sim_app("--sizes", "16M")
+    before = app.ask("digest")
+    app.ask("join ok 41")
+    img = tmp_path / "joined"
+    gpucr.checkpoint(app.pid, image=img, timeout=5)
+    m = json.loads((img / "manifest.json").read_text())
+    assert m["processes"][0]["domains"]["app_epoch"] == 41
+    gpucr.restore(app.pid, image=img)
+    assert app.ask("joined") == {"prepared": 1, "resumed": 1}
+    assert app.ask("digest") == before
+
+
+@pytest.mark.parametrize("mode,why", [("fail", "refused to prepare"), ("hang", "did not finish within the deadline")])
+def test_app_prepare_failing_or_hanging_aborts_and_app_runs_on(sim_app, mode, why):
+    app = sim_app("--sizes", "16M")
+    before = app.ask("digest")
+    app.ask(f"join {mode}")
+    t0 = time.perf_counter()
+    with pytest.raises(gpucr.GpucrError, match=why):
+        gpucr.checkpoint(app.pid, timeout=1.0)
+    assert time.perf_counter() - t0 < 5
+    assert gpucr.status(app.pid)["state"] == "running"
+    assert sim_driver().state(app.pid) == ProcessState.RUNNING
+    app.ask("work 2")
+    app.ask("work -2")
+    assert app.ask("digest")["digest"] == before["digest"]
