@@ -1,0 +1,128 @@
+"""GPU experiments behind the closing notes (run by scripts/gpu-check on the lent H200):
+
+1. How the driver's control half depends on host staging pinned in the process: the same
+   PyTorch process (20 GiB) with staging in 4 KiB shared memory, in 2 MiB hugepages, and with no
+   staging at all (data in an image on disk).
+2. Checkpoint images on this machine's disk, next to dd's numbers for the same disk.
+
+Prints one JSON object per line; writes them to $OUT/experiments.jsonl too.
+"""
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import gpucr
+from gpucr.workloads.runner import Workload
+
+OUT = Path(os.environ.get("OUT", "."))
+GIB = float(os.environ.get("EXP_GIB", "20"))
+
+
+def emit(**row) -> None:
+    line = json.dumps(row)
+    print(line, flush=True)
+    with (OUT / "experiments.jsonl").open("a") as f:
+        f.write(line + "\n")
+
+
+def rss_shmem(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("RssShmem:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def staging_experiment(kind: str, cycles: int = 3) -> None:
+    env = dict(os.environ, GPUCR_STAGING=kind)
+    with Workload("torch_app", "--gib", str(GIB), env=env) as app:
+        before = app.ask("digest")
+        samples = []
+        for i in range(cycles + 1):   # the first cycle prepares staging
+            ck = gpucr.checkpoint(app.pid, timeout=120)
+            rs = gpucr.restore(app.pid, timeout=120)
+            assert app.ask("digest") == before
+            if i:
+                samples.append({"control_out": ck["phases_s"]["control_out"], "control_in": rs["phases_s"]["control_in"],
+                                "data_out": ck["phases_s"]["data_out"], "data_in": rs["phases_s"]["data_in"]})
+        st = gpucr.status(app.pid)
+        emit(experiment="control-vs-staging", staging=st["staging"], staging_gib=st["staging_bytes"] / 2**30,
+             bytes_moved=ck["bytes_moved"], median={k: statistics.median(s[k] for s in samples) for k in samples[0]},
+             samples=samples)
+
+
+def dd(path: Path, gib: int) -> dict:
+    out = {}
+    w = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={gib * 16}", "oflag=direct", "conv=fsync"],
+                       capture_output=True, text=True)
+    out["dd_write"] = w.stderr.strip().splitlines()[-1]
+    subprocess.run(["sync"])
+    r = subprocess.run(["dd", f"if={path}", "of=/dev/null", "bs=64M", "iflag=direct"], capture_output=True, text=True)
+    out["dd_read"] = r.stderr.strip().splitlines()[-1]
+    path.unlink()
+    return out
+
+
+def image_experiment(directory: Path) -> None:
+    with Workload("torch_app", "--gib", str(GIB), env=dict(os.environ, GPUCR_STAGING="shm")) as app:
+        before = app.ask("digest")
+        result = app.ask("compute")
+        gpucr.checkpoint(app.pid, timeout=120)   # warm-up: staging prepared
+        gpucr.restore(app.pid, timeout=120)
+        rss_staged = None
+        img = directory / "img"
+        t0 = time.perf_counter()
+        ck = gpucr.checkpoint(app.pid, image=img, timeout=120)
+        ck_s = time.perf_counter() - t0
+        rss_after = rss_shmem(app.pid)
+        st = gpucr.status(app.pid)
+        t0 = time.perf_counter()
+        rs = gpucr.restore(app.pid, image=img, timeout=120)
+        rs_s = time.perf_counter() - t0
+        ok = app.ask("digest") == before and app.ask("compute") == result
+        subprocess.run(["rm", "-rf", str(img)], check=True)   # the disk holds one image at a time
+        # a corrupt byte in a chunk: refused; the byte put back, the same image restores
+        img2 = directory / "img2"
+        gpucr.checkpoint(app.pid, image=img2, timeout=120)
+        m = json.loads((img2 / "manifest.json").read_text())
+        alloc, chunk = next((a, c) for a in m["processes"][0]["data"] for c in a["chunks"] if not c.get("zero"))
+        where = alloc["file_offset"] + chunk["offset"] + 12345
+        with open(img2 / "data.bin", "r+b") as f:
+            f.seek(where)
+            b = f.read(1)
+            f.seek(where)
+            f.write(bytes([b[0] ^ 1]))
+            f.flush()
+            try:
+                gpucr.restore(app.pid, image=img2, timeout=120)
+                refused = None
+            except gpucr.GpucrError as exc:
+                refused = str(exc)
+            f.seek(where)
+            f.write(b)
+        gpucr.restore(app.pid, image=img2, timeout=120)
+        ok2 = app.ask("digest") == before
+        emit(experiment="image", gib=GIB, image=ck["image"], read=rs["image"], checkpoint_s=ck_s, restore_s=rs_s,
+             phases_checkpoint=ck["phases_s"], phases_restore=rs["phases_s"], rss_shmem_after_image=rss_after,
+             staging_bytes_after_image=st["staging_bytes"], byte_exact=ok, corrupt_refused=refused,
+             restored_from_good_after_refusal=ok2)
+    emit(experiment="dd", dir=str(directory), **dd(directory / "dd.bin", 8))
+
+
+if __name__ == "__main__":
+    OUT.mkdir(parents=True, exist_ok=True)
+    which = sys.argv[1:] or ["shm", "hugetlbfs", "image"]
+    for w in which:
+        if w == "image":
+            d = Path(os.environ.get("EXP_IMAGE_DIR", "/var/tmp/gpucr-exp"))
+            d.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=d) as tmp:
+                image_experiment(Path(tmp))
+        else:
+            staging_experiment(w)
