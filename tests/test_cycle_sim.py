@@ -136,12 +136,17 @@ def test_staging_file_backend_and_drop_policy(sim_app, tmp_path):
     before = app.ask("digest")
     gpucr.checkpoint(app.pid)
     st = gpucr.status(app.pid)
-    assert st["staging"] == "file" and st["staging_bytes"] >= 20 * MiB
-    assert len(list(sdir.iterdir())) == st["staging_segments"] >= 1
+    assert st["staging"] == "file" and st["staging_bytes"] >= 20 * MiB and st["staging_segments"] >= 1
+    # the files are unlinked once open (a killed process leaves nothing behind), yet live in DIR's filesystem
+    assert list(sdir.iterdir()) == []
+    fds = [os.readlink(f"/proc/{app.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{app.pid}/fd")]
+    assert any(str(sdir) in f and "(deleted)" in f for f in fds)
     gpucr.restore(app.pid, drop_staging=True)
     assert app.ask("digest") == before
     st = gpucr.status(app.pid)
-    assert st["staging_bytes"] == 0 and list(sdir.iterdir()) == []
+    assert st["staging_bytes"] == 0
+    fds = [os.readlink(f"/proc/{app.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{app.pid}/fd")]
+    assert not any(str(sdir) in f for f in fds)
 
 
 def test_staging_prepared_ahead_as_allocations_grow(sim_app):

@@ -81,6 +81,10 @@ static void reply_status(struct jb *j)
     jb_bool(j, "simulated", gpucr_drv.simcudaIsSimulated && gpucr_drv.simcudaIsSimulated());
     jb_str(j, "state", st.state == AGENT_RUNNING ? "running" : "checkpointed");
     jb_bool(j, "staged", st.staged);
+    /* a checkpoint, restore or roll-back is running now (trylock probes without waiting) */
+    bool busy = pthread_mutex_trylock(&g_op) != 0;
+    if (!busy) pthread_mutex_unlock(&g_op);
+    jb_bool(j, "busy", busy);
     jb_int(j, "generation", st.generation);
     reg_lock();
     long n = 0, conv = 0, app = 0, kept = 0;

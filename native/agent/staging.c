@@ -18,7 +18,7 @@
 enum kind { K_HUGETLB, K_SHM, K_FILE };
 static const char *const KIND_NAME[] = {"hugetlbfs", "shm", "file"};
 
-struct seg { int fd; void *base; size_t cap, used; bool pinned; enum kind kind; char path[300]; };
+struct seg { int fd; void *base; size_t cap, used; bool pinned; enum kind kind; };
 
 static struct {
     pthread_mutex_t mu;         /* guards segs: the preparer and a checkpoint may both grow it */
@@ -113,7 +113,9 @@ static int seg_create(struct seg *g, size_t cap, char *err, size_t errlen)
         static int serial;
         snprintf(path, sizeof path, "%s/gpucr-staging-%d-%d", dir, (int)getpid(), ++serial);
         fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-        if (fd >= 0 && ftruncate(fd, (off_t)cap) != 0) { close(fd); unlink(path); fd = -1; }
+        /* unlinked at once: the space lives as long as the fd, so a killed process leaves nothing behind */
+        if (fd >= 0) unlink(path);
+        if (fd >= 0 && ftruncate(fd, (off_t)cap) != 0) { close(fd); fd = -1; }
     }
     if (fd < 0) {
         snprintf(err, errlen, "cannot create %zu MiB of %s staging: %s", cap >> 20, KIND_NAME[k], strerror(errno));
@@ -123,12 +125,10 @@ static int seg_create(struct seg *g, size_t cap, char *err, size_t errlen)
     if (base == MAP_FAILED) {
         snprintf(err, errlen, "cannot map %zu MiB of %s staging: %s", cap >> 20, KIND_NAME[k], strerror(errno));
         close(fd);
-        if (k == K_FILE) unlink(path);
         return -1;
     }
     touch_parallel(base, cap, k == K_HUGETLB ? HUGE_PAGE : (size_t)sysconf(_SC_PAGESIZE));
     *g = (struct seg){.fd = fd, .base = base, .cap = cap, .kind = k};
-    if (k == K_FILE) memcpy(g->path, path, sizeof g->path);
     CUresult rc = gpucr_drv.cuMemHostRegister_v2(base, cap, CU_MEMHOSTREGISTER_PORTABLE);
     g->pinned = rc == CUDA_SUCCESS;
     if (!g->pinned) gpucr_log("staging segment of %zu MiB could not be pinned (%s): copies use the slower pageable path",
@@ -159,7 +159,12 @@ int staging_fit(const size_t *sizes, int n, char *err, size_t errlen)
         const char *dir;
         enum kind k = wanted_kind(add, &dir);
         size_t avail = k == K_HUGETLB ? meminfo("HugePages_Free") * HUGE_PAGE : meminfo("MemAvailable") * 1024;
-        if (k != K_FILE && add > avail) {
+        if (k == K_HUGETLB && add > avail) {
+            snprintf(err, errlen, "not enough free hugepages for staging: need %zu MiB, %zu MiB free; reserve them with "
+                     "'echo %zu > /proc/sys/vm/nr_hugepages' (as root) or use GPUCR_STAGING=shm", add >> 20, avail >> 20,
+                     meminfo("HugePages_Total") + (add - avail) / HUGE_PAGE);
+            rc = -1;
+        } else if (k != K_FILE && add > avail) {
             snprintf(err, errlen, "not enough host memory for staging: need %zu MiB more, %zu MiB available; free host "
                      "memory (or use GPUCR_STAGING=file:DIR) and retry", add >> 20, avail >> 20);
             rc = -1;
@@ -203,7 +208,6 @@ void staging_drop(void)
         if (g->pinned) gpucr_drv.cuMemHostUnregister(g->base);
         munmap(g->base, g->cap);
         close(g->fd);
-        if (g->kind == K_FILE) unlink(g->path);
     }
     S.n = 0;
     pthread_mutex_unlock(&S.mu);

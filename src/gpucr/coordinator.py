@@ -7,6 +7,7 @@ Any failure rolls back to a running process, or leaves it checkpointed and resto
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 from . import manifest
 from . import target as targets
 from .app import AppChannel
-from .driver import CUDA_ERROR_OUT_OF_MEMORY, Driver, DriverError, ProcessState, device_info, driver_for, gpu_memory
+from .driver import CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, Driver, DriverError, ProcessState, device_info, driver_for, gpu_memory
 from .errors import GpucrError
 
 LEVELS = ("full", "data")
@@ -22,6 +23,16 @@ LEVELS = ("full", "data")
 
 def _driver(t: targets.Target) -> Driver:
     return driver_for(t.hello.get("libcuda") or "libcuda.so.1")
+
+
+def _driver_state(drv: Driver, pid: int) -> ProcessState:
+    try:
+        return drv.state(pid)
+    except DriverError as exc:
+        if exc.rc == CUDA_ERROR_NOT_INITIALIZED:
+            raise GpucrError(f"process {pid} has no CUDA state of its own for the driver to checkpoint (a fork() child "
+                             "of a CUDA process inherits none); nothing to checkpoint") from exc
+        raise
 
 
 def _need_cuda(t: targets.Target) -> None:
@@ -32,6 +43,13 @@ def _need_cuda(t: targets.Target) -> None:
 def _mem(drv: Driver) -> int | None:
     m = gpu_memory(drv)
     return m.used if m else None
+
+
+def _test_kill_point(point: str) -> None:
+    """Fault injection for the test suite: GPUCR_TEST_KILL_AT=<point> makes this controller die
+    (SIGKILL, no clean-up) at that point, as a crashed or killed controller would."""
+    if os.environ.get("GPUCR_TEST_KILL_AT") == point:
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _reply_timeout(timeout: float) -> float:
@@ -49,7 +67,12 @@ def status(pid: int) -> dict[str, Any]:
     st["cmd"] = targets.command_line(pid)
     level = None
     if st.get("cuda"):
-        drv_state = _driver(t).state(pid)
+        try:
+            drv_state = _driver(t).state(pid)
+        except DriverError as exc:
+            st["driver_state"] = f"unknown: {exc}"
+            st["level"] = None
+            return st
         st["driver_state"] = drv_state.name.lower()
         if drv_state == ProcessState.CHECKPOINTED:
             st["state"], level = "checkpointed", "full"
@@ -111,7 +134,7 @@ def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str 
     t = targets.resolve(pid)
     _need_cuda(t)
     drv = _driver(t)
-    dstate = drv.state(pid)
+    dstate = _driver_state(drv, pid)
     if dstate != ProcessState.RUNNING:
         raise GpucrError(f"process {pid} is already checkpointed (driver state {dstate.name.lower()}); "
                          f"restore it with 'gpucr restore {pid}'")
@@ -135,6 +158,7 @@ def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str 
             _app_resume(app)
             raise
         result["phases_s"]["data_out"] = time.perf_counter() - t0
+        _test_kill_point("after-data-out")
         cyc = out["last_cycle_ms"]
         result["agent_ms"] = {k: cyc[k] for k in ("staging", "gate", "sync", "copy_out", "release")}
         result["bytes_moved"] = cyc["bytes_out"]
@@ -147,9 +171,11 @@ def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str 
             try:
                 drv.lock(pid, timeout_ms)
                 result["phases_s"]["driver_lock"] = time.perf_counter() - t0
+                _test_kill_point("after-driver-lock")
                 t1 = time.perf_counter()
                 drv.checkpoint(pid)
                 result["phases_s"]["control_out"] = time.perf_counter() - t1
+                _test_kill_point("after-driver-checkpoint")
             except DriverError as exc:
                 _roll_back(drv, agent, pid)
                 _app_resume(app)
@@ -217,7 +243,7 @@ def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: 
     t = targets.resolve(pid)
     _need_cuda(t)
     drv = _driver(t)
-    dstate = drv.state(pid)
+    dstate = _driver_state(drv, pid)
     result: dict[str, Any] = {"pid": pid, "phases_s": {}}
     with t.connect() as agent:
         st = agent.call("status", timeout=10.0)
@@ -246,6 +272,7 @@ def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: 
                                      "memory and retry (the process stays checkpointed)") from exc
                 raise GpucrError(f"{exc}; process {pid} stays checkpointed, retry 'gpucr restore {pid}'") from exc
             result["phases_s"]["control_in"] = time.perf_counter() - t0
+            _test_kill_point("after-driver-restore")
             dstate = drv.state(pid)
         if dstate == ProcessState.LOCKED:
             t0 = time.perf_counter()
@@ -254,6 +281,10 @@ def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: 
             ph = result["phases_s"]
             agent.call("note", timeout=10.0, control_in_us=ph.get("control_in", 0) * 1e6,
                        driver_unlock_us=ph["driver_unlock"] * 1e6)
+            _test_kill_point("after-driver-unlock")
+            # a checkpoint whose controller died before committing rolls itself back once the driver
+            # lets go of the process: look again before asking for the data
+            st = _settled_status(agent, timeout)
         if entry is not None and st["state"] == "checkpointed":
             from . import image as images
             if st.get("staged"):
@@ -280,6 +311,18 @@ def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: 
     result["state"] = "running"
     result["gpu_used_bytes"] = _mem(drv)
     return result
+
+
+def _settled_status(agent, timeout: float) -> dict[str, Any]:
+    """The agent's status once no checkpoint or restore is running in it (e.g. its own roll-back)."""
+    deadline = time.monotonic() + _reply_timeout(timeout)
+    while True:
+        st = agent.call("status", timeout=10.0)
+        if not st.get("busy"):
+            return st
+        if time.monotonic() > deadline:
+            raise GpucrError(f"process {agent.pid} stayed busy with another checkpoint or restore; retry later")
+        time.sleep(0.05)
 
 
 def _app_channel_quiet(t: targets.Target) -> AppChannel | None:

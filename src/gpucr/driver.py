@@ -42,6 +42,7 @@ assert ctypes.sizeof(_LockArgs) == 64 and ctypes.sizeof(_Args8) == 64 and ctypes
 
 CUDA_ERROR_TIMEOUT = 909
 CUDA_ERROR_OUT_OF_MEMORY = 2
+CUDA_ERROR_NOT_INITIALIZED = 3
 
 
 class DriverError(GpucrError):

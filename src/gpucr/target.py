@@ -91,15 +91,16 @@ def list_sockets() -> list[tuple[int, Path]]:
     if not rdir.is_dir():
         return found
     for sock in sorted(rdir.glob("*.sock")):
-        try:
-            pid = int(sock.stem)
-        except ValueError:
+        name = sock.name.split(".")[0]
+        if not name.isdigit():
             continue
+        pid = int(name)
         if Path(f"/proc/{pid}").exists():
-            found.append((pid, sock))
+            if sock.name == f"{pid}.sock":
+                found.append((pid, sock))
         else:
             try:
-                sock.unlink()  # left behind by a process that was killed
+                sock.unlink()  # left behind by a process that was killed (agent or app-join socket)
             except OSError:
                 pass
     return found

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import ctypes
 import hashlib
+import os
 import threading
 
 from .protocol import serve
@@ -55,6 +56,8 @@ cuMemCreate = _sig("cuMemCreate", ctypes.POINTER(u64), sz, ctypes.POINTER(Prop),
 cuMemMap = _sig("cuMemMap", u64, sz, sz, u64, u64)
 cuMemSetAccess = _sig("cuMemSetAccess", u64, sz, ctypes.POINTER(Access), sz)
 cuMemRelease = _sig("cuMemRelease", u64)
+cuMemAllocManaged = _sig("cuMemAllocManaged", ctypes.POINTER(u64), sz, ctypes.c_uint)
+cuIpcGetMemHandle = _sig("cuIpcGetMemHandle", ctypes.c_char_p, u64)
 if SIM:
     cuModuleLoadData = _sig("cuModuleLoadData", ctypes.POINTER(vp), ctypes.c_char_p)
     cuModuleGetFunction = _sig("cuModuleGetFunction", ctypes.POINTER(vp), vp, ctypes.c_char_p)
@@ -210,6 +213,25 @@ class App:
             return {"joined": mode}
         if cmd == "joined":
             return dict(self.joined)
+        if cmd == "managed":   # managed memory: no CUDA checkpoint can save it
+            p = u64()
+            check(cuMemAllocManaged(ctypes.byref(p), int(words[1]), 1), "managed")
+            self.managed = p.value
+            return {"ptr": p.value}
+        if cmd == "free-managed":
+            check(cuMemFree(self.managed), "free managed")
+            return {"freed": self.managed}
+        if cmd == "ipc":   # legacy CUDA IPC export of buffer I
+            handle = ctypes.create_string_buffer(64)
+            rc = cuIpcGetMemHandle(handle, self.bufs[int(words[1])][0])
+            return {"rc": rc}
+        if cmd == "fork":   # a child that shares nothing CUDA with us, and sleeps
+            pid = os.fork()
+            if pid == 0:
+                import time
+                time.sleep(float(words[1]) if len(words) > 1 else 30)
+                os._exit(0)
+            return {"child": pid}
         if cmd == "zero":   # memset buffer I to zero on the device
             p, n = self.bufs[int(words[1])]
             check(cuMemsetD32(p, 0, n // 4), "memset")

@@ -1,0 +1,234 @@
+"""Faults and refusals on simcuda: a checkpoint completes or the application runs on untouched; a
+restore completes or the process stays checkpointed and restorable; nothing is left behind."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+import gpucr
+from gpucr import paths
+from gpucr.driver import ProcessState
+
+from conftest import gpucr_cli, sim_driver
+
+MiB = 1 << 20
+
+
+# ---- pre-flight coverage ----
+
+def test_managed_memory_is_refused_before_touching(sim_app):
+    app = sim_app("--sizes", "16M")
+    before = app.ask("digest")
+    app.ask(f"managed {4 * MiB}")
+    r = gpucr_cli("checkpoint", str(app.pid))
+    assert r.returncode != 0 and "managed memory" in r.stderr and "cudaMalloc" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert gpucr.status(app.pid)["state"] == "running"
+    assert sim_driver().state(app.pid) == ProcessState.RUNNING
+    assert app.ask("digest") == before
+    app.ask("free-managed")       # once it is gone, the checkpoint proceeds
+    gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before
+
+
+def test_legacy_ipc(sim_app):
+    app = sim_app("--sizes", "16M,1000")
+    # memory the agent made checkpointable cannot be exported with legacy IPC: the call fails clearly
+    assert app.ask("ipc 0")["rc"] == 801
+    # a small (native) allocation can be, and then the process cannot be checkpointed
+    assert app.ask("ipc 1")["rc"] == 0
+    with pytest.raises(gpucr.GpucrError, match="legacy CUDA IPC"):
+        gpucr.checkpoint(app.pid)
+    assert gpucr.status(app.pid)["state"] == "running"
+
+
+def test_hugepages_asked_for_but_missing_refused_before_touching(sim_app):
+    if int(Path("/proc/sys/vm/nr_hugepages").read_text()) > 0:
+        pytest.skip("this host has hugepages reserved")
+    app = sim_app("--sizes", "16M", env=dict(os.environ, GPUCR_STAGING="hugetlbfs"))
+    before = app.ask("digest")
+    with pytest.raises(gpucr.GpucrError, match="hugepages"):
+        gpucr.checkpoint(app.pid)
+    assert gpucr.status(app.pid)["state"] == "running" and app.ask("digest") == before
+
+
+# ---- a controller killed at every phase ----
+
+@pytest.mark.parametrize("point,after", [
+    ("after-data-out", "running"),            # the agent's lease rolls it back by itself
+    ("after-driver-lock", "restorable"),      # the driver holds it: a new controller finishes the job
+    ("after-driver-checkpoint", "restorable"),
+])
+def test_controller_killed_during_checkpoint(sim_app, point, after):
+    app = sim_app("--sizes", "32M,4M", "--vmm-mib", "8")
+    before = app.ask("digest")
+    r = gpucr_cli("checkpoint", str(app.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT=point))
+    assert r.returncode == -signal.SIGKILL
+    if after == "running":
+        deadline = time.time() + 10
+        while gpucr.status(app.pid)["state"] != "running" and time.time() < deadline:
+            time.sleep(0.05)
+    else:
+        assert sim_driver().state(app.pid) != ProcessState.RUNNING
+        assert gpucr_cli("restore", str(app.pid)).returncode == 0
+    assert gpucr.status(app.pid)["state"] == "running"
+    assert sim_driver().state(app.pid) == ProcessState.RUNNING
+    assert app.ask("digest") == before
+    gpucr.checkpoint(app.pid)   # and it can be checkpointed again
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before
+
+
+@pytest.mark.parametrize("point", ["after-driver-restore", "after-driver-unlock"])
+def test_controller_killed_during_restore(sim_app, point):
+    app = sim_app("--sizes", "32M,4M")
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    r = gpucr_cli("restore", str(app.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT=point))
+    assert r.returncode == -signal.SIGKILL
+    assert gpucr.status(app.pid)["state"] == "checkpointed"
+    assert gpucr_cli("restore", str(app.pid)).returncode == 0
+    assert app.ask("digest") == before
+
+
+def test_controller_killed_mid_data_out(sim_app):
+    app = sim_app("--sizes", "1500M")
+    before = app.ask("digest")
+    p = subprocess.Popen([sys.executable, "-m", "gpucr.cli", "checkpoint", str(app.pid)])
+    time.sleep(0.15)
+    p.kill()
+    p.wait()
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        st = gpucr.status(app.pid)
+        if st["state"] == "running" and not st["busy"]:
+            break
+        time.sleep(0.05)
+    assert gpucr.status(app.pid)["state"] == "running"
+    assert app.ask("digest") == before
+
+
+# ---- two controllers at once ----
+
+def test_two_controllers_at_once_one_is_told_busy(sim_app):
+    app = sim_app("--sizes", "1200M")
+    before = app.ask("digest")
+    errors, done = [], []
+
+    def go() -> None:
+        try:
+            done.append(gpucr.checkpoint(app.pid, level="data"))
+        except gpucr.GpucrError as exc:
+            errors.append(str(exc))
+    threads = [threading.Thread(target=go) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(done) == 1 and len(errors) == 1, (done, errors)
+    assert "busy" in errors[0] or "already checkpointed" in errors[0]
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before
+
+
+# ---- the application goes away ----
+
+def test_app_killed_while_checkpointed_leaves_nothing_behind(sim_app, tmp_path):
+    sdir = tmp_path / "staging"
+    sdir.mkdir()
+    app = sim_app("--sizes", "32M", env=dict(os.environ, GPUCR_STAGING=f"file:{sdir}"))
+    app.ask("join ok 1")
+    gpucr.checkpoint(app.pid)
+    rdir = paths.runtime_dir()
+    assert (rdir / f"{app.pid}.sock").exists() and (rdir / f"{app.pid}.app.sock").exists()
+    app.proc.kill()
+    app.proc.wait()
+    assert gpucr.ps() == []                     # stale sockets are cleaned by the first listing
+    assert list(rdir.iterdir()) == []
+    assert list(sdir.iterdir()) == []
+    # the simulated device counts no memory for the dead process (its record is reaped on reading)
+    from gpucr.driver import gpu_memory
+    gpu_memory(sim_driver())
+    simdir = Path(os.environ["SIMCUDA_DIR"])
+    assert not (simdir / f"{app.pid}.mem").exists()
+
+
+def test_fork_child_has_its_own_agent_and_no_parent_state(sim_app):
+    app = sim_app("--sizes", "16M")
+    before = app.ask("digest")
+    child = app.ask("fork 20")["child"]
+    try:
+        deadline = time.time() + 5
+        while not (paths.runtime_dir() / f"{child}.sock").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        st = gpucr.status(child)
+        assert st["allocations"]["tracked"] == 0, "the child must not inherit the parent's registry"
+        r = gpucr_cli("checkpoint", str(child))
+        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1
+        gpucr.checkpoint(app.pid)
+        gpucr.restore(app.pid)
+        assert app.ask("digest") == before
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+# ---- load ----
+
+def _resources(pid: int) -> tuple[int, int, int]:
+    # the agent closes a controller's connection just after the controller hangs up: let that settle
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    for _ in range(20):
+        time.sleep(0.025)
+        fds = min(fds, len(os.listdir(f"/proc/{pid}/fd")))
+    maps = len(Path(f"/proc/{pid}/maps").read_text().splitlines())
+    rss = int(next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith("VmRSS")).split()[1])
+    return fds, maps, rss
+
+
+def test_fifty_cycles_leak_nothing(sim_app):
+    app = sim_app("--sizes", "16M,4M,100K", "--vmm-mib", "8")
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid)          # staging prepared once
+    used0 = sim_driver()
+    from gpucr.driver import gpu_memory
+    dev0 = gpu_memory(used0).used
+    fds0, maps0, rss0 = _resources(app.pid)
+    for i in range(50):
+        gpucr.checkpoint(app.pid, level="full" if i % 2 else "data")
+        gpucr.restore(app.pid)
+    fds1, maps1, rss1 = _resources(app.pid)
+    assert app.ask("digest") == before
+    assert fds1 == fds0, "file descriptors leaked"
+    assert maps1 <= maps0 + 2, "mappings leaked"
+    assert rss1 - rss0 < 8 * 1024, "host memory grew by more than 8 MiB"
+    assert gpu_memory(used0).used == dev0, "device memory leaked"
+
+
+def test_eight_processes_cycled_concurrently(sim_app):
+    apps = [sim_app("--sizes", "24M,2M", "--seed", str(i)) for i in range(8)]
+    befores = [a.ask("digest") for a in apps]
+    errors = []
+
+    def cycle(a) -> None:
+        try:
+            for _ in range(5):
+                gpucr.checkpoint(a.pid)
+                gpucr.restore(a.pid)
+        except Exception as exc:
+            errors.append(f"{a.pid}: {exc}")
+    threads = [threading.Thread(target=cycle, args=(a,)) for a in apps]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert [a.ask("digest") for a in apps] == befores
