@@ -195,9 +195,12 @@ static void reply_note(const char *req, struct jb *j)
 static void handle_op(const char *verb, const char *req, struct jb *j, struct client *c)
 {
     int timeout_ms = arg_int(req, "timeout_ms", 30000);
-    int drop = arg_int(req, "drop_staging", 0), lease = arg_int(req, "lease", 0);
+    int drop = arg_int(req, "drop_staging", 0), lease = arg_int(req, "lease", 0), wait = arg_int(req, "wait_ready", 0);
     if (timeout_ms <= 0) { reply_error(j, "timeout_ms must be a positive number of milliseconds"); return; }
-    if (drop < 0 || drop > 1 || lease < 0 || lease > 1) { reply_error(j, "drop_staging and lease must be 0 or 1"); return; }
+    if (drop < 0 || drop > 1 || lease < 0 || lease > 1 || wait < 0 || wait > 1) {
+        reply_error(j, "drop_staging, lease and wait_ready must be 0 or 1");
+        return;
+    }
     if (!cuda_present()) { reply_error(j, "the process has not loaded the CUDA driver: nothing to checkpoint"); return; }
     if (pthread_mutex_trylock(&g_op) != 0) { reply_error(j, "busy: another checkpoint or restore of this process is in progress"); return; }
     gpucr_init();
@@ -209,7 +212,7 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
         rc = dp_checkpoint(timeout_ms, err, sizeof err);
         if (rc == 0 && lease) c->lease = true;
     } else if (!strcmp(verb, "restore")) {
-        rc = dp_restore(timeout_ms, drop == 1, err, sizeof err);
+        rc = dp_restore(timeout_ms, drop == 1, wait == 1, err, sizeof err);
         if (rc == 0) c->lease = false;
     } else if (!strcmp(verb, "layout")) {
         rc = dp_layout(j, c->fds, &c->nfds, STAGING_MAX_SEGS, err, sizeof err);
@@ -237,6 +240,13 @@ static void handle(const char *req, struct jb *j, struct client *c)
     else if (!strcmp(verb, "status")) reply_status(j);
     else if (!strcmp(verb, "note")) reply_note(req, j);
     else if (!strcmp(verb, "commit")) { c->lease = false; jb_bool(j, "ok", true); }
+    else if (!strcmp(verb, "ready") || !strcmp(verb, "ready_abort")) {
+        /* from a second connection, while a restore waits for the image's data on the first */
+        long long va = arg_ll(req, "va", 0, INT64_MAX);
+        if (va <= 0 && !strcmp(verb, "ready")) reply_error(j, "ready takes va=ADDRESS");
+        else if (dp_mark_ready((unsigned long long)va, !strcmp(verb, "ready_abort"))) reply_error(j, "no released allocation at that address");
+        else jb_bool(j, "ok", true);
+    }
     else if (!strcmp(verb, "checkpoint") || !strcmp(verb, "restore") || !strcmp(verb, "layout") ||
              !strcmp(verb, "drop") || !strcmp(verb, "stage") || !strcmp(verb, "unpin"))
         handle_op(verb, req, j, c);
@@ -288,7 +298,7 @@ static void roll_back_abandoned(void)
     if (st.state == AGENT_CHECKPOINTED && st.staged) {
         char err[600] = "";
         /* if the driver holds the process locked, this waits until a new controller unlocks it */
-        if (dp_restore(30000, false, err, sizeof err)) gpucr_warn("rolling back an abandoned checkpoint failed: %s", err);
+        if (dp_restore(30000, false, false, err, sizeof err)) gpucr_warn("rolling back an abandoned checkpoint failed: %s", err);
         else gpucr_warn("the controller went away during a checkpoint: rolled back, the application runs on");
     }
     pthread_mutex_unlock(&g_op);

@@ -212,9 +212,48 @@ void dp_preflight(char *why, size_t len)
     reg_unlock();
 }
 
-/* Undo the release of every released allocation (or, with only_released=false, nothing else):
- * re-create, map, set access, copy back. Returns the first error; allocations that failed stay released. */
-static CUresult bring_back(char *err, size_t errlen, int *turn)
+/* ---- restore from an image: the controller fills staging while re-mapping and copying run; it
+ * marks each allocation ready as its chunks are verified, and the copy of that allocation waits for it ---- */
+static pthread_mutex_t g_ready_mu = PTHREAD_MUTEX_INITIALIZER;
+static pthread_cond_t g_ready_cv = PTHREAD_COND_INITIALIZER;
+static bool g_ready_abort;
+
+static CUresult wait_ready(struct phys *p, int64_t deadline_ns)
+{
+    pthread_mutex_lock(&g_ready_mu);
+    while (!p->ready && !g_ready_abort && gpucr_now_ns() < deadline_ns) {
+        struct timespec ts;
+        clock_gettime(CLOCK_REALTIME, &ts);
+        int64_t abs_ns = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec + 10000000LL;
+        ts.tv_sec = abs_ns / 1000000000LL; ts.tv_nsec = abs_ns % 1000000000LL;
+        pthread_cond_timedwait(&g_ready_cv, &g_ready_mu, &ts);
+    }
+    CUresult rc = p->ready ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+    pthread_mutex_unlock(&g_ready_mu);
+    return rc;
+}
+
+int dp_mark_ready(unsigned long long va, bool abort_all)
+{
+    pthread_mutex_lock(&g_ready_mu);
+    int rc = 0;
+    if (abort_all) g_ready_abort = true;
+    else {
+        reg_lock();
+        struct mapping *m = hmap_get(&g_reg.map_by_va, va);
+        if (m && m->phys->staging) m->phys->ready = true; else rc = -1;
+        reg_unlock();
+    }
+    pthread_cond_broadcast(&g_ready_cv);
+    pthread_mutex_unlock(&g_ready_mu);
+    return rc;
+}
+
+/* Re-create, map and set access for every released allocation, then copy its data back; with a
+ * ready_deadline, each copy first waits until the controller says that allocation's data is in
+ * staging (so re-mapping and copying overlap the reading of an image). Returns the first error;
+ * allocations that failed stay released. */
+static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_deadline)
 {
     CUresult first = CUDA_SUCCESS;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
@@ -252,6 +291,14 @@ static CUresult bring_back(char *err, size_t errlen, int *turn)
             }
         }
         p->released = false;
+        if (ready_deadline && wait_ready(p, ready_deadline) != CUDA_SUCCESS) {
+            if (first == CUDA_SUCCESS) {
+                first = CUDA_ERROR_NOT_READY;
+                seterr(err, errlen, "the image's data for 0x%llx did not arrive (reading the image failed or timed out)",
+                       (unsigned long long)full_mapping_va(p));
+            }
+            break;
+        }
         const struct mapping *fm = full_mapping(p);
         rc = copy_chunks(p, fm->va, false, turn);
         if (rc != CUDA_SUCCESS && first == CUDA_SUCCESS) {
@@ -375,7 +422,7 @@ int dp_checkpoint(int timeout_ms, char *err, size_t errlen)
     t.release = ms_since(t0);
     if (rc != CUDA_SUCCESS) {
         char e2[256] = "";
-        bring_back(e2, sizeof e2, &turn);
+        bring_back(e2, sizeof e2, &turn, 0);
         sync_streams();
         gpucr_gate_open();
         seterr(err, errlen, "releasing device memory failed: %s; rolled back, the application runs on%s%s",
@@ -393,9 +440,8 @@ int dp_checkpoint(int timeout_ms, char *err, size_t errlen)
     return 0;
 }
 
-int dp_restore(int timeout_ms, bool drop_staging, char *err, size_t errlen)
+int dp_restore(int timeout_ms, bool drop_staging, bool wait, char *err, size_t errlen)
 {
-    (void)timeout_ms;
     if (g_dp.state != AGENT_CHECKPOINTED) { seterr(err, errlen, "the process is not checkpointed"); return -1; }
     if (!g_dp.staged) {
         seterr(err, errlen, "the process's data is not in host memory: restore it from its image (gpucr restore --image DIR)");
@@ -417,7 +463,9 @@ int dp_restore(int timeout_ms, bool drop_staging, char *err, size_t errlen)
         }
     }
     int turn = 0;
-    CUresult rc = bring_back(err, errlen, &turn);
+    int64_t ready_deadline = 0;
+    if (wait) ready_deadline = gpucr_now_ns() + (int64_t)timeout_ms * 1000000LL;
+    CUresult rc = bring_back(err, errlen, &turn, ready_deadline);
     CUresult src = sync_streams();
     double both = ms_since(t0);
     if (rc == CUDA_SUCCESS && src != CUDA_SUCCESS) {
@@ -536,8 +584,14 @@ int dp_stage(char *err, size_t errlen)
     free(sizes);
     if (rc) return -1;
     staging_rewind();
-    for (struct phys *p = g_reg.all; p; p = p->next_all)
+    /* nothing of the image has arrived yet: a restore that waits for it starts from here */
+    pthread_mutex_lock(&g_ready_mu);
+    g_ready_abort = false;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        p->ready = false;
         if (p->released) p->staging = staging_take(p->size);
+    }
+    pthread_mutex_unlock(&g_ready_mu);
     g_dp.staged = true;
     return 0;
 }

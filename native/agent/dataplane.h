@@ -21,7 +21,9 @@ struct dp_status {
  * On failure nothing is released, the gate is open again, and err says why. */
 int dp_checkpoint(int timeout_ms, char *err, size_t errlen);
 /* Re-create, re-map and copy back; then open the gate. On failure the process stays checkpointed. */
-int dp_restore(int timeout_ms, bool drop_staging, char *err, size_t errlen);
+int dp_restore(int timeout_ms, bool drop_staging, bool wait_ready, char *err, size_t errlen);
+/* The controller says an allocation's data is in staging (restore from an image), or gives up. */
+int dp_mark_ready(unsigned long long va, bool abort_all);
 void dp_get_status(struct dp_status *out);
 /* Coverage problems that make a checkpoint unsafe, as one line; empty when there are none. */
 void dp_preflight(char *why, size_t len);

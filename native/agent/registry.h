@@ -35,6 +35,7 @@ struct phys {
     size_t resv_size, user_size;
     /* checkpoint bookkeeping */
     bool released;              /* physical memory given back, data in staging */
+    bool ready;                 /* restore from an image: its data has arrived in staging */
     void *staging;              /* where its data waits in host staging */
     struct phys *next_all, *prev_all;
 };

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -292,16 +293,37 @@ def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: 
             t0 = time.perf_counter()
             agent.call("stage", timeout=_reply_timeout(timeout))
             layout, fds = agent.call_with_fds("layout", timeout=60.0)
-            try:
-                result["image"] = images.read(Path(image), entry["data"], layout, fds)
-            except GpucrError as exc:
-                agent.call("drop", timeout=60.0)
-                raise GpucrError(f"{exc}; process {pid} stays checkpointed: restore it from an intact image") from exc
-            finally:
-                for fd in fds:
-                    os.close(fd)
-            result["phases_s"]["image_read"] = time.perf_counter() - t0
-        if st["state"] == "checkpointed":
+            result["phases_s"]["stage"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            read_error: list[GpucrError] = []
+            # reading overlaps the process's re-mapping and copying: each allocation is announced on a
+            # second connection as soon as its chunks are verified, while the restore waits on this one
+            with t.connect() as notify:
+                def read_all() -> None:
+                    try:
+                        result["image"] = images.read(Path(image), entry["data"], layout, fds,
+                                                      on_ready=lambda va: notify.call("ready", timeout=60.0, va=va))
+                    except GpucrError as exc:
+                        read_error.append(exc)
+                        notify.call("ready_abort", timeout=60.0)
+                reader = threading.Thread(target=read_all, name="gpucr-image-read")
+                reader.start()
+                try:
+                    out = agent.call("restore", timeout=_reply_timeout(timeout) + 3600.0,
+                                     timeout_ms=int((timeout + 3600.0) * 1000), drop_staging=int(drop_staging),
+                                     wait_ready=1)
+                except GpucrError as exc:
+                    reader.join()
+                    agent.call("drop", timeout=60.0)
+                    cause = read_error[0] if read_error else exc
+                    raise GpucrError(f"{cause}; process {pid} stays checkpointed: restore it from an intact image") from exc
+                finally:
+                    reader.join()
+                    for fd in fds:
+                        os.close(fd)
+            result["phases_s"]["image_read_and_data_in"] = time.perf_counter() - t0
+            result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
+        elif st["state"] == "checkpointed":
             t0 = time.perf_counter()
             out = agent.call("restore", timeout=_reply_timeout(timeout), timeout_ms=int(timeout * 1000),
                              drop_staging=int(drop_staging))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import mmap
 import os
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
@@ -123,8 +124,14 @@ def write(directory: Path, layout: dict[str, Any], fds: list[int]) -> tuple[list
                     "gb_per_s": foff / secs / 1e9 if secs else None}
 
 
-def read(directory: Path, allocs: list[dict[str, Any]], layout: dict[str, Any], fds: list[int]) -> dict[str, Any]:
-    """Read an image into freshly staged memory, verifying every chunk's digest."""
+def read(directory: Path, allocs: list[dict[str, Any]], layout: dict[str, Any], fds: list[int],
+         on_ready: Callable[[int], None] | None = None, fresh: bool = True) -> dict[str, Any]:
+    """Read an image into staged memory, verifying every chunk's digest.
+
+    `on_ready(va)` is called as soon as all of an allocation's chunks are in and verified, so the
+    process can copy it to the device while the rest is read. Zero chunks are not read; in `fresh`
+    staging (new shared memory, already zero) they cost nothing at all.
+    """
     where = {a["va"]: a for a in layout["allocations"]}
     missing = [hex(a["va"]) for a in allocs if a["va"] not in where or where[a["va"]]["bytes"] != a["bytes"]]
     if missing or len(allocs) != len(where):
@@ -136,6 +143,11 @@ def read(directory: Path, allocs: list[dict[str, Any]], layout: dict[str, Any], 
     if size != need:
         raise GpucrError(f"refused: the image's data file is {'missing' if size < 0 else f'{size} bytes, not {need}'} (truncated?)")
     jobs = [(a, c) for a in allocs for c in a["chunks"]]
+    left = {a["va"]: len(a["chunks"]) for a in allocs}
+    lock = threading.Lock()
+    for a in allocs:
+        if not a["chunks"] and on_ready:
+            on_ready(a["va"])
     t0 = time.perf_counter()
     fd, direct = _open_data(path, write=False)
     try:
@@ -147,7 +159,8 @@ def read(directory: Path, allocs: list[dict[str, Any]], layout: dict[str, Any], 
                 off = dst_alloc["offset"] + c["offset"]
                 with views[dst_alloc["segment"]][off:off + c["bytes"]] as dst:
                     if c.get("zero"):
-                        dst[:] = memoryview(_ZERO)[:c["bytes"]]
+                        if not fresh:
+                            dst[:] = memoryview(_ZERO)[:c["bytes"]]
                         got, ok = c["bytes"], True
                     else:
                         got = os.preadv(fd, [dst], a["file_offset"] + c["offset"])
@@ -158,6 +171,11 @@ def read(directory: Path, allocs: list[dict[str, Any]], layout: dict[str, Any], 
                     raise GpucrError(f"refused: chunk {c['offset']:#x} of allocation {a['va']:#x} does not match "
                                      "its digest (the image is corrupt)")
                 tick(c["bytes"])
+                with lock:
+                    left[a["va"]] -= 1
+                    done = left[a["va"]] == 0
+                if done and on_ready:
+                    on_ready(a["va"])
             with ThreadPoolExecutor(IN_FLIGHT) as pool:
                 list(pool.map(one, jobs))
     finally:
