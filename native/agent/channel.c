@@ -22,6 +22,7 @@
 #define MAX_CLIENTS 8
 
 static char g_dir[256], g_sock[300];
+static char g_group[128];   /* GPUCR_GROUP, read once at start: the application may change its environment later */
 static int g_listen = -1;
 static pthread_mutex_t g_op = PTHREAD_MUTEX_INITIALIZER;   /* one checkpoint/restore at a time */
 static int g_clients;
@@ -69,6 +70,7 @@ static void reply_hello(struct jb *j)
     jb_bool(j, "cuda", cuda_present());
     jb_bool(j, "simulated", gpucr_drv.simcudaIsSimulated && gpucr_drv.simcudaIsSimulated());
     jb_str(j, "libcuda", gpucr_libcuda_path());
+    jb_str(j, "group", g_group);
 }
 
 static void reply_status(struct jb *j)
@@ -80,6 +82,7 @@ static void reply_status(struct jb *j)
     jb_bool(j, "cuda", cuda_present());
     jb_bool(j, "simulated", gpucr_drv.simcudaIsSimulated && gpucr_drv.simcudaIsSimulated());
     jb_str(j, "state", st.state == AGENT_RUNNING ? "running" : "checkpointed");
+    jb_str(j, "group", g_group);
     jb_bool(j, "staged", st.staged);
     /* a checkpoint, restore or roll-back is running now (trylock probes without waiting) */
     bool busy = pthread_mutex_trylock(&g_op) != 0;
@@ -431,6 +434,8 @@ __attribute__((constructor)) static void agent_start(void)
 {
     const char *off = getenv("GPUCR_AGENT_DISABLE");
     if (off && *off && *off != '0') return;
+    const char *group = getenv("GPUCR_GROUP");
+    if (group) snprintf(g_group, sizeof g_group, "%s", group);
     gpucr_channel_start();
     staging_start_ahead();
     pthread_atfork(NULL, NULL, on_fork_child);

@@ -57,6 +57,7 @@ static struct {
     pid_t tid;
     int listen_fd;
     bool fail_restore;
+    bool fail_lock;
     char path[PATH_MAX];
 } ck = {.listen_fd = -1};
 
@@ -99,6 +100,10 @@ static CUresult handle(const struct sim_ctl_req *req)
     case OP_LOCK:
         if (ck.state != CU_PROCESS_STATE_RUNNING)
             return CUDA_ERROR_ILLEGAL_STATE;
+        if (ck.fail_lock) { /* SIMCUDA_FAIL_LOCK=1: time out once, as a call that never drains would */
+            ck.fail_lock = false;
+            return CUDA_ERROR_TIMEOUT;
+        }
         if (!sim_gate_close(req->timeout_ms))
             return CUDA_ERROR_TIMEOUT;
         ck.state = CU_PROCESS_STATE_LOCKED;
@@ -192,6 +197,7 @@ static void ctl_atexit(void)
 CUresult sim_ctl_start(void)
 {
     ck.fail_restore = sim_cfg.fail_restore;
+    ck.fail_lock = sim_cfg.fail_lock;
     CUresult rc = sim_rundir_path(ck.path, sizeof(ck.path), sim_cfg.pid, ".ctl");
     if (rc != CUDA_SUCCESS)
         return rc;

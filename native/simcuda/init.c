@@ -43,6 +43,8 @@ void sim_config_load(struct sim_config *cfg)
     cfg->ctx_bytes = env_size("SIMCUDA_CTX_BYTES", 64ull << 20);
     const char *fail = getenv("SIMCUDA_FAIL_RESTORE");
     cfg->fail_restore = fail && strcmp(fail, "1") == 0;
+    const char *fail_lock = getenv("SIMCUDA_FAIL_LOCK");
+    cfg->fail_lock = fail_lock && strcmp(fail_lock, "1") == 0;
     cfg->pid = getpid();
 }
 

@@ -46,6 +46,7 @@ struct sim_config {
     size_t total_mem;    /* SIMCUDA_TOTAL_MEM bytes per device, default 16 GiB */
     size_t ctx_bytes;    /* SIMCUDA_CTX_BYTES per live context, default 64 MiB */
     bool fail_restore;   /* SIMCUDA_FAIL_RESTORE=1: the next RESTORE fails (one shot) */
+    bool fail_lock;      /* SIMCUDA_FAIL_LOCK=1: the next LOCK times out (one shot), as if a call never drained */
     pid_t pid;           /* the process that ran cuInit (a forked child is not it) */
 };
 extern struct sim_config sim_cfg;

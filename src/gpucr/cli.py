@@ -34,6 +34,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         env["GPUCR_STAGING_AHEAD"] = "1"
     if a.staging_policy:
         env["GPUCR_STAGING_POLICY"] = a.staging_policy
+    if a.group:
+        env["GPUCR_GROUP"] = a.group
     if a.simulate:
         print("gpucr: running on simcuda, the simulated driver (a test double; no GPU is used)", file=sys.stderr)
     try:
@@ -52,47 +54,53 @@ def _image_dir(base: str, pid: int, count: int) -> str:
     return os.path.join(base, str(pid)) if count > 1 else base
 
 
+def _targets(a: argparse.Namespace) -> list[int]:
+    """The processes named on the command line, or the members of --group."""
+    if a.group:
+        pids = [st["pid"] for st in coordinator.ps() if st.get("group") == a.group]
+        if not pids:
+            raise GpucrError(f"no process of group '{a.group}' is running under gpucr; see 'gpucr ps'")
+        return sorted(set(pids) | set(a.pids))
+    if not a.pids:
+        raise GpucrError("name the processes (PID ...) or a group (--group NAME)")
+    return a.pids
+
+
+def _images(a: argparse.Namespace, pids: list[int]) -> dict[int, str] | None:
+    return {pid: _image_dir(a.image, pid, len(pids)) for pid in pids} if a.image else None
+
+
 def cmd_checkpoint(a: argparse.Namespace) -> int:
-    rc = 0
-    for pid in a.pids:
-        try:
-            r = coordinator.checkpoint(pid, level=a.level, timeout=a.timeout,
-                                       image=_image_dir(a.image, pid, len(a.pids)) if a.image else None)
-        except GpucrError as exc:
-            print(f"gpucr: error: {exc}", file=sys.stderr)
-            rc = 1
-            continue
+    pids = _targets(a)
+    results = coordinator.checkpoint_many(pids, level=a.level, timeout=a.timeout, images=_images(a, pids))
+    for r in results:
         if a.json:
-            _print_json(r)
-        else:
-            used = r["gpu_used_bytes"]
-            print(f"process {pid}: checkpointed (level {r['level']}); {_mib(r['bytes_moved'])} moved by gpucr, "
-                  f"{_mib(r['bytes_left_to_driver'])} left to the driver; GPU memory used {_mib(used['before'])} -> "
-                  f"{_mib(used['after'])}; {_fmt_phases(r['phases_s'])}")
-            if "image" in r:
-                im = r["image"]
-                print(f"  image {im['dir']}: {_mib(im['bytes'])} ({_mib(im['bytes_written'])} written, zero chunks skipped) "
-                      f"in {im['seconds']:.2f} s, {im['gb_per_s']:.2f} GB/s{' (direct I/O)' if im['direct_io'] else ''}; "
-                      "host staging released")
-    return rc
+            continue
+        used = r["gpu_used_bytes"]
+        print(f"process {r['pid']}: checkpointed (level {r['level']}); {_mib(r['bytes_moved'])} moved by gpucr, "
+              f"{_mib(r['bytes_left_to_driver'])} left to the driver; GPU memory used {_mib(used['before'])} -> "
+              f"{_mib(used['after'])}; {_fmt_phases(r['phases_s'])}")
+        if "image" in r:
+            im = r["image"]
+            print(f"  image {im['dir']}: {_mib(im['bytes'])} ({_mib(im['bytes_written'])} written, zero chunks skipped) "
+                  f"in {im['seconds']:.2f} s, {im['gb_per_s']:.2f} GB/s{' (direct I/O)' if im['direct_io'] else ''}; "
+                  "host staging released")
+    if a.json:
+        _print_json(results[0] if len(results) == 1 and not a.group else results)
+    return 0
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
-    rc = 0
-    for pid in a.pids:
-        try:
-            r = coordinator.restore(pid, timeout=a.timeout, drop_staging=a.drop_staging, force=a.force,
-                                    image=_image_dir(a.image, pid, len(a.pids)) if a.image else None)
-        except GpucrError as exc:
-            print(f"gpucr: error: {exc}", file=sys.stderr)
-            rc = 1
-            continue
-        if a.json:
-            _print_json(r)
-        else:
-            print(f"process {pid}: restored and running; {_mib(r.get('bytes_moved', 0))} copied back; "
+    pids = _targets(a)
+    results = coordinator.restore_many(pids, timeout=a.timeout, drop_staging=a.drop_staging, force=a.force,
+                                       images=_images(a, pids))
+    for r in results:
+        if not a.json:
+            print(f"process {r['pid']}: restored and running; {_mib(r.get('bytes_moved', 0))} copied back; "
                   f"{_fmt_phases(r['phases_s'])}")
-    return rc
+    if a.json:
+        _print_json(results[0] if len(results) == 1 and not a.group else results)
+    return 0
 
 
 def _status_lines(st: dict[str, Any]) -> list[str]:
@@ -142,11 +150,12 @@ def cmd_ps(a: argparse.Namespace) -> int:
     if not rows:
         print("no processes under gpucr")
         return 0
-    print(f"{'PID':>8}  {'STATE':<14} {'LEVEL':<5} {'TRACKED':>12} {'DRIVER':>12}  COMMAND")
+    print(f"{'PID':>8}  {'STATE':<14} {'LEVEL':<5} {'GROUP':<10} {'TRACKED':>12} {'DRIVER':>12}  COMMAND")
     for st in rows:
         al = st.get("allocations", {})
         state = st.get("state", "?") if st.get("cuda", True) else "no-cuda"
-        print(f"{st['pid']:>8}  {state:<14} {st.get('level') or '-':<5} {_mib(al.get('tracked_bytes')):>12} "
+        print(f"{st['pid']:>8}  {state:<14} {st.get('level') or '-':<5} {(st.get('group') or '-')[:10]:<10} "
+              f"{_mib(al.get('tracked_bytes')):>12} "
               f"{_mib(st.get('bytes_left_to_driver')):>12}  {st.get('cmd', st.get('error', ''))[:60]}")
     return 0
 
@@ -203,6 +212,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="prepare and pin staging in the background as allocations grow, so a checkpoint finds it ready")
     r.add_argument("--staging-policy", choices=("keep", "drop"),
                    help="after a restore, keep staging pinned for the next cycle (default) or give it back")
+    r.add_argument("--group", metavar="NAME", help="make the process a member of a group, checkpointed and restored together "
+                   "with 'gpucr checkpoint --group NAME'")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     r.set_defaults(fn=cmd_run)
 
@@ -212,7 +223,8 @@ def _parser() -> argparse.ArgumentParser:
 
     def pid_cmd(name: str, fn: Callable, help_: str, level: bool) -> None:
         c = sub.add_parser(name, help=help_)
-        c.add_argument("pids", type=int, nargs="+", metavar="PID")
+        c.add_argument("pids", type=int, nargs="*", metavar="PID")
+        c.add_argument("--group", metavar="NAME", help="every process started with 'gpucr run --group NAME'")
         if level:
             c.add_argument("--level", choices=coordinator.LEVELS, default="full",
                            help="full: data and driver control state (GPU memory to the driver's floor); "

@@ -1,8 +1,12 @@
-"""Checkpoint and restore of one process: the agent moves the data, the driver the control state.
+"""Checkpoint and restore of one or many processes: each agent moves its data, the driver the
+control state. Many processes go through each phase together, like a two-phase commit:
 
-checkpoint: agent (gate, sync, data out, release) -> driver lock -> driver checkpoint
-restore:    driver restore -> driver unlock -> agent (re-create, data in, open gate)
-Any failure rolls back to a running process, or leaves it checkpointed and restorable; never between.
+checkpoint: prepare all -> data out all -> driver lock all -> driver checkpoint all -> commit all
+restore:    driver restore all -> driver unlock all -> data in all -> resume all
+
+A checkpoint is all or nothing: if any process fails at any phase, every process is rolled back to
+running with its data intact, and the error names the process and the phase. A restore brings back
+every process it can; one that fails stays checkpointed and restorable, and the error names it.
 """
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -85,41 +91,204 @@ def status(pid: int) -> dict[str, Any]:
     return st
 
 
-def _app_channel(t: targets.Target) -> AppChannel | None:
-    path = t.socket.with_name(f"{t.pid}.app.sock")
-    return AppChannel(str(path)) if path.exists() else None
+class PhaseError(GpucrError):
+    def __init__(self, pid: int, phase: str, cause: Exception) -> None:
+        text = str(cause)
+        if text.startswith(f"process {pid}: "):   # the agent's answers already name the process
+            text = text[len(f"process {pid}: "):]
+        super().__init__(f"process {pid} failed at {phase}: {text}")
+        self.pid, self.phase, self.cause = pid, phase, cause
 
 
-def _app_prepare(t: targets.Target, timeout: float) -> AppChannel | None:
-    """Let an application that joined the cut prepare; abort (it runs on) if it fails or hangs."""
-    try:
-        app = _app_channel(t)
-    except OSError:
-        return None
-    if app is None:
-        return None
-    try:
-        reply = app.ask("prepare", timeout)
-    except (OSError, ValueError) as exc:
-        app.close()
-        what = "did not finish within the deadline" if isinstance(exc, TimeoutError) else f"failed ({exc})"
-        raise GpucrError(f"the application's prepare callback {what}; checkpoint aborted, process {t.pid} runs on") from exc
-    if not reply.get("ok"):
-        _app_resume(app)
-        raise GpucrError(f"the application refused to prepare: {reply.get('error')}; checkpoint aborted, "
-                         f"process {t.pid} runs on")
-    return app
+@dataclass
+class _Member:
+    """One process in a checkpoint or restore, and how far it has got (what a roll-back must undo)."""
+    t: targets.Target
+    drv: Driver
+    agent: Any = None
+    app: AppChannel | None = None
+    status: dict[str, Any] = field(default_factory=dict)
+    result: dict[str, Any] = field(default_factory=dict)
+    image_dir: Path | None = None
+    data_out: bool = False
+    locked: bool = False
+    checkpointed: bool = False
+
+    @property
+    def pid(self) -> int:
+        return self.t.pid
+
+    def close(self) -> None:
+        if self.app is not None:
+            self.app.close()
+            self.app = None
+        if self.agent is not None:
+            self.agent.close()
+            self.agent = None
 
 
-def _app_resume(app: AppChannel | None) -> None:
-    if app is None:
+def _each(phase: str, members: list[_Member], fn) -> None:
+    """Run one phase for every process at once; raise (after all have finished) naming the first failure."""
+    if len(members) == 1:
+        try:
+            fn(members[0])
+        except GpucrError as exc:
+            raise PhaseError(members[0].pid, phase, exc) from exc
         return
+    with ThreadPoolExecutor(len(members)) as pool:
+        futures = [(m, pool.submit(fn, m)) for m in members]
+    for m, f in futures:
+        exc = f.exception()
+        if exc is not None:
+            if not isinstance(exc, GpucrError):
+                raise exc
+            raise PhaseError(m.pid, phase, exc) from exc
+
+
+# ---- checkpoint ----
+
+def _vet_for_checkpoint(pid: int, image_dir: Path | None) -> _Member:
+    t = targets.resolve(pid)
+    _need_cuda(t)
+    drv = _driver(t)
+    dstate = _driver_state(drv, pid)
+    if dstate != ProcessState.RUNNING:
+        raise GpucrError(f"process {pid} is already checkpointed (driver state {dstate.name.lower()}); "
+                         f"restore it with 'gpucr restore {pid}'")
+    if image_dir is not None and image_dir.exists() and any(image_dir.iterdir()):
+        raise GpucrError(f"the image directory {image_dir} is not empty; give a new or empty directory")
+    m = _Member(t, drv, image_dir=image_dir, result={"pid": pid, "phases_s": {}})
+    m.agent = t.connect()
+    m.status = m.agent.call("status", timeout=10.0)
+    if m.status["state"] != "running":
+        m.close()
+        raise GpucrError(f"process {pid} is already checkpointed (level data); restore it with 'gpucr restore {pid}'")
+    return m
+
+
+def _prepare(m: _Member, timeout: float) -> None:
+    m.app = _app_prepare(m.t, timeout)
+
+
+def _data_out(m: _Member, timeout: float) -> None:
+    _test_kill_target(m.pid, "data-out")
+    t0 = time.perf_counter()
+    # lease=1: should this controller die before it commits, the agent rolls the process back itself
+    out = m.agent.call("checkpoint", timeout=_reply_timeout(timeout), timeout_ms=int(timeout * 1000), lease=1)
+    m.data_out = True
+    r = m.result
+    r["phases_s"]["data_out"] = time.perf_counter() - t0
+    cyc = out["last_cycle_ms"]
+    r["agent_ms"] = {k: cyc[k] for k in ("staging", "gate", "sync", "copy_out", "release")}
+    r["bytes_moved"] = cyc["bytes_out"]
+    r["bytes_left_to_driver"] = out["bytes_left_to_driver"]
+    r["generation"] = out["generation"]
+    m.status = out
+    if m.image_dir is not None:
+        m.agent.call("unpin", timeout=60.0)   # its memory goes away once on disk; the driver must not be needed then
+    _test_kill_point("after-data-out")
+
+
+def _driver_lock(m: _Member, timeout: float) -> None:
+    _test_kill_target(m.pid, "driver-lock")
+    t0 = time.perf_counter()
+    m.drv.lock(m.pid, int(timeout * 1000))
+    m.locked = True
+    m.result["phases_s"]["driver_lock"] = time.perf_counter() - t0
+    _test_kill_point("after-driver-lock")
+
+
+def _driver_checkpoint(m: _Member) -> None:
+    t0 = time.perf_counter()
+    m.drv.checkpoint(m.pid)
+    m.checkpointed = True
+    ph = m.result["phases_s"]
+    ph["control_out"] = time.perf_counter() - t0
+    _test_kill_point("after-driver-checkpoint")
+    final = m.drv.state(m.pid)
+    if final != ProcessState.CHECKPOINTED:
+        raise GpucrError(f"the driver left it in state {final.name.lower()} instead of checkpointed")
+    m.agent.call("note", timeout=10.0, driver_lock_us=ph["driver_lock"] * 1e6, control_out_us=ph["control_out"] * 1e6)
+
+
+def _commit(m: _Member, level: str) -> None:
+    m.agent.call("commit", timeout=10.0)
+    epoch = None
+    if m.app is not None:
+        try:
+            epoch = m.app.ask("epoch", 5.0).get("epoch")
+        except (OSError, ValueError):
+            epoch = None
+        m.app.close()
+        m.app = None
+    m.result["state"] = "checkpointed"
+    m.result["level"] = level
+    if m.image_dir is not None:
+        m.result["image"] = _write_image(m, level, epoch)
+
+
+def _roll_back(m: _Member) -> None:
+    """Undo what this process went through, last step first; never raises (the process may be gone)."""
     try:
-        app.ask("resume", 60.0)
-    except (OSError, ValueError):
+        if not os.path.exists(f"/proc/{m.pid}"):
+            return
+        s = m.drv.state(m.pid)
+        if s == ProcessState.CHECKPOINTED:
+            m.drv.restore(m.pid)
+            s = m.drv.state(m.pid)
+        if s == ProcessState.LOCKED:
+            m.drv.unlock(m.pid)
+        if m.data_out:
+            m.agent.call("restore", timeout=600.0)
+    except GpucrError:
         pass
     finally:
-        app.close()
+        _app_resume(m.app)
+        m.app = None
+
+
+def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
+                    images: dict[int, str | Path] | None = None) -> list[dict[str, Any]]:
+    """Checkpoint several processes together, all or nothing (see the module's doc)."""
+    if level not in LEVELS:
+        raise GpucrError(f"unknown level '{level}': use one of {', '.join(LEVELS)}")
+    if timeout <= 0:
+        raise GpucrError("the timeout must be a positive number of seconds")
+    if len(set(pids)) != len(pids):
+        raise GpucrError("a process is named twice")
+    images = images or {}
+    members: list[_Member] = []
+    try:
+        for pid in pids:   # vet everyone before touching anyone
+            img = images.get(pid)
+            members.append(_vet_for_checkpoint(pid, Path(img) if img is not None else None))
+        before = _mem(members[0].drv)
+        try:
+            _each("prepare", members, lambda m: _prepare(m, timeout))
+            _each("data out", members, lambda m: _data_out(m, timeout))
+            if level == "full":
+                _each("driver lock", members, lambda m: _driver_lock(m, timeout))
+                _each("driver checkpoint", members, _driver_checkpoint)
+        except PhaseError as exc:
+            _each_quiet(members, _roll_back)
+            if len(members) > 1:
+                raise GpucrError(f"{exc}; rolled back: all {len(members)} processes run on with their data intact") from exc
+            if exc.phase in ("prepare", "data out"):
+                raise GpucrError(str(exc)) from exc   # nothing was released: its own words say it runs on
+            raise GpucrError(f"{exc}; rolled back, process {exc.pid} runs on with its data intact") from exc
+        _each("commit", members, lambda m: _commit(m, level))
+        after = _mem(members[0].drv)
+        for m in members:
+            m.result["gpu_used_bytes"] = {"before": before, "after": after}
+        return [m.result for m in members]
+    finally:
+        for m in members:
+            m.close()
+
+
+def _each_quiet(members: list[_Member], fn) -> None:
+    with ThreadPoolExecutor(max(1, len(members))) as pool:
+        list(pool.map(fn, members))
 
 
 def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str | Path | None = None) -> dict[str, Any]:
@@ -128,108 +297,183 @@ def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str 
     With `image`, the data is also written to that directory (with its manifest) and the host
     staging is released, so host memory is freed too.
     """
-    if level not in LEVELS:
-        raise GpucrError(f"unknown level '{level}': use one of {', '.join(LEVELS)}")
-    if timeout <= 0:
-        raise GpucrError("the timeout must be a positive number of seconds")
+    return checkpoint_many([pid], level, timeout, {pid: image} if image is not None else None)[0]
+
+
+def _write_image(m: _Member, level: str, epoch) -> dict:
+    """Write the staged data and its manifest, then let the process give its staging back."""
+    from . import image as images   # needs xxhash: only image work pays for importing it
+    layout, fds = m.agent.call_with_fds("layout", timeout=60.0)
+    try:
+        allocs, stats = images.write(m.image_dir, layout, fds)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    man = manifest.build(pid=m.pid, start_time=m.t.start_time, generation=layout["generation"], level=level,
+                         gpu=device_info(m.drv), driver_version=m.drv.version(), status=m.status, allocations=allocs,
+                         epoch=epoch, simulated=m.drv.simulated)
+    man["image"] = stats
+    manifest.save(m.image_dir, man)
+    m.agent.call("drop", timeout=60.0)   # the data is safe on disk: free the host memory too
+    return {"dir": str(m.image_dir), "id": man["id"], **stats}
+
+
+# ---- restore ----
+
+def _vet_for_restore(pid: int, image_dir: Path | None, force: bool) -> _Member:
     t = targets.resolve(pid)
     _need_cuda(t)
     drv = _driver(t)
     dstate = _driver_state(drv, pid)
-    if dstate != ProcessState.RUNNING:
-        raise GpucrError(f"process {pid} is already checkpointed (driver state {dstate.name.lower()}); "
-                         f"restore it with 'gpucr restore {pid}'")
-    image_dir = Path(image) if image is not None else None
-    if image_dir is not None and image_dir.exists() and any(image_dir.iterdir()):
-        raise GpucrError(f"the image directory {image_dir} is not empty; give a new or empty directory")
-    timeout_ms = int(timeout * 1000)
-    result: dict[str, Any] = {"pid": pid, "level": level, "phases_s": {}}
-    before = _mem(drv)
-    with t.connect() as agent:
-        st = agent.call("status", timeout=10.0)
-        if st["state"] != "running":
-            raise GpucrError(f"process {pid} is already checkpointed (level data); restore it with 'gpucr restore {pid}'")
-        app = _app_prepare(t, timeout)
-        epoch = None
+    m = _Member(t, drv, image_dir=image_dir, result={"pid": pid, "phases_s": {}})
+    m.agent = t.connect()
+    m.status = m.agent.call("status", timeout=10.0)
+    st = m.status
+    if dstate == ProcessState.RUNNING and st["state"] == "running":
+        m.close()
+        raise GpucrError(f"process {pid} is not checkpointed: nothing to restore")
+    if image_dir is not None:
+        man = manifest.load(image_dir)
+        m.result["manifest_entry"] = manifest.check_restore(man, pid=pid, start_time=t.start_time,
+                                                            generation=st["generation"], gpu=device_info(drv), force=force)
+    elif st["state"] == "checkpointed" and not st.get("staged", True):
+        m.close()
+        raise GpucrError(f"process {pid}'s data was written to an image and is no longer in host memory: "
+                         f"restore it with 'gpucr restore --image DIR {pid}'")
+    m.checkpointed = dstate == ProcessState.CHECKPOINTED
+    m.locked = dstate == ProcessState.LOCKED
+    return m
+
+
+def _driver_restore(m: _Member) -> None:
+    if not m.checkpointed:
+        return
+    need = m.status["allocations"]["tracked_bytes"] + m.status["bytes_left_to_driver"]
+    mem = gpu_memory(m.drv)
+    if mem is not None and mem.free < need:
+        raise GpucrError(f"not enough free GPU memory to restore it: it needs {need >> 20} MiB, {mem.free >> 20} MiB "
+                         "are free; free GPU memory and retry (the process stays checkpointed)")
+    t0 = time.perf_counter()
+    try:
+        m.drv.restore(m.pid)
+    except DriverError as exc:
+        if exc.rc == CUDA_ERROR_OUT_OF_MEMORY:
+            raise GpucrError("not enough free GPU memory to restore its CUDA context; free GPU memory and retry "
+                             "(the process stays checkpointed)") from exc
+        raise GpucrError(f"{exc}; it stays checkpointed, retry 'gpucr restore {m.pid}'") from exc
+    m.result["phases_s"]["control_in"] = time.perf_counter() - t0
+    _test_kill_point("after-driver-restore")
+    m.checkpointed, m.locked = False, m.drv.state(m.pid) == ProcessState.LOCKED
+
+
+def _driver_unlock(m: _Member, timeout: float) -> None:
+    if not m.locked:
+        return
+    t0 = time.perf_counter()
+    m.drv.unlock(m.pid)
+    m.locked = False
+    ph = m.result["phases_s"]
+    ph["driver_unlock"] = time.perf_counter() - t0
+    m.agent.call("note", timeout=10.0, control_in_us=ph.get("control_in", 0) * 1e6, driver_unlock_us=ph["driver_unlock"] * 1e6)
+    _test_kill_point("after-driver-unlock")
+    # a checkpoint whose controller died before committing rolls itself back once the driver lets
+    # go of the process: look again before asking for the data
+    m.status = _settled_status(m.agent, timeout)
+
+
+def _data_in(m: _Member, timeout: float, drop_staging: bool) -> None:
+    if m.status["state"] != "checkpointed":
+        return
+    entry = m.result.pop("manifest_entry", None)
+    if entry is not None:
+        _data_in_from_image(m, entry, timeout, drop_staging)
+        return
+    t0 = time.perf_counter()
+    out = m.agent.call("restore", timeout=_reply_timeout(timeout), timeout_ms=int(timeout * 1000),
+                       drop_staging=int(drop_staging))
+    m.result["phases_s"]["data_in"] = time.perf_counter() - t0
+    m.result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
+
+
+def _data_in_from_image(m: _Member, entry: dict, timeout: float, drop_staging: bool) -> None:
+    from . import image as images
+    if m.status.get("staged"):
+        m.agent.call("drop", timeout=60.0)   # the image is the source now
+    t0 = time.perf_counter()
+    m.agent.call("stage", timeout=_reply_timeout(timeout))
+    layout, fds = m.agent.call_with_fds("layout", timeout=60.0)
+    m.result["phases_s"]["stage"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    read_error: list[GpucrError] = []
+    # reading overlaps the process's re-mapping and copying: each allocation is announced on a second
+    # connection as soon as its chunks are verified, while the restore waits on this one
+    with m.t.connect() as notify:
+        def read_all() -> None:
+            try:
+                m.result["image"] = images.read(m.image_dir, entry["data"], layout, fds,
+                                                on_ready=lambda va: notify.call("ready", timeout=60.0, va=va))
+            except GpucrError as exc:
+                read_error.append(exc)
+                notify.call("ready_abort", timeout=60.0)
+        reader = threading.Thread(target=read_all, name="gpucr-image-read")
+        reader.start()
         try:
-            t0 = time.perf_counter()
-            # lease=1: should this controller die before it commits, the agent rolls the process back itself
-            out = agent.call("checkpoint", timeout=_reply_timeout(timeout), timeout_ms=timeout_ms, lease=1)
-        except GpucrError:
-            _app_resume(app)
-            raise
-        result["phases_s"]["data_out"] = time.perf_counter() - t0
-        _test_kill_point("after-data-out")
-        cyc = out["last_cycle_ms"]
-        result["agent_ms"] = {k: cyc[k] for k in ("staging", "gate", "sync", "copy_out", "release")}
-        result["bytes_moved"] = cyc["bytes_out"]
-        result["bytes_left_to_driver"] = out["bytes_left_to_driver"]
-        result["generation"] = out["generation"]
-        if image_dir is not None:
-            agent.call("unpin", timeout=60.0)   # its memory goes away once on disk; the driver must not be needed then
-        if level == "full":
-            t0 = time.perf_counter()
-            try:
-                drv.lock(pid, timeout_ms)
-                result["phases_s"]["driver_lock"] = time.perf_counter() - t0
-                _test_kill_point("after-driver-lock")
-                t1 = time.perf_counter()
-                drv.checkpoint(pid)
-                result["phases_s"]["control_out"] = time.perf_counter() - t1
-                _test_kill_point("after-driver-checkpoint")
-            except DriverError as exc:
-                _roll_back(drv, agent, pid)
-                _app_resume(app)
-                raise GpucrError(f"{exc}; rolled back, process {pid} runs on with its data intact") from exc
-            agent.call("note", timeout=10.0, driver_lock_us=result["phases_s"]["driver_lock"] * 1e6,
-                       control_out_us=result["phases_s"]["control_out"] * 1e6)
-            final = drv.state(pid)
-            if final != ProcessState.CHECKPOINTED:
-                raise GpucrError(f"process {pid} ended in driver state {final.name.lower()} instead of checkpointed")
-        agent.call("commit", timeout=10.0)
-        if app is not None:
-            try:
-                epoch = app.ask("epoch", 5.0).get("epoch")
-            except (OSError, ValueError):
-                epoch = None
-            app.close()
-        result["state"] = "checkpointed"
-        result["gpu_used_bytes"] = {"before": before, "after": _mem(drv)}
-        if image_dir is not None:
-            result["image"] = _write_image(t, drv, agent, image_dir, level, out, epoch)
-    return result
+            out = m.agent.call("restore", timeout=_reply_timeout(timeout) + 3600.0,
+                               timeout_ms=int((timeout + 3600.0) * 1000), drop_staging=int(drop_staging), wait_ready=1)
+        except GpucrError as exc:
+            reader.join()
+            m.agent.call("drop", timeout=60.0)
+            cause = read_error[0] if read_error else exc
+            raise GpucrError(f"{cause}; it stays checkpointed: restore it from an intact image") from exc
+        finally:
+            reader.join()
+            for fd in fds:
+                os.close(fd)
+    m.result["phases_s"]["image_read_and_data_in"] = time.perf_counter() - t0
+    m.result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
 
 
-def _write_image(t: targets.Target, drv: Driver, agent, directory: Path, level: str, status: dict, epoch) -> dict:
-    """Write the staged data and its manifest, then let the process give its staging back."""
-    from . import image as images   # needs xxhash: only image work pays for importing it
-    layout, fds = agent.call_with_fds("layout", timeout=60.0)
+def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,
+                 images: dict[int, str | Path] | None = None, force: bool = False) -> list[dict[str, Any]]:
+    """Restore several processes together; each that can be is brought back (see the module's doc)."""
+    if timeout <= 0:
+        raise GpucrError("the timeout must be a positive number of seconds")
+    if len(set(pids)) != len(pids):
+        raise GpucrError("a process is named twice")
+    images = images or {}
+    members: list[_Member] = []
     try:
-        allocs, stats = images.write(directory, layout, fds)
-    finally:
-        for fd in fds:
-            os.close(fd)
-    gpu = device_info(drv)
-    m = manifest.build(pid=t.pid, start_time=t.start_time, generation=layout["generation"], level=level, gpu=gpu,
-                       driver_version=drv.version(), status=status, allocations=allocs, epoch=epoch,
-                       simulated=drv.simulated)
-    m["image"] = stats
-    manifest.save(directory, m)
-    agent.call("drop", timeout=60.0)   # the data is safe on disk: free the host memory too
-    return {"dir": str(directory), "id": m["id"], **stats}
+        for pid in pids:   # every check before anything is re-created
+            img = images.get(pid)
+            members.append(_vet_for_restore(pid, Path(img) if img is not None else None, force))
+        failed: dict[int, PhaseError] = {}
 
-
-def _roll_back(drv: Driver, agent, pid: int) -> None:
-    """Bring a half-checkpointed process back to running: driver first, then the agent's data."""
-    try:
-        s = drv.state(pid)
-        if s == ProcessState.CHECKPOINTED:
-            drv.restore(pid)
-            s = drv.state(pid)
-        if s == ProcessState.LOCKED:
-            drv.unlock(pid)
+        def phase(name: str, fn) -> None:
+            live = [m for m in members if m.pid not in failed]
+            with ThreadPoolExecutor(max(1, len(live))) as pool:
+                futures = [(m, pool.submit(fn, m)) for m in live]
+            for m, f in futures:
+                exc = f.exception()
+                if isinstance(exc, GpucrError):
+                    failed[m.pid] = PhaseError(m.pid, name, exc)
+                elif exc is not None:
+                    raise exc
+        phase("driver restore", _driver_restore)
+        phase("driver unlock", lambda m: _driver_unlock(m, timeout))
+        phase("data in", lambda m: _data_in(m, timeout, drop_staging))
+        if failed:
+            ok = [m.pid for m in members if m.pid not in failed]
+            first = next(iter(failed.values()))
+            rest = f"; processes {', '.join(map(str, ok))} were restored and run" if ok and len(members) > 1 else ""
+            raise GpucrError(f"{first}{rest}") from first
+        for m in members:
+            _app_resume(_app_channel_quiet(m.t))
+            m.result["state"] = "running"
+            m.result["gpu_used_bytes"] = _mem(m.drv)
+        return [m.result for m in members]
     finally:
-        agent.call("restore", timeout=600.0)
+        for m in members:
+            m.close()
 
 
 def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: str | Path | None = None,
@@ -239,100 +483,7 @@ def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: 
     `image` restores the data from a checkpoint image (verified against its manifest first);
     `drop_staging` gives the host staging back afterwards (else it stays pinned for the next cycle).
     """
-    if timeout <= 0:
-        raise GpucrError("the timeout must be a positive number of seconds")
-    t = targets.resolve(pid)
-    _need_cuda(t)
-    drv = _driver(t)
-    dstate = _driver_state(drv, pid)
-    result: dict[str, Any] = {"pid": pid, "phases_s": {}}
-    with t.connect() as agent:
-        st = agent.call("status", timeout=10.0)
-        if dstate == ProcessState.RUNNING and st["state"] == "running":
-            raise GpucrError(f"process {pid} is not checkpointed: nothing to restore")
-        entry = None
-        if image is not None:
-            m = manifest.load(Path(image))
-            entry = manifest.check_restore(m, pid=pid, start_time=t.start_time, generation=st["generation"],
-                                           gpu=device_info(drv), force=force)
-        elif st["state"] == "checkpointed" and not st.get("staged", True):
-            raise GpucrError(f"process {pid}'s data was written to an image and is no longer in host memory: "
-                             f"restore it with 'gpucr restore --image DIR {pid}'")
-        if dstate == ProcessState.CHECKPOINTED:
-            need = st["allocations"]["tracked_bytes"] + st["bytes_left_to_driver"]
-            mem = gpu_memory(drv)
-            if mem is not None and mem.free < need:
-                raise GpucrError(f"not enough free GPU memory to restore process {pid}: it needs {need >> 20} MiB, "
-                                 f"{mem.free >> 20} MiB are free; free GPU memory and retry (the process stays checkpointed)")
-            t0 = time.perf_counter()
-            try:
-                drv.restore(pid)
-            except DriverError as exc:
-                if exc.rc == CUDA_ERROR_OUT_OF_MEMORY:
-                    raise GpucrError(f"not enough free GPU memory to restore the CUDA context of process {pid}; free GPU "
-                                     "memory and retry (the process stays checkpointed)") from exc
-                raise GpucrError(f"{exc}; process {pid} stays checkpointed, retry 'gpucr restore {pid}'") from exc
-            result["phases_s"]["control_in"] = time.perf_counter() - t0
-            _test_kill_point("after-driver-restore")
-            dstate = drv.state(pid)
-        if dstate == ProcessState.LOCKED:
-            t0 = time.perf_counter()
-            drv.unlock(pid)
-            result["phases_s"]["driver_unlock"] = time.perf_counter() - t0
-            ph = result["phases_s"]
-            agent.call("note", timeout=10.0, control_in_us=ph.get("control_in", 0) * 1e6,
-                       driver_unlock_us=ph["driver_unlock"] * 1e6)
-            _test_kill_point("after-driver-unlock")
-            # a checkpoint whose controller died before committing rolls itself back once the driver
-            # lets go of the process: look again before asking for the data
-            st = _settled_status(agent, timeout)
-        if entry is not None and st["state"] == "checkpointed":
-            from . import image as images
-            if st.get("staged"):
-                agent.call("drop", timeout=60.0)   # the image is the source now
-            t0 = time.perf_counter()
-            agent.call("stage", timeout=_reply_timeout(timeout))
-            layout, fds = agent.call_with_fds("layout", timeout=60.0)
-            result["phases_s"]["stage"] = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            read_error: list[GpucrError] = []
-            # reading overlaps the process's re-mapping and copying: each allocation is announced on a
-            # second connection as soon as its chunks are verified, while the restore waits on this one
-            with t.connect() as notify:
-                def read_all() -> None:
-                    try:
-                        result["image"] = images.read(Path(image), entry["data"], layout, fds,
-                                                      on_ready=lambda va: notify.call("ready", timeout=60.0, va=va))
-                    except GpucrError as exc:
-                        read_error.append(exc)
-                        notify.call("ready_abort", timeout=60.0)
-                reader = threading.Thread(target=read_all, name="gpucr-image-read")
-                reader.start()
-                try:
-                    out = agent.call("restore", timeout=_reply_timeout(timeout) + 3600.0,
-                                     timeout_ms=int((timeout + 3600.0) * 1000), drop_staging=int(drop_staging),
-                                     wait_ready=1)
-                except GpucrError as exc:
-                    reader.join()
-                    agent.call("drop", timeout=60.0)
-                    cause = read_error[0] if read_error else exc
-                    raise GpucrError(f"{cause}; process {pid} stays checkpointed: restore it from an intact image") from exc
-                finally:
-                    reader.join()
-                    for fd in fds:
-                        os.close(fd)
-            result["phases_s"]["image_read_and_data_in"] = time.perf_counter() - t0
-            result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
-        elif st["state"] == "checkpointed":
-            t0 = time.perf_counter()
-            out = agent.call("restore", timeout=_reply_timeout(timeout), timeout_ms=int(timeout * 1000),
-                             drop_staging=int(drop_staging))
-            result["phases_s"]["data_in"] = time.perf_counter() - t0
-            result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
-    _app_resume(_app_channel_quiet(t))
-    result["state"] = "running"
-    result["gpu_used_bytes"] = _mem(drv)
-    return result
+    return restore_many([pid], timeout, drop_staging, {pid: image} if image is not None else None, force)[0]
 
 
 def _settled_status(agent, timeout: float) -> dict[str, Any]:
@@ -347,11 +498,53 @@ def _settled_status(agent, timeout: float) -> dict[str, Any]:
         time.sleep(0.05)
 
 
+# ---- an application that joined the cut (gpucr.app) ----
+
+def _app_channel(t: targets.Target) -> AppChannel | None:
+    path = t.socket.with_name(f"{t.pid}.app.sock")
+    return AppChannel(str(path)) if path.exists() else None
+
+
 def _app_channel_quiet(t: targets.Target) -> AppChannel | None:
     try:
         return _app_channel(t)
     except OSError:
         return None
+
+
+def _app_prepare(t: targets.Target, timeout: float) -> AppChannel | None:
+    """Let an application that joined the cut prepare; abort (it runs on) if it fails or hangs."""
+    app = _app_channel_quiet(t)
+    if app is None:
+        return None
+    try:
+        reply = app.ask("prepare", timeout)
+    except (OSError, ValueError) as exc:
+        app.close()
+        what = "did not finish within the deadline" if isinstance(exc, TimeoutError) else f"failed ({exc})"
+        raise GpucrError(f"the application's prepare callback {what}; checkpoint aborted, the application runs on") from exc
+    if not reply.get("ok"):
+        _app_resume(app)
+        raise GpucrError(f"the application refused to prepare: {reply.get('error')}; checkpoint aborted, the application runs on")
+    return app
+
+
+def _app_resume(app: AppChannel | None) -> None:
+    if app is None:
+        return
+    try:
+        app.ask("resume", 60.0)
+    except (OSError, ValueError):
+        pass
+    finally:
+        app.close()
+
+
+def _test_kill_target(pid: int, phase: str) -> None:
+    """Fault injection for the test suite: GPUCR_TEST_KILL_TARGET=<phase>:<pid> kills that target
+    process (SIGKILL) just before its <phase>, as a worker that dies mid-checkpoint would."""
+    if os.environ.get("GPUCR_TEST_KILL_TARGET") == f"{phase}:{pid}":
+        os.kill(pid, signal.SIGKILL)
 
 
 def ps() -> list[dict[str, Any]]:
