@@ -127,6 +127,15 @@ class _Member:
             self.agent = None
 
 
+def _check_request(pids: list[int], timeout: float) -> None:
+    if not pids:
+        raise GpucrError("no process named")
+    if timeout <= 0:
+        raise GpucrError("the timeout must be a positive number of seconds")
+    if len(set(pids)) != len(pids):
+        raise GpucrError("a process is named twice")
+
+
 def _each(phase: str, members: list[_Member], fn) -> None:
     """Run one phase for every process at once; raise (after all have finished) naming the first failure."""
     if len(members) == 1:
@@ -252,10 +261,7 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
     """Checkpoint several processes together, all or nothing (see the module's doc)."""
     if level not in LEVELS:
         raise GpucrError(f"unknown level '{level}': use one of {', '.join(LEVELS)}")
-    if timeout <= 0:
-        raise GpucrError("the timeout must be a positive number of seconds")
-    if len(set(pids)) != len(pids):
-        raise GpucrError("a process is named twice")
+    _check_request(pids, timeout)
     images = images or {}
     members: list[_Member] = []
     try:
@@ -436,10 +442,7 @@ def _data_in_from_image(m: _Member, entry: dict, timeout: float, drop_staging: b
 def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,
                  images: dict[int, str | Path] | None = None, force: bool = False) -> list[dict[str, Any]]:
     """Restore several processes together; each that can be is brought back (see the module's doc)."""
-    if timeout <= 0:
-        raise GpucrError("the timeout must be a positive number of seconds")
-    if len(set(pids)) != len(pids):
-        raise GpucrError("a process is named twice")
+    _check_request(pids, timeout)
     images = images or {}
     members: list[_Member] = []
     try:
