@@ -98,3 +98,22 @@ def test_long_kernel_past_deadline_is_refused_and_app_runs_on():
         assert gpucr.status(app.pid)["state"] == "running"
         assert app.ask("digest")["digest"] == before["digest"]
         record(test="deadline", refused_after_s=refused_after)
+
+
+def test_two_processes_checkpointed_together():
+    from gpucr.coordinator import checkpoint_many, restore_many
+    idle = used()
+    with Workload("torch_app", "--gib", "2", "--seed", "1") as a, Workload("cupy_app" if _has_cupy() else "torch_app",
+                                                                            "--gib", "2", "--seed", "2") as b:
+        before = [a.ask("digest"), b.ask("digest")]
+        checkpoint_many([a.pid, b.pid], timeout=60)
+        during = used()
+        assert during - idle <= SLACK, f"{(during - idle) / MiB:.0f} MiB above idle with both checkpointed"
+        restore_many([a.pid, b.pid], timeout=60)
+        assert [a.ask("digest"), b.ask("digest")] == before
+        record(test="group-of-2", above_idle_while_ckpt_mib=(during - idle) / MiB)
+
+
+def _has_cupy() -> bool:
+    import importlib.util
+    return importlib.util.find_spec("cupy") is not None
