@@ -87,6 +87,8 @@ def test_checkpoint_mid_loop(mode):
 def test_long_kernel_past_deadline_is_refused_and_app_runs_on():
     with Workload("torch_app", "--gib", "1") as app:
         before = app.ask("digest")
+        gpucr.checkpoint(app.pid, timeout=60)   # staging prepared, so the deadline meets the kernel, not staging
+        gpucr.restore(app.pid, timeout=60)
         app.ask("sleep 8")   # a kernel that runs ~8 s
         time.sleep(0.2)
         t0 = time.perf_counter()
