@@ -232,3 +232,23 @@ def test_eight_processes_cycled_concurrently(sim_app):
         t.join()
     assert errors == []
     assert [a.ask("digest") for a in apps] == befores
+
+
+def test_controller_killed_before_the_gate_reopens(sim_app):
+    app = sim_app("--sizes", "16M")
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    from gpucr.coordinator import restore
+    import gpucr.coordinator as co
+    # data back in, gate still closed: as if the controller died just before its last step
+    real = co._agent_restored
+    co._agent_restored = lambda m: False
+    try:
+        restore(app.pid)
+    finally:
+        co._agent_restored = real
+    st = gpucr.status(app.pid)
+    assert st["state"] == "running" and st["gate_closed"]
+    assert gpucr_cli("restore", str(app.pid)).returncode == 0   # finishes the job
+    assert not gpucr.status(app.pid)["gate_closed"]
+    assert app.ask("digest") == before

@@ -5,6 +5,7 @@
  * recorded so the data plane can move that memory too. */
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include "registry.h"
 
 static size_t g_min_vmm = (size_t)-1;   /* set at first use */
@@ -278,7 +279,14 @@ GPUCR_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandl
         gpucr_drv.cuCtxGetCurrent(&ctx);
         reg_lock();
         struct phys *p = reg_phys_new(PHYS_IMPORTED, *h, 0, NULL, ctx);
-        if (p) *h = p->app_handle;
+        if (p) {
+            *h = p->app_handle;
+            struct stat st;
+            if (type == 1 /* POSIX fd */ && fstat((int)(intptr_t)shareable, &st) == 0) {
+                p->share_dev = st.st_dev;
+                p->share_ino = st.st_ino;
+            }
+        }
         reg_unlock();
     }
     gpucr_gate_leave();
@@ -387,7 +395,11 @@ GPUCR_EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAlloca
     reg_lock();
     struct phys *p;
     CUresult rc = REAL(cuMemExportToShareableHandle)(out, to_real(h, &p), type, flags);
-    if (rc == CUDA_SUCCESS && p) p->exported = true;
+    if (rc == CUDA_SUCCESS && p) {
+        p->exported = true;
+        struct stat st;
+        if (type == 1 /* POSIX fd */ && fstat(*(int *)out, &st) == 0) { p->share_dev = st.st_dev; p->share_ino = st.st_ino; }
+    }
     reg_unlock();
     return rc;
 }

@@ -88,6 +88,7 @@ static void reply_status(struct jb *j)
     bool busy = pthread_mutex_trylock(&g_op) != 0;
     if (!busy) pthread_mutex_unlock(&g_op);
     jb_bool(j, "busy", busy);
+    jb_bool(j, "gate_closed", gpucr_gate_is_closed());
     jb_int(j, "generation", st.generation);
     reg_lock();
     long n = 0, conv = 0, app = 0, kept = 0;
@@ -139,6 +140,7 @@ static void reply_status(struct jb *j)
     char why[512];
     dp_preflight(why, sizeof why);
     jb_str(j, "refusal", why);
+    dp_shared_json(j);
 }
 
 static long long arg_ll(const char *req, const char *key, long long dflt, long long max)
@@ -175,6 +177,9 @@ struct client {
     bool lease;                 /* this connection's checkpoint is not committed yet */
     int fds[STAGING_MAX_SEGS];  /* to send with the answer (SCM_RIGHTS) */
     int nfds;
+    bool close_sent;            /* the fds sent are ours to close afterwards (a re-export) */
+    int in[4];                  /* received with the request (SCM_RIGHTS) */
+    int nin;
 };
 
 static void reply_note(const char *req, struct jb *j)
@@ -215,7 +220,9 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
         rc = dp_checkpoint(timeout_ms, err, sizeof err);
         if (rc == 0 && lease) c->lease = true;
     } else if (!strcmp(verb, "restore")) {
-        rc = dp_restore(timeout_ms, drop == 1, wait == 1, err, sizeof err);
+        int open_gate = arg_int(req, "open_gate", 1);
+        rc = open_gate < 0 || open_gate > 1 ? (snprintf(err, sizeof err, "open_gate must be 0 or 1"), -1)
+                                             : dp_restore(timeout_ms, drop == 1, wait == 1, open_gate == 1, err, sizeof err);
         if (rc == 0) c->lease = false;
     } else if (!strcmp(verb, "layout")) {
         rc = dp_layout(j, c->fds, &c->nfds, STAGING_MAX_SEGS, err, sizeof err);
@@ -224,6 +231,20 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
         rc = dp_drop_staged(err, sizeof err);
     } else if (!strcmp(verb, "unpin")) {
         rc = dp_unpin(err, sizeof err);
+    } else if (!strcmp(verb, "export")) {
+        long long dev = arg_ll(req, "dev", -1, INT64_MAX), ino = arg_ll(req, "ino", -1, INT64_MAX);
+        int fd = -1;
+        rc = dev < 0 || ino < 0 ? (snprintf(err, sizeof err, "export takes dev= and ino="), -1)
+                                : dp_export((unsigned long long)dev, (unsigned long long)ino, &fd, j, err, sizeof err);
+        if (rc == 0) { c->fds[0] = fd; c->nfds = 1; c->close_sent = true; }
+        status_after = false;
+    } else if (!strcmp(verb, "relink")) {
+        long long dev = arg_ll(req, "dev", -1, INT64_MAX), ino = arg_ll(req, "ino", -1, INT64_MAX);
+        if (c->nin < 1) rc = (snprintf(err, sizeof err, "relink needs the shared memory's file descriptor attached"), -1);
+        else if (dev < 0 || ino < 0) rc = (snprintf(err, sizeof err, "relink takes dev= and ino="), -1);
+        else rc = dp_relink((unsigned long long)dev, (unsigned long long)ino, c->in[0], err, sizeof err);
+    } else if (!strcmp(verb, "resume")) {
+        rc = dp_resume(err, sizeof err);
     } else {   /* stage */
         rc = dp_stage(err, sizeof err);
     }
@@ -251,7 +272,8 @@ static void handle(const char *req, struct jb *j, struct client *c)
         else jb_bool(j, "ok", true);
     }
     else if (!strcmp(verb, "checkpoint") || !strcmp(verb, "restore") || !strcmp(verb, "layout") ||
-             !strcmp(verb, "drop") || !strcmp(verb, "stage") || !strcmp(verb, "unpin"))
+             !strcmp(verb, "drop") || !strcmp(verb, "stage") || !strcmp(verb, "unpin") || !strcmp(verb, "export") ||
+             !strcmp(verb, "relink") || !strcmp(verb, "resume"))
         handle_op(verb, req, j, c);
     else reply_error(j, "unknown request verb");
 }
@@ -281,6 +303,9 @@ static void send_answer(struct client *c, struct jb *j)
         cm->cmsg_len = CMSG_LEN(sizeof(int) * (size_t)c->nfds);
         memcpy(CMSG_DATA(cm), c->fds, sizeof(int) * (size_t)c->nfds);
         ssize_t n = sendmsg(c->fd, &mh, MSG_NOSIGNAL);
+        if (c->close_sent)
+            for (int i = 0; i < c->nfds; i++) close(c->fds[i]);
+        c->close_sent = false;
         c->nfds = 0;
         if (n <= 0) return;
         off = (size_t)n;
@@ -301,7 +326,7 @@ static void roll_back_abandoned(void)
     if (st.state == AGENT_CHECKPOINTED && st.staged) {
         char err[600] = "";
         /* if the driver holds the process locked, this waits until a new controller unlocks it */
-        if (dp_restore(30000, false, false, err, sizeof err)) gpucr_warn("rolling back an abandoned checkpoint failed: %s", err);
+        if (dp_restore(30000, false, false, true, err, sizeof err)) gpucr_warn("rolling back an abandoned checkpoint failed: %s", err);
         else gpucr_warn("the controller went away during a checkpoint: rolled back, the application runs on");
     }
     pthread_mutex_unlock(&g_op);
@@ -320,8 +345,21 @@ static void *serve_client(void *arg)
         goto out;
     }
     for (;;) {
-        ssize_t n = recv(c.fd, req + have, MAX_REQUEST - have, 0);
+        /* requests may carry file descriptors (relink): keep the first few, close any others */
+        char ctl[CMSG_SPACE(sizeof(int) * 4)];
+        struct iovec iov = {req + have, MAX_REQUEST - have};
+        struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl, .msg_controllen = sizeof ctl};
+        ssize_t n = recvmsg(c.fd, &mh, MSG_CMSG_CLOEXEC);
         if (n <= 0) break;
+        for (struct cmsghdr *cm = CMSG_FIRSTHDR(&mh); cm; cm = CMSG_NXTHDR(&mh, cm)) {
+            if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS) continue;
+            int nfd = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
+            int *got = (int *)CMSG_DATA(cm);
+            for (int i = 0; i < nfd; i++) {
+                if (c.nin < 4) c.in[c.nin++] = got[i];
+                else close(got[i]);
+            }
+        }
         have += (size_t)n;
         char *nl;
         while ((nl = memchr(req, '\n', have))) {
@@ -330,6 +368,8 @@ static void *serve_client(void *arg)
             if (memchr(req, 0, used - 1)) reply_error(&j, "malformed request: NUL byte");
             else handle(req, &j, &c);
             send_answer(&c, &j);
+            for (int i = 0; i < c.nin; i++) close(c.in[i]);   /* a request's fds live as long as the request */
+            c.nin = 0;
             memmove(req, req + used, have - used);
             have -= used;
         }
@@ -345,6 +385,7 @@ static void *serve_client(void *arg)
         }
     }
 out:
+    for (int i = 0; i < c.nin; i++) close(c.in[i]);
     if (c.lease) roll_back_abandoned();
     jb_free(&j);
     free(req);

@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 #include "dataplane.h"
 #include "registry.h"
@@ -198,7 +199,7 @@ void dp_preflight(char *why, size_t len)
     reg_lock();
     long shared = 0;
     for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if (p->kind == PHYS_IMPORTED || p->exported) shared++;
+        if ((p->kind == PHYS_IMPORTED || p->exported) && !p->share_ino) shared++;   /* shared some other way than a POSIX fd */
     if (g_reg.managed_count)
         snprintf(why, len, "the process uses managed memory (cuMemAllocManaged / cudaMallocManaged: %ld allocations, %zu MiB), "
                  "which no CUDA checkpoint can save; allocate with cudaMalloc instead",
@@ -207,8 +208,8 @@ void dp_preflight(char *why, size_t len)
         snprintf(why, len, "the process exported memory with legacy CUDA IPC (cuIpcGetMemHandle, %ld exports), which the "
                  "driver's checkpoint cannot cover; share memory through VMM POSIX-fd handles instead", g_reg.ipc_exports);
     else if (shared)
-        snprintf(why, len, "the process shares %ld VMM allocations with other processes (cuMemExportToShareableHandle / "
-                 "cuMemImportFromShareableHandle); checkpointing shared memory is not supported yet", shared);
+        snprintf(why, len, "the process shares %ld VMM allocations with other processes through handles other than POSIX "
+                 "file descriptors, which gpucr cannot relink", shared);
     reg_unlock();
 }
 
@@ -257,7 +258,7 @@ static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_de
 {
     CUresult first = CUDA_SUCCESS;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (!p->released) continue;
+        if (!p->released || p->kind == PHYS_IMPORTED) continue;   /* imported memory is relinked from its exporter */
         gpucr_drv.cuCtxSetCurrent(p->ctx);
         CUmemGenericAllocationHandle h = 0;
         CUresult rc = REAL(cuMemCreate)(&h, p->size, &p->prop, 0);
@@ -418,7 +419,7 @@ int dp_checkpoint(int timeout_ms, char *err, size_t errlen)
 
     t0 = gpucr_now_ns();
     for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
-        if (reg_phys_movable(p)) rc = release_one(p);
+        if (reg_phys_movable(p) || (p->kind == PHYS_IMPORTED && p->maps)) rc = release_one(p);
     t.release = ms_since(t0);
     if (rc != CUDA_SUCCESS) {
         char e2[256] = "";
@@ -440,7 +441,7 @@ int dp_checkpoint(int timeout_ms, char *err, size_t errlen)
     return 0;
 }
 
-int dp_restore(int timeout_ms, bool drop_staging, bool wait, char *err, size_t errlen)
+int dp_restore(int timeout_ms, bool drop_staging, bool wait, bool open_gate, char *err, size_t errlen)
 {
     if (g_dp.state != AGENT_CHECKPOINTED) { seterr(err, errlen, "the process is not checkpointed"); return -1; }
     if (!g_dp.staged) {
@@ -449,8 +450,16 @@ int dp_restore(int timeout_ms, bool drop_staging, bool wait, char *err, size_t e
     }
     size_t need = 0;
     CUcontext any_ctx = NULL;
-    for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if (p->released) { need += p->size; any_ctx = p->ctx; }
+    bool unlinked = false;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        if (p->released && p->kind != PHYS_IMPORTED) { need += p->size; any_ctx = p->ctx; }
+        if (p->released && p->kind == PHYS_IMPORTED) unlinked = true;
+    }
+    if (unlinked && open_gate) {
+        seterr(err, errlen, "memory this process imported from another is not relinked yet: restore its exporter together "
+               "with it ('gpucr restore' of both processes)");
+        return -1;
+    }
     int64_t t0 = gpucr_now_ns();
     if (need) {
         /* A restore that runs out of device memory half way helps no one: check first. */
@@ -484,7 +493,7 @@ int dp_restore(int timeout_ms, bool drop_staging, bool wait, char *err, size_t e
     g_dp.last.copy_in = both;
     g_dp.last.bytes_in = need;
     g_dp.state = AGENT_RUNNING;
-    gpucr_gate_open();
+    if (open_gate) gpucr_gate_open();   /* else: shared memory is relinked first, then "resume" */
     /* policy: keep staging pinned for the next cycle (fast) or give the host memory back */
     const char *policy = getenv("GPUCR_STAGING_POLICY");
     if (drop_staging || (policy && !strcmp(policy, "drop"))) staging_drop();
@@ -593,5 +602,84 @@ int dp_stage(char *err, size_t errlen)
     }
     pthread_mutex_unlock(&g_ready_mu);
     g_dp.staged = true;
+    return 0;
+}
+
+/* ---- memory shared with other processes through POSIX fds: re-export and relink after a restore ---- */
+
+static struct phys *shared_by_key(bool exporter, unsigned long long dev, unsigned long long ino)
+{
+    for (struct phys *p = g_reg.all; p; p = p->next_all)
+        if ((exporter ? p->exported : p->kind == PHYS_IMPORTED) && p->share_dev == dev && p->share_ino == ino) return p;
+    return NULL;
+}
+
+void dp_shared_json(struct jb *j)
+{
+    jb_arr(j, "shared");
+    reg_lock();
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        if (!p->share_ino || !(p->exported || p->kind == PHYS_IMPORTED)) continue;
+        jb_sub(j, NULL);
+        jb_str(j, "role", p->kind == PHYS_IMPORTED ? "importer" : "exporter");
+        jb_int(j, "dev", (long long)p->share_dev);
+        jb_int(j, "ino", (long long)p->share_ino);
+        jb_int(j, "bytes", (long long)p->size);
+        jb_bool(j, "unlinked", p->released);
+        jb_end(j);
+    }
+    reg_unlock();
+    jb_arr_end(j);
+}
+
+int dp_export(unsigned long long dev, unsigned long long ino, int *fd_out, struct jb *j, char *err, size_t errlen)
+{
+    struct phys *p = shared_by_key(true, dev, ino);
+    if (!p || !p->real) { seterr(err, errlen, "no restored exported allocation with that key"); return -1; }
+    gpucr_drv.cuCtxSetCurrent(p->ctx);
+    int fd = -1;
+    CUresult rc = REAL(cuMemExportToShareableHandle)(&fd, p->real, 1, 0);
+    if (rc != CUDA_SUCCESS) { seterr(err, errlen, "re-exporting failed: %s", gpucr_cu_errstr(rc)); return -1; }
+    struct stat st;
+    if (fstat(fd, &st) == 0) { p->share_dev = st.st_dev; p->share_ino = st.st_ino; }
+    *fd_out = fd;
+    jb_bool(j, "ok", true);
+    jb_int(j, "dev", (long long)p->share_dev);
+    jb_int(j, "ino", (long long)p->share_ino);
+    return 0;
+}
+
+int dp_relink(unsigned long long dev, unsigned long long ino, int fd, char *err, size_t errlen)
+{
+    struct phys *p = shared_by_key(false, dev, ino);
+    if (!p || !p->released) { seterr(err, errlen, "no unlinked imported allocation with that key"); return -1; }
+    gpucr_drv.cuCtxSetCurrent(p->ctx);
+    CUmemGenericAllocationHandle h = 0;
+    CUresult rc = REAL(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)fd, 1);
+    struct mapping *m = p->maps;
+    for (; m && rc == CUDA_SUCCESS; m = m->next) {
+        rc = REAL(cuMemMap)(m->va, m->size, m->offset, h, 0);
+        if (rc == CUDA_SUCCESS && m->ndesc) rc = REAL(cuMemSetAccess)(m->va, m->size, m->desc, (size_t)m->ndesc);
+    }
+    if (rc != CUDA_SUCCESS) {
+        for (struct mapping *n = p->maps; n && n != m; n = n->next) REAL(cuMemUnmap)(n->va, n->size);
+        if (h) REAL(cuMemRelease)(h);
+        seterr(err, errlen, "relinking shared memory failed: %s", gpucr_cu_errstr(rc));
+        return -1;
+    }
+    reg_set_real(p, h);
+    if (p->app_refs == 0) REAL(cuMemRelease)(h);   /* the application had released its handle: mappings hold it */
+    struct stat st;
+    if (fstat(fd, &st) == 0) { p->share_dev = st.st_dev; p->share_ino = st.st_ino; }
+    p->released = false;
+    return 0;
+}
+
+int dp_resume(char *err, size_t errlen)
+{
+    if (g_dp.state != AGENT_RUNNING) { seterr(err, errlen, "the process is not restored yet"); return -1; }
+    for (struct phys *p = g_reg.all; p; p = p->next_all)
+        if (p->released) { seterr(err, errlen, "shared memory is not relinked yet"); return -1; }
+    gpucr_gate_open();
     return 0;
 }

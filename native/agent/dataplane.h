@@ -21,7 +21,7 @@ struct dp_status {
  * On failure nothing is released, the gate is open again, and err says why. */
 int dp_checkpoint(int timeout_ms, char *err, size_t errlen);
 /* Re-create, re-map and copy back; then open the gate. On failure the process stays checkpointed. */
-int dp_restore(int timeout_ms, bool drop_staging, bool wait_ready, char *err, size_t errlen);
+int dp_restore(int timeout_ms, bool drop_staging, bool wait_ready, bool open_gate, char *err, size_t errlen);
 /* The controller says an allocation's data is in staging (restore from an image), or gives up. */
 int dp_mark_ready(unsigned long long va, bool abort_all);
 void dp_get_status(struct dp_status *out);
@@ -34,4 +34,9 @@ int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t e
 int dp_drop_staged(char *err, size_t errlen);
 int dp_stage(char *err, size_t errlen);
 int dp_unpin(char *err, size_t errlen);
+/* Shared memory (POSIX fds): list it; re-export after a restore; relink an importer; open the gate. */
+void dp_shared_json(struct jb *j);
+int dp_export(unsigned long long dev, unsigned long long ino, int *fd_out, struct jb *j, char *err, size_t errlen);
+int dp_relink(unsigned long long dev, unsigned long long ino, int fd, char *err, size_t errlen);
+int dp_resume(char *err, size_t errlen);
 #endif

@@ -90,7 +90,8 @@ struct phys *reg_phys_containing(CUdeviceptr ptr)
 
 bool reg_phys_movable(const struct phys *p)
 {
-    if (p->kind == PHYS_IMPORTED || p->exported) return false;
+    /* imported memory is its exporter's to save: an importer only unlinks and relinks it */
+    if (p->kind == PHYS_IMPORTED) return false;
     /* The data plane reads the memory through one mapping that covers all of it. */
     for (const struct mapping *m = p->maps; m; m = m->next)
         if (m->offset == 0 && m->size == p->size && m->ndesc > 0) return true;

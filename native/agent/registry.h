@@ -29,7 +29,8 @@ struct phys {
     CUmemAllocationProp prop;
     CUcontext ctx;
     int app_refs;               /* references the application holds on the handle */
-    bool exported;
+    bool exported;              /* shared as a POSIX fd (cuMemExportToShareableHandle) */
+    unsigned long long share_dev, share_ino;   /* names the shared memory across processes (fstat of its fd) */
     struct mapping *maps;
     CUdeviceptr resv_va;        /* PHYS_CONVERTED: the VA reservation the agent owns */
     size_t resv_size, user_size;

@@ -45,12 +45,20 @@ class AgentClient:
         """Like call, for answers that carry file descriptors (the staging segments); the caller closes them."""
         return self._call(verb, timeout, True, args)
 
-    def _call(self, verb: str, timeout: float, want_fds: bool, args: dict) -> tuple[dict[str, Any], list[int]]:
+    def call_sending_fds(self, verb: str, send: list[int], timeout: float = 30.0, **args: int) -> dict[str, Any]:
+        """Like call, with file descriptors attached to the request (shared memory to relink)."""
+        return self._call(verb, timeout, False, args, send)[0]
+
+    def _call(self, verb: str, timeout: float, want_fds: bool, args: dict,
+              send: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
         line = " ".join([verb, *(f"{k}={int(v)}" for k, v in args.items())]) + "\n"
         self._sock.settimeout(timeout)
         fds: list[int] = []
         try:
-            self._sock.sendall(line.encode())
+            if send:
+                socket.send_fds(self._sock, [line.encode()], send)
+            else:
+                self._sock.sendall(line.encode())
             while b"\n" not in self._buf:
                 if want_fds and not fds:
                     chunk, got, _, _ = socket.recv_fds(self._sock, 65536, 64)

@@ -138,6 +138,8 @@ def _check_request(pids: list[int], timeout: float) -> None:
 
 def _each(phase: str, members: list[_Member], fn) -> None:
     """Run one phase for every process at once; raise (after all have finished) naming the first failure."""
+    if not members:
+        return
     if len(members) == 1:
         try:
             fn(members[0])
@@ -236,10 +238,11 @@ def _commit(m: _Member, level: str) -> None:
         m.result["image"] = _write_image(m, level, epoch)
 
 
-def _roll_back(m: _Member) -> None:
-    """Undo what this process went through, last step first; never raises (the process may be gone)."""
+def _roll_back_driver(m: _Member) -> None:
+    """Undo the driver's steps for this process; never raises (the process may be gone)."""
     try:
         if not os.path.exists(f"/proc/{m.pid}"):
+            m.data_out = False
             return
         s = m.drv.state(m.pid)
         if s == ProcessState.CHECKPOINTED:
@@ -247,11 +250,21 @@ def _roll_back(m: _Member) -> None:
             s = m.drv.state(m.pid)
         if s == ProcessState.LOCKED:
             m.drv.unlock(m.pid)
-        if m.data_out:
-            m.agent.call("restore", timeout=600.0)
     except GpucrError:
         pass
-    finally:
+
+
+def _roll_back(members: list[_Member]) -> None:
+    """Undo a partial checkpoint of these processes, last step first; never raises."""
+    _each_quiet(members, _roll_back_driver)
+    back = [m for m in members if m.data_out]
+    for m in back:
+        m.status = {**m.status, "state": "checkpointed"}
+    try:
+        _data_in_all(back, 600.0, False, "roll-back")
+    except GpucrError:
+        pass
+    for m in members:
         _app_resume(m.app)
         m.app = None
 
@@ -268,6 +281,7 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
         for pid in pids:   # vet everyone before touching anyone
             img = images.get(pid)
             members.append(_vet_for_checkpoint(pid, Path(img) if img is not None else None))
+        _check_sharing(members)
         before = _mem(members[0].drv)
         try:
             _each("prepare", members, lambda m: _prepare(m, timeout))
@@ -276,7 +290,7 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
                 _each("driver lock", members, lambda m: _driver_lock(m, timeout))
                 _each("driver checkpoint", members, _driver_checkpoint)
         except PhaseError as exc:
-            _each_quiet(members, _roll_back)
+            _roll_back(members)
             if len(members) > 1:
                 raise GpucrError(f"{exc}; rolled back: all {len(members)} processes run on with their data intact") from exc
             if exc.phase in ("prepare", "data out"):
@@ -335,9 +349,10 @@ def _vet_for_restore(pid: int, image_dir: Path | None, force: bool) -> _Member:
     m.agent = t.connect()
     m.status = m.agent.call("status", timeout=10.0)
     st = m.status
-    if dstate == ProcessState.RUNNING and st["state"] == "running":
+    if dstate == ProcessState.RUNNING and st["state"] == "running" and not st.get("gate_closed"):
         m.close()
         raise GpucrError(f"process {pid} is not checkpointed: nothing to restore")
+    # (running with its gate still closed: a restore stopped before its last step; it is finished below)
     if image_dir is not None:
         man = manifest.load(image_dir)
         m.result["manifest_entry"] = manifest.check_restore(man, pid=pid, start_time=t.start_time,
@@ -396,7 +411,7 @@ def _data_in(m: _Member, timeout: float, drop_staging: bool) -> None:
         return
     t0 = time.perf_counter()
     out = m.agent.call("restore", timeout=_reply_timeout(timeout), timeout_ms=int(timeout * 1000),
-                       drop_staging=int(drop_staging))
+                       drop_staging=int(drop_staging), open_gate=0)
     m.result["phases_s"]["data_in"] = time.perf_counter() - t0
     m.result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
 
@@ -425,7 +440,8 @@ def _data_in_from_image(m: _Member, entry: dict, timeout: float, drop_staging: b
         reader.start()
         try:
             out = m.agent.call("restore", timeout=_reply_timeout(timeout) + 3600.0,
-                               timeout_ms=int((timeout + 3600.0) * 1000), drop_staging=int(drop_staging), wait_ready=1)
+                               timeout_ms=int((timeout + 3600.0) * 1000), drop_staging=int(drop_staging), wait_ready=1,
+                               open_gate=0)
         except GpucrError as exc:
             reader.join()
             m.agent.call("drop", timeout=60.0)
@@ -437,6 +453,66 @@ def _data_in_from_image(m: _Member, entry: dict, timeout: float, drop_staging: b
                 os.close(fd)
     m.result["phases_s"]["image_read_and_data_in"] = time.perf_counter() - t0
     m.result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
+
+
+def _data_in_all(members: list[_Member], timeout: float, drop_staging: bool, phase: str) -> None:
+    """Data in for every process with its gate still closed, then memory shared between them relinked
+    (each exporter re-exports, each importer maps the new memory at its old addresses), then every
+    gate opened."""
+    restoring = [m for m in members if m.status.get("state") == "checkpointed"]
+    shared_before = {m.pid: list(m.status.get("shared", [])) for m in restoring}
+    _each(phase, restoring, lambda m: _data_in(m, timeout, drop_staging))
+    for exp in restoring:
+        for obj in shared_before[exp.pid]:
+            if obj["role"] != "exporter":
+                continue
+            importers = [m for m in restoring for o in shared_before[m.pid]
+                         if o["role"] == "importer" and (o["dev"], o["ino"]) == (obj["dev"], obj["ino"])]
+            if not importers:
+                continue
+            try:
+                _reply, fds = exp.agent.call_with_fds("export", timeout=60.0, dev=obj["dev"], ino=obj["ino"])
+            except GpucrError as exc:
+                raise PhaseError(exp.pid, "re-export of shared memory", exc) from exc
+            try:
+                for imp in importers:
+                    try:
+                        imp.agent.call_sending_fds("relink", fds[:1], timeout=60.0, dev=obj["dev"], ino=obj["ino"])
+                    except GpucrError as exc:
+                        raise PhaseError(imp.pid, "relink of shared memory", exc) from exc
+            finally:
+                for fd in fds:
+                    os.close(fd)
+    parked = [m for m in members if m.status.get("state") == "running" and m.status.get("gate_closed")]
+    _each("resume", [m for m in restoring if _agent_restored(m)] + parked, lambda m: m.agent.call("resume", timeout=60.0))
+
+
+def _agent_restored(m: _Member) -> bool:
+    return m.agent.call("status", timeout=10.0)["state"] == "running"
+
+
+def _check_sharing(members: list[_Member]) -> None:
+    """Memory shared between processes is checkpointed only with every process that shares it."""
+    keys: dict[tuple[int, int], list[tuple[int, str]]] = {}
+    for m in members:
+        for o in m.status.get("shared", []):
+            keys.setdefault((o["dev"], o["ino"]), []).append((m.pid, o["role"]))
+    inside = {m.pid for m in members}
+    outsiders: dict[tuple[int, int], list[int]] = {}
+    for other in ps():
+        if other.get("pid") in inside:
+            continue
+        for o in other.get("shared", []):
+            if (o["dev"], o["ino"]) in keys:
+                outsiders.setdefault((o["dev"], o["ino"]), []).append(other["pid"])
+    for key, holders in keys.items():
+        if key in outsiders:
+            raise GpucrError(f"process {holders[0][0]} shares GPU memory with process "
+                             f"{', '.join(map(str, outsiders[key]))}, which is not in this checkpoint; "
+                             "checkpoint them together (name every pid, or use --group)")
+        if not any(role == "exporter" for _, role in holders):
+            raise GpucrError(f"process {holders[0][0]} uses GPU memory shared by a process that is not in this "
+                             "checkpoint (its exporter); checkpoint them together (name every pid, or use --group)")
 
 
 def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,
@@ -463,7 +539,11 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
                     raise exc
         phase("driver restore", _driver_restore)
         phase("driver unlock", lambda m: _driver_unlock(m, timeout))
-        phase("data in", lambda m: _data_in(m, timeout, drop_staging))
+        live = [m for m in members if m.pid not in failed]
+        try:
+            _data_in_all(live, timeout, drop_staging, "data in")
+        except PhaseError as exc:
+            failed[exc.pid] = exc
         if failed:
             ok = [m.pid for m in members if m.pid not in failed]
             first = next(iter(failed.values()))

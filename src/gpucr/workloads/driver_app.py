@@ -58,6 +58,8 @@ cuMemSetAccess = _sig("cuMemSetAccess", u64, sz, ctypes.POINTER(Access), sz)
 cuMemRelease = _sig("cuMemRelease", u64)
 cuMemAllocManaged = _sig("cuMemAllocManaged", ctypes.POINTER(u64), sz, ctypes.c_uint)
 cuIpcGetMemHandle = _sig("cuIpcGetMemHandle", ctypes.c_char_p, u64)
+cuMemExportToShareableHandle = _sig("cuMemExportToShareableHandle", vp, u64, ctypes.c_int, u64)
+cuMemImportFromShareableHandle = _sig("cuMemImportFromShareableHandle", ctypes.POINTER(u64), vp, ctypes.c_int)
 if SIM:
     cuModuleLoadData = _sig("cuModuleLoadData", ctypes.POINTER(vp), ctypes.c_char_p)
     cuModuleGetFunction = _sig("cuModuleGetFunction", ctypes.POINTER(vp), vp, ctypes.c_char_p)
@@ -116,6 +118,16 @@ class App:
             check(cuMemSetAccess(va.value + off, gran, ctypes.byref(acc), 1), "access")
             check(cuMemRelease(h.value), "release")   # the mapping keeps it, as PyTorch does
         return va.value
+
+    def _vmm_one(self, n: int, handle_types: int = 0) -> tuple[int, int]:
+        va, h = u64(), u64()
+        check(cuMemAddressReserve(ctypes.byref(va), n, 0, 0, 0), "reserve")
+        prop = Prop(type=1, handleTypes=handle_types, loc=Loc(1, 0))
+        check(cuMemCreate(ctypes.byref(h), n, ctypes.byref(prop), 0), "create")
+        check(cuMemMap(va.value, n, 0, h.value, 0), "map")
+        acc = Access(loc=Loc(1, 0), flags=3)
+        check(cuMemSetAccess(va.value, n, ctypes.byref(acc), 1), "access")
+        return va.value, h.value
 
     def _fill(self, p: int, n: int, seed: int) -> None:
         data = hashlib.shake_256(seed.to_bytes(8, "little")).digest(min(n, 1 << 16))
@@ -232,6 +244,39 @@ class App:
                 time.sleep(float(words[1]) if len(words) > 1 else 30)
                 os._exit(0)
             return {"child": pid}
+        if cmd == "share":   # export MIB of VMM memory as a POSIX fd, for another process to import
+            n = int(words[1]) << 20
+            va, h = self._vmm_one(n, handle_types=1)
+            self._fill(va, n, 99)
+            fd = ctypes.c_int(-1)
+            check(cuMemExportToShareableHandle(ctypes.byref(fd), h, 1, 0), "export")
+            self.shared = (va, n)
+            self.bufs.append((va, n))
+            return {"fd": fd.value, "va": va}
+        if cmd == "import":   # import shared memory from PATH (an exporter's fd, e.g. /proc/PID/fd/N) and map it
+            n = int(words[2]) << 20
+            fd = os.open(words[1], os.O_RDWR)
+            h = u64()
+            check(cuMemImportFromShareableHandle(ctypes.byref(h), ctypes.c_void_p(fd), 1), "import")
+            os.close(fd)
+            va = u64()
+            check(cuMemAddressReserve(ctypes.byref(va), n, 0, 0, 0), "reserve")
+            check(cuMemMap(va.value, n, 0, h.value, 0), "map")
+            acc = Access(loc=Loc(1, 0), flags=3)
+            check(cuMemSetAccess(va.value, n, ctypes.byref(acc), 1), "access")
+            self.shared = (va.value, n)
+            self.bufs.append((va.value, n))
+            return {"va": va.value}
+        if cmd == "write-shared":   # write a 32-bit value over the whole shared buffer
+            va, n = self.shared
+            check(cuMemsetD32(va, int(words[1]), n // 4), "memset")
+            check(cuCtxSynchronize(), "sync")
+            return {"done": True}
+        if cmd == "read-shared":
+            va, n = self.shared
+            buf = ctypes.create_string_buffer(n)
+            check(cuMemcpyDtoH(buf, va, n), "read")
+            return {"sha256": hashlib.sha256(buf.raw).hexdigest(), "va": va}
         if cmd == "zero":   # memset buffer I to zero on the device
             p, n = self.bufs[int(words[1])]
             check(cuMemsetD32(p, 0, n // 4), "memset")
