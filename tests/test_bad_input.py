@@ -97,3 +97,19 @@ def test_doctor_reports_and_advises():
     d = json.loads(gpucr_cli("doctor", "--json", env=env).stdout)
     assert d["driver"]["checkpoint_api"] is True and d["driver"]["simulated"] is True
     assert gpucr_cli("doctor").returncode == 0
+
+
+def test_gpu_map_is_checked_and_passed_to_the_driver(sim_app):
+    from gpucr.coordinator import parse_gpu_map
+    u1, u2 = "GPU-" + "11" * 4 + "-2222-3333-4444-" + "55" * 6, "GPU-" + "aa" * 16
+    pairs = parse_gpu_map([f"{u1}={u2}"])
+    assert pairs == [(bytes.fromhex("11" * 4 + "2222" + "3333" + "4444" + "55" * 6), bytes.fromhex("aa" * 16))]
+    one_line_error(gpucr_cli("restore", "--map", "GPU-12=oops", str(os.getpid())), "--map takes OLD_UUID=NEW_UUID")
+    app = sim_app("--sizes", "8M")
+    before = app.ask("digest")
+    assert gpucr_cli("checkpoint", str(app.pid)).returncode == 0
+    # simcuda (one device) cannot move a process to another GPU: refused, still checkpointed and restorable
+    r = gpucr_cli("restore", "--map", f"{u1}={u2}", str(app.pid))
+    assert r.returncode != 0 and "stays checkpointed" in r.stderr
+    assert gpucr_cli("restore", str(app.pid)).returncode == 0
+    assert app.ask("digest") == before

@@ -145,3 +145,22 @@ def test_app_prepare_failing_or_hanging_aborts_and_app_runs_on(sim_app, mode, wh
     app.ask("work 2")
     app.ask("work -2")
     assert app.ask("digest")["digest"] == before["digest"]
+
+
+def test_zero_chunks_are_set_on_the_device_at_restore(sim_app, tmp_path):
+    app = sim_app("--sizes", "8M,192M")
+    app.ask("zero 1")
+    before = app.ask("digest")
+    img = tmp_path / "z2"
+    gpucr.checkpoint(app.pid, image=img)
+    rs = gpucr.restore(app.pid, image=img)
+    assert app.ask("digest") == before
+    assert gpucr.status(app.pid)["last_cycle_ms"]["bytes_zeroed"] == 192 * MiB, "zero chunks set by memset, not copied"
+    # then the buffer is changed and checkpointed to memory: no zero-chunk marks may linger
+    app.ask("work 3")
+    after_work = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == after_work
+    assert gpucr.status(app.pid)["last_cycle_ms"]["bytes_zeroed"] == 0
+    assert rs["image"]["bytes"] >= 200 * MiB

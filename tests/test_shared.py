@@ -26,7 +26,7 @@ def pair(sim_app):
     exp = sim_app("--sizes", "8M", env=env)
     imp = sim_app("--sizes", "4M", env=env)
     fd = exp.ask("share 32")["fd"]
-    imp.ask(f"import /proc/{exp.pid}/fd/{fd} 32")
+    imp.ask(f"import pidfd:{exp.pid}:{fd} 32")
     return exp, imp, idle
 
 

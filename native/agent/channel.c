@@ -136,6 +136,7 @@ static void reply_status(struct jb *j)
     jb_dbl(j, "driver_unlock", g_notes.driver_unlock);
     jb_int(j, "bytes_out", (long long)st.last.bytes_out);
     jb_int(j, "bytes_in", (long long)st.last.bytes_in);
+    jb_int(j, "bytes_zeroed", (long long)st.last.bytes_zeroed);
     jb_end(j);
     char why[512];
     dp_preflight(why, sizeof why);
@@ -264,6 +265,12 @@ static void handle(const char *req, struct jb *j, struct client *c)
     else if (!strcmp(verb, "status")) reply_status(j);
     else if (!strcmp(verb, "note")) reply_note(req, j);
     else if (!strcmp(verb, "commit")) { c->lease = false; jb_bool(j, "ok", true); }
+    else if (!strcmp(verb, "zero")) {
+        long long va = arg_ll(req, "va", 0, INT64_MAX), off = arg_ll(req, "offset", -1, INT64_MAX);
+        if (va <= 0 || off < 0 || dp_mark_zero((unsigned long long)va, (unsigned long long)off))
+            reply_error(j, "zero takes va= and offset= of a 64 MiB chunk of a staged allocation");
+        else jb_bool(j, "ok", true);
+    }
     else if (!strcmp(verb, "ready") || !strcmp(verb, "ready_abort")) {
         /* from a second connection, while a restore waits for the image's data on the first */
         long long va = arg_ll(req, "va", 0, INT64_MAX);

@@ -15,7 +15,7 @@
 #include "staging.h"
 
 #define NSTREAMS 4
-#define CHUNK ((size_t)64 << 20)
+#define CHUNK ((size_t)64 << 20)   /* the same as an image's chunk (gpucr/image.py) */
 
 struct ctx_streams { CUcontext ctx; CUstream s[NSTREAMS]; };
 
@@ -23,6 +23,7 @@ static struct {
     enum agent_state state;
     long generation;
     bool staged;                /* while checkpointed: the data is in staging (not only in an image) */
+    uint64_t zeroed;            /* bytes of the last restore set by memset instead of copied */
     struct phase_times last;
     struct ctx_streams streams[16];
     int nstreams;
@@ -63,8 +64,14 @@ static CUresult copy_chunks(struct phys *p, CUdeviceptr va, bool out, int *turn)
     for (size_t off = 0; off < p->size; off += CHUNK) {
         size_t n = p->size - off < CHUNK ? p->size - off : CHUNK;
         CUstream s = cs->s[(*turn)++ % NSTREAMS];
-        CUresult rc = out ? REAL(cuMemcpyDtoHAsync_v2)(host + off, va + off, n, s)
-                          : REAL(cuMemcpyHtoDAsync_v2)(va + off, host + off, n, s);
+        CUresult rc;
+        if (!out && p->zero_chunks && p->zero_chunks[off / CHUNK]) {
+            rc = REAL(cuMemsetD8Async)(va + off, 0, n, s);   /* an image's zero chunk: nothing to copy */
+            g_dp.zeroed += n;
+        }
+        else
+            rc = out ? REAL(cuMemcpyDtoHAsync_v2)(host + off, va + off, n, s)
+                     : REAL(cuMemcpyHtoDAsync_v2)(va + off, host + off, n, s);
         if (rc != CUDA_SUCCESS) return rc;
     }
     return CUDA_SUCCESS;
@@ -230,6 +237,22 @@ static CUresult wait_ready(struct phys *p, int64_t deadline_ns)
         pthread_cond_timedwait(&g_ready_cv, &g_ready_mu, &ts);
     }
     CUresult rc = p->ready ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+    pthread_mutex_unlock(&g_ready_mu);
+    return rc;
+}
+
+int dp_mark_zero(unsigned long long va, unsigned long long offset)
+{
+    pthread_mutex_lock(&g_ready_mu);
+    reg_lock();
+    struct mapping *m = hmap_get(&g_reg.map_by_va, va);
+    struct phys *p = m ? m->phys : NULL;
+    int rc = -1;
+    if (p && p->staging && offset % CHUNK == 0 && offset < p->size) {
+        if (!p->zero_chunks) p->zero_chunks = calloc((p->size + CHUNK - 1) / CHUNK, 1);
+        if (p->zero_chunks) { p->zero_chunks[offset / CHUNK] = 1; rc = 0; }
+    }
+    reg_unlock();
     pthread_mutex_unlock(&g_ready_mu);
     return rc;
 }
@@ -472,6 +495,7 @@ int dp_restore(int timeout_ms, bool drop_staging, bool wait, bool open_gate, cha
         }
     }
     int turn = 0;
+    g_dp.zeroed = 0;
     int64_t ready_deadline = 0;
     if (wait) ready_deadline = gpucr_now_ns() + (int64_t)timeout_ms * 1000000LL;
     CUresult rc = bring_back(err, errlen, &turn, ready_deadline);
@@ -492,6 +516,8 @@ int dp_restore(int timeout_ms, bool drop_staging, bool wait, bool open_gate, cha
     /* Re-mapping and copying overlap (each allocation's copy is queued as soon as it is mapped): one figure. */
     g_dp.last.copy_in = both;
     g_dp.last.bytes_in = need;
+    g_dp.last.bytes_zeroed = g_dp.zeroed;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) { free(p->zero_chunks); p->zero_chunks = NULL; }
     g_dp.state = AGENT_RUNNING;
     if (open_gate) gpucr_gate_open();   /* else: shared memory is relinked first, then "resume" */
     /* policy: keep staging pinned for the next cycle (fast) or give the host memory back */
@@ -598,6 +624,8 @@ int dp_stage(char *err, size_t errlen)
     g_ready_abort = false;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
         p->ready = false;
+        free(p->zero_chunks);
+        p->zero_chunks = NULL;
         if (p->released) p->staging = staging_take(p->size);
     }
     pthread_mutex_unlock(&g_ready_mu);

@@ -5,7 +5,7 @@
 
 struct phase_times {            /* milliseconds of the last cycle's phases */
     double staging, gate, sync, copy_out, release, copy_in;
-    uint64_t bytes_out, bytes_in;
+    uint64_t bytes_out, bytes_in, bytes_zeroed;
 };
 
 enum agent_state { AGENT_RUNNING, AGENT_CHECKPOINTED };
@@ -24,6 +24,8 @@ int dp_checkpoint(int timeout_ms, char *err, size_t errlen);
 int dp_restore(int timeout_ms, bool drop_staging, bool wait_ready, bool open_gate, char *err, size_t errlen);
 /* The controller says an allocation's data is in staging (restore from an image), or gives up. */
 int dp_mark_ready(unsigned long long va, bool abort_all);
+/* The image says this 64 MiB chunk of the allocation at va is all zero: set it on the device, copy nothing. */
+int dp_mark_zero(unsigned long long va, unsigned long long offset);
 void dp_get_status(struct dp_status *out);
 /* Coverage problems that make a checkpoint unsafe, as one line; empty when there are none. */
 void dp_preflight(char *why, size_t len);

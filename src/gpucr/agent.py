@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ class AgentClient:
             raise GpucrError(f"process {pid} is not reachable through gpucr's agent ({exc.strerror}); "
                              "was it started with 'gpucr run'?") from exc
         self._buf = b""
+        self._lock = threading.Lock()   # one request at a time on this connection, whichever thread asks
 
     def close(self) -> None:
         self._sock.close()
@@ -51,6 +53,11 @@ class AgentClient:
 
     def _call(self, verb: str, timeout: float, want_fds: bool, args: dict,
               send: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
+        with self._lock:
+            return self._call_locked(verb, timeout, want_fds, args, send)
+
+    def _call_locked(self, verb: str, timeout: float, want_fds: bool, args: dict,
+                     send: list[int] | None) -> tuple[dict[str, Any], list[int]]:
         line = " ".join([verb, *(f"{k}={int(v)}" for k, v in args.items())]) + "\n"
         self._sock.settimeout(timeout)
         fds: list[int] = []

@@ -93,7 +93,7 @@ def cmd_checkpoint(a: argparse.Namespace) -> int:
 def cmd_restore(a: argparse.Namespace) -> int:
     pids = _targets(a)
     results = coordinator.restore_many(pids, timeout=a.timeout, drop_staging=a.drop_staging, force=a.force,
-                                       images=_images(a, pids))
+                                       images=_images(a, pids), gpu_map=coordinator.parse_gpu_map(a.map or []))
     for r in results:
         if not a.json:
             print(f"process {r['pid']}: restored and running; {_mib(r.get('bytes_moved', 0))} copied back; "
@@ -240,6 +240,8 @@ def _parser() -> argparse.ArgumentParser:
     pid_cmd("restore", cmd_restore, "put a checkpointed process's GPU memory back and let it run", False)
     sub.choices["restore"].add_argument("--drop-staging", action="store_true",
                                         help="give the host staging back after the restore (default: keep it for the next cycle)")
+    sub.choices["restore"].add_argument("--map", action="append", metavar="OLD_UUID=NEW_UUID",
+                                        help="restore onto other GPUs: the driver re-creates OLD's state on NEW (repeatable)")
     sub.choices["restore"].add_argument("--force", action="store_true",
                                         help="restore even if the manifest lists state it does not cover")
 

@@ -366,7 +366,23 @@ def _vet_for_restore(pid: int, image_dir: Path | None, force: bool) -> _Member:
     return m
 
 
-def _driver_restore(m: _Member) -> None:
+def parse_gpu_map(pairs: list[str]) -> list[tuple[bytes, bytes]]:
+    """'OLD_UUID=NEW_UUID' (as nvidia-smi -L prints them, GPU-xxxxxxxx-...) into the driver's byte pairs."""
+    out = []
+    for item in pairs:
+        old, sep, new = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError
+            out.append(tuple(bytes.fromhex(u.strip().removeprefix("GPU-").replace("-", "")) for u in (old, new)))
+        except ValueError:
+            raise GpucrError(f"--map takes OLD_UUID=NEW_UUID (e.g. GPU-1a2b...=GPU-3c4d...), not '{item}'") from None
+        if any(len(u) != 16 for u in out[-1]):
+            raise GpucrError(f"a GPU UUID has 16 bytes (32 hex digits): '{item}'")
+    return out
+
+
+def _driver_restore(m: _Member, gpu_map: list[tuple[bytes, bytes]] | None = None) -> None:
     if not m.checkpointed:
         return
     need = m.status["allocations"]["tracked_bytes"] + m.status["bytes_left_to_driver"]
@@ -376,7 +392,7 @@ def _driver_restore(m: _Member) -> None:
                          "are free; free GPU memory and retry (the process stays checkpointed)")
     t0 = time.perf_counter()
     try:
-        m.drv.restore(m.pid)
+        m.drv.restore(m.pid, gpu_map or None)
     except DriverError as exc:
         if exc.rc == CUDA_ERROR_OUT_OF_MEMORY:
             raise GpucrError("not enough free GPU memory to restore its CUDA context; free GPU memory and retry "
@@ -431,8 +447,10 @@ def _data_in_from_image(m: _Member, entry: dict, timeout: float, drop_staging: b
     with m.t.connect() as notify:
         def read_all() -> None:
             try:
-                m.result["image"] = images.read(m.image_dir, entry["data"], layout, fds,
-                                                on_ready=lambda va: notify.call("ready", timeout=60.0, va=va))
+                m.result["image"] = images.read(
+                    m.image_dir, entry["data"], layout, fds,
+                    on_ready=lambda va: notify.call("ready", timeout=60.0, va=va),
+                    on_zero=lambda va, off: notify.call("zero", timeout=60.0, va=va, offset=off))
             except GpucrError as exc:
                 read_error.append(exc)
                 notify.call("ready_abort", timeout=60.0)
@@ -516,7 +534,8 @@ def _check_sharing(members: list[_Member]) -> None:
 
 
 def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,
-                 images: dict[int, str | Path] | None = None, force: bool = False) -> list[dict[str, Any]]:
+                 images: dict[int, str | Path] | None = None, force: bool = False,
+                 gpu_map: list[tuple[bytes, bytes]] | None = None) -> list[dict[str, Any]]:
     """Restore several processes together; each that can be is brought back (see the module's doc)."""
     _check_request(pids, timeout)
     images = images or {}
@@ -537,7 +556,7 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
                     failed[m.pid] = PhaseError(m.pid, name, exc)
                 elif exc is not None:
                     raise exc
-        phase("driver restore", _driver_restore)
+        phase("driver restore", lambda m: _driver_restore(m, gpu_map))
         phase("driver unlock", lambda m: _driver_unlock(m, timeout))
         live = [m for m in members if m.pid not in failed]
         try:

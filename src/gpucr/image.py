@@ -17,7 +17,7 @@ import xxhash
 
 from .errors import GpucrError
 
-CHUNK = 64 << 20
+CHUNK = 64 << 20   # the agent copies in chunks of the same size (native/agent/dataplane.c)
 DATA = "data.bin"
 IN_FLIGHT = 4
 _ZERO = bytes(CHUNK)
@@ -125,12 +125,14 @@ def write(directory: Path, layout: dict[str, Any], fds: list[int]) -> tuple[list
 
 
 def read(directory: Path, allocs: list[dict[str, Any]], layout: dict[str, Any], fds: list[int],
-         on_ready: Callable[[int], None] | None = None, fresh: bool = True) -> dict[str, Any]:
+         on_ready: Callable[[int], None] | None = None, fresh: bool = True,
+         on_zero: Callable[[int, int], None] | None = None) -> dict[str, Any]:
     """Read an image into staged memory, verifying every chunk's digest.
 
     `on_ready(va)` is called as soon as all of an allocation's chunks are in and verified, so the
-    process can copy it to the device while the rest is read. Zero chunks are not read; in `fresh`
-    staging (new shared memory, already zero) they cost nothing at all.
+    process can copy it to the device while the rest is read. Zero chunks are not read: with
+    `on_zero(va, offset)` the process sets them on the device instead of copying them, and in `fresh`
+    staging (new shared memory, already zero) they cost the host nothing either.
     """
     where = {a["va"]: a for a in layout["allocations"]}
     missing = [hex(a["va"]) for a in allocs if a["va"] not in where or where[a["va"]]["bytes"] != a["bytes"]]
@@ -159,7 +161,9 @@ def read(directory: Path, allocs: list[dict[str, Any]], layout: dict[str, Any], 
                 off = dst_alloc["offset"] + c["offset"]
                 with views[dst_alloc["segment"]][off:off + c["bytes"]] as dst:
                     if c.get("zero"):
-                        if not fresh:
+                        if on_zero:
+                            on_zero(a["va"], c["offset"])
+                        elif not fresh:
                             dst[:] = memoryview(_ZERO)[:c["bytes"]]
                         got, ok = c["bytes"], True
                     else:

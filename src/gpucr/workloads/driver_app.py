@@ -253,9 +253,9 @@ class App:
             self.shared = (va, n)
             self.bufs.append((va, n))
             return {"fd": fd.value, "va": va}
-        if cmd == "import":   # import shared memory from PATH (an exporter's fd, e.g. /proc/PID/fd/N) and map it
+        if cmd == "import":   # import shared memory from another process's fd (pidfd:PID:FD) and map it
             n = int(words[2]) << 20
-            fd = os.open(words[1], os.O_RDWR)
+            fd = take_fd(words[1])
             h = u64()
             check(cuMemImportFromShareableHandle(ctypes.byref(h), ctypes.c_void_p(fd), 1), "import")
             os.close(fd)
@@ -287,6 +287,22 @@ class App:
             check(cuMemFree(p), "free")
             return {"freed": p}
         raise ValueError(f"unknown command {cmd}")
+
+
+def take_fd(spec: str) -> int:
+    """A copy of another process's file descriptor: 'pidfd:PID:FD' (pidfd_getfd), or a path to open."""
+    if not spec.startswith("pidfd:"):
+        return os.open(spec, os.O_RDWR)
+    _, pid, target = spec.split(":")
+    pidfd = os.pidfd_open(int(pid))
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        fd = libc.syscall(438, pidfd, int(target), 0)   # pidfd_getfd
+        if fd < 0:
+            raise OSError(ctypes.get_errno(), "pidfd_getfd failed")
+        return fd
+    finally:
+        os.close(pidfd)
 
 
 def parse_size(s: str) -> int:

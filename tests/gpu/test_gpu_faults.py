@@ -1,0 +1,125 @@
+"""Faults and load on the real driver (issue 6): each a test that needs the H200."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+
+import gpucr
+from gpucr.coordinator import checkpoint_many, restore_many
+from gpucr.driver import ProcessState, driver_for, gpu_memory
+from gpucr.workloads.runner import Workload
+
+from conftest import gpu
+
+pytestmark = [gpu, pytest.mark.gpu]
+MiB = 1 << 20
+
+
+def used() -> int:
+    return gpu_memory(driver_for("libcuda.so.1")).used
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpucr.cli", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.mark.parametrize("point", ["after-data-out", "after-driver-lock", "after-driver-checkpoint",
+                                   "after-driver-restore", "after-driver-unlock"])
+def test_controller_killed_at_each_phase(point):
+    with Workload("torch_app", "--gib", "2") as app:
+        before = app.ask("digest")
+        env = dict(os.environ, GPUCR_TEST_KILL_AT=point)
+        if point.startswith("after-driver-re") or point == "after-driver-unlock":
+            gpucr.checkpoint(app.pid, timeout=60)
+            r = cli("restore", str(app.pid), env=env)
+        else:
+            r = cli("checkpoint", str(app.pid), env=env)
+        assert r.returncode == -signal.SIGKILL
+        st = gpucr.status(app.pid)
+        if st["state"] != "running" or st.get("gate_closed") or st.get("driver_state") != "running":
+            assert cli("restore", str(app.pid)).returncode == 0
+        assert driver_for("libcuda.so.1").state(app.pid) == ProcessState.RUNNING
+        assert app.ask("digest") == before
+
+
+def test_restore_refused_while_another_process_holds_the_memory():
+    with Workload("torch_app", "--gib", "8") as app:
+        before = app.ask("digest")
+        gpucr.checkpoint(app.pid, timeout=60)
+        free = gpu_memory(driver_for("libcuda.so.1")).free
+        hog_gib = max(1.0, (free - 4 * (1 << 30)) / (1 << 30))   # leave less than the process needs
+        with Workload("torch_app", "--gib", f"{hog_gib:.1f}", env={**os.environ, "GPUCR_AGENT_DISABLE": "1"}):
+            with pytest.raises(gpucr.GpucrError, match="not enough free GPU memory"):
+                gpucr.restore(app.pid, timeout=60)
+            assert gpucr.status(app.pid)["state"] == "checkpointed"
+        gpucr.restore(app.pid, timeout=60)
+        assert app.ask("digest") == before
+
+
+def _resources(pid: int) -> tuple[int, int]:
+    return len(os.listdir(f"/proc/{pid}/fd")), len(Path(f"/proc/{pid}/maps").read_text().splitlines())
+
+
+def test_fifty_cycles_leak_nothing():
+    with Workload("torch_app", "--gib", "2") as app:
+        before = app.ask("digest")
+        for i in range(5):   # staging prepared, thread stacks cached: the steady state
+            gpucr.checkpoint(app.pid, level="full" if i % 2 else "data", timeout=60)
+            gpucr.restore(app.pid, timeout=60)
+        fds0, maps0 = _resources(app.pid)
+        dev0 = used()
+        for i in range(50):
+            gpucr.checkpoint(app.pid, level="full" if i % 2 else "data", timeout=60)
+            gpucr.restore(app.pid, timeout=60)
+        fds1, maps1 = _resources(app.pid)
+        assert app.ask("digest") == before
+        assert fds1 <= fds0 + 1 and maps1 <= maps0 + 8
+        assert abs(used() - dev0) <= 16 * MiB
+
+
+def test_eight_processes_cycled_concurrently():
+    apps = [Workload("torch_app", "--gib", "1", "--seed", str(i)) for i in range(8)]
+    try:
+        before = [a.ask("digest") for a in apps]
+        errors = []
+
+        def cycle(a) -> None:
+            try:
+                for _ in range(3):
+                    gpucr.checkpoint(a.pid, timeout=120)
+                    gpucr.restore(a.pid, timeout=120)
+            except Exception as exc:
+                errors.append(f"{a.pid}: {exc}")
+        threads = [threading.Thread(target=cycle, args=(a,)) for a in apps]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert errors == []
+        assert [a.ask("digest") for a in apps] == before
+    finally:
+        for a in apps:
+            a.close()
+
+
+def test_two_processes_sharing_a_buffer():
+    """Issue 5 on one GPU: an exporter and an importer of one VMM buffer (POSIX fd), checkpointed together."""
+    idle = used()
+    with Workload("driver_app", "--sizes", "64M") as exp, Workload("driver_app", "--sizes", "32M") as imp:
+        fd = exp.ask("share 256")["fd"]
+        imp.ask(f"import pidfd:{exp.pid}:{fd} 256")
+        exp.ask("write-shared 7")
+        assert imp.ask("read-shared")["sha256"] == exp.ask("read-shared")["sha256"]
+        before = [exp.ask("digest"), imp.ask("digest")]
+        checkpoint_many([exp.pid, imp.pid], timeout=60)
+        assert used() - idle <= 16 * MiB
+        restore_many([exp.pid, imp.pid], timeout=60)
+        assert [exp.ask("digest"), imp.ask("digest")] == before
+        imp.ask("write-shared 9")
+        assert exp.ask("read-shared")["sha256"] == imp.ask("read-shared")["sha256"]

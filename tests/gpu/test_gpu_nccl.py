@@ -1,0 +1,46 @@
+"""A two-rank NCCL job checkpointed between collectives and resumed (issue 5). Needs two GPUs."""
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from gpucr.coordinator import checkpoint_many, restore_many
+from gpucr.workloads.runner import Workload
+
+from conftest import gpu
+
+
+def gpu_count() -> int:
+    import ctypes
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        n = ctypes.c_uint()
+        return n.value if nvml.nvmlInit_v2() == 0 and nvml.nvmlDeviceGetCount_v2(ctypes.byref(n)) == 0 else 0
+    except OSError:
+        return 0
+
+
+pytestmark = [gpu, pytest.mark.gpu,
+              pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs: NCCL allows one rank per GPU (run on nvidia-h200-x2)")]
+
+
+def test_two_rank_nccl_job_checkpointed_between_collectives():
+    env = dict(os.environ, NCCL_CUMEM_ENABLE="1", NCCL_NVLS_ENABLE="0", NCCL_GRAPH_REGISTER="0",
+               TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
+    with ThreadPoolExecutor(2) as pool:   # both ranks must start together: init waits for the other
+        ranks = list(pool.map(lambda r: Workload("nccl_app", "--rank", str(r), env=env), range(2)))
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            assert all(r["ok"] for r in pool.map(lambda w: w.ask("allreduce 3"), ranks))
+        before = [w.ask("digest") for w in ranks]
+        checkpoint_many([w.pid for w in ranks], timeout=120)
+        restore_many([w.pid for w in ranks], timeout=120)
+        assert [w.ask("digest") for w in ranks] == before
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(lambda w: w.ask("allreduce 5"), ranks))
+        assert all(r["ok"] for r in results), results
+    finally:
+        for w in ranks:
+            w.close()
