@@ -76,3 +76,25 @@ def sim_agent_socket(tmp_path_factory):
     w = Workload("driver_app", "--sizes", "4M", simulate=True, env=env)
     yield base / "rt" / f"{w.pid}.sock"
     w.close()
+
+
+def cycle_concurrently(pids: list[int], rounds: int, timeout: float = 30.0) -> list[str]:
+    """Checkpoint and restore each process `rounds` times, every process in its own thread at once;
+    returns the errors."""
+    import threading
+    import gpucr
+    errors: list[str] = []
+
+    def cycle(pid: int) -> None:
+        try:
+            for _ in range(rounds):
+                gpucr.checkpoint(pid, timeout=timeout)
+                gpucr.restore(pid, timeout=timeout)
+        except Exception as exc:
+            errors.append(f"{pid}: {exc}")
+    threads = [threading.Thread(target=cycle, args=(pid,)) for pid in pids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors

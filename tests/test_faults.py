@@ -16,7 +16,7 @@ import gpucr
 from gpucr import paths
 from gpucr.driver import ProcessState
 
-from conftest import gpucr_cli, sim_driver
+from conftest import cycle_concurrently, gpucr_cli, sim_driver
 
 MiB = 1 << 20
 
@@ -217,21 +217,7 @@ def test_fifty_cycles_leak_nothing(sim_app):
 def test_eight_processes_cycled_concurrently(sim_app):
     apps = [sim_app("--sizes", "24M,2M", "--seed", str(i)) for i in range(8)]
     befores = [a.ask("digest") for a in apps]
-    errors = []
-
-    def cycle(a) -> None:
-        try:
-            for _ in range(5):
-                gpucr.checkpoint(a.pid)
-                gpucr.restore(a.pid)
-        except Exception as exc:
-            errors.append(f"{a.pid}: {exc}")
-    threads = [threading.Thread(target=cycle, args=(a,)) for a in apps]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
+    assert cycle_concurrently([a.pid for a in apps], 5) == []
     assert [a.ask("digest") for a in apps] == befores
 
 

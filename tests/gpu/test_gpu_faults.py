@@ -5,7 +5,6 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from gpucr.coordinator import checkpoint_many, restore_many
 from gpucr.driver import ProcessState, driver_for, gpu_memory
 from gpucr.workloads.runner import Workload
 
-from conftest import gpu
+from conftest import cycle_concurrently, gpu
 
 pytestmark = [gpu, pytest.mark.gpu]
 MiB = 1 << 20
@@ -87,21 +86,7 @@ def test_eight_processes_cycled_concurrently():
     apps = [Workload("torch_app", "--gib", "1", "--seed", str(i)) for i in range(8)]
     try:
         before = [a.ask("digest") for a in apps]
-        errors = []
-
-        def cycle(a) -> None:
-            try:
-                for _ in range(3):
-                    gpucr.checkpoint(a.pid, timeout=120)
-                    gpucr.restore(a.pid, timeout=120)
-            except Exception as exc:
-                errors.append(f"{a.pid}: {exc}")
-        threads = [threading.Thread(target=cycle, args=(a,)) for a in apps]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        assert errors == []
+        assert cycle_concurrently([a.pid for a in apps], 3, timeout=120) == []
         assert [a.ask("digest") for a in apps] == before
     finally:
         for a in apps:
