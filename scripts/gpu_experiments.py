@@ -40,7 +40,11 @@ def rss_shmem(pid: int) -> int:
 
 
 def staging_experiment(kind: str, cycles: int = 3) -> None:
-    env = dict(os.environ, GPUCR_STAGING=kind)
+    """kind: shm | hugetlbfs (staging pinned through the driver's checkpoint), or unpin-shm |
+    unpin-hugetlbfs (unpinned before the driver's lock, pinned again during the restore's copies)."""
+    unpin = kind.startswith("unpin-")
+    env = dict(os.environ, GPUCR_STAGING=kind.removeprefix("unpin-"), GPUCR_UNPIN_FOR_DRIVER="1" if unpin else "0")
+    os.environ["GPUCR_UNPIN_FOR_DRIVER"] = env["GPUCR_UNPIN_FOR_DRIVER"]   # read by this controller
     with Workload("torch_app", "--gib", str(GIB), env=env) as app:
         before = app.ask("digest")
         samples = []
@@ -52,7 +56,8 @@ def staging_experiment(kind: str, cycles: int = 3) -> None:
                 samples.append({"control_out": ck["phases_s"]["control_out"], "control_in": rs["phases_s"]["control_in"],
                                 "data_out": ck["phases_s"]["data_out"], "data_in": rs["phases_s"]["data_in"]})
         st = gpucr.status(app.pid)
-        emit(experiment="control-vs-staging", staging=st["staging"], staging_gib=st["staging_bytes"] / 2**30,
+        emit(experiment="control-vs-staging", staging=st["staging"], unpinned_for_driver=unpin,
+             staging_gib=st["staging_bytes"] / 2**30,
              bytes_moved=ck["bytes_moved"], median={k: statistics.median(s[k] for s in samples) for k in samples[0]},
              samples=samples)
 

@@ -177,3 +177,16 @@ def test_status_reports_every_phase_of_the_last_cycle(sim_app):
     for k in ("staging", "gate", "sync", "copy_out", "release", "driver_lock", "control_out", "control_in", "data_in"):
         assert k in cyc
     assert cyc["control_out"] > 0 and cyc["control_in"] > 0 and cyc["bytes_out"] == cyc["bytes_in"] >= 8 * MiB
+
+
+def test_staging_unpinned_for_the_driver_and_pinned_again_at_restore(sim_app, monkeypatch):
+    monkeypatch.setenv("GPUCR_UNPIN_FOR_DRIVER", "1")
+    app = sim_app("--sizes", "1500M,700M,3M")
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    st = gpucr.status(app.pid)
+    assert st["staging_pinned_bytes"] == 0 and st["staging_segments"] >= 2, "segments of about 2 GiB, unpinned"
+    gpucr.restore(app.pid)
+    st = gpucr.status(app.pid)
+    assert st["staging_pinned_bytes"] == st["staging_bytes"] > 0
+    assert app.ask("digest") == before

@@ -324,6 +324,7 @@ static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_de
             break;
         }
         const struct mapping *fm = full_mapping(p);
+        staging_pin_for(p->staging);   /* unpinned for the driver's checkpoint: pinned again while earlier copies run */
         rc = copy_chunks(p, fm->va, false, turn);
         if (rc != CUDA_SUCCESS && first == CUDA_SUCCESS) {
             first = rc;

@@ -13,6 +13,9 @@
 
 #define HUGE_PAGE ((size_t)2 << 20)
 #define MIN_SEG ((size_t)256 << 20)
+/* Segments of about this size: pinning, unpinning and re-pinning then go a segment at a time, so a
+ * restore can copy one segment while it pins the next. */
+#define SEG_TARGET ((size_t)2 << 30)
 #define TOUCH_THREADS 8
 
 enum kind { K_HUGETLB, K_SHM, K_FILE };
@@ -136,14 +139,20 @@ static int seg_create(struct seg *g, size_t cap, char *err, size_t errlen)
     return 0;
 }
 
-/* Bytes of `sizes` that first fit, in this order, leaves without a place in the segments. */
-static size_t shortfall_locked(const size_t *sizes, int n)
+/* Bytes of `sizes` that first fit, in this order, leaves without a place in the segments, and the
+ * largest of them. */
+static size_t shortfall_locked(const size_t *sizes, int n, size_t *largest)
 {
     size_t used[STAGING_MAX_SEGS] = {0}, missing = 0;
+    if (largest) *largest = 0;
     for (int k = 0; k < n; k++) {
         int i = 0;
         while (i < S.n && S.segs[i].cap - used[i] < sizes[k]) i++;
-        if (i < S.n) used[i] += sizes[k]; else missing += sizes[k];
+        if (i < S.n) used[i] += sizes[k];
+        else {
+            missing += sizes[k];
+            if (largest && sizes[k] > *largest) *largest = sizes[k];
+        }
     }
     return missing;
 }
@@ -151,33 +160,54 @@ static size_t shortfall_locked(const size_t *sizes, int n)
 int staging_fit(const size_t *sizes, int n, char *err, size_t errlen)
 {
     pthread_mutex_lock(&S.mu);
-    size_t missing = shortfall_locked(sizes, n);
+    size_t largest = 0, missing = shortfall_locked(sizes, n, &largest);
     int rc = 0;
     if (missing) {
-        /* one new segment takes everything that did not fit, so the plan always succeeds */
-        size_t add = round_up(missing < MIN_SEG ? MIN_SEG : missing, HUGE_PAGE);
+        /* the whole shortfall is checked first: a refusal must come before anything is touched */
+        size_t need = round_up(missing < MIN_SEG ? MIN_SEG : missing, HUGE_PAGE);
         const char *dir;
-        enum kind k = wanted_kind(add, &dir);
+        enum kind k = wanted_kind(need, &dir);
         size_t avail = k == K_HUGETLB ? meminfo("HugePages_Free") * HUGE_PAGE : meminfo("MemAvailable") * 1024;
-        if (k == K_HUGETLB && add > avail) {
+        if (k == K_HUGETLB && need > avail) {
             snprintf(err, errlen, "not enough free hugepages for staging: need %zu MiB, %zu MiB free; reserve them with "
-                     "'echo %zu > /proc/sys/vm/nr_hugepages' (as root) or use GPUCR_STAGING=shm", add >> 20, avail >> 20,
-                     meminfo("HugePages_Total") + (add - avail) / HUGE_PAGE);
+                     "'echo %zu > /proc/sys/vm/nr_hugepages' (as root) or use GPUCR_STAGING=shm", need >> 20, avail >> 20,
+                     meminfo("HugePages_Total") + (need - avail) / HUGE_PAGE);
             rc = -1;
-        } else if (k != K_FILE && add > avail) {
+        } else if (k != K_FILE && need > avail) {
             snprintf(err, errlen, "not enough host memory for staging: need %zu MiB more, %zu MiB available; free host "
-                     "memory (or use GPUCR_STAGING=file:DIR) and retry", add >> 20, avail >> 20);
+                     "memory (or use GPUCR_STAGING=file:DIR) and retry", need >> 20, avail >> 20);
             rc = -1;
-        } else if (S.n == STAGING_MAX_SEGS) {
+        }
+    }
+    /* each new segment holds at least the largest allocation still without a place, so every round places one */
+    while (rc == 0 && missing) {
+        if (S.n == STAGING_MAX_SEGS) {
             snprintf(err, errlen, "staging has reached %d segments; restart the process to consolidate", STAGING_MAX_SEGS);
             rc = -1;
-        } else {
-            rc = seg_create(&S.segs[S.n], add, err, errlen);
-            if (rc == 0) S.n++;
+            break;
         }
+        size_t add = S.n >= STAGING_MAX_SEGS - 1 ? missing : (missing < SEG_TARGET ? missing : SEG_TARGET);
+        if (add < largest) add = largest;
+        add = round_up(add < MIN_SEG ? MIN_SEG : add, HUGE_PAGE);
+        rc = seg_create(&S.segs[S.n], add, err, errlen);
+        if (rc == 0) S.n++;
+        missing = shortfall_locked(sizes, n, &largest);
     }
     pthread_mutex_unlock(&S.mu);
     return rc;
+}
+
+void staging_pin_for(const void *p)
+{
+    pthread_mutex_lock(&S.mu);
+    for (int i = 0; i < S.n; i++) {
+        struct seg *g = &S.segs[i];
+        if ((const char *)p >= (char *)g->base && (const char *)p < (char *)g->base + g->cap) {
+            if (!g->pinned) g->pinned = gpucr_drv.cuMemHostRegister_v2(g->base, g->cap, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
+            break;
+        }
+    }
+    pthread_mutex_unlock(&S.mu);
 }
 
 void *staging_take(size_t size)
@@ -281,7 +311,7 @@ static void *ahead_loop(void *arg)
         size_t *sizes = staging_movable_sizes(&n, &ctx);
         if (!sizes) continue;
         pthread_mutex_lock(&S.mu);
-        size_t missing = shortfall_locked(sizes, n);
+        size_t missing = shortfall_locked(sizes, n, NULL);
         pthread_mutex_unlock(&S.mu);
         char err[256];
         if (missing && ctx) {

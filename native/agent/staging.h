@@ -6,7 +6,7 @@
 #define GPUCR_STAGING_H
 #include "agent.h"
 
-#define STAGING_MAX_SEGS 64
+#define STAGING_MAX_SEGS 200   /* all their fds go in one SCM_RIGHTS message (Linux takes 253) */
 
 struct staging_info {
     size_t bytes, pinned_bytes;
@@ -26,6 +26,8 @@ void staging_drop(void);        /* give all host memory back */
 /* Unpin every segment (before the driver locks the process, when the data is headed for an image:
  * dropping pinned memory later would need the driver while it holds the process). */
 void staging_unpin(void);
+/* Pin the segment holding p again if it was unpinned (a restore, one segment at a time). */
+void staging_pin_for(const void *p);
 void staging_get_info(struct staging_info *out);
 /* Segment index and offset of a staging address; -1 if it is not in staging. */
 int staging_locate(const void *p, int *seg, size_t *off);

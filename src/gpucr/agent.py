@@ -68,7 +68,7 @@ class AgentClient:
                 self._sock.sendall(line.encode())
             while b"\n" not in self._buf:
                 if want_fds and not fds:
-                    chunk, got, _, _ = socket.recv_fds(self._sock, 65536, 64)
+                    chunk, got, _, _ = socket.recv_fds(self._sock, 65536, 253)
                     fds.extend(got)
                 else:
                     chunk = self._sock.recv(65536)

@@ -252,8 +252,9 @@ def main(a: argparse.Namespace) -> int:
                 _say(f"{spec.name}: {', '.join(m.name for m in group)} failed: {exc}")
                 for m in group:
                     wres["methods"].setdefault(m.name, {"error": str(exc), "correct": False})
-        wres["speedups"] = speedups(wres["methods"])
-        _write(out, results)
+            # written after every group of methods: a run cut short by a time limit keeps what it measured
+            wres["speedups"] = speedups(wres["methods"])
+            _write(out, results)
     failed = failed or not all(r.get("correct") for w in results["workloads"].values() for r in w["methods"].values())
     try:
         report.chart(results, chart)
