@@ -3,8 +3,15 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
 
 from hypothesis import given, settings, strategies as st
 
@@ -54,3 +61,26 @@ def test_fuzz_channel_never_breaks_the_agent(sim_agent_socket, data):
         assert isinstance(r["ok"], bool)
     # nothing random may start a checkpoint that leaves the app parked
     assert talk(sim_agent_socket, b"status\n")[0]["state"] == "running"
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another user")
+def test_peer_of_another_user_is_refused_by_the_agent_itself(sim_app):
+    """Defence in depth: even with the directory and socket opened up, SO_PEERCRED keeps strangers out."""
+    d = Path(tempfile.mkdtemp(dir="/tmp"))   # reachable by another user once opened up (pytest's own dirs are not)
+    try:
+        app = sim_app("--sizes", "4M", env=dict(os.environ, GPUCR_RUNTIME_DIR=str(d)))
+        _probe_as_stranger(d, d / f"{app.pid}.sock")
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def _probe_as_stranger(d: Path, sock: Path) -> None:
+    os.chmod(d, 0o711)
+    os.chmod(sock, 0o666)
+    probe = ("import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); s.sendall(b'status\\n');"
+             "print(s.recv(4096).decode())")
+    r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", probe,
+                        str(sock)], capture_output=True, text=True, timeout=30)
+    reply = json.loads(r.stdout)
+    assert reply["ok"] is False and "permission denied" in reply["error"]
+    assert talk(sock, b"status\n")[0]["state"] == "running"   # its own user still gets through

@@ -105,7 +105,9 @@ void reg_reset_after_fork(void)
 {
     pthread_mutex_init(&g_mu, NULL);
     g_reg.all = NULL;   /* the parent's records are leaked in the child on purpose: never freed twice */
-    memset(&g_reg.by_app_handle, 0, sizeof(struct hmap) * 7);
+    struct hmap *maps[] = {&g_reg.by_app_handle, &g_reg.by_real_handle, &g_reg.conv_by_va, &g_reg.map_by_va,
+                           &g_reg.native_by_va, &g_reg.pool_by_va, &g_reg.managed_by_va};
+    for (size_t i = 0; i < sizeof maps / sizeof maps[0]; i++) memset(maps[i], 0, sizeof *maps[i]);
     g_reg.native_bytes = g_reg.pool_bytes = g_reg.managed_bytes = 0;
     g_reg.native_count = g_reg.pool_count = g_reg.managed_count = g_reg.ipc_exports = 0;
     g_reg.nctx = 0;

@@ -108,6 +108,8 @@ def _status_lines(st: dict[str, Any]) -> list[str]:
         return [f"process {st['pid']}: unreachable: {st.get('error')}"]
     al = st.get("allocations", {})
     state = st["state"] + (f" (level {st['level']})" if st.get("level") else "")
+    if st["state"] == "running" and st.get("gate_closed"):
+        state += ", parked: a restore stopped before its last step (run 'gpucr restore' again)"
     lines = [f"process {st['pid']}: {state}" + ("" if st.get("cuda") else ", CUDA not loaded") +
              (" [simcuda]" if st.get("simulated") else ""),
              f"  command      {st.get('cmd', '')}",
