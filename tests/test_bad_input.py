@@ -113,3 +113,22 @@ def test_gpu_map_is_checked_and_passed_to_the_driver(sim_app):
     assert r.returncode != 0 and "stays checkpointed" in r.stderr
     assert gpucr_cli("restore", str(app.pid)).returncode == 0
     assert app.ask("digest") == before
+
+
+def test_bad_timeouts_and_image_dirs_touch_nothing(sim_app, tmp_path):
+    app = sim_app("--sizes", "8M")
+    before = app.ask("digest")
+    for t in ("nan", "inf", "0", "-3"):
+        one_line_error(gpucr_cli("checkpoint", "--timeout", t, str(app.pid)), "timeout must be a positive number")
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    one_line_error(gpucr_cli("checkpoint", "--image", str(afile), str(app.pid)), "is not a directory")
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "something").write_text("x")
+    one_line_error(gpucr_cli("checkpoint", "--image", str(full), str(app.pid)), "is not empty")
+    one_line_error(gpucr_cli("status", "0"), "0 is not a process id")
+    assert gpucr_cli("status", str(app.pid)).returncode == 0
+    assert app.ask("digest") == before
+    from gpucr.driver import ProcessState
+    assert sim_driver().state(app.pid) == ProcessState.RUNNING

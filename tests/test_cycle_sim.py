@@ -190,3 +190,22 @@ def test_staging_unpinned_for_the_driver_and_pinned_again_at_restore(sim_app, mo
     st = gpucr.status(app.pid)
     assert st["staging_pinned_bytes"] == st["staging_bytes"] > 0
     assert app.ask("digest") == before
+
+
+def test_threads_allocating_and_launching_through_checkpoints(sim_app):
+    app = sim_app("--sizes", "8M,16M")
+    before = app.ask("digest")
+    app.ask("churn start 3")      # three threads allocate, fill, check and free converted memory
+    app.ask("loop start")         # and one launches kernels
+    time.sleep(0.2)
+    for i in range(8):
+        gpucr.checkpoint(app.pid, level="full" if i % 2 else "data", timeout=10)
+        time.sleep(0.05)
+        gpucr.restore(app.pid, timeout=10)
+        time.sleep(0.05)
+    loop = app.ask("loop stop")
+    churn = app.ask("churn stop")
+    assert loop["error"] is None and churn["errors"] == [] and churn["cycles"] > 10
+    assert app.ask("digest")["digest"] == before["digest"]
+    st = gpucr.status(app.pid)
+    assert st["allocations"]["converted"] == 2, "every churned allocation was freed and forgotten"

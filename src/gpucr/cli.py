@@ -133,9 +133,9 @@ def _status_lines(st: dict[str, Any]) -> list[str]:
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    rows = [coordinator.status(a.pid)] if a.pid else coordinator.ps()
+    rows = [coordinator.status(a.pid)] if a.pid is not None else coordinator.ps()
     if a.json:
-        _print_json(rows[0] if a.pid else rows)
+        _print_json(rows[0] if a.pid is not None else rows)
     elif not rows:
         print("no processes under gpucr")
     else:

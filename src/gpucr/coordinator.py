@@ -10,6 +10,7 @@ every process it can; one that fails stays checkpointed and restorable, and the 
 """
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -130,7 +131,7 @@ class _Member:
 def _check_request(pids: list[int], timeout: float) -> None:
     if not pids:
         raise GpucrError("no process named")
-    if timeout <= 0:
+    if not (math.isfinite(timeout) and timeout > 0):
         raise GpucrError("the timeout must be a positive number of seconds")
     if len(set(pids)) != len(pids):
         raise GpucrError("a process is named twice")
@@ -166,8 +167,8 @@ def _vet_for_checkpoint(pid: int, image_dir: Path | None) -> _Member:
     if dstate != ProcessState.RUNNING:
         raise GpucrError(f"process {pid} is already checkpointed (driver state {dstate.name.lower()}); "
                          f"restore it with 'gpucr restore {pid}'")
-    if image_dir is not None and image_dir.exists() and any(image_dir.iterdir()):
-        raise GpucrError(f"the image directory {image_dir} is not empty; give a new or empty directory")
+    if image_dir is not None:
+        _check_image_dir(image_dir)
     m = _Member(t, drv, image_dir=image_dir, result={"pid": pid, "phases_s": {}})
     m.agent = t.connect()
     m.status = m.agent.call("status", timeout=10.0)
@@ -175,6 +176,17 @@ def _vet_for_checkpoint(pid: int, image_dir: Path | None) -> _Member:
         m.close()
         raise GpucrError(f"process {pid} is already checkpointed (level data); restore it with 'gpucr restore {pid}'")
     return m
+
+
+def _check_image_dir(d: Path) -> None:
+    """An image goes to a new or empty directory we can write: known before anything is touched."""
+    if d.exists() and not d.is_dir():
+        raise GpucrError(f"{d} is not a directory; give a new or empty directory for the image")
+    if d.exists() and any(d.iterdir()):
+        raise GpucrError(f"the image directory {d} is not empty; give a new or empty directory")
+    parent = d if d.exists() else next((p for p in d.absolute().parents if p.exists()), Path("/"))
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise GpucrError(f"cannot write the image under {parent}: permission denied or not a directory")
 
 
 def _prepare(m: _Member, timeout: float) -> None:

@@ -197,6 +197,36 @@ class App:
             if self.loop_thread:
                 self.loop_thread.join()
             return {"iterations": self.loop_iters, "error": self.loop_error}
+        if cmd == "churn" and words[1] == "start":   # threads that allocate, fill, check and free in a loop
+            self.churn_stop = threading.Event()
+            self.churn_stats = {"cycles": 0, "errors": []}
+
+            def churn(seed: int) -> None:
+                check(cuCtxSetCurrent(self.ctx), "set ctx")
+                n = (3 << 20) + seed * 4096   # converted to VMM (>= 2 MiB), odd sizes
+                while not self.churn_stop.is_set():
+                    try:
+                        p = self._alloc(n)
+                        self._fill(p, n, seed)
+                        want = hashlib.shake_256(seed.to_bytes(8, "little")).digest(min(n, 1 << 16))
+                        got = ctypes.create_string_buffer(len(want))
+                        check(cuMemcpyDtoH(got, p, len(want)), "read")
+                        if got.raw != want:
+                            self.churn_stats["errors"].append("wrong bytes")
+                        check(cuMemFree(p), "free")
+                        self.churn_stats["cycles"] += 1
+                    except Exception as exc:
+                        self.churn_stats["errors"].append(str(exc))
+                        return
+            self.churn_threads = [threading.Thread(target=churn, args=(i,), daemon=True) for i in range(int(words[2]))]
+            for t in self.churn_threads:
+                t.start()
+            return {"started": len(self.churn_threads)}
+        if cmd == "churn" and words[1] == "stop":
+            self.churn_stop.set()
+            for t in self.churn_threads:
+                t.join()
+            return dict(self.churn_stats)
         if cmd == "spin":
             self.spin(int(words[1]))
             return {"started": True}
