@@ -119,3 +119,10 @@ def test_two_processes_checkpointed_together():
 def _has_cupy() -> bool:
     import importlib.util
     return importlib.util.find_spec("cupy") is not None
+
+
+def test_jax_cycles():
+    pytest.importorskip("jax")
+    # XLA preallocates a share of the card: bound it, so staging fits in host memory
+    env = dict(os.environ, XLA_PYTHON_CLIENT_MEM_FRACTION="0.15")
+    cycles("jax-4GiB", "jax_app", ["--gib", "4"], 3, env=env)
