@@ -218,7 +218,9 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
     bool status_after = true;
     if (!strcmp(verb, "checkpoint")) {
         g_notes.driver_lock = g_notes.control_out = g_notes.control_in = g_notes.driver_unlock = 0;
-        rc = dp_checkpoint(timeout_ms, err, sizeof err);
+        int unpin = arg_int(req, "unpin", 0);
+        rc = unpin < 0 || unpin > 1 ? (snprintf(err, sizeof err, "unpin must be 0 or 1"), -1)
+                                    : dp_checkpoint(timeout_ms, unpin == 1, err, sizeof err);
         if (rc == 0 && lease) c->lease = true;
     } else if (!strcmp(verb, "restore")) {
         int open_gate = arg_int(req, "open_gate", 1);
@@ -230,8 +232,6 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
         status_after = false;
     } else if (!strcmp(verb, "drop")) {
         rc = dp_drop_staged(err, sizeof err);
-    } else if (!strcmp(verb, "unpin")) {
-        rc = dp_unpin(err, sizeof err);
     } else if (!strcmp(verb, "export")) {
         long long dev = arg_ll(req, "dev", -1, INT64_MAX), ino = arg_ll(req, "ino", -1, INT64_MAX);
         int fd = -1;
@@ -279,7 +279,7 @@ static void handle(const char *req, struct jb *j, struct client *c)
         else jb_bool(j, "ok", true);
     }
     else if (!strcmp(verb, "checkpoint") || !strcmp(verb, "restore") || !strcmp(verb, "layout") ||
-             !strcmp(verb, "drop") || !strcmp(verb, "stage") || !strcmp(verb, "unpin") || !strcmp(verb, "export") ||
+             !strcmp(verb, "drop") || !strcmp(verb, "stage") || !strcmp(verb, "export") ||
              !strcmp(verb, "relink") || !strcmp(verb, "resume"))
         handle_op(verb, req, j, c);
     else reply_error(j, "unknown request verb");

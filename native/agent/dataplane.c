@@ -355,7 +355,7 @@ static CUresult release_one(struct phys *p)
     return CUDA_SUCCESS;
 }
 
-int dp_checkpoint(int timeout_ms, char *err, size_t errlen)
+int dp_checkpoint(int timeout_ms, bool unpin, char *err, size_t errlen)
 {
     if (g_dp.state != AGENT_RUNNING) { seterr(err, errlen, "the process is already checkpointed"); return -1; }
     char why[512];
@@ -426,13 +426,26 @@ int dp_checkpoint(int timeout_ms, char *err, size_t errlen)
     int turn = 0;
     rc = CUDA_SUCCESS;
     staging_rewind();
-    for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all) {
-        if (!reg_phys_movable(p)) continue;
-        p->staging = staging_take(p->size);
-        rc = p->staging ? copy_chunks(p, full_mapping(p)->va, true, &turn) : CUDA_ERROR_OUT_OF_MEMORY;
+    for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
+        if (reg_phys_movable(p) && !(p->staging = staging_take(p->size))) rc = CUDA_ERROR_OUT_OF_MEMORY;
+    /* Segment by segment; with unpin, each segment is unpinned while the next one's copies run (the
+     * driver's checkpoint then has no pinned host memory of ours to handle). */
+    int nseg = staging_count();
+    for (int k = 0; k < nseg && rc == CUDA_SUCCESS; k++) {
+        for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all) {
+            int seg = -1;
+            size_t off;
+            if (reg_phys_movable(p) && staging_locate(p->staging, &seg, &off) == 0 && seg == k)
+                rc = copy_chunks(p, full_mapping(p)->va, true, &turn);
+        }
+        if (unpin && rc == CUDA_SUCCESS) {
+            if (k > 0) staging_unpin_segment(k - 1);   /* its copies were waited for last round */
+            rc = sync_streams();
+        }
     }
     CUresult src = sync_streams();
     if (rc == CUDA_SUCCESS) rc = src;
+    if (unpin && rc == CUDA_SUCCESS && nseg > 0) staging_unpin_segment(nseg - 1);
     t.copy_out = ms_since(t0);
     t.bytes_out = need;
     if (rc != CUDA_SUCCESS) {
@@ -593,13 +606,6 @@ int dp_drop_staged(char *err, size_t errlen)
     for (struct phys *p = g_reg.all; p; p = p->next_all) p->staging = NULL;
     staging_drop();
     g_dp.staged = false;
-    return 0;
-}
-
-int dp_unpin(char *err, size_t errlen)
-{
-    if (g_dp.state != AGENT_CHECKPOINTED) { seterr(err, errlen, "the process is not checkpointed"); return -1; }
-    staging_unpin();
     return 0;
 }
 

@@ -19,7 +19,7 @@ struct dp_status {
 
 /* Close the gate, synchronise, copy every movable allocation out and release its physical memory.
  * On failure nothing is released, the gate is open again, and err says why. */
-int dp_checkpoint(int timeout_ms, char *err, size_t errlen);
+int dp_checkpoint(int timeout_ms, bool unpin, char *err, size_t errlen);
 /* Re-create, re-map and copy back; then open the gate. On failure the process stays checkpointed. */
 int dp_restore(int timeout_ms, bool drop_staging, bool wait_ready, bool open_gate, char *err, size_t errlen);
 /* The controller says an allocation's data is in staging (restore from an image), or gives up. */
@@ -35,7 +35,6 @@ void dp_reset_after_fork(void);
 int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t errlen);
 int dp_drop_staged(char *err, size_t errlen);
 int dp_stage(char *err, size_t errlen);
-int dp_unpin(char *err, size_t errlen);
 /* Shared memory (POSIX fds): list it; re-export after a restore; relink an importer; open the gate. */
 void dp_shared_json(struct jb *j);
 int dp_export(unsigned long long dev, unsigned long long ino, int *fd_out, struct jb *j, char *err, size_t errlen);

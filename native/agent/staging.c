@@ -197,6 +197,24 @@ int staging_fit(const size_t *sizes, int n, char *err, size_t errlen)
     return rc;
 }
 
+int staging_count(void)
+{
+    pthread_mutex_lock(&S.mu);
+    int n = S.n;
+    pthread_mutex_unlock(&S.mu);
+    return n;
+}
+
+void staging_unpin_segment(int i)
+{
+    pthread_mutex_lock(&S.mu);
+    if (i >= 0 && i < S.n && S.segs[i].pinned) {
+        gpucr_drv.cuMemHostUnregister(S.segs[i].base);
+        S.segs[i].pinned = false;
+    }
+    pthread_mutex_unlock(&S.mu);
+}
+
 void staging_pin_for(const void *p)
 {
     pthread_mutex_lock(&S.mu);
@@ -240,14 +258,6 @@ void staging_drop(void)
         close(g->fd);
     }
     S.n = 0;
-    pthread_mutex_unlock(&S.mu);
-}
-
-void staging_unpin(void)
-{
-    pthread_mutex_lock(&S.mu);
-    for (int i = 0; i < S.n; i++)
-        if (S.segs[i].pinned) { gpucr_drv.cuMemHostUnregister(S.segs[i].base); S.segs[i].pinned = false; }
     pthread_mutex_unlock(&S.mu);
 }
 

@@ -23,9 +23,10 @@ size_t *staging_movable_sizes(int *n, CUcontext *ctx);   /* malloc'd; the caller
 void *staging_take(size_t size);
 void staging_rewind(void);      /* the next cycle hands out from the start again */
 void staging_drop(void);        /* give all host memory back */
-/* Unpin every segment (before the driver locks the process, when the data is headed for an image:
- * dropping pinned memory later would need the driver while it holds the process). */
-void staging_unpin(void);
+int staging_count(void);
+/* Unpin one segment (before the driver locks the process: an image's staging is dropped while the
+ * driver holds the process, and pinned memory makes the driver's own checkpoint slower). */
+void staging_unpin_segment(int i);
 /* Pin the segment holding p again if it was unpinned (a restore, one segment at a time). */
 void staging_pin_for(const void *p);
 void staging_get_info(struct staging_info *out);

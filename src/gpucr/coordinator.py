@@ -196,16 +196,21 @@ def _prepare(m: _Member, timeout: float) -> None:
 def _unpin_for_driver() -> bool:
     """GPUCR_UNPIN_FOR_DRIVER=1: unpin the staging before the driver's checkpoint, which otherwise
     also handles the host memory pinned in the process (measured on the H200: control half 0.39 s /
-    0.26 s with none pinned, 0.80 s / 1.34 s with 28 GiB pinned); the restore pins it again a
-    segment at a time while the first copies run. Off by default until measured end to end."""
+    0.26 s with none pinned, 0.80 s / 1.34 s with 28 GiB pinned). Each segment is unpinned while
+    the next one's copies run, and the restore pins them again a segment at a time while the copies
+    run. Off by default until measured end to end."""
     return os.environ.get("GPUCR_UNPIN_FOR_DRIVER", "0") not in ("", "0")
 
 
 def _data_out(m: _Member, timeout: float, level: str) -> None:
     _test_kill_target(m.pid, "data-out")
     t0 = time.perf_counter()
-    # lease=1: should this controller die before it commits, the agent rolls the process back itself
-    out = m.agent.call("checkpoint", timeout=_reply_timeout(timeout), timeout_ms=int(timeout * 1000), lease=1)
+    # lease=1: should this controller die before it commits, the agent rolls the process back itself.
+    # unpin=1: staging is unpinned segment by segment behind the copies, for an image (its memory goes
+    # away once on disk, and the driver must not be needed then) or for the driver's checkpoint.
+    unpin = m.image_dir is not None or (level == "full" and _unpin_for_driver())
+    out = m.agent.call("checkpoint", timeout=_reply_timeout(timeout), timeout_ms=int(timeout * 1000), lease=1,
+                       unpin=int(unpin))
     m.data_out = True
     r = m.result
     r["phases_s"]["data_out"] = time.perf_counter() - t0
@@ -215,9 +220,6 @@ def _data_out(m: _Member, timeout: float, level: str) -> None:
     r["bytes_left_to_driver"] = out["bytes_left_to_driver"]
     r["generation"] = out["generation"]
     m.status = out
-    if m.image_dir is not None or (level == "full" and _unpin_for_driver()):
-        # for an image: its memory goes away once on disk, and the driver must not be needed then
-        m.agent.call("unpin", timeout=60.0)
     _test_kill_point("after-data-out")
 
 
