@@ -164,3 +164,18 @@ def test_zero_chunks_are_set_on_the_device_at_restore(sim_app, tmp_path):
     assert app.ask("digest") == after_work
     assert gpucr.status(app.pid)["last_cycle_ms"]["bytes_zeroed"] == 0
     assert rs["image"]["bytes"] >= 200 * MiB
+
+
+def test_status_shows_the_live_certificate(sim_app):
+    app = sim_app("--sizes", "16M,4M")
+    app.ask("join ok 7")
+    assert "certificate" not in gpucr.status(app.pid)
+    gpucr.checkpoint(app.pid)
+    cert = gpucr.status(app.pid)["certificate"]
+    p = cert["processes"][0]
+    assert cert["version"] == 1 and cert["id"] == "live" and cert["level"] == "full" and cert["where"] == "host memory"
+    assert p["pid"] == app.pid and p["generation"] == 1 and p["allocations"]["count"] == 2
+    assert p["allocations"]["bytes"] == 20 * MiB and p["domains"]["app_epoch"] == 7 and p["unknown"] == []
+    r = gpucr_cli("status", "--json", str(app.pid))
+    assert json.loads(r.stdout)["certificate"]["processes"][0]["pid"] == app.pid
+    gpucr.restore(app.pid)

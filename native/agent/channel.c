@@ -440,14 +440,23 @@ void gpucr_channel_start(void)
     snprintf(g_sock, sizeof g_sock, "%s/%d.sock", g_dir, (int)getpid());
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return;
+    /* Bound under a temporary name and renamed once listening: a controller that sees the socket can
+     * connect to it (between bind and listen it would be refused). */
+    char tmp[sizeof g_sock + 8];
+    snprintf(tmp, sizeof tmp, "%s.new", g_sock);
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    if (strlen(g_sock) >= sizeof sa.sun_path) { close(fd); gpucr_warn("runtime dir path too long: %s", g_dir); return; }
-    strcpy(sa.sun_path, g_sock);
-    unlink(g_sock);
+    if (strlen(tmp) >= sizeof sa.sun_path) { close(fd); gpucr_warn("runtime dir path too long: %s", g_dir); return; }
+    strcpy(sa.sun_path, tmp);
+    unlink(tmp);
     mode_t old = umask(0177);   /* the socket is born 0600 */
     int rc = bind(fd, (struct sockaddr *)&sa, sizeof sa);
     umask(old);
-    if (rc != 0 || listen(fd, 8) != 0) { gpucr_warn("cannot listen on %s: %s", g_sock, strerror(errno)); close(fd); return; }
+    if (rc != 0 || listen(fd, 8) != 0 || rename(tmp, g_sock) != 0) {
+        gpucr_warn("cannot listen on %s: %s", g_sock, strerror(errno));
+        unlink(tmp);
+        close(fd);
+        return;
+    }
     g_listen = fd;
     /* the channel thread must not take signals meant for the application */
     sigset_t all, prev;

@@ -89,7 +89,40 @@ def status(pid: int) -> dict[str, Any]:
         elif st["state"] == "checkpointed":
             level = "data"
     st["level"] = level
+    if level is not None:
+        st["certificate"] = _live_certificate(t, st, level)
     return st
+
+
+def _live_certificate(t: targets.Target, st: dict[str, Any], level: str) -> dict[str, Any]:
+    """The certificate of a checkpoint held in memory: what it covers, as an image's manifest says it
+    (per-chunk digests are computed only when the data is written to an image)."""
+    allocs: list[dict[str, Any]] = []
+    if st.get("staged"):
+        try:
+            with t.connect() as agent:
+                layout, fds = agent.call_with_fds("layout", timeout=10.0)
+            for fd in fds:
+                os.close(fd)
+            allocs = [{"va": a["va"], "bytes": a["bytes"], "kind": a["kind"]} for a in layout["allocations"]]
+        except GpucrError:   # busy with a restore this very moment: the counts below still hold
+            pass
+    epoch = None
+    app = _app_channel_quiet(t)
+    if app is not None:
+        try:
+            epoch = app.ask("epoch", 5.0).get("epoch")
+        except (OSError, ValueError):
+            pass
+        finally:
+            app.close()
+    drv = _driver(t)
+    cert = manifest.build(pid=t.pid, start_time=t.start_time, generation=st["generation"], level=level,
+                          gpu=device_info(drv), driver_version=drv.version(), status=st, allocations=allocs,
+                          epoch=epoch, simulated=drv.simulated)
+    cert["id"] = "live"
+    cert["where"] = "host memory" if st.get("staged") else "an image (restore with --image DIR)"
+    return cert
 
 
 class PhaseError(GpucrError):
