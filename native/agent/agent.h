@@ -77,6 +77,5 @@ void gpucr_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 /* ---- channel (channel.c) ---- */
 void gpucr_channel_start(void);
 void gpucr_channel_after_fork_child(void);
-const char *gpucr_runtime_dir(void);
 
 #endif

@@ -28,7 +28,6 @@ static pthread_mutex_t g_op = PTHREAD_MUTEX_INITIALIZER;   /* one checkpoint/res
 static int g_clients;
 static pthread_mutex_t g_clients_mu = PTHREAD_MUTEX_INITIALIZER;
 
-const char *gpucr_runtime_dir(void) { return g_dir; }
 
 /* The controller's share of the last cycle (driver steps), which only it can time. */
 static struct { double driver_lock, control_out, control_in, driver_unlock; } g_notes;
