@@ -1,6 +1,7 @@
 /* Shared declarations of the in-process agent (libgpucr.so). */
 #ifndef GPUCR_AGENT_H
 #define GPUCR_AGENT_H
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
@@ -71,6 +72,9 @@ bool gpucr_gate_is_closed(void);
 
 /* ---- time and logging (util.c) ---- */
 int64_t gpucr_now_ns(void);
+/* Wait on cv (mu held) for at most 10 ms and never past deadline_ns (gpucr_now_ns clock); the
+ * caller re-checks its condition and the deadline around it. */
+void gpucr_cond_wait_step(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t deadline_ns);
 void gpucr_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void gpucr_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 

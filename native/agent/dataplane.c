@@ -165,15 +165,7 @@ static int job_run(struct deadline_job *j, int64_t deadline_ns)
     if (created != 0) { j->rc = -1; snprintf(j->err, sizeof j->err, "cannot start a thread"); j->refs = 1; return 0; }
     pthread_detach(th);
     pthread_mutex_lock(&j->mu);
-    while (!j->done) {
-        int64_t left = deadline_ns - gpucr_now_ns();
-        if (left <= 0) break;
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        int64_t abs_ns = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec + (left < 10000000 ? left : 10000000);
-        ts.tv_sec = abs_ns / 1000000000LL; ts.tv_nsec = abs_ns % 1000000000LL;
-        pthread_cond_timedwait(&j->cv, &j->mu, &ts);
-    }
+    while (!j->done && gpucr_now_ns() < deadline_ns) gpucr_cond_wait_step(&j->cv, &j->mu, deadline_ns);
     bool done = j->done;
     pthread_mutex_unlock(&j->mu);
     return done ? 0 : -1;
@@ -229,13 +221,8 @@ static bool g_ready_abort;
 static CUresult wait_ready(struct phys *p, int64_t deadline_ns)
 {
     pthread_mutex_lock(&g_ready_mu);
-    while (!p->ready && !g_ready_abort && gpucr_now_ns() < deadline_ns) {
-        struct timespec ts;
-        clock_gettime(CLOCK_REALTIME, &ts);
-        int64_t abs_ns = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec + 10000000LL;
-        ts.tv_sec = abs_ns / 1000000000LL; ts.tv_nsec = abs_ns % 1000000000LL;
-        pthread_cond_timedwait(&g_ready_cv, &g_ready_mu, &ts);
-    }
+    while (!p->ready && !g_ready_abort && gpucr_now_ns() < deadline_ns)
+        gpucr_cond_wait_step(&g_ready_cv, &g_ready_mu, deadline_ns);
     CUresult rc = p->ready ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
     pthread_mutex_unlock(&g_ready_mu);
     return rc;

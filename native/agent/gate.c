@@ -1,10 +1,8 @@
 /* The checkpoint gate: every wrapped entry point that submits device work or changes device memory
  * passes through it. Open, it costs two atomic operations. A checkpoint closes it and waits, with a
  * deadline, for the calls in flight to return; callers that arrive meanwhile wait until it opens. */
-#include <errno.h>
 #include <pthread.h>
 #include <stdatomic.h>
-#include <time.h>
 #include "agent.h"
 
 static atomic_int g_closed;
@@ -55,13 +53,7 @@ bool gpucr_gate_close(int64_t deadline_ns, long *in_flight_left)
             pthread_mutex_unlock(&g_mu);
             return false;
         }
-        /* Wake at least every 10 ms: the condition is also re-checked without a signal. */
-        int64_t wake = now + 10000000LL < deadline_ns ? now + 10000000LL : deadline_ns;
-        struct timespec rt;
-        clock_gettime(CLOCK_REALTIME, &rt);
-        int64_t abs_ns = (int64_t)rt.tv_sec * 1000000000LL + rt.tv_nsec + (wake - now);
-        struct timespec ts = {abs_ns / 1000000000LL, abs_ns % 1000000000LL};
-        pthread_cond_timedwait(&g_drained, &g_mu, &ts);
+        gpucr_cond_wait_step(&g_drained, &g_mu, deadline_ns);
     }
     pthread_mutex_unlock(&g_mu);
     return true;

@@ -1,5 +1,6 @@
 /* Time and logging. Logging goes to stderr, which the application owns: warnings only by default,
  * everything with GPUCR_LOG=1. */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -11,6 +12,19 @@ int64_t gpucr_now_ns(void)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
     return (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+void gpucr_cond_wait_step(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t deadline_ns)
+{
+    int64_t left = deadline_ns - gpucr_now_ns();
+    if (left <= 0) return;
+    if (left > 10000000LL) left = 10000000LL;   /* wake at least every 10 ms: callers re-check without a signal too */
+    struct timespec ts;
+    clock_gettime(CLOCK_REALTIME, &ts);
+    int64_t abs_ns = (int64_t)ts.tv_sec * 1000000000LL + ts.tv_nsec + left;
+    ts.tv_sec = abs_ns / 1000000000LL;
+    ts.tv_nsec = abs_ns % 1000000000LL;
+    pthread_cond_timedwait(cv, mu, &ts);
 }
 
 static void vlog(const char *fmt, va_list ap)

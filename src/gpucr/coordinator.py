@@ -170,24 +170,36 @@ def _check_request(pids: list[int], timeout: float) -> None:
         raise GpucrError("a process is named twice")
 
 
-def _each(phase: str, members: list[_Member], fn) -> None:
-    """Run one phase for every process at once; raise (after all have finished) naming the first failure."""
-    if not members:
-        return
-    if len(members) == 1:
-        try:
-            fn(members[0])
-        except GpucrError as exc:
-            raise PhaseError(members[0].pid, phase, exc) from exc
-        return
+def _run_all(members: list[_Member], fn) -> list[tuple[_Member, BaseException]]:
+    """Run fn for every process at once (inline for one); return the failures once all have finished."""
+    if len(members) <= 1:
+        out = []
+        for m in members:
+            try:
+                fn(m)
+            except GpucrError as exc:
+                out.append((m, exc))
+        return out
     with ThreadPoolExecutor(len(members)) as pool:
         futures = [(m, pool.submit(fn, m)) for m in members]
-    for m, f in futures:
-        exc = f.exception()
-        if exc is not None:
-            if not isinstance(exc, GpucrError):
-                raise exc
-            raise PhaseError(m.pid, phase, exc) from exc
+    return [(m, f.exception()) for m, f in futures if f.exception() is not None]
+
+
+def _phase_failures(phase: str, members: list[_Member], fn) -> list[PhaseError]:
+    """One phase across all processes: its failures as PhaseErrors (anything but a GpucrError is a bug: raised)."""
+    failures = []
+    for m, exc in _run_all(members, fn):
+        if not isinstance(exc, GpucrError):
+            raise exc
+        failures.append(PhaseError(m.pid, phase, exc))
+    return failures
+
+
+def _each(phase: str, members: list[_Member], fn) -> None:
+    """Run one phase for every process at once; raise (after all have finished) naming the first failure."""
+    failures = _phase_failures(phase, members, fn)
+    if failures:
+        raise failures[0] from failures[0].cause
 
 
 # ---- checkpoint ----
@@ -312,7 +324,7 @@ def _roll_back_driver(m: _Member) -> None:
 
 def _roll_back(members: list[_Member]) -> None:
     """Undo a partial checkpoint of these processes, last step first; never raises."""
-    _each_quiet(members, _roll_back_driver)
+    _run_all(members, _roll_back_driver)   # it never raises
     back = [m for m in members if m.data_out]
     for m in back:
         m.status = {**m.status, "state": "checkpointed"}
@@ -360,11 +372,6 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
     finally:
         for m in members:
             m.close()
-
-
-def _each_quiet(members: list[_Member], fn) -> None:
-    with ThreadPoolExecutor(max(1, len(members))) as pool:
-        list(pool.map(fn, members))
 
 
 def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str | Path | None = None) -> dict[str, Any]:
@@ -603,15 +610,8 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
         failed: dict[int, PhaseError] = {}
 
         def phase(name: str, fn) -> None:
-            live = [m for m in members if m.pid not in failed]
-            with ThreadPoolExecutor(max(1, len(live))) as pool:
-                futures = [(m, pool.submit(fn, m)) for m in live]
-            for m, f in futures:
-                exc = f.exception()
-                if isinstance(exc, GpucrError):
-                    failed[m.pid] = PhaseError(m.pid, name, exc)
-                elif exc is not None:
-                    raise exc
+            for f in _phase_failures(name, [m for m in members if m.pid not in failed], fn):
+                failed[f.pid] = f
         phase("driver restore", lambda m: _driver_restore(m, gpu_map))
         phase("driver unlock", lambda m: _driver_unlock(m, timeout))
         live = [m for m in members if m.pid not in failed]
