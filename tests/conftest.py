@@ -98,3 +98,26 @@ def cycle_concurrently(pids: list[int], rounds: int, timeout: float = 30.0) -> l
     for t in threads:
         t.join()
     return errors
+
+
+def check_fork_child_apart(app: Workload, timeout: float = 30.0) -> None:
+    """A child forked by an app under the agent has its own agent with an empty registry, refuses a
+    checkpoint in one line, and leaves the parent checkpointable."""
+    import signal
+    import time
+
+    import gpucr
+    before = app.ask("digest")
+    child = app.ask("fork 30")["child"]
+    try:
+        deadline = time.time() + 10
+        while not (paths.runtime_dir() / f"{child}.sock").exists() and time.time() < deadline:
+            time.sleep(0.05)
+        assert gpucr.status(child)["allocations"]["tracked"] == 0, "the child must not inherit the parent's registry"
+        r = gpucr_cli("checkpoint", str(child))
+        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        gpucr.checkpoint(app.pid, timeout=timeout)
+        gpucr.restore(app.pid, timeout=timeout)
+        assert app.ask("digest") == before
+    finally:
+        os.kill(child, signal.SIGKILL)

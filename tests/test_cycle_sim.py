@@ -1,6 +1,7 @@
 """Checkpoint/restore of a real process on simcuda: memory given back, bytes and addresses kept."""
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -179,16 +180,33 @@ def test_status_reports_every_phase_of_the_last_cycle(sim_app):
     assert cyc["control_out"] > 0 and cyc["control_in"] > 0 and cyc["bytes_out"] == cyc["bytes_in"] >= 8 * MiB
 
 
-def test_staging_unpinned_for_the_driver_and_pinned_again_at_restore(sim_app, monkeypatch):
+@pytest.mark.parametrize("pin_threads", ["1", "3"])
+def test_staging_unpinned_for_the_driver_and_pinned_again_at_restore(sim_app, monkeypatch, pin_threads):
+    # asked for (not the default): the restore's pin-ahead threads (one, or several at once) pin
+    # every segment again, and every copy waited for its own segment
     monkeypatch.setenv("GPUCR_UNPIN_FOR_DRIVER", "1")
-    app = sim_app("--sizes", "1500M,700M,3M")
+    app = sim_app("--sizes", "40M,40M,20M,3M",
+                  env={**os.environ, "GPUCR_PIN_THREADS": pin_threads, "GPUCR_STAGING_SEGMENT_MIB": "32"})
+    before = app.ask("digest")
+    for _ in range(3):
+        gpucr.checkpoint(app.pid)
+        st = gpucr.status(app.pid)
+        assert st["staging_pinned_bytes"] == 0 and st["staging_segments"] >= 3, "segments of about 32 MiB, unpinned"
+        r = gpucr.restore(app.pid)
+        assert r["agent_ms"]["pin_wait"] >= 0
+        st = gpucr.status(app.pid)
+        assert st["staging_pinned_bytes"] == st["staging_bytes"] > 0
+        assert app.ask("digest") == before
+
+
+def test_staging_kept_pinned_through_the_driver_by_default(sim_app, monkeypatch):
+    monkeypatch.delenv("GPUCR_UNPIN_FOR_DRIVER", raising=False)
+    app = sim_app("--sizes", "700M,3M")
     before = app.ask("digest")
     gpucr.checkpoint(app.pid)
     st = gpucr.status(app.pid)
-    assert st["staging_pinned_bytes"] == 0 and st["staging_segments"] >= 2, "segments of about 2 GiB, unpinned"
-    gpucr.restore(app.pid)
-    st = gpucr.status(app.pid)
     assert st["staging_pinned_bytes"] == st["staging_bytes"] > 0
+    gpucr.restore(app.pid)
     assert app.ask("digest") == before
 
 

@@ -16,7 +16,7 @@ import gpucr
 from gpucr import paths
 from gpucr.driver import ProcessState
 
-from conftest import cycle_concurrently, gpucr_cli, sim_driver
+from conftest import check_fork_child_apart, cycle_concurrently, gpucr_cli, sim_driver
 
 MiB = 1 << 20
 
@@ -162,22 +162,7 @@ def test_app_killed_while_checkpointed_leaves_nothing_behind(sim_app, tmp_path):
 
 
 def test_fork_child_has_its_own_agent_and_no_parent_state(sim_app):
-    app = sim_app("--sizes", "16M")
-    before = app.ask("digest")
-    child = app.ask("fork 20")["child"]
-    try:
-        deadline = time.time() + 5
-        while not (paths.runtime_dir() / f"{child}.sock").exists() and time.time() < deadline:
-            time.sleep(0.05)
-        st = gpucr.status(child)
-        assert st["allocations"]["tracked"] == 0, "the child must not inherit the parent's registry"
-        r = gpucr_cli("checkpoint", str(child))
-        assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1
-        gpucr.checkpoint(app.pid)
-        gpucr.restore(app.pid)
-        assert app.ask("digest") == before
-    finally:
-        os.kill(child, signal.SIGKILL)
+    check_fork_child_apart(sim_app("--sizes", "16M"))
 
 
 # ---- load ----

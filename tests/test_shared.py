@@ -27,6 +27,7 @@ def pair(sim_app):
     imp = sim_app("--sizes", "4M", env=env)
     fd = exp.ask("share 32")["fd"]
     imp.ask(f"import pidfd:{exp.pid}:{fd} 32")
+    exp.fd = fd
     return exp, imp, idle
 
 
@@ -43,6 +44,9 @@ def test_shared_buffer_checkpointed_together(pair):
     assert used() == idle, "the shared memory and everything else is given back"
     moved = {r["pid"]: r["bytes_moved"] for r in res}
     assert moved[exp.pid] >= (8 + 32) * MiB and moved[imp.pid] < 32 * MiB, "the exporter's data is stored once"
+    # the exporter still holds the exported fd, which keeps real GPU memory allocated: it is said
+    warned = {r["pid"]: r["warnings"] for r in res}
+    assert len(warned[exp.pid]) == 1 and "open file descriptor" in warned[exp.pid][0] and warned[imp.pid] == []
 
     restore_many([exp.pid, imp.pid])
     assert [exp.ask("digest"), imp.ask("digest")] == before
@@ -51,8 +55,9 @@ def test_shared_buffer_checkpointed_together(pair):
     assert imp.ask("read-shared")["sha256"] == exp.ask("read-shared")["sha256"]
     imp.ask("write-shared 12")
     assert exp.ask("read-shared")["sha256"] == imp.ask("read-shared")["sha256"]
-    # and again, from the CLI by group
-    checkpoint_many([exp.pid, imp.pid], level="data")
+    # and again, with the fd closed as NCCL does: nothing to warn about
+    exp.ask(f"close-fd {exp.fd}")
+    assert all(r["warnings"] == [] for r in checkpoint_many([exp.pid, imp.pid], level="data"))
     restore_many([exp.pid, imp.pid])
     assert exp.ask("read-shared")["sha256"] == imp.ask("read-shared")["sha256"]
 

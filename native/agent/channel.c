@@ -25,6 +25,7 @@ static char g_dir[256], g_sock[300];
 static char g_group[128];   /* GPUCR_GROUP, read once at start: the application may change its environment later */
 static int g_listen = -1;
 static pthread_mutex_t g_op = PTHREAD_MUTEX_INITIALIZER;   /* one checkpoint/restore at a time */
+static volatile bool g_rolling_back;   /* status says so: a new controller waits for it instead of "busy" */
 static int g_clients;
 static pthread_mutex_t g_clients_mu = PTHREAD_MUTEX_INITIALIZER;
 
@@ -87,6 +88,7 @@ static void reply_status(struct jb *j)
     bool busy = pthread_mutex_trylock(&g_op) != 0;
     if (!busy) pthread_mutex_unlock(&g_op);
     jb_bool(j, "busy", busy);
+    jb_bool(j, "rolling_back", g_rolling_back);
     jb_bool(j, "gate_closed", gpucr_gate_is_closed());
     jb_int(j, "generation", st.generation);
     reg_lock();
@@ -129,6 +131,7 @@ static void reply_status(struct jb *j)
     jb_dbl(j, "copy_out", st.last.copy_out);
     jb_dbl(j, "release", st.last.release);
     jb_dbl(j, "data_in", st.last.copy_in);
+    jb_dbl(j, "pin_wait", st.last.pin_wait);
     jb_dbl(j, "driver_lock", g_notes.driver_lock);
     jb_dbl(j, "control_out", g_notes.control_out);
     jb_dbl(j, "control_in", g_notes.control_in);
@@ -327,6 +330,7 @@ static void send_answer(struct client *c, struct jb *j)
 static void roll_back_abandoned(void)
 {
     pthread_mutex_lock(&g_op);
+    g_rolling_back = true;
     struct dp_status st;
     dp_get_status(&st);
     if (st.state == AGENT_CHECKPOINTED && st.staged) {
@@ -335,6 +339,7 @@ static void roll_back_abandoned(void)
         if (dp_restore(30000, false, false, true, err, sizeof err)) gpucr_warn("rolling back an abandoned checkpoint failed: %s", err);
         else gpucr_warn("the controller went away during a checkpoint: rolled back, the application runs on");
     }
+    g_rolling_back = false;
     pthread_mutex_unlock(&g_op);
 }
 

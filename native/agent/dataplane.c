@@ -1,6 +1,7 @@
 /* The data plane: moves tracked allocations between device memory and pinned host staging, in
  * chunks spread over several streams, and releases / re-creates their physical memory. */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
@@ -24,6 +25,7 @@ static struct {
     long generation;
     bool staged;                /* while checkpointed: the data is in staging (not only in an image) */
     uint64_t zeroed;            /* bytes of the last restore set by memset instead of copied */
+    double pin_wait_ms;         /* of the last restore: copies waiting for their staging to be pinned again */
     struct phase_times last;
     struct ctx_streams streams[16];
     int nstreams;
@@ -311,7 +313,9 @@ static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_de
             break;
         }
         const struct mapping *fm = full_mapping(p);
-        staging_pin_for(p->staging);   /* unpinned for the driver's checkpoint: pinned again while earlier copies run */
+        int64_t w0 = gpucr_now_ns();
+        staging_pin_for(p->staging);   /* unpinned for the driver's checkpoint: pin-ahead threads pin it again */
+        g_dp.pin_wait_ms += ms_since(w0);
         rc = copy_chunks(p, fm->va, false, turn);
         if (rc != CUDA_SUCCESS && first == CUDA_SUCCESS) {
             first = rc;
@@ -497,6 +501,8 @@ int dp_restore(int timeout_ms, bool drop_staging, bool wait, bool open_gate, cha
     }
     int turn = 0;
     g_dp.zeroed = 0;
+    g_dp.pin_wait_ms = 0;
+    if (need) staging_pin_ahead(any_ctx);   /* staging unpinned for the driver: pinned again while copies run */
     int64_t ready_deadline = 0;
     if (wait) ready_deadline = gpucr_now_ns() + (int64_t)timeout_ms * 1000000LL;
     CUresult rc = bring_back(err, errlen, &turn, ready_deadline);
@@ -518,6 +524,7 @@ int dp_restore(int timeout_ms, bool drop_staging, bool wait, bool open_gate, cha
     g_dp.last.copy_in = both;
     g_dp.last.bytes_in = need;
     g_dp.last.bytes_zeroed = g_dp.zeroed;
+    g_dp.last.pin_wait = g_dp.pin_wait_ms;
     for (struct phys *p = g_reg.all; p; p = p->next_all) { free(p->zero_chunks); p->zero_chunks = NULL; }
     g_dp.state = AGENT_RUNNING;
     if (open_gate) gpucr_gate_open();   /* else: shared memory is relinked first, then "resume" */
@@ -636,6 +643,22 @@ static struct phys *shared_by_key(bool exporter, unsigned long long dev, unsigne
     return NULL;
 }
 
+/* How many of this process's open fds are the shared memory (dev, ino): such an fd keeps the
+ * physical memory alive in the driver, so it stays on the GPU while the process is checkpointed. */
+static int open_fds_of(unsigned long long dev, unsigned long long ino)
+{
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    if (!d) return 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        struct stat st;
+        if (e->d_name[0] != '.' && fstat(atoi(e->d_name), &st) == 0 && st.st_dev == dev && st.st_ino == ino) n++;
+    }
+    closedir(d);
+    return n;
+}
+
 void dp_shared_json(struct jb *j)
 {
     jb_arr(j, "shared");
@@ -648,6 +671,7 @@ void dp_shared_json(struct jb *j)
         jb_int(j, "ino", (long long)p->share_ino);
         jb_int(j, "bytes", (long long)p->size);
         jb_bool(j, "unlinked", p->released);
+        jb_int(j, "open_fds", open_fds_of(p->share_dev, p->share_ino));
         jb_end(j);
     }
     reg_unlock();

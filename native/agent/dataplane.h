@@ -5,6 +5,7 @@
 
 struct phase_times {            /* milliseconds of the last cycle's phases */
     double staging, gate, sync, copy_out, release, copy_in;
+    double pin_wait;            /* part of copy_in spent waiting for staging to be pinned again */
     uint64_t bytes_out, bytes_in, bytes_zeroed;
 };
 

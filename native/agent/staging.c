@@ -12,23 +12,47 @@
 #include "staging.h"
 
 #define HUGE_PAGE ((size_t)2 << 20)
-#define MIN_SEG ((size_t)256 << 20)
+#define MIN_SEG_DEFAULT ((size_t)256 << 20)
 /* Segments of about this size: pinning, unpinning and re-pinning then go a segment at a time, so a
  * restore can copy one segment while it pins the next. */
-#define SEG_TARGET ((size_t)2 << 30)
+#define SEG_TARGET_DEFAULT ((size_t)2 << 30)
+
+/* GPUCR_STAGING_SEGMENT_MIB overrides the segment size (smaller segments: finer pipelining of
+ * pinning and copying, more fds); the smallest segment is never larger than it. */
+static size_t seg_target(void)
+{
+    const char *v = getenv("GPUCR_STAGING_SEGMENT_MIB");
+    long long mib = v && *v ? atoll(v) : 0;
+    return mib >= 2 ? (size_t)mib << 20 : SEG_TARGET_DEFAULT;
+}
+static size_t min_seg(void) { return seg_target() < MIN_SEG_DEFAULT ? seg_target() : MIN_SEG_DEFAULT; }
 #define TOUCH_THREADS 8
 
 enum kind { K_HUGETLB, K_SHM, K_FILE };
 static const char *const KIND_NAME[] = {"hugetlbfs", "shm", "file"};
 
-struct seg { int fd; void *base; size_t cap, used; bool pinned; enum kind kind; };
+struct seg {
+    int fd;
+    void *base;
+    size_t cap, used;
+    bool pinned;
+    bool pinning;               /* a thread is in cuMemHostRegister for it, with S.mu released */
+    bool pin_failed;            /* copies use the pageable path until it is unpinned and tried again */
+    enum kind kind;
+};
 
 static struct {
     pthread_mutex_t mu;         /* guards segs: the preparer and a checkpoint may both grow it */
+    pthread_cond_t cv;          /* a segment stopped pinning */
     struct seg segs[STAGING_MAX_SEGS];
     int n;
+    int pinners;                /* pin-ahead threads still running */
+    bool stop_pinning;          /* staging is being dropped: pin-ahead threads stop picking segments */
     bool ahead;
-} S = {.mu = PTHREAD_MUTEX_INITIALIZER};
+} S = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+
+#define PIN_THREADS_DEFAULT 4
+#define PIN_THREADS_MAX 16
 
 static size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
@@ -164,7 +188,7 @@ int staging_fit(const size_t *sizes, int n, char *err, size_t errlen)
     int rc = 0;
     if (missing) {
         /* the whole shortfall is checked first: a refusal must come before anything is touched */
-        size_t need = round_up(missing < MIN_SEG ? MIN_SEG : missing, HUGE_PAGE);
+        size_t need = round_up(missing < min_seg() ? min_seg() : missing, HUGE_PAGE);
         const char *dir;
         enum kind k = wanted_kind(need, &dir);
         size_t avail = k == K_HUGETLB ? meminfo("HugePages_Free") * HUGE_PAGE : meminfo("MemAvailable") * 1024;
@@ -186,9 +210,9 @@ int staging_fit(const size_t *sizes, int n, char *err, size_t errlen)
             rc = -1;
             break;
         }
-        size_t add = S.n >= STAGING_MAX_SEGS - 1 ? missing : (missing < SEG_TARGET ? missing : SEG_TARGET);
+        size_t add = S.n >= STAGING_MAX_SEGS - 1 ? missing : (missing < seg_target() ? missing : seg_target());
         if (add < largest) add = largest;
-        add = round_up(add < MIN_SEG ? MIN_SEG : add, HUGE_PAGE);
+        add = round_up(add < min_seg() ? min_seg() : add, HUGE_PAGE);
         rc = seg_create(&S.segs[S.n], add, err, errlen);
         if (rc == 0) S.n++;
         missing = shortfall_locked(sizes, n, &largest);
@@ -205,12 +229,36 @@ int staging_count(void)
     return n;
 }
 
+static void wait_not_pinning_locked(const struct seg *g)
+{
+    while (g->pinning) pthread_cond_wait(&S.cv, &S.mu);
+}
+
+/* Pin g; S.mu is held on entry and on return, but not during the driver call, so several threads
+ * can pin several segments at once (one thread pins well below the copy engine's rate). */
+static void pin_locked(struct seg *g)
+{
+    g->pinning = true;
+    void *base = g->base;
+    size_t cap = g->cap;
+    pthread_mutex_unlock(&S.mu);
+    bool ok = gpucr_drv.cuMemHostRegister_v2(base, cap, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
+    pthread_mutex_lock(&S.mu);
+    g->pinned = ok;
+    g->pin_failed = !ok;
+    g->pinning = false;
+    if (!ok) gpucr_log("staging segment of %zu MiB could not be pinned again: its copies use the slower pageable path", cap >> 20);
+    pthread_cond_broadcast(&S.cv);
+}
+
 void staging_unpin_segment(int i)
 {
     pthread_mutex_lock(&S.mu);
-    if (i >= 0 && i < S.n && S.segs[i].pinned) {
-        gpucr_drv.cuMemHostUnregister(S.segs[i].base);
-        S.segs[i].pinned = false;
+    if (i >= 0 && i < S.n) {
+        struct seg *g = &S.segs[i];
+        wait_not_pinning_locked(g);
+        if (g->pinned) gpucr_drv.cuMemHostUnregister(g->base);
+        g->pinned = g->pin_failed = false;
     }
     pthread_mutex_unlock(&S.mu);
 }
@@ -221,11 +269,54 @@ void staging_pin_for(const void *p)
     for (int i = 0; i < S.n; i++) {
         struct seg *g = &S.segs[i];
         if ((const char *)p >= (char *)g->base && (const char *)p < (char *)g->base + g->cap) {
-            if (!g->pinned) g->pinned = gpucr_drv.cuMemHostRegister_v2(g->base, g->cap, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
+            wait_not_pinning_locked(g);   /* a pin-ahead thread has it */
+            if (!g->pinned && !g->pin_failed) pin_locked(g);
             break;
         }
     }
     pthread_mutex_unlock(&S.mu);
+}
+
+static void *pin_loop(void *ctx)
+{
+    gpucr_drv.cuCtxSetCurrent((CUcontext)ctx);   /* registering needs a current context */
+    pthread_mutex_lock(&S.mu);
+    for (;;) {
+        struct seg *g = NULL;
+        for (int i = 0; i < S.n && !g; i++)   /* lowest first: the order a restore copies in */
+            if (!S.segs[i].pinned && !S.segs[i].pinning && !S.segs[i].pin_failed) g = &S.segs[i];
+        if (!g || S.stop_pinning) break;
+        pin_locked(g);
+    }
+    S.pinners--;
+    pthread_cond_broadcast(&S.cv);
+    pthread_mutex_unlock(&S.mu);
+    return NULL;
+}
+
+int staging_pin_ahead(CUcontext ctx)
+{
+    const char *v = getenv("GPUCR_PIN_THREADS");
+    int want = v && *v ? atoi(v) : PIN_THREADS_DEFAULT;
+    if (want < 1) want = 1;
+    if (want > PIN_THREADS_MAX) want = PIN_THREADS_MAX;
+    pthread_mutex_lock(&S.mu);
+    int unpinned = 0;
+    for (int i = 0; i < S.n; i++) unpinned += !S.segs[i].pinned && !S.segs[i].pinning && !S.segs[i].pin_failed;
+    int n = unpinned < want ? unpinned : want, started = 0;
+    sigset_t all, prev;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &prev);   /* helper threads take no application signals */
+    for (int i = 0; i < n; i++) {
+        pthread_t th;
+        if (pthread_create(&th, NULL, pin_loop, ctx) != 0) break;
+        pthread_detach(th);
+        S.pinners++;
+        started++;
+    }
+    pthread_sigmask(SIG_SETMASK, &prev, NULL);
+    pthread_mutex_unlock(&S.mu);
+    return started;
 }
 
 void *staging_take(size_t size)
@@ -251,6 +342,9 @@ void staging_rewind(void)
 void staging_drop(void)
 {
     pthread_mutex_lock(&S.mu);
+    S.stop_pinning = true;
+    while (S.pinners > 0) pthread_cond_wait(&S.cv, &S.mu);   /* they use the segments */
+    S.stop_pinning = false;
     for (int i = 0; i < S.n; i++) {
         struct seg *g = &S.segs[i];
         if (g->pinned) gpucr_drv.cuMemHostUnregister(g->base);
@@ -352,6 +446,8 @@ void staging_reset_after_fork(void)
 {
     /* the parent's staging is the parent's: unmap our copy, never unregister or unlink it */
     pthread_mutex_init(&S.mu, NULL);
+    pthread_cond_init(&S.cv, NULL);
+    S.pinners = 0;
     for (int i = 0; i < S.n; i++) { munmap(S.segs[i].base, S.segs[i].cap); close(S.segs[i].fd); }
     S.n = 0;
     S.ahead = false;

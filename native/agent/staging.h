@@ -27,8 +27,11 @@ int staging_count(void);
 /* Unpin one segment (before the driver locks the process: an image's staging is dropped while the
  * driver holds the process, and pinned memory makes the driver's own checkpoint slower). */
 void staging_unpin_segment(int i);
-/* Pin the segment holding p again if it was unpinned (a restore, one segment at a time). */
+/* Pin the segment holding p again if it was unpinned, or wait for the pin-ahead thread that has it. */
 void staging_pin_for(const void *p);
+/* Start GPUCR_PIN_THREADS (default 4) threads that pin every unpinned segment again, lowest first,
+ * while a restore copies the segments already pinned. Returns how many started. */
+int staging_pin_ahead(CUcontext ctx);
 void staging_get_info(struct staging_info *out);
 /* Segment index and offset of a staging address; -1 if it is not in staging. */
 int staging_locate(const void *p, int *seg, size_t *off);

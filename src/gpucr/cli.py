@@ -80,6 +80,8 @@ def cmd_checkpoint(a: argparse.Namespace) -> int:
         print(f"process {r['pid']}: checkpointed (level {r['level']}); {_mib(r['bytes_moved'])} moved by gpucr, "
               f"{_mib(r['bytes_left_to_driver'])} left to the driver; GPU memory used {_mib(used['before'])} -> "
               f"{_mib(used['after'])}; {_fmt_phases(r['phases_s'])}")
+        for w in r.get("warnings", []):
+            print(f"gpucr: warning: process {r['pid']}: {w}", file=sys.stderr)
         if "image" in r:
             im = r["image"]
             print(f"  image {im['dir']}: {_mib(im['bytes'])} ({_mib(im['bytes_written'])} written, zero chunks skipped) "

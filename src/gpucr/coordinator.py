@@ -239,11 +239,12 @@ def _prepare(m: _Member, timeout: float) -> None:
 
 
 def _unpin_for_driver() -> bool:
-    """GPUCR_UNPIN_FOR_DRIVER=1: unpin the staging before the driver's checkpoint, which otherwise
-    also handles the host memory pinned in the process (measured on the H200: control half 0.39 s /
-    0.26 s with none pinned, 0.80 s / 1.34 s with 28 GiB pinned). Each segment is unpinned while
-    the next one's copies run, and the restore pins them again a segment at a time while the copies
-    run. Off by default until measured end to end."""
+    """GPUCR_UNPIN_FOR_DRIVER=1: unpin the staging before the driver's checkpoint and pin it again
+    during the restore's copies (pin-ahead threads), instead of leaving it pinned through the
+    driver's checkpoint. Off by default: on the H200 (Llama-3-8B shape, 69 GiB) it moved the pinning
+    cost rather than removing it (unregistering does not overlap the copies; re-pinning runs at
+    about 16-21 GB/s against the driver's own re-pin at about 25 GB/s): checkpoint 2.98 s vs 2.95 s,
+    restore 4.73 s vs 4.24 s (bench/results/2026-11-29-h200-bench-llama-huge.json)."""
     return os.environ.get("GPUCR_UNPIN_FOR_DRIVER", "0") not in ("", "0")
 
 
@@ -302,8 +303,21 @@ def _commit(m: _Member, level: str) -> None:
         m.app = None
     m.result["state"] = "checkpointed"
     m.result["level"] = level
+    m.result["warnings"] = _held_by_open_fds(m)
     if m.image_dir is not None:
         m.result["image"] = _write_image(m, level, epoch)
+
+
+def _held_by_open_fds(m: _Member) -> list[str]:
+    """Shared memory whose POSIX fd is still open in the process stays allocated in the driver (the fd
+    holds it), so it is not given back while checkpointed: say so rather than claim all was."""
+    try:
+        shared = m.agent.call("status", timeout=10.0).get("shared", [])
+    except GpucrError:
+        return []
+    return [f"{s['bytes'] >> 20} MiB of memory it {'exported' if s['role'] == 'exporter' else 'imported'} stays on "
+            f"the GPU while checkpointed: process {m.pid} still holds {s['open_fds']} open file descriptor(s) of it; "
+            "close them once the memory is imported (as NCCL does)" for s in shared if s.get("open_fds")]
 
 
 def _roll_back_driver(m: _Member) -> None:
@@ -411,6 +425,10 @@ def _vet_for_restore(pid: int, image_dir: Path | None, force: bool) -> _Member:
     m = _Member(t, drv, image_dir=image_dir, result={"pid": pid, "phases_s": {}})
     m.agent = t.connect()
     m.status = m.agent.call("status", timeout=10.0)
+    if m.status.get("rolling_back") and dstate == ProcessState.RUNNING:
+        # its checkpoint's controller died after data out: the agent is undoing it alone, wait for that
+        # (with the driver holding the process, the roll-back waits for this restore instead)
+        m.status = _settled_status(m.agent, 60.0)
     st = m.status
     if dstate == ProcessState.RUNNING and st["state"] == "running" and not st.get("gate_closed"):
         m.close()
@@ -493,6 +511,7 @@ def _data_in(m: _Member, timeout: float, drop_staging: bool) -> None:
                        drop_staging=int(drop_staging), open_gate=0)
     m.result["phases_s"]["data_in"] = time.perf_counter() - t0
     m.result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
+    m.result["agent_ms"] = {"data_in": out["last_cycle_ms"]["data_in"], "pin_wait": out["last_cycle_ms"]["pin_wait"]}
 
 
 def _data_in_from_image(m: _Member, entry: dict, timeout: float, drop_staging: bool) -> None:

@@ -274,6 +274,9 @@ class App:
                 time.sleep(float(words[1]) if len(words) > 1 else 30)
                 os._exit(0)
             return {"child": pid}
+        if cmd == "close-fd":   # the exported fd, once the importer has its own copy (as NCCL does)
+            os.close(int(words[1]))
+            return {"closed": int(words[1])}
         if cmd == "share":   # export MIB of VMM memory as a POSIX fd, for another process to import
             n = int(words[1]) << 20
             va, h = self._vmm_one(n, handle_types=1)
