@@ -4,13 +4,19 @@
    PyTorch process (20 GiB) with staging in 4 KiB shared memory, in 2 MiB hugepages, and with no
    staging at all (data in an image on disk).
 2. Checkpoint images on this machine's disk, next to dd's numbers for the same disk.
+3. How fast host memory is pinned (cuMemHostRegister) by 1, 2, 4 and 8 threads at once, 2 GiB
+   segments of shared memory (and of hugetlbfs when hugepages are free), and unpinned again: the
+   rate the restore's pin-ahead threads must keep ahead of the copies with.
 
 Prints one JSON object per line; writes them to $OUT/experiments.jsonl too.
 """
 from __future__ import annotations
 
+import ctypes
 import json
+import mmap
 import os
+import threading
 import statistics
 import subprocess
 import sys
@@ -39,7 +45,7 @@ def rss_shmem(pid: int) -> int:
     return 0
 
 
-def staging_experiment(kind: str, cycles: int = 3) -> None:
+def staging_experiment(kind: str, cycles: int = int(os.environ.get("EXP_CYCLES", "3"))) -> None:
     """kind: shm | hugetlbfs (staging pinned through the driver's checkpoint), or unpin-shm |
     unpin-hugetlbfs (unpinned before the driver's lock, pinned again during the restore's copies)."""
     unpin = kind.startswith("unpin-")
@@ -54,12 +60,68 @@ def staging_experiment(kind: str, cycles: int = 3) -> None:
             assert app.ask("digest") == before
             if i:
                 samples.append({"control_out": ck["phases_s"]["control_out"], "control_in": rs["phases_s"]["control_in"],
-                                "data_out": ck["phases_s"]["data_out"], "data_in": rs["phases_s"]["data_in"]})
+                                "data_out": ck["phases_s"]["data_out"], "data_in": rs["phases_s"]["data_in"],
+                                "pin_wait": rs.get("agent_ms", {}).get("pin_wait", 0.0) / 1000})
         st = gpucr.status(app.pid)
         emit(experiment="control-vs-staging", staging=st["staging"], unpinned_for_driver=unpin,
              staging_gib=st["staging_bytes"] / 2**30,
              bytes_moved=ck["bytes_moved"], median={k: statistics.median(s[k] for s in samples) for k in samples[0]},
              samples=samples)
+
+
+def pin_rate(segments: int = 8, seg_gib: int = 2) -> None:
+    cu = ctypes.CDLL("libcuda.so.1")
+    ctx = ctypes.c_void_p()
+    assert cu.cuInit(0) == 0 and cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
+    seg = seg_gib << 30
+    kinds = ["shm"]
+    free_huge = next((int(l.split()[1]) for l in Path("/proc/meminfo").read_text().splitlines()
+                      if l.startswith("HugePages_Free:")), 0)
+    if free_huge * (2 << 20) >= segments * seg:
+        kinds.append("hugetlbfs")
+    for kind in kinds:
+        flags = os.MFD_HUGETLB if kind == "hugetlbfs" else 0
+        maps = []
+        for _ in range(segments):
+            fd = os.memfd_create("gpucr-exp", flags)
+            os.ftruncate(fd, seg)
+            maps.append((fd, mmap.mmap(fd, seg)))
+        bufs = [ctypes.c_char.from_buffer(m) for _, m in maps]
+        addrs = [ctypes.addressof(b) for b in bufs]
+        t0 = time.perf_counter()
+        touchers = [threading.Thread(target=ctypes.memset, args=(a, 0, seg)) for a in addrs]
+        [t.start() for t in touchers]
+        [t.join() for t in touchers]
+        touch_s = time.perf_counter() - t0
+
+        def each(fn, threads: int) -> float:
+            todo = list(addrs)
+            lock = threading.Lock()
+
+            def work() -> None:
+                cu.cuCtxSetCurrent(ctx)
+                while True:
+                    with lock:
+                        if not todo:
+                            return
+                        a = todo.pop(0)
+                    rc = fn(a)
+                    assert rc == 0, rc
+            ts = [threading.Thread(target=work) for _ in range(threads)]
+            t0 = time.perf_counter()
+            [t.start() for t in ts]
+            [t.join() for t in ts]
+            return time.perf_counter() - t0
+        rows = {}
+        for threads in (1, 2, 4, 8):
+            reg = each(lambda a: cu.cuMemHostRegister_v2(ctypes.c_void_p(a), ctypes.c_size_t(seg), 1), threads)
+            unreg = each(lambda a: cu.cuMemHostUnregister(ctypes.c_void_p(a)), threads)
+            rows[threads] = {"register_gbps": segments * seg / reg / 1e9, "unregister_gbps": segments * seg / unreg / 1e9}
+        emit(experiment="pin-rate", kind=kind, bytes=segments * seg, segment_bytes=seg, touch_s=touch_s, threads=rows)
+        del bufs
+        for fd, m in maps:
+            m.close()
+            os.close(fd)
 
 
 def dd(path: Path, gib: int) -> dict:
@@ -124,7 +186,9 @@ if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
     which = sys.argv[1:] or ["shm", "hugetlbfs", "image"]
     for w in which:
-        if w == "image":
+        if w == "pin-rate":
+            pin_rate()
+        elif w == "image":
             d = Path(os.environ.get("EXP_IMAGE_DIR", "/var/tmp/gpucr-exp"))
             d.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=d) as tmp:

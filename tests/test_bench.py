@@ -158,3 +158,20 @@ def test_llm_configs_are_the_real_architectures(name):
     params = list(model.parameters())
     assert sum(p.numel() for p in params) == PARAMS[name]
     assert all(p.dtype == torch.bfloat16 for p in params)
+
+
+def test_hugepages_reserved_for_gpucrs_methods_and_given_back(tmp_path, monkeypatch):
+    from gpucr.bench import run
+    sysctl = tmp_path / "nr_hugepages"
+    sysctl.write_text("100\n")
+    monkeypatch.setattr(run, "HUGEPAGES_SYSCTL", sysctl)
+    # the kernel may grant fewer than asked: what it granted is read back from /proc/meminfo's total
+    monkeypatch.setattr(run, "_meminfo", lambda key: int(sysctl.read_text()) - 7 if key == "HugePages_Total" else 0)
+    with run.Hugepages(10 << 30) as h:
+        assert int(sysctl.read_text()) == 100 + 5120 + 1024
+        assert h.got == 5120 + 1024 - 7
+    assert sysctl.read_text() == "100", "the previous reservation is put back"
+    sysctl.chmod(0o400)
+    if os.geteuid() != 0:   # root writes through the mode bits
+        with pytest.raises(run.GpucrError, match="run the bench as root"):
+            run.Hugepages(1 << 30).__enter__()

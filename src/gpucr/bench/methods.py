@@ -9,8 +9,10 @@ gpucr.bench.methods ceiling GIB`), so its memory is gone before any workload sta
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -179,26 +181,48 @@ class FreshDriverMethod(DriverMethod):
 
 
 class GpucrMethod(Method):
-    """gpucr: the agent moves the data; at level full the driver then takes the control state."""
+    """gpucr: the agent moves the data; at level full the driver then takes the control state.
+    unpin: the ablation 'gpucr-full-unpinned', staging unpinned for the driver's checkpoint and
+    pinned again during the restore's copies (GPUCR_UNPIN_FOR_DRIVER=1), against the default of
+    leaving it pinned."""
     under_agent = True
     splits = True
 
-    def __init__(self, level: str, timeout: float = STEP_TIMEOUT_S) -> None:
+    def __init__(self, level: str, timeout: float = STEP_TIMEOUT_S, unpin: bool = False) -> None:
         self.level = level
-        self.name = f"gpucr-{level}"
+        self.name = f"gpucr-{level}" + ("-unpinned" if unpin else "")
         self.timeout = timeout
+        self.unpin = unpin
 
     def checkpoint(self, pid: int) -> dict[str, Any]:
-        r = gpucr.checkpoint(pid, level=self.level, timeout=self.timeout)
+        if self.unpin:
+            with _env("GPUCR_UNPIN_FOR_DRIVER", "1"):
+                r = gpucr.checkpoint(pid, level=self.level, timeout=self.timeout)
+        else:
+            r = gpucr.checkpoint(pid, level=self.level, timeout=self.timeout)
         return {"steps_s": r["phases_s"], "agent_ms": r["agent_ms"], "bytes_moved": r["bytes_moved"],
                 "bytes_left_to_driver": r["bytes_left_to_driver"]}
 
     def restore(self, pid: int) -> dict[str, Any]:
         r = gpucr.restore(pid, timeout=self.timeout)
-        return {"steps_s": r["phases_s"], "bytes_moved": r.get("bytes_moved", 0)}
+        return {"steps_s": r["phases_s"], "bytes_moved": r.get("bytes_moved", 0), "agent_ms": r.get("agent_ms", {})}
 
 
-METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data")
+@contextlib.contextmanager
+def _env(key: str, value: str):
+    old = os.environ.get(key)
+    os.environ[key] = value
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
+
+
+METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data", "gpucr-full-unpinned")
+DEFAULT_METHODS = METHODS[:5]
 
 
 def make(name: str, drv: Driver, simulate: bool) -> Method:
@@ -208,6 +232,8 @@ def make(name: str, drv: Driver, simulate: bool) -> Method:
         return FreshDriverMethod(drv, plain_env(simulate))
     if name in ("gpucr-full", "gpucr-data"):
         return GpucrMethod(name.split("-", 1)[1])
+    if name == "gpucr-full-unpinned":
+        return GpucrMethod("full", unpin=True)
     raise GpucrError(f"unknown method '{name}': use some of {', '.join(METHODS)}")
 
 
@@ -246,7 +272,8 @@ def metrics(method: Method, ck: dict, rs: dict, footprint: int | None, ceiling: 
                    control_in_s=(rsteps["control_in"] + rsteps.get("driver_unlock", 0.0)) if "control_in" in rsteps else None,
                    data_in_s=rsteps["data_in"], driver_out_s=None, driver_in_s=None,
                    bytes_out=ck["bytes_moved"], bytes_in=rs["bytes_moved"],
-                   bytes_left_to_driver=ck["bytes_left_to_driver"], agent_ms=am)
+                   bytes_left_to_driver=ck["bytes_left_to_driver"], agent_ms=am,
+                   pin_wait_s=rs.get("agent_ms", {}).get("pin_wait", 0.0) / 1000)
         out_s, in_s = row["data_out_s"], row["data_in_s"]
     else:
         row.update(gate_sync_s=None, data_out_s=None, control_out_s=None, control_in_s=None, data_in_s=None,

@@ -41,8 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default=None, metavar="LIST",
                    help=f"comma-separated: raw:GIB and LLM servers (default {DEFAULT_WORKLOADS}; "
                         f"{SIMULATED_WORKLOADS} on simcuda, where only raw workloads run)")
-    p.add_argument("--methods", default=",".join(M.METHODS), metavar="LIST",
-                   help=f"comma-separated, of {','.join(M.METHODS)} (default all)")
+    p.add_argument("--methods", default=",".join(M.DEFAULT_METHODS), metavar="LIST",
+                   help=f"comma-separated, of {','.join(M.METHODS)} (default {','.join(M.DEFAULT_METHODS)})")
     p.add_argument("--gpu-util", type=float, default=0.5, help="share of the GPU an LLM server may hold, "
                    "weights and KV cache (vLLM's --gpu-memory-utilization; default 0.5)")
     p.add_argument("--repeat", type=int, default=3, help="timed cycles per method and workload (default 3)")
@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "ceiling (default 8; 0.25 on simcuda)")
     p.add_argument("--out", default=None, metavar="JSON", help="results file (default gpucr-bench-DATE.json here)")
     p.add_argument("--chart", default=None, metavar="PNG", help="chart file (default: the results file with .png)")
+    p.add_argument("--staging-hugepages", action="store_true",
+                   help="as root, reserve 2 MiB hugepages for gpucr's staging while gpucr's methods run on a "
+                        "workload (as many as the workload's footprint needs), and give them back after; the "
+                        "driver's own methods run with ordinary memory, as they need it for their copy")
     p.add_argument("--simulate", action="store_true", help="use simcuda, the simulated driver (test double), "
                    "even if a GPU is present")
 
@@ -126,8 +130,50 @@ def _diff(a: int | None, b: int | None) -> int | None:
     return a - b if a is not None and b is not None else None
 
 
+HUGEPAGES_SYSCTL = Path("/proc/sys/vm/nr_hugepages")
+HUGE_PAGE = 2 << 20
+
+
+def _meminfo(key: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+class Hugepages:
+    """Reserve 2 MiB hugepages for the agent's staging while gpucr's methods run, and give them back."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.want = nbytes // HUGE_PAGE + 1024   # + 2 GiB: segments are rounded up
+        self.before: int | None = None
+        self.got = 0
+
+    def __enter__(self) -> "Hugepages":
+        try:
+            self.before = int(HUGEPAGES_SYSCTL.read_text())
+            HUGEPAGES_SYSCTL.write_text(str(self.before + self.want))
+        except (OSError, ValueError) as exc:
+            raise GpucrError(f"--staging-hugepages: cannot reserve hugepages ({exc}); run the bench as root") from exc
+        self.got = _meminfo("HugePages_Total") - self.before
+        _say(f"reserved {self.got} of {self.want} hugepages ({self.got * HUGE_PAGE / 2**30:.1f} GiB) for gpucr's staging")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.before is not None:
+            HUGEPAGES_SYSCTL.write_text(str(self.before))
+
+
 def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, ceiling: dict | None,
-              repeat: int, out: dict[str, dict[str, Any]]) -> None:
+              repeat: int, out: dict[str, dict[str, Any]], hugepages_for: int | None = None) -> None:
+    """hugepages_for: bytes of hugepages to reserve for the agent's staging while this group runs."""
+    if hugepages_for:
+        with Hugepages(hugepages_for) as h:
+            run_group(spec, group, simulate, drv, ceiling, repeat, out)
+            for m in group:
+                if m.name in out:
+                    out[m.name]["hugepages_reserved_bytes"] = h.got * HUGE_PAGE
+        return
     """Start one process for `group`, then time `repeat` cycles of each method on it; each method's
     results go into `out` as soon as it is done, so a later failure keeps them."""
     used = _used(drv)
@@ -172,6 +218,21 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
             w.proc.kill()
             w.proc.wait()
         _settle(used, idle)
+
+
+def _hugepages_for(a: argparse.Namespace, spec: M.Spec, group: list[M.Method], done: dict[str, Any],
+                   results: dict[str, Any]) -> int | None:
+    """Bytes of hugepages to reserve for gpucr's methods on this workload: the footprint its plain
+    process showed, else the share of the GPU it may take (LLM) or its size (raw)."""
+    if not group[0].under_agent:
+        return None
+    seen = [m["process"]["footprint_bytes"] for m in done.values()
+            if m.get("process") and m["process"].get("footprint_bytes")]
+    if seen:
+        return max(seen)
+    if spec.llm:
+        return int(a.gpu_util * (results["device"]["memory_total_bytes"] or 0)) or None
+    return int(float(spec.args[1]) * 2**30)
 
 
 def speedups(by_method: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -232,7 +293,10 @@ def main(a: argparse.Namespace) -> int:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **environment(drv, simulated),
         "settings": {"workloads": [s.name for s in specs], "skipped_workloads": skipped, "methods": names,
                      "gpu_util": a.gpu_util, "repeat": a.repeat, "generate_tokens": M.GENERATE_TOKENS,
-                     "step_timeout_s": M.STEP_TIMEOUT_S},
+                     "step_timeout_s": M.STEP_TIMEOUT_S,
+                     "gpucr_staging": "2 MiB hugepages reserved by the bench for gpucr's methods"
+                     if a.staging_hugepages else "the agent's default (hugepages if free, else shared memory)",
+                     "unpin_for_driver": os.environ.get("GPUCR_UNPIN_FOR_DRIVER", "0") not in ("", "0")},
         "ceiling": None, "workloads": {}}
     if "ceiling" in names:
         gib = a.ceiling_gib or (0.25 if simulated else 8.0)
@@ -245,8 +309,9 @@ def main(a: argparse.Namespace) -> int:
         wres: dict[str, Any] = {"module": spec.module, "args": list(spec.args), "methods": {}}
         results["workloads"][spec.name] = wres
         for group in _groups(methods):
+            huge = _hugepages_for(a, spec, group, wres["methods"], results) if a.staging_hugepages else None
             try:
-                run_group(spec, group, simulated, drv, results["ceiling"], a.repeat, wres["methods"])
+                run_group(spec, group, simulated, drv, results["ceiling"], a.repeat, wres["methods"], hugepages_for=huge)
             except (GpucrError, RuntimeError, OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
                 failed = True
                 _say(f"{spec.name}: {', '.join(m.name for m in group)} failed: {exc}")
