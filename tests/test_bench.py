@@ -175,3 +175,16 @@ def test_hugepages_reserved_for_gpucrs_methods_and_given_back(tmp_path, monkeypa
     if os.geteuid() != 0:   # root writes through the mode bits
         with pytest.raises(run.GpucrError, match="run the bench as root"):
             run.Hugepages(1 << 30).__enter__()
+
+
+def test_results_are_saved_after_every_method():
+    """A run cut short (the device tool's time limit did so once) keeps every method it finished."""
+    from gpucr.bench import run
+    from gpucr.driver import driver_for
+    drv = driver_for(str(paths.simcuda_dir() / "libcuda.so.1"))
+    spec = M.parse_workload("raw:0.05", 0.5)
+    group = [M.make("driver", drv, True), M.make("driver-fresh", drv, True)]
+    out: dict = {}
+    seen: list[list[str]] = []
+    run.run_group(spec, group, True, drv, None, 1, out, saved=lambda: seen.append(sorted(out)))
+    assert seen == [["driver"], ["driver", "driver-fresh"]]

@@ -3,7 +3,7 @@
 Per workload, the methods that need a plain process (the driver's own checkpoint) share one, and
 gpucr's methods share one under the agent, after one warm-up cycle that prepares the agent's
 staging (reported apart). Each cycle is checked: same bytes, same addresses, same next tokens.
-The JSON is rewritten after every workload, so a run cut short keeps what it measured.
+The JSON is rewritten after every method, so a run cut short keeps what it measured.
 """
 from __future__ import annotations
 
@@ -165,17 +165,21 @@ class Hugepages:
 
 
 def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, ceiling: dict | None,
-              repeat: int, out: dict[str, dict[str, Any]], hugepages_for: int | None = None) -> None:
-    """hugepages_for: bytes of hugepages to reserve for the agent's staging while this group runs."""
+              repeat: int, out: dict[str, dict[str, Any]], hugepages_for: int | None = None,
+              saved: Callable[[], None] = lambda: None) -> None:
+    """Start one process for `group`, then time `repeat` cycles of each method on it; each method's
+    results go into `out`, and `saved` is called, as soon as it is done, so a later failure or a
+    time limit keeps them. hugepages_for: bytes of hugepages to reserve for the agent's staging
+    while this group runs."""
     if hugepages_for:
         with Hugepages(hugepages_for) as h:
-            run_group(spec, group, simulate, drv, ceiling, repeat, out)
-            for m in group:
-                if m.name in out:
-                    out[m.name]["hugepages_reserved_bytes"] = h.got * HUGE_PAGE
+            def saved_with_pages() -> None:
+                for m in group:
+                    if m.name in out:
+                        out[m.name]["hugepages_reserved_bytes"] = h.got * HUGE_PAGE
+                saved()
+            run_group(spec, group, simulate, drv, ceiling, repeat, out, saved=saved_with_pages)
         return
-    """Start one process for `group`, then time `repeat` cycles of each method on it; each method's
-    results go into `out` as soon as it is done, so a later failure keeps them."""
     used = _used(drv)
     under_agent = group[0].under_agent
     idle = used()
@@ -210,6 +214,7 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
             checks = [s["correct"] for s in samples] + ([warmup["correct"]] if warmup else [])
             out[m.name] = {"process": proc, "warmup": warmup, "samples": samples, "median": M.medians(samples),
                            "correct": all(all(c.values()) for c in checks), "error": None}
+            saved()
         ok_exit = True
     finally:
         if ok_exit:
@@ -245,6 +250,12 @@ def speedups(by_method: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]
             out[f"gpucr-full_vs_{base}"] = {"checkpoint": b["checkpoint_s"] / g["checkpoint_s"],
                                             "restore": b["restore_s"] / g["restore_s"]}
     return out
+
+
+def _save(path: Path, results: dict[str, Any], wres: dict[str, Any]) -> None:
+    """Written after every method: a run cut short by a time limit keeps what it measured."""
+    wres["speedups"] = speedups(wres["methods"])
+    _write(path, results)
 
 
 def _write(path: Path, results: dict[str, Any]) -> None:
@@ -311,15 +322,14 @@ def main(a: argparse.Namespace) -> int:
         for group in _groups(methods):
             huge = _hugepages_for(a, spec, group, wres["methods"], results) if a.staging_hugepages else None
             try:
-                run_group(spec, group, simulated, drv, results["ceiling"], a.repeat, wres["methods"], hugepages_for=huge)
+                run_group(spec, group, simulated, drv, results["ceiling"], a.repeat, wres["methods"], hugepages_for=huge,
+                          saved=lambda: _save(out, results, wres))
             except (GpucrError, RuntimeError, OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
                 failed = True
                 _say(f"{spec.name}: {', '.join(m.name for m in group)} failed: {exc}")
                 for m in group:
                     wres["methods"].setdefault(m.name, {"error": str(exc), "correct": False})
-            # written after every group of methods: a run cut short by a time limit keeps what it measured
-            wres["speedups"] = speedups(wres["methods"])
-            _write(out, results)
+            _save(out, results, wres)
     failed = failed or not all(r.get("correct") for w in results["workloads"].values() for r in w["methods"].values())
     try:
         report.chart(results, chart)
