@@ -7,6 +7,8 @@
 3. How fast host memory is pinned (cuMemHostRegister) by 1, 2, 4 and 8 threads at once, 2 GiB
    segments of shared memory (and of hugetlbfs when hugepages are free), and unpinned again: the
    rate the restore's pin-ahead threads must keep ahead of the copies with.
+4. How fast CPU threads copy between host buffers (memcpy, 1-16 threads): what the bounce ring
+   (GPUCR_BOUNCE_MIB) needs to keep up with the 55 GB/s copy engine.
 
 Prints one JSON object per line; writes them to $OUT/experiments.jsonl too.
 """
@@ -124,6 +126,27 @@ def pin_rate(segments: int = 8, seg_gib: int = 2) -> None:
             os.close(fd)
 
 
+def memcpy_rate(gib: int = 8) -> None:
+    n = gib << 30
+    src, dst = mmap.mmap(-1, n), mmap.mmap(-1, n)
+    bs, bd = ctypes.c_char.from_buffer(src), ctypes.c_char.from_buffer(dst)
+    a, b = ctypes.addressof(bs), ctypes.addressof(bd)
+    ctypes.memset(a, 1, n)
+    ctypes.memset(b, 0, n)
+    rows = {}
+    for threads in (1, 4, 8, 16):
+        per = n // threads
+        ts = [threading.Thread(target=ctypes.memmove, args=(b + i * per, a + i * per, per)) for i in range(threads)]
+        t0 = time.perf_counter()
+        [t.start() for t in ts]
+        [t.join() for t in ts]
+        rows[threads] = n / (time.perf_counter() - t0) / 1e9
+    emit(experiment="memcpy-rate", bytes=n, gbps_by_threads=rows)
+    del bs, bd
+    src.close()
+    dst.close()
+
+
 def dd(path: Path, gib: int) -> dict:
     out = {}
     w = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={gib * 16}", "oflag=direct", "conv=fsync"],
@@ -188,6 +211,8 @@ if __name__ == "__main__":
     for w in which:
         if w == "pin-rate":
             pin_rate()
+        elif w == "memcpy-rate":
+            memcpy_rate()
         elif w == "image":
             d = Path(os.environ.get("EXP_IMAGE_DIR", "/var/tmp/gpucr-exp"))
             d.mkdir(parents=True, exist_ok=True)

@@ -188,3 +188,13 @@ def test_results_are_saved_after_every_method():
     seen: list[list[str]] = []
     run.run_group(spec, group, True, drv, None, 1, out, saved=lambda: seen.append(sorted(out)))
     assert seen == [["driver"], ["driver", "driver-fresh"]]
+
+
+def test_methods_with_other_agent_settings_get_a_process_of_their_own():
+    from gpucr.bench import run
+    from gpucr.driver import driver_for
+    drv = driver_for(str(paths.simcuda_dir() / "libcuda.so.1"))
+    ms = [M.make(n, drv, True) for n in ("driver", "gpucr-full", "gpucr-full-bounce", "gpucr-data", "driver-fresh")]
+    assert [[m.name for m in g] for g in run._groups(ms)] == [
+        ["driver", "driver-fresh"], ["gpucr-full", "gpucr-data"], ["gpucr-full-bounce"]]
+    assert ms[2].agent_env == {"GPUCR_BOUNCE_MIB": str(M.BOUNCE_MIB)}

@@ -199,6 +199,25 @@ def test_staging_unpinned_for_the_driver_and_pinned_again_at_restore(sim_app, mo
         assert app.ask("digest") == before
 
 
+def test_bounce_ring_keeps_staging_unpinned(sim_app, tmp_path):
+    # two 64 MiB slots and three copy threads for 100+ MiB in odd sizes: every slot is reused, both ways
+    idle = used()
+    app = sim_app("--sizes", "100M,40M,3M,5000,7340033",
+                  env={**os.environ, "GPUCR_BOUNCE_MIB": "128", "GPUCR_BOUNCE_THREADS": "3"})
+    before = app.ask("digest")
+    for i, level in enumerate(["full", "data", "full"]):
+        gpucr.checkpoint(app.pid, level=level)
+        st = gpucr.status(app.pid)
+        assert st["staging_pinned_bytes"] == 0 and st["bounce_pinned_bytes"] == 128 * MiB
+        if level == "full":
+            assert used() - idle <= 16 * MiB
+        gpucr.restore(app.pid)
+        assert app.ask("digest") == before, f"cycle {i}"
+    gpucr.checkpoint(app.pid, image=tmp_path / "img")   # an image goes through staging as before
+    gpucr.restore(app.pid, image=tmp_path / "img")
+    assert app.ask("digest") == before
+
+
 def test_staging_kept_pinned_through_the_driver_by_default(sim_app, monkeypatch):
     monkeypatch.delenv("GPUCR_UNPIN_FOR_DRIVER", raising=False)
     app = sim_app("--sizes", "700M,3M")

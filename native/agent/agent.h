@@ -54,6 +54,10 @@ struct gpucr_driver {
     CUresult (*cuStreamCreate)(CUstream *, unsigned);
     CUresult (*cuStreamSynchronize)(CUstream);
     CUresult (*cuStreamDestroy_v2)(CUstream);
+    CUresult (*cuEventCreate)(CUevent *, unsigned);
+    CUresult (*cuEventRecord)(CUevent, CUstream);
+    CUresult (*cuEventSynchronize)(CUevent);
+    CUresult (*cuEventDestroy_v2)(CUevent);
     CUresult (*cuGetErrorString)(CUresult, const char **);
     CUresult (*cuDeviceGetAttribute)(int *, int, CUdevice);
     int (*simcudaIsSimulated)(void);     /* present only in simcuda, the test double */

@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
+#include "bounce.h"
 #include "dataplane.h"
 #include "registry.h"
 #include "staging.h"
@@ -121,6 +122,7 @@ static void reply_status(struct jb *j)
     staging_get_info(&si);
     jb_int(j, "staging_bytes", (long long)si.bytes);
     jb_int(j, "staging_pinned_bytes", (long long)si.pinned_bytes);
+    jb_int(j, "bounce_pinned_bytes", (long long)bounce_pinned_bytes());
     jb_int(j, "staging_segments", si.segments);
     jb_str(j, "staging", si.kind);
     jb_bool(j, "staging_ahead", si.ahead);

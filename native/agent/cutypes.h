@@ -14,6 +14,7 @@ typedef unsigned long long cuuint64_t;
 typedef unsigned int cuuint32_t;
 typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
+typedef struct CUevent_st *CUevent;
 typedef struct CUfunc_st *CUfunction;
 typedef struct CUgraphExec_st *CUgraphExec;
 typedef struct CUarray_st *CUarray;
@@ -51,6 +52,7 @@ typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc; /* flags 
 enum { CU_MEM_ALLOCATION_TYPE_PINNED = 1, CU_MEM_LOCATION_TYPE_DEVICE = 1, CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
        CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0, CU_MEM_HANDLE_TYPE_NONE = 0 };
 enum { CU_STREAM_NON_BLOCKING = 1 };
+enum { CU_EVENT_DISABLE_TIMING = 2 };
 enum { CU_MEMHOSTREGISTER_PORTABLE = 1 };
 
 #endif

@@ -11,6 +11,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include "bounce.h"
 #include "dataplane.h"
 #include "registry.h"
 #include "staging.h"
@@ -71,6 +72,8 @@ static CUresult copy_chunks(struct phys *p, CUdeviceptr va, bool out, int *turn)
             rc = REAL(cuMemsetD8Async)(va + off, 0, n, s);   /* an image's zero chunk: nothing to copy */
             g_dp.zeroed += n;
         }
+        else if (bounce_enabled())
+            rc = bounce_submit(p->ctx, s, va + off, host + off, n, out);   /* staging is not pinned */
         else
             rc = out ? REAL(cuMemcpyDtoHAsync_v2)(host + off, va + off, n, s)
                      : REAL(cuMemcpyHtoDAsync_v2)(va + off, host + off, n, s);
@@ -81,7 +84,7 @@ static CUresult copy_chunks(struct phys *p, CUdeviceptr va, bool out, int *turn)
 
 static CUresult sync_streams(void)
 {
-    CUresult first = CUDA_SUCCESS;
+    CUresult first = bounce_enabled() ? bounce_wait() : CUDA_SUCCESS;
     for (int i = 0; i < g_dp.nstreams; i++) {
         gpucr_drv.cuCtxSetCurrent(g_dp.streams[i].ctx);
         for (int j = 0; j < NSTREAMS; j++) {
@@ -190,6 +193,7 @@ static int staging_job(struct deadline_job *j)
     pthread_mutex_lock(&g_staging_mu);
     gpucr_drv.cuCtxSetCurrent(j->ctx);
     int rc = staging_fit(j->sizes, j->nsizes, j->err, sizeof j->err);
+    if (rc == 0 && bounce_enabled()) rc = bounce_prepare(j->ctx, j->err, sizeof j->err);
     pthread_mutex_unlock(&g_staging_mu);
     return rc;
 }
@@ -546,6 +550,7 @@ void dp_reset_after_fork(void)
 {
     /* the parent's staging and streams are not the child's: forget them without driver calls */
     staging_reset_after_fork();
+    bounce_reset_after_fork();
     memset(&g_dp, 0, sizeof g_dp);
 }
 

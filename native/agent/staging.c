@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
+#include "bounce.h"
 #include "registry.h"
 #include "staging.h"
 
@@ -156,6 +157,7 @@ static int seg_create(struct seg *g, size_t cap, char *err, size_t errlen)
     }
     touch_parallel(base, cap, k == K_HUGETLB ? HUGE_PAGE : (size_t)sysconf(_SC_PAGESIZE));
     *g = (struct seg){.fd = fd, .base = base, .cap = cap, .kind = k};
+    if (bounce_enabled()) return 0;   /* copies go through the pinned bounce ring: staging stays unpinned */
     CUresult rc = gpucr_drv.cuMemHostRegister_v2(base, cap, CU_MEMHOSTREGISTER_PORTABLE);
     g->pinned = rc == CUDA_SUCCESS;
     if (!g->pinned) gpucr_log("staging segment of %zu MiB could not be pinned (%s): copies use the slower pageable path",
@@ -265,6 +267,7 @@ void staging_unpin_segment(int i)
 
 void staging_pin_for(const void *p)
 {
+    if (bounce_enabled()) return;
     pthread_mutex_lock(&S.mu);
     for (int i = 0; i < S.n; i++) {
         struct seg *g = &S.segs[i];
@@ -296,6 +299,7 @@ static void *pin_loop(void *ctx)
 
 int staging_pin_ahead(CUcontext ctx)
 {
+    if (bounce_enabled()) return 0;
     const char *v = getenv("GPUCR_PIN_THREADS");
     int want = v && *v ? atoi(v) : PIN_THREADS_DEFAULT;
     if (want < 1) want = 1;

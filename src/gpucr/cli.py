@@ -34,6 +34,10 @@ def cmd_run(a: argparse.Namespace) -> int:
         env["GPUCR_STAGING_AHEAD"] = "1"
     if a.staging_policy:
         env["GPUCR_STAGING_POLICY"] = a.staging_policy
+    if a.bounce is not None:
+        if a.bounce < 128:
+            raise GpucrError("--bounce takes the ring's size in MiB, at least 128 (two 64 MiB slots)")
+        env["GPUCR_BOUNCE_MIB"] = str(a.bounce)
     if a.group:
         env["GPUCR_GROUP"] = a.group
     if a.simulate:
@@ -216,6 +220,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="prepare and pin staging in the background as allocations grow, so a checkpoint finds it ready")
     r.add_argument("--staging-policy", choices=("keep", "drop"),
                    help="after a restore, keep staging pinned for the next cycle (default) or give it back")
+    r.add_argument("--bounce", type=int, metavar="MIB", help="leave staging unpinned and copy through a pinned ring of "
+                   "MIB MiB with CPU threads (the driver's checkpoint then handles only the ring's pinned memory)")
     r.add_argument("--group", metavar="NAME", help="make the process a member of a group, checkpointed and restored together "
                    "with 'gpucr checkpoint --group NAME'")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")

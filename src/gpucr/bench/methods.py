@@ -82,9 +82,9 @@ class PlainWorkload(Workload):
             raise RuntimeError(f"workload {module} did not start: {self.info}")
 
 
-def start(spec: Spec, under_agent: bool, simulate: bool) -> Workload:
+def start(spec: Spec, under_agent: bool, simulate: bool, agent_env: dict[str, str] | None = None) -> Workload:
     if under_agent:
-        return Workload(spec.module, *spec.args, simulate=simulate)
+        return Workload(spec.module, *spec.args, simulate=simulate, env={**os.environ, **(agent_env or {})})
     return PlainWorkload(spec.module, *spec.args, simulate=simulate)
 
 
@@ -107,6 +107,7 @@ class Method:
     name = ""
     under_agent = False
     splits = False         # whether data and control are timed apart
+    agent_env: dict[str, str] = {}   # settings the agent reads at start: such methods get a process of their own
 
     def checkpoint(self, pid: int) -> dict[str, Any]:
         raise NotImplementedError
@@ -184,15 +185,17 @@ class GpucrMethod(Method):
     """gpucr: the agent moves the data; at level full the driver then takes the control state.
     unpin: the ablation 'gpucr-full-unpinned', staging unpinned for the driver's checkpoint and
     pinned again during the restore's copies (GPUCR_UNPIN_FOR_DRIVER=1), against the default of
-    leaving it pinned."""
+    leaving it pinned. bounce_mib: 'gpucr-full-bounce', staging never pinned, copies through a
+    pinned ring of that many MiB (GPUCR_BOUNCE_MIB), in a process of its own."""
     under_agent = True
     splits = True
 
-    def __init__(self, level: str, timeout: float = STEP_TIMEOUT_S, unpin: bool = False) -> None:
+    def __init__(self, level: str, timeout: float = STEP_TIMEOUT_S, unpin: bool = False, bounce_mib: int = 0) -> None:
         self.level = level
-        self.name = f"gpucr-{level}" + ("-unpinned" if unpin else "")
+        self.name = f"gpucr-{level}" + ("-unpinned" if unpin else "") + ("-bounce" if bounce_mib else "")
         self.timeout = timeout
         self.unpin = unpin
+        self.agent_env = {"GPUCR_BOUNCE_MIB": str(bounce_mib)} if bounce_mib else {}
 
     def checkpoint(self, pid: int) -> dict[str, Any]:
         if self.unpin:
@@ -221,7 +224,8 @@ def _env(key: str, value: str):
             os.environ[key] = old
 
 
-METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data", "gpucr-full-unpinned")
+BOUNCE_MIB = 1024
+METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data", "gpucr-full-unpinned", "gpucr-full-bounce")
 DEFAULT_METHODS = METHODS[:5]
 
 
@@ -234,6 +238,8 @@ def make(name: str, drv: Driver, simulate: bool) -> Method:
         return GpucrMethod(name.split("-", 1)[1])
     if name == "gpucr-full-unpinned":
         return GpucrMethod("full", unpin=True)
+    if name == "gpucr-full-bounce":
+        return GpucrMethod("full", bounce_mib=BOUNCE_MIB)
     raise GpucrError(f"unknown method '{name}': use some of {', '.join(METHODS)}")
 
 

@@ -88,7 +88,8 @@ def markdown(res: dict[str, Any]) -> str:
     lines += ["", "driver / driver-fresh: the driver's own checkpoint (data and control in one step; its bytes are "
               "the process's whole GPU footprint); gpucr-full: agent moves the data, driver the control state; "
               "gpucr-data: data only, the CUDA context stays; gpucr-full-unpinned (an ablation, when run): gpucr-full "
-              "with the staging unpinned for the driver's checkpoint and pinned again during the restore's copies."]
+              "with the staging unpinned for the driver's checkpoint and pinned again during the restore's copies; "
+              "gpucr-full-bounce (when run): staging never pinned, copies through a 1 GiB pinned ring by CPU threads."]
     return "\n".join(lines)
 
 

@@ -185,7 +185,7 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
     idle = used()
     _say(f"{spec.name}: starting {'under the agent' if under_agent else 'without the agent'} "
          f"for {', '.join(m.name for m in group)}")
-    w = M.start(spec, under_agent, simulate)
+    w = M.start(spec, under_agent, simulate, group[0].agent_env)
     ok_exit = False
     try:
         info = w.ask("info")
@@ -266,10 +266,11 @@ def _write(path: Path, results: dict[str, Any]) -> None:
 
 
 def _groups(ms: list[M.Method]) -> list[list[M.Method]]:
-    """Plain-process methods together, agent methods together, in the order first asked for."""
-    groups: dict[bool, list[M.Method]] = {}
+    """Plain-process methods together, agent methods with the same agent settings together, in the
+    order first asked for."""
+    groups: dict[tuple, list[M.Method]] = {}
     for m in ms:
-        groups.setdefault(m.under_agent, []).append(m)
+        groups.setdefault((m.under_agent, tuple(sorted(m.agent_env.items()))), []).append(m)
     return list(groups.values())
 
 
