@@ -62,13 +62,16 @@ def test_hugepages_asked_for_but_missing_refused_before_touching(sim_app):
 
 # ---- a controller killed at every phase ----
 
-@pytest.mark.parametrize("point,after", [
-    ("after-data-out", "running"),            # the agent's lease rolls it back by itself
-    ("after-driver-lock", "restorable"),      # the driver holds it: a new controller finishes the job
-    ("after-driver-checkpoint", "restorable"),
+@pytest.mark.parametrize("point,after,bounce", [
+    ("after-data-out", "running", None),            # the agent's lease rolls it back by itself
+    ("after-driver-lock", "restorable", None),      # the driver holds it: a new controller finishes the job
+    ("after-driver-checkpoint", "restorable", None),
+    ("after-data-out", "running", "128"),           # the same through the bounce ring
+    ("after-driver-checkpoint", "restorable", "128"),
 ])
-def test_controller_killed_during_checkpoint(sim_app, point, after):
-    app = sim_app("--sizes", "32M,4M", "--vmm-mib", "8")
+def test_controller_killed_during_checkpoint(sim_app, point, after, bounce):
+    env = {**os.environ, "GPUCR_BOUNCE_MIB": bounce} if bounce else None
+    app = sim_app("--sizes", "32M,4M", "--vmm-mib", "8", env=env)
     before = app.ask("digest")
     r = gpucr_cli("checkpoint", str(app.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT=point))
     assert r.returncode == -signal.SIGKILL

@@ -116,6 +116,8 @@ def _status_lines(st: dict[str, Any]) -> list[str]:
     state = st["state"] + (f" (level {st['level']})" if st.get("level") else "")
     if st["state"] == "running" and st.get("gate_closed"):
         state += ", parked: a restore stopped before its last step (run 'gpucr restore' again)"
+    ring = st.get("bounce_pinned_bytes", 0)
+    bounce = f", copies through a {_mib(ring)} pinned bounce ring" if ring else ""
     lines = [f"process {st['pid']}: {state}" + ("" if st.get("cuda") else ", CUDA not loaded") +
              (" [simcuda]" if st.get("simulated") else ""),
              f"  command      {st.get('cmd', '')}",
@@ -125,7 +127,7 @@ def _status_lines(st: dict[str, Any]) -> list[str]:
              f"({al.get('native', 0)} small, {al.get('pool', 0)} pool, {al.get('vmm_left_to_driver', 0)} partial VMM)",
              f"  staging      {_mib(st.get('staging_bytes', 0))} in {st.get('staging_segments', 0)} segments "
              f"({st.get('staging')}, {_mib(st.get('staging_pinned_bytes', 0))} pinned"
-             f"{', prepared ahead' if st.get('staging_ahead') else ''})",
+             f"{', prepared ahead' if st.get('staging_ahead') else ''}{bounce})",
              f"  checkpoints  {st.get('generation', 0)} completed"]
     cyc = st.get("last_cycle_ms") or {}
     if any(cyc.get(k) for k in ("gate", "copy_out", "data_in")):
