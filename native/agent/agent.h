@@ -79,6 +79,11 @@ int64_t gpucr_now_ns(void);
 /* Wait on cv (mu held) for at most 10 ms and never past deadline_ns (gpucr_now_ns clock); the
  * caller re-checks its condition and the deadline around it. */
 void gpucr_cond_wait_step(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t deadline_ns);
+/* Start fn(arg) in a detached thread that takes none of the application's signals; false if it
+ * could not be started. */
+bool gpucr_spawn_detached(void *(*fn)(void *), void *arg);
+/* An integer setting from the environment; dflt when unset or empty. */
+long gpucr_env_long(const char *name, long dflt);
 void gpucr_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void gpucr_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 

@@ -1,6 +1,5 @@
 #define _GNU_SOURCE
 #include <pthread.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -27,13 +26,17 @@ static struct {
     bool ready;
 } B = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
-static long env_long(const char *name, long dflt)
-{
-    const char *v = getenv(name);
-    return v && *v ? atol(v) : dflt;
-}
+/* Read once: staging is pinned or not for the life of the process, whatever the application later
+ * does to its environment; and this is asked for every chunk copied. */
+static long g_ring_mib = -1;
+static pthread_once_t g_ring_once = PTHREAD_ONCE_INIT;
+static void read_ring_mib(void) { g_ring_mib = gpucr_env_long("GPUCR_BOUNCE_MIB", 0); }
 
-bool bounce_enabled(void) { return env_long("GPUCR_BOUNCE_MIB", 0) > 0; }
+bool bounce_enabled(void)
+{
+    pthread_once(&g_ring_once, read_ring_mib);
+    return g_ring_mib > 0;
+}
 
 size_t bounce_pinned_bytes(void)
 {
@@ -88,11 +91,11 @@ int bounce_prepare(CUcontext ctx, char *err, size_t errlen)
 {
     pthread_mutex_lock(&B.mu);
     if (B.ready) { pthread_mutex_unlock(&B.mu); return 0; }
-    long mib = env_long("GPUCR_BOUNCE_MIB", 0);
-    int nslots = (int)(((size_t)mib << 20) / SLOT);
+    bounce_enabled();   /* reads the setting */
+    int nslots = (int)(((size_t)g_ring_mib << 20) / SLOT);
     if (nslots < 2) nslots = 2;
     if (nslots > MAX_SLOTS) nslots = MAX_SLOTS;
-    int nthreads = (int)env_long("GPUCR_BOUNCE_THREADS", 8);
+    int nthreads = (int)gpucr_env_long("GPUCR_BOUNCE_THREADS", 8);
     if (nthreads < 1) nthreads = 1;
     if (nthreads > MAX_THREADS) nthreads = MAX_THREADS;
     size_t bytes = (size_t)nslots * SLOT;
@@ -110,15 +113,8 @@ int bounce_prepare(CUcontext ctx, char *err, size_t errlen)
         munmap(ring, bytes);   /* events already made are few and harmless: not worth undoing here */
         goto out;
     }
-    sigset_t all, prev;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &prev);   /* helper threads take no application signals */
     int started = 0;
-    for (int i = 0; i < nthreads; i++) {
-        pthread_t th;
-        if (pthread_create(&th, NULL, worker, NULL) == 0) { pthread_detach(th); started++; }
-    }
-    pthread_sigmask(SIG_SETMASK, &prev, NULL);
+    for (int i = 0; i < nthreads; i++) started += gpucr_spawn_detached(worker, NULL);
     if (!started) { snprintf(err, errlen, "cannot start the bounce copy threads"); goto out; }
     B.ring = ring;
     B.bytes = bytes;

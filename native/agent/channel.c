@@ -5,7 +5,6 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -464,13 +463,7 @@ void gpucr_channel_start(void)
         return;
     }
     g_listen = fd;
-    /* the channel thread must not take signals meant for the application */
-    sigset_t all, prev;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &prev);
-    pthread_t th;
-    if (pthread_create(&th, NULL, accept_loop, NULL) == 0) pthread_detach(th);
-    pthread_sigmask(SIG_SETMASK, &prev, NULL);
+    gpucr_spawn_detached(accept_loop, NULL);   /* it must not take signals meant for the application */
     gpucr_log("control channel at %s", g_sock);
 }
 

@@ -4,7 +4,6 @@
 #include <dirent.h>
 #include <errno.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -161,14 +160,12 @@ static struct deadline_job *job_new(int (*fn)(struct deadline_job *))
 /* Run the job; 0 when it finished in time (its own result in j->rc), -1 when the deadline passed. */
 static int job_run(struct deadline_job *j, int64_t deadline_ns)
 {
-    pthread_t th;
-    sigset_t all, prev;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &prev);   /* helper threads take no application signals */
-    int created = pthread_create(&th, NULL, job_thread, j);
-    pthread_sigmask(SIG_SETMASK, &prev, NULL);
-    if (created != 0) { j->rc = -1; snprintf(j->err, sizeof j->err, "cannot start a thread"); j->refs = 1; return 0; }
-    pthread_detach(th);
+    if (!gpucr_spawn_detached(job_thread, j)) {
+        j->rc = -1;
+        snprintf(j->err, sizeof j->err, "cannot start a thread");
+        j->refs = 1;
+        return 0;
+    }
     pthread_mutex_lock(&j->mu);
     while (!j->done && gpucr_now_ns() < deadline_ns) gpucr_cond_wait_step(&j->cv, &j->mu, deadline_ns);
     bool done = j->done;

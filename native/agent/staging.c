@@ -22,8 +22,7 @@
  * pinning and copying, more fds); the smallest segment is never larger than it. */
 static size_t seg_target(void)
 {
-    const char *v = getenv("GPUCR_STAGING_SEGMENT_MIB");
-    long long mib = v && *v ? atoll(v) : 0;
+    long mib = gpucr_env_long("GPUCR_STAGING_SEGMENT_MIB", 0);
     return mib >= 2 ? (size_t)mib << 20 : SEG_TARGET_DEFAULT;
 }
 static size_t min_seg(void) { return seg_target() < MIN_SEG_DEFAULT ? seg_target() : MIN_SEG_DEFAULT; }
@@ -231,6 +230,9 @@ int staging_count(void)
     return n;
 }
 
+/* Unpinned, and no thread is pinning it or has failed to. */
+static bool wants_pin(const struct seg *g) { return !g->pinned && !g->pinning && !g->pin_failed; }
+
 static void wait_not_pinning_locked(const struct seg *g)
 {
     while (g->pinning) pthread_cond_wait(&S.cv, &S.mu);
@@ -273,7 +275,7 @@ void staging_pin_for(const void *p)
         struct seg *g = &S.segs[i];
         if ((const char *)p >= (char *)g->base && (const char *)p < (char *)g->base + g->cap) {
             wait_not_pinning_locked(g);   /* a pin-ahead thread has it */
-            if (!g->pinned && !g->pin_failed) pin_locked(g);
+            if (wants_pin(g)) pin_locked(g);
             break;
         }
     }
@@ -287,7 +289,7 @@ static void *pin_loop(void *ctx)
     for (;;) {
         struct seg *g = NULL;
         for (int i = 0; i < S.n && !g; i++)   /* lowest first: the order a restore copies in */
-            if (!S.segs[i].pinned && !S.segs[i].pinning && !S.segs[i].pin_failed) g = &S.segs[i];
+            if (wants_pin(&S.segs[i])) g = &S.segs[i];
         if (!g || S.stop_pinning) break;
         pin_locked(g);
     }
@@ -300,25 +302,17 @@ static void *pin_loop(void *ctx)
 int staging_pin_ahead(CUcontext ctx)
 {
     if (bounce_enabled()) return 0;
-    const char *v = getenv("GPUCR_PIN_THREADS");
-    int want = v && *v ? atoi(v) : PIN_THREADS_DEFAULT;
+    long want = gpucr_env_long("GPUCR_PIN_THREADS", PIN_THREADS_DEFAULT);
     if (want < 1) want = 1;
     if (want > PIN_THREADS_MAX) want = PIN_THREADS_MAX;
     pthread_mutex_lock(&S.mu);
     int unpinned = 0;
-    for (int i = 0; i < S.n; i++) unpinned += !S.segs[i].pinned && !S.segs[i].pinning && !S.segs[i].pin_failed;
-    int n = unpinned < want ? unpinned : want, started = 0;
-    sigset_t all, prev;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &prev);   /* helper threads take no application signals */
-    for (int i = 0; i < n; i++) {
-        pthread_t th;
-        if (pthread_create(&th, NULL, pin_loop, ctx) != 0) break;
-        pthread_detach(th);
+    for (int i = 0; i < S.n; i++) unpinned += wants_pin(&S.segs[i]);
+    int n = unpinned < want ? unpinned : (int)want, started = 0;
+    for (int i = 0; i < n && gpucr_spawn_detached(pin_loop, ctx); i++) {
         S.pinners++;
         started++;
     }
-    pthread_sigmask(SIG_SETMASK, &prev, NULL);
     pthread_mutex_unlock(&S.mu);
     return started;
 }
@@ -438,12 +432,7 @@ void staging_start_ahead(void)
 {
     const char *v = getenv("GPUCR_STAGING_AHEAD");
     if (!v || !*v || *v == '0' || S.ahead) return;
-    sigset_t all, prev;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &prev);
-    pthread_t th;
-    if (pthread_create(&th, NULL, ahead_loop, NULL) == 0) { pthread_detach(th); S.ahead = true; }
-    pthread_sigmask(SIG_SETMASK, &prev, NULL);
+    S.ahead = gpucr_spawn_detached(ahead_loop, NULL);
 }
 
 void staging_reset_after_fork(void)

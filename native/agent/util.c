@@ -1,6 +1,7 @@
-/* Time and logging. Logging goes to stderr, which the application owns: warnings only by default,
+/* Time, logging, threads and settings. Logging goes to stderr, which the application owns: warnings only by default,
  * everything with GPUCR_LOG=1. */
 #include <pthread.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
@@ -25,6 +26,24 @@ void gpucr_cond_wait_step(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t deadl
     ts.tv_sec = abs_ns / 1000000000LL;
     ts.tv_nsec = abs_ns % 1000000000LL;
     pthread_cond_timedwait(cv, mu, &ts);
+}
+
+bool gpucr_spawn_detached(void *(*fn)(void *), void *arg)
+{
+    sigset_t all, prev;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &prev);   /* the new thread inherits this mask */
+    pthread_t th;
+    bool ok = pthread_create(&th, NULL, fn, arg) == 0;
+    if (ok) pthread_detach(th);
+    pthread_sigmask(SIG_SETMASK, &prev, NULL);
+    return ok;
+}
+
+long gpucr_env_long(const char *name, long dflt)
+{
+    const char *v = getenv(name);
+    return v && *v ? atol(v) : dflt;
 }
 
 static void vlog(const char *fmt, va_list ap)
