@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import gpucr
+from gpucr.doctor import meminfo
 from gpucr.workloads.runner import Workload
 
 OUT = Path(os.environ.get("OUT", "."))
@@ -77,8 +78,7 @@ def pin_rate(segments: int = 8, seg_gib: int = 2) -> None:
     assert cu.cuInit(0) == 0 and cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0) == 0
     seg = seg_gib << 30
     kinds = ["shm"]
-    free_huge = next((int(l.split()[1]) for l in Path("/proc/meminfo").read_text().splitlines()
-                      if l.startswith("HugePages_Free:")), 0)
+    free_huge = meminfo().get("HugePages_Free", 0)
     if free_huge * (2 << 20) >= segments * seg:
         kinds.append("hugetlbfs")
     for kind in kinds:
@@ -165,7 +165,6 @@ def image_experiment(directory: Path) -> None:
         result = app.ask("compute")
         gpucr.checkpoint(app.pid, timeout=120)   # warm-up: staging prepared
         gpucr.restore(app.pid, timeout=120)
-        rss_staged = None
         img = directory / "img"
         t0 = time.perf_counter()
         ck = gpucr.checkpoint(app.pid, image=img, timeout=120)

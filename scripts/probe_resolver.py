@@ -1,6 +1,5 @@
 """On a real driver: does cuGetProcAddress return the same pointers as dlsym, and does the agent
 substitute its wrappers under both? (Informs the 'resolve first, then substitute' design.)"""
-import ctypes
 import json
 import subprocess
 import sys

@@ -100,6 +100,19 @@ def cycle_concurrently(pids: list[int], rounds: int, timeout: float = 30.0) -> l
     return errors
 
 
+def process_resources(pid: int) -> tuple[int, int, int]:
+    """Open fds, mappings and RSS bytes of a process, for leak checks across cycles."""
+    import time
+    # the agent closes a controller's connection just after the controller hangs up: let that settle
+    fds = len(os.listdir(f"/proc/{pid}/fd"))
+    for _ in range(20):
+        time.sleep(0.025)
+        fds = min(fds, len(os.listdir(f"/proc/{pid}/fd")))
+    maps = len(Path(f"/proc/{pid}/maps").read_text().splitlines())
+    rss = int(next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith("VmRSS")).split()[1])
+    return fds, maps, rss << 10
+
+
 def check_fork_child_apart(app: Workload, timeout: float = 30.0) -> None:
     """A child forked by an app under the agent has its own agent with an empty registry, refuses a
     checkpoint in one line, and leaves the parent checkpointable."""

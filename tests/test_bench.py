@@ -166,7 +166,7 @@ def test_hugepages_reserved_for_gpucrs_methods_and_given_back(tmp_path, monkeypa
     sysctl.write_text("100\n")
     monkeypatch.setattr(run, "HUGEPAGES_SYSCTL", sysctl)
     # the kernel may grant fewer than asked: what it granted is read back from /proc/meminfo's total
-    monkeypatch.setattr(run, "_meminfo", lambda key: int(sysctl.read_text()) - 7 if key == "HugePages_Total" else 0)
+    monkeypatch.setattr(run, "meminfo", lambda: {"HugePages_Total": int(sysctl.read_text()) - 7})
     with run.Hugepages(10 << 30) as h:
         assert int(sysctl.read_text()) == 100 + 5120 + 1024
         assert h.got == 5120 + 1024 - 7

@@ -16,7 +16,7 @@ import gpucr
 from gpucr import paths
 from gpucr.driver import ProcessState
 
-from conftest import check_fork_child_apart, cycle_concurrently, gpucr_cli, sim_driver
+from conftest import check_fork_child_apart, cycle_concurrently, gpucr_cli, process_resources, sim_driver
 
 MiB = 1 << 20
 
@@ -170,17 +170,6 @@ def test_fork_child_has_its_own_agent_and_no_parent_state(sim_app):
 
 # ---- load ----
 
-def _resources(pid: int) -> tuple[int, int, int]:
-    # the agent closes a controller's connection just after the controller hangs up: let that settle
-    fds = len(os.listdir(f"/proc/{pid}/fd"))
-    for _ in range(20):
-        time.sleep(0.025)
-        fds = min(fds, len(os.listdir(f"/proc/{pid}/fd")))
-    maps = len(Path(f"/proc/{pid}/maps").read_text().splitlines())
-    rss = int(next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith("VmRSS")).split()[1])
-    return fds, maps, rss
-
-
 def test_fifty_cycles_leak_nothing(sim_app):
     app = sim_app("--sizes", "16M,4M,100K", "--vmm-mib", "8")
     before = app.ask("digest")
@@ -190,15 +179,15 @@ def test_fifty_cycles_leak_nothing(sim_app):
     used0 = sim_driver()
     from gpucr.driver import gpu_memory
     dev0 = gpu_memory(used0).used
-    fds0, maps0, rss0 = _resources(app.pid)
+    fds0, maps0, rss0 = process_resources(app.pid)
     for i in range(50):
         gpucr.checkpoint(app.pid, level="full" if i % 2 else "data")
         gpucr.restore(app.pid)
-    fds1, maps1, rss1 = _resources(app.pid)
+    fds1, maps1, rss1 = process_resources(app.pid)
     assert app.ask("digest") == before
     assert fds1 == fds0, "file descriptors leaked"
     assert maps1 <= maps0 + 4, "mappings leaked (a few may come and go with helper threads' stacks)"
-    assert rss1 - rss0 < 8 * 1024, "host memory grew by more than 8 MiB"
+    assert rss1 - rss0 < 8 * MiB, "host memory grew by more than 8 MiB"
     assert gpu_memory(used0).used == dev0, "device memory leaked"
 
 

@@ -13,7 +13,8 @@ from .errors import GpucrError
 HUGE = 2 << 20
 
 
-def _meminfo() -> dict[str, int]:
+def meminfo() -> dict[str, int]:
+    """/proc/meminfo as numbers (kB, or pages for the HugePages_ counts)."""
     out = {}
     for line in Path("/proc/meminfo").read_text().splitlines():
         key, _, rest = line.partition(":")
@@ -22,7 +23,7 @@ def _meminfo() -> dict[str, int]:
 
 
 def report() -> dict[str, Any]:
-    mi = _meminfo()
+    mi = meminfo()
     r: dict[str, Any] = {
         "host_memory_available_bytes": mi.get("MemAvailable", 0) * 1024,
         "hugepages_total": mi.get("HugePages_Total", 0),
@@ -81,7 +82,7 @@ def main(as_json: bool = False) -> int:
     drv = r["driver"]
     print(f"driver        {drv.get('library', 'libcuda.so.1')}: " + (f"CUDA {drv['cuda_version'] // 1000}.{drv['cuda_version'] % 1000 // 10}, "
           f"checkpoint API present" if "cuda_version" in drv else drv.get("problem", "")))
-    print(f"gpu           " + ("none found (NVML)" if r["gpu"] is None else
+    print("gpu           " + ("none found (NVML)" if r["gpu"] is None else
                                f"{gib(r['gpu']['total_bytes'])}, {gib(r['gpu']['used_bytes'])} in use"))
     print(f"host memory   {gib(r['host_memory_available_bytes'])} available")
     print(f"hugepages     {r['hugepages_free']} free of {r['hugepages_total']} ({gib(r['hugepages_free'] * r['hugepage_bytes'])})"

@@ -7,7 +7,6 @@ import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,7 +16,7 @@ from gpucr.coordinator import checkpoint_many, restore_many
 from gpucr.driver import ProcessState, driver_for, gpu_memory
 from gpucr.workloads.runner import Workload
 
-from conftest import check_fork_child_apart, cycle_concurrently, gpu
+from conftest import check_fork_child_apart, cycle_concurrently, gpu, process_resources
 
 pytestmark = [gpu, pytest.mark.gpu]
 MiB = 1 << 20
@@ -69,11 +68,6 @@ def test_restore_refused_while_another_process_holds_the_memory():
             assert gpucr.status(app.pid)["state"] == "checkpointed"
         gpucr.restore(app.pid, timeout=60)
         assert app.ask("digest") == before
-
-
-def _resources(pid: int) -> tuple[int, int, int]:
-    rss = int(next(l for l in Path(f"/proc/{pid}/status").read_text().splitlines() if l.startswith("VmRSS")).split()[1])
-    return len(os.listdir(f"/proc/{pid}/fd")), len(Path(f"/proc/{pid}/maps").read_text().splitlines()), rss << 10
 
 
 def test_managed_and_legacy_ipc_refused_before_touching_on_the_real_driver():
@@ -137,12 +131,12 @@ def test_fifty_cycles_leak_nothing():
         for i in range(5):   # staging prepared, thread stacks cached: the steady state
             gpucr.checkpoint(app.pid, level="full" if i % 2 else "data", timeout=60)
             gpucr.restore(app.pid, timeout=60)
-        fds0, maps0, rss0 = _resources(app.pid)
+        fds0, maps0, rss0 = process_resources(app.pid)
         dev0 = used()
         for i in range(50):
             gpucr.checkpoint(app.pid, level="full" if i % 2 else "data", timeout=60)
             gpucr.restore(app.pid, timeout=60)
-        fds1, maps1, rss1 = _resources(app.pid)
+        fds1, maps1, rss1 = process_resources(app.pid)
         assert app.ask("digest") == before
         assert fds1 <= fds0 + 1 and maps1 <= maps0 + 8 and rss1 <= rss0 + 64 * MiB, (fds0, fds1, maps0, maps1, rss0, rss1)
         assert abs(used() - dev0) <= 16 * MiB

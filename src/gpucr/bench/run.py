@@ -26,6 +26,7 @@ import gpucr
 from . import methods as M
 from . import report
 from ..demo import gpu_present
+from ..doctor import meminfo
 from ..driver import Driver, driver_for, gpu_memory
 from ..errors import GpucrError
 from ..paths import simcuda_dir
@@ -93,8 +94,8 @@ def environment(drv: Driver, simulated: bool) -> dict[str, Any]:
     v = drv.version()
     mem = gpu_memory(drv)
     try:
-        host_mem = int(Path("/proc/meminfo").read_text().split()[1]) * 1024
-    except (OSError, IndexError, ValueError):
+        host_mem = meminfo()["MemTotal"] * 1024
+    except (OSError, IndexError, KeyError, ValueError):
         host_mem = None
     return {
         "host": {"name": socket.gethostname(), "cpus": os.cpu_count(), "memory_bytes": host_mem,
@@ -134,13 +135,6 @@ HUGEPAGES_SYSCTL = Path("/proc/sys/vm/nr_hugepages")
 HUGE_PAGE = 2 << 20
 
 
-def _meminfo(key: str) -> int:
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        if line.startswith(key + ":"):
-            return int(line.split()[1])
-    return 0
-
-
 class Hugepages:
     """Reserve 2 MiB hugepages for the agent's staging while gpucr's methods run, and give them back."""
 
@@ -155,7 +149,7 @@ class Hugepages:
             HUGEPAGES_SYSCTL.write_text(str(self.before + self.want))
         except (OSError, ValueError) as exc:
             raise GpucrError(f"--staging-hugepages: cannot reserve hugepages ({exc}); run the bench as root") from exc
-        self.got = _meminfo("HugePages_Total") - self.before
+        self.got = meminfo()["HugePages_Total"] - self.before
         _say(f"reserved {self.got} of {self.want} hugepages ({self.got * HUGE_PAGE / 2**30:.1f} GiB) for gpucr's staging")
         return self
 
