@@ -6,8 +6,11 @@
  * publishes. That is what makes "checkpoint gives the memory back" observable from outside,
  * and what lets a restore fail for lack of memory.
  *
- * File format: one line "<device> <bytes>" per device, replaced atomically (write a temporary
- * file, rename it). Files of dead processes are ignored and removed by whoever reads them.
+ * Usage is per physical device: a process's ordinal i is physical device i until a restore
+ * with GPU pairs moves it onto another one (usage.phys), and what it charged moves along.
+ *
+ * File format: one line "<device> <bytes>" per physical device, replaced atomically (write a
+ * temporary file, rename it). Files of dead processes are ignored and removed by whoever reads them.
  * Charging (the only path that can run out of memory) holds an flock on <rundir>/lock so two
  * processes cannot both take the last free bytes.
  */
@@ -29,7 +32,8 @@
 
 static struct {
     pthread_mutex_t mu;
-    size_t used[SIM_MAX_DEVICES]; /* this process, as published */
+    size_t used[SIM_MAX_DEVICES]; /* this process, as published: by physical device */
+    int phys[SIM_MAX_DEVICES];    /* ordinal -> physical device */
     char dir[PATH_MAX];
     char mem_path[PATH_MAX];
     int lock_fd;
@@ -170,13 +174,15 @@ CUresult sim_acct_init(void)
         fprintf(stderr, "simcuda: cannot open %s: %s\n", lock_path, strerror(errno));
         return CUDA_ERROR_OPERATING_SYSTEM;
     }
+    for (int d = 0; d < SIM_MAX_DEVICES; d++)
+        usage.phys[d] = d;
     atexit(acct_atexit);
     return CUDA_SUCCESS;
 }
 
 /* Charges bytes[d] on every device if every device has room; the common core of both
  * charge calls. Holds the dir flock so the check and the publication are one step for
- * every process. */
+ * every process. The map is a permutation, so no physical device is counted twice. */
 static CUresult charge(const size_t bytes[SIM_MAX_DEVICES])
 {
     pthread_mutex_lock(&usage.mu);
@@ -186,13 +192,14 @@ static CUresult charge(const size_t bytes[SIM_MAX_DEVICES])
     read_usage(usage.dir, sim_cfg.pid, others);
     CUresult rc = CUDA_SUCCESS;
     for (int d = 0; d < sim_cfg.ndevices; d++) {
-        size_t taken = others[d] + usage.used[d];
+        int p = usage.phys[d];
+        size_t taken = others[p] + usage.used[p];
         if (bytes[d] && (taken > sim_cfg.total_mem || bytes[d] > sim_cfg.total_mem - taken))
             rc = CUDA_ERROR_OUT_OF_MEMORY;
     }
     if (rc == CUDA_SUCCESS) {
         for (int d = 0; d < sim_cfg.ndevices; d++)
-            usage.used[d] += bytes[d];
+            usage.used[usage.phys[d]] += bytes[d];
         publish_locked();
     }
     flock(usage.lock_fd, LOCK_UN);
@@ -215,8 +222,10 @@ CUresult sim_acct_charge_all(const size_t bytes[SIM_MAX_DEVICES])
 void sim_acct_uncharge_all(const size_t bytes[SIM_MAX_DEVICES])
 {
     pthread_mutex_lock(&usage.mu);
-    for (int d = 0; d < sim_cfg.ndevices; d++)
-        usage.used[d] -= bytes[d] < usage.used[d] ? bytes[d] : usage.used[d];
+    for (int d = 0; d < sim_cfg.ndevices; d++) {
+        size_t *used = &usage.used[usage.phys[d]];
+        *used -= bytes[d] < *used ? bytes[d] : *used;
+    }
     publish_locked();
     pthread_mutex_unlock(&usage.mu);
 }
@@ -234,9 +243,48 @@ size_t sim_acct_free(int dev)
     pthread_mutex_lock(&usage.mu);
     size_t others[SIM_MAX_DEVICES] = {0};
     read_usage(usage.dir, sim_cfg.pid, others);
-    size_t taken = others[dev] + usage.used[dev];
+    int p = usage.phys[dev];
+    size_t taken = others[p] + usage.used[p];
     pthread_mutex_unlock(&usage.mu);
     return taken >= sim_cfg.total_mem ? 0 : sim_cfg.total_mem - taken;
+}
+
+int sim_acct_physical(int dev)
+{
+    pthread_mutex_lock(&usage.mu);
+    int p = usage.phys[dev];
+    pthread_mutex_unlock(&usage.mu);
+    return p;
+}
+
+int sim_acct_ordinal(int phys)
+{
+    int dev = -1;
+    pthread_mutex_lock(&usage.mu);
+    for (int d = 0; d < sim_cfg.ndevices && dev < 0; d++)
+        if (usage.phys[d] == phys)
+            dev = d;
+    pthread_mutex_unlock(&usage.mu);
+    return dev;
+}
+
+void sim_acct_devices(int phys[SIM_MAX_DEVICES])
+{
+    pthread_mutex_lock(&usage.mu);
+    memcpy(phys, usage.phys, sizeof(usage.phys));
+    pthread_mutex_unlock(&usage.mu);
+}
+
+void sim_acct_set_devices(const int phys[SIM_MAX_DEVICES])
+{
+    pthread_mutex_lock(&usage.mu);
+    size_t used[SIM_MAX_DEVICES] = {0};
+    for (int d = 0; d < sim_cfg.ndevices; d++)
+        used[phys[d]] = usage.used[usage.phys[d]];
+    memcpy(usage.used, used, sizeof(used));
+    memcpy(usage.phys, phys, sizeof(usage.phys));
+    publish_locked();
+    pthread_mutex_unlock(&usage.mu);
 }
 
 /* ---- extensions: usage as nvidia-smi would show it, without cuInit or a context ---- */

@@ -1,6 +1,8 @@
 /*
  * Devices and contexts. A device is an ordinal below SIMCUDA_DEVICES with fixed, plausible
- * properties (an H200-like compute capability 9.0 part). A context costs SIMCUDA_CTX_BYTES of
+ * properties (an H200-like compute capability 9.0 part). An ordinal stands for a physical
+ * device, itself until a restore with GPU pairs moves the process (accounting.c): what
+ * identifies the hardware (UUID, PCI bus id) is the physical device's. A context costs SIMCUDA_CTX_BYTES of
  * device memory while it lives, as the real driver's per-context reservation does, so a
  * process's usage never drops to 0 unless it is checkpointed or has no context.
  *
@@ -66,14 +68,20 @@ CUresult sim_ctx_current(struct sim_ctx **out)
     return CUDA_SUCCESS;
 }
 
-void sim_ctx_costs_locked(size_t per_dev[SIM_MAX_DEVICES])
+unsigned sim_ctx_costs_locked(size_t per_dev[SIM_MAX_DEVICES])
 {
+    unsigned mask = 0;
     for (int d = 0; d < SIM_MAX_DEVICES; d++)
-        if (ctxs.primary[d].live)
+        if (ctxs.primary[d].live) {
             per_dev[d] += sim_cfg.ctx_bytes;
+            mask |= 1u << d;
+        }
     for (struct sim_ctx *c = ctxs.created; c; c = c->next)
-        if (c->live)
+        if (c->live) {
             per_dev[c->device] += sim_cfg.ctx_bytes;
+            mask |= 1u << c->device;
+        }
+    return mask;
 }
 
 /* Brings a context to life: charges its cost. Caller holds the ctx lock. */
@@ -132,16 +140,11 @@ static CUresult device_get_name(char *name, int len, CUdevice dev)
 }
 SIMAPI CUresult cuDeviceGetName(char *name, int len, CUdevice dev) { SIM_GATED(device_get_name(name, len, dev)); }
 
-/* Deterministic per device (splitmix64 of the ordinal), formatted as a version-4 UUID so
- * tools that print or parse it are happy; the same on every machine and every run. */
-static CUresult device_get_uuid(CUuuid *uuid, CUdevice dev)
+/* Deterministic per physical device (splitmix64 of its number), formatted as a version-4
+ * UUID so tools that print or parse it are happy; the same on every machine and every run. */
+void sim_device_uuid(int phys, CUuuid *uuid)
 {
-    if (!uuid)
-        return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = sim_device_check(dev);
-    if (rc != CUDA_SUCCESS)
-        return rc;
-    uint64_t x = 0x73696d6375646100ull + (uint64_t)dev; /* "simcuda\0" + ordinal */
+    uint64_t x = 0x73696d6375646100ull + (uint64_t)phys; /* "simcuda\0" + device */
     for (int half = 0; half < 2; half++) {
         uint64_t z = (x += 0x9e3779b97f4a7c15ull);
         z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
@@ -151,7 +154,16 @@ static CUresult device_get_uuid(CUuuid *uuid, CUdevice dev)
     }
     uuid->bytes[6] = (char)((uuid->bytes[6] & 0x0f) | 0x40);
     uuid->bytes[8] = (char)((uuid->bytes[8] & 0x3f) | 0x80);
-    return CUDA_SUCCESS;
+}
+
+static CUresult device_get_uuid(CUuuid *uuid, CUdevice dev)
+{
+    if (!uuid)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = sim_device_check(dev);
+    if (rc == CUDA_SUCCESS)
+        sim_device_uuid(sim_acct_physical(dev), uuid);
+    return rc;
 }
 SIMAPI CUresult cuDeviceGetUuid(CUuuid *uuid, CUdevice dev) { SIM_GATED(device_get_uuid(uuid, dev)); }
 SIMAPI CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) { SIM_GATED(device_get_uuid(uuid, dev)); }
@@ -186,7 +198,7 @@ static int attribute_value(CUdevice_attribute attrib, CUdevice dev)
     case CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT: return 132;
     case CU_DEVICE_ATTRIBUTE_CAN_MAP_HOST_MEMORY: return 1;
     case CU_DEVICE_ATTRIBUTE_CONCURRENT_KERNELS: return 1;
-    case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: return 0x10 + dev;
+    case CU_DEVICE_ATTRIBUTE_PCI_BUS_ID: return 0x10 + sim_acct_physical(dev);
     case CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID: return 0;
     case CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID: return 0;
     case CU_DEVICE_ATTRIBUTE_MEMORY_CLOCK_RATE: return 2619000;
@@ -233,7 +245,7 @@ static CUresult device_get_pci_bus_id(char *pciBusId, int len, CUdevice dev)
         return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = sim_device_check(dev);
     if (rc == CUDA_SUCCESS)
-        snprintf(pciBusId, (size_t)len, "0000:%02x:00.0", 0x10 + dev);
+        snprintf(pciBusId, (size_t)len, "0000:%02x:00.0", 0x10 + sim_acct_physical(dev));
     return rc;
 }
 SIMAPI CUresult cuDeviceGetPCIBusId(char *pciBusId, int len, CUdevice dev)
@@ -461,3 +473,58 @@ static CUresult ctx_get_device(CUdevice *device, CUcontext ctx)
 }
 SIMAPI CUresult cuCtxGetDevice(CUdevice *device) { SIM_GATED(ctx_get_device(device, NULL)); }
 SIMAPI CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx) { SIM_GATED(ctx_get_device(device, ctx)); }
+
+/* ---- peer access ---- */
+
+/* Every two distinct simulated devices can reach each other (one NVLink domain). */
+static CUresult device_can_access_peer(int *can, CUdevice dev, CUdevice peer)
+{
+    if (!can)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = sim_device_check(dev);
+    if (rc == CUDA_SUCCESS)
+        rc = sim_device_check(peer);
+    if (rc == CUDA_SUCCESS)
+        *can = dev != peer;
+    return rc;
+}
+SIMAPI CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev)
+{
+    SIM_GATED(device_can_access_peer(canAccessPeer, dev, peerDev));
+}
+
+/* The current context gains access to peer's cuMemAlloc-family allocations, present and
+ * future; VMM memory stays as cuMemSetAccess left it, as on CUDA. */
+static CUresult ctx_enable_peer(CUcontext peer, unsigned flags)
+{
+    struct sim_ctx *c;
+    CUresult rc = sim_ctx_current(&c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (!sim_ctx_is_live(peer) || peer == c)
+        return CUDA_ERROR_INVALID_CONTEXT;
+    if (flags != 0)
+        return CUDA_ERROR_INVALID_VALUE;
+    if (peer->device == c->device)
+        return CUDA_ERROR_INVALID_DEVICE; /* cuDeviceCanAccessPeer says 0 */
+    /* Under the ctx lock neither context can go away between the check and the entry, which
+     * would leave an entry behind for a primary context retained again later. */
+    sim_ctx_lock();
+    rc = c->live && peer->live ? sim_mem_peer_enable(c, peer) : CUDA_ERROR_INVALID_CONTEXT;
+    sim_ctx_unlock();
+    return rc;
+}
+SIMAPI CUresult cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags)
+{
+    SIM_GATED(ctx_enable_peer(peerContext, Flags));
+}
+
+static CUresult ctx_disable_peer(CUcontext peer)
+{
+    struct sim_ctx *c;
+    CUresult rc = sim_ctx_current(&c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    return sim_ctx_is_live(peer) ? sim_mem_peer_disable(c, peer) : CUDA_ERROR_INVALID_CONTEXT;
+}
+SIMAPI CUresult cuCtxDisablePeerAccess(CUcontext peerContext) { SIM_GATED(ctx_disable_peer(peerContext)); }

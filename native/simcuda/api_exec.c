@@ -12,6 +12,9 @@
  * Kernels come from one pseudo-image, any NUL-terminated string starting "simcuda-builtin";
  * its functions are the builtins below. A kernel validates its pointer arguments like the
  * copies do, and fails with CUDA_ERROR_ILLEGAL_ADDRESS instead of faulting.
+ *
+ * Work runs in a context: the stream's, or the current one for the NULL and special streams.
+ * Its device is the one whose access to the memory counts (sim_mem_accessible).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -28,14 +31,20 @@
 
 #define ARG(type, i) (*(const type *)params[i])
 
-static CUresult k_fill_u32(void **params)
+/* Whether a kernel in ctx reaches [p, p+n) with `need` access; caller holds the read lock. */
+static bool reaches(const struct sim_ctx *ctx, uintptr_t p, size_t n, int need)
+{
+    return sim_mem_accessible(ctx, p, n, need, SIM_ENGINE_SM);
+}
+
+static CUresult k_fill_u32(const struct sim_ctx *ctx, void **params)
 {
     uintptr_t p = ARG(CUdeviceptr, 0);
     unsigned v = ARG(unsigned, 1);
     unsigned long long n = ARG(unsigned long long, 2);
     CUresult rc = CUDA_ERROR_ILLEGAL_ADDRESS;
     sim_mem_rdlock();
-    if (n <= SIZE_MAX / 4 && sim_mem_accessible(p, n * 4, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) {
+    if (n <= SIZE_MAX / 4 && reaches(ctx, p, n * 4, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) {
         for (uint32_t *q = (uint32_t *)p; n--;)
             *q++ = v;
         rc = CUDA_SUCCESS;
@@ -44,14 +53,14 @@ static CUresult k_fill_u32(void **params)
     return rc;
 }
 
-static CUresult k_add_u32(void **params)
+static CUresult k_add_u32(const struct sim_ctx *ctx, void **params)
 {
     uintptr_t p = ARG(CUdeviceptr, 0);
     unsigned v = ARG(unsigned, 1);
     unsigned long long n = ARG(unsigned long long, 2);
     CUresult rc = CUDA_ERROR_ILLEGAL_ADDRESS;
     sim_mem_rdlock();
-    if (n <= SIZE_MAX / 4 && sim_mem_accessible(p, n * 4, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) {
+    if (n <= SIZE_MAX / 4 && reaches(ctx, p, n * 4, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) {
         for (uint32_t *q = (uint32_t *)p; n--;)
             *q++ += v;
         rc = CUDA_SUCCESS;
@@ -61,8 +70,9 @@ static CUresult k_add_u32(void **params)
 }
 
 /* A long-running kernel: holds no lock, only its place in the API gate. */
-static CUresult k_spin_ms(void **params)
+static CUresult k_spin_ms(const struct sim_ctx *ctx, void **params)
 {
+    (void)ctx;
     unsigned ms = ARG(unsigned, 0);
     struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
     while (nanosleep(&ts, &ts) != 0 && errno == EINTR)
@@ -70,15 +80,15 @@ static CUresult k_spin_ms(void **params)
     return CUDA_SUCCESS;
 }
 
-static CUresult k_checksum_u32(void **params)
+static CUresult k_checksum_u32(const struct sim_ctx *ctx, void **params)
 {
     uintptr_t p = ARG(CUdeviceptr, 0);
     unsigned long long n = ARG(unsigned long long, 1);
     uintptr_t out = ARG(CUdeviceptr, 2);
     CUresult rc = CUDA_ERROR_ILLEGAL_ADDRESS;
     sim_mem_rdlock();
-    if (n <= SIZE_MAX / 4 && sim_mem_accessible(p, n * 4, CU_MEM_ACCESS_FLAGS_PROT_READ) &&
-        sim_mem_accessible(out, 8, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) {
+    if (n <= SIZE_MAX / 4 && reaches(ctx, p, n * 4, CU_MEM_ACCESS_FLAGS_PROT_READ) &&
+        reaches(ctx, out, 8, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) {
         uint64_t sum = 0;
         for (const uint32_t *q = (const uint32_t *)p; n--;)
             sum += *q++;
@@ -92,7 +102,7 @@ static CUresult k_checksum_u32(void **params)
 struct builtin {
     const char *name;
     unsigned nparams;
-    CUresult (*run)(void **params);
+    CUresult (*run)(const struct sim_ctx *ctx, void **params);
 };
 
 static const struct builtin builtins[] = {
@@ -155,15 +165,26 @@ static struct {
             found = x_ == (obj);                                                               \
     } while (0)
 
-CUresult sim_stream_check(CUstream s)
+/* The context of stream s: cur for the NULL and special streams. */
+static CUresult stream_ctx(CUstream s, struct sim_ctx *cur, struct sim_ctx **out)
 {
-    if (s == NULL || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD)
+    if (s == NULL || s == CU_STREAM_LEGACY || s == CU_STREAM_PER_THREAD) {
+        *out = cur;
         return CUDA_SUCCESS;
+    }
     bool found;
     pthread_mutex_lock(&ex.mu);
     LIST_CONTAINS(ex.streams, s, found);
+    if (found)
+        *out = s->ctx; /* never freed, so still safe to use if the stream goes meanwhile */
     pthread_mutex_unlock(&ex.mu);
     return found ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
+}
+
+CUresult sim_stream_check(CUstream s)
+{
+    struct sim_ctx *c;
+    return stream_ctx(s, NULL, &c);
 }
 
 static bool event_known_locked(struct sim_event *e)
@@ -200,39 +221,68 @@ void sim_exec_drop_ctx(struct sim_ctx *ctx)
     pthread_mutex_unlock(&ex.mu);
 }
 
-/* The context and stream every piece of work needs. */
-static CUresult work_begin(CUstream stream)
+/* The context and stream every piece of work needs; *ctx is the one the work runs in. */
+static CUresult work_ctx(CUstream stream, struct sim_ctx **ctx)
 {
     struct sim_ctx *c;
     CUresult rc = sim_ctx_current(&c);
-    return rc != CUDA_SUCCESS ? rc : sim_stream_check(stream);
+    return rc != CUDA_SUCCESS ? rc : stream_ctx(stream, c, ctx);
+}
+
+static CUresult work_begin(CUstream stream)
+{
+    struct sim_ctx *c;
+    return work_ctx(stream, &c);
 }
 
 /* ---- copies ---- */
 
 enum side { SIDE_DEVICE, SIDE_HOST, SIDE_ANY };
 
-/* A device side must be accessible device (or pinned host) memory; a host side is not
- * checked, as the real driver does not; SIDE_ANY (cuMemcpy) is device if in the arena. */
-static bool side_ok(enum side side, uintptr_t p, size_t n, int need)
+/* A device side must be device (or pinned host) memory the copy's context reaches; a host
+ * side is not checked, as the real driver does not; SIDE_ANY (cuMemcpy) is device if in the
+ * arena. */
+static bool side_ok(const struct sim_ctx *ctx, enum side side, uintptr_t p, size_t n, int need)
 {
     if (side == SIDE_HOST || (side == SIDE_ANY && !sim_mem_in_arena(p)))
         return true;
-    return sim_mem_accessible(p, n, need);
+    return sim_mem_accessible(ctx, p, n, need, SIM_ENGINE_COPY);
 }
 
-static CUresult copy(uintptr_t dst, enum side dside, uintptr_t src, enum side sside, size_t n, CUstream stream)
+/* dctx and sctx: the contexts reaching each side (the work's own context but for
+ * cuMemcpyPeer). */
+static CUresult copy_in(const struct sim_ctx *dctx, uintptr_t dst, enum side dside, const struct sim_ctx *sctx,
+                        uintptr_t src, enum side sside, size_t n)
 {
-    CUresult rc = work_begin(stream);
-    if (rc != CUDA_SUCCESS || n == 0)
-        return rc;
+    CUresult rc = CUDA_SUCCESS;
     sim_mem_rdlock();
-    if (side_ok(dside, dst, n, CU_MEM_ACCESS_FLAGS_PROT_READWRITE) && side_ok(sside, src, n, CU_MEM_ACCESS_FLAGS_PROT_READ))
+    if (side_ok(dctx, dside, dst, n, CU_MEM_ACCESS_FLAGS_PROT_READWRITE) &&
+        side_ok(sctx, sside, src, n, CU_MEM_ACCESS_FLAGS_PROT_READ))
         memmove((void *)dst, (const void *)src, n);
     else
         rc = CUDA_ERROR_INVALID_VALUE;
     sim_mem_unlock();
     return rc;
+}
+
+static CUresult copy(uintptr_t dst, enum side dside, uintptr_t src, enum side sside, size_t n, CUstream stream)
+{
+    struct sim_ctx *c;
+    CUresult rc = work_ctx(stream, &c);
+    if (rc != CUDA_SUCCESS || n == 0)
+        return rc;
+    return copy_in(c, dst, dside, c, src, sside, n);
+}
+
+/* Each side is reached by its own context's device; a copy engine needs no peer access. */
+static CUresult copy_peer(uintptr_t dst, CUcontext dctx, uintptr_t src, CUcontext sctx, size_t n, CUstream stream)
+{
+    CUresult rc = work_begin(stream);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (!sim_ctx_is_live(dctx) || !sim_ctx_is_live(sctx))
+        return CUDA_ERROR_INVALID_CONTEXT;
+    return n == 0 ? CUDA_SUCCESS : copy_in(dctx, dst, SIDE_DEVICE, sctx, src, SIDE_DEVICE, n);
 }
 
 #define U(p) ((uintptr_t)(p))
@@ -311,17 +361,41 @@ SIMAPI CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr dstDevice, CUdeviceptr src
     SIM_GATED(copy(U(dstDevice), SIDE_DEVICE, U(srcDevice), SIDE_DEVICE, ByteCount, hStream));
 }
 
+SIMAPI CUresult cuMemcpyPeer(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice, CUcontext srcContext,
+                             size_t ByteCount)
+{
+    SIM_GATED(copy_peer(U(dstDevice), dstContext, U(srcDevice), srcContext, ByteCount, NULL));
+}
+SIMAPI CUresult cuMemcpyPeer_ptds(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                                  CUcontext srcContext, size_t ByteCount)
+{
+    SIM_GATED(copy_peer(U(dstDevice), dstContext, U(srcDevice), srcContext, ByteCount, NULL));
+}
+
+SIMAPI CUresult cuMemcpyPeerAsync(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                                  CUcontext srcContext, size_t ByteCount, CUstream hStream)
+{
+    SIM_GATED(copy_peer(U(dstDevice), dstContext, U(srcDevice), srcContext, ByteCount, hStream));
+}
+SIMAPI CUresult cuMemcpyPeerAsync_ptsz(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                                       CUcontext srcContext, size_t ByteCount, CUstream hStream)
+{
+    SIM_GATED(copy_peer(U(dstDevice), dstContext, U(srcDevice), srcContext, ByteCount, hStream));
+}
+
 /* ---- memsets ---- */
 
+/* A memset runs on the device like a kernel: no unified-addressing reach into other devices. */
 static CUresult memset_n(uintptr_t dst, uint32_t value, unsigned elem, size_t n, CUstream stream)
 {
-    CUresult rc = work_begin(stream);
+    struct sim_ctx *c;
+    CUresult rc = work_ctx(stream, &c);
     if (rc != CUDA_SUCCESS || n == 0)
         return rc;
     if (dst % elem != 0 || n > SIZE_MAX / elem)
         return CUDA_ERROR_INVALID_VALUE;
     sim_mem_rdlock();
-    if (!sim_mem_accessible(dst, n * elem, CU_MEM_ACCESS_FLAGS_PROT_READWRITE))
+    if (!sim_mem_accessible(c, dst, n * elem, CU_MEM_ACCESS_FLAGS_PROT_READWRITE, SIM_ENGINE_SM))
         rc = CUDA_ERROR_INVALID_VALUE;
     else if (elem == 1)
         memset((void *)dst, (int)value, n);
@@ -602,7 +676,8 @@ static const struct builtin *function_builtin(CUfunction f)
 static CUresult launch_kernel(CUfunction f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned by,
                               unsigned bz, CUstream stream, void **params, void **extra)
 {
-    CUresult rc = work_begin(stream);
+    struct sim_ctx *c;
+    CUresult rc = work_ctx(stream, &c);
     if (rc != CUDA_SUCCESS)
         return rc;
     const struct builtin *b = function_builtin(f);
@@ -617,7 +692,7 @@ static CUresult launch_kernel(CUfunction f, unsigned gx, unsigned gy, unsigned g
             return CUDA_ERROR_INVALID_VALUE;
     /* The grid shape does not matter: a builtin does all of its work in one call. No lock is
      * held here, so a long kernel only occupies its place in the API gate. */
-    return b->run(params);
+    return b->run(c, params);
 }
 SIMAPI CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
                                unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,

@@ -341,9 +341,7 @@ static CUresult mem_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDe
         return rc;
     if (!desc || count == 0 || size == 0 || !granule_aligned(ptr) || !granule_aligned(size))
         return CUDA_ERROR_INVALID_VALUE;
-    /* Every device shares the one host view of the memory, so the page protection is the
-     * most permissive access any descriptor grants. */
-    int flags = CU_MEM_ACCESS_FLAGS_PROT_NONE;
+    /* All descriptors are checked before any applies: a refused call changes nothing. */
     for (size_t i = 0; i < count; i++) {
         if ((rc = check_location(&desc[i].location)) != CUDA_SUCCESS)
             return rc;
@@ -351,9 +349,8 @@ static CUresult mem_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDe
         if (f != CU_MEM_ACCESS_FLAGS_PROT_NONE && f != CU_MEM_ACCESS_FLAGS_PROT_READ &&
             f != CU_MEM_ACCESS_FLAGS_PROT_READWRITE)
             return CUDA_ERROR_INVALID_VALUE;
-        flags |= f;
     }
-    return sim_vmm_set_access(ptr, size, flags);
+    return sim_vmm_set_access(ptr, size, desc, count);
 }
 SIMAPI CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
 {
@@ -371,7 +368,7 @@ static CUresult mem_get_access(unsigned long long *flags, const CUmemLocation *l
     if ((rc = check_location(location)) != CUDA_SUCCESS)
         return rc;
     int f;
-    if ((rc = sim_vmm_get_access(ptr, &f)) == CUDA_SUCCESS)
+    if ((rc = sim_vmm_get_access(ptr, location->id, &f)) == CUDA_SUCCESS)
         *flags = (unsigned long long)f;
     return rc;
 }

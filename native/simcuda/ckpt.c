@@ -10,6 +10,8 @@
  * physical allocation and stops charging contexts, so the process uses 0 bytes of device
  * memory. RESTORE first checks the device has room (else CUDA_ERROR_OUT_OF_MEMORY, still
  * CHECKPOINTED and restorable later), then puts every byte back at the same address.
+ * RESTORE with GPU pairs (old UUID -> new UUID) first moves the process's ordinals onto other
+ * (simulated) GPUs: see remap(). A refused remap leaves the process CHECKPOINTED.
  * A request in the wrong state gets CUDA_ERROR_ILLEGAL_STATE.
  *
  * Controller side: the cuCheckpointProcess* calls connect to the target's socket; they need
@@ -31,7 +33,7 @@
 
 #include "simcuda.h"
 
-#define SIM_CTL_MAGIC 0x31434d53u /* "SMC1": bump with any change to the structs below */
+#define SIM_CTL_MAGIC 0x32434d53u /* "SMC2": bump with any change to the structs below */
 #define SIM_CTL_RECV_TIMEOUT_S 5  /* a controller that connects and says nothing is dropped */
 
 enum sim_ctl_op { OP_GET_STATE = 1, OP_LOCK, OP_CHECKPOINT, OP_RESTORE, OP_UNLOCK, OP_GET_TID };
@@ -40,7 +42,8 @@ struct sim_ctl_req {
     uint32_t magic;
     uint32_t op;
     uint32_t timeout_ms;
-    uint32_t reserved;
+    uint32_t npairs; /* RESTORE: the GPU pairs in pairs[] */
+    CUcheckpointGpuPair pairs[SIM_MAX_DEVICES];
 };
 
 struct sim_ctl_rep {
@@ -74,19 +77,81 @@ static CUresult do_checkpoint(void)
     return rc;
 }
 
-static CUresult do_restore(void)
+/* The physical device with UUID u, or -1. */
+static int uuid_device(const CUuuid *u)
+{
+    for (int d = 0; d < sim_cfg.ndevices; d++) {
+        CUuuid x;
+        sim_device_uuid(d, &x);
+        if (memcmp(&x, u, sizeof(x)) == 0)
+            return d;
+    }
+    return -1;
+}
+
+/* Works out next[ordinal], the physical device each ordinal restores onto, from the current
+ * map cur[] and the request's GPU pairs, which name GPUs by the UUIDs the process sees now.
+ * As on CUDA every GPU the process uses (a context or memory on it: mask `used`) must be an
+ * old UUID; every UUID must be a (simulated) GPU and none may appear twice on either side:
+ * else CUDA_ERROR_INVALID_VALUE. An ordinal the process does not use keeps its GPU if no pair
+ * took it, else gets one left over, so the process still sees every GPU exactly once. */
+static CUresult remap(const struct sim_ctl_req *req, unsigned used, const int cur[SIM_MAX_DEVICES],
+                      int next[SIM_MAX_DEVICES])
+{
+    int n = sim_cfg.ndevices, to[SIM_MAX_DEVICES];
+    bool taken[SIM_MAX_DEVICES] = {false};
+    if (req->npairs > SIM_MAX_DEVICES)
+        return CUDA_ERROR_INVALID_VALUE;
+    for (int d = 0; d < n; d++)
+        to[d] = -1;
+    for (uint32_t i = 0; i < req->npairs; i++) {
+        int from = uuid_device(&req->pairs[i].oldUuid), onto = uuid_device(&req->pairs[i].newUuid);
+        if (from < 0 || onto < 0 || to[from] >= 0 || taken[onto])
+            return CUDA_ERROR_INVALID_VALUE;
+        to[from] = onto;
+        taken[onto] = true;
+    }
+    for (int d = 0; d < n; d++) {
+        next[d] = req->npairs ? to[cur[d]] : cur[d];
+        if (next[d] < 0 && (used & (1u << d)))
+            return CUDA_ERROR_INVALID_VALUE; /* a checkpointed GPU with nowhere to go */
+    }
+    for (int d = 0; d < n; d++)
+        if (next[d] < 0 && !taken[cur[d]]) {
+            next[d] = cur[d];
+            taken[cur[d]] = true;
+        }
+    for (int d = 0, spare = 0; d < n; d++)
+        if (next[d] < 0) {
+            while (taken[spare])
+                spare++;
+            next[d] = spare;
+            taken[spare] = true;
+        }
+    return CUDA_SUCCESS;
+}
+
+static CUresult do_restore(const struct sim_ctl_req *req)
 {
     if (ck.fail_restore) { /* SIMCUDA_FAIL_RESTORE=1: fail once, stay restorable */
         ck.fail_restore = false;
         return CUDA_ERROR_UNKNOWN;
     }
     size_t need[SIM_MAX_DEVICES] = {0};
+    int cur[SIM_MAX_DEVICES], next[SIM_MAX_DEVICES];
     sim_ctx_lock();
-    sim_mem_checkpointed_bytes(need);
-    sim_ctx_costs_locked(need);
-    CUresult rc = sim_acct_charge_all(need); /* the room check: all or nothing */
-    if (rc == CUDA_SUCCESS && (rc = sim_mem_restore()) != CUDA_SUCCESS)
-        sim_acct_uncharge_all(need);
+    unsigned used = sim_mem_checkpointed_bytes(need) | sim_ctx_costs_locked(need);
+    sim_acct_devices(cur);
+    CUresult rc = remap(req, used, cur, next);
+    if (rc == CUDA_SUCCESS) {
+        /* Move first: the room check and the memfds are on the GPUs restored onto. */
+        sim_acct_set_devices(next);
+        rc = sim_acct_charge_all(need); /* the room check: all or nothing */
+        if (rc == CUDA_SUCCESS && (rc = sim_mem_restore()) != CUDA_SUCCESS)
+            sim_acct_uncharge_all(need);
+        if (rc != CUDA_SUCCESS)
+            sim_acct_set_devices(cur);
+    }
     sim_ctx_unlock();
     return rc;
 }
@@ -119,7 +184,7 @@ static CUresult handle(const struct sim_ctl_req *req)
     case OP_RESTORE: {
         if (ck.state != CU_PROCESS_STATE_CHECKPOINTED)
             return CUDA_ERROR_ILLEGAL_STATE;
-        CUresult rc = do_restore();
+        CUresult rc = do_restore(req);
         if (rc == CUDA_SUCCESS)
             ck.state = CU_PROCESS_STATE_LOCKED;
         return rc;
@@ -239,7 +304,7 @@ CUresult sim_ctl_start(void)
 
 /* ---- controller side ---- */
 
-static CUresult ctl_call(int pid, uint32_t op, uint32_t timeout_ms, struct sim_ctl_rep *rep)
+static CUresult ctl_call(int pid, struct sim_ctl_req *req, struct sim_ctl_rep *rep)
 {
     if (pid <= 0 || (kill(pid, 0) != 0 && errno == ESRCH))
         return CUDA_ERROR_INVALID_VALUE;
@@ -260,8 +325,8 @@ static CUresult ctl_call(int pid, uint32_t op, uint32_t timeout_ms, struct sim_c
         /* No socket, or a stale one nobody listens on: alive but not a simcuda CUDA process. */
         return err == EACCES || err == EPERM ? CUDA_ERROR_NOT_PERMITTED : CUDA_ERROR_NOT_INITIALIZED;
     }
-    struct sim_ctl_req req = {.magic = SIM_CTL_MAGIC, .op = op, .timeout_ms = timeout_ms};
-    bool ok = io_full(fd, &req, sizeof(req), true) && io_full(fd, rep, sizeof(*rep), false);
+    req->magic = SIM_CTL_MAGIC;
+    bool ok = io_full(fd, req, sizeof(*req), true) && io_full(fd, rep, sizeof(*rep), false);
     close(fd);
     if (!ok) /* the target died while we waited, or hung up */
         return kill(pid, 0) != 0 && errno == ESRCH ? CUDA_ERROR_INVALID_VALUE : CUDA_ERROR_UNKNOWN;
@@ -280,44 +345,54 @@ SIMAPI CUresult cuCheckpointProcessLock(int pid, CUcheckpointLockArgs *args)
 {
     if (args && (args->reserved0 || !all_zero(args->reserved1, sizeof(args->reserved1))))
         return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctl_req req = {.op = OP_LOCK, .timeout_ms = args ? args->timeoutMs : 0};
     struct sim_ctl_rep rep;
-    return ctl_call(pid, OP_LOCK, args ? args->timeoutMs : 0, &rep);
+    return ctl_call(pid, &req, &rep);
 }
 
 SIMAPI CUresult cuCheckpointProcessCheckpoint(int pid, CUcheckpointCheckpointArgs *args)
 {
     if (args && !all_zero(args, sizeof(*args)))
         return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctl_req req = {.op = OP_CHECKPOINT};
     struct sim_ctl_rep rep;
-    return ctl_call(pid, OP_CHECKPOINT, 0, &rep);
+    return ctl_call(pid, &req, &rep);
 }
 
 SIMAPI CUresult cuCheckpointProcessRestore(int pid, CUcheckpointRestoreArgs *args)
 {
+    struct sim_ctl_req req = {.op = OP_RESTORE};
     if (args) {
         if (!all_zero(args->reserved, sizeof(args->reserved)) || args->reserved1)
             return CUDA_ERROR_INVALID_VALUE;
-        if (args->gpuPairs || args->gpuPairsCount)
-            return CUDA_ERROR_NOT_SUPPORTED; /* no restoring onto another (simulated) GPU */
+        /* The target checks the pairs against its GPUs; more pairs than there can be GPUs
+         * must name one twice. */
+        if (args->gpuPairsCount && (!args->gpuPairs || args->gpuPairsCount > SIM_MAX_DEVICES))
+            return CUDA_ERROR_INVALID_VALUE;
+        req.npairs = args->gpuPairsCount;
+        if (req.npairs)
+            memcpy(req.pairs, args->gpuPairs, req.npairs * sizeof(req.pairs[0]));
     }
     struct sim_ctl_rep rep;
-    return ctl_call(pid, OP_RESTORE, 0, &rep);
+    return ctl_call(pid, &req, &rep);
 }
 
 SIMAPI CUresult cuCheckpointProcessUnlock(int pid, CUcheckpointUnlockArgs *args)
 {
     if (args && !all_zero(args, sizeof(*args)))
         return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctl_req req = {.op = OP_UNLOCK};
     struct sim_ctl_rep rep;
-    return ctl_call(pid, OP_UNLOCK, 0, &rep);
+    return ctl_call(pid, &req, &rep);
 }
 
 SIMAPI CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state)
 {
     if (!state)
         return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctl_req req = {.op = OP_GET_STATE};
     struct sim_ctl_rep rep;
-    CUresult rc = ctl_call(pid, OP_GET_STATE, 0, &rep);
+    CUresult rc = ctl_call(pid, &req, &rep);
     if (rc == CUDA_SUCCESS)
         *state = rep.state;
     return rc;
@@ -327,8 +402,9 @@ SIMAPI CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
 {
     if (!tid)
         return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctl_req req = {.op = OP_GET_TID};
     struct sim_ctl_rep rep;
-    CUresult rc = ctl_call(pid, OP_GET_TID, 0, &rep);
+    CUresult rc = ctl_call(pid, &req, &rep);
     if (rc == CUDA_SUCCESS)
         *tid = rep.tid;
     return rc;

@@ -7,8 +7,10 @@
  *   reservation  a VA range handed out from the arena (first fit, 2 MiB granules)
  *   physical     a memfd of whole granules, named by a small handle id never reused
  *   mapping      physical memory mmap'ed MAP_SHARED|MAP_FIXED into a reservation, PROT_NONE
- *                until cuMemSetAccess, so code that forgets SetAccess faults as on a GPU
- * cuMemAlloc & co. are the same three steps done internally ("owned" reservations).
+ *                until cuMemSetAccess, so code that forgets SetAccess faults as on a GPU.
+ *                Access is kept per device; the host view is the union of all devices' access.
+ * cuMemAlloc & co. are the same three steps done internally ("owned" reservations); they are
+ * accessible from their context's device and from contexts with peer access to it.
  * Physical memory is freed when its handle is released and nothing maps it any more.
  *
  * All of this is under one rwlock: copies and kernels hold it shared while they touch memory,
@@ -75,7 +77,14 @@ struct sim_map {
     struct sim_phys *phys;
     struct sim_alloc *owner;
     struct sim_ctx *ctx;
-    unsigned char prot[]; /* per granule: CU_MEM_ACCESS_FLAGS_PROT_* */
+    unsigned char prot[]; /* CU_MEM_ACCESS_FLAGS_PROT_* per granule and device: see map_access */
+};
+
+/* cuCtxEnablePeerAccess: ctx reaches peer's cuMemAlloc-family memory. Kept here, not with the
+ * contexts, because accessibility is decided under the memory lock. */
+struct sim_peer {
+    struct sim_peer *next;
+    const struct sim_ctx *ctx, *peer;
 };
 
 struct sim_host {
@@ -102,6 +111,7 @@ static struct {
     struct sim_alloc *allocs;
     struct sim_host *hosts;
     struct sim_map **maps; /* sorted by va, non-overlapping */
+    struct sim_peer *peers;
     size_t nmaps, cap;
     CUmemGenericAllocationHandle next_id;
     bool checkpointed;
@@ -282,21 +292,43 @@ static int prot_of(int access_flags)
     }
 }
 
-/* Re-applies a mapping's per-granule protections, one mprotect per run of equal flags. */
-static void map_apply_prot(const struct sim_map *m)
+/* Granule g's access flags, one byte per device ordinal. */
+static unsigned char *map_access(const struct sim_map *m, size_t g)
 {
-    size_t n = m->size / SIM_GRANULE;
-    for (size_t g = 0; g < n;) {
-        size_t h = g;
-        while (h < n && m->prot[h] == m->prot[g])
-            h++;
-        mprotect((void *)(m->va + g * SIM_GRANULE), (h - g) * SIM_GRANULE, prot_of(m->prot[g]));
-        g = h;
-    }
+    return (unsigned char *)m->prot + g * (size_t)sim_cfg.ndevices;
 }
 
+/* Every device shares the one host view of the memory, so a granule's page protection is the
+ * most permissive access any device has: none at all still faults on the host. */
+static int granule_prot(const struct sim_map *m, size_t g)
+{
+    const unsigned char *a = map_access(m, g);
+    int flags = CU_MEM_ACCESS_FLAGS_PROT_NONE;
+    for (int d = 0; d < sim_cfg.ndevices; d++)
+        flags |= a[d];
+    return prot_of(flags);
+}
+
+/* Re-applies the protections of granules [g, end) of a mapping, one mprotect per run of
+ * equal protection. */
+static bool map_apply_prot(const struct sim_map *m, size_t g, size_t end)
+{
+    bool ok = true;
+    while (g < end) {
+        int prot = granule_prot(m, g);
+        size_t h = g + 1;
+        while (h < end && granule_prot(m, h) == prot)
+            h++;
+        ok = mprotect((void *)(m->va + g * SIM_GRANULE), (h - g) * SIM_GRANULE, prot) == 0 && ok;
+        g = h;
+    }
+    return ok;
+}
+
+/* An application mapping starts inaccessible to every device; cuMemAlloc's (owner) is
+ * read-write for its context's device. */
 static CUresult map_insert_locked(uintptr_t va, size_t size, size_t offset, struct sim_phys *ph,
-                                  struct sim_alloc *owner, struct sim_ctx *ctx, int access)
+                                  struct sim_alloc *owner, struct sim_ctx *ctx)
 {
     size_t i = map_lower_bound(va);
     if ((i < mem.nmaps && mem.maps[i]->va < va + size) ||
@@ -310,12 +342,15 @@ static CUresult map_insert_locked(uintptr_t va, size_t size, size_t offset, stru
         mem.maps = maps;
         mem.cap = cap;
     }
-    struct sim_map *m = malloc(sizeof(*m) + size / SIM_GRANULE);
+    size_t ngran = size / SIM_GRANULE;
+    struct sim_map *m = calloc(1, sizeof(*m) + ngran * (size_t)sim_cfg.ndevices);
     if (!m)
         return CUDA_ERROR_OUT_OF_MEMORY;
     *m = (struct sim_map){.va = va, .size = size, .offset = offset, .phys = ph, .owner = owner, .ctx = ctx};
-    memset(m->prot, access, size / SIM_GRANULE);
-    if (mmap((void *)va, size, prot_of(access), MAP_SHARED | MAP_FIXED, ph->fd, (off_t)offset) == MAP_FAILED) {
+    for (size_t g = 0; owner && g < ngran; g++)
+        map_access(m, g)[ctx->device] = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+    if (mmap((void *)va, size, owner ? PROT_READ | PROT_WRITE : PROT_NONE, MAP_SHARED | MAP_FIXED, ph->fd,
+             (off_t)offset) == MAP_FAILED) {
         free(m);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -360,7 +395,25 @@ static CUresult map_cover(uintptr_t va, size_t size, bool whole, size_t *first)
     }
 }
 
-bool sim_mem_accessible(uintptr_t p, size_t n, int need)
+static bool peer_enabled_locked(const struct sim_ctx *ctx, const struct sim_ctx *peer)
+{
+    for (struct sim_peer *e = mem.peers; e; e = e->next)
+        if (e->ctx == ctx && e->peer == peer)
+            return true;
+    return false;
+}
+
+/* Does work in ctx reach granule g of m with `need` access? cuMemAlloc memory is read-write
+ * wherever it is reachable at all; VMM memory has what cuMemSetAccess gave ctx's device. */
+static bool map_grants(const struct sim_map *m, size_t g, const struct sim_ctx *ctx, int need,
+                       enum sim_engine engine)
+{
+    if (m->owner)
+        return engine == SIM_ENGINE_COPY || m->ctx->device == ctx->device || peer_enabled_locked(ctx, m->ctx);
+    return (map_access(m, g)[ctx->device] & need) == need;
+}
+
+bool sim_mem_accessible(const struct sim_ctx *ctx, uintptr_t p, size_t n, int need, enum sim_engine engine)
 {
     if (n == 0)
         return true;
@@ -379,7 +432,7 @@ bool sim_mem_accessible(uintptr_t p, size_t n, int need)
         struct sim_map *m = mem.maps[i];
         uintptr_t stop = end < m->va + m->size ? end : m->va + m->size;
         for (size_t g = (p - m->va) / SIM_GRANULE; g <= (stop - 1 - m->va) / SIM_GRANULE; g++)
-            if ((m->prot[g] & need) != need)
+            if (!map_grants(m, g, ctx, need, engine))
                 return false;
         if (stop == end)
             return true;
@@ -402,7 +455,8 @@ static struct sim_phys *phys_by_handle(CUmemGenericAllocationHandle h)
 static int memfd_for(int device, size_t size)
 {
     char name[32];
-    snprintf(name, sizeof(name), "simcuda:dev=%d", device); /* import reads the device back */
+    /* Import reads the device back, maybe in another process: name the physical device. */
+    snprintf(name, sizeof(name), "simcuda:dev=%d", sim_acct_physical(device));
     int fd = memfd_create(name, MFD_CLOEXEC);
     if (fd >= 0 && ftruncate(fd, (off_t)size) != 0) {
         close(fd);
@@ -534,7 +588,7 @@ CUresult sim_vmm_map(CUdeviceptr va, size_t size, size_t offset, CUmemGenericAll
     struct sim_resv *r = resv_containing(va, size);
     CUresult rc = CUDA_ERROR_INVALID_VALUE;
     if (ph && r && !r->owner && offset <= ph->size && size <= ph->size - offset)
-        rc = map_insert_locked(va, size, offset, ph, NULL, ctx, CU_MEM_ACCESS_FLAGS_PROT_NONE);
+        rc = map_insert_locked(va, size, offset, ph, NULL, ctx);
     sim_mem_unlock();
     return rc;
 }
@@ -551,31 +605,79 @@ CUresult sim_vmm_unmap(CUdeviceptr va, size_t size)
     return rc;
 }
 
-CUresult sim_vmm_set_access(CUdeviceptr va, size_t size, int flags)
+/* Descriptors apply in order, so a later one for the same device wins, and devices no
+ * descriptor names keep their access, as on CUDA. */
+CUresult sim_vmm_set_access(CUdeviceptr va, size_t size, const CUmemAccessDesc *desc, size_t count)
 {
     wrlock();
     size_t i;
     CUresult rc = map_cover(va, size, false, &i);
-    if (rc == CUDA_SUCCESS && mprotect((void *)va, size, prot_of(flags)) != 0)
-        rc = CUDA_ERROR_INVALID_VALUE;
     for (uintptr_t p = va, end = va + size; rc == CUDA_SUCCESS && p < end; i++) {
         struct sim_map *m = mem.maps[i];
         uintptr_t stop = end < m->va + m->size ? end : m->va + m->size;
-        memset(&m->prot[(p - m->va) / SIM_GRANULE], flags, (stop - p) / SIM_GRANULE);
+        size_t g0 = (p - m->va) / SIM_GRANULE, g1 = (stop - m->va) / SIM_GRANULE;
+        for (size_t g = g0; g < g1; g++)
+            for (size_t k = 0; k < count; k++)
+                map_access(m, g)[desc[k].location.id] = (unsigned char)desc[k].flags;
+        if (!map_apply_prot(m, g0, g1))
+            rc = CUDA_ERROR_OUT_OF_MEMORY; /* the kernel ran out of VMAs for the host view */
         p = stop;
     }
     sim_mem_unlock();
     return rc;
 }
 
-CUresult sim_vmm_get_access(CUdeviceptr va, int *flags)
+CUresult sim_vmm_get_access(CUdeviceptr va, int dev, int *flags)
 {
     sim_mem_rdlock();
     struct sim_map *m = map_find(va, NULL);
     if (m)
-        *flags = m->prot[(va - m->va) / SIM_GRANULE];
+        *flags = map_access(m, (va - m->va) / SIM_GRANULE)[dev];
     sim_mem_unlock();
     return m ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
+CUresult sim_mem_peer_enable(const struct sim_ctx *ctx, const struct sim_ctx *peer)
+{
+    struct sim_peer *e = malloc(sizeof(*e));
+    if (!e)
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    wrlock();
+    CUresult rc = CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED;
+    if (!peer_enabled_locked(ctx, peer)) {
+        *e = (struct sim_peer){.next = mem.peers, .ctx = ctx, .peer = peer};
+        mem.peers = e;
+        rc = CUDA_SUCCESS;
+    }
+    sim_mem_unlock();
+    if (rc != CUDA_SUCCESS)
+        free(e);
+    return rc;
+}
+
+/* Removes ctx's peer access to peer; with peer NULL, every entry naming ctx on either side. */
+static bool peers_remove_locked(const struct sim_ctx *ctx, const struct sim_ctx *peer)
+{
+    bool found = false;
+    for (struct sim_peer **l = &mem.peers, *e; (e = *l);) {
+        bool match = peer ? e->ctx == ctx && e->peer == peer : e->ctx == ctx || e->peer == ctx;
+        if (match) {
+            *l = e->next;
+            free(e);
+            found = true;
+        } else {
+            l = &e->next;
+        }
+    }
+    return found;
+}
+
+CUresult sim_mem_peer_disable(const struct sim_ctx *ctx, const struct sim_ctx *peer)
+{
+    wrlock();
+    bool found = peers_remove_locked(ctx, peer);
+    sim_mem_unlock();
+    return found ? CUDA_SUCCESS : CUDA_ERROR_PEER_ACCESS_NOT_ENABLED;
 }
 
 CUresult sim_vmm_retain(CUmemGenericAllocationHandle *h, CUdeviceptr va)
@@ -627,7 +729,7 @@ CUresult sim_vmm_import_fd(CUmemGenericAllocationHandle *h, int fd)
     if (n < 0 || fstat(fd, &st) != 0)
         return CUDA_ERROR_INVALID_VALUE;
     target[n] = '\0';
-    if (sscanf(target, "/memfd:simcuda:dev=%d", &dev) != 1 || sim_device_check(dev) != CUDA_SUCCESS ||
+    if (sscanf(target, "/memfd:simcuda:dev=%d", &dev) != 1 || (dev = sim_acct_ordinal(dev)) < 0 ||
         st.st_size <= 0 || st.st_size % SIM_GRANULE != 0)
         return CUDA_ERROR_INVALID_VALUE;
 
@@ -681,7 +783,7 @@ CUresult sim_alloc(CUdeviceptr *va, size_t size, enum sim_alloc_kind kind, struc
     wrlock();
     rc = a && r ? va_take(0, span, SIM_GRANULE, &addr) : CUDA_ERROR_OUT_OF_MEMORY;
     if (rc == CUDA_SUCCESS) {
-        rc = map_insert_locked(addr, span, 0, ph, a, ctx, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+        rc = map_insert_locked(addr, span, 0, ph, a, ctx);
         if (rc != CUDA_SUCCESS)
             va_give(addr, span);
     }
@@ -759,9 +861,10 @@ static void host_remove_locked(struct sim_host **link)
 
 void sim_mem_drop_ctx(struct sim_ctx *ctx)
 {
-    /* As on the real driver, a context takes its cuMemAlloc-family allocations and its pinned
-     * host memory with it; VMM memory belongs to the device and stays. */
+    /* As on the real driver, a context takes its cuMemAlloc-family allocations, its pinned
+     * host memory and its peer access with it; VMM memory belongs to the device and stays. */
     wrlock();
+    peers_remove_locked(ctx, NULL);
     for (struct sim_alloc *a = mem.allocs, *next; a; a = next) {
         next = a->next;
         if (a->ctx == ctx)
@@ -942,12 +1045,16 @@ CUresult sim_mem_checkpoint(size_t charged[SIM_MAX_DEVICES])
     return CUDA_SUCCESS;
 }
 
-void sim_mem_checkpointed_bytes(size_t need[SIM_MAX_DEVICES])
+unsigned sim_mem_checkpointed_bytes(size_t need[SIM_MAX_DEVICES])
 {
+    unsigned mask = 0;
     sim_mem_rdlock();
-    for (struct sim_phys *ph = mem.phys; ph; ph = ph->next)
+    for (struct sim_phys *ph = mem.phys; ph; ph = ph->next) {
         need[ph->device] += ph->charged;
+        mask |= 1u << ph->device;
+    }
     sim_mem_unlock();
+    return mask;
 }
 
 static bool phys_refill(struct sim_phys *ph)
@@ -988,7 +1095,7 @@ CUresult sim_mem_restore(void)
             MAP_FAILED) {
             rc = CUDA_ERROR_OUT_OF_MEMORY;
         } else {
-            map_apply_prot(m);
+            map_apply_prot(m, 0, m->size / SIM_GRANULE);
             mapped++;
         }
     }

@@ -81,6 +81,8 @@ CUresult sim_rundir(char *buf, size_t len);
 /* Builds "<rundir>/<pid><suffix>". */
 CUresult sim_rundir_path(char *buf, size_t len, pid_t pid, const char *suffix);
 CUresult sim_acct_init(void);
+/* Device arguments are this process's ordinals; usage is published per physical device
+ * (the GPU an ordinal stands for, which a restore with GPU pairs can change). */
 /* Charges bytes to this process on dev; CUDA_ERROR_OUT_OF_MEMORY if the device lacks room. */
 CUresult sim_acct_charge(int dev, size_t bytes);
 void sim_acct_uncharge(int dev, size_t bytes);
@@ -89,6 +91,14 @@ CUresult sim_acct_charge_all(const size_t bytes[SIM_MAX_DEVICES]);
 void sim_acct_uncharge_all(const size_t bytes[SIM_MAX_DEVICES]);
 /* Free bytes on dev as every live process sees it. */
 size_t sim_acct_free(int dev);
+/* The physical device behind ordinal dev; identity until a restore remaps the process. */
+int sim_acct_physical(int dev);
+/* The ordinal standing for physical device phys, or -1. */
+int sim_acct_ordinal(int phys);
+/* Reads / replaces the whole ordinal -> physical map (phys[] is a permutation of the devices);
+ * replacing it moves what the process has charged along with its ordinals. */
+void sim_acct_devices(int phys[SIM_MAX_DEVICES]);
+void sim_acct_set_devices(const int phys[SIM_MAX_DEVICES]);
 
 /* ---- api_device.c: contexts ---- */
 
@@ -103,11 +113,14 @@ struct sim_ctx {
 /* The calling thread's current context, or CUDA_ERROR_INVALID_CONTEXT. */
 CUresult sim_ctx_current(struct sim_ctx **out);
 bool sim_ctx_is_live(struct sim_ctx *ctx);
-/* Per-device context cost (ctx_bytes per live context); caller holds the ctx lock. */
-void sim_ctx_costs_locked(size_t per_dev[SIM_MAX_DEVICES]);
+/* Adds the per-device context cost (ctx_bytes per live context) to per_dev; returns the mask
+ * of devices with a live context. Caller holds the ctx lock. */
+unsigned sim_ctx_costs_locked(size_t per_dev[SIM_MAX_DEVICES]);
 void sim_ctx_lock(void);
 void sim_ctx_unlock(void);
 CUresult sim_device_check(CUdevice dev);
+/* The UUID of a physical device (not an ordinal: see sim_acct_physical). */
+void sim_device_uuid(int phys, CUuuid *uuid);
 
 /* ---- memory.c ---- */
 
@@ -130,10 +143,23 @@ CUresult sim_mem_init(void);
  * unmapped under them; everything that changes the maps takes the write lock. */
 void sim_mem_rdlock(void);
 void sim_mem_unlock(void);
-/* With the read lock held: is [p, p+n) device memory mapped with at least `need` access
- * (CU_MEM_ACCESS_FLAGS_PROT_READ or _READWRITE), or registered/allocated host memory? */
-bool sim_mem_accessible(uintptr_t p, size_t n, int need);
+
+/* What touches memory: SMs (kernels, memsets) reach only what the device may access; a copy
+ * engine also reaches any device's cuMemAlloc memory (unified addressing: copies between
+ * devices need no peer access on CUDA). */
+enum sim_engine { SIM_ENGINE_SM, SIM_ENGINE_COPY };
+
+/* With the read lock held: may work issued in ctx touch [p, p+n) with at least `need` access
+ * (CU_MEM_ACCESS_FLAGS_PROT_READ or _READWRITE)? VMM memory: what cuMemSetAccess granted to
+ * ctx's device; cuMemAlloc-family memory: its context's device and contexts that enabled
+ * peer access to that context (any context for a copy engine); pinned host memory: always. */
+bool sim_mem_accessible(const struct sim_ctx *ctx, uintptr_t p, size_t n, int need, enum sim_engine engine);
 bool sim_mem_in_arena(uintptr_t p);
+
+/* Peer access of ctx to peer's cuMemAlloc-family memory (cuCtxEnablePeerAccess).
+ * CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED / _NOT_ENABLED as on CUDA. */
+CUresult sim_mem_peer_enable(const struct sim_ctx *ctx, const struct sim_ctx *peer);
+CUresult sim_mem_peer_disable(const struct sim_ctx *ctx, const struct sim_ctx *peer);
 
 CUresult sim_vmm_reserve(CUdeviceptr *va, size_t size, size_t align, CUdeviceptr hint);
 CUresult sim_vmm_free(CUdeviceptr va, size_t size);
@@ -142,8 +168,9 @@ CUresult sim_vmm_release(CUmemGenericAllocationHandle h);
 CUresult sim_vmm_map(CUdeviceptr va, size_t size, size_t offset, CUmemGenericAllocationHandle h,
                      struct sim_ctx *ctx);
 CUresult sim_vmm_unmap(CUdeviceptr va, size_t size);
-CUresult sim_vmm_set_access(CUdeviceptr va, size_t size, int flags);
-CUresult sim_vmm_get_access(CUdeviceptr va, int *flags);
+/* desc[] is validated (devices, flags): each entry sets its device's access to the range. */
+CUresult sim_vmm_set_access(CUdeviceptr va, size_t size, const CUmemAccessDesc *desc, size_t count);
+CUresult sim_vmm_get_access(CUdeviceptr va, int dev, int *flags);
 CUresult sim_vmm_retain(CUmemGenericAllocationHandle *h, CUdeviceptr va);
 CUresult sim_vmm_get_prop(CUmemAllocationProp *prop, CUmemGenericAllocationHandle h);
 CUresult sim_vmm_export_fd(int *fd, CUmemGenericAllocationHandle h);
@@ -152,7 +179,8 @@ CUresult sim_vmm_import_fd(CUmemGenericAllocationHandle *h, int fd);
 CUresult sim_alloc(CUdeviceptr *va, size_t size, enum sim_alloc_kind kind, struct sim_ctx *ctx);
 CUresult sim_free(CUdeviceptr va);
 CUresult sim_ptrinfo(CUdeviceptr p, struct sim_ptrinfo *info);
-/* Frees the cuMemAlloc-family allocations and pinned host memory of a context going away. */
+/* Frees the cuMemAlloc-family allocations, pinned host memory and peer access (either way)
+ * of a context going away. */
 void sim_mem_drop_ctx(struct sim_ctx *ctx);
 
 CUresult sim_host_alloc(void **pp, size_t size, unsigned flags, struct sim_ctx *ctx);
@@ -164,10 +192,11 @@ CUresult sim_host_unregister(void *p);
  * left to the caller. sim_mem_checkpoint copies every physical allocation into private host
  * memory and frees it (mappings become PROT_NONE reservations at the same addresses);
  * charged[dev] receives the bytes they had charged. sim_mem_checkpointed_bytes says what a
- * restore will charge again. sim_mem_restore re-creates, refills and re-maps everything with
- * the same protections; when it fails nothing has changed (still checkpointed). */
+ * restore will charge again, and returns the mask of devices holding physical memory.
+ * sim_mem_restore re-creates, refills and re-maps everything with the same protections;
+ * when it fails nothing has changed (still checkpointed). */
 CUresult sim_mem_checkpoint(size_t charged[SIM_MAX_DEVICES]);
-void sim_mem_checkpointed_bytes(size_t need[SIM_MAX_DEVICES]);
+unsigned sim_mem_checkpointed_bytes(size_t need[SIM_MAX_DEVICES]);
 CUresult sim_mem_restore(void);
 
 /* ---- api_exec.c ---- */

@@ -117,6 +117,8 @@ enum {
     CUDA_ERROR_NOT_FOUND = 500,
     CUDA_ERROR_NOT_READY = 600,
     CUDA_ERROR_ILLEGAL_ADDRESS = 700,
+    CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED = 704,
+    CUDA_ERROR_PEER_ACCESS_NOT_ENABLED = 705,
     CUDA_ERROR_PRIMARY_CONTEXT_ACTIVE = 708,
     CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED = 712,
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
@@ -261,6 +263,11 @@ SIMAPI CUresult cuCtxSynchronize_v2(CUcontext ctx);
 SIMAPI CUresult cuCtxGetDevice(CUdevice *device);
 SIMAPI CUresult cuCtxGetDevice_v2(CUdevice *device, CUcontext ctx);
 
+/* peer access (cuMemAlloc-family memory only; VMM memory takes cuMemSetAccess per device) */
+SIMAPI CUresult cuDeviceCanAccessPeer(int *canAccessPeer, CUdevice dev, CUdevice peerDev);
+SIMAPI CUresult cuCtxEnablePeerAccess(CUcontext peerContext, unsigned int Flags);
+SIMAPI CUresult cuCtxDisablePeerAccess(CUcontext peerContext);
+
 /* device memory: plain allocations */
 SIMAPI CUresult cuMemGetInfo_v2(size_t *free, size_t *total);
 SIMAPI CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize);
@@ -329,6 +336,14 @@ SIMAPI CUresult cuMemcpyDtoHAsync_v2_ptsz(void *dstHost, CUdeviceptr srcDevice, 
 SIMAPI CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream);
 SIMAPI CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount,
                                           CUstream hStream);
+SIMAPI CUresult cuMemcpyPeer(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice, CUcontext srcContext,
+                             size_t ByteCount);
+SIMAPI CUresult cuMemcpyPeer_ptds(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                                  CUcontext srcContext, size_t ByteCount);
+SIMAPI CUresult cuMemcpyPeerAsync(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                                  CUcontext srcContext, size_t ByteCount, CUstream hStream);
+SIMAPI CUresult cuMemcpyPeerAsync_ptsz(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
+                                       CUcontext srcContext, size_t ByteCount, CUstream hStream);
 SIMAPI CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N);
 SIMAPI CUresult cuMemsetD8_v2_ptds(CUdeviceptr dstDevice, unsigned char uc, size_t N);
 SIMAPI CUresult cuMemsetD16_v2(CUdeviceptr dstDevice, unsigned short us, size_t N);
