@@ -194,7 +194,8 @@ def test_methods_with_other_agent_settings_get_a_process_of_their_own():
     from gpucr.bench import run
     from gpucr.driver import driver_for
     drv = driver_for(str(paths.simcuda_dir() / "libcuda.so.1"))
-    ms = [M.make(n, drv, True) for n in ("driver", "gpucr-full", "gpucr-full-bounce", "gpucr-data", "driver-fresh")]
+    ms = [M.make(n, drv, True) for n in ("driver", "gpucr-full", "gpucr-full-pinned", "gpucr-data", "driver-fresh",
+                                         "gpucr-full-unpinned")]
     assert [[m.name for m in g] for g in run._groups(ms)] == [
-        ["driver", "driver-fresh"], ["gpucr-full", "gpucr-data"], ["gpucr-full-bounce"]]
-    assert ms[2].agent_env == {"GPUCR_BOUNCE_MIB": str(M.BOUNCE_MIB)}
+        ["driver", "driver-fresh"], ["gpucr-full", "gpucr-data"], ["gpucr-full-pinned", "gpucr-full-unpinned"]]
+    assert ms[2].agent_env == ms[5].agent_env == {"GPUCR_BOUNCE_MIB": "0"} and ms[1].agent_env == {}

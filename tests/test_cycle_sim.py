@@ -9,7 +9,7 @@ import pytest
 import gpucr
 from gpucr.driver import ProcessState, gpu_memory
 
-from conftest import sim_driver
+from conftest import gpucr_cli, sim_driver
 
 MiB = 1 << 20
 
@@ -182,11 +182,11 @@ def test_status_reports_every_phase_of_the_last_cycle(sim_app):
 
 @pytest.mark.parametrize("pin_threads", ["1", "3"])
 def test_staging_unpinned_for_the_driver_and_pinned_again_at_restore(sim_app, monkeypatch, pin_threads):
-    # asked for (not the default): the restore's pin-ahead threads (one, or several at once) pin
-    # every segment again, and every copy waited for its own segment
+    # with pinned staging (the ring off) and unpinning asked for: the restore's pin-ahead threads
+    # (one, or several at once) pin every segment again, and every copy waited for its own segment
     monkeypatch.setenv("GPUCR_UNPIN_FOR_DRIVER", "1")
-    app = sim_app("--sizes", "40M,40M,20M,3M",
-                  env={**os.environ, "GPUCR_PIN_THREADS": pin_threads, "GPUCR_STAGING_SEGMENT_MIB": "32"})
+    app = sim_app("--sizes", "40M,40M,20M,3M", env={**os.environ, "GPUCR_PIN_THREADS": pin_threads,
+                                                   "GPUCR_STAGING_SEGMENT_MIB": "32", "GPUCR_BOUNCE_MIB": "0"})
     before = app.ask("digest")
     for _ in range(3):
         gpucr.checkpoint(app.pid)
@@ -218,9 +218,27 @@ def test_bounce_ring_keeps_staging_unpinned(sim_app, tmp_path):
     assert app.ask("digest") == before
 
 
-def test_staging_kept_pinned_through_the_driver_by_default(sim_app, monkeypatch):
+def test_bounce_ring_is_the_default_and_sized_to_the_data(sim_app):
+    app = sim_app("--sizes", "8M,3M")
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    st = gpucr.status(app.pid)
+    assert st["staging_pinned_bytes"] == 0 and st["bounce_pinned_bytes"] == 128 * MiB, "two 64 MiB slots at least"
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before
+    app.ask(f"alloc {300 * MiB}")   # 311 MiB to move now: the ring grows to five slots
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    assert gpucr.status(app.pid)["bounce_pinned_bytes"] == 320 * MiB
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before
+    r = gpucr_cli("run", "--bounce", "64", "--", "true")
+    assert r.returncode == 1 and "0 (no ring, staging pinned) or at least 128" in r.stderr
+
+
+def test_staging_kept_pinned_through_the_driver_with_the_ring_off(sim_app, monkeypatch):
     monkeypatch.delenv("GPUCR_UNPIN_FOR_DRIVER", raising=False)
-    app = sim_app("--sizes", "700M,3M")
+    app = sim_app("--sizes", "700M,3M", env={**os.environ, "GPUCR_BOUNCE_MIB": "0"})
     before = app.ask("digest")
     gpucr.checkpoint(app.pid)
     st = gpucr.status(app.pid)

@@ -66,8 +66,8 @@ def test_hugepages_asked_for_but_missing_refused_before_touching(sim_app):
     ("after-data-out", "running", None),            # the agent's lease rolls it back by itself
     ("after-driver-lock", "restorable", None),      # the driver holds it: a new controller finishes the job
     ("after-driver-checkpoint", "restorable", None),
-    ("after-data-out", "running", "128"),           # the same through the bounce ring
-    ("after-driver-checkpoint", "restorable", "128"),
+    ("after-data-out", "running", "0"),             # the same with pinned staging (the bounce ring off)
+    ("after-driver-checkpoint", "restorable", "0"),
 ])
 def test_controller_killed_during_checkpoint(sim_app, point, after, bounce):
     env = {**os.environ, "GPUCR_BOUNCE_MIB": bounce} if bounce else None

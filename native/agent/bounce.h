@@ -1,5 +1,5 @@
 /* Copies through a small ring of pinned host buffers, CPU threads moving the data between the ring
- * and staging that stays unpinned (GPUCR_BOUNCE_MIB=N, off by default). The driver's checkpoint
+ * and staging that stays unpinned (GPUCR_BOUNCE_MIB=N, default 1024; 0 turns it off). The driver's checkpoint
  * then handles only the ring's N MiB of pinned memory instead of every byte of staging, which it
  * would otherwise unpin at checkpoint and pin again before its restore returns. */
 #ifndef GPUCR_BOUNCE_H
@@ -7,8 +7,9 @@
 #include "agent.h"
 
 bool bounce_enabled(void);
-/* Pin the ring and start the copy threads, once (later calls return 0 at once). */
-int bounce_prepare(CUcontext ctx, char *err, size_t errlen);
+/* Pin a ring for `need` bytes of data (up to GPUCR_BOUNCE_MIB) and start the copy threads; a
+ * ring already big enough is kept. */
+int bounce_prepare(CUcontext ctx, size_t need, char *err, size_t errlen);
 /* Queue one chunk: device -> ring -> host (out) or host -> ring -> device (in), on stream s. */
 CUresult bounce_submit(CUcontext ctx, CUstream s, CUdeviceptr dev, void *host, size_t n, bool out);
 /* Wait until every queued chunk is done; the first error since the last wait. */

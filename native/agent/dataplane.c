@@ -190,7 +190,11 @@ static int staging_job(struct deadline_job *j)
     pthread_mutex_lock(&g_staging_mu);
     gpucr_drv.cuCtxSetCurrent(j->ctx);
     int rc = staging_fit(j->sizes, j->nsizes, j->err, sizeof j->err);
-    if (rc == 0 && bounce_enabled()) rc = bounce_prepare(j->ctx, j->err, sizeof j->err);
+    if (rc == 0 && bounce_enabled()) {
+        size_t need = 0;
+        for (int i = 0; i < j->nsizes; i++) need += j->sizes[i];
+        rc = bounce_prepare(j->ctx, need, j->err, sizeof j->err);
+    }
     pthread_mutex_unlock(&g_staging_mu);
     return rc;
 }

@@ -423,6 +423,15 @@ static void *ahead_loop(void *arg)
                 usleep(5 * 1000 * 1000);   /* host memory is short: do not spin on it */
             }
         }
+        if (ctx && bounce_enabled()) {
+            size_t need = 0;
+            for (int i = 0; i < n; i++) need += sizes[i];
+            /* as a call in flight: a checkpoint's copies never see the ring replaced under them */
+            gpucr_gate_enter();
+            gpucr_drv.cuCtxSetCurrent(ctx);
+            if (bounce_prepare(ctx, need, err, sizeof err)) gpucr_log("preparing the bounce ring ahead: %s", err);
+            gpucr_gate_leave();
+        }
         free(sizes);
     }
     return NULL;

@@ -35,8 +35,9 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.staging_policy:
         env["GPUCR_STAGING_POLICY"] = a.staging_policy
     if a.bounce is not None:
-        if a.bounce < 128:
-            raise GpucrError("--bounce takes the ring's size in MiB, at least 128 (two 64 MiB slots)")
+        if a.bounce != 0 and a.bounce < 128:
+            raise GpucrError("--bounce takes the ring's size in MiB: 0 (no ring, staging pinned) or at least 128 "
+                             "(two 64 MiB slots)")
         env["GPUCR_BOUNCE_MIB"] = str(a.bounce)
     if a.group:
         env["GPUCR_GROUP"] = a.group
@@ -222,8 +223,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="prepare and pin staging in the background as allocations grow, so a checkpoint finds it ready")
     r.add_argument("--staging-policy", choices=("keep", "drop"),
                    help="after a restore, keep staging pinned for the next cycle (default) or give it back")
-    r.add_argument("--bounce", type=int, metavar="MIB", help="leave staging unpinned and copy through a pinned ring of "
-                   "MIB MiB with CPU threads (the driver's checkpoint then handles only the ring's pinned memory)")
+    r.add_argument("--bounce", type=int, metavar="MIB", help="the pinned ring that copies go through, staging left "
+                   "unpinned (default 1024 MiB, less for a small process); 0: no ring, all of staging pinned instead")
     r.add_argument("--group", metavar="NAME", help="make the process a member of a group, checkpointed and restored together "
                    "with 'gpucr checkpoint --group NAME'")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")

@@ -183,19 +183,19 @@ class FreshDriverMethod(DriverMethod):
 
 class GpucrMethod(Method):
     """gpucr: the agent moves the data; at level full the driver then takes the control state.
-    unpin: the ablation 'gpucr-full-unpinned', staging unpinned for the driver's checkpoint and
-    pinned again during the restore's copies (GPUCR_UNPIN_FOR_DRIVER=1), against the default of
-    leaving it pinned. bounce_mib: 'gpucr-full-bounce', staging never pinned, copies through a
-    pinned ring of that many MiB (GPUCR_BOUNCE_MIB), in a process of its own."""
+    By default staging stays unpinned and the copies go through the agent's pinned bounce ring.
+    pinned: the ablation 'gpucr-full-pinned', the ring off (GPUCR_BOUNCE_MIB=0) and staging pinned,
+    in a process of its own; unpin: 'gpucr-full-unpinned', pinned staging unpinned for the driver's
+    checkpoint and pinned again during the restore's copies (GPUCR_UNPIN_FOR_DRIVER=1)."""
     under_agent = True
     splits = True
 
-    def __init__(self, level: str, timeout: float = STEP_TIMEOUT_S, unpin: bool = False, bounce_mib: int = 0) -> None:
+    def __init__(self, level: str, timeout: float = STEP_TIMEOUT_S, pinned: bool = False, unpin: bool = False) -> None:
         self.level = level
-        self.name = f"gpucr-{level}" + ("-unpinned" if unpin else "") + ("-bounce" if bounce_mib else "")
+        self.name = f"gpucr-{level}" + ("-unpinned" if unpin else "-pinned" if pinned else "")
         self.timeout = timeout
         self.unpin = unpin
-        self.agent_env = {"GPUCR_BOUNCE_MIB": str(bounce_mib)} if bounce_mib else {}
+        self.agent_env = {"GPUCR_BOUNCE_MIB": "0"} if pinned or unpin else {}
 
     def checkpoint(self, pid: int) -> dict[str, Any]:
         if self.unpin:
@@ -224,8 +224,7 @@ def _env(key: str, value: str):
             os.environ[key] = old
 
 
-BOUNCE_MIB = 1024
-METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data", "gpucr-full-unpinned", "gpucr-full-bounce")
+METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data", "gpucr-full-pinned", "gpucr-full-unpinned")
 DEFAULT_METHODS = METHODS[:5]
 
 
@@ -236,10 +235,10 @@ def make(name: str, drv: Driver, simulate: bool) -> Method:
         return FreshDriverMethod(drv, plain_env(simulate))
     if name in ("gpucr-full", "gpucr-data"):
         return GpucrMethod(name.split("-", 1)[1])
+    if name == "gpucr-full-pinned":
+        return GpucrMethod("full", pinned=True)
     if name == "gpucr-full-unpinned":
         return GpucrMethod("full", unpin=True)
-    if name == "gpucr-full-bounce":
-        return GpucrMethod("full", bounce_mib=BOUNCE_MIB)
     raise GpucrError(f"unknown method '{name}': use some of {', '.join(METHODS)}")
 
 

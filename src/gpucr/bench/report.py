@@ -86,10 +86,11 @@ def markdown(res: dict[str, Any]) -> str:
     if sp:
         lines += [""] + [f"- {s}" for s in sp]
     lines += ["", "driver / driver-fresh: the driver's own checkpoint (data and control in one step; its bytes are "
-              "the process's whole GPU footprint); gpucr-full: agent moves the data, driver the control state; "
-              "gpucr-data: data only, the CUDA context stays; gpucr-full-unpinned (an ablation, when run): gpucr-full "
-              "with the staging unpinned for the driver's checkpoint and pinned again during the restore's copies; "
-              "gpucr-full-bounce (when run): staging never pinned, copies through a 1 GiB pinned ring by CPU threads."]
+              "the process's whole GPU footprint); gpucr-full: agent moves the data (unpinned staging, copies through a "
+              "pinned ring of up to 1 GiB by CPU threads), driver the control state; gpucr-data: data only, the CUDA "
+              "context stays; ablations, when run: gpucr-full-pinned, the ring off and all of staging pinned; "
+              "gpucr-full-unpinned, pinned staging unpinned for the driver's checkpoint and pinned again during the "
+              "restore's copies."]
     return "\n".join(lines)
 
 
