@@ -8,9 +8,12 @@ import time
 
 import pytest
 
+import gpucr
 from gpucr import paths
 
 from conftest import gpucr_cli, sim_driver
+
+MiB = 1 << 20
 
 
 def one_line_error(r: subprocess.CompletedProcess, pattern: str) -> None:
@@ -99,18 +102,30 @@ def test_doctor_reports_and_advises():
     assert gpucr_cli("doctor").returncode == 0
 
 
-def test_gpu_map_is_checked_and_passed_to_the_driver(sim_app):
-    from gpucr.coordinator import parse_gpu_map
-    u1, u2 = "GPU-" + "11" * 4 + "-2222-3333-4444-" + "55" * 6, "GPU-" + "aa" * 16
-    pairs = parse_gpu_map([f"{u1}={u2}"])
-    assert pairs == [(bytes.fromhex("11" * 4 + "2222" + "3333" + "4444" + "55" * 6), bytes.fromhex("aa" * 16))]
+def test_gpu_map_is_checked_before_anything_is_touched(sim_app):
+    from gpucr.gpus import parse_map, to_bytes
+    u1, u2 = "GPU-" + "11" * 4 + "-2222-3333-4444-" + "55" * 6, "GPU-" + "AA" * 16
+    assert parse_map([f"{u1}={u2}"]) == {u1: "GPU-aaaaaaaa-aaaa-aaaa-aaaa-aaaaaaaaaaaa"}
+    assert to_bytes(u1) == bytes.fromhex("11" * 4 + "2222" + "3333" + "4444" + "55" * 6)
     one_line_error(gpucr_cli("restore", "--map", "GPU-12=oops", str(os.getpid())), "--map takes OLD_UUID=NEW_UUID")
+    one_line_error(gpucr_cli("restore", "--map", f"{u1}={u2}", "--map", f"{u1}={u1}", str(os.getpid())),
+                   "names GPU-11111111-2222-3333-4444-555555555555 twice")
     app = sim_app("--sizes", "8M")
     before = app.ask("digest")
     assert gpucr_cli("checkpoint", str(app.pid)).returncode == 0
-    # simcuda (one device) cannot move a process to another GPU: refused, still checkpointed and restorable
-    r = gpucr_cli("restore", "--map", f"{u1}={u2}", str(app.pid))
-    assert r.returncode != 0 and "stays checkpointed" in r.stderr
+    mine = gpucr.status(app.pid)["devices"]
+    assert [d["ordinal"] for d in mine] == [0] and mine[0]["vmm_bytes"] >= 8 * MiB
+    here = mine[0]["uuid"]
+    # a map that misses the process's GPU, or points at a GPU this machine lacks: refused, still checkpointed
+    one_line_error(gpucr_cli("restore", "--map", f"{u1}={u2}", str(app.pid)), f"was checkpointed on {here}")
+    one_line_error(gpucr_cli("restore", "--map", f"{here}={u2}", str(app.pid)), "is not a GPU of this machine")
+    assert gpucr.status(app.pid)["state"] == "checkpointed"
+    # the identity map is a map like any other: the driver gets one pair and restores in place
+    assert gpucr_cli("restore", "--map", f"{here}={here}", str(app.pid)).returncode == 0
+    assert app.ask("digest") == before
+    # --map on a process whose context stayed on the GPU (level data) is refused
+    assert gpucr_cli("checkpoint", "--level", "data", str(app.pid)).returncode == 0
+    one_line_error(gpucr_cli("restore", "--map", f"{here}={here}", str(app.pid)), "applies only to a restore of a --level full")
     assert gpucr_cli("restore", str(app.pid)).returncode == 0
     assert app.ask("digest") == before
 

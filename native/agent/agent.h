@@ -60,6 +60,7 @@ struct gpucr_driver {
     CUresult (*cuEventDestroy_v2)(CUevent);
     CUresult (*cuGetErrorString)(CUresult, const char **);
     CUresult (*cuDeviceGetAttribute)(int *, int, CUdevice);
+    CUresult (*cuDeviceGetUuid)(unsigned char uuid[16], CUdevice);   /* _v2 (the resolver's at 12000) */
     int (*simcudaIsSimulated)(void);     /* present only in simcuda, the test double */
 };
 extern struct gpucr_driver gpucr_drv;

@@ -55,10 +55,18 @@ static CUresult alloc_vmm(CUdeviceptr *dptr, size_t size)
         /* out of memory is the application's answer, not a reason to try the other path */
         return rc == CUDA_ERROR_OUT_OF_MEMORY ? rc : CUDA_ERROR_NOT_SUPPORTED;
     }
-    CUmemAccessDesc acc = {{CU_MEM_LOCATION_TYPE_DEVICE, dev}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
+    /* its own device, and every device that was given peer access to this context: a plain
+     * allocation is open to them, so the VMM one that stands in for it must be too */
+    CUmemAccessDesc acc[MAX_ACCESS] = {{{CU_MEM_LOCATION_TYPE_DEVICE, dev}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE}};
+    int nacc = 1;
+    reg_lock();
+    uint32_t peers = reg_peer_devs(ctx);
+    reg_unlock();
+    for (int d = 0; d < 32 && nacc < MAX_ACCESS; d++)
+        if ((peers >> d & 1) && d != dev) acc[nacc++] = (CUmemAccessDesc){{CU_MEM_LOCATION_TYPE_DEVICE, d}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
     rc = REAL(cuMemMap)(va, rsize, 0, h, 0);
     if (rc == CUDA_SUCCESS) {
-        rc = REAL(cuMemSetAccess)(va, rsize, &acc, 1);
+        rc = REAL(cuMemSetAccess)(va, rsize, acc, (size_t)nacc);
         if (rc != CUDA_SUCCESS) REAL(cuMemUnmap)(va, rsize);
     }
     if (rc != CUDA_SUCCESS) {
@@ -70,8 +78,7 @@ static CUresult alloc_vmm(CUdeviceptr *dptr, size_t size)
     struct phys *p = reg_phys_new(PHYS_CONVERTED, h, rsize, &prop, ctx);
     struct mapping *m = p ? reg_map_add(p, va, rsize, 0) : NULL;
     if (m) {
-        m->ndesc = 1;
-        m->desc[0] = acc;
+        reg_map_merge_access(m, acc, (size_t)nacc);
         p->resv_va = va; p->resv_size = rsize; p->user_size = size;
         hmap_put(&g_reg.conv_by_va, va, p);
     }
@@ -362,9 +369,7 @@ GPUCR_EXPORT CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const CUmemAcc
         for (CUdeviceptr a = va; a < va + size;) {
             struct mapping *m = hmap_get(&g_reg.map_by_va, a);
             if (!m) break;
-            /* later calls override earlier ones per location: keep the newest descriptor set */
-            m->ndesc = count < MAX_ACCESS ? (int)count : MAX_ACCESS;
-            memcpy(m->desc, desc, sizeof *desc * (size_t)m->ndesc);
+            reg_map_merge_access(m, desc, count);
             a += m->size;
         }
     }

@@ -73,6 +73,31 @@ static void reply_hello(struct jb *j)
     jb_str(j, "group", g_group);
 }
 
+/* The GPUs the process uses, as its contexts were made (the controller checks a restore's
+ * --map against them); the caller holds the registry lock. */
+static void devices_json(struct jb *j)
+{
+    jb_arr(j, "devices");
+    for (int i = 0; i < g_reg.nctx; i++) {
+        int k = 0;
+        while (k < i && g_reg.ctx_dev[k] != g_reg.ctx_dev[i]) k++;
+        if (k < i) continue;   /* a second context on the same device */
+        const unsigned char *u = g_reg.ctx_uuid[i];
+        char uuid[48];
+        snprintf(uuid, sizeof uuid, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+                 u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+        size_t bytes = 0;
+        for (struct phys *p = g_reg.all; p; p = p->next_all)
+            if (p->kind != PHYS_IMPORTED && p->prop.location.id == g_reg.ctx_dev[i]) bytes += p->size;
+        jb_sub(j, NULL);
+        jb_int(j, "ordinal", g_reg.ctx_dev[i]);
+        jb_str(j, "uuid", uuid);
+        jb_int(j, "vmm_bytes", (long long)bytes);
+        jb_end(j);
+    }
+    jb_arr_end(j);
+}
+
 static void reply_status(struct jb *j)
 {
     struct dp_status st;
@@ -116,6 +141,7 @@ static void reply_status(struct jb *j)
     jb_int(j, "ipc_exports", g_reg.ipc_exports);
     jb_end(j);
     jb_int(j, "bytes_left_to_driver", (long long)(left + g_reg.native_bytes + g_reg.pool_bytes));
+    devices_json(j);
     reg_unlock();
     struct staging_info si;
     staging_get_info(&si);

@@ -49,7 +49,8 @@ typedef struct {
 } CUmemAllocationProp;
 typedef struct { CUmemLocation location; int flags; } CUmemAccessDesc; /* flags 3 = read/write */
 
-enum { CU_MEM_ALLOCATION_TYPE_PINNED = 1, CU_MEM_LOCATION_TYPE_DEVICE = 1, CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
+enum { CU_MEM_ALLOCATION_TYPE_PINNED = 1, CU_MEM_LOCATION_TYPE_DEVICE = 1, CU_MEM_ACCESS_FLAGS_PROT_NONE = 0,
+       CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
        CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0, CU_MEM_HANDLE_TYPE_NONE = 0 };
 enum { CU_STREAM_NON_BLOCKING = 1 };
 enum { CU_EVENT_DISABLE_TIMING = 2 };

@@ -94,6 +94,35 @@ static CUresult sync_streams(void)
     return first;
 }
 
+/* A restore that runs out of device memory half way helps no one: check first, on each device
+ * (a process may use several, each with its own free memory). */
+static bool enough_device_memory(char *err, size_t errlen)
+{
+    struct dev_need { CUcontext ctx; int dev; size_t need; } per[16];
+    int n = 0;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        if (!p->released || p->kind == PHYS_IMPORTED) continue;
+        int k = 0;
+        while (k < n && per[k].dev != p->prop.location.id) k++;
+        if (k == n) {
+            if (n == 16) continue;
+            per[n++] = (struct dev_need){p->ctx, p->prop.location.id, 0};
+        }
+        per[k].need += p->size;
+    }
+    for (int k = 0; k < n; k++) {
+        size_t free_b = 0, total = 0;
+        gpucr_drv.cuCtxSetCurrent(per[k].ctx);
+        if (gpucr_drv.cuMemGetInfo_v2(&free_b, &total) == CUDA_SUCCESS && free_b < per[k].need) {
+            seterr(err, errlen, "not enough free GPU memory to restore on device %d: need %zu MiB, %zu MiB free; free GPU "
+                   "memory and run 'gpucr restore' again (the process stays checkpointed)", per[k].dev,
+                   per[k].need >> 20, free_b >> 20);
+            return false;
+        }
+    }
+    return true;
+}
+
 static const struct mapping *full_mapping(const struct phys *p)
 {
     for (const struct mapping *m = p->maps; m; m = m->next)
@@ -481,6 +510,7 @@ int dp_restore(int timeout_ms, bool drop_staging, bool wait, bool open_gate, cha
         seterr(err, errlen, "the process's data is not in host memory: restore it from its image (gpucr restore --image DIR)");
         return -1;
     }
+    reg_refresh_devices();   /* the driver's restore may have put the process on other GPUs (--map) */
     size_t need = 0;
     CUcontext any_ctx = NULL;
     bool unlinked = false;
@@ -494,16 +524,7 @@ int dp_restore(int timeout_ms, bool drop_staging, bool wait, bool open_gate, cha
         return -1;
     }
     int64_t t0 = gpucr_now_ns();
-    if (need) {
-        /* A restore that runs out of device memory half way helps no one: check first. */
-        size_t free_b = 0, total = 0;
-        gpucr_drv.cuCtxSetCurrent(any_ctx);
-        if (gpucr_drv.cuMemGetInfo_v2(&free_b, &total) == CUDA_SUCCESS && free_b < need) {
-            seterr(err, errlen, "not enough free GPU memory to restore: need %zu MiB, %zu MiB free; free GPU memory and run "
-                   "'gpucr restore' again (the process stays checkpointed)", need >> 20, free_b >> 20);
-            return -1;
-        }
-    }
+    if (need && !enough_device_memory(err, errlen)) return -1;
     int turn = 0;
     g_dp.zeroed = 0;
     g_dp.pin_wait_ms = 0;

@@ -95,7 +95,7 @@ static void do_init(void)
     D(cuCtxGetCurrent); D(cuCtxSetCurrent); D(cuCtxGetDevice); D(cuCtxSynchronize);
     D(cuMemAddressReserve); D(cuMemAddressFree); D(cuMemGetAllocationGranularity);
     D(cuMemHostUnregister); D(cuStreamCreate); D(cuStreamSynchronize);
-    D(cuGetErrorString); D(cuDeviceGetAttribute);
+    D(cuGetErrorString); D(cuDeviceGetAttribute); D(cuDeviceGetUuid);
     D(cuEventCreate); D(cuEventRecord); D(cuEventSynchronize);
 #undef D
     /* versioned names the resolver knows by their base name */

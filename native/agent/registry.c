@@ -9,12 +9,32 @@ static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 void reg_lock(void) { pthread_mutex_lock(&g_mu); }
 void reg_unlock(void) { pthread_mutex_unlock(&g_mu); }
 
+/* The device of context i, which is current. Asked while the process runs: once the driver holds
+ * the process, its calls would wait. */
+static void note_device(int i)
+{
+    CUdevice dev;
+    g_reg.ctx_dev[i] = -1;
+    memset(g_reg.ctx_uuid[i], 0, 16);
+    if (gpucr_drv.cuCtxGetDevice(&dev) != CUDA_SUCCESS) return;
+    g_reg.ctx_dev[i] = dev;
+    if (gpucr_drv.cuDeviceGetUuid) gpucr_drv.cuDeviceGetUuid(g_reg.ctx_uuid[i], dev);
+}
+
 void reg_note_ctx(CUcontext ctx)
 {
     if (!ctx) return;
     for (int i = 0; i < g_reg.nctx; i++)
         if (g_reg.ctxs[i] == ctx) return;
-    if (g_reg.nctx < (int)(sizeof g_reg.ctxs / sizeof g_reg.ctxs[0])) g_reg.ctxs[g_reg.nctx++] = ctx;
+    if (g_reg.nctx == (int)(sizeof g_reg.ctxs / sizeof g_reg.ctxs[0])) return;
+    g_reg.ctxs[g_reg.nctx] = ctx;
+    note_device(g_reg.nctx++);
+}
+
+void reg_refresh_devices(void)
+{
+    for (int i = 0; i < g_reg.nctx; i++)
+        if (gpucr_drv.cuCtxSetCurrent(g_reg.ctxs[i]) == CUDA_SUCCESS) note_device(i);
 }
 
 struct phys *reg_phys_new(enum phys_kind kind, CUmemGenericAllocationHandle real, size_t size,
@@ -72,6 +92,42 @@ struct mapping *reg_map_add(struct phys *p, CUdeviceptr va, size_t size, size_t 
     return m;
 }
 
+void reg_map_merge_access(struct mapping *m, const CUmemAccessDesc *desc, size_t count)
+{
+    for (size_t i = 0; i < count; i++) {
+        int k = 0;
+        while (k < m->ndesc && (m->desc[k].location.type != desc[i].location.type || m->desc[k].location.id != desc[i].location.id))
+            k++;
+        if (desc[i].flags == CU_MEM_ACCESS_FLAGS_PROT_NONE) {
+            if (k < m->ndesc) m->desc[k] = m->desc[--m->ndesc];
+        } else if (k < m->ndesc) {
+            m->desc[k] = desc[i];
+        } else if (m->ndesc < MAX_ACCESS) {
+            m->desc[m->ndesc++] = desc[i];
+        }
+    }
+}
+
+uint32_t reg_peer_devs(CUcontext owner)
+{
+    for (int i = 0; i < g_reg.npeers; i++)
+        if (g_reg.peers[i].ctx == owner) return g_reg.peers[i].devs;
+    return 0;
+}
+
+void reg_peer_set(CUcontext owner, int dev, bool on)
+{
+    if (dev < 0 || dev >= 32) return;
+    int i = 0;
+    while (i < g_reg.npeers && g_reg.peers[i].ctx != owner) i++;
+    if (i == g_reg.npeers) {
+        if (!on || i == (int)(sizeof g_reg.peers / sizeof g_reg.peers[0])) return;
+        g_reg.peers[g_reg.npeers++] = (struct peer_grant){owner, 0};
+    }
+    if (on) g_reg.peers[i].devs |= 1u << dev;
+    else g_reg.peers[i].devs &= ~(1u << dev);
+}
+
 void reg_map_remove(struct mapping *m)
 {
     struct phys *p = m->phys;
@@ -111,4 +167,5 @@ void reg_reset_after_fork(void)
     g_reg.native_bytes = g_reg.pool_bytes = g_reg.managed_bytes = 0;
     g_reg.native_count = g_reg.pool_count = g_reg.managed_count = g_reg.ipc_exports = 0;
     g_reg.nctx = 0;
+    g_reg.npeers = 0;
 }

@@ -6,7 +6,7 @@
 #include "agent.h"
 #include "hmap.h"
 
-#define MAX_ACCESS 4
+#define MAX_ACCESS 16   /* one descriptor per device (and the host) that may touch a mapping */
 
 struct mapping {
     CUdeviceptr va;
@@ -49,18 +49,33 @@ struct registry {
     size_t native_bytes, pool_bytes, managed_bytes;
     long native_count, pool_count, managed_count, ipc_exports;
     CUcontext ctxs[16];
+    int ctx_dev[16];                    /* the device ordinal of each context, and its UUID */
+    unsigned char ctx_uuid[16][16];
     int nctx;
+    /* cuCtxEnablePeerAccess: the devices whose contexts may touch ctx's plain allocations, which
+     * the agent turned into VMM and so must grant them itself */
+    struct peer_grant { CUcontext ctx; uint32_t devs; } peers[16];
+    int npeers;
 };
 
 extern struct registry g_reg;
 void reg_lock(void);
 void reg_unlock(void);
+/* Remember a context the application uses, and its device; ctx must be the calling thread's current
+ * one (every caller just asked the driver for it). */
 void reg_note_ctx(CUcontext ctx);
+/* Ask again which GPU each context is on: a restore may have moved the process to others (--map). */
+void reg_refresh_devices(void);
 struct phys *reg_phys_new(enum phys_kind kind, CUmemGenericAllocationHandle real, size_t size,
                           const CUmemAllocationProp *prop, CUcontext ctx);
 void reg_phys_free(struct phys *p);
 void reg_set_real(struct phys *p, CUmemGenericAllocationHandle real);
 struct mapping *reg_map_add(struct phys *p, CUdeviceptr va, size_t size, size_t offset);
+/* Record access set on a mapping as the driver keeps it: per location, the newest call wins, and a
+ * location set to no access is forgotten (a re-created mapping starts with none). */
+void reg_map_merge_access(struct mapping *m, const CUmemAccessDesc *desc, size_t count);
+uint32_t reg_peer_devs(CUcontext owner);
+void reg_peer_set(CUcontext owner, int dev, bool on);
 void reg_map_remove(struct mapping *m);
 struct phys *reg_phys_containing(CUdeviceptr ptr);
 /* Whether the data plane moves this allocation itself (else the driver's checkpoint does). */

@@ -7,7 +7,7 @@ import os
 import sys
 from typing import Any, Callable
 
-from . import coordinator, paths
+from . import coordinator, gpus, paths
 from .errors import GpucrError
 
 
@@ -100,7 +100,7 @@ def cmd_checkpoint(a: argparse.Namespace) -> int:
 def cmd_restore(a: argparse.Namespace) -> int:
     pids = _targets(a)
     results = coordinator.restore_many(pids, timeout=a.timeout, drop_staging=a.drop_staging, force=a.force,
-                                       images=_images(a, pids), gpu_map=coordinator.parse_gpu_map(a.map or []))
+                                       images=_images(a, pids), gpu_map=gpus.parse_map(a.map or []))
     for r in results:
         if not a.json:
             print(f"process {r['pid']}: restored and running; {_mib(r.get('bytes_moved', 0))} copied back; "
@@ -189,7 +189,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         _print_json(m)
         return 0
     print(f"checkpoint {m['id']}, taken {m['created']} on {m['host']}" + (" [simcuda]" if m.get("simulated") else ""))
-    print(f"  gpu          {m['gpu']['name']} ({m['gpu']['uuid']}), driver CUDA {m['driver_version']}, level {m['level']}")
+    taken_on = ", ".join(f"{g['name']} ({g['uuid']})" for g in m.get("gpus") or [m["gpu"]])
+    print(f"  gpu          {taken_on}, driver CUDA {m['driver_version']}, level {m['level']}")
     for p in m["processes"]:
         al = p["allocations"]
         zero = sum(1 for a in p["data"] for c in a["chunks"] if c.get("zero"))

@@ -20,10 +20,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import manifest
+from . import gpus, manifest
 from . import target as targets
 from .app import AppChannel
-from .driver import CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, Driver, DriverError, ProcessState, device_info, driver_for, gpu_memory
+from .driver import CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, Driver, DriverError, ProcessState, driver_for, gpu_memory
 from .errors import GpucrError
 
 LEVELS = ("full", "data")
@@ -118,8 +118,8 @@ def _live_certificate(t: targets.Target, st: dict[str, Any], level: str) -> dict
             app.close()
     drv = _driver(t)
     cert = manifest.build(pid=t.pid, start_time=t.start_time, generation=st["generation"], level=level,
-                          gpu=device_info(drv), driver_version=drv.version(), status=st, allocations=allocs,
-                          epoch=epoch, simulated=drv.simulated)
+                          gpus=gpus.process_gpus(st, gpus.machine_gpus(drv)), driver_version=drv.version(), status=st,
+                          allocations=allocs, epoch=epoch, simulated=drv.simulated)
     cert["id"] = "live"
     cert["where"] = "host memory" if st.get("staged") else "an image (restore with --image DIR)"
     return cert
@@ -147,6 +147,8 @@ class _Member:
     data_out: bool = False
     locked: bool = False
     checkpointed: bool = False
+    gpus: list[dict[str, Any]] = field(default_factory=list)    # the GPUs it uses (gpus.process_gpus)
+    gpu_moves: dict[str, str] = field(default_factory=dict)   # restore: {old UUID: new UUID} for the driver
 
     @property
     def pid(self) -> int:
@@ -407,7 +409,8 @@ def _write_image(m: _Member, level: str, epoch) -> dict:
         for fd in fds:
             os.close(fd)
     man = manifest.build(pid=m.pid, start_time=m.t.start_time, generation=layout["generation"], level=level,
-                         gpu=device_info(m.drv), driver_version=m.drv.version(), status=m.status, allocations=allocs,
+                         gpus=gpus.process_gpus(m.status, gpus.machine_gpus(m.drv)), driver_version=m.drv.version(),
+                         status=m.status, allocations=allocs,
                          epoch=epoch, simulated=m.drv.simulated)
     man["image"] = stats
     manifest.save(m.image_dir, man)
@@ -417,7 +420,7 @@ def _write_image(m: _Member, level: str, epoch) -> dict:
 
 # ---- restore ----
 
-def _vet_for_restore(pid: int, image_dir: Path | None, force: bool) -> _Member:
+def _vet_for_restore(pid: int, image_dir: Path | None, force: bool, gpu_map: dict[str, str]) -> _Member:
     t = targets.resolve(pid)
     _need_cuda(t)
     drv = _driver(t)
@@ -433,11 +436,23 @@ def _vet_for_restore(pid: int, image_dir: Path | None, force: bool) -> _Member:
     if dstate == ProcessState.RUNNING and st["state"] == "running" and not st.get("gate_closed"):
         m.close()
         raise GpucrError(f"process {pid} is not checkpointed: nothing to restore")
+    machine = gpus.machine_gpus(drv)
+    m.gpus = gpus.process_gpus(st, machine)
+    if gpu_map and dstate != ProcessState.CHECKPOINTED:
+        m.close()
+        raise GpucrError(f"process {pid} is not held by the driver (its CUDA context stayed on its GPU, --level data, or "
+                         "its driver restore is done): --map applies only to a restore of a --level full checkpoint")
+    try:
+        m.gpu_moves = gpus.moves_for(pid, m.gpus, gpu_map, machine)
+    except GpucrError:
+        m.close()
+        raise
     # (running with its gate still closed: a restore stopped before its last step; it is finished below)
     if image_dir is not None:
         man = manifest.load(image_dir)
         m.result["manifest_entry"] = manifest.check_restore(man, pid=pid, start_time=t.start_time,
-                                                            generation=st["generation"], gpu=device_info(drv), force=force)
+                                                            generation=st["generation"], gpus=_restored_on(m, machine),
+                                                            force=force)
     elif st["state"] == "checkpointed" and not st.get("staged", True):
         m.close()
         raise GpucrError(f"process {pid}'s data was written to an image and is no longer in host memory: "
@@ -447,33 +462,50 @@ def _vet_for_restore(pid: int, image_dir: Path | None, force: bool) -> _Member:
     return m
 
 
-def parse_gpu_map(pairs: list[str]) -> list[tuple[bytes, bytes]]:
-    """'OLD_UUID=NEW_UUID' (as nvidia-smi -L prints them, GPU-xxxxxxxx-...) into the driver's byte pairs."""
+def _restored_on(m: _Member, machine: list[gpus.Gpu]) -> list[dict[str, Any]]:
+    """The GPUs a process will run on after its restore (its own, or the --map targets)."""
+    names = {g.uuid: g.name for g in machine}
     out = []
-    for item in pairs:
-        old, sep, new = item.partition("=")
-        try:
-            if not sep:
-                raise ValueError
-            out.append(tuple(bytes.fromhex(u.strip().removeprefix("GPU-").replace("-", "")) for u in (old, new)))
-        except ValueError:
-            raise GpucrError(f"--map takes OLD_UUID=NEW_UUID (e.g. GPU-1a2b...=GPU-3c4d...), not '{item}'") from None
-        if any(len(u) != 16 for u in out[-1]):
-            raise GpucrError(f"a GPU UUID has 16 bytes (32 hex digits): '{item}'")
+    for d in m.gpus:
+        where = m.gpu_moves.get(d["uuid"], d["uuid"])
+        out.append({**d, "uuid": where, "name": names.get(where, d["name"])})
     return out
 
 
-def _driver_restore(m: _Member, gpu_map: list[tuple[bytes, bytes]] | None = None) -> None:
+def _check_room(members: list[_Member]) -> None:
+    """Refuse, before anything is re-created, a restore that does not fit on its GPUs: what every
+    process in it puts back on each GPU, against that GPU's free memory now."""
+    need: dict[str, int] = {}
+    who: dict[str, list[int]] = {}
+    for m in members:
+        if not m.checkpointed and m.status.get("state") != "checkpointed":
+            continue
+        al = m.status["allocations"]
+        # the driver's own part (plain small allocations, pools) lies on the process's first GPU as far as gpucr knows
+        rest = m.status["bytes_left_to_driver"] - al.get("vmm_left_to_driver_bytes", 0) if m.checkpointed else 0
+        for i, d in enumerate(m.gpus):
+            where = m.gpu_moves.get(d["uuid"], d["uuid"])
+            need[where] = need.get(where, 0) + d["vmm_bytes"] + (rest if i == 0 else 0)
+            who.setdefault(where, []).append(m.pid)
+    if not need:
+        return
+    drv = members[0].drv
+    machine = gpus.machine_gpus(drv)
+    for uuid, n in need.items():
+        mem = gpus.memory_of(drv, uuid, machine)
+        if mem is not None and mem.free < n:
+            procs = ", ".join(map(str, who[uuid]))
+            raise GpucrError(f"not enough free GPU memory on {uuid} to restore process{'es' if len(who[uuid]) > 1 else ''} "
+                             f"{procs}: {n >> 20} MiB are needed, {mem.free >> 20} MiB are free; free GPU memory and "
+                             "retry (nothing was restored; the processes stay checkpointed)")
+
+
+def _driver_restore(m: _Member) -> None:
     if not m.checkpointed:
         return
-    need = m.status["allocations"]["tracked_bytes"] + m.status["bytes_left_to_driver"]
-    mem = gpu_memory(m.drv)
-    if mem is not None and mem.free < need:
-        raise GpucrError(f"not enough free GPU memory to restore it: it needs {need >> 20} MiB, {mem.free >> 20} MiB "
-                         "are free; free GPU memory and retry (the process stays checkpointed)")
     t0 = time.perf_counter()
     try:
-        m.drv.restore(m.pid, gpu_map or None)
+        m.drv.restore(m.pid, [(gpus.to_bytes(o), gpus.to_bytes(n)) for o, n in m.gpu_moves.items()] or None)
     except DriverError as exc:
         if exc.rc == CUDA_ERROR_OUT_OF_MEMORY:
             raise GpucrError("not enough free GPU memory to restore its CUDA context; free GPU memory and retry "
@@ -617,21 +649,23 @@ def _check_sharing(members: list[_Member]) -> None:
 
 def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,
                  images: dict[int, str | Path] | None = None, force: bool = False,
-                 gpu_map: list[tuple[bytes, bytes]] | None = None) -> list[dict[str, Any]]:
-    """Restore several processes together; each that can be is brought back (see the module's doc)."""
+                 gpu_map: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """Restore several processes together; each that can be is brought back (see the module's doc).
+    `gpu_map` {old UUID: new UUID} (gpus.parse_map) moves them to other GPUs of this machine."""
     _check_request(pids, timeout)
     images = images or {}
     members: list[_Member] = []
     try:
         for pid in pids:   # every check before anything is re-created
             img = images.get(pid)
-            members.append(_vet_for_restore(pid, Path(img) if img is not None else None, force))
+            members.append(_vet_for_restore(pid, Path(img) if img is not None else None, force, gpu_map or {}))
+        _check_room(members)
         failed: dict[int, PhaseError] = {}
 
         def phase(name: str, fn) -> None:
             for f in _phase_failures(name, [m for m in members if m.pid not in failed], fn):
                 failed[f.pid] = f
-        phase("driver restore", lambda m: _driver_restore(m, gpu_map))
+        phase("driver restore", _driver_restore)
         phase("driver unlock", lambda m: _driver_unlock(m, timeout))
         live = [m for m in members if m.pid not in failed]
         try:

@@ -149,10 +149,11 @@ def driver_for(libpath: str) -> Driver:
         return _drivers[libpath]
 
 
-def gpu_memory(driver: Driver, device: int = 0) -> GpuMemory | None:
+def gpu_memory(driver: Driver, device: int = 0, uuid: str | None = None) -> GpuMemory | None:
     """Device memory in use by everyone, as nvidia-smi shows it (NVML; simcuda's own count when simulated).
 
-    Needs no CUDA context, so reading it costs the card nothing.
+    `device` is this process's CUDA ordinal; NVML numbers GPUs its own way, so give the GPU's `uuid`
+    too where it is known. Needs no CUDA context, so reading it costs the card nothing.
     """
     if driver.simulated:
         used, total = ctypes.c_size_t(), ctypes.c_size_t()
@@ -161,7 +162,7 @@ def gpu_memory(driver: Driver, device: int = 0) -> GpuMemory | None:
         if fn(device, ctypes.byref(used), ctypes.byref(total)) != 0:
             return None
         return GpuMemory(used.value, total.value)
-    return _nvml_memory(device)
+    return _nvml_memory(device, uuid)
 
 
 class _NvmlMemory(ctypes.Structure):
@@ -171,7 +172,7 @@ class _NvmlMemory(ctypes.Structure):
 _nvml: ctypes.CDLL | None = None
 
 
-def _nvml_memory(device: int) -> GpuMemory | None:
+def _nvml_memory(device: int, uuid: str | None = None) -> GpuMemory | None:
     global _nvml
     try:
         if _nvml is None:
@@ -180,7 +181,9 @@ def _nvml_memory(device: int) -> GpuMemory | None:
                 return None
             _nvml = lib
         handle = ctypes.c_void_p()
-        if _nvml.nvmlDeviceGetHandleByIndex_v2(device, ctypes.byref(handle)) != 0:
+        rc = (_nvml.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(handle)) if uuid else
+              _nvml.nvmlDeviceGetHandleByIndex_v2(device, ctypes.byref(handle)))
+        if rc != 0:
             return None
         mem = _NvmlMemory()
         if _nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)) != 0:
@@ -188,6 +191,11 @@ def _nvml_memory(device: int) -> GpuMemory | None:
         return GpuMemory(mem.used, mem.total)
     except OSError:
         return None
+
+
+def device_count(driver: Driver) -> int:
+    n = ctypes.c_int()
+    return n.value if driver._cu.cuDeviceGetCount(ctypes.byref(n)) == 0 else 0
 
 
 def device_info(driver: Driver, ordinal: int = 0) -> dict[str, str]:

@@ -20,7 +20,7 @@ VERSION = 1
 NAME = "manifest.json"
 
 
-def build(*, pid: int, start_time: int, generation: int, level: str, gpu: dict[str, Any], driver_version: int,
+def build(*, pid: int, start_time: int, generation: int, level: str, gpus: list[dict[str, Any]], driver_version: int,
           status: dict[str, Any], allocations: list[dict[str, Any]], epoch: int | None,
           simulated: bool) -> dict[str, Any]:
     al = status.get("allocations", {})
@@ -34,7 +34,9 @@ def build(*, pid: int, start_time: int, generation: int, level: str, gpu: dict[s
         "id": str(uuid.uuid4()),
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": socket.gethostname(),
-        "gpu": gpu,
+        # the GPUs the process ran on (by UUID, with the controller's name for each); "gpu" is the first
+        "gpu": {k: gpus[0][k] for k in ("name", "uuid")} if gpus else {"name": "unknown", "uuid": "unknown"},
+        "gpus": gpus,
         "driver_version": driver_version,
         "simulated": simulated,
         "level": level,
@@ -75,7 +77,7 @@ def load(directory: Path) -> dict[str, Any]:
     return m
 
 
-def check_restore(m: dict[str, Any], *, pid: int, start_time: int, generation: int, gpu: dict[str, Any],
+def check_restore(m: dict[str, Any], *, pid: int, start_time: int, generation: int, gpus: list[dict[str, Any]],
                   force: bool) -> dict[str, Any]:
     """The checks before anything is re-created; returns the process's entry, or raises naming the check."""
     entry = next((p for p in m["processes"] if p["pid"] == pid), None)
@@ -87,8 +89,11 @@ def check_restore(m: dict[str, Any], *, pid: int, start_time: int, generation: i
     if entry["generation"] != generation:
         raise GpucrError(f"refused: stale image: it holds checkpoint {entry['generation']} of process {pid}, "
                          f"which is at checkpoint {generation}")
-    if m["gpu"].get("name") != gpu.get("name"):
-        raise GpucrError(f"refused: the image was taken on a {m['gpu'].get('name')}, this GPU is a {gpu.get('name')}")
+    taken = sorted(g["name"] for g in m.get("gpus", [m["gpu"]]))
+    now = sorted(g["name"] for g in gpus)
+    if taken and now and taken != now:
+        raise GpucrError(f"refused: the image was taken on {' + '.join(taken)}, the process would be restored onto "
+                         f"{' + '.join(now)} (the driver needs the same chips)")
     if entry["unknown"] and not force:
         raise GpucrError(f"refused: the checkpoint does not cover everything ({'; '.join(entry['unknown'])}); "
                          "use --force to restore anyway")

@@ -5,7 +5,10 @@ it does the same through copies and memsets. Allocations: plain cuMemAlloc buffe
 sizes, a pitched one, and (with --vmm) the application's own VMM range mapped in 2 MiB handles, the
 way PyTorch's expandable segments do.
 
-Commands: digest | work N | loop start | loop stop | spin MS | free I | alloc BYTES | quit
+Commands: digest | work N | loop start | loop stop | spin MS | free I | alloc BYTES | quit, and for
+several GPUs: device D BYTES [vmm] (a buffer on device D, plain or the application's own VMM) |
+peer on|off (device 1 gets or loses peer access to device 0's plain allocations) | peer-add I
+(device 1 adds 0 to buffer I in a kernel: simcuda only) | uuids (each device's UUID, as this process sees it)
 """
 from __future__ import annotations
 
@@ -43,6 +46,10 @@ def _sig(name, *args):
 
 cuInit = _sig("cuInit", ctypes.c_uint)
 cuDevicePrimaryCtxRetain = _sig("cuDevicePrimaryCtxRetain", ctypes.POINTER(vp), ctypes.c_int)
+cuDeviceGetUuid = _sig("cuDeviceGetUuid_v2", ctypes.c_char_p, ctypes.c_int)
+cuDeviceGetCount = _sig("cuDeviceGetCount", ctypes.POINTER(ctypes.c_int))
+cuCtxEnablePeerAccess = _sig("cuCtxEnablePeerAccess", vp, ctypes.c_uint)
+cuCtxDisablePeerAccess = _sig("cuCtxDisablePeerAccess", vp)
 cuCtxSetCurrent = _sig("cuCtxSetCurrent", vp)
 cuMemAlloc = _sig("cuMemAlloc_v2", ctypes.POINTER(u64), sz)
 cuMemAllocPitch = _sig("cuMemAllocPitch_v2", ctypes.POINTER(u64), ctypes.POINTER(sz), sz, sz, ctypes.c_uint)
@@ -78,6 +85,8 @@ class App:
         check(cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), 0), "ctx")
         check(cuCtxSetCurrent(self.ctx), "set ctx")
         self.bufs: list[tuple[int, int]] = []   # (device pointer, bytes)
+        self.ctxs = {0: self.ctx}                 # device ordinal -> its primary context
+        self.buf_dev: dict[int, int] = {}         # device pointer -> device, for buffers not on device 0
         for i, n in enumerate(sizes):
             self.bufs.append((self._alloc(n), n))
         if pitch:
@@ -105,12 +114,19 @@ class App:
         check(cuMemAlloc(ctypes.byref(p), n), f"cuMemAlloc({n})")
         return p.value
 
-    def _vmm(self, n: int) -> int:
+    def _ctx_of(self, dev: int) -> vp:
+        if dev not in self.ctxs:
+            c = vp()
+            check(cuDevicePrimaryCtxRetain(ctypes.byref(c), dev), f"ctx of device {dev}")
+            self.ctxs[dev] = c
+        return self.ctxs[dev]
+
+    def _vmm(self, n: int, dev: int = 0) -> int:
         gran = 2 << 20
         va = u64()
         check(cuMemAddressReserve(ctypes.byref(va), n, 0, 0, 0), "reserve")
-        prop = Prop(type=1, handleTypes=0, loc=Loc(1, 0))
-        acc = Access(loc=Loc(1, 0), flags=3)
+        prop = Prop(type=1, handleTypes=0, loc=Loc(1, dev))
+        acc = Access(loc=Loc(1, dev), flags=3)
         for off in range(0, n, gran):
             h = u64()
             check(cuMemCreate(ctypes.byref(h), gran, ctypes.byref(prop), 0), "create")
@@ -138,8 +154,10 @@ class App:
         h = hashlib.sha256()
         for p, n in self.bufs:
             buf = ctypes.create_string_buffer(n)
+            check(cuCtxSetCurrent(self.ctxs[self.buf_dev.get(p, 0)]), "set ctx")   # read in the owner's context
             check(cuMemcpyDtoH(buf, p, n), "read back")
             h.update(buf.raw)
+        check(cuCtxSetCurrent(self.ctx), "set ctx")
         return h.hexdigest()
 
     def _add(self, p: int, n: int, v: int) -> None:
@@ -315,6 +333,42 @@ class App:
             check(cuMemsetD32(p, 0, n // 4), "memset")
             check(cuCtxSynchronize(), "sync")
             return {"zeroed": p}
+        if cmd == "device":   # a buffer on another device, in that device's own context
+            dev, n = int(words[1]), parse_size(words[2])
+            check(cuCtxSetCurrent(self._ctx_of(dev)), "set ctx")
+            p = self._vmm(n, dev) if words[3:] == ["vmm"] else self._alloc(n)
+            self._fill(p, n, len(self.bufs))
+            check(cuCtxSetCurrent(self.ctx), "set ctx")
+            self.bufs.append((p, n))
+            self.buf_dev[p] = dev
+            return {"ptr": p}
+        if cmd == "peer":   # device 1's context opens (or closes) its access to device 0's plain allocations
+            check(cuCtxSetCurrent(self._ctx_of(1)), "set ctx")
+            rc = cuCtxEnablePeerAccess(self.ctx, 0) if words[1] == "on" else cuCtxDisablePeerAccess(self.ctx)
+            check(cuCtxSetCurrent(self.ctx), "set ctx")
+            return {"rc": rc}
+        if cmd == "peer-add":   # a kernel on device 1 that adds 0 to every word of buffer I (simcuda's builtin)
+            p, n = self.bufs[int(words[1])]
+            check(cuCtxSetCurrent(self._ctx_of(1)), "set ctx")
+            if not hasattr(self, "add1"):   # a module belongs to the context it was loaded in
+                self.mod1, self.add1 = vp(), vp()
+                check(cuModuleLoadData(ctypes.byref(self.mod1), b"simcuda-builtin"), "module")
+                check(cuModuleGetFunction(ctypes.byref(self.add1), self.mod1, b"add_u32"), "add_u32")
+            args = [u64(p), ctypes.c_uint(0), u64(n // 4)]
+            params = (vp * 3)(*[ctypes.cast(ctypes.byref(a), vp) for a in args])
+            rc = cuLaunchKernel(self.add1, 1, 1, 1, 1, 1, 1, 0, None, params, None)
+            check(cuCtxSetCurrent(self.ctx), "set ctx")
+            return {"rc": rc}
+        if cmd == "uuids":
+            count = ctypes.c_int()
+            check(cuDeviceGetCount(ctypes.byref(count)), "count")
+            out = []
+            for d in range(count.value):
+                u = ctypes.create_string_buffer(16)
+                check(cuDeviceGetUuid(u, d), "uuid")
+                h = u.raw.hex()
+                out.append(f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
+            return {"uuids": out}
         if cmd == "free":
             p, _ = self.bufs.pop(int(words[1]))
             check(cuMemFree(p), "free")

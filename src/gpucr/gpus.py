@@ -1,0 +1,94 @@
+"""The GPUs a process runs on, those this machine has, and a restore's --map between them.
+
+A process names its GPUs by ordinal, but ordinals differ between processes (CUDA_VISIBLE_DEVICES,
+CUDA_DEVICE_ORDER), so everything here goes by UUID, as the agent reports it from inside the process.
+The driver's restore takes UUID pairs and wants one for every GPU the process was checkpointed on;
+a map is checked against that, and against this machine's GPUs, before anything is touched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from .driver import Driver, GpuMemory, device_count, device_info, gpu_memory
+from .errors import GpucrError
+
+
+@dataclass(frozen=True)
+class Gpu:
+    ordinal: int      # this controller's ordinal: for reading its memory
+    uuid: str         # GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx
+    name: str
+
+
+def machine_gpus(drv: Driver) -> list[Gpu]:
+    return [Gpu(i, info["uuid"], info["name"]) for i in range(device_count(drv)) for info in [device_info(drv, i)]]
+
+
+def normalise(uuid: str) -> str:
+    """A UUID as nvidia-smi -L prints it (GPU- and dashes optional on input); raises if it is not one."""
+    hexdigits = uuid.strip().lower().removeprefix("gpu-").replace("-", "")
+    if len(hexdigits) != 32 or any(c not in "0123456789abcdef" for c in hexdigits):
+        raise ValueError(uuid)
+    h = hexdigits
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def to_bytes(uuid: str) -> bytes:
+    return bytes.fromhex(normalise(uuid)[4:].replace("-", ""))
+
+
+def parse_map(items: list[str]) -> dict[str, str]:
+    """--map OLD_UUID=NEW_UUID items into {old: new}."""
+    out: dict[str, str] = {}
+    for item in items:
+        old, sep, new = item.partition("=")
+        try:
+            if not sep:
+                raise ValueError(item)
+            old, new = normalise(old), normalise(new)
+        except ValueError:
+            raise GpucrError(f"--map takes OLD_UUID=NEW_UUID, each GPU- and 32 hex digits as nvidia-smi -L prints "
+                             f"them (e.g. GPU-1a2b...=GPU-3c4d...), not '{item}'") from None
+        if out.get(old, new) != new:
+            raise GpucrError(f"--map names {old} twice, with different targets")
+        out[old] = new
+    return out
+
+
+def process_gpus(status: dict[str, Any], machine: list[Gpu]) -> list[dict[str, Any]]:
+    """The GPUs a process uses (the agent's view), with their names from this machine."""
+    names = {g.uuid: g.name for g in machine}
+    return [{"ordinal": d["ordinal"], "uuid": d["uuid"], "name": names.get(d["uuid"], "unknown"),
+             "vmm_bytes": d.get("vmm_bytes", 0)} for d in status.get("devices", [])]
+
+
+def moves_for(pid: int, used: list[dict[str, Any]], gpu_map: dict[str, str], machine: list[Gpu]) -> dict[str, str]:
+    """{old: new} for one process: one for each GPU it uses, as the driver wants (the map may name
+    others, for other processes of the same restore). Raises, naming what is wrong."""
+    if not gpu_map:
+        return {}
+    here = {g.uuid: g for g in machine}
+    moves: dict[str, str] = {}
+    targets: dict[str, str] = {}
+    for d in used:
+        new = gpu_map.get(d["uuid"])
+        if new is None:
+            raise GpucrError(f"process {pid} was checkpointed on {d['uuid']} (its device {d['ordinal']}), which --map does "
+                             f"not name: the driver needs a pair for every GPU of the process; add {d['uuid']}=NEW_UUID "
+                             f"(or {d['uuid']}={d['uuid']} to keep it there)")
+        if new not in here:
+            raise GpucrError(f"--map target {new} is not a GPU of this machine (nvidia-smi -L lists them)")
+        if d["uuid"] in here and here[d["uuid"]].name != here[new].name:
+            raise GpucrError(f"--map {d['uuid']}={new}: a {here[d['uuid']].name} cannot be restored onto a "
+                             f"{here[new].name} (the driver needs the same chip)")
+        if new in targets:
+            raise GpucrError(f"--map puts two GPUs of process {pid} ({targets[new]} and {d['uuid']}) onto {new}")
+        targets[new] = d["uuid"]
+        moves[d["uuid"]] = new
+    return moves
+
+
+def memory_of(drv: Driver, uuid: str, machine: list[Gpu]) -> GpuMemory | None:
+    g = next((g for g in machine if g.uuid == uuid), None)
+    return gpu_memory(drv, g.ordinal, uuid) if g else None

@@ -1,0 +1,92 @@
+"""A process on two GPUs, on simcuda (the simulated driver, a test double) with SIMCUDA_DEVICES=2:
+every GPU given back and restored, peer access kept across a restore (the agent grants it to the
+VMM memory that stands in for plain allocations), and a restore onto the swapped GPUs (--map)."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given, strategies as st
+
+import gpucr
+from gpucr.driver import gpu_memory
+
+from conftest import gpucr_cli, sim_driver
+
+MiB = 1 << 20
+ILLEGAL_ADDRESS = 700
+
+
+@pytest.fixture(autouse=True)
+def two_gpus(monkeypatch):
+    monkeypatch.setenv("SIMCUDA_DEVICES", "2")
+
+
+def dev_used(d: int) -> int:
+    return gpu_memory(sim_driver(), d).used
+
+
+def test_process_on_two_gpus_keeps_peer_access(sim_app):
+    idle = [dev_used(0), dev_used(1)]
+    app = sim_app("--sizes", "16M,3M")
+    app.ask("device 1 24M")
+    app.ask("device 1 8M vmm")
+    assert app.ask("peer-add 0")["rc"] == ILLEGAL_ADDRESS, "device 1 has no access to device 0's memory yet"
+    assert app.ask("peer on")["rc"] == 0
+    assert app.ask("peer-add 0")["rc"] == 0
+    app.ask(f"alloc {4 * MiB}")   # buffer 4: made after peer access was enabled, so open to device 1 too
+    assert app.ask("peer-add 4")["rc"] == 0
+    before = app.ask("digest")
+    for cycle in range(2):
+        gpucr.checkpoint(app.pid)
+        st = gpucr.status(app.pid)
+        assert sorted(d["ordinal"] for d in st["devices"]) == [0, 1]
+        assert {d["ordinal"]: d["vmm_bytes"] for d in st["devices"]}[1] == 32 * MiB
+        for d in (0, 1):
+            assert dev_used(d) - idle[d] <= 16 * MiB, f"cycle {cycle}: device {d} not given back"
+        gpucr.restore(app.pid)
+        assert app.ask("digest") == before
+        assert app.ask("peer-add 0")["rc"] == 0 and app.ask("peer-add 4")["rc"] == 0, "peer access lost by the restore"
+    assert app.ask("peer off")["rc"] == 0
+    assert app.ask("peer-add 0")["rc"] == ILLEGAL_ADDRESS
+    gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid)
+    assert app.ask("peer-add 0")["rc"] == ILLEGAL_ADDRESS, "a restore must not give back access the application took away"
+    assert app.ask("digest") == before
+
+
+def test_restore_onto_the_swapped_gpus(sim_app, tmp_path):
+    idle = [dev_used(0), dev_used(1)]
+    app = sim_app("--sizes", "16M,3M")
+    app.ask("device 1 40M")
+    u0, u1 = app.ask("uuids")["uuids"]
+    held = [dev_used(0) - idle[0], dev_used(1) - idle[1]]
+    before = app.ask("digest")
+    assert gpucr_cli("checkpoint", "--image", str(tmp_path / "img"), str(app.pid)).returncode == 0
+    taken = json.loads(gpucr_cli("inspect", "--json", str(tmp_path / "img")).stdout)
+    assert [g["uuid"] for g in sorted(taken["gpus"], key=lambda g: g["ordinal"])] == [u0, u1]
+    for bad, why in ((["--map", f"{u0}={u1}"], f"was checkpointed on {u1}"),
+                     (["--map", f"{u0}={u1}", "--map", f"{u1}={u1}"], f"onto {u1}")):
+        r = gpucr_cli("restore", "--image", str(tmp_path / "img"), *bad, str(app.pid))
+        assert r.returncode == 1 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert gpucr.status(app.pid)["state"] == "checkpointed"
+    r = gpucr_cli("restore", "--image", str(tmp_path / "img"), "--map", f"{u0}={u1}", "--map", f"{u1}={u0}", str(app.pid))
+    assert r.returncode == 0, r.stderr
+    assert app.ask("uuids")["uuids"] == [u1, u0], "the process's device 0 is now the other card"
+    assert app.ask("digest") == before
+    assert [dev_used(0) - idle[0], dev_used(1) - idle[1]] == held[::-1], "each card holds what the other held"
+    assert {d["ordinal"]: d["uuid"] for d in gpucr.status(app.pid)["devices"]} == {0: u1, 1: u0}
+    # and a plain cycle afterwards keeps it where it now is
+    assert gpucr_cli("checkpoint", str(app.pid)).returncode == 0
+    assert gpucr_cli("restore", str(app.pid)).returncode == 0
+    assert app.ask("uuids")["uuids"] == [u1, u0] and app.ask("digest") == before
+
+
+@given(raw=st.binary(min_size=16, max_size=16), upper=st.booleans(), prefix=st.booleans(), dashes=st.booleans())
+def test_any_spelling_of_a_uuid_names_the_same_gpu(raw, upper, prefix, dashes):
+    from gpucr.gpus import normalise, parse_map, to_bytes
+    h = raw.hex()
+    text = f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}" if dashes else h
+    text = ("GPU-" if prefix else "") + (text.upper() if upper else text)
+    assert to_bytes(text) == raw
+    assert parse_map([f"{text}={text}"]) == {normalise(text): normalise(text)}
