@@ -30,7 +30,8 @@ def main(simulate: bool = False, as_json: bool = False) -> int:
     say = (lambda *a: None) if as_json else (lambda *a: print(*a, flush=True))
     if real:
         drv = driver_for("libcuda.so.1")
-        say("gpucr demo on the GPU: a PyTorch process holding 2 GiB")
+        say("gpucr demo on the GPU: a PyTorch process with 2 GiB of tensors (its caching allocator keeps more "
+            "reserved once it has computed their digests)")
         module, args = "torch_app", ["--gib", "2"]
     else:
         drv = driver_for(str(simcuda_dir() / "libcuda.so.1"))

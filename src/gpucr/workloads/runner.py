@@ -13,10 +13,12 @@ class Workload:
     """A workload process under the agent; `ask` sends one command and returns its JSON answer."""
 
     def __init__(self, module: str, *args: str, simulate: bool = False, env: dict[str, str] | None = None,
-                 ready_timeout: float = 600.0) -> None:
+                 ready_timeout: float = 600.0, argv: list[str] | None = None) -> None:
+        """Run gpucr.workloads.<module> with args, or `argv` (a program of any kind speaking the same
+        one-JSON-line-per-command protocol) when given."""
         full_env = paths.run_env(simulate=simulate, base=env)
-        self.proc = subprocess.Popen([sys.executable, "-m", f"gpucr.workloads.{module}", *args], env=full_env,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
+        cmd = argv if argv is not None else [sys.executable, "-m", f"gpucr.workloads.{module}", *args]
+        self.proc = subprocess.Popen(cmd, env=full_env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
         self.pid = self.proc.pid
         self.info = self._read()
         if not self.info.get("ready"):

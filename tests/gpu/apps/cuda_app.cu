@@ -1,0 +1,105 @@
+// A plain C++ CUDA program, built by nvcc with the CUDA runtime linked statically (nvcc's default),
+// for the GPU tests: gpucr must take it unchanged. It holds cudaMalloc buffers of several sizes
+// (converted to VMM by the agent, or left native when small), stream-ordered pool memory, pinned
+// host memory and a captured CUDA graph, and answers one command per line on stdin with one JSON
+// line on stdout:
+//   digest        a checksum of every buffer (computed on the GPU) and its address
+//   work          add 3 to every word of every buffer, then subtract 3 (the digest must not change)
+//   graph N       replay a graph that adds 1 then subtracts 1 on buffer 0, N times
+//   quit
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+#include <cuda_runtime.h>
+
+#define CHECK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
+    printf("{\"error\": \"%s: %s\"}\n", #x, cudaGetErrorString(e_)); fflush(stdout); exit(1); } } while (0)
+
+__global__ void fill(unsigned *p, size_t n, unsigned seed)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        p[i] = (unsigned)(i * 2654435761u) ^ seed;
+}
+
+__global__ void add(unsigned *p, size_t n, unsigned v)
+{
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        p[i] += v;
+}
+
+// position-sensitive: sum of word * (index % 1000003 + 1), wrapping in 64 bits
+__global__ void checksum(const unsigned *p, size_t n, unsigned long long *out)
+{
+    unsigned long long s = 0;
+    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
+        s += (unsigned long long)p[i] * (i % 1000003 + 1);
+    atomicAdd(out, s);
+}
+
+struct Buf { unsigned *p; size_t bytes; };
+
+int main()
+{
+    const size_t sizes[] = {256u << 20, 64u << 20, 3u << 20, 100u << 10, 1000};
+    std::vector<Buf> bufs;
+    cudaStream_t s;
+    CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+    for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
+        Buf b{nullptr, sizes[i]};
+        CHECK(cudaMalloc(&b.p, b.bytes));
+        bufs.push_back(b);
+    }
+    Buf pool{nullptr, 32u << 20};
+    CHECK(cudaMallocAsync(&pool.p, pool.bytes, s));   // stream-ordered: left to the driver's checkpoint
+    bufs.push_back(pool);
+    for (size_t i = 0; i < bufs.size(); i++) fill<<<256, 256, 0, s>>>(bufs[i].p, bufs[i].bytes / 4, 7u * i + 1);
+    unsigned long long *sums;
+    CHECK(cudaMallocHost(&sums, sizeof *sums * bufs.size()));
+    cudaGraph_t g;
+    cudaGraphExec_t ge;
+    CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+    add<<<256, 256, 0, s>>>(bufs[0].p, bufs[0].bytes / 4, 1u);
+    add<<<256, 256, 0, s>>>(bufs[0].p, bufs[0].bytes / 4, ~0u);   // + (2^32 - 1) = - 1
+    CHECK(cudaStreamEndCapture(s, &g));
+    CHECK(cudaGraphInstantiate(&ge, g, 0));
+    CHECK(cudaStreamSynchronize(s));
+    printf("{\"ready\": true, \"runtime\": %d}\n", CUDART_VERSION);
+    fflush(stdout);
+
+    char line[256];
+    while (fgets(line, sizeof line, stdin)) {
+        std::string cmd(line);
+        if (cmd.rfind("digest", 0) == 0) {
+            unsigned long long *dev;
+            CHECK(cudaMalloc(&dev, sizeof *dev * bufs.size()));
+            CHECK(cudaMemsetAsync(dev, 0, sizeof *dev * bufs.size(), s));
+            for (size_t i = 0; i < bufs.size(); i++) checksum<<<256, 256, 0, s>>>(bufs[i].p, bufs[i].bytes / 4, dev + i);
+            CHECK(cudaMemcpyAsync(sums, dev, sizeof *sums * bufs.size(), cudaMemcpyDeviceToHost, s));
+            CHECK(cudaStreamSynchronize(s));
+            CHECK(cudaFree(dev));
+            printf("{\"digest\": [");
+            for (size_t i = 0; i < bufs.size(); i++) printf("%s%llu", i ? ", " : "", sums[i]);
+            printf("], \"ptrs\": [");
+            for (size_t i = 0; i < bufs.size(); i++) printf("%s%llu", i ? ", " : "", (unsigned long long)(uintptr_t)bufs[i].p);
+            printf("]}\n");
+        } else if (cmd.rfind("work", 0) == 0) {
+            for (auto &b : bufs) add<<<256, 256, 0, s>>>(b.p, b.bytes / 4, 3u);
+            for (auto &b : bufs) add<<<256, 256, 0, s>>>(b.p, b.bytes / 4, ~2u);   // - 3
+            CHECK(cudaStreamSynchronize(s));
+            printf("{\"done\": true}\n");
+        } else if (cmd.rfind("graph", 0) == 0) {
+            int n = atoi(cmd.c_str() + 5);
+            for (int i = 0; i < n; i++) CHECK(cudaGraphLaunch(ge, s));
+            CHECK(cudaStreamSynchronize(s));
+            printf("{\"replayed\": %d}\n", n);
+        } else if (cmd.rfind("quit", 0) == 0) {
+            break;
+        } else {
+            printf("{\"error\": \"unknown command\"}\n");
+        }
+        fflush(stdout);
+    }
+    return 0;
+}
