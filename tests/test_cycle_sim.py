@@ -264,3 +264,16 @@ def test_threads_allocating_and_launching_through_checkpoints(sim_app):
     assert app.ask("digest")["digest"] == before["digest"]
     st = gpucr.status(app.pid)
     assert st["allocations"]["converted"] == 2, "every churned allocation was freed and forgotten"
+
+
+def test_no_pinned_ring_means_slower_copies_not_a_refusal(sim_app):
+    idle = used()
+    app = sim_app("--sizes", "40M,3M", "--vmm-mib", "8", env={**os.environ, "GPUCR_TEST_FAIL_RING": "1"})
+    before = app.ask("digest")
+    r = gpucr.checkpoint(app.pid)
+    assert any("pageable memory" in w for w in r["warnings"]), r["warnings"]
+    st = gpucr.status(app.pid)
+    assert st["bounce_pinned_bytes"] == 0 and st["staging_pinned_bytes"] == 0 and "cannot pin" in st["bounce_problem"]
+    assert used() - idle <= 16 * MiB
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before

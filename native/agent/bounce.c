@@ -33,6 +33,7 @@ static struct {
     CUresult first_err;
     bool ready;
     int nthreads;
+    char problem[200];          /* why the last preparation failed ("" when it did not) */
 } B = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
 /* Read once: staging is pinned or not for the life of the process, whatever the application later
@@ -48,6 +49,23 @@ bool bounce_enabled(void)
 {
     pthread_once(&g_ring_once, read_ring_mib);
     return g_ring_mib > 0;
+}
+
+bool bounce_ready(void)
+{
+    pthread_mutex_lock(&B.mu);
+    bool r = B.ready;
+    pthread_mutex_unlock(&B.mu);
+    return r;
+}
+
+bool bounce_problem(char *out, size_t len)
+{
+    pthread_mutex_lock(&B.mu);
+    bool has = B.problem[0] != 0;
+    if (has) snprintf(out, len, "%s", B.problem);
+    pthread_mutex_unlock(&B.mu);
+    return has;
 }
 
 size_t bounce_pinned_bytes(void)
@@ -137,7 +155,9 @@ int bounce_prepare(CUcontext ctx, size_t need, char *err, size_t errlen)
         goto out;
     }
     gpucr_drv.cuCtxSetCurrent(ctx);
-    CUresult cr = gpucr_drv.cuMemHostRegister_v2(ring, bytes, CU_MEMHOSTREGISTER_PORTABLE);
+    /* GPUCR_TEST_FAIL_RING=1: the test suite's stand-in for a driver that will not pin the ring */
+    CUresult cr = gpucr_env_long("GPUCR_TEST_FAIL_RING", 0) ? CUDA_ERROR_OUT_OF_MEMORY
+                                                           : gpucr_drv.cuMemHostRegister_v2(ring, bytes, CU_MEMHOSTREGISTER_PORTABLE);
     if (cr != CUDA_SUCCESS) {
         snprintf(err, errlen, "cannot pin the %zu MiB bounce ring: %s", bytes >> 20, gpucr_cu_errstr(cr));
         munmap(ring, bytes);
@@ -161,6 +181,8 @@ int bounce_prepare(CUcontext ctx, size_t need, char *err, size_t errlen)
     rc = 0;
     gpucr_log("bounce ring: %zu MiB pinned in %d slots, %d copy threads", bytes >> 20, nslots, B.nthreads);
 out:
+    if (rc) snprintf(B.problem, sizeof B.problem, "%s", err);
+    else B.problem[0] = 0;
     pthread_mutex_unlock(&B.mu);
     return rc;
 }

@@ -7,6 +7,10 @@
 #include "agent.h"
 
 bool bounce_enabled(void);
+/* Whether a ring is pinned and its threads run; without one, copies go to pageable staging directly. */
+bool bounce_ready(void);
+/* Why the last preparation failed, if it did (copied into out). */
+bool bounce_problem(char *out, size_t len);
 /* Pin a ring for `need` bytes of data (up to GPUCR_BOUNCE_MIB) and start the copy threads; a
  * ring already big enough is kept. */
 int bounce_prepare(CUcontext ctx, size_t need, char *err, size_t errlen);

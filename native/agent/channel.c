@@ -148,6 +148,8 @@ static void reply_status(struct jb *j)
     jb_int(j, "staging_bytes", (long long)si.bytes);
     jb_int(j, "staging_pinned_bytes", (long long)si.pinned_bytes);
     jb_int(j, "bounce_pinned_bytes", (long long)bounce_pinned_bytes());
+    char problem[200];
+    if (bounce_problem(problem, sizeof problem)) jb_str(j, "bounce_problem", problem);
     jb_int(j, "staging_segments", si.segments);
     jb_str(j, "staging", si.kind);
     jb_bool(j, "staging_ahead", si.ahead);

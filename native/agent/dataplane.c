@@ -71,7 +71,7 @@ static CUresult copy_chunks(struct phys *p, CUdeviceptr va, bool out, int *turn)
             rc = REAL(cuMemsetD8Async)(va + off, 0, n, s);   /* an image's zero chunk: nothing to copy */
             g_dp.zeroed += n;
         }
-        else if (bounce_enabled())
+        else if (bounce_enabled() && bounce_ready())
             rc = bounce_submit(p->ctx, s, va + off, host + off, n, out);   /* staging is not pinned */
         else
             rc = out ? REAL(cuMemcpyDtoHAsync_v2)(host + off, va + off, n, s)
@@ -222,7 +222,9 @@ static int staging_job(struct deadline_job *j)
     if (rc == 0 && bounce_enabled()) {
         size_t need = 0;
         for (int i = 0; i < j->nsizes; i++) need += j->sizes[i];
-        rc = bounce_prepare(j->ctx, need, j->err, sizeof j->err);
+        /* no ring is no reason to refuse: the copies then go to pageable staging, slower (status says why) */
+        if (bounce_prepare(j->ctx, need, j->err, sizeof j->err)) gpucr_warn("%s: copies go through pageable memory", j->err);
+        j->err[0] = 0;
     }
     pthread_mutex_unlock(&g_staging_mu);
     return rc;

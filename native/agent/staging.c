@@ -423,7 +423,8 @@ static void *ahead_loop(void *arg)
                 usleep(5 * 1000 * 1000);   /* host memory is short: do not spin on it */
             }
         }
-        if (ctx && bounce_enabled()) {
+        char problem[8];
+        if (ctx && bounce_enabled() && !bounce_problem(problem, sizeof problem)) {   /* a failure waits for a checkpoint's retry */
             size_t need = 0;
             for (int i = 0; i < n; i++) need += sizes[i];
             /* as a call in flight: a checkpoint's copies never see the ring replaced under them */

@@ -305,21 +305,26 @@ def _commit(m: _Member, level: str) -> None:
         m.app = None
     m.result["state"] = "checkpointed"
     m.result["level"] = level
-    m.result["warnings"] = _held_by_open_fds(m)
+    m.result["warnings"] = _warnings(m)
     if m.image_dir is not None:
         m.result["image"] = _write_image(m, level, epoch)
 
 
-def _held_by_open_fds(m: _Member) -> list[str]:
-    """Shared memory whose POSIX fd is still open in the process stays allocated in the driver (the fd
-    holds it), so it is not given back while checkpointed: say so rather than claim all was."""
+def _warnings(m: _Member) -> list[str]:
+    """What the checkpoint did less well than it claims by default: shared memory whose POSIX fd is
+    still open in the process stays allocated in the driver (the fd holds it), so it is not given back
+    while checkpointed; and copies that went through pageable memory because no ring could be pinned."""
     try:
-        shared = m.agent.call("status", timeout=10.0).get("shared", [])
+        st = m.agent.call("status", timeout=10.0)
     except GpucrError:
         return []
-    return [f"{s['bytes'] >> 20} MiB of memory it {'exported' if s['role'] == 'exporter' else 'imported'} stays on "
-            f"the GPU while checkpointed: process {m.pid} still holds {s['open_fds']} open file descriptor(s) of it; "
-            "close them once the memory is imported (as NCCL does)" for s in shared if s.get("open_fds")]
+    out = [f"{s['bytes'] >> 20} MiB of memory it {'exported' if s['role'] == 'exporter' else 'imported'} stays on "
+           f"the GPU while checkpointed: process {m.pid} still holds {s['open_fds']} open file descriptor(s) of it; "
+           "close them once the memory is imported (as NCCL does)" for s in st.get("shared", []) if s.get("open_fds")]
+    if st.get("bounce_problem"):
+        out.append(f"process {m.pid}: {st['bounce_problem']}, so its data went through pageable memory (slower); "
+                   "check pinned-memory limits with 'gpucr doctor'")
+    return out
 
 
 def _roll_back_driver(m: _Member) -> None:
