@@ -61,6 +61,10 @@ struct gpucr_driver {
     CUresult (*cuGetErrorString)(CUresult, const char **);
     CUresult (*cuDeviceGetAttribute)(int *, int, CUdevice);
     CUresult (*cuDeviceGetUuid)(unsigned char uuid[16], CUdevice);   /* _v2 (the resolver's at 12000) */
+    CUresult (*cuPointerGetAttribute)(void *, int, CUdeviceptr);
+    CUresult (*cuDevicePrimaryCtxGetState)(CUdevice, unsigned *, int *);
+    CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
+    CUresult (*cuDevicePrimaryCtxRelease_v2)(CUdevice);
     int (*simcudaIsSimulated)(void);     /* present only in simcuda, the test double */
 };
 extern struct gpucr_driver gpucr_drv;

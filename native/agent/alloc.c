@@ -165,9 +165,9 @@ GPUCR_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
     CUresult rc;
     if (p) {
         /* cuMemFree waits for work using the memory; unmapping under running work is undefined */
-        CUcontext cur = NULL;
+        CUcontext cur = NULL, own = p->ctx;   /* p is gone after reg_phys_free */
         gpucr_drv.cuCtxGetCurrent(&cur);
-        if (cur != p->ctx) gpucr_drv.cuCtxSetCurrent(p->ctx);
+        if (cur != own) gpucr_drv.cuCtxSetCurrent(own);
         gpucr_drv.cuCtxSynchronize();
         rc = REAL(cuMemUnmap)(p->resv_va, p->resv_size);
         if (rc == CUDA_SUCCESS) {
@@ -175,7 +175,7 @@ GPUCR_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
             gpucr_drv.cuMemAddressFree(p->resv_va, p->resv_size);
             reg_phys_free(p);
         }
-        if (cur != p->ctx) gpucr_drv.cuCtxSetCurrent(cur);
+        if (cur != own) gpucr_drv.cuCtxSetCurrent(cur);
         reg_unlock();
     } else {
         reg_unlock();

@@ -34,6 +34,7 @@ static struct {
     bool ready;
     int nthreads;
     char problem[200];          /* why the last preparation failed ("" when it did not) */
+    CUcontext ring_ctx;         /* the context the ring is pinned in: the pinning ends with it */
 } B = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
 /* Read once: staging is pinned or not for the life of the process, whatever the application later
@@ -177,6 +178,7 @@ int bounce_prepare(CUcontext ctx, size_t need, char *err, size_t errlen)
     B.ring = ring;
     B.bytes = bytes;
     B.nslots = nslots;
+    B.ring_ctx = ctx;
     B.ready = true;
     rc = 0;
     gpucr_log("bounce ring: %zu MiB pinned in %d slots, %d copy threads", bytes >> 20, nslots, B.nthreads);
@@ -196,6 +198,7 @@ static CUevent slot_event_locked(CUcontext ctx, int slot)
     if (!e) {
         if (B.nevs == MAX_CTX) return NULL;
         e = &B.evs[B.nevs++];
+        memset(e, 0, sizeof *e);   /* a forgotten context's entry may have been here */
         e->ctx = ctx;
     }
     if (!e->ev[slot] && gpucr_drv.cuEventCreate(&e->ev[slot], CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) e->ev[slot] = NULL;
@@ -239,6 +242,15 @@ CUresult bounce_wait(void)
     B.first_err = CUDA_SUCCESS;
     pthread_mutex_unlock(&B.mu);
     return rc;
+}
+
+void bounce_forget_context(CUcontext ctx)
+{
+    pthread_mutex_lock(&B.mu);
+    for (int i = 0; i < B.nevs; i++)
+        if (B.evs[i].ctx == ctx) B.evs[i--] = B.evs[--B.nevs];
+    if (B.ring && B.ring_ctx == ctx) drop_ring_locked();   /* ctx is current: unpinned now, pinned anew when next needed */
+    pthread_mutex_unlock(&B.mu);
 }
 
 void bounce_reset_after_fork(void)

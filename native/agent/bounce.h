@@ -20,4 +20,6 @@ CUresult bounce_submit(CUcontext ctx, CUstream s, CUdeviceptr dev, void *host, s
 CUresult bounce_wait(void);
 size_t bounce_pinned_bytes(void);
 void bounce_reset_after_fork(void);
+/* A context ends (context.c): its slot events end with it. */
+void bounce_forget_context(CUcontext ctx);
 #endif

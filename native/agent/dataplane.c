@@ -57,6 +57,13 @@ static struct ctx_streams *streams_for(CUcontext ctx)
 }
 
 /* Copy [off, off+size) of one allocation in chunks round-robin over its context's streams. */
+void dp_forget_context(CUcontext ctx)
+{
+    /* its streams end with it */
+    for (int i = 0; i < g_dp.nstreams; i++)
+        if (g_dp.streams[i].ctx == ctx) g_dp.streams[i--] = g_dp.streams[--g_dp.nstreams];
+}
+
 static CUresult copy_chunks(struct phys *p, CUdeviceptr va, bool out, int *turn)
 {
     struct ctx_streams *cs = streams_for(p->ctx);

@@ -41,4 +41,6 @@ void dp_shared_json(struct jb *j);
 int dp_export(unsigned long long dev, unsigned long long ino, int *fd_out, struct jb *j, char *err, size_t errlen);
 int dp_relink(unsigned long long dev, unsigned long long ino, int fd, char *err, size_t errlen);
 int dp_resume(char *err, size_t errlen);
+/* A context ends (context.c): drop the copy streams made in it. */
+void dp_forget_context(CUcontext ctx);
 #endif

@@ -96,6 +96,7 @@ static void do_init(void)
     D(cuMemAddressReserve); D(cuMemAddressFree); D(cuMemGetAllocationGranularity);
     D(cuMemHostUnregister); D(cuStreamCreate); D(cuStreamSynchronize);
     D(cuGetErrorString); D(cuDeviceGetAttribute); D(cuDeviceGetUuid);
+    D(cuPointerGetAttribute); D(cuDevicePrimaryCtxGetState); D(cuDevicePrimaryCtxRetain);
     D(cuEventCreate); D(cuEventRecord); D(cuEventSynchronize);
 #undef D
     /* versioned names the resolver knows by their base name */
@@ -103,6 +104,7 @@ static void do_init(void)
     gpucr_drv.cuMemHostRegister_v2 = drv_sym("cuMemHostRegister");
     gpucr_drv.cuStreamDestroy_v2 = drv_sym("cuStreamDestroy");
     gpucr_drv.cuEventDestroy_v2 = drv_sym("cuEventDestroy");
+    gpucr_drv.cuDevicePrimaryCtxRelease_v2 = drv_sym("cuDevicePrimaryCtxRelease");
     gpucr_drv.simcudaIsSimulated = gpucr_real_dlsym(g_libcuda, "simcudaIsSimulated");
     gpucr_log("driver %s loaded, %d entry points resolved", g_libcuda_path, ENTRY_COUNT);
 }

@@ -28,7 +28,49 @@ void reg_note_ctx(CUcontext ctx)
         if (g_reg.ctxs[i] == ctx) return;
     if (g_reg.nctx == (int)(sizeof g_reg.ctxs / sizeof g_reg.ctxs[0])) return;
     g_reg.ctxs[g_reg.nctx] = ctx;
-    note_device(g_reg.nctx++);
+    note_device(g_reg.nctx);
+    /* memory whose context ended waits for a new one on its device */
+    for (struct phys *p = g_reg.all; p; p = p->next_all)
+        if (!p->ctx && p->prop.location.id == g_reg.ctx_dev[g_reg.nctx]) p->ctx = ctx;
+    g_reg.nctx++;
+}
+
+void reg_forget_ctx(CUcontext ctx)
+{
+    int i = 0;
+    while (i < g_reg.nctx && g_reg.ctxs[i] != ctx) i++;
+    if (i == g_reg.nctx) return;
+    int dev = g_reg.ctx_dev[i];
+    g_reg.nctx--;
+    memmove(&g_reg.ctxs[i], &g_reg.ctxs[i + 1], sizeof g_reg.ctxs[0] * (size_t)(g_reg.nctx - i));
+    memmove(&g_reg.ctx_dev[i], &g_reg.ctx_dev[i + 1], sizeof g_reg.ctx_dev[0] * (size_t)(g_reg.nctx - i));
+    memmove(&g_reg.ctx_uuid[i], &g_reg.ctx_uuid[i + 1], sizeof g_reg.ctx_uuid[0] * (size_t)(g_reg.nctx - i));
+    CUcontext heir = NULL;
+    for (int k = 0; k < g_reg.nctx && !heir; k++)
+        if (g_reg.ctx_dev[k] == dev) heir = g_reg.ctxs[k];
+    for (struct phys *p = g_reg.all; p; p = p->next_all)
+        if (p->ctx == ctx) p->ctx = heir;
+    for (int k = 0; k < g_reg.npeers; k++) {
+        if (g_reg.peers[k].ctx == ctx) g_reg.peers[k--] = g_reg.peers[--g_reg.npeers];
+        else if (!heir && dev >= 0 && dev < 32) g_reg.peers[k].devs &= ~(1u << dev);   /* no context left there to use it */
+    }
+}
+
+static void forget_gone(struct hmap *map, size_t *bytes, long *count, bool (*gone)(CUdeviceptr))
+{
+    for (size_t i = 0; i < map->cap; i++) {
+        uint64_t key = map->keys[i];
+        if (!key || key == UINT64_MAX || !gone(key)) continue;   /* UINT64_MAX: a deleted slot */
+        *bytes -= (size_t)(uintptr_t)hmap_del(map, key);
+        (*count)--;
+    }
+}
+
+void reg_forget_natives(bool (*gone)(CUdeviceptr))
+{
+    forget_gone(&g_reg.native_by_va, &g_reg.native_bytes, &g_reg.native_count, gone);
+    forget_gone(&g_reg.pool_by_va, &g_reg.pool_bytes, &g_reg.pool_count, gone);
+    forget_gone(&g_reg.managed_by_va, &g_reg.managed_bytes, &g_reg.managed_count, gone);
 }
 
 void reg_refresh_devices(void)
@@ -149,6 +191,7 @@ bool reg_phys_movable(const struct phys *p)
 {
     /* imported memory is its exporter's to save: an importer only unlinks and relinks it */
     if (p->kind == PHYS_IMPORTED) return false;
+    if (!p->ctx) return false;   /* its context ended and no other is on its device: the driver keeps it */
     /* The data plane reads the memory through one mapping that covers all of it. */
     for (const struct mapping *m = p->maps; m; m = m->next)
         if (m->offset == 0 && m->size == p->size && m->ndesc > 0) return true;

@@ -66,6 +66,11 @@ void reg_unlock(void);
 void reg_note_ctx(CUcontext ctx);
 /* Ask again which GPU each context is on: a restore may have moved the process to others (--map). */
 void reg_refresh_devices(void);
+/* A context ends: forget it; memory recorded in it moves to another live context of its device, or
+ * to none until the process makes one (the data plane leaves such memory to the driver). */
+void reg_forget_ctx(CUcontext ctx);
+/* Forget the plain, pool and managed allocations `gone` says the driver no longer has. */
+void reg_forget_natives(bool (*gone)(CUdeviceptr));
 struct phys *reg_phys_new(enum phys_kind kind, CUmemGenericAllocationHandle real, size_t size,
                           const CUmemAllocationProp *prop, CUcontext ctx);
 void reg_phys_free(struct phys *p);

@@ -38,6 +38,7 @@ struct seg {
     bool pinned;
     bool pinning;               /* a thread is in cuMemHostRegister for it, with S.mu released */
     bool pin_failed;            /* copies use the pageable path until it is unpinned and tried again */
+    CUcontext pin_ctx;          /* the context it was pinned in: the pinning ends with that context */
     enum kind kind;
 };
 
@@ -159,6 +160,7 @@ static int seg_create(struct seg *g, size_t cap, char *err, size_t errlen)
     if (bounce_enabled()) return 0;   /* copies go through the pinned bounce ring: staging stays unpinned */
     CUresult rc = gpucr_drv.cuMemHostRegister_v2(base, cap, CU_MEMHOSTREGISTER_PORTABLE);
     g->pinned = rc == CUDA_SUCCESS;
+    gpucr_drv.cuCtxGetCurrent(&g->pin_ctx);
     if (!g->pinned) gpucr_log("staging segment of %zu MiB could not be pinned (%s): copies use the slower pageable path",
                               cap >> 20, gpucr_cu_errstr(rc));
     return 0;
@@ -247,8 +249,11 @@ static void pin_locked(struct seg *g)
     size_t cap = g->cap;
     pthread_mutex_unlock(&S.mu);
     bool ok = gpucr_drv.cuMemHostRegister_v2(base, cap, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
+    CUcontext ctx = NULL;
+    gpucr_drv.cuCtxGetCurrent(&ctx);
     pthread_mutex_lock(&S.mu);
     g->pinned = ok;
+    g->pin_ctx = ctx;
     g->pin_failed = !ok;
     g->pinning = false;
     if (!ok) gpucr_log("staging segment of %zu MiB could not be pinned again: its copies use the slower pageable path", cap >> 20);
@@ -263,6 +268,20 @@ void staging_unpin_segment(int i)
         wait_not_pinning_locked(g);
         if (g->pinned) gpucr_drv.cuMemHostUnregister(g->base);
         g->pinned = g->pin_failed = false;
+    }
+    pthread_mutex_unlock(&S.mu);
+}
+
+void staging_forget_context(CUcontext ctx)
+{
+    pthread_mutex_lock(&S.mu);
+    for (int i = 0; i < S.n; i++) {
+        struct seg *g = &S.segs[i];
+        wait_not_pinning_locked(g);
+        if (g->pinned && g->pin_ctx == ctx) {
+            gpucr_drv.cuMemHostUnregister(g->base);   /* while ctx lives; the next checkpoint pins it again */
+            g->pinned = false;
+        }
     }
     pthread_mutex_unlock(&S.mu);
 }

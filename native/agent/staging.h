@@ -40,4 +40,6 @@ int staging_segments(int *fds, size_t *sizes, const char **kinds, int max);
 /* Start the background preparer (GPUCR_STAGING_AHEAD=1): keeps capacity >= movable bytes. */
 void staging_start_ahead(void);
 void staging_reset_after_fork(void);
+/* A context ends (context.c): segments pinned in it are unpinned while it still lives. */
+void staging_forget_context(CUcontext ctx);
 #endif

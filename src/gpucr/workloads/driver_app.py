@@ -8,7 +8,9 @@ way PyTorch's expandable segments do.
 Commands: digest | work N | loop start | loop stop | spin MS | free I | alloc BYTES | quit, and for
 several GPUs: device D BYTES [vmm] (a buffer on device D, plain or the application's own VMM) |
 peer on|off (device 1 gets or loses peer access to device 0's plain allocations) | peer-add I
-(device 1 adds 0 to buffer I in a kernel: simcuda only) | uuids (each device's UUID, as this process sees it)
+(device 1 adds 0 to buffer I in a kernel: simcuda only) | uuids (each device's UUID, as this process sees it),
+and contexts that end: ctx-temp BYTES (a context of its own, BYTES and a small buffer allocated in it,
+then destroyed) | reset (cuDevicePrimaryCtxReset, as cudaDeviceReset; then every buffer made again)
 """
 from __future__ import annotations
 
@@ -50,6 +52,9 @@ cuDeviceGetUuid = _sig("cuDeviceGetUuid_v2", ctypes.c_char_p, ctypes.c_int)
 cuDeviceGetCount = _sig("cuDeviceGetCount", ctypes.POINTER(ctypes.c_int))
 cuCtxEnablePeerAccess = _sig("cuCtxEnablePeerAccess", vp, ctypes.c_uint)
 cuCtxDisablePeerAccess = _sig("cuCtxDisablePeerAccess", vp)
+cuCtxCreate = _sig("cuCtxCreate_v2", ctypes.POINTER(vp), ctypes.c_uint, ctypes.c_int)
+cuCtxDestroy = _sig("cuCtxDestroy_v2", vp)
+cuDevicePrimaryCtxReset = _sig("cuDevicePrimaryCtxReset_v2", ctypes.c_int)
 cuCtxSetCurrent = _sig("cuCtxSetCurrent", vp)
 cuMemAlloc = _sig("cuMemAlloc_v2", ctypes.POINTER(u64), sz)
 cuMemAllocPitch = _sig("cuMemAllocPitch_v2", ctypes.POINTER(u64), ctypes.POINTER(sz), sz, sz, ctypes.c_uint)
@@ -95,6 +100,7 @@ class App:
             self.bufs.append((p.value, pitch_b.value * 700))
         if vmm_mib:
             self.bufs.append((self._vmm(vmm_mib << 20), vmm_mib << 20))
+        self.seed = seed
         for i, (p, n) in enumerate(self.bufs):
             self._fill(p, n, seed + i)
         check(cuCtxSynchronize(), "sync")
@@ -359,6 +365,29 @@ class App:
             rc = cuLaunchKernel(self.add1, 1, 1, 1, 1, 1, 1, 0, None, params, None)
             check(cuCtxSetCurrent(self.ctx), "set ctx")
             return {"rc": rc}
+        if cmd == "ctx-temp":
+            c = vp()
+            check(cuCtxCreate(ctypes.byref(c), 0, 0), "create ctx")
+            big, small = self._alloc(parse_size(words[1])), self._alloc(4096)
+            self._fill(big, parse_size(words[1]), 5)
+            check(cuCtxDestroy(c), "destroy ctx")
+            check(cuCtxSetCurrent(self.ctx), "set ctx")
+            return {"freed_with_context": [big, small]}
+        if cmd == "reset":   # everything on device 0 is gone; make the same buffers again, with the same contents
+            check(cuDevicePrimaryCtxReset(0), "reset")
+            self.ctx = vp()
+            check(cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), 0), "ctx")
+            check(cuCtxSetCurrent(self.ctx), "set ctx")
+            self.ctxs[0] = self.ctx
+            sizes = [n for _, n in self.bufs]
+            self.bufs = [(self._alloc(n), n) for n in sizes]
+            for i, (p, n) in enumerate(self.bufs):
+                self._fill(p, n, self.seed + i)
+            if SIM:
+                check(cuModuleLoadData(ctypes.byref(self.mod), b"simcuda-builtin"), "module")
+                check(cuModuleGetFunction(ctypes.byref(self.add), self.mod, b"add_u32"), "add_u32")
+                check(cuModuleGetFunction(ctypes.byref(self.spin_fn), self.mod, b"spin_ms"), "spin_ms")
+            return {"ptrs": [p for p, _ in self.bufs]}
         if cmd == "uuids":
             count = ctypes.c_int()
             check(cuDeviceGetCount(ctypes.byref(count)), "count")

@@ -6,6 +6,7 @@
 //   digest        a checksum of every buffer (computed on the GPU) and its address
 //   work          add 3 to every word of every buffer, then subtract 3 (the digest must not change)
 //   graph N       replay a graph that adds 1 then subtracts 1 on buffer 0, N times
+//   reset         cudaDeviceReset (every allocation, stream and graph gone), then all made again
 //   quit
 #include <cstdio>
 #include <cstdlib>
@@ -40,11 +41,16 @@ __global__ void checksum(const unsigned *p, size_t n, unsigned long long *out)
 
 struct Buf { unsigned *p; size_t bytes; };
 
-int main()
+static std::vector<Buf> bufs;
+static cudaStream_t s;
+static unsigned long long *sums;
+static cudaGraphExec_t ge;
+
+// Everything the program holds on the GPU, made (again) from nothing, with the same contents.
+static void setup()
 {
     const size_t sizes[] = {256u << 20, 64u << 20, 3u << 20, 100u << 10, 1000};
-    std::vector<Buf> bufs;
-    cudaStream_t s;
+    bufs.clear();
     CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     for (size_t i = 0; i < sizeof sizes / sizeof sizes[0]; i++) {
         Buf b{nullptr, sizes[i]};
@@ -55,16 +61,19 @@ int main()
     CHECK(cudaMallocAsync(&pool.p, pool.bytes, s));   // stream-ordered: left to the driver's checkpoint
     bufs.push_back(pool);
     for (size_t i = 0; i < bufs.size(); i++) fill<<<256, 256, 0, s>>>(bufs[i].p, bufs[i].bytes / 4, 7u * i + 1);
-    unsigned long long *sums;
     CHECK(cudaMallocHost(&sums, sizeof *sums * bufs.size()));
     cudaGraph_t g;
-    cudaGraphExec_t ge;
     CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
     add<<<256, 256, 0, s>>>(bufs[0].p, bufs[0].bytes / 4, 1u);
     add<<<256, 256, 0, s>>>(bufs[0].p, bufs[0].bytes / 4, ~0u);   // + (2^32 - 1) = - 1
     CHECK(cudaStreamEndCapture(s, &g));
     CHECK(cudaGraphInstantiate(&ge, g, 0));
     CHECK(cudaStreamSynchronize(s));
+}
+
+int main()
+{
+    setup();
     printf("{\"ready\": true, \"runtime\": %d}\n", CUDART_VERSION);
     fflush(stdout);
 
@@ -94,6 +103,10 @@ int main()
             for (int i = 0; i < n; i++) CHECK(cudaGraphLaunch(ge, s));
             CHECK(cudaStreamSynchronize(s));
             printf("{\"replayed\": %d}\n", n);
+        } else if (cmd.rfind("reset", 0) == 0) {
+            CHECK(cudaDeviceReset());
+            setup();
+            printf("{\"reset\": true}\n");
         } else if (cmd.rfind("quit", 0) == 0) {
             break;
         } else {

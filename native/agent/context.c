@@ -1,0 +1,90 @@
+/* Contexts that end. cuCtxDestroy and cuDevicePrimaryCtxReset (so cudaDeviceReset) free everything
+ * allocated in the context. The plain allocations the agent made VMM are not the driver's to free
+ * with it, so the agent gives them back itself; then it forgets the context everywhere it kept it
+ * (registry, copy streams, ring events; host memory pinned in it is unpinned while it still
+ * lives), and afterwards forgets the plain allocations the driver freed. A context left in the records would make every later checkpoint fail on it. */
+#include "registry.h"
+#include "bounce.h"
+#include "dataplane.h"
+#include "staging.h"
+
+#define CU_POINTER_ATTRIBUTE_CONTEXT 1
+
+/* Before the driver destroys ctx (alive still, gate entered). */
+static void before_end(CUcontext ctx)
+{
+    CUcontext cur = NULL;
+    gpucr_log("context %p ends: what was allocated in it is forgotten", (void *)ctx);
+    gpucr_drv.cuCtxGetCurrent(&cur);
+    gpucr_drv.cuCtxSetCurrent(ctx);
+    gpucr_drv.cuCtxSynchronize();   /* as the driver does: no work may still use what is freed */
+    reg_lock();
+    for (struct phys *p = g_reg.all, *next; p; p = next) {
+        next = p->next_all;
+        if (p->kind != PHYS_CONVERTED || p->ctx != ctx) continue;
+        REAL(cuMemUnmap)(p->resv_va, p->resv_size);
+        REAL(cuMemRelease)(p->real);
+        gpucr_drv.cuMemAddressFree(p->resv_va, p->resv_size);
+        reg_phys_free(p);
+    }
+    reg_forget_ctx(ctx);
+    reg_unlock();
+    dp_forget_context(ctx);
+    bounce_forget_context(ctx);
+    staging_forget_context(ctx);
+    gpucr_drv.cuCtxSetCurrent(cur == ctx ? NULL : cur);
+}
+
+static bool freed(CUdeviceptr ptr)
+{
+    CUcontext owner = NULL;
+    return gpucr_drv.cuPointerGetAttribute(&owner, CU_POINTER_ATTRIBUTE_CONTEXT, ptr) != CUDA_SUCCESS;
+}
+
+/* After: the plain allocations the driver freed with the context are no longer the process's. */
+static void after_end(void)
+{
+    reg_lock();
+    reg_forget_natives(freed);
+    reg_unlock();
+}
+
+GPUCR_EXPORT CUresult cuCtxDestroy_v2(CUcontext ctx)
+{
+    gpucr_init();
+    if (!REAL(cuCtxDestroy_v2)) return CUDA_ERROR_NOT_SUPPORTED;
+    gpucr_gate_enter();
+    if (ctx) before_end(ctx);
+    CUresult rc = REAL(cuCtxDestroy_v2)(ctx);
+    if (rc == CUDA_SUCCESS) after_end();
+    gpucr_gate_leave();
+    return rc;
+}
+
+/* The primary context of dev, if it exists (retained and released again: its count is unchanged). */
+static CUcontext primary_of(CUdevice dev)
+{
+    unsigned flags = 0;
+    int active = 0;
+    CUcontext ctx = NULL;
+    if (gpucr_drv.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || !active) return NULL;
+    if (gpucr_drv.cuDevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS) return NULL;
+    gpucr_drv.cuDevicePrimaryCtxRelease_v2(dev);
+    return ctx;
+}
+
+static CUresult reset(CUresult (*real)(CUdevice), CUdevice dev)
+{
+    gpucr_init();
+    if (!real) return CUDA_ERROR_NOT_SUPPORTED;
+    gpucr_gate_enter();
+    CUcontext ctx = primary_of(dev);
+    if (ctx) before_end(ctx);
+    CUresult rc = real(dev);
+    if (rc == CUDA_SUCCESS) after_end();
+    gpucr_gate_leave();
+    return rc;
+}
+
+GPUCR_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice dev) { return reset(REAL(cuDevicePrimaryCtxReset), dev); }
+GPUCR_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) { return reset(REAL(cuDevicePrimaryCtxReset_v2), dev); }
