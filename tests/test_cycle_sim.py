@@ -274,6 +274,7 @@ def test_no_pinned_ring_means_slower_copies_not_a_refusal(sim_app):
     assert any("pageable memory" in w for w in r["warnings"]), r["warnings"]
     st = gpucr.status(app.pid)
     assert st["bounce_pinned_bytes"] == 0 and st["staging_pinned_bytes"] == 0 and "cannot pin" in st["bounce_problem"]
+    assert "ring         none: cannot pin" in gpucr_cli("status", str(app.pid)).stdout
     assert used() - idle <= 16 * MiB
     gpucr.restore(app.pid)
     assert app.ask("digest") == before

@@ -76,6 +76,7 @@ def test_restore_onto_the_swapped_gpus(sim_app, tmp_path):
     assert app.ask("digest") == before
     assert [dev_used(0) - idle[0], dev_used(1) - idle[1]] == held[::-1], "each card holds what the other held"
     assert {d["ordinal"]: d["uuid"] for d in gpucr.status(app.pid)["devices"]} == {0: u1, 1: u0}
+    assert f"gpus         device 0 {u1}, device 1 {u0}" in gpucr_cli("status", str(app.pid)).stdout
     # and a plain cycle afterwards keeps it where it now is
     assert gpucr_cli("checkpoint", str(app.pid)).returncode == 0
     assert gpucr_cli("restore", str(app.pid)).returncode == 0

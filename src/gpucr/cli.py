@@ -130,6 +130,10 @@ def _status_lines(st: dict[str, Any]) -> list[str]:
              f"({st.get('staging')}, {_mib(st.get('staging_pinned_bytes', 0))} pinned"
              f"{', prepared ahead' if st.get('staging_ahead') else ''}{bounce})",
              f"  checkpoints  {st.get('generation', 0)} completed"]
+    if st.get("devices"):
+        lines.insert(2, "  gpus         " + ", ".join(f"device {d['ordinal']} {d['uuid']}" for d in st["devices"]))
+    if st.get("bounce_problem"):
+        lines.append(f"  ring         none: {st['bounce_problem']} (copies go through pageable memory)")
     cyc = st.get("last_cycle_ms") or {}
     if any(cyc.get(k) for k in ("gate", "copy_out", "data_in")):
         lines.append("  last cycle   " + ", ".join(
