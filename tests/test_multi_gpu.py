@@ -36,6 +36,9 @@ def test_process_on_two_gpus_keeps_peer_access(sim_app):
     assert app.ask("peer-add 0")["rc"] == 0
     app.ask(f"alloc {4 * MiB}")   # buffer 4: made after peer access was enabled, so open to device 1 too
     assert app.ask("peer-add 4")["rc"] == 0
+    app.ask("device 1 64K")   # small: left native, to the driver's checkpoint, and counted on its own GPU
+    st = gpucr.status(app.pid)
+    assert {d["ordinal"]: d["driver_bytes"] for d in st["devices"]} == {0: 0, 1: 64 << 10}
     before = app.ask("digest")
     for cycle in range(2):
         gpucr.checkpoint(app.pid)

@@ -94,9 +94,11 @@ static CUresult alloc_vmm(CUdeviceptr *dptr, size_t size)
 static void note_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, size_t size)
 {
     CUcontext ctx = NULL;
+    CUdevice dev = -1;
+    if (gpucr_drv.cuCtxGetDevice(&dev) != CUDA_SUCCESS) dev = -1;
     reg_lock();
     if (gpucr_drv.cuCtxGetCurrent && gpucr_drv.cuCtxGetCurrent(&ctx) == CUDA_SUCCESS) reg_note_ctx(ctx);
-    hmap_put(map, ptr, (void *)(uintptr_t)size);
+    hmap_put(map, ptr, reg_native_value(size, dev));
     *bytes += size;
     (*count)++;
     reg_unlock();
@@ -107,7 +109,7 @@ static bool forget_native(struct hmap *map, size_t *bytes, long *count, CUdevice
 {
     reg_lock();
     void *v = hmap_del(map, ptr);
-    if (v) { *bytes -= (size_t)(uintptr_t)v; (*count)--; }
+    if (v) { *bytes -= reg_native_size(v); (*count)--; }
     reg_unlock();
     return v != NULL;
 }

@@ -73,6 +73,17 @@ static void reply_hello(struct jb *j)
     jb_str(j, "group", g_group);
 }
 
+/* Bytes of the plain allocations in `map` that are on device dev. */
+static size_t native_on(const struct hmap *map, int dev)
+{
+    size_t n = 0;
+    uint64_t key;
+    void *val;
+    for (size_t i = 0; (i = hmap_next(map, i, &key, &val)) < map->cap; i++)
+        if (reg_native_dev(val) == dev) n += reg_native_size(val);
+    return n;
+}
+
 /* The GPUs the process uses, as its contexts were made (the controller checks a restore's
  * --map against them); the caller holds the registry lock. */
 static void devices_json(struct jb *j)
@@ -93,6 +104,8 @@ static void devices_json(struct jb *j)
         jb_int(j, "ordinal", g_reg.ctx_dev[i]);
         jb_str(j, "uuid", uuid);
         jb_int(j, "vmm_bytes", (long long)bytes);
+        jb_int(j, "driver_bytes", (long long)(native_on(&g_reg.native_by_va, g_reg.ctx_dev[i]) +
+                                             native_on(&g_reg.pool_by_va, g_reg.ctx_dev[i])));
         jb_end(j);
     }
     jb_arr_end(j);

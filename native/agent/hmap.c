@@ -58,3 +58,10 @@ void *hmap_del(struct hmap *m, uint64_t key)
 }
 
 void hmap_clear(struct hmap *m) { free(m->keys); free(m->vals); m->keys = NULL; m->vals = NULL; m->cap = m->len = m->used = 0; }
+
+size_t hmap_next(const struct hmap *m, size_t i, uint64_t *key, void **val)
+{
+    for (; i < m->cap; i++)
+        if (m->keys[i] && m->keys[i] != TOMB) { *key = m->keys[i]; *val = m->vals[i]; return i; }
+    return m->cap;
+}

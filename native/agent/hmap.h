@@ -10,4 +10,7 @@ void *hmap_get(const struct hmap *m, uint64_t key);
 int hmap_put(struct hmap *m, uint64_t key, void *val);   /* 0, or -1 out of memory */
 void *hmap_del(struct hmap *m, uint64_t key);
 void hmap_clear(struct hmap *m);
+/* Iteration: for (size_t i = 0; (i = hmap_next(m, i, &k, &v)) < m->cap; i++) visits every entry;
+ * deleting the entry just visited is allowed. */
+size_t hmap_next(const struct hmap *m, size_t i, uint64_t *key, void **val);
 #endif

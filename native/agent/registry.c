@@ -58,10 +58,12 @@ void reg_forget_ctx(CUcontext ctx)
 
 static void forget_gone(struct hmap *map, size_t *bytes, long *count, bool (*gone)(CUdeviceptr))
 {
-    for (size_t i = 0; i < map->cap; i++) {
-        uint64_t key = map->keys[i];
-        if (!key || key == UINT64_MAX || !gone(key)) continue;   /* UINT64_MAX: a deleted slot */
-        *bytes -= (size_t)(uintptr_t)hmap_del(map, key);
+    uint64_t key;
+    void *val;
+    for (size_t i = 0; (i = hmap_next(map, i, &key, &val)) < map->cap; i++) {
+        if (!gone(key)) continue;
+        hmap_del(map, key);
+        *bytes -= reg_native_size(val);
         (*count)--;
     }
 }

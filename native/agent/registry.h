@@ -45,7 +45,7 @@ struct phys {
 struct registry {
     struct phys *all;
     struct hmap by_app_handle, by_real_handle, conv_by_va, map_by_va;
-    struct hmap native_by_va, pool_by_va, managed_by_va;   /* values: (void*)size */
+    struct hmap native_by_va, pool_by_va, managed_by_va;   /* values: reg_native_value(size, device) */
     size_t native_bytes, pool_bytes, managed_bytes;
     long native_count, pool_count, managed_count, ipc_exports;
     CUcontext ctxs[16];
@@ -71,6 +71,10 @@ void reg_refresh_devices(void);
 void reg_forget_ctx(CUcontext ctx);
 /* Forget the plain, pool and managed allocations `gone` says the driver no longer has. */
 void reg_forget_natives(bool (*gone)(CUdeviceptr));
+/* A plain allocation's record: its size, and the device it is on (for per-GPU accounting). */
+static inline void *reg_native_value(size_t size, int dev) { return (void *)(uintptr_t)(size | (uint64_t)(dev + 1) << 56); }
+static inline size_t reg_native_size(const void *v) { return (size_t)((uintptr_t)v & ((1ULL << 56) - 1)); }
+static inline int reg_native_dev(const void *v) { return (int)((uintptr_t)v >> 56) - 1; }
 struct phys *reg_phys_new(enum phys_kind kind, CUmemGenericAllocationHandle real, size_t size,
                           const CUmemAllocationProp *prop, CUcontext ctx);
 void reg_phys_free(struct phys *p);

@@ -485,12 +485,10 @@ def _check_room(members: list[_Member]) -> None:
     for m in members:
         if not m.checkpointed and m.status.get("state") != "checkpointed":
             continue
-        al = m.status["allocations"]
-        # the driver's own part (plain small allocations, pools) lies on the process's first GPU as far as gpucr knows
-        rest = m.status["bytes_left_to_driver"] - al.get("vmm_left_to_driver_bytes", 0) if m.checkpointed else 0
-        for i, d in enumerate(m.gpus):
+        for d in m.gpus:
             where = m.gpu_moves.get(d["uuid"], d["uuid"])
-            need[where] = need.get(where, 0) + d["vmm_bytes"] + (rest if i == 0 else 0)
+            # the driver's own part (small plain allocations, pools) comes back only from a full checkpoint
+            need[where] = need.get(where, 0) + d["vmm_bytes"] + (d["driver_bytes"] if m.checkpointed else 0)
             who.setdefault(where, []).append(m.pid)
     if not need:
         return
