@@ -66,6 +66,19 @@ def nvidia_gpu() -> bool:
 gpu = pytest.mark.skipif(not nvidia_gpu(), reason="needs an NVIDIA GPU (NVML found none): GPU tests run on the lent H200 via scripts/gpu-check")
 
 
+def gpu_count() -> int:
+    import ctypes
+    try:
+        nvml = ctypes.CDLL("libnvidia-ml.so.1")
+        n = ctypes.c_uint()
+        return n.value if nvml.nvmlInit_v2() == 0 and nvml.nvmlDeviceGetCount_v2(ctypes.byref(n)) == 0 else 0
+    except OSError:
+        return 0
+
+
+two_gpus = pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs (run on nvidia-h200-x2)")
+
+
 @pytest.fixture(scope="module")
 def sim_agent_socket(tmp_path_factory):
     """One long-lived agent for property tests (hypothesis runs many examples per test)."""

@@ -157,6 +157,16 @@ GPUCR_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_
     return rc;
 }
 
+CUresult alloc_free_converted(struct phys *p)
+{
+    CUresult rc = REAL(cuMemUnmap)(p->resv_va, p->resv_size);
+    if (rc != CUDA_SUCCESS) return rc;   /* still mapped: keep the record, the memory is still there */
+    REAL(cuMemRelease)(p->real);
+    gpucr_drv.cuMemAddressFree(p->resv_va, p->resv_size);
+    reg_phys_free(p);
+    return CUDA_SUCCESS;
+}
+
 GPUCR_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
 {
     gpucr_init();
@@ -171,12 +181,7 @@ GPUCR_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
         gpucr_drv.cuCtxGetCurrent(&cur);
         if (cur != own) gpucr_drv.cuCtxSetCurrent(own);
         gpucr_drv.cuCtxSynchronize();
-        rc = REAL(cuMemUnmap)(p->resv_va, p->resv_size);
-        if (rc == CUDA_SUCCESS) {
-            REAL(cuMemRelease)(p->real);
-            gpucr_drv.cuMemAddressFree(p->resv_va, p->resv_size);
-            reg_phys_free(p);
-        }
+        rc = alloc_free_converted(p);
         if (cur != own) gpucr_drv.cuCtxSetCurrent(cur);
         reg_unlock();
     } else {

@@ -136,8 +136,10 @@ static void drop_ring_locked(void)
     B.ready = false;
 }
 
-int bounce_prepare(CUcontext ctx, size_t need, char *err, size_t errlen)
+int bounce_prepare(CUcontext ctx, const size_t *sizes, int n, char *err, size_t errlen)
 {
+    size_t need = 0;
+    for (int i = 0; i < n; i++) need += sizes[i];
     pthread_mutex_lock(&B.mu);
     bounce_enabled();   /* reads the setting */
     /* As many slots as the data fills, up to the configured ring: a small process pins little. The

@@ -11,9 +11,9 @@ bool bounce_enabled(void);
 bool bounce_ready(void);
 /* Why the last preparation failed, if it did (copied into out). */
 bool bounce_problem(char *out, size_t len);
-/* Pin a ring for `need` bytes of data (up to GPUCR_BOUNCE_MIB) and start the copy threads; a
- * ring already big enough is kept. */
-int bounce_prepare(CUcontext ctx, size_t need, char *err, size_t errlen);
+/* Pin a ring for allocations of these sizes (up to GPUCR_BOUNCE_MIB) and start the copy threads;
+ * a ring already big enough is kept. */
+int bounce_prepare(CUcontext ctx, const size_t *sizes, int n, char *err, size_t errlen);
 /* Queue one chunk: device -> ring -> host (out) or host -> ring -> device (in), on stream s. */
 CUresult bounce_submit(CUcontext ctx, CUstream s, CUdeviceptr dev, void *host, size_t n, bool out);
 /* Wait until every queued chunk is done; the first error since the last wait. */

@@ -2,7 +2,8 @@
  * allocated in the context. The plain allocations the agent made VMM are not the driver's to free
  * with it, so the agent gives them back itself; then it forgets the context everywhere it kept it
  * (registry, copy streams, ring events; host memory pinned in it is unpinned while it still
- * lives), and afterwards forgets the plain allocations the driver freed. A context left in the records would make every later checkpoint fail on it. */
+ * lives), and afterwards forgets the plain allocations the driver freed. A context left in the
+ * records would make every later checkpoint fail on it. */
 #include "registry.h"
 #include "bounce.h"
 #include "dataplane.h"
@@ -21,11 +22,7 @@ static void before_end(CUcontext ctx)
     reg_lock();
     for (struct phys *p = g_reg.all, *next; p; p = next) {
         next = p->next_all;
-        if (p->kind != PHYS_CONVERTED || p->ctx != ctx) continue;
-        REAL(cuMemUnmap)(p->resv_va, p->resv_size);
-        REAL(cuMemRelease)(p->real);
-        gpucr_drv.cuMemAddressFree(p->resv_va, p->resv_size);
-        reg_phys_free(p);
+        if (p->kind == PHYS_CONVERTED && p->ctx == ctx) alloc_free_converted(p);
     }
     reg_forget_ctx(ctx);
     reg_unlock();

@@ -56,7 +56,6 @@ static struct ctx_streams *streams_for(CUcontext ctx)
     return cs;
 }
 
-/* Copy [off, off+size) of one allocation in chunks round-robin over its context's streams. */
 void dp_forget_context(CUcontext ctx)
 {
     /* its streams end with it */
@@ -64,6 +63,7 @@ void dp_forget_context(CUcontext ctx)
         if (g_dp.streams[i].ctx == ctx) g_dp.streams[i--] = g_dp.streams[--g_dp.nstreams];
 }
 
+/* Copy [off, off+size) of one allocation in chunks round-robin over its context's streams. */
 static CUresult copy_chunks(struct phys *p, CUdeviceptr va, bool out, int *turn)
 {
     struct ctx_streams *cs = streams_for(p->ctx);
@@ -227,10 +227,9 @@ static int staging_job(struct deadline_job *j)
     gpucr_drv.cuCtxSetCurrent(j->ctx);
     int rc = staging_fit(j->sizes, j->nsizes, j->err, sizeof j->err);
     if (rc == 0 && bounce_enabled()) {
-        size_t need = 0;
-        for (int i = 0; i < j->nsizes; i++) need += j->sizes[i];
         /* no ring is no reason to refuse: the copies then go to pageable staging, slower (status says why) */
-        if (bounce_prepare(j->ctx, need, j->err, sizeof j->err)) gpucr_warn("%s: copies go through pageable memory", j->err);
+        if (bounce_prepare(j->ctx, j->sizes, j->nsizes, j->err, sizeof j->err))
+            gpucr_warn("%s: copies go through pageable memory", j->err);
         j->err[0] = 0;
     }
     pthread_mutex_unlock(&g_staging_mu);

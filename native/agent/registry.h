@@ -87,6 +87,9 @@ uint32_t reg_peer_devs(CUcontext owner);
 void reg_peer_set(CUcontext owner, int dev, bool on);
 void reg_map_remove(struct mapping *m);
 struct phys *reg_phys_containing(CUdeviceptr ptr);
+/* Give back a plain allocation the agent made VMM: unmap, release, free its addresses, forget it
+ * (alloc.c; registry locked, its context current). */
+CUresult alloc_free_converted(struct phys *p);
 /* Whether the data plane moves this allocation itself (else the driver's checkpoint does). */
 bool reg_phys_movable(const struct phys *p);
 void reg_reset_after_fork(void);

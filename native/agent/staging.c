@@ -260,28 +260,27 @@ static void pin_locked(struct seg *g)
     pthread_cond_broadcast(&S.cv);
 }
 
+/* Unpin g (S.mu held), once no thread is pinning it; a later pin is tried afresh. */
+static void unpin_locked(struct seg *g)
+{
+    wait_not_pinning_locked(g);
+    if (g->pinned) gpucr_drv.cuMemHostUnregister(g->base);
+    g->pinned = g->pin_failed = false;
+}
+
 void staging_unpin_segment(int i)
 {
     pthread_mutex_lock(&S.mu);
-    if (i >= 0 && i < S.n) {
-        struct seg *g = &S.segs[i];
-        wait_not_pinning_locked(g);
-        if (g->pinned) gpucr_drv.cuMemHostUnregister(g->base);
-        g->pinned = g->pin_failed = false;
-    }
+    if (i >= 0 && i < S.n) unpin_locked(&S.segs[i]);
     pthread_mutex_unlock(&S.mu);
 }
 
 void staging_forget_context(CUcontext ctx)
 {
     pthread_mutex_lock(&S.mu);
-    for (int i = 0; i < S.n; i++) {
-        struct seg *g = &S.segs[i];
-        wait_not_pinning_locked(g);
-        if (g->pinned && g->pin_ctx == ctx) {
-            gpucr_drv.cuMemHostUnregister(g->base);   /* while ctx lives; the next checkpoint pins it again */
-            g->pinned = false;
-        }
+    for (int i = 0; i < S.n; i++) {   /* while ctx lives; the next checkpoint pins them again */
+        wait_not_pinning_locked(&S.segs[i]);   /* a pin under way says its context only when done */
+        if (S.segs[i].pin_ctx == ctx) unpin_locked(&S.segs[i]);
     }
     pthread_mutex_unlock(&S.mu);
 }
@@ -444,12 +443,10 @@ static void *ahead_loop(void *arg)
         }
         char problem[8];
         if (ctx && bounce_enabled() && !bounce_problem(problem, sizeof problem)) {   /* a failure waits for a checkpoint's retry */
-            size_t need = 0;
-            for (int i = 0; i < n; i++) need += sizes[i];
             /* as a call in flight: a checkpoint's copies never see the ring replaced under them */
             gpucr_gate_enter();
             gpucr_drv.cuCtxSetCurrent(ctx);
-            if (bounce_prepare(ctx, need, err, sizeof err)) gpucr_log("preparing the bounce ring ahead: %s", err);
+            if (bounce_prepare(ctx, sizes, n, err, sizeof err)) gpucr_log("preparing the bounce ring ahead: %s", err);
             gpucr_gate_leave();
         }
         free(sizes);

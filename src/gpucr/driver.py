@@ -193,6 +193,12 @@ def _nvml_memory(device: int, uuid: str | None = None) -> GpuMemory | None:
         return None
 
 
+def uuid_text(raw: bytes) -> str:
+    """A GPU's 16-byte UUID as nvidia-smi -L prints it: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx."""
+    h = raw.hex()
+    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
 def device_count(driver: Driver) -> int:
     n = ctypes.c_int()
     return n.value if driver._cu.cuDeviceGetCount(ctypes.byref(n)) == 0 else 0
@@ -211,6 +217,5 @@ def device_info(driver: Driver, ordinal: int = 0) -> dict[str, str]:
         out["name"] = name.value.decode(errors="replace")
     get_uuid = getattr(cu, "cuDeviceGetUuid_v2", None) or getattr(cu, "cuDeviceGetUuid")
     if get_uuid(ctypes.byref(uuid), dev) == 0:
-        h = bytes(uuid).hex()
-        out["uuid"] = f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+        out["uuid"] = uuid_text(bytes(uuid))
     return out

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .driver import Driver, GpuMemory, device_count, device_info, gpu_memory
+from .driver import Driver, GpuMemory, device_count, device_info, gpu_memory, uuid_text
 from .errors import GpucrError
 
 
@@ -25,17 +25,17 @@ def machine_gpus(drv: Driver) -> list[Gpu]:
     return [Gpu(i, info["uuid"], info["name"]) for i in range(device_count(drv)) for info in [device_info(drv, i)]]
 
 
-def normalise(uuid: str) -> str:
-    """A UUID as nvidia-smi -L prints it (GPU- and dashes optional on input); raises if it is not one."""
+def to_bytes(uuid: str) -> bytes:
+    """A GPU UUID's 16 bytes (GPU- and dashes optional, any case); raises ValueError if it is not one."""
     hexdigits = uuid.strip().lower().removeprefix("gpu-").replace("-", "")
     if len(hexdigits) != 32 or any(c not in "0123456789abcdef" for c in hexdigits):
         raise ValueError(uuid)
-    h = hexdigits
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    return bytes.fromhex(hexdigits)
 
 
-def to_bytes(uuid: str) -> bytes:
-    return bytes.fromhex(normalise(uuid)[4:].replace("-", ""))
+def normalise(uuid: str) -> str:
+    """A UUID as nvidia-smi -L prints it; raises ValueError if it is not one."""
+    return uuid_text(to_bytes(uuid))
 
 
 def parse_map(items: list[str]) -> dict[str, str]:

@@ -14,11 +14,9 @@ from gpucr.driver import driver_for, gpu_memory
 from gpucr.gpus import machine_gpus
 from gpucr.workloads.runner import Workload
 
-from conftest import gpu
-from test_gpu_nccl import gpu_count
+from conftest import gpu, two_gpus
 
 pytestmark = [gpu, pytest.mark.gpu]
-two_gpus = pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs (run on nvidia-h200-x2)")
 MiB = 1 << 20
 SLACK = 16 * MiB
 

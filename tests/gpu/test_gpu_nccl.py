@@ -10,21 +10,10 @@ import pytest
 from gpucr.coordinator import checkpoint_many, restore_many
 from gpucr.workloads.runner import Workload
 
-from conftest import gpu
-
-
-def gpu_count() -> int:
-    import ctypes
-    try:
-        nvml = ctypes.CDLL("libnvidia-ml.so.1")
-        n = ctypes.c_uint()
-        return n.value if nvml.nvmlInit_v2() == 0 and nvml.nvmlDeviceGetCount_v2(ctypes.byref(n)) == 0 else 0
-    except OSError:
-        return 0
+from conftest import gpu, two_gpus
 
 
 pytestmark = [gpu, pytest.mark.gpu]
-two_gpus = pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs: NCCL allows one rank per GPU (run on nvidia-h200-x2)")
 ENV = dict(os.environ, NCCL_CUMEM_ENABLE="1", NCCL_NVLS_ENABLE="0", NCCL_GRAPH_REGISTER="0",
            TORCH_SYMM_MEM_DISABLE_MULTICAST="1", NVSHMEM_DISABLE_NVLS="1")
 

@@ -20,6 +20,7 @@ import hashlib
 import os
 import threading
 
+from ..driver import uuid_text
 from .protocol import serve
 
 cu = ctypes.CDLL("libcuda.so.1")
@@ -395,8 +396,7 @@ class App:
             for d in range(count.value):
                 u = ctypes.create_string_buffer(16)
                 check(cuDeviceGetUuid(u, d), "uuid")
-                h = u.raw.hex()
-                out.append(f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}")
+                out.append(uuid_text(u.raw))
             return {"uuids": out}
         if cmd == "free":
             p, _ = self.bufs.pop(int(words[1]))

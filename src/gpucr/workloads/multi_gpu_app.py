@@ -11,6 +11,7 @@ import ctypes
 
 import torch
 
+from ..driver import uuid_text
 from .protocol import serve
 from .torch_app import tensor_digest
 
@@ -20,8 +21,7 @@ def device_uuid(ordinal: int) -> str:
     dev, raw = ctypes.c_int(), ctypes.create_string_buffer(16)
     if cu.cuDeviceGet(ctypes.byref(dev), ordinal) != 0 or cu.cuDeviceGetUuid_v2(raw, dev) != 0:
         raise RuntimeError(f"cannot read the UUID of device {ordinal}")
-    h = raw.raw.hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    return uuid_text(raw.raw)
 
 
 class App:
