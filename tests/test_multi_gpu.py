@@ -94,3 +94,31 @@ def test_any_spelling_of_a_uuid_names_the_same_gpu(raw, upper, prefix, dashes):
     text = ("GPU-" if prefix else "") + (text.upper() if upper else text)
     assert to_bytes(text) == raw
     assert parse_map([f"{text}={text}"]) == {normalise(text): normalise(text)}
+
+
+def _uuid(i: int) -> str:
+    return f"GPU-{i:08x}-0000-0000-0000-000000000000"
+
+
+@given(st.integers(1, 8).flatmap(lambda n: st.tuples(st.just(n), st.permutations(range(n)), st.integers(1, n))))
+def test_restore_pairs_are_a_permutation_of_every_gpu(case):
+    """The driver wants a pair for every GPU of the machine (driver 580 on a two-GPU H200 host refused
+    a pair for the used GPU alone): whatever a process's moves, the pairs name each GPU once on each
+    side, the moves are kept, and GPUs nobody moves stay where they are when their place is free."""
+    from gpucr.gpus import Gpu, restore_pairs
+    n, perm, used = case
+    machine = [Gpu(i, _uuid(i), "sim") for i in range(n)]
+    moves = {_uuid(i): _uuid(perm[i]) for i in range(used)}
+    pairs = restore_pairs(moves, machine)
+    assert sorted(o for o, _ in pairs) == sorted(g.uuid for g in machine)
+    assert sorted(t for _, t in pairs) == sorted(g.uuid for g in machine)
+    assert all(dict(pairs)[o] == t for o, t in moves.items())
+    for o, t in pairs:
+        if o not in moves and o not in moves.values():
+            assert t == o, "a GPU the process does not touch keeps its place"
+
+
+def test_restore_pairs_refuse_a_gpu_not_on_the_machine():
+    from gpucr.gpus import Gpu, restore_pairs
+    with pytest.raises(gpucr.GpucrError, match="not a GPU of this machine"):
+        restore_pairs({_uuid(0): _uuid(5)}, [Gpu(0, _uuid(0), "sim"), Gpu(1, _uuid(1), "sim")])

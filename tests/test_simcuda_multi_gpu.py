@@ -576,6 +576,7 @@ def test_refused_gpu_pairs_leave_the_process_checkpointed(children):
     lock_and_checkpoint(app.pid)
     refusals = {
         "misses a checkpointed GPU": [(u0, u1)],
+        "names only the identity of one GPU": [(u0, u0)],
         "unknown new UUID": [(u0, bogus), (u1, u0)],
         "unknown old UUID": [(bogus, u0), (u1, u1), (u0, u1)],
         "duplicate target": [(u0, u1), (u1, u1)],
@@ -614,8 +615,12 @@ ok(fill(p, 0x5a, 2 * 1024 * 1024))
     u0, u1 = app.ask("[uuid(0), uuid(1)]")
     assert [device_used(0), device_used(1)] == [CTX + 8 * MiB, 0]
     lock_and_checkpoint(app.pid)
-    # only the GPU it uses needs a pair; the ordinal it never touched takes the GPU left free
-    assert restore(app.pid, [(u0, u1)]) == SUCCESS
+    # as on the driver (measured on a two-GPU H200 host): a pair for the used GPU alone is refused,
+    # the pairs must be a permutation of every GPU of the machine; the refusal leaves it restorable
+    assert restore(app.pid, [(u0, u1)]) == INVALID_VALUE
+    assert state(app.pid) == CHECKPOINTED
+    assert restore(app.pid, [(u0, u0)]) == INVALID_VALUE, "even the identity pair alone"
+    assert restore(app.pid, [(u0, u1), (u1, u0)]) == SUCCESS
     unlock(app.pid)
     assert [device_used(0), device_used(1)] == [0, CTX + 8 * MiB]
     assert app.ask("[uuid(0), uuid(1)]") == [u1, u0]

@@ -91,11 +91,11 @@ static int uuid_device(const CUuuid *u)
 
 /* Works out next[ordinal], the physical device each ordinal restores onto, from the current
  * map cur[] and the request's GPU pairs, which name GPUs by the UUIDs the process sees now.
- * As on CUDA every GPU the process uses (a context or memory on it: mask `used`) must be an
- * old UUID; every UUID must be a (simulated) GPU and none may appear twice on either side:
- * else CUDA_ERROR_INVALID_VALUE. An ordinal the process does not use keeps its GPU if no pair
- * took it, else gets one left over, so the process still sees every GPU exactly once. */
-static CUresult remap(const struct sim_ctl_req *req, unsigned used, const int cur[SIM_MAX_DEVICES],
+ * As on CUDA (driver 580, measured on a two-GPU H200 host): pairs, when given, must name every
+ * GPU of the machine on each side, a permutation, even GPUs the process never used; every UUID
+ * must be a (simulated) GPU and none may appear twice on either side: else
+ * CUDA_ERROR_INVALID_VALUE, and the process stays checkpointed. */
+static CUresult remap(const struct sim_ctl_req *req, const int cur[SIM_MAX_DEVICES],
                       int next[SIM_MAX_DEVICES])
 {
     int n = sim_cfg.ndevices, to[SIM_MAX_DEVICES];
@@ -111,23 +111,10 @@ static CUresult remap(const struct sim_ctl_req *req, unsigned used, const int cu
         to[from] = onto;
         taken[onto] = true;
     }
-    for (int d = 0; d < n; d++) {
-        next[d] = req->npairs ? to[cur[d]] : cur[d];
-        if (next[d] < 0 && (used & (1u << d)))
-            return CUDA_ERROR_INVALID_VALUE; /* a checkpointed GPU with nowhere to go */
-    }
+    if (req->npairs && req->npairs != (uint32_t)n)
+        return CUDA_ERROR_INVALID_VALUE; /* the driver wants every GPU of the machine, not only the used ones */
     for (int d = 0; d < n; d++)
-        if (next[d] < 0 && !taken[cur[d]]) {
-            next[d] = cur[d];
-            taken[cur[d]] = true;
-        }
-    for (int d = 0, spare = 0; d < n; d++)
-        if (next[d] < 0) {
-            while (taken[spare])
-                spare++;
-            next[d] = spare;
-            taken[spare] = true;
-        }
+        next[d] = req->npairs ? to[cur[d]] : cur[d];
     return CUDA_SUCCESS;
 }
 
@@ -140,9 +127,10 @@ static CUresult do_restore(const struct sim_ctl_req *req)
     size_t need[SIM_MAX_DEVICES] = {0};
     int cur[SIM_MAX_DEVICES], next[SIM_MAX_DEVICES];
     sim_ctx_lock();
-    unsigned used = sim_mem_checkpointed_bytes(need) | sim_ctx_costs_locked(need);
+    sim_mem_checkpointed_bytes(need);
+    sim_ctx_costs_locked(need);
     sim_acct_devices(cur);
-    CUresult rc = remap(req, used, cur, next);
+    CUresult rc = remap(req, cur, next);
     if (rc == CUDA_SUCCESS) {
         /* Move first: the room check and the memfds are on the GPUs restored onto. */
         sim_acct_set_devices(next);

@@ -508,7 +508,8 @@ def _driver_restore(m: _Member) -> None:
         return
     t0 = time.perf_counter()
     try:
-        m.drv.restore(m.pid, [(gpus.to_bytes(o), gpus.to_bytes(n)) for o, n in m.gpu_moves.items()] or None)
+        pairs = gpus.restore_pairs(m.gpu_moves, gpus.machine_gpus(m.drv)) if m.gpu_moves else []
+        m.drv.restore(m.pid, [(gpus.to_bytes(o), gpus.to_bytes(n)) for o, n in pairs] or None)
     except DriverError as exc:
         if exc.rc == CUDA_ERROR_OUT_OF_MEMORY:
             raise GpucrError("not enough free GPU memory to restore its CUDA context; free GPU memory and retry "

@@ -173,13 +173,9 @@ _nvml: ctypes.CDLL | None = None
 
 
 def _nvml_memory(device: int, uuid: str | None = None) -> GpuMemory | None:
-    global _nvml
     try:
-        if _nvml is None:
-            lib = ctypes.CDLL("libnvidia-ml.so.1")
-            if lib.nvmlInit_v2() != 0:
-                return None
-            _nvml = lib
+        if _nvml_lib() is None:
+            return None
         handle = ctypes.c_void_p()
         rc = (_nvml.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(handle)) if uuid else
               _nvml.nvmlDeviceGetHandleByIndex_v2(device, ctypes.byref(handle)))
@@ -191,6 +187,39 @@ def _nvml_memory(device: int, uuid: str | None = None) -> GpuMemory | None:
         return GpuMemory(mem.used, mem.total)
     except OSError:
         return None
+
+
+def _nvml_lib() -> ctypes.CDLL | None:
+    global _nvml
+    if _nvml is None:
+        try:
+            lib = ctypes.CDLL("libnvidia-ml.so.1")
+        except OSError:
+            return None
+        if lib.nvmlInit_v2() != 0:
+            return None
+        _nvml = lib
+    return _nvml
+
+
+def nvml_gpu_list() -> list[tuple[str, str]]:
+    """(UUID, name) of every GPU of the machine, in NVML's order; [] without NVML. NVML, unlike the
+    driver, ignores CUDA_VISIBLE_DEVICES: this is the whole machine."""
+    nvml = _nvml_lib()
+    if nvml is None:
+        return []
+    n = ctypes.c_uint()
+    if nvml.nvmlDeviceGetCount_v2(ctypes.byref(n)) != 0:
+        return []
+    out = []
+    for i in range(n.value):
+        handle = ctypes.c_void_p()
+        uuid, name = ctypes.create_string_buffer(96), ctypes.create_string_buffer(96)
+        if (nvml.nvmlDeviceGetHandleByIndex_v2(i, ctypes.byref(handle)) != 0 or
+                nvml.nvmlDeviceGetUUID(handle, uuid, 96) != 0 or nvml.nvmlDeviceGetName(handle, name, 96) != 0):
+            return []
+        out.append((uuid.value.decode(), name.value.decode(errors="replace")))
+    return out
 
 
 def uuid_text(raw: bytes) -> str:

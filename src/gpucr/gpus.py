@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .driver import Driver, GpuMemory, device_count, device_info, gpu_memory, uuid_text
+from .driver import Driver, GpuMemory, device_count, device_info, gpu_memory, nvml_gpu_list, uuid_text
 from .errors import GpucrError
 
 
@@ -22,7 +22,41 @@ class Gpu:
 
 
 def machine_gpus(drv: Driver) -> list[Gpu]:
+    """Every GPU of this machine. The driver's restore wants a pair for each of them, so they are
+    listed by NVML, which ignores this controller's CUDA_VISIBLE_DEVICES (the driver's list does not);
+    on simcuda, or without NVML, the driver's own list."""
+    if not drv.simulated:
+        found = nvml_gpus()
+        if found:
+            return found
     return [Gpu(i, info["uuid"], info["name"]) for i in range(device_count(drv)) for info in [device_info(drv, i)]]
+
+
+def restore_pairs(moves: dict[str, str], machine: list[Gpu]) -> list[tuple[str, str]]:
+    """The driver's gpuPairs for a restore that moves a process's GPUs as `moves` says: a permutation
+    of every GPU of the machine, as driver 580 wants even for a process that used one GPU (measured on
+    a two-GPU H200 host: [(0,0)] alone is refused; [(0,0),(1,1)] restores in place, [(0,1),(1,0)] moves).
+    GPUs the process did not use keep their place where they can, else take the places left free."""
+    every = [g.uuid for g in machine]
+    unknown = [u for u in [*moves, *moves.values()] if u not in every]
+    if unknown:
+        raise GpucrError(f"{unknown[0]} is not a GPU of this machine (nvidia-smi -L lists them)")
+    pairs = dict(moves)
+    free_new = [u for u in every if u not in moves.values()]
+    rest = [u for u in every if u not in moves]
+    for u in rest:
+        if u in free_new:
+            pairs[u] = u
+            free_new.remove(u)
+    for u in rest:
+        if u not in pairs:
+            pairs[u] = free_new.pop(0)
+    return [(u, pairs[u]) for u in every]
+
+
+def nvml_gpus() -> list[Gpu]:
+    """The machine's GPUs as NVML lists them; [] without NVML."""
+    return [Gpu(i, uuid, name) for i, (uuid, name) in enumerate(nvml_gpu_list())]
 
 
 def to_bytes(uuid: str) -> bytes:
