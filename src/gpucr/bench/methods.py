@@ -26,6 +26,7 @@ from .. import paths
 from ..driver import Driver
 from ..errors import GpucrError
 from ..workloads.llm_app import MODELS
+from ..workloads import runner
 from ..workloads.runner import Workload
 
 GENERATE_TOKENS = 32
@@ -59,27 +60,15 @@ def parse_workload(text: str, gpu_util: float) -> Spec:
 # ---- workload processes ----
 
 def plain_env(simulate: bool) -> dict[str, str]:
-    """run_env without the agent: the same driver (simcuda or the GPU's), no LD_PRELOAD of gpucr."""
-    env = paths.run_env(simulate=simulate)
-    agent = str(paths.agent_lib())
-    keep = [p for p in env.get("LD_PRELOAD", "").split(":") if p and p != agent]
-    if keep:
-        env["LD_PRELOAD"] = ":".join(keep)
-    else:
-        env.pop("LD_PRELOAD", None)
-    return env
+    """run_env without the agent (the driver's own checkpoint must see the application as it is)."""
+    return runner.plain_env(simulate)
 
 
 class PlainWorkload(Workload):
     """A workload process started without gpucr's agent; asked and closed like any Workload."""
 
-    def __init__(self, module: str, *args: str, simulate: bool = False) -> None:   # Workload.__init__ would preload the agent
-        self.proc = subprocess.Popen([sys.executable, "-m", f"gpucr.workloads.{module}", *args], env=plain_env(simulate),
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1)
-        self.pid = self.proc.pid
-        self.info = self._read()
-        if not self.info.get("ready"):
-            raise RuntimeError(f"workload {module} did not start: {self.info}")
+    def __init__(self, module: str, *args: str, simulate: bool = False) -> None:
+        super().__init__(module, *args, simulate=simulate, agent=False)
 
 
 def start(spec: Spec, under_agent: bool, simulate: bool, agent_env: dict[str, str] | None = None) -> Workload:

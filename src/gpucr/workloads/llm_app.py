@@ -114,6 +114,22 @@ def fixed_prompt(vocab: int, device: str | torch.device) -> torch.Tensor:
     return torch.randint(0, vocab, (1, PROMPT_TOKENS), generator=g).to(device)
 
 
+def kv_cache(layers: int, kv_heads: int, head_dim: int, budget: int, device: str | torch.device) -> list[torch.Tensor]:
+    """A vLLM-style KV cache filling `budget` bytes: one tensor per layer, [2, blocks, block, kv heads,
+    head dim] in bf16, filled with random data so no copy can skip zeros."""
+    import torch
+    per_block = layers * 2 * KV_BLOCK * kv_heads * head_dim * 2   # bf16
+    blocks = budget // per_block
+    if blocks < 1:
+        raise RuntimeError(f"no room for a KV cache: {budget >> 20} MiB left under the --gpu-util share")
+    kv = []
+    for _ in range(layers):
+        t = torch.empty((2, blocks, KV_BLOCK, kv_heads, head_dim), dtype=torch.bfloat16, device=device)
+        t.normal_()
+        kv.append(t)
+    return kv
+
+
 def nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -146,19 +162,7 @@ class App:
         self.probe = [self.weights[0], self.weights[len(self.weights) // 2], self.weights[-1]]
 
     def _kv_cache(self, budget: int) -> list[torch.Tensor]:
-        """One tensor per layer, [2, blocks, block, kv heads, head dim], as vLLM lays it out."""
-        torch = self.torch
-        layers, kv_heads, head_dim = kv_geometry(self.cfg)
-        per_block = layers * 2 * KV_BLOCK * kv_heads * head_dim * 2   # bf16
-        blocks = budget // per_block
-        if blocks < 1:
-            raise RuntimeError(f"no room for a KV cache: {budget >> 20} MiB left under the --gpu-util share")
-        kv = []
-        for _ in range(layers):
-            t = torch.empty((2, blocks, KV_BLOCK, kv_heads, head_dim), dtype=torch.bfloat16, device="cuda")
-            t.normal_()   # random, so no copy can skip zeros
-            kv.append(t)
-        return kv
+        return kv_cache(*kv_geometry(self.cfg), budget, "cuda")
 
     def info(self) -> dict:
         cuda = self.torch.cuda

@@ -4,19 +4,34 @@ from __future__ import annotations
 import json
 import os
 import sys
-from typing import Callable
+from typing import Callable, Iterable, TextIO
 
 
-def serve(handle: Callable[[list[str]], dict], ready: dict) -> None:
-    print(json.dumps({"ready": True, "pid": os.getpid(), **ready}), flush=True)
-    for line in sys.stdin:
+def answer(handle: Callable[[list[str]], dict], words: list[str]) -> dict:
+    """One command's answer; an exception becomes {"error": ...}, which the driver of the test reads."""
+    try:
+        return handle(words)
+    except Exception as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+
+
+def claim_stdout() -> TextIO:
+    """A private copy of stdout for the protocol, with fd 1 pointed at stderr: whatever else writes
+    to stdout (NCCL_DEBUG, a library's print) then cannot break the one-JSON-line-per-answer stream."""
+    sys.stdout.flush()
+    out = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    return out
+
+
+def serve(handle: Callable[[list[str]], dict], ready: dict, out: TextIO | None = None,
+          lines: Iterable[str] | None = None) -> None:
+    out = out or sys.stdout
+    print(json.dumps({"ready": True, "pid": os.getpid(), **ready}), file=out, flush=True)
+    for line in lines if lines is not None else sys.stdin:
         words = line.split()
         if not words:
             continue
         if words[0] == "quit":
             break
-        try:
-            out = handle(words)
-        except Exception as exc:  # the driver of the test reads it
-            out = {"error": f"{type(exc).__name__}: {exc}"}
-        print(json.dumps(out), flush=True)
+        print(json.dumps(answer(handle, words)), file=out, flush=True)
