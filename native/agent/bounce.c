@@ -6,12 +6,15 @@
 #include <sys/mman.h>
 #include <unistd.h>
 #include "bounce.h"
+#include "settings.h"
 
-#define SLOT ((size_t)64 << 20)        /* a chunk of the data plane */
-#define MAX_SLOTS 256
-#define MAX_THREADS 32
+/* Slots of 64 MiB (a chunk of the data plane) for a large process: 16 of them (the default 1 GiB
+ * ring) keep the link busy on the H200 with 16 threads. A smaller process gets two smaller slots
+ * that together hold its data, and a chunk larger than a slot goes through it in pieces. */
+#define SLOT_MAX ((size_t)64 << 20)
+#define SLOT_MIN ((size_t)2 << 20)
+#define MAX_SLOTS 256                   /* GPUCR_BOUNCE_MIB's most, 16 GiB, in 64 MiB slots */
 #define MAX_CTX 16
-#define DEFAULT_RING_MIB 1024           /* 16 slots: enough to keep the link busy (H200, 16 threads) */
 
 struct job { CUcontext ctx; CUstream s; CUevent ev; CUdeviceptr dev; char *host; size_t n; bool out; int slot; };
 
@@ -23,7 +26,7 @@ static struct {
     pthread_mutex_t mu;
     pthread_cond_t cv;          /* a slot, a job or the last job's end */
     char *ring;
-    size_t bytes;
+    size_t bytes, slot;         /* the ring's size and each slot's */
     int nslots;
     bool slot_busy[MAX_SLOTS];
     struct ctx_events evs[MAX_CTX];
@@ -37,20 +40,13 @@ static struct {
     CUcontext ring_ctx;         /* the context the ring is pinned in: the pinning ends with it */
 } B = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
-/* Read once: staging is pinned or not for the life of the process, whatever the application later
- * does to its environment; and this is asked for every chunk copied. On by default: measured on the
- * H200 (llama3-8b, 69 GiB), a checkpoint at level full took 2.49 s with the ring against 3.21 s with
- * pinned staging, because the driver's own checkpoint then has 1 GiB of pinned memory to handle
- * instead of all of staging. GPUCR_BOUNCE_MIB=0 keeps staging pinned instead. */
-static long g_ring_mib = -1;
-static pthread_once_t g_ring_once = PTHREAD_ONCE_INIT;
-static void read_ring_mib(void) { g_ring_mib = gpucr_env_long("GPUCR_BOUNCE_MIB", DEFAULT_RING_MIB); }
+/* Read once, at load (settings.h): staging is pinned or not for the life of the process. On by
+ * default: measured on the H200 (llama3-8b, 69 GiB), a checkpoint at level full took 2.49 s with the
+ * ring against 3.21 s with pinned staging, because the driver's own checkpoint then has 1 GiB of
+ * pinned memory to handle instead of all of staging. GPUCR_BOUNCE_MIB=0 keeps staging pinned instead. */
+static size_t ring_max(void) { return (size_t)gpucr_setting_int(SET_BOUNCE_MIB) << 20; }
 
-bool bounce_enabled(void)
-{
-    pthread_once(&g_ring_once, read_ring_mib);
-    return g_ring_mib > 0;
-}
+bool bounce_enabled(void) { return ring_max() > 0; }
 
 bool bounce_ready(void)
 {
@@ -81,7 +77,7 @@ size_t bounce_pinned_bytes(void)
  * staging into the slot, start the device's copy and wait for it before the slot is reused. */
 static CUresult run_job(const struct job *j)
 {
-    char *slot = B.ring + (size_t)j->slot * SLOT;
+    char *slot = B.ring + (size_t)j->slot * B.slot;
     CUevent ev = j->ev;
     gpucr_drv.cuCtxSetCurrent(j->ctx);
     if (j->out) {
@@ -131,9 +127,39 @@ static void drop_ring_locked(void)
     gpucr_drv.cuMemHostUnregister(B.ring);
     munmap(B.ring, B.bytes);
     B.ring = NULL;
-    B.bytes = 0;
+    B.bytes = B.slot = 0;
     B.nslots = 0;
     B.ready = false;
+}
+
+struct ring_shape { size_t slot; int nslots; };
+
+/* The ring for `need` bytes: as many 64 MiB slots as the data fills, up to GPUCR_BOUNCE_MIB; for
+ * less data, two slots that together hold it (a 16 MiB process pins 16 MiB), of at least 2 MiB. */
+static struct ring_shape ring_shape_for(size_t need)
+{
+    size_t max = ring_max(), nslots = (need + SLOT_MAX - 1) / SLOT_MAX;
+    if (nslots > max / SLOT_MAX) nslots = max / SLOT_MAX;
+    if (nslots > MAX_SLOTS) nslots = MAX_SLOTS;
+    if (nslots < 2) nslots = 2;   /* one slot fills while the other drains */
+    size_t slot = (need + nslots - 1) / nslots;
+    slot = (slot + SLOT_MIN - 1) / SLOT_MIN * SLOT_MIN;
+    if (slot > SLOT_MAX) slot = SLOT_MAX;
+    if (slot > max / nslots) slot = max / nslots / SLOT_MIN * SLOT_MIN;
+    if (slot < SLOT_MIN) slot = SLOT_MIN;
+    return (struct ring_shape){slot, (int)nslots};
+}
+
+/* Copy threads for a ring of nslots: GPUCR_BOUNCE_THREADS (0: one a core, up to 16), but no more
+ * than the slots, since each thread works on one slot at a time. Started as the ring grows; they
+ * stay for the life of the process. False if none runs. */
+static bool start_threads_locked(int nslots)
+{
+    int want = (int)gpucr_setting_int(SET_BOUNCE_THREADS);
+    if (want == 0) want = default_threads();
+    if (want > nslots) want = nslots;
+    while (B.nthreads < want && gpucr_spawn_detached(worker, NULL)) B.nthreads++;
+    return B.nthreads > 0;
 }
 
 int bounce_prepare(CUcontext ctx, const size_t *sizes, int n, char *err, size_t errlen)
@@ -141,17 +167,14 @@ int bounce_prepare(CUcontext ctx, const size_t *sizes, int n, char *err, size_t 
     size_t need = 0;
     for (int i = 0; i < n; i++) need += sizes[i];
     pthread_mutex_lock(&B.mu);
-    bounce_enabled();   /* reads the setting */
-    /* As many slots as the data fills, up to the configured ring: a small process pins little. The
-     * ring grows when a later checkpoint has more to move; it is never in use here (no copy runs). */
-    size_t want = ((size_t)g_ring_mib << 20) / SLOT, fill = (need + SLOT - 1) / SLOT;
-    if (fill < want) want = fill;
-    int nslots = want < 2 ? 2 : want > MAX_SLOTS ? MAX_SLOTS : (int)want;
+    /* Sized to the data, up to the configured ring: a ring that is too small for it, or more than
+     * twice what it needs (the process shrank), is made anew; it is never in use here (no copy runs). */
+    struct ring_shape shape = ring_shape_for(need);
+    size_t bytes = (size_t)shape.nslots * shape.slot;
     int rc = 0;
-    if (B.ready && B.nslots >= nslots) goto out;
+    if (B.ready && B.bytes >= bytes && B.bytes <= 2 * bytes) goto out;
     rc = -1;
     drop_ring_locked();
-    size_t bytes = (size_t)nslots * SLOT;
     char *ring = mmap(NULL, bytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (ring == MAP_FAILED) {
         snprintf(err, errlen, "cannot map %zu MiB for the bounce ring", bytes >> 20);
@@ -159,31 +182,28 @@ int bounce_prepare(CUcontext ctx, const size_t *sizes, int n, char *err, size_t 
     }
     gpucr_drv.cuCtxSetCurrent(ctx);
     /* GPUCR_TEST_FAIL_RING=1: the test suite's stand-in for a driver that will not pin the ring */
-    CUresult cr = gpucr_env_long("GPUCR_TEST_FAIL_RING", 0) ? CUDA_ERROR_OUT_OF_MEMORY
+    CUresult cr = gpucr_setting_on(SET_TEST_FAIL_RING) ? CUDA_ERROR_OUT_OF_MEMORY
                                                            : gpucr_drv.cuMemHostRegister_v2(ring, bytes, CU_MEMHOSTREGISTER_PORTABLE);
     if (cr != CUDA_SUCCESS) {
         snprintf(err, errlen, "cannot pin the %zu MiB bounce ring: %s", bytes >> 20, gpucr_cu_errstr(cr));
         munmap(ring, bytes);
         goto out;
     }
-    if (!B.nthreads) {
-        int n = (int)gpucr_env_long("GPUCR_BOUNCE_THREADS", default_threads());
-        n = n < 1 ? 1 : n > MAX_THREADS ? MAX_THREADS : n;
-        for (int i = 0; i < n; i++) B.nthreads += gpucr_spawn_detached(worker, NULL);
-        if (!B.nthreads) {
-            snprintf(err, errlen, "cannot start the bounce copy threads");
-            gpucr_drv.cuMemHostUnregister(ring);
-            munmap(ring, bytes);
-            goto out;
-        }
+    if (!start_threads_locked(shape.nslots)) {
+        snprintf(err, errlen, "cannot start the bounce copy threads");
+        gpucr_drv.cuMemHostUnregister(ring);
+        munmap(ring, bytes);
+        goto out;
     }
     B.ring = ring;
     B.bytes = bytes;
-    B.nslots = nslots;
+    B.slot = shape.slot;
+    B.nslots = shape.nslots;
     B.ring_ctx = ctx;
     B.ready = true;
     rc = 0;
-    gpucr_log("bounce ring: %zu MiB pinned in %d slots, %d copy threads", bytes >> 20, nslots, B.nthreads);
+    gpucr_log("bounce ring: %zu MiB pinned in %d slots of %zu MiB, %d copy threads", bytes >> 20, B.nslots,
+              B.slot >> 20, B.nthreads);
 out:
     if (rc) snprintf(B.problem, sizeof B.problem, "%s", err);
     else B.problem[0] = 0;
@@ -207,10 +227,9 @@ static CUevent slot_event_locked(CUcontext ctx, int slot)
     return e->ev[slot];
 }
 
-CUresult bounce_submit(CUcontext ctx, CUstream s, CUdeviceptr dev, void *host, size_t n, bool out)
+/* Queue one piece of at most a slot (B.mu held; it is released while waiting for a free slot). */
+static CUresult submit_piece_locked(CUcontext ctx, CUstream s, CUdeviceptr dev, char *host, size_t n, bool out)
 {
-    pthread_mutex_lock(&B.mu);
-    if (!B.ready) { pthread_mutex_unlock(&B.mu); return CUDA_ERROR_NOT_READY; }   /* no ring: never wait for a slot */
     int slot = -1;
     while (slot < 0) {
         for (int i = 0; i < B.nslots && slot < 0; i++) if (!B.slot_busy[i]) slot = i;
@@ -221,19 +240,29 @@ CUresult bounce_submit(CUcontext ctx, CUstream s, CUdeviceptr dev, void *host, s
     CUevent ev = slot_event_locked(ctx, slot);
     CUresult rc = ev ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
     if (rc == CUDA_SUCCESS && out) {   /* the device's copy is queued here, on the caller's stream, in order */
-        rc = REAL(cuMemcpyDtoHAsync_v2)(B.ring + (size_t)slot * SLOT, dev, n, s);
+        rc = REAL(cuMemcpyDtoHAsync_v2)(B.ring + (size_t)slot * B.slot, dev, n, s);
         if (rc == CUDA_SUCCESS) rc = gpucr_drv.cuEventRecord(ev, s);
     }
     if (rc != CUDA_SUCCESS) {
         B.slot_busy[slot] = false;
-        pthread_mutex_unlock(&B.mu);
         return rc;
     }
     B.q[(B.qhead + B.qlen) % MAX_SLOTS] = (struct job){ctx, s, ev, dev, host, n, out, slot};
     B.qlen++;
     pthread_cond_broadcast(&B.cv);
-    pthread_mutex_unlock(&B.mu);
     return CUDA_SUCCESS;
+}
+
+CUresult bounce_submit(CUcontext ctx, CUstream s, CUdeviceptr dev, void *host, size_t n, bool out)
+{
+    pthread_mutex_lock(&B.mu);
+    CUresult rc = B.ready ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;   /* no ring: never wait for a slot */
+    for (size_t off = 0; off < n && rc == CUDA_SUCCESS; off += B.slot) {
+        size_t len = n - off < B.slot ? n - off : B.slot;
+        rc = submit_piece_locked(ctx, s, dev + off, (char *)host + off, len, out);
+    }
+    pthread_mutex_unlock(&B.mu);
+    return rc;
 }
 
 CUresult bounce_wait(void)

@@ -15,6 +15,7 @@
 #include "bounce.h"
 #include "dataplane.h"
 #include "registry.h"
+#include "settings.h"
 #include "staging.h"
 #include "json.h"
 
@@ -531,8 +532,9 @@ __attribute__((constructor)) static void agent_start(void)
 {
     const char *off = getenv("GPUCR_AGENT_DISABLE");
     if (off && *off && *off != '0') return;
-    const char *group = getenv("GPUCR_GROUP");
-    if (group) snprintf(g_group, sizeof g_group, "%s", group);
+    /* checked against settings.def: a name longer than g_group holds is refused with a warning, not cut */
+    _Static_assert(sizeof g_group == 127 + 1, "GPUCR_GROUP's most in settings.def");
+    snprintf(g_group, sizeof g_group, "%s", gpucr_setting_str(SET_GROUP));
     gpucr_channel_start();
     staging_start_ahead();
     pthread_atfork(NULL, NULL, on_fork_child);

@@ -10,23 +10,17 @@
 #include <unistd.h>
 #include "bounce.h"
 #include "registry.h"
+#include "settings.h"
 #include "staging.h"
 
 #define HUGE_PAGE ((size_t)2 << 20)
-#define MIN_SEG_DEFAULT ((size_t)256 << 20)
-/* Segments of about this size: pinning, unpinning and re-pinning then go a segment at a time, so a
- * restore can copy one segment while it pins the next. */
-#define SEG_TARGET_DEFAULT ((size_t)2 << 30)
-
-/* GPUCR_STAGING_SEGMENT_MIB overrides the segment size (smaller segments: finer pipelining of
- * pinning and copying, more fds); the smallest segment is never larger than it. */
-static size_t seg_target(void)
-{
-    long mib = gpucr_env_long("GPUCR_STAGING_SEGMENT_MIB", 0);
-    return mib >= 2 ? (size_t)mib << 20 : SEG_TARGET_DEFAULT;
-}
-static size_t min_seg(void) { return seg_target() < MIN_SEG_DEFAULT ? seg_target() : MIN_SEG_DEFAULT; }
 #define TOUCH_THREADS 8
+#define TOUCH_PER_THREAD ((size_t)64 << 20)   /* a smaller segment is touched by the caller alone */
+
+/* Segments of at most GPUCR_STAGING_SEGMENT_MIB (2 GiB by default): pinning, unpinning and
+ * re-pinning then go a segment at a time, so a restore can copy one segment while it pins the next.
+ * Below that, a segment is sized to the data it is made for. */
+static size_t seg_target(void) { return (size_t)gpucr_setting_int(SET_STAGING_SEGMENT_MIB) << 20; }
 
 enum kind { K_HUGETLB, K_SHM, K_FILE };
 static const char *const KIND_NAME[] = {"hugetlbfs", "shm", "file"};
@@ -52,9 +46,6 @@ static struct {
     bool ahead;
 } S = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
 
-#define PIN_THREADS_DEFAULT 4
-#define PIN_THREADS_MAX 16
-
 static size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 static size_t meminfo(const char *key)
@@ -77,12 +68,19 @@ static void *touch_range(void *arg)
     return NULL;
 }
 
-/* Fault the pages in with several threads: one thread tops out well below the memory bandwidth. */
+/* Fault the pages in with several threads: one thread tops out well below the memory bandwidth.
+ * A small segment is not worth a thread. */
 static void touch_parallel(char *base, size_t len, size_t page)
 {
     int n = TOUCH_THREADS;
     long cpus = sysconf(_SC_NPROCESSORS_ONLN);
     if (cpus > 0 && cpus < n) n = (int)cpus;
+    if (len / TOUCH_PER_THREAD < (size_t)n) n = (int)(len / TOUCH_PER_THREAD);
+    if (n <= 1) {
+        struct touch t = {base, len, page};
+        touch_range(&t);
+        return;
+    }
     size_t per = round_up(len / (size_t)n + 1, page);
     pthread_t th[TOUCH_THREADS];
     struct touch t[TOUCH_THREADS];
@@ -102,14 +100,16 @@ static void touch_parallel(char *base, size_t len, size_t page)
     for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
 }
 
+static bool hugetlbfs_asked(void) { return !strcmp(gpucr_setting_str(SET_STAGING), "hugetlbfs"); }
+
 /* The backend asked for with GPUCR_STAGING: auto (default), hugetlbfs, shm or file:DIR. */
 static enum kind wanted_kind(size_t cap, const char **dir)
 {
-    const char *v = getenv("GPUCR_STAGING");
+    const char *v = gpucr_setting_str(SET_STAGING);
     *dir = NULL;
-    if (v && !strncmp(v, "file:", 5)) { *dir = v + 5; return K_FILE; }
-    if (v && !strcmp(v, "shm")) return K_SHM;
-    if (v && !strcmp(v, "hugetlbfs")) return K_HUGETLB;
+    if (!strncmp(v, "file:", 5)) { *dir = v + 5; return K_FILE; }
+    if (!strcmp(v, "shm")) return K_SHM;
+    if (hugetlbfs_asked()) return K_HUGETLB;
     /* auto: hugepages when enough are free */
     return meminfo("HugePages_Free") * HUGE_PAGE >= cap ? K_HUGETLB : K_SHM;
 }
@@ -125,7 +125,7 @@ static int seg_create(struct seg *g, size_t cap, char *err, size_t errlen)
         fd = memfd_create("gpucr-staging", MFD_CLOEXEC | MFD_HUGETLB);
         if (fd < 0 || ftruncate(fd, (off_t)cap) != 0) {
             if (fd >= 0) close(fd);
-            if (getenv("GPUCR_STAGING") && !strcmp(getenv("GPUCR_STAGING"), "hugetlbfs")) {
+            if (hugetlbfs_asked()) {
                 snprintf(err, errlen, "cannot get %zu MiB of hugepages for staging (%s); reserve them with "
                          "'echo N > /proc/sys/vm/nr_hugepages' or use GPUCR_STAGING=shm", cap >> 20, strerror(errno));
                 return -1;
@@ -166,45 +166,109 @@ static int seg_create(struct seg *g, size_t cap, char *err, size_t errlen)
     return 0;
 }
 
-/* Bytes of `sizes` that first fit, in this order, leaves without a place in the segments, and the
- * largest of them. */
-static size_t shortfall_locked(const size_t *sizes, int n, size_t *largest)
+/* First fit of `sizes`, in this order, into the segments: the bytes each segment would hold (into
+ * used, if given), and the bytes left without a place and the largest of them. */
+static size_t shortfall_locked(const size_t *sizes, int n, size_t *used, size_t *largest)
 {
-    size_t used[STAGING_MAX_SEGS] = {0}, missing = 0;
+    size_t fill[STAGING_MAX_SEGS] = {0}, missing = 0;
     if (largest) *largest = 0;
     for (int k = 0; k < n; k++) {
         int i = 0;
-        while (i < S.n && S.segs[i].cap - used[i] < sizes[k]) i++;
-        if (i < S.n) used[i] += sizes[k];
+        while (i < S.n && S.segs[i].cap - fill[i] < sizes[k]) i++;
+        if (i < S.n) fill[i] += sizes[k];
         else {
             missing += sizes[k];
             if (largest && sizes[k] > *largest) *largest = sizes[k];
         }
     }
+    if (used) memcpy(used, fill, sizeof fill);
     return missing;
 }
 
-int staging_fit(const size_t *sizes, int n, char *err, size_t errlen)
+static size_t capacity_locked(void)
 {
+    size_t cap = 0;
+    for (int i = 0; i < S.n; i++) cap += S.segs[i].cap;
+    return cap;
+}
+
+/* The next segment to add: what is still without a place (the last segment allowed takes all of
+ * it, the others at most a segment's target size), at least its largest allocation, and at least
+ * what staging holds already, up to the target: a process that grows a little at a time gets a few
+ * segments of doubling size, never more than about twice its data. */
+static size_t next_seg_size_locked(size_t missing, size_t largest)
+{
+    size_t add = S.n >= STAGING_MAX_SEGS - 1 || missing < seg_target() ? missing : seg_target();
+    size_t held = capacity_locked();
+    if (held > seg_target()) held = seg_target();
+    if (add < held) add = held;
+    if (add < largest) add = largest;
+    return round_up(add, HUGE_PAGE);
+}
+
+/* Wait until no pin-ahead thread works on the segments (S.mu held). */
+static void stop_pinners_locked(void)
+{
+    S.stop_pinning = true;
+    while (S.pinners > 0) pthread_cond_wait(&S.cv, &S.mu);
+    S.stop_pinning = false;
+}
+
+static void seg_free(struct seg *g)
+{
+    if (g->pinned) gpucr_drv.cuMemHostUnregister(g->base);
+    munmap(g->base, g->cap);
+    close(g->fd);
+}
+
+/* Give back the segments the plan leaves empty once staging holds more than twice what is needed: a
+ * process whose data shrank does not keep the host memory of its largest moment. Called while
+ * nothing is staged (the process runs, or its data comes from an image next). */
+static void release_unneeded_locked(const size_t *used, size_t need)
+{
+    if (capacity_locked() <= 2 * need) return;
+    stop_pinners_locked();
+    int kept = 0;
+    for (int i = 0; i < S.n; i++) {
+        if (used[i]) S.segs[kept++] = S.segs[i];
+        else seg_free(&S.segs[i]);
+    }
+    S.n = kept;
+}
+
+/* Whether the host can give `need` more bytes of staging of the kind asked for; err says why not. */
+static bool room_for(size_t need, char *err, size_t errlen)
+{
+    const char *dir;
+    enum kind k = wanted_kind(need, &dir);
+    size_t avail = k == K_HUGETLB ? meminfo("HugePages_Free") * HUGE_PAGE : meminfo("MemAvailable") * 1024;
+    if (k == K_HUGETLB && need > avail) {
+        snprintf(err, errlen, "not enough free hugepages for staging: need %zu MiB, %zu MiB free; reserve them with "
+                 "'echo %zu > /proc/sys/vm/nr_hugepages' (as root) or use GPUCR_STAGING=shm", need >> 20, avail >> 20,
+                 meminfo("HugePages_Total") + (need - avail) / HUGE_PAGE);
+        return false;
+    }
+    if (k != K_FILE && need > avail) {
+        snprintf(err, errlen, "not enough host memory for staging: need %zu MiB more, %zu MiB available; free host "
+                 "memory (or use GPUCR_STAGING=file:DIR) and retry", need >> 20, avail >> 20);
+        return false;
+    }
+    return true;
+}
+
+/* staging_fit; `shrink`: also give back what this plan does not need (see release_unneeded_locked). */
+static int fit(const size_t *sizes, int n, bool shrink, char *err, size_t errlen)
+{
+    size_t used[STAGING_MAX_SEGS], need = 0;
+    for (int k = 0; k < n; k++) need += sizes[k];
     pthread_mutex_lock(&S.mu);
-    size_t largest = 0, missing = shortfall_locked(sizes, n, &largest);
+    size_t largest = 0, missing = shortfall_locked(sizes, n, used, &largest);
+    if (shrink) release_unneeded_locked(used, need);
     int rc = 0;
+    /* the whole shortfall is checked first: a refusal must come before anything is touched */
     if (missing) {
-        /* the whole shortfall is checked first: a refusal must come before anything is touched */
-        size_t need = round_up(missing < min_seg() ? min_seg() : missing, HUGE_PAGE);
-        const char *dir;
-        enum kind k = wanted_kind(need, &dir);
-        size_t avail = k == K_HUGETLB ? meminfo("HugePages_Free") * HUGE_PAGE : meminfo("MemAvailable") * 1024;
-        if (k == K_HUGETLB && need > avail) {
-            snprintf(err, errlen, "not enough free hugepages for staging: need %zu MiB, %zu MiB free; reserve them with "
-                     "'echo %zu > /proc/sys/vm/nr_hugepages' (as root) or use GPUCR_STAGING=shm", need >> 20, avail >> 20,
-                     meminfo("HugePages_Total") + (need - avail) / HUGE_PAGE);
-            rc = -1;
-        } else if (k != K_FILE && need > avail) {
-            snprintf(err, errlen, "not enough host memory for staging: need %zu MiB more, %zu MiB available; free host "
-                     "memory (or use GPUCR_STAGING=file:DIR) and retry", need >> 20, avail >> 20);
-            rc = -1;
-        }
+        size_t first = next_seg_size_locked(missing, largest), all = round_up(missing, HUGE_PAGE);
+        if (!room_for(first > all ? first : all, err, errlen)) rc = -1;
     }
     /* each new segment holds at least the largest allocation still without a place, so every round places one */
     while (rc == 0 && missing) {
@@ -213,16 +277,15 @@ int staging_fit(const size_t *sizes, int n, char *err, size_t errlen)
             rc = -1;
             break;
         }
-        size_t add = S.n >= STAGING_MAX_SEGS - 1 ? missing : (missing < seg_target() ? missing : seg_target());
-        if (add < largest) add = largest;
-        add = round_up(add < min_seg() ? min_seg() : add, HUGE_PAGE);
-        rc = seg_create(&S.segs[S.n], add, err, errlen);
+        rc = seg_create(&S.segs[S.n], next_seg_size_locked(missing, largest), err, errlen);
         if (rc == 0) S.n++;
-        missing = shortfall_locked(sizes, n, &largest);
+        missing = shortfall_locked(sizes, n, NULL, &largest);
     }
     pthread_mutex_unlock(&S.mu);
     return rc;
 }
+
+int staging_fit(const size_t *sizes, int n, char *err, size_t errlen) { return fit(sizes, n, true, err, errlen); }
 
 int staging_count(void)
 {
@@ -320,9 +383,7 @@ static void *pin_loop(void *ctx)
 int staging_pin_ahead(CUcontext ctx)
 {
     if (bounce_enabled()) return 0;
-    long want = gpucr_env_long("GPUCR_PIN_THREADS", PIN_THREADS_DEFAULT);
-    if (want < 1) want = 1;
-    if (want > PIN_THREADS_MAX) want = PIN_THREADS_MAX;
+    long want = (long)gpucr_setting_int(SET_PIN_THREADS);
     pthread_mutex_lock(&S.mu);
     int unpinned = 0;
     for (int i = 0; i < S.n; i++) unpinned += wants_pin(&S.segs[i]);
@@ -358,15 +419,8 @@ void staging_rewind(void)
 void staging_drop(void)
 {
     pthread_mutex_lock(&S.mu);
-    S.stop_pinning = true;
-    while (S.pinners > 0) pthread_cond_wait(&S.cv, &S.mu);   /* they use the segments */
-    S.stop_pinning = false;
-    for (int i = 0; i < S.n; i++) {
-        struct seg *g = &S.segs[i];
-        if (g->pinned) gpucr_drv.cuMemHostUnregister(g->base);
-        munmap(g->base, g->cap);
-        close(g->fd);
-    }
+    stop_pinners_locked();   /* they use the segments */
+    for (int i = 0; i < S.n; i++) seg_free(&S.segs[i]);
     S.n = 0;
     pthread_mutex_unlock(&S.mu);
 }
@@ -431,12 +485,12 @@ static void *ahead_loop(void *arg)
         size_t *sizes = staging_movable_sizes(&n, &ctx);
         if (!sizes) continue;
         pthread_mutex_lock(&S.mu);
-        size_t missing = shortfall_locked(sizes, n, NULL);
+        size_t missing = shortfall_locked(sizes, n, NULL, NULL);
         pthread_mutex_unlock(&S.mu);
         char err[256];
         if (missing && ctx) {
             gpucr_drv.cuCtxSetCurrent(ctx);
-            if (staging_fit(sizes, n, err, sizeof err)) {
+            if (fit(sizes, n, false, err, sizeof err)) {   /* never shrinks: a checkpoint may be about to take it */
                 gpucr_log("preparing staging ahead: %s", err);
                 usleep(5 * 1000 * 1000);   /* host memory is short: do not spin on it */
             }
@@ -456,8 +510,7 @@ static void *ahead_loop(void *arg)
 
 void staging_start_ahead(void)
 {
-    const char *v = getenv("GPUCR_STAGING_AHEAD");
-    if (!v || !*v || *v == '0' || S.ahead) return;
+    if (!gpucr_setting_on(SET_STAGING_AHEAD) || S.ahead) return;
     S.ahead = gpucr_spawn_detached(ahead_loop, NULL);
 }
 

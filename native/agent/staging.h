@@ -1,7 +1,9 @@
 /* Host staging: where device data waits while the process is checkpointed. Segments of shared
  * memory (2 MiB hugepages through hugetlbfs when the host has them free, else ordinary shared
- * memory, or a file in a chosen directory), touched by several threads, pinned once with
- * cuMemHostRegister and reused by every later cycle. */
+ * memory, or a file in a chosen directory), sized to the data (up to GPUCR_STAGING_SEGMENT_MIB
+ * each), touched by several threads and reused by every later cycle. They stay unpinned while the
+ * copies go through the bounce ring (bounce.h); with the ring off, each is pinned once with
+ * cuMemHostRegister. */
 #ifndef GPUCR_STAGING_H
 #define GPUCR_STAGING_H
 #include "agent.h"
@@ -15,8 +17,10 @@ struct staging_info {
     bool ahead;                 /* prepared in the background as allocations grow */
 };
 
-/* Make room for allocations of these sizes, placed first fit in this order (adds at most one
- * segment; never moves what exists). Needs a current context for pinning. 0, or -1 with err set. */
+/* Make room for allocations of these sizes, placed first fit in this order (never moves what
+ * exists). Segments this placement leaves empty are given back when staging holds more than twice
+ * what is needed, so call it only while nothing is staged. Needs a current context for pinning.
+ * 0, or -1 with err set. */
 int staging_fit(const size_t *sizes, int n, char *err, size_t errlen);
 size_t *staging_movable_sizes(int *n, CUcontext *ctx);   /* malloc'd; the caller frees */
 /* Hand out `size` bytes for this cycle (first fit); NULL if the capacity is exhausted. */
