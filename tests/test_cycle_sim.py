@@ -223,7 +223,7 @@ def test_bounce_ring_is_the_default_and_sized_to_the_data(sim_app):
     before = app.ask("digest")
     gpucr.checkpoint(app.pid)
     st = gpucr.status(app.pid)
-    assert st["staging_pinned_bytes"] == 0 and st["bounce_pinned_bytes"] == 128 * MiB, "two 64 MiB slots at least"
+    assert st["staging_pinned_bytes"] == 0 and st["bounce_pinned_bytes"] == 12 * MiB, "two slots that hold the 11 MiB"
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
     app.ask(f"alloc {300 * MiB}")   # 311 MiB to move now: the ring grows to five slots
@@ -232,8 +232,8 @@ def test_bounce_ring_is_the_default_and_sized_to_the_data(sim_app):
     assert gpucr.status(app.pid)["bounce_pinned_bytes"] == 320 * MiB
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
-    r = gpucr_cli("run", "--bounce", "64", "--", "true")
-    assert r.returncode == 1 and "0 (no ring, staging pinned) or at least 128" in r.stderr
+    r = gpucr_cli("run", "--bounce", "1", "--", "true")
+    assert r.returncode == 2 and "0 (no ring, all of staging pinned) or a size in MiB from 4 to 16384" in r.stderr
 
 
 def test_staging_kept_pinned_through_the_driver_with_the_ring_off(sim_app, monkeypatch):

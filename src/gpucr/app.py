@@ -17,9 +17,15 @@ import json
 import os
 import socket
 import threading
+import time
 from typing import Callable
 
 from . import paths
+
+# An answer is one small JSON object: the controller (perhaps root) reads no more than this of it,
+# so an application cannot fill the controller's memory.
+MAX_ANSWER = 64 << 10
+MAX_ERROR = 1000   # of a callback's exception text in an answer
 
 _lock = threading.Lock()
 _prepare: Callable[[], None] | None = None
@@ -60,7 +66,7 @@ def _answer(verb: str) -> dict:
         if fn is not None:
             fn()
     except Exception as exc:  # the controller reports it and aborts
-        return {"ok": False, "error": f"{verb} raised {type(exc).__name__}: {exc}"}
+        return {"ok": False, "error": f"{verb} raised {type(exc).__name__}: {exc}"[:MAX_ERROR]}
     return {"ok": True, "epoch": epoch}
 
 
@@ -133,15 +139,30 @@ class AppChannel:
             return None
 
     def ask(self, verb: str, timeout: float) -> dict:
+        """Send one request; its answer, a JSON object of at most MAX_ANSWER bytes, within `timeout`
+        seconds in all (TimeoutError), else ValueError (too long, not an object) or OSError."""
+        deadline = time.monotonic() + timeout
         self.sock.settimeout(timeout)
         self.sock.sendall(verb.encode() + b"\n")
         buf = b""
         while b"\n" not in buf:
-            data = self.sock.recv(4096)
+            if len(buf) > MAX_ANSWER:
+                raise ValueError(f"the application's answer is longer than {MAX_ANSWER} bytes")
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the application did not answer in time")
+            self.sock.settimeout(left)
+            data = self.sock.recv(min(4096, MAX_ANSWER + 1 - len(buf)))
             if not data:
                 raise OSError("the application closed its gpucr channel")
             buf += data
-        return json.loads(buf.split(b"\n", 1)[0])
+        line = buf.split(b"\n", 1)[0]
+        if len(line) > MAX_ANSWER:
+            raise ValueError(f"the application's answer is longer than {MAX_ANSWER} bytes")
+        reply = json.loads(line)
+        if not isinstance(reply, dict):
+            raise ValueError("the application's answer is not a JSON object")
+        return reply
 
     def close(self) -> None:
         self.sock.close()

@@ -3,12 +3,73 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, NoReturn
 
-from . import coordinator, gpus, paths
+from . import __version__, coordinator, gpus, paths
 from .errors import GpucrError
+
+# The agent's limits for the settings `gpucr run` passes on (native/agent/settings.def; tests/test_settings.py
+# holds the two to each other).
+BOUNCE_MIB_MIN, BOUNCE_MIB_MAX = 4, 16384
+GROUP_MAX_BYTES = 127
+STAGING_KINDS = ("auto", "hugetlbfs", "shm")
+# Settings of the controller, read from its own environment: checked before anything runs.
+CONTROLLER_FLAGS = ("GPUCR_UNPIN_FOR_DRIVER",)
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with gpucr's one-line errors, `gpucr: error: ...` (its default prints the usage block first)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"gpucr: error: {message}; see '{self.prog} --help'\n")
+
+
+def _staging_kind(v: str) -> str:
+    """--staging: auto, hugetlbfs, shm or file:DIR with DIR an existing directory (made absolute)."""
+    if v in STAGING_KINDS:
+        return v
+    if v.startswith("file:") and len(v) > 5:
+        d = os.path.abspath(v[5:])
+        if not os.path.isdir(d):
+            raise argparse.ArgumentTypeError(f"'{v}': {d} is not a directory")
+        return f"file:{d}"
+    raise argparse.ArgumentTypeError(f"'{v}' is not one of {', '.join(STAGING_KINDS)} or file:DIR")
+
+
+def _bounce_mib(v: str) -> int:
+    """--bounce: 0 (no ring) or the ring's most in MiB."""
+    if v.isdigit() and (int(v) == 0 or BOUNCE_MIB_MIN <= int(v) <= BOUNCE_MIB_MAX):
+        return int(v)
+    raise argparse.ArgumentTypeError(f"'{v}' is not 0 (no ring, all of staging pinned) or a size in MiB from "
+                                     f"{BOUNCE_MIB_MIN} to {BOUNCE_MIB_MAX}")
+
+
+def _group_name(v: str) -> str:
+    """--group: what the agent keeps whole (it refuses a longer name rather than cut it)."""
+    n = len(v.encode())
+    if not v or n > GROUP_MAX_BYTES:
+        raise argparse.ArgumentTypeError(f"a group name is 1 to {GROUP_MAX_BYTES} bytes, not {n}")
+    return v
+
+
+def _seconds(v: str) -> float:
+    try:
+        t = float(v)
+    except ValueError:
+        t = math.nan
+    if not (math.isfinite(t) and t > 0):
+        raise argparse.ArgumentTypeError(f"the timeout must be a positive number of seconds, not '{v}'")
+    return t
+
+
+def _check_controller_env(env: dict[str, str]) -> None:
+    """The controller's own settings, as strictly as the agent's: 0 or 1, or unset."""
+    for name in CONTROLLER_FLAGS:
+        if env.get(name, "") not in ("", "0", "1"):
+            raise GpucrError(f"{name}={env[name]} is not valid: use 0 or 1 (or leave it unset)")
 
 
 def _mib(n: int | None) -> str:
@@ -35,9 +96,6 @@ def cmd_run(a: argparse.Namespace) -> int:
     if a.staging_policy:
         env["GPUCR_STAGING_POLICY"] = a.staging_policy
     if a.bounce is not None:
-        if a.bounce != 0 and a.bounce < 128:
-            raise GpucrError("--bounce takes the ring's size in MiB: 0 (no ring, staging pinned) or at least 128 "
-                             "(two 64 MiB slots)")
         env["GPUCR_BOUNCE_MIB"] = str(a.bounce)
     if a.group:
         env["GPUCR_GROUP"] = a.group
@@ -217,21 +275,23 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="gpucr", description="Checkpoint and restore the GPU state of running CUDA processes.")
+    p = _Parser(prog="gpucr", description="Checkpoint and restore the GPU state of running CUDA processes.")
+    p.add_argument("--version", action="version", version=f"gpucr {__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="run a command under gpucr's agent")
     r.add_argument("--simulate", action="store_true", help="use simcuda, the simulated driver (test double), instead of a GPU")
-    r.add_argument("--staging", metavar="KIND", help="host staging: auto (hugetlbfs when hugepages are free, else "
-                   "shared memory; the default), hugetlbfs, shm, or file:DIR")
+    r.add_argument("--staging", metavar="KIND", type=_staging_kind, help="host staging: auto (hugetlbfs when hugepages "
+                   "are free, else shared memory; the default), hugetlbfs, shm, or file:DIR (an existing directory)")
     r.add_argument("--staging-ahead", action="store_true",
-                   help="prepare and pin staging in the background as allocations grow, so a checkpoint finds it ready")
+                   help="prepare staging in the background as allocations grow, so a checkpoint finds it ready")
     r.add_argument("--staging-policy", choices=("keep", "drop"),
-                   help="after a restore, keep staging pinned for the next cycle (default) or give it back")
-    r.add_argument("--bounce", type=int, metavar="MIB", help="the pinned ring that copies go through, staging left "
-                   "unpinned (default 1024 MiB, less for a small process); 0: no ring, all of staging pinned instead")
-    r.add_argument("--group", metavar="NAME", help="make the process a member of a group, checkpointed and restored together "
-                   "with 'gpucr checkpoint --group NAME'")
+                   help="after a restore, keep staging for the next cycle (default) or give it back")
+    r.add_argument("--bounce", type=_bounce_mib, metavar="MIB", help="the most the pinned ring that copies go through "
+                   f"may take (staging stays unpinned; default 1024, sized to the data up to it; {BOUNCE_MIB_MIN} to "
+                   f"{BOUNCE_MIB_MAX}); 0: no ring, all of staging pinned instead")
+    r.add_argument("--group", metavar="NAME", type=_group_name, help="make the process a member of a group, checkpointed "
+                   f"and restored together with 'gpucr checkpoint --group NAME' (up to {GROUP_MAX_BYTES} bytes)")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     r.set_defaults(fn=cmd_run)
 
@@ -239,23 +299,25 @@ def _parser() -> argparse.ArgumentParser:
     lb.add_argument("--simcuda", action="store_true", help="print the simulated driver's path instead")
     lb.set_defaults(fn=cmd_lib)
 
-    def pid_cmd(name: str, fn: Callable, help_: str, level: bool) -> None:
+    def pid_cmd(name: str, fn: Callable, help_: str, level: bool, image_help: str) -> None:
         c = sub.add_parser(name, help=help_)
         c.add_argument("pids", type=int, nargs="*", metavar="PID")
-        c.add_argument("--group", metavar="NAME", help="every process started with 'gpucr run --group NAME'")
+        c.add_argument("--group", metavar="NAME", type=_group_name, help="every process started with 'gpucr run --group NAME'")
         if level:
             c.add_argument("--level", choices=coordinator.LEVELS, default="full",
                            help="full: data and driver control state (GPU memory to the driver's floor); "
                                 "data: data only, the CUDA context stays (faster both ways)")
-        c.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+        c.add_argument("--timeout", type=_seconds, default=30.0, metavar="SECONDS",
                        help="deadline for draining calls in flight and each driver step (default 30)")
         c.add_argument("--json", action="store_true", help="machine-readable output")
-        c.add_argument("--image", metavar="DIR", help="checkpoint: also write the data to DIR and free the host staging; "
-                       "restore: read the data back from DIR (checked against its manifest)")
+        c.add_argument("--image", metavar="DIR", help=image_help)
         c.set_defaults(fn=fn)
 
-    pid_cmd("checkpoint", cmd_checkpoint, "save a process's GPU memory and give the GPU back", True)
-    pid_cmd("restore", cmd_restore, "put a checkpointed process's GPU memory back and let it run", False)
+    pid_cmd("checkpoint", cmd_checkpoint, "save a process's GPU memory and give the GPU back", True,
+            "also write the data to DIR (one DIR/PID per process when several are named), then free the host staging")
+    pid_cmd("restore", cmd_restore, "put a checkpointed process's GPU memory back and let it run", False,
+            "read the data back from the image in DIR, once its manifest's checks pass (same process, generation "
+            "and GPU model, every chunk's digest)")
     sub.choices["restore"].add_argument("--drop-staging", action="store_true",
                                         help="give the host staging back after the restore (default: keep it for the next cycle)")
     sub.choices["restore"].add_argument("--map", action="append", metavar="OLD_UUID=NEW_UUID",
@@ -296,6 +358,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
+        _check_controller_env(dict(os.environ))
         return args.fn(args)
     except GpucrError as exc:
         print(f"gpucr: error: {exc}", file=sys.stderr)
