@@ -69,3 +69,64 @@ def test_sharing_process_alone_is_refused(pair):
     with pytest.raises(gpucr.GpucrError, match="not in this checkpoint"):
         gpucr.checkpoint(exp.pid)
     assert gpucr.status(exp.pid)["state"] == gpucr.status(imp.pid)["state"] == "running"
+
+
+def test_two_processes_sharing_several_buffers_both_ways(sim_app):
+    """As two NCCL ranks do: each exports several buffers and imports the other's, closing every fd
+    once imported. On the real driver every exported fd looks the same to fstat (one inode of
+    /dev/nvidiactl), and simcuda's exports do too: the buffers are told apart by the open file
+    description each agent kept, and every importer relinks the right buffer at its old address."""
+    idle = used()
+    env = dict(os.environ, GPUCR_GROUP="ranks")
+    a, b = sim_app("--sizes", "8M", env=env), sim_app("--sizes", "4M", env=env)
+    for exp, imp in ((a, b), (b, a)):
+        for mib in (4, 6, 8):
+            fd = exp.ask(f"share {mib}")["fd"]
+            imp.ask(f"import pidfd:{exp.pid}:{fd} {mib}")
+            exp.ask(f"close-fd {fd}")
+    # a's buffers 0-2 are its exports, b's 0-2 its imports of them; b's 3-5 its exports, a's 3-5 its imports
+    pairs = [(a, i, b, i) for i in range(3)] + [(b, 3 + i, a, 3 + i) for i in range(3)]
+    for k, (exp, i, imp, j) in enumerate(pairs):
+        exp.ask(f"write-shared {100 + k} {i}")
+        assert imp.ask(f"read-shared {j}")["sha256"] == exp.ask(f"read-shared {i}")["sha256"]
+    vas = [(exp.ask(f"read-shared {i}")["va"], imp.ask(f"read-shared {j}")["va"]) for exp, i, imp, j in pairs]
+    digests = [a.ask("digest"), b.ask("digest")]
+
+    for level in ("full", "data", "full"):
+        res = checkpoint_many([a.pid, b.pid], level=level)
+        assert all(r["warnings"] == [] for r in res), res
+        if level == "full":
+            assert used() == idle, "every buffer is given back: no fd keeps one on the GPU"
+        restore_many([a.pid, b.pid])
+        assert [a.ask("digest"), b.ask("digest")] == digests
+        for k, (exp, i, imp, j) in enumerate(pairs):
+            assert (exp.ask(f"read-shared {i}")["va"], imp.ask(f"read-shared {j}")["va"]) == vas[k]
+            imp.ask(f"write-shared {200 + k} {j}")   # still one buffer, and the right one
+            assert exp.ask(f"read-shared {i}")["sha256"] == imp.ask(f"read-shared {j}")["sha256"], (level, k)
+        digests = [a.ask("digest"), b.ask("digest")]
+
+
+def test_unreachable_process_on_the_same_gpu_refuses_a_sharing_checkpoint(pair, sim_app):
+    """Only processes on the same GPU are asked, and one that cannot answer refuses the checkpoint
+    of processes that share memory (it could be importing it): fail closed, naming it, at once.
+    A checkpoint that shares nothing asks no one."""
+    import signal
+    import time
+    exp, imp, _ = pair
+    other = sim_app("--sizes", "4M")
+    lone = sim_app("--sizes", "4M")
+    os.kill(other.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(gpucr.GpucrError, match=f"process {other.pid} .*stopped"):
+            checkpoint_many([exp.pid, imp.pid])
+        assert time.monotonic() - t0 < 3
+        assert gpucr.status(exp.pid)["state"] == gpucr.status(imp.pid)["state"] == "running"
+        t0 = time.monotonic()
+        gpucr.checkpoint(lone.pid)
+        assert time.monotonic() - t0 < 3, "a checkpoint sharing nothing does not wait for the stopped process"
+        gpucr.restore(lone.pid)
+    finally:
+        os.kill(other.pid, signal.SIGCONT)
+    checkpoint_many([exp.pid, imp.pid])
+    restore_many([exp.pid, imp.pid])

@@ -5,13 +5,14 @@
  * recorded so the data plane can move that memory too. */
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include "registry.h"
 
 static size_t g_min_vmm = (size_t)-1;   /* set at first use */
 static int g_convert = -1;
 
 static size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+enum { HANDLE_POSIX_FD = 1, HANDLE_FABRIC = 8 };   /* CUmemAllocationHandleType */
 
 static void read_settings(void)
 {
@@ -295,11 +296,9 @@ GPUCR_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandl
         struct phys *p = reg_phys_new(PHYS_IMPORTED, *h, 0, NULL, ctx);
         if (p) {
             *h = p->app_handle;
-            struct stat st;
-            if (type == 1 /* POSIX fd */ && fstat((int)(intptr_t)shareable, &st) == 0) {
-                p->share_dev = st.st_dev;
-                p->share_ino = st.st_ino;
-            }
+            if (type == HANDLE_POSIX_FD) share_keep_fd(p, (int)(intptr_t)shareable);
+            else p->share_unknown = true;
+            if (type == HANDLE_FABRIC) g_reg.fabric_shares++;
         }
         reg_unlock();
     }
@@ -409,8 +408,13 @@ GPUCR_EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAlloca
     CUresult rc = REAL(cuMemExportToShareableHandle)(out, to_real(h, &p), type, flags);
     if (rc == CUDA_SUCCESS && p) {
         p->exported = true;
-        struct stat st;
-        if (type == 1 /* POSIX fd */ && fstat(*(int *)out, &st) == 0) { p->share_dev = st.st_dev; p->share_ino = st.st_ino; }
+        if (type == HANDLE_POSIX_FD) {
+            if (!p->share_key) p->share_key = share_new_key();
+            share_keep_fd(p, *(int *)out);
+        } else {
+            p->share_unknown = true;
+        }
+        if (type == HANDLE_FABRIC) g_reg.fabric_shares++;
     }
     reg_unlock();
     return rc;
@@ -424,4 +428,17 @@ GPUCR_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp
     CUmemGenericAllocationHandle real = to_real(h, NULL);
     reg_unlock();
     return REAL(cuMemGetAllocationPropertiesFromHandle)(prop, real);
+}
+
+/* Multicast objects (NCCL's NVLS) bind memory of several GPUs into one address: neither the driver's
+ * checkpoint nor gpucr covers them, so the process is refused before it is touched. */
+GPUCR_EXPORT CUresult cuMulticastCreate(CUmemGenericAllocationHandle *h, const void *prop)
+{
+    gpucr_init();
+    if (!REAL(cuMulticastCreate)) return CUDA_ERROR_NOT_SUPPORTED;
+    gpucr_gate_enter();
+    CUresult rc = REAL(cuMulticastCreate)(h, prop);
+    if (rc == CUDA_SUCCESS) { reg_lock(); g_reg.multicast_objects++; reg_unlock(); }
+    gpucr_gate_leave();
+    return rc;
 }

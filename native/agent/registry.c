@@ -115,6 +115,7 @@ void reg_set_real(struct phys *p, CUmemGenericAllocationHandle real)
 
 void reg_phys_free(struct phys *p)
 {
+    share_close_fds(p);   /* an open fd would keep the memory on the GPU */
     while (p->maps) reg_map_remove(p->maps);
     reg_set_real(p, 0);
     if (p->app_handle) hmap_del(&g_reg.by_app_handle, p->app_handle);
@@ -205,12 +206,17 @@ bool reg_phys_movable(const struct phys *p)
 void reg_reset_after_fork(void)
 {
     pthread_mutex_init(&g_mu, NULL);
+    /* the child's copies of the agent's fds of shared memory would keep the parent's GPU memory
+     * alive (a DataLoader worker pinning VRAM while its parent is parked): close them (close is
+     * async-signal-safe) */
+    for (struct phys *p = g_reg.all; p; p = p->next_all) share_close_fds(p);
     g_reg.all = NULL;   /* the parent's records are leaked in the child on purpose: never freed twice */
     struct hmap *maps[] = {&g_reg.by_app_handle, &g_reg.by_real_handle, &g_reg.conv_by_va, &g_reg.map_by_va,
                            &g_reg.native_by_va, &g_reg.pool_by_va, &g_reg.managed_by_va};
     for (size_t i = 0; i < sizeof maps / sizeof maps[0]; i++) memset(maps[i], 0, sizeof *maps[i]);
     g_reg.native_bytes = g_reg.pool_bytes = g_reg.managed_bytes = 0;
     g_reg.native_count = g_reg.pool_count = g_reg.managed_count = g_reg.ipc_exports = 0;
+    g_reg.multicast_objects = g_reg.fabric_shares = 0;
     g_reg.nctx = 0;
     g_reg.npeers = 0;
 }

@@ -7,6 +7,7 @@
 #include "hmap.h"
 
 #define MAX_ACCESS 16   /* one descriptor per device (and the host) that may touch a mapping */
+#define SHARE_MAX_DUPS 16   /* exports or imports of one allocation told apart for a checkpoint */
 
 struct mapping {
     CUdeviceptr va;
@@ -30,7 +31,15 @@ struct phys {
     CUcontext ctx;
     int app_refs;               /* references the application holds on the handle */
     bool exported;              /* shared as a POSIX fd (cuMemExportToShareableHandle) */
-    unsigned long long share_dev, share_ino;   /* names the shared memory across processes (fstat of its fd) */
+    /* Shared memory (share.c): the key names it across processes (the exporter makes it; an
+     * importer is given its exporter's by a controller, 0 until then); sid names it in this
+     * process; the dups are the agent's own duplicates of the fds exported or imported. */
+    uint64_t share_key;
+    unsigned share_sid;
+    int share_dups[SHARE_MAX_DUPS];
+    int share_ndups;
+    int share_open_at_release;  /* the application's fds of it still open when it was released */
+    bool share_unknown;         /* shared in a way the agent cannot name (a handle type other than a POSIX fd) */
     struct mapping *maps;
     CUdeviceptr resv_va;        /* PHYS_CONVERTED: the VA reservation the agent owns */
     size_t resv_size, user_size;
@@ -48,6 +57,8 @@ struct registry {
     struct hmap native_by_va, pool_by_va, managed_by_va;   /* values: reg_native_value(size, device) */
     size_t native_bytes, pool_bytes, managed_bytes;
     long native_count, pool_count, managed_count, ipc_exports;
+    long multicast_objects;     /* cuMulticastCreate (NCCL's NVLS): no checkpoint covers them */
+    long fabric_shares;         /* memory exported or imported as a fabric handle */
     CUcontext ctxs[16];
     int ctx_dev[16];                    /* the device ordinal of each context, and its UUID */
     unsigned char ctx_uuid[16][16];
@@ -93,4 +104,16 @@ CUresult alloc_free_converted(struct phys *p);
 /* Whether the data plane moves this allocation itself (else the driver's checkpoint does). */
 bool reg_phys_movable(const struct phys *p);
 void reg_reset_after_fork(void);
+
+/* ---- memory shared with other processes (share.c); registry locked ---- */
+/* Whether two fds of this process are one open file description (kcmp, else F_SETSIG). */
+bool share_same_file(int a, int b);
+uint64_t share_new_key(void);
+/* Keep a duplicate of an fd exported or imported for p (and give p its sid). */
+void share_keep_fd(struct phys *p, int fd);
+void share_close_fds(struct phys *p);
+/* How many of the application's open fds are p's memory (they keep it on the GPU). */
+int share_open_fds(const struct phys *p);
+/* p's memory is being released: count the application's fds of it, then close the agent's own. */
+void share_release(struct phys *p);
 #endif

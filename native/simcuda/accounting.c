@@ -160,6 +160,40 @@ static void acct_atexit(void)
         unlink(usage.mem_path);
 }
 
+/* Stand-ins for the driver's device files, opened as the real driver opens them: <rundir>/nvidiactl
+ * once at cuInit (and anew for every export, see sim_vmm_export_fd), <rundir>/nvidia<N> for each
+ * physical GPU the process charges memory to (as /dev/nvidia<N>), kept open for the process's life.
+ * A controller finds the processes on a GPU by who holds its node open. */
+static int node_fd[SIM_MAX_DEVICES] = {[0 ... SIM_MAX_DEVICES - 1] = -1};
+static int ctl_fd = -1;
+
+int sim_acct_open_ctl(void)
+{
+    char path[PATH_MAX + 16];
+    snprintf(path, sizeof(path), "%s/nvidiactl", usage.dir);
+    return open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+}
+
+static void open_node_locked(int phys)
+{
+    if (node_fd[phys] >= 0)
+        return;
+    char path[PATH_MAX + 16];
+    snprintf(path, sizeof(path), "%s/nvidia%d", usage.dir, phys);
+    node_fd[phys] = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+}
+
+SIMAPI CUresult simcudaDeviceNode(int phys, char *buf, size_t len)
+{
+    char dir[PATH_MAX];
+    if (phys < 0 || phys >= SIM_MAX_DEVICES || !buf)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = sim_rundir(dir, sizeof(dir));
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    return (size_t)snprintf(buf, len, "%s/nvidia%d", dir, phys) < len ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
+}
+
 CUresult sim_acct_init(void)
 {
     CUresult rc = sim_rundir(usage.dir, sizeof(usage.dir));
@@ -176,6 +210,7 @@ CUresult sim_acct_init(void)
     }
     for (int d = 0; d < SIM_MAX_DEVICES; d++)
         usage.phys[d] = d;
+    ctl_fd = sim_acct_open_ctl();   /* the driver's own control fd, as /dev/nvidiactl */
     atexit(acct_atexit);
     return CUDA_SUCCESS;
 }
@@ -198,8 +233,11 @@ static CUresult charge(const size_t bytes[SIM_MAX_DEVICES])
             rc = CUDA_ERROR_OUT_OF_MEMORY;
     }
     if (rc == CUDA_SUCCESS) {
-        for (int d = 0; d < sim_cfg.ndevices; d++)
+        for (int d = 0; d < sim_cfg.ndevices; d++) {
             usage.used[usage.phys[d]] += bytes[d];
+            if (bytes[d])
+                open_node_locked(usage.phys[d]);
+        }
         publish_locked();
     }
     flock(usage.lock_fd, LOCK_UN);

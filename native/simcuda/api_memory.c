@@ -286,8 +286,8 @@ static CUresult mem_create(CUmemGenericAllocationHandle *handle, size_t size, co
         return CUDA_ERROR_INVALID_VALUE;
     if ((rc = check_prop(prop)) != CUDA_SUCCESS)
         return rc;
-    if (prop->requestedHandleTypes & ~CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
-        return CUDA_ERROR_NOT_SUPPORTED; /* win32 and fabric handles */
+    if (prop->requestedHandleTypes & ~(CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR | CU_MEM_HANDLE_TYPE_FABRIC))
+        return CUDA_ERROR_NOT_SUPPORTED; /* win32 handles */
     return sim_vmm_create(handle, size, prop);
 }
 SIMAPI CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
@@ -414,6 +414,8 @@ static CUresult mem_export(void *shareable, CUmemGenericAllocationHandle handle,
         return rc;
     if (!shareable || flags != 0)
         return CUDA_ERROR_INVALID_VALUE;
+    if (type == CU_MEM_HANDLE_TYPE_FABRIC)
+        return sim_vmm_export_fabric(shareable, handle);
     if (type != CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)
         return CUDA_ERROR_NOT_SUPPORTED;
     return sim_vmm_export_fd((int *)shareable, handle);
@@ -422,6 +424,25 @@ SIMAPI CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGeneric
                                              CUmemAllocationHandleType handleType, unsigned long long flags)
 {
     SIM_GATED(mem_export(shareableHandle, handle, handleType, flags));
+}
+
+/* Multicast objects are only created, never bound or mapped: enough for a client to see that a
+ * process made one (NCCL's NVLS does), which no checkpoint covers. */
+static CUresult multicast_create(CUmemGenericAllocationHandle *h, const CUmulticastObjectProp *prop)
+{
+    static unsigned long long next = 1ULL << 62;
+    struct sim_ctx *c;
+    CUresult rc = sim_ctx_current(&c);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    if (!h || !prop || prop->numDevices == 0 || prop->size == 0 || !granule_aligned(prop->size) || prop->flags)
+        return CUDA_ERROR_INVALID_VALUE;
+    *h = __atomic_add_fetch(&next, 1, __ATOMIC_RELAXED);
+    return CUDA_SUCCESS;
+}
+SIMAPI CUresult cuMulticastCreate(CUmemGenericAllocationHandle *mcHandle, const CUmulticastObjectProp *prop)
+{
+    SIM_GATED(multicast_create(mcHandle, prop));
 }
 
 static CUresult mem_import(CUmemGenericAllocationHandle *handle, void *os_handle, CUmemAllocationHandleType type)

@@ -704,17 +704,68 @@ CUresult sim_vmm_get_prop(CUmemAllocationProp *prop, CUmemGenericAllocationHandl
     return ph ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }
 
+/* As on the driver, an exported fd is a new open of the control file (<rundir>/nvidiactl, as
+ * /dev/nvidiactl): every export, of any allocation and in any process, has the same st_dev/st_ino,
+ * so fstat cannot tell two apart (measured on the H200: reference/fdident_probe.py). What it names
+ * rides in the open file description itself, which SCM_RIGHTS and dup share: its file offset holds
+ * the exporter's pid and the fd number of its memfd. Unlike the driver, the export does not keep
+ * the memory alive by itself: an import must happen while the exporter still holds it. */
+#define EXPORT_FD_BITS 18
+
 CUresult sim_vmm_export_fd(int *fd, CUmemGenericAllocationHandle h)
 {
     sim_mem_rdlock();
     struct sim_phys *ph = phys_by_handle(h);
     CUresult rc = CUDA_ERROR_INVALID_VALUE;
-    if (ph && (ph->prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR)) {
-        *fd = fcntl(ph->fd, F_DUPFD_CLOEXEC, 0);
-        rc = *fd >= 0 ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    if (ph && (ph->prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) && ph->fd >= 0 &&
+        ph->fd < (1 << EXPORT_FD_BITS)) {
+        int ctl = sim_acct_open_ctl();
+        off_t where = (off_t)getpid() << EXPORT_FD_BITS | ph->fd;
+        if (ctl >= 0 && lseek(ctl, where, SEEK_SET) == where) {
+            *fd = ctl;
+            rc = CUDA_SUCCESS;
+        } else {
+            if (ctl >= 0)
+                close(ctl);
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+        }
     }
     sim_mem_unlock();
     return rc;
+}
+
+/* A fabric handle (64 bytes) names the memory across nodes; simcuda exports one so a client sees the
+ * export happen, but nothing can import it (there is no second node). */
+CUresult sim_vmm_export_fabric(void *out, CUmemGenericAllocationHandle h)
+{
+    sim_mem_rdlock();
+    struct sim_phys *ph = phys_by_handle(h);
+    CUresult rc = CUDA_ERROR_INVALID_VALUE;
+    if (ph && (ph->prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_FABRIC)) {
+        memset(out, 0, 64);
+        snprintf(out, 64, "simcuda-fabric:%ld:%llu", (long)getpid(), (unsigned long long)h);
+        rc = CUDA_SUCCESS;
+    }
+    sim_mem_unlock();
+    return rc;
+}
+
+/* The exporter's memfd that an exported fd names, opened anew here (-1: not an export, or gone). */
+static int open_exported_memfd(int fd)
+{
+    struct stat st, ctl;
+    int probe = sim_acct_open_ctl();
+    bool is_ctl = probe >= 0 && fstat(probe, &ctl) == 0 && fstat(fd, &st) == 0 && st.st_dev == ctl.st_dev &&
+                  st.st_ino == ctl.st_ino;
+    if (probe >= 0)
+        close(probe);
+    off_t where = is_ctl ? lseek(fd, 0, SEEK_CUR) : -1;
+    if (where <= 0)
+        return -1;
+    char path[64];
+    snprintf(path, sizeof(path), "/proc/%ld/fd/%ld", (long)(where >> EXPORT_FD_BITS),
+             (long)(where & ((1 << EXPORT_FD_BITS) - 1)));
+    return open(path, O_RDWR | O_CLOEXEC);
 }
 
 CUresult sim_vmm_import_fd(CUmemGenericAllocationHandle *h, int fd)
@@ -724,19 +775,25 @@ CUresult sim_vmm_import_fd(CUmemGenericAllocationHandle *h, int fd)
     char link[64], target[128];
     struct stat st;
     int dev;
-    snprintf(link, sizeof(link), "/proc/self/fd/%d", fd);
-    ssize_t n = readlink(link, target, sizeof(target) - 1);
-    if (n < 0 || fstat(fd, &st) != 0)
+    int own = open_exported_memfd(fd);
+    if (own < 0)
         return CUDA_ERROR_INVALID_VALUE;
+    snprintf(link, sizeof(link), "/proc/self/fd/%d", own);
+    ssize_t n = readlink(link, target, sizeof(target) - 1);
+    if (n < 0 || fstat(own, &st) != 0) {
+        close(own);
+        return CUDA_ERROR_INVALID_VALUE;
+    }
     target[n] = '\0';
     if (sscanf(target, "/memfd:simcuda:dev=%d", &dev) != 1 || (dev = sim_acct_ordinal(dev)) < 0 ||
-        st.st_size <= 0 || st.st_size % SIM_GRANULE != 0)
+        st.st_size <= 0 || st.st_size % SIM_GRANULE != 0) {
+        close(own);
         return CUDA_ERROR_INVALID_VALUE;
+    }
 
     struct sim_phys *ph = calloc(1, sizeof(*ph));
-    int own = ph ? fcntl(fd, F_DUPFD_CLOEXEC, 0) : -1;
-    if (own < 0) {
-        free(ph);
+    if (!ph) {
+        close(own);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,

@@ -102,6 +102,7 @@ static const struct proc_entry table[] = {
     E("cuMemRetainAllocationHandle", 11000, cuMemRetainAllocationHandle),
     E("cuMemGetAllocationPropertiesFromHandle", 10020, cuMemGetAllocationPropertiesFromHandle),
     E("cuMemExportToShareableHandle", 10020, cuMemExportToShareableHandle),
+    E("cuMulticastCreate", 12010, cuMulticastCreate),
     E("cuMemImportFromShareableHandle", 10020, cuMemImportFromShareableHandle),
 
     ABSENT("cuMemAllocHost", 2000),

@@ -81,6 +81,8 @@ CUresult sim_rundir(char *buf, size_t len);
 /* Builds "<rundir>/<pid><suffix>". */
 CUresult sim_rundir_path(char *buf, size_t len, pid_t pid, const char *suffix);
 CUresult sim_acct_init(void);
+/* A new open of <rundir>/nvidiactl: what the driver hands out for each export (-1 on failure). */
+int sim_acct_open_ctl(void);
 /* Device arguments are this process's ordinals; usage is published per physical device
  * (the GPU an ordinal stands for, which a restore with GPU pairs can change). */
 /* Charges bytes to this process on dev; CUDA_ERROR_OUT_OF_MEMORY if the device lacks room. */
@@ -174,6 +176,7 @@ CUresult sim_vmm_get_access(CUdeviceptr va, int dev, int *flags);
 CUresult sim_vmm_retain(CUmemGenericAllocationHandle *h, CUdeviceptr va);
 CUresult sim_vmm_get_prop(CUmemAllocationProp *prop, CUmemGenericAllocationHandle h);
 CUresult sim_vmm_export_fd(int *fd, CUmemGenericAllocationHandle h);
+CUresult sim_vmm_export_fabric(void *out, CUmemGenericAllocationHandle h);
 CUresult sim_vmm_import_fd(CUmemGenericAllocationHandle *h, int fd);
 
 CUresult sim_alloc(CUdeviceptr *va, size_t size, enum sim_alloc_kind kind, struct sim_ctx *ctx);

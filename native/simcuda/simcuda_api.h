@@ -140,6 +140,7 @@ enum {
     CU_MEM_LOCATION_TYPE_DEVICE = 1,
     CU_MEM_HANDLE_TYPE_NONE = 0,
     CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR = 1,
+    CU_MEM_HANDLE_TYPE_FABRIC = 8,
     CU_MEM_ACCESS_FLAGS_PROT_NONE = 0,
     CU_MEM_ACCESS_FLAGS_PROT_READ = 1,
     CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
@@ -305,6 +306,13 @@ SIMAPI CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop
                                                        CUmemGenericAllocationHandle handle);
 SIMAPI CUresult cuMemExportToShareableHandle(void *shareableHandle, CUmemGenericAllocationHandle handle,
                                              CUmemAllocationHandleType handleType, unsigned long long flags);
+typedef struct {
+    unsigned int numDevices;
+    size_t size;
+    unsigned long long handleTypes;
+    unsigned long long flags;
+} CUmulticastObjectProp;
+SIMAPI CUresult cuMulticastCreate(CUmemGenericAllocationHandle *mcHandle, const CUmulticastObjectProp *prop);
 SIMAPI CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
                                                CUmemAllocationHandleType shHandleType);
 
@@ -400,6 +408,8 @@ SIMAPI CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid);
 /* simcuda's own extensions (not CUDA): identify the test double, read usage like nvidia-smi */
 SIMAPI int simcudaIsSimulated(void);
 SIMAPI CUresult simcudaDeviceMemUsed(int device, size_t *used, size_t *total);
+/* The path standing in for /dev/nvidia<phys> (simcuda's device node); processes on that GPU hold it open. */
+SIMAPI CUresult simcudaDeviceNode(int phys, char *buf, size_t len);
 SIMAPI CUresult simcudaProcessMemUsed(int pid, size_t *used);
 
 #endif /* SIMCUDA_API_H */

@@ -118,14 +118,18 @@ def _image_dir(base: str, pid: int, count: int) -> str:
 
 
 def _targets(a: argparse.Namespace) -> list[int]:
-    """The processes named on the command line, or the members of --group."""
-    if a.group:
-        pids = [st["pid"] for st in coordinator.ps() if st.get("group") == a.group]
-        if not pids:
-            raise GpucrError(f"no process of group '{a.group}' is running under gpucr; see 'gpucr ps'")
-        return sorted(set(pids) | set(a.pids))
+    """The processes named on the command line, or those of --group or --tree that hold GPU state
+    (the others, a launcher or a helper that never touched CUDA, are left alone and listed)."""
+    from . import jobs
+    if a.group and a.tree:
+        raise GpucrError("give either --group or --tree, not both")
+    if a.group or a.tree:
+        job = jobs.of_group(a.group) if a.group else jobs.of_tree(a.tree)
+        for x in job.left_out:
+            print(f"gpucr: note: {x.line()}", file=sys.stderr)
+        return sorted(set(job.pids) | set(a.pids))
     if not a.pids:
-        raise GpucrError("name the processes (PID ...) or a group (--group NAME)")
+        raise GpucrError("name the processes (PID ...), a group (--group NAME) or a launcher (--tree PID)")
     return a.pids
 
 
@@ -269,6 +273,18 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_recover(a: argparse.Namespace) -> int:
+    from . import recover
+    stuck = recover.find() if a.list else recover.recover(timeout=a.timeout)
+    if a.json:
+        _print_json([vars(s) for s in stuck])
+    elif not stuck:
+        print("no stuck process: nothing is locked, checkpointed or parked without a controller")
+    for s in ([] if a.json else stuck):
+        print(f"process {s.pid} ({s.cmd[:60]}): {s.how}" + (f"; {s.outcome}" if s.outcome else ""))
+    return 0 if a.list or all(s.ok for s in stuck) else 1
+
+
 def cmd_doctor(a: argparse.Namespace) -> int:
     from . import doctor
     return doctor.main(as_json=a.json)
@@ -302,7 +318,10 @@ def _parser() -> argparse.ArgumentParser:
     def pid_cmd(name: str, fn: Callable, help_: str, level: bool, image_help: str) -> None:
         c = sub.add_parser(name, help=help_)
         c.add_argument("pids", type=int, nargs="*", metavar="PID")
-        c.add_argument("--group", metavar="NAME", type=_group_name, help="every process started with 'gpucr run --group NAME'")
+        c.add_argument("--group", metavar="NAME", type=_group_name,
+                       help="the processes started with 'gpucr run --group NAME' that hold GPU state (others are listed)")
+        c.add_argument("--tree", metavar="PID", type=int, help="the processes of the tree under PID (a launcher such as "
+                       "torchrun, a shell script) that hold GPU state under gpucr; the others are left alone and listed")
         if level:
             c.add_argument("--level", choices=coordinator.LEVELS, default="full",
                            help="full: data and driver control state (GPU memory to the driver's floor); "
@@ -324,6 +343,13 @@ def _parser() -> argparse.ArgumentParser:
                                         help="restore onto other GPUs: the driver re-creates OLD's state on NEW (repeatable)")
     sub.choices["restore"].add_argument("--force", action="store_true",
                                         help="restore even if the manifest lists state it does not cover")
+
+    rc = sub.add_parser("recover", help="bring back every process of yours (everyone's, for root) left locked, "
+                        "checkpointed or parked with no controller at work on it")
+    rc.add_argument("--list", action="store_true", help="only list them")
+    rc.add_argument("--timeout", type=_seconds, default=60.0, metavar="SECONDS", help="deadline for each step (default 60)")
+    rc.add_argument("--json", action="store_true", help="machine-readable output")
+    rc.set_defaults(fn=cmd_recover)
 
     ins = sub.add_parser("inspect", help="print a checkpoint image's manifest (its certificate)")
     ins.add_argument("dir", metavar="DIR")

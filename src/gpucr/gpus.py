@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .driver import Driver, GpuMemory, device_count, device_info, gpu_memory, nvml_gpu_list, uuid_text
+from .driver import (Driver, GpuMemory, device_count, device_info, gpu_memory, nvml_device_node, nvml_gpu_list,
+                     simulated_device_node, uuid_text)
 from .errors import GpucrError
 
 
@@ -122,6 +123,18 @@ def moves_for(pid: int, used: list[dict[str, Any]], gpu_map: dict[str, str], mac
         targets[new] = d["uuid"]
         moves[d["uuid"]] = new
     return moves
+
+
+def device_nodes(drv: Driver, uuids: set[str]) -> set[str]:
+    """The device files of these GPUs (/dev/nvidiaN; simcuda's stand-ins when simulated): every
+    process with a CUDA context on a GPU holds its node open."""
+    out = set()
+    for g in machine_gpus(drv):
+        if g.uuid in uuids:
+            node = simulated_device_node(drv, g.ordinal) if drv.simulated else nvml_device_node(g.uuid)
+            if node:
+                out.add(node)
+    return out
 
 
 def memory_of(drv: Driver, uuid: str, machine: list[Gpu]) -> GpuMemory | None:

@@ -73,6 +73,13 @@ cuMemAllocManaged = _sig("cuMemAllocManaged", ctypes.POINTER(u64), sz, ctypes.c_
 cuIpcGetMemHandle = _sig("cuIpcGetMemHandle", ctypes.c_char_p, u64)
 cuMemExportToShareableHandle = _sig("cuMemExportToShareableHandle", vp, u64, ctypes.c_int, u64)
 cuMemImportFromShareableHandle = _sig("cuMemImportFromShareableHandle", ctypes.POINTER(u64), vp, ctypes.c_int)
+
+
+class MulticastProp(ctypes.Structure):
+    _fields_ = [("numDevices", ctypes.c_uint), ("size", sz), ("handleTypes", ctypes.c_ulonglong),
+                ("flags", ctypes.c_ulonglong)]
+
+
 if SIM:
     cuModuleLoadData = _sig("cuModuleLoadData", ctypes.POINTER(vp), ctypes.c_char_p)
     cuModuleGetFunction = _sig("cuModuleGetFunction", ctypes.POINTER(vp), vp, ctypes.c_char_p)
@@ -91,6 +98,7 @@ class App:
         check(cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), 0), "ctx")
         check(cuCtxSetCurrent(self.ctx), "set ctx")
         self.bufs: list[tuple[int, int]] = []   # (device pointer, bytes)
+        self.shared: list[tuple[int, int]] = []  # buffers shared with other processes (share / import), in order
         self.ctxs = {0: self.ctx}                 # device ordinal -> its primary context
         self.buf_dev: dict[int, int] = {}         # device pointer -> device, for buffers not on device 0
         for i, n in enumerate(sizes):
@@ -308,9 +316,9 @@ class App:
             self._fill(va, n, 99)
             fd = ctypes.c_int(-1)
             check(cuMemExportToShareableHandle(ctypes.byref(fd), h, 1, 0), "export")
-            self.shared = (va, n)
+            self.shared.append((va, n))
             self.bufs.append((va, n))
-            return {"fd": fd.value, "va": va}
+            return {"fd": fd.value, "va": va, "index": len(self.shared) - 1}
         if cmd == "import":   # import shared memory from another process's fd (pidfd:PID:FD) and map it
             n = int(words[2]) << 20
             fd = take_fd(words[1])
@@ -322,16 +330,26 @@ class App:
             check(cuMemMap(va.value, n, 0, h.value, 0), "map")
             acc = Access(loc=Loc(1, 0), flags=3)
             check(cuMemSetAccess(va.value, n, ctypes.byref(acc), 1), "access")
-            self.shared = (va.value, n)
+            self.shared.append((va.value, n))
             self.bufs.append((va.value, n))
-            return {"va": va.value}
-        if cmd == "write-shared":   # write a 32-bit value over the whole shared buffer
-            va, n = self.shared
+            return {"va": va.value, "index": len(self.shared) - 1}
+        if cmd == "multicast":   # a multicast object for one device (NCCL's NVLS makes them): no checkpoint covers it
+            prop = MulticastProp(1, 2 << 20, 1, 0)
+            h = u64()
+            rc = cu.cuMulticastCreate(ctypes.byref(h), ctypes.byref(prop))
+            return {"rc": rc}
+        if cmd == "share-fabric":   # export MIB of VMM memory as a fabric handle (cross-node sharing)
+            n = int(words[1]) << 20
+            va, h = self._vmm_one(n, handle_types=8)
+            out = ctypes.create_string_buffer(64)
+            return {"rc": cuMemExportToShareableHandle(out, h, 8, 0)}
+        if cmd == "write-shared":   # write-shared VALUE [I]: a 32-bit value over shared buffer I (default: the last)
+            va, n = self.shared[int(words[2]) if len(words) > 2 else -1]
             check(cuMemsetD32(va, int(words[1]), n // 4), "memset")
             check(cuCtxSynchronize(), "sync")
             return {"done": True}
-        if cmd == "read-shared":
-            va, n = self.shared
+        if cmd == "read-shared":   # read-shared [I]
+            va, n = self.shared[int(words[1]) if len(words) > 1 else -1]
             buf = ctypes.create_string_buffer(n)
             check(cuMemcpyDtoH(buf, va, n), "read")
             return {"sha256": hashlib.sha256(buf.raw).hexdigest(), "va": va}

@@ -1,0 +1,110 @@
+/* Memory shared with other processes through POSIX fds: what names it across processes.
+ *
+ * On the real driver every exported fd, of any allocation and in any process, is an open of
+ * /dev/nvidiactl: fstat gives every one the same st_dev/st_ino (measured on the H200), so nothing
+ * about the file names the memory. What does is the open file description: an export makes a new
+ * one, and SCM_RIGHTS or dup hand the very same description to the importer. So the agent keeps a
+ * duplicate of every fd it sees exported or imported (closed when the memory is freed, and at data
+ * out, since an open fd keeps the memory on the GPU), and a controller that gathers these from the
+ * processes of a checkpoint tells which importer holds which exporter's memory by comparing
+ * descriptions (share_same_file). It then gives each importer the exporter's key, which names the
+ * memory for the relink after a restore. */
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include "registry.h"
+
+#define KCMP_FILE 0
+
+bool share_same_file(int a, int b)
+{
+#ifdef SYS_kcmp
+    long r = syscall(SYS_kcmp, (long)getpid(), (long)getpid(), KCMP_FILE, (long)a, (long)b);
+    if (r >= 0) return r == 0;
+#endif
+    /* No kcmp (a seccomp profile may forbid it): the signal an fd's owner gets (F_SETSIG) is kept in
+     * the open file description, so set it on one fd and read it back through the other. Nothing
+     * is signalled: these fds never had O_ASYNC set. */
+    int old_a = fcntl(a, F_GETSIG), old_b = fcntl(b, F_GETSIG);
+    if (old_a < 0 || old_b < 0) return false;
+    int mark = old_b == 37 ? 38 : 37;
+    if (fcntl(a, F_SETSIG, mark) != 0) return false;
+    bool same = fcntl(b, F_GETSIG) == mark;
+    fcntl(a, F_SETSIG, old_a);
+    return same;
+}
+
+uint64_t share_new_key(void)
+{
+    uint64_t k = 0;
+    while (k == 0) {
+        if (getrandom(&k, sizeof k, 0) != (ssize_t)sizeof k) k = (uint64_t)gpucr_now_ns() ^ ((uint64_t)getpid() << 40);
+        k &= (1ULL << 62) - 1;   /* a positive JSON integer in every language */
+    }
+    return k;
+}
+
+static unsigned g_next_sid;
+
+void share_keep_fd(struct phys *p, int fd)
+{
+    if (!p->share_sid) p->share_sid = ++g_next_sid;
+    if (p->share_ndups >= SHARE_MAX_DUPS) {
+        gpucr_warn("memory exported or imported more than %d times: only the first %d are told apart for a checkpoint",
+                   SHARE_MAX_DUPS, SHARE_MAX_DUPS);
+        return;
+    }
+    int d = fcntl(fd, F_DUPFD_CLOEXEC, 3);
+    if (d < 0) {
+        gpucr_warn("cannot keep a duplicate of shared memory's fd: %s; a checkpoint of this process will be refused",
+                   strerror(errno));
+        p->share_unknown = true;
+        return;
+    }
+    p->share_dups[p->share_ndups++] = d;
+}
+
+void share_close_fds(struct phys *p)
+{
+    for (int i = 0; i < p->share_ndups; i++) close(p->share_dups[i]);
+    p->share_ndups = 0;
+}
+
+static bool is_our_dup(int fd)
+{
+    for (struct phys *p = g_reg.all; p; p = p->next_all)
+        for (int i = 0; i < p->share_ndups; i++)
+            if (p->share_dups[i] == fd) return true;
+    return false;
+}
+
+int share_open_fds(const struct phys *p)
+{
+    if (!p->share_ndups) return p->share_open_at_release;
+    int n = 0;
+    DIR *d = opendir("/proc/self/fd");
+    if (!d) return 0;
+    struct dirent *e;
+    while ((e = readdir(d))) {
+        if (e->d_name[0] == '.') continue;
+        int fd = atoi(e->d_name);
+        if (fd == dirfd(d) || is_our_dup(fd)) continue;
+        for (int i = 0; i < p->share_ndups; i++)
+            if (share_same_file(fd, p->share_dups[i])) { n++; break; }
+    }
+    closedir(d);
+    return n;
+}
+
+void share_release(struct phys *p)
+{
+    if (!p->share_ndups) return;
+    p->share_open_at_release = share_open_fds(p);
+    share_close_fds(p);
+}
