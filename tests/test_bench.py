@@ -6,15 +6,18 @@ import json
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 
 from gpucr import paths
 from gpucr.bench import methods as M
 from gpucr.bench import report
+from gpucr.driver import DriverError
 from gpucr.workloads import llm_app
 
-from conftest import gpucr_cli
+from conftest import gpucr_cli, sim_driver
 
 MiB = 1 << 20
 GIB_005 = int(0.05 * (1 << 30)) // 4 * 4       # what raw_app --gib 0.05 allocates
@@ -199,3 +202,164 @@ def test_methods_with_other_agent_settings_get_a_process_of_their_own():
     assert [[m.name for m in g] for g in run._groups(ms)] == [
         ["driver", "driver-fresh"], ["gpucr-full", "gpucr-data"], ["gpucr-full-pinned", "gpucr-full-unpinned"]]
     assert ms[2].agent_env == ms[5].agent_env == {"GPUCR_BOUNCE_MIB": "0"} and ms[1].agent_env == {}
+
+
+# ---- multi-GPU jobs: what can be checked without a GPU ----
+
+def test_job_workload_names():
+    s = M.parse_workload("tp2-llama3-8b", 0.3)
+    assert (s.module, s.launch, s.world, s.gpus, s.nccl) == ("tp_app", "torchrun", 2, 2, True)
+    assert s.args == ("--model", "llama3-8b", "--gpu-util", "0.3") and s.llm
+    s = M.parse_workload("pp2-llama3-8b", 0.5)
+    assert (s.module, s.launch, s.nccl) == ("pp_app", "torchrun", True)
+    s = M.parse_workload("2gpu-llama3-8b", 0.5)
+    assert (s.module, s.launch, s.world, s.gpus, s.nccl) == ("two_gpu_app", "single", 1, 2, False)
+    with pytest.raises(M.GpucrError, match="Llama-architecture"):
+        M.parse_workload("tp2-qwen3-1.7b", 0.5)
+    with pytest.raises(M.GpucrError, match="unknown workload"):
+        M.parse_workload("tp2-gpt5", 0.5)
+
+
+def test_default_methods_for_jobs_and_their_own_processes():
+    from gpucr.bench import run
+    jobs = [M.parse_workload("tp2-llama3-8b", 0.5)]
+    assert run.method_names(None, jobs) == list(M.JOB_METHODS)
+    assert run.method_names(None, [M.parse_workload("raw:1", 0.5)]) == list(M.DEFAULT_METHODS)
+    with pytest.raises(M.GpucrError, match="unknown method 'cuda-checkpoint'"):
+        run.method_names("driver,cuda-checkpoint", jobs)
+    drv = sim_driver()
+    ms = [M.make(n, drv, True) for n in ("driver", "driver-nop2p", "gpucr-full", "gpucr-data")]
+    assert [[m.name for m in g] for g in run._groups(ms)] == [["driver"], ["driver-nop2p"], ["gpucr-full", "gpucr-data"]]
+    assert ms[1].job_env == {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"} and not ms[1].under_agent
+
+
+class FakeDriver:
+    """The driver's checkpoint API as the two-GPU host answered for a NCCL job with P2P on:
+    lock and checkpoint pass, restore fails with 801 (or never returns, when told to hang)."""
+    path = "fake"
+
+    def __init__(self, hang: threading.Event | None = None) -> None:
+        self.hang, self.calls = hang, []
+
+    def lock(self, pid: int, timeout_ms: int) -> None:
+        self.calls.append(("lock", pid))
+
+    def checkpoint(self, pid: int) -> None:
+        self.calls.append(("checkpoint", pid))
+
+    def restore(self, pid: int) -> None:
+        self.calls.append(("restore", pid))
+        if self.hang is not None:
+            self.hang.wait()
+            return
+        raise DriverError(f"driver restore of process {pid}", 801, "operation not supported")
+
+    def unlock(self, pid: int) -> None:
+        self.calls.append(("unlock", pid))
+
+
+def test_driver_path_on_a_job_reports_failed_with_the_cuda_error():
+    drv = FakeDriver()
+    m = M.DriverMethod(drv, deadline=10)
+    ck = m.checkpoint([11, 12])
+    assert set(ck["steps_s"]) == {"lock", "checkpoint"}
+    assert sorted(drv.calls) == [("checkpoint", 11), ("checkpoint", 12), ("lock", 11), ("lock", 12)]
+    with pytest.raises(M.JobFailed) as e:
+        m.restore([11, 12])
+    assert e.value.outcome == "failed" and e.value.step == "restore"
+    assert set(e.value.errors) == {11, 12} and all("CUDA error 801" in v for v in e.value.errors.values())
+    assert "restore" in e.value.steps_s and ("unlock", 11) not in drv.calls, "no unlock after a failed restore"
+
+
+def test_driver_path_on_a_job_reports_hung_at_the_deadline():
+    release = threading.Event()
+    m = M.DriverMethod(FakeDriver(hang=release), deadline=0.3)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(M.JobFailed) as e:
+            m.restore([21, 22])
+    finally:
+        release.set()
+    assert time.monotonic() - t0 < 5
+    assert e.value.outcome == "hung" and "process 21: no return within 0.3 s" in str(e.value)
+    assert set(e.value.errors) == {21, 22} and "hung" in str(e.value)
+
+
+def test_a_job_left_dead_by_the_driver_is_killed_and_started_again():
+    """On simcuda: a method whose restore fails leaves its process checkpointed; the bench records
+    'failed', kills that process and starts a new one for the next method, which then measures."""
+    from gpucr.bench import run
+    drv = sim_driver()
+
+    class BrokenRestore(M.DriverMethod):
+        name = "driver-broken"
+
+        def act(self, action: str, pid: int) -> None:
+            if action == "Restore":
+                raise DriverError(f"driver restore of process {pid}", 801, "operation not supported")
+            super().act(action, pid)
+    out: dict = {}
+    run.run_group(M.parse_workload("raw:0.05", 0.5), [BrokenRestore(drv, deadline=30), M.make("driver", drv, True)],
+                  True, drv, None, 1, out)
+    broken, ok = out["driver-broken"], out["driver"]
+    assert broken["outcome"] == "failed" and broken["failed_step"] == "restore" and not broken["correct"]
+    assert "801" in broken["error"] and broken["median"] is None
+    assert ok["outcome"] == "ok" and ok["correct"] and ok["samples"][0]["correct"] == {"digest": True, "ptrs": True}
+    first, second = broken["process"]["pid"], ok["process"]["pid"]
+    assert first != second
+    assert not os.path.exists(f"/proc/{first}") or "Z" in open(f"/proc/{first}/stat").read().rsplit(")", 1)[1][:3]
+
+
+def test_job_results_are_shaped_per_job_and_per_gpu():
+    rs = [{"pid": 1, "phases_s": {"data_out": 1.0, "control_out": 0.5}, "agent_ms": {"gate": 2.0, "staging": 0.0},
+           "bytes_moved": 10, "bytes_left_to_driver": 1, "warnings": ["w1"]},
+          {"pid": 2, "phases_s": {"data_out": 1.5, "control_out": 0.25}, "agent_ms": {"gate": 1.0, "staging": 3.0},
+           "bytes_moved": 20, "bytes_left_to_driver": 2, "warnings": []}]
+    c = M.combine(rs)
+    assert c["steps_s"] == {"data_out": 1.5, "control_out": 0.5}         # ranks go through a phase together
+    assert c["agent_ms"] == {"gate": 2.0, "staging": 3.0}
+    assert (c["bytes_moved"], c["bytes_left_to_driver"], c["warnings"]) == (30, 3, ["w1"])
+    gpucr_full = M.make("gpucr-full", sim_driver(), True)
+    row = {"data_out_s": 2.0, "data_in_s": 4.0, "driver_out_s": None, "driver_in_s": None}
+    g = M.per_gpu(row, gpucr_full, {"GPU-a": 8_000_000_000, "GPU-b": 4_000_000_000})
+    assert g["gbps_out_per_gpu"] == {"GPU-a": 4.0, "GPU-b": 2.0} and g["gbps_in_per_gpu"] == {"GPU-a": 2.0, "GPU-b": 1.0}
+    assert g["gbps_out_slowest_gpu"] == 2.0 and g["gbps_in_slowest_gpu"] == 1.0
+    driver = M.make("driver", sim_driver(), True)
+    g = M.per_gpu({"data_out_s": None, "data_in_s": None, "driver_out_s": 8.0, "driver_in_s": 2.0}, driver, {"GPU-a": 8e9})
+    assert g["gbps_out_per_gpu"] == {"GPU-a": 1.0} and g["gbps_in_slowest_gpu"] == 4.0
+
+
+def test_jobs_table_shows_outcomes_transports_and_speed():
+    proc = {"bytes_per_gpu": {"GPU-a": 2 << 30, "GPU-b": 2 << 30}, "tokens_per_s": 41.5, "job_env": {}}
+    res = {"ceiling_all_gpus": {"gpus": 2, "bytes_per_gpu": 8 << 30, "aggregate_d2h_gbps": 98.0, "aggregate_h2d_gbps": 108.0,
+                                "per_gpu": [{"d2h_gbps": 49.0, "h2d_gbps": 54.0}] * 2},
+           "workloads": {"tp2-llama3-8b": {"methods": {
+               "driver": {"process": proc, "outcome": "failed", "failed_step": "restore", "error": "CUDA error 801",
+                          "samples": [], "correct": False},
+               "driver-nop2p": {"process": {**proc, "tokens_per_s": 20.0, "job_env": dict(M.NO_FAST_TRANSPORTS)},
+                                "outcome": "hung", "failed_step": "restore", "error": "no return", "correct": False},
+               "gpucr-full": {"process": proc, "outcome": "ok", "error": None, "correct": True,
+                              "samples": [{"gbps_out_per_gpu": {"GPU-a": 47.0, "GPU-b": 46.0},
+                                           "gbps_in_per_gpu": {"GPU-a": 50.0, "GPU-b": 51.0}}]}}}}}
+    lines = report.jobs_table(res)
+    text = "\n".join(lines)
+    assert "98.0 GB/s, H2D 108.0 GB/s in all" in text
+    rows = {l.split(" | ")[1]: l for l in lines if l.startswith("| tp2-llama3-8b |")}
+    assert "failed at restore: CUDA error 801" in rows["driver"] and "default (P2P, SHM on)" in rows["driver"]
+    assert "hung at restore" in rows["driver-nop2p"] and "P2P and SHM off" in rows["driver-nop2p"] and "| 20.0 |" in rows["driver-nop2p"]
+    assert "| 47.0 / 46.0 | 50.0 / 51.0 |" in rows["gpucr-full"] and "| 41.5 | 2.00 / 2.00 |" in rows["gpucr-full"]
+
+
+def test_ceiling_of_two_links_at_once_on_simcuda(monkeypatch):
+    monkeypatch.setenv("SIMCUDA_DEVICES", "2")
+    c = M.ceiling_all(True, 0.02, 2)
+    assert c["simulated"] and c["gpus"] == 2 and len(c["per_gpu"]) == 2
+    assert all(g["d2h_gbps"] > 0 and g["h2d_gbps"] > 0 for g in c["per_gpu"])
+    assert c["aggregate_d2h_gbps"] > 0 and c["aggregate_h2d_gbps"] > 0
+
+
+def test_rank_answers_merge_with_every_error_named():
+    from gpucr.workloads.ranks import merge
+    m = merge([{"tokens": [1], "rank": 0}, {"error": "RuntimeError: boom", "rank": 1}])
+    assert m["tokens"] == [1] and len(m["ranks"]) == 2 and m["error"] == "rank 1: RuntimeError: boom"
+    assert "error" not in merge([{"a": 1}, {"a": 1, "error": None}])

@@ -20,14 +20,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-import gpucr
-
-from .. import paths
+from ..coordinator import checkpoint_many, restore_many
 from ..driver import Driver
 from ..errors import GpucrError
 from ..workloads.llm_app import MODELS
 from ..workloads import runner
-from ..workloads.runner import Workload
+from ..workloads.job import Job
 
 GENERATE_TOKENS = 32
 STEP_TIMEOUT_S = 30.0       # gate drain and each driver step; the copies take what they take
@@ -36,17 +34,43 @@ WARMUP_TIMEOUT_S = 600.0    # the first gpucr checkpoint also prepares (faults i
 
 @dataclass(frozen=True)
 class Spec:
-    """One workload of the bench: 'llama3-8b' (an LLM server) or 'raw:8' (8 GiB raw buffer)."""
+    """One workload of the bench: 'llama3-8b' (an LLM server), 'raw:8' (8 GiB raw buffer), or a
+    multi-GPU job: 'tp2-llama3-8b' (tensor parallel over two ranks, started by torchrun),
+    'pp2-llama3-8b' (pipeline parallel, two ranks), '2gpu-llama3-8b' (one process on two GPUs)."""
     name: str
     module: str
     args: tuple[str, ...]
     llm: bool
+    launch: str = "single"     # workloads.job.LAUNCHES
+    world: int = 1
+
+    @property
+    def nccl(self) -> bool:
+        return self.module in ("tp_app", "pp_app")
+
+    @property
+    def gpus(self) -> int:
+        return 2 if self.module == "two_gpu_app" else self.world
+
+
+# prefix -> (module, launch, ranks): the multi-GPU jobs, each of a Llama-architecture model of MODELS
+JOBS = {"tp2": ("tp_app", "torchrun", 2), "pp2": ("pp_app", "torchrun", 2), "2gpu": ("two_gpu_app", "single", 1)}
+# NCCL as docs/nccl.md says gpucr runs it; the driver's own path gets the same, so both see one job
+NCCL_ENV = {"NCCL_CUMEM_ENABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_GRAPH_REGISTER": "0",
+            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+NO_FAST_TRANSPORTS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
 
 
 def parse_workload(text: str, gpu_util: float) -> Spec:
     text = text.strip()
     if text in MODELS:
         return Spec(text, "llm_app", (text, "--gpu-util", str(gpu_util)), True)
+    prefix, _, model = text.partition("-")
+    if prefix in JOBS and model in MODELS:
+        if MODELS[model][0] != "llama":
+            raise GpucrError(f"workload '{text}': the multi-GPU jobs take a Llama-architecture model (llama3-8b)")
+        module, launch, world = JOBS[prefix]
+        return Spec(text, module, ("--model", model, "--gpu-util", str(gpu_util)), True, launch, world)
     if text.startswith("raw:"):
         try:
             gib = float(text[4:])
@@ -54,7 +78,8 @@ def parse_workload(text: str, gpu_util: float) -> Spec:
             gib = -1.0
         if gib > 0:
             return Spec(text, "raw_app", ("--gib", str(gib)), False)
-    raise GpucrError(f"unknown workload '{text}': use raw:GIB or one of {', '.join(MODELS)}")
+    raise GpucrError(f"unknown workload '{text}': use raw:GIB, one of {', '.join(MODELS)}, "
+                     f"or a multi-GPU job {'|'.join(JOBS)}-MODEL (e.g. tp2-llama3-8b)")
 
 
 # ---- workload processes ----
@@ -64,25 +89,20 @@ def plain_env(simulate: bool) -> dict[str, str]:
     return runner.plain_env(simulate)
 
 
-class PlainWorkload(Workload):
-    """A workload process started without gpucr's agent; asked and closed like any Workload."""
-
-    def __init__(self, module: str, *args: str, simulate: bool = False) -> None:
-        super().__init__(module, *args, simulate=simulate, agent=False)
-
-
-def start(spec: Spec, under_agent: bool, simulate: bool, agent_env: dict[str, str] | None = None) -> Workload:
-    if under_agent:
-        return Workload(spec.module, *spec.args, simulate=simulate, env={**os.environ, **(agent_env or {})})
-    return PlainWorkload(spec.module, *spec.args, simulate=simulate)
+def start(spec: Spec, under_agent: bool, simulate: bool, agent_env: dict[str, str] | None = None,
+          job_env: dict[str, str] | None = None) -> Job:
+    """The workload's process(es) as one Job (one process for the single-GPU workloads)."""
+    env = {**(NCCL_ENV if spec.nccl else {}), **os.environ, **(agent_env or {}), **(job_env or {})}
+    return Job(spec.module, list(spec.args), launch=spec.launch, world=spec.world, env=env, agent=under_agent,
+               simulate=simulate)
 
 
-def observe(w: Workload, spec: Spec) -> dict[str, Any]:
-    """What must be the same after a restore: every byte and address, and the next tokens."""
+def observe(w: Job, spec: Spec) -> dict[str, Any]:
+    """What must be the same after a restore: every rank's bytes and addresses, and the next tokens."""
     d = w.ask("digest")
-    seen = {"digest": d["digest"], "ptrs": d["ptrs"]}
+    seen = {"digest": [r["digest"] for r in d["ranks"]], "ptrs": [r["ptrs"] for r in d["ranks"]]}
     if spec.llm:
-        seen["tokens"] = w.ask(f"generate {GENERATE_TOKENS}")["tokens"]
+        seen["tokens"] = [r["tokens"] for r in w.ask(f"generate {GENERATE_TOKENS}")["ranks"]]
     return seen
 
 
@@ -92,43 +112,87 @@ def compare(ref: dict[str, Any], now: dict[str, Any]) -> dict[str, bool]:
 
 # ---- methods ----
 
+class JobFailed(GpucrError):
+    """The driver's own path failed or hung on a job: it cannot run on and must be started again.
+    outcome: 'failed' (a call returned an error) or 'hung' (a call had not returned by the deadline)."""
+
+    def __init__(self, outcome: str, step: str, errors: dict[int, str], steps_s: dict[str, float]) -> None:
+        said = "; ".join(f"process {pid}: {e}" for pid, e in errors.items())
+        super().__init__(f"the driver's {step} {outcome}: {said}")
+        self.outcome, self.step, self.errors, self.steps_s = outcome, step, errors, dict(steps_s)
+
+
+def _step_all(name: str, fn, pids: list[int], deadline: float, steps: dict[str, float]) -> None:
+    """fn(pid) for every process at once, each in a daemon thread (a call into the driver cannot be
+    cancelled, so a hung one is left behind); the step's wall time goes into steps[name]."""
+    import threading
+    results: dict[int, str | None] = {}
+
+    def run(pid: int) -> None:
+        try:
+            fn(pid)
+            results[pid] = None
+        except Exception as exc:
+            results[pid] = str(exc)
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=run, args=(pid,), daemon=True, name=f"bench-{name}-{pid}") for pid in pids]
+    for t in threads:
+        t.start()
+    end = time.monotonic() + deadline
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))
+    steps[name] = time.perf_counter() - t0
+    hung = {pid: f"no return within {deadline:g} s" for pid in pids if pid not in results}
+    failed = {pid: e for pid, e in results.items() if e}
+    if hung:
+        raise JobFailed("hung", name, {**failed, **hung}, steps)
+    if failed:
+        raise JobFailed("failed", name, failed, steps)
+
+
 class Method:
     name = ""
     under_agent = False
     splits = False         # whether data and control are timed apart
     agent_env: dict[str, str] = {}   # settings the agent reads at start: such methods get a process of their own
+    job_env: dict[str, str] = {}     # settings of the job itself (NCCL's): the same
 
-    def checkpoint(self, pid: int) -> dict[str, Any]:
+    def checkpoint(self, pids: list[int]) -> dict[str, Any]:
         raise NotImplementedError
 
-    def restore(self, pid: int) -> dict[str, Any]:
+    def restore(self, pids: list[int]) -> dict[str, Any]:
         raise NotImplementedError
-
-
-def _timed(steps: dict[str, float], name: str, fn, *args) -> None:
-    t0 = time.perf_counter()
-    fn(*args)
-    steps[name] = time.perf_counter() - t0
 
 
 class DriverMethod(Method):
-    """The driver's own checkpoint, through one persistent, initialised controller."""
+    """The driver's own checkpoint, through one persistent, initialised controller: every process
+    of the job locked, then each checkpointed; restored each, then unlocked all; every step for all
+    processes at once, under a deadline. nop2p: 'driver-nop2p', the job started with NCCL's P2P and
+    shared-memory transports off, so its ranks share no GPU memory (what the driver's path needs)."""
     name = "driver"
 
-    def __init__(self, drv: Driver) -> None:
-        self.drv = drv
+    def __init__(self, drv: Driver, deadline: float = 600.0, nop2p: bool = False) -> None:
+        self.drv, self.deadline = drv, deadline
+        if nop2p:
+            self.name, self.job_env = "driver-nop2p", dict(NO_FAST_TRANSPORTS)
 
-    def checkpoint(self, pid: int) -> dict[str, Any]:
+    def act(self, action: str, pid: int) -> None:
+        if action == "Lock":
+            self.drv.lock(pid, int(STEP_TIMEOUT_S * 1000))
+        else:
+            getattr(self.drv, action.lower())(pid)
+
+    def _steps(self, pids: list[int], actions: tuple[str, str]) -> dict[str, Any]:
         steps: dict[str, float] = {}
-        _timed(steps, "lock", self.drv.lock, pid, int(STEP_TIMEOUT_S * 1000))
-        _timed(steps, "checkpoint", self.drv.checkpoint, pid)
+        for action in actions:
+            _step_all(action.lower(), lambda pid: self.act(action, pid), pids, self.deadline, steps)
         return {"steps_s": steps}
 
-    def restore(self, pid: int) -> dict[str, Any]:
-        steps: dict[str, float] = {}
-        _timed(steps, "restore", self.drv.restore, pid)
-        _timed(steps, "unlock", self.drv.unlock, pid)
-        return {"steps_s": steps}
+    def checkpoint(self, pids: list[int]) -> dict[str, Any]:
+        return self._steps(pids, ("Lock", "Checkpoint"))
+
+    def restore(self, pids: list[int]) -> dict[str, Any]:
+        return self._steps(pids, ("Restore", "Unlock"))
 
 
 # One driver action in a fresh interpreter: cuInit and one call, as a CLI per action would do.
@@ -144,11 +208,11 @@ class FreshDriverMethod(DriverMethod):
     """The driver's own checkpoint, each action by a fresh process, timed from here end to end."""
     name = "driver-fresh"
 
-    def __init__(self, drv: Driver, env: dict[str, str]) -> None:
-        super().__init__(drv)
+    def __init__(self, drv: Driver, env: dict[str, str], deadline: float = 600.0) -> None:
+        super().__init__(drv, deadline)
         self.env = env
 
-    def _act(self, action: str, pid: int) -> None:
+    def act(self, action: str, pid: int) -> None:
         timeout_ms = int(STEP_TIMEOUT_S * 1000) if action == "Lock" else 0   # other args must be all zero
         out = subprocess.run([sys.executable, "-c", _FRESH, self.drv.path, action, str(pid), str(timeout_ms)],
                              capture_output=True, text=True, env=self.env, timeout=3600)
@@ -157,21 +221,25 @@ class FreshDriverMethod(DriverMethod):
             raise GpucrError(f"driver {action.lower()} of process {pid} in a fresh process failed: "
                              f"{rc or out.stderr.strip()[-300:]}")
 
-    def checkpoint(self, pid: int) -> dict[str, Any]:
-        steps: dict[str, float] = {}
-        _timed(steps, "lock", self._act, "Lock", pid)
-        _timed(steps, "checkpoint", self._act, "Checkpoint", pid)
-        return {"steps_s": steps}
 
-    def restore(self, pid: int) -> dict[str, Any]:
-        steps: dict[str, float] = {}
-        _timed(steps, "restore", self._act, "Restore", pid)
-        _timed(steps, "unlock", self._act, "Unlock", pid)
-        return {"steps_s": steps}
+def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The job's view of gpucr's per-process results: the processes go through each phase together,
+    so a phase takes as long as its slowest process; bytes add up."""
+    steps: dict[str, float] = {}
+    agent_ms: dict[str, float] = {}
+    for r in results:
+        for k, v in r.get("phases_s", {}).items():
+            steps[k] = max(steps.get(k, 0.0), v)
+        for k, v in r.get("agent_ms", {}).items():
+            agent_ms[k] = max(agent_ms.get(k, 0.0), v)
+    return {"steps_s": steps, "agent_ms": agent_ms, "bytes_moved": sum(r.get("bytes_moved", 0) for r in results),
+            "bytes_left_to_driver": sum(r.get("bytes_left_to_driver", 0) for r in results),
+            "warnings": [w for r in results for w in r.get("warnings", [])]}
 
 
 class GpucrMethod(Method):
-    """gpucr: the agent moves the data; at level full the driver then takes the control state.
+    """gpucr: the agent moves the data; at level full the driver then takes the control state; all
+    processes of a job at once (coordinator.checkpoint_many / restore_many).
     By default staging stays unpinned and the copies go through the agent's pinned bounce ring.
     pinned: the ablation 'gpucr-full-pinned', the ring off (GPUCR_BOUNCE_MIB=0) and staging pinned,
     in a process of its own; unpin: 'gpucr-full-unpinned', pinned staging unpinned for the driver's
@@ -186,18 +254,16 @@ class GpucrMethod(Method):
         self.unpin = unpin
         self.agent_env = {"GPUCR_BOUNCE_MIB": "0"} if pinned or unpin else {}
 
-    def checkpoint(self, pid: int) -> dict[str, Any]:
+    def checkpoint(self, pids: list[int]) -> dict[str, Any]:
         if self.unpin:
             with _env("GPUCR_UNPIN_FOR_DRIVER", "1"):
-                r = gpucr.checkpoint(pid, level=self.level, timeout=self.timeout)
+                rs = checkpoint_many(pids, level=self.level, timeout=self.timeout)
         else:
-            r = gpucr.checkpoint(pid, level=self.level, timeout=self.timeout)
-        return {"steps_s": r["phases_s"], "agent_ms": r["agent_ms"], "bytes_moved": r["bytes_moved"],
-                "bytes_left_to_driver": r["bytes_left_to_driver"]}
+            rs = checkpoint_many(pids, level=self.level, timeout=self.timeout)
+        return combine(rs)
 
-    def restore(self, pid: int) -> dict[str, Any]:
-        r = gpucr.restore(pid, timeout=self.timeout)
-        return {"steps_s": r["phases_s"], "bytes_moved": r.get("bytes_moved", 0), "agent_ms": r.get("agent_ms", {})}
+    def restore(self, pids: list[int]) -> dict[str, Any]:
+        return combine(restore_many(pids, timeout=self.timeout))
 
 
 @contextlib.contextmanager
@@ -213,15 +279,19 @@ def _env(key: str, value: str):
             os.environ[key] = old
 
 
-METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data", "gpucr-full-pinned", "gpucr-full-unpinned")
+METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data", "gpucr-full-pinned", "gpucr-full-unpinned",
+           "driver-nop2p")
 DEFAULT_METHODS = METHODS[:5]
+JOB_METHODS = ("ceiling", "driver", "driver-nop2p", "gpucr-full", "gpucr-data")   # the default for multi-GPU jobs
 
 
-def make(name: str, drv: Driver, simulate: bool) -> Method:
+def make(name: str, drv: Driver, simulate: bool, deadline: float = 600.0) -> Method:
     if name == "driver":
-        return DriverMethod(drv)
+        return DriverMethod(drv, deadline)
+    if name == "driver-nop2p":
+        return DriverMethod(drv, deadline, nop2p=True)
     if name == "driver-fresh":
-        return FreshDriverMethod(drv, plain_env(simulate))
+        return FreshDriverMethod(drv, plain_env(simulate), deadline)
     if name in ("gpucr-full", "gpucr-data"):
         return GpucrMethod(name.split("-", 1)[1])
     if name == "gpucr-full-pinned":
@@ -231,14 +301,14 @@ def make(name: str, drv: Driver, simulate: bool) -> Method:
     raise GpucrError(f"unknown method '{name}': use some of {', '.join(METHODS)}")
 
 
-def timed_cycle(method: Method, pid: int, read_used) -> tuple[dict, dict, int | None]:
+def timed_cycle(method: Method, pids: list[int], read_used) -> tuple[dict, dict, int | None]:
     """Checkpoint, read GPU memory while checkpointed, restore; wall times around each call."""
     t0 = time.perf_counter()
-    ck = method.checkpoint(pid)
+    ck = method.checkpoint(pids)
     ck["wall_s"] = time.perf_counter() - t0
     used = read_used()
     t0 = time.perf_counter()
-    rs = method.restore(pid)
+    rs = method.restore(pids)
     rs["wall_s"] = time.perf_counter() - t0
     return ck, rs, used
 
@@ -282,9 +352,24 @@ def metrics(method: Method, ck: dict, rs: dict, footprint: int | None, ceiling: 
     return row
 
 
+def per_gpu(row: dict[str, Any], method: Method, bytes_per_gpu: dict[str, int]) -> dict[str, Any]:
+    """Each GPU's bytes over the job's data time (its ranks move their data at once), and the
+    slowest GPU's rate, which bounds the job."""
+    out_s = row["data_out_s"] if method.splits else row["driver_out_s"]
+    in_s = row["data_in_s"] if method.splits else row["driver_in_s"]
+    out = {"bytes_per_gpu": bytes_per_gpu,
+           "gbps_out_per_gpu": {u: _gbps(b, out_s) for u, b in bytes_per_gpu.items()},
+           "gbps_in_per_gpu": {u: _gbps(b, in_s) for u, b in bytes_per_gpu.items()}}
+    for k in ("out", "in"):
+        rates = [r for r in out[f"gbps_{k}_per_gpu"].values() if r]
+        out[f"gbps_{k}_slowest_gpu"] = min(rates) if rates else None
+    return out
+
+
 SUMMARY_KEYS = ("gate_sync_s", "data_out_s", "control_out_s", "control_in_s", "data_in_s", "driver_out_s",
                 "driver_in_s", "checkpoint_s", "restore_s", "bytes_out", "bytes_in", "gbps_out", "gbps_in",
-                "ceiling_share_out", "ceiling_share_in", "gpu_held_checkpointed_bytes")
+                "ceiling_share_out", "ceiling_share_in", "gpu_held_checkpointed_bytes", "gbps_out_slowest_gpu",
+                "gbps_in_slowest_gpu")
 
 
 def medians(samples: list[dict[str, Any]]) -> dict[str, Any]:
@@ -306,40 +391,109 @@ def ceiling(simulate: bool, gib: float, timeout: float = 600.0) -> dict[str, Any
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+class _Link:
+    """One GPU's pinned-copy path: a device buffer and a pinned host buffer of n bytes, through the
+    driver API via ctypes (the same bindings as driver_app), so it runs on simcuda too."""
+
+    def __init__(self, ordinal: int, n: int) -> None:
+        from ..workloads import driver_app as d
+        self.d, self.n = d, n
+        self.host_alloc = d._sig("cuMemHostAlloc", ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint)
+        self.free_host = d._sig("cuMemFreeHost", ctypes.c_void_p)
+        d.check(d.cuInit(0), "cuInit")
+        self.ctx = ctypes.c_void_p()
+        d.check(d.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), ordinal), f"context on device {ordinal}")
+        self.enter()
+        self.dev, self.host = ctypes.c_uint64(), ctypes.c_void_p()
+        d.check(d.cuMemAlloc(ctypes.byref(self.dev), n), f"device buffer on device {ordinal}")
+        t0 = time.perf_counter()
+        d.check(self.host_alloc(ctypes.byref(self.host), n, 0), "pinned host buffer")
+        self.pin_s = time.perf_counter() - t0
+        self.d2h()   # untimed: first-use costs are not the rate
+        self.h2d()
+
+    def enter(self) -> None:
+        """Make this GPU's context current in the calling thread (contexts are per thread)."""
+        self.d.check(self.d.cuCtxSetCurrent(self.ctx), "set context")
+
+    def d2h(self) -> None:
+        self.d.check(self.d.cuMemcpyDtoH(self.host, self.dev.value, self.n), "D2H")
+
+    def h2d(self) -> None:
+        self.d.check(self.d.cuMemcpyHtoD(self.dev.value, self.host, self.n), "H2D")
+
+    def close(self) -> None:
+        self.d.check(self.free_host(self.host), "free host")
+        self.d.check(self.d.cuMemFree(self.dev.value), "free device")
+
+
+HOW = "one cuMemcpyDtoH/HtoD of a cuMemHostAlloc (pinned) buffer, driver API, default stream"
+
+
 def _ceiling_child(gib: float, repeat: int = 3) -> dict[str, Any]:
-    """Driver API through ctypes (the same bindings as driver_app), so it runs on simcuda too."""
-    from ..workloads import driver_app as d
-    n = int(gib * (1 << 30))
-    host_alloc = d._sig("cuMemHostAlloc", ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint)
-    free_host = d._sig("cuMemFreeHost", ctypes.c_void_p)
-    d.check(d.cuInit(0), "cuInit")
-    ctx = ctypes.c_void_p()
-    d.check(d.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), "context")
-    d.check(d.cuCtxSetCurrent(ctx), "set context")
-    dev, host = ctypes.c_uint64(), ctypes.c_void_p()
-    d.check(d.cuMemAlloc(ctypes.byref(dev), n), "device buffer")
-    t0 = time.perf_counter()
-    d.check(host_alloc(ctypes.byref(host), n, 0), "pinned host buffer")
-    pin_s = time.perf_counter() - t0
-    d.check(d.cuMemcpyDtoH(host, dev.value, n), "D2H")   # untimed: first-use costs are not the rate
-    d.check(d.cuMemcpyHtoD(dev.value, host, n), "H2D")
+    link = _Link(0, int(gib * (1 << 30)))
     d2h, h2d = [], []
     for _ in range(repeat):
-        t0 = time.perf_counter()
-        d.check(d.cuMemcpyDtoH(host, dev.value, n), "D2H")
-        d2h.append(n / (time.perf_counter() - t0) / 1e9)
-        t0 = time.perf_counter()
-        d.check(d.cuMemcpyHtoD(dev.value, host, n), "H2D")
-        h2d.append(n / (time.perf_counter() - t0) / 1e9)
-    d.check(free_host(host), "free host")
-    d.check(d.cuMemFree(dev.value), "free device")
-    return {"bytes": n, "d2h_gbps": statistics.median(d2h), "h2d_gbps": statistics.median(h2d),
-            "samples": {"d2h_gbps": d2h, "h2d_gbps": h2d}, "pin_s": pin_s, "simulated": d.SIM,
-            "how": "one cuMemcpyDtoH/HtoD of a cuMemHostAlloc (pinned) buffer, driver API, default stream"}
+        for fn, rates in ((link.d2h, d2h), (link.h2d, h2d)):
+            t0 = time.perf_counter()
+            fn()
+            rates.append(link.n / (time.perf_counter() - t0) / 1e9)
+    link.close()
+    return {"bytes": link.n, "d2h_gbps": statistics.median(d2h), "h2d_gbps": statistics.median(h2d),
+            "samples": {"d2h_gbps": d2h, "h2d_gbps": h2d}, "pin_s": link.pin_s, "simulated": link.d.SIM, "how": HOW}
+
+
+def _ceiling_all_child(gib: float, gpus: int, repeat: int = 3) -> dict[str, Any]:
+    """Every GPU's link at once: one thread per GPU (ctypes lets the GIL go during each copy), all
+    starting each copy together; per GPU its own rate, and the aggregate: all bytes over the time
+    from the first start to the last end."""
+    import threading
+    links = [_Link(i, int(gib * (1 << 30))) for i in range(gpus)]
+    barrier = threading.Barrier(gpus)
+    spans: dict[tuple[str, int, int], tuple[float, float]] = {}
+
+    def run(i: int) -> None:
+        links[i].enter()
+        for r in range(repeat):
+            for name in ("d2h", "h2d"):
+                barrier.wait()
+                t0 = time.perf_counter()
+                getattr(links[i], name)()
+                spans[(name, r, i)] = (t0, time.perf_counter())
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(gpus)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    n = links[0].n
+    out: dict[str, Any] = {"bytes_per_gpu": n, "gpus": gpus, "how": HOW + ", one thread per GPU, all at once",
+                           "simulated": links[0].d.SIM, "per_gpu": []}
+    for i in range(gpus):
+        out["per_gpu"].append({f"{k}_gbps": statistics.median(n / (spans[(k, r, i)][1] - spans[(k, r, i)][0]) / 1e9
+                                                             for r in range(repeat)) for k in ("d2h", "h2d")})
+    for k in ("d2h", "h2d"):
+        rounds = [[spans[(k, r, i)] for i in range(gpus)] for r in range(repeat)]
+        out[f"aggregate_{k}_gbps"] = statistics.median(n * gpus / (max(e for _, e in sp) - min(b for b, _ in sp)) / 1e9
+                                                       for sp in rounds)
+    for link in links:
+        link.close()
+    return out
+
+
+def ceiling_all(simulate: bool, gib: float, gpus: int, timeout: float = 600.0) -> dict[str, Any]:
+    """The pinned-copy ceiling of every GPU's link at once, by a child process that then exits."""
+    out = subprocess.run([sys.executable, "-m", "gpucr.bench.methods", "ceiling-all", str(gib), str(gpus)],
+                         capture_output=True, text=True, env=plain_env(simulate), timeout=timeout)
+    if out.returncode != 0:
+        raise GpucrError(f"the pinned-copy ceiling of {gpus} GPUs at once could not be measured: "
+                         f"{out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "ceiling":
         print(json.dumps(_ceiling_child(float(sys.argv[2]))))
+    elif len(sys.argv) == 4 and sys.argv[1] == "ceiling-all":
+        print(json.dumps(_ceiling_all_child(float(sys.argv[2]), int(sys.argv[3]))))
     else:
-        sys.exit("usage: python3 -m gpucr.bench.methods ceiling GIB")
+        sys.exit("usage: python3 -m gpucr.bench.methods ceiling GIB | ceiling-all GIB GPUS")

@@ -71,8 +71,11 @@ def markdown(res: dict[str, Any]) -> str:
               "|" + " --- |" * 14]
     for wname, w in res.get("workloads", {}).items():
         for mname, m in w.get("methods", {}).items():
+            if m.get("skipped"):
+                continue
             if m.get("error"):
-                lines.append(f"| {wname} | {mname} | failed: {m['error'][:80]} |" + " |" * 11)
+                said = m.get("outcome") if m.get("outcome") in ("failed", "hung") else "failed"
+                lines.append(f"| {wname} | {mname} | {said}: {m['error'][:80]} |" + " |" * 11)
                 continue
             d = m["median"]
             lines.append(" | ".join([
@@ -81,6 +84,7 @@ def markdown(res: dict[str, Any]) -> str:
                 _gib(d["bytes_out"]), _rate(d["gbps_out"], d["ceiling_share_out"]),
                 _rate(d["gbps_in"], d["ceiling_share_in"]), _gib(d["gpu_held_checkpointed_bytes"]),
                 "yes" if m.get("correct") else "**NO**"]) + " |")
+    lines += jobs_table(res)
     sp = [f"{w}: {k.replace('_vs_', ' vs ')} checkpoint {v['checkpoint']:.1f}x, restore {v['restore']:.1f}x faster"
           for w, wr in res.get("workloads", {}).items() for k, v in (wr.get("speedups") or {}).items()]
     if sp:
@@ -94,6 +98,40 @@ def markdown(res: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def _per_gpu(rates: dict[str, float | None] | None) -> str:
+    return " / ".join("–" if r is None else f"{r:.1f}" for r in (rates or {}).values()) or "–"
+
+
+def jobs_table(res: dict[str, Any]) -> list[str]:
+    """Multi-GPU jobs: each method's outcome, the job's serving speed under the NCCL settings its
+    process ran with, and bytes and rates per GPU (the GPUs in the order of the first line)."""
+    rows = [(wn, mn, m) for wn, w in res.get("workloads", {}).items() for mn, m in w.get("methods", {}).items()
+            if not m.get("skipped") and len(((m.get("process") or {}).get("bytes_per_gpu")) or {}) > 1]
+    if not rows:
+        return []
+    out = [""]
+    c = res.get("ceiling_all_gpus")
+    if c:
+        out.append(f"Pinned-copy ceiling, {c['gpus']} GPUs' links at once ({_gib(c['bytes_per_gpu'])} GiB each): "
+                   f"D2H {c['aggregate_d2h_gbps']:.1f} GB/s, H2D {c['aggregate_h2d_gbps']:.1f} GB/s in all; per GPU "
+                   + ", ".join(f"{g['d2h_gbps']:.1f} / {g['h2d_gbps']:.1f}" for g in c["per_gpu"]) + " (D2H / H2D).")
+    out += ["", "| job | method | outcome | NCCL transports | tokens/s | GiB per GPU | GB/s per GPU out (last cycle) | GB/s per GPU in (last cycle) |",
+            "|" + " --- |" * 8]
+    for wname, mname, m in rows:
+        p = m["process"]
+        env = p.get("job_env") or {}
+        transports = "P2P and SHM off" if env.get("NCCL_P2P_DISABLE") == "1" else "default (P2P, SHM on)"
+        speed = f"{p['tokens_per_s']:.1f}" if p.get("tokens_per_s") else "–"
+        gib = " / ".join(_gib(b) for b in p["bytes_per_gpu"].values())
+        outcome = m.get("outcome") or ("ok" if not m.get("error") else "failed")
+        if outcome != "ok":
+            outcome += f" at {m.get('failed_step')}: {(m.get('error') or '')[:100]}"
+        last = (m.get("samples") or [{}])[-1]
+        out.append(" | ".join([f"| {wname}", mname, outcome, transports, speed, gib,
+                               _per_gpu(last.get("gbps_out_per_gpu")), _per_gpu(last.get("gbps_in_per_gpu"))]) + " |")
+    return out
+
+
 def chart(res: dict[str, Any], path: str | Path) -> None:
     """Per workload, for each method a checkpoint and a restore bar, stacked by where the time went."""
     import matplotlib
@@ -102,11 +140,11 @@ def chart(res: dict[str, Any], path: str | Path) -> None:
     from matplotlib.patches import Patch
 
     workloads = [(n, w) for n, w in res.get("workloads", {}).items()
-                 if any(not m.get("error") for m in w.get("methods", {}).values())]
+                 if any(not m.get("error") and m.get("median") for m in w.get("methods", {}).values())]
     n = max(1, len(workloads))
     fig, axes = plt.subplots(1, n, figsize=(max(9.0, 4.5 * n), 5.6), squeeze=False)
     for ax, (wname, w) in zip(axes[0], workloads):
-        ms = [(n, m["median"]) for n, m in w["methods"].items() if not m.get("error")]
+        ms = [(n, m["median"]) for n, m in w["methods"].items() if not m.get("error") and m.get("median")]
         ticks, labels = [], []
         for i, (mname, d) in enumerate(ms):
             for j, (parts, total_key, hatch) in enumerate(((OUT_PARTS, "checkpoint_s", ""), (IN_PARTS, "restore_s", "//"))):

@@ -27,11 +27,12 @@ from . import methods as M
 from . import report
 from ..demo import gpu_present
 from ..doctor import meminfo
-from ..driver import Driver, driver_for, gpu_memory
+from ..driver import Driver, device_count, device_info, driver_for, gpu_memory
 from ..errors import GpucrError
 from ..paths import simcuda_dir
 
 SCHEMA = "gpucr-bench/1"
+SPEED_TOKENS = 128         # the generation timed for a job's serving speed
 DEFAULT_WORKLOADS = "llama3-8b,phi4-mini,pythia-1b,qwen3-1.7b,raw:8"
 SIMULATED_WORKLOADS = "raw:0.25"
 SIMULATED_BANNER = ("SIMULATED: these numbers come from simcuda, a test double over host memory, not from a GPU. "
@@ -42,8 +43,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default=None, metavar="LIST",
                    help=f"comma-separated: raw:GIB and LLM servers (default {DEFAULT_WORKLOADS}; "
                         f"{SIMULATED_WORKLOADS} on simcuda, where only raw workloads run)")
-    p.add_argument("--methods", default=",".join(M.DEFAULT_METHODS), metavar="LIST",
-                   help=f"comma-separated, of {','.join(M.METHODS)} (default {','.join(M.DEFAULT_METHODS)})")
+    p.add_argument("--methods", default=None, metavar="LIST",
+                   help=f"comma-separated, of {','.join(M.METHODS)} (default {','.join(M.DEFAULT_METHODS)}; "
+                        f"{','.join(M.JOB_METHODS)} when a multi-GPU job is among the workloads)")
+    p.add_argument("--driver-deadline", type=float, default=600.0, metavar="SECONDS",
+                   help="the driver's own path: a step not done by then is reported as hung and the job "
+                        "is killed (default 600)")
     p.add_argument("--gpu-util", type=float, default=0.5, help="share of the GPU an LLM server may hold, "
                    "weights and KV cache (vLLM's --gpu-memory-utilization; default 0.5)")
     p.add_argument("--repeat", type=int, default=3, help="timed cycles per method and workload (default 3)")
@@ -102,6 +107,7 @@ def environment(drv: Driver, simulated: bool) -> dict[str, Any]:
                  "platform": platform.platform()},
         "device": {"name": "simcuda (simulated driver, test double)" if simulated else _nvml_text("nvmlDeviceGetName", 0),
                    "driver_version": "simcuda" if simulated else _nvml_text("nvmlSystemGetDriverVersion"),
+                   "count": device_count(drv),
                    "cuda_version": f"{v // 1000}.{v % 1000 // 10}", "memory_total_bytes": mem.total if mem else None},
         "software": {"python": platform.python_version(), "gpucr": gpucr.__version__,
                      "torch": _version("torch"), "transformers": _version("transformers")},
@@ -111,7 +117,11 @@ def environment(drv: Driver, simulated: bool) -> dict[str, Any]:
 # ---- one workload process, several methods ----
 
 def _used(drv: Driver) -> Callable[[], int | None]:
+    """Memory in use on the machine's GPUs, all of them added up (a job may span several)."""
     def read() -> int | None:
+        per = {} if drv.simulated else _used_per_gpu(drv)
+        if per:
+            return sum(per.values())
         m = gpu_memory(drv)
         return m.used if m else None
     return read
@@ -158,13 +168,66 @@ class Hugepages:
             HUGEPAGES_SYSCTL.write_text(str(self.before))
 
 
+def _used_per_gpu(drv: Driver) -> dict[str, int]:
+    """Memory in use on every GPU of the machine, by UUID (NVML; simcuda's count when simulated)."""
+    out = {}
+    for i in range(device_count(drv)):
+        uuid = device_info(drv, i)["uuid"]
+        m = gpu_memory(drv, i, uuid)
+        if m:
+            out[uuid] = m.used
+    return out
+
+
+def _agent_bytes_per_gpu(pids: list[int]) -> dict[str, int]:
+    """What gpucr's agents move on each GPU (their tracked VMM bytes), added over the processes."""
+    out: dict[str, int] = {}
+    for pid in pids:
+        for d in gpucr.status(pid).get("devices", []):
+            out[d["uuid"]] = out.get(d["uuid"], 0) + d.get("vmm_bytes", 0)
+    return out
+
+
+def _start(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, idle: int | None,
+           idle_gpus: dict[str, int]) -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """One job for `group`: started, described (footprint per GPU, serving speed) and observed."""
+    head = group[0]
+    _say(f"{spec.name}: starting {'under the agent' if head.under_agent else 'without the agent'} "
+         f"for {', '.join(m.name for m in group)}" + (f" with {head.job_env}" if head.job_env else ""))
+    w = M.start(spec, head.under_agent, simulate, head.agent_env, head.job_env)
+    try:
+        info = w.ask("info")
+        running, running_gpus = _used(drv)(), _used_per_gpu(drv)
+        proc = {"pid": w.pids[0], "pids": w.pids, "launcher_pid": w.launcher, "info": info,
+                "job_env": head.job_env, "gpu_used_idle_bytes": idle, "gpu_used_running_bytes": running,
+                "footprint_bytes": _diff(running, idle),
+                "footprint_per_gpu_bytes": {u: n - idle_gpus.get(u, 0) for u, n in running_gpus.items()
+                                            if n - idle_gpus.get(u, 0) > 64 << 20}}
+        if spec.llm:
+            speed = w.ask(f"serve-speed {SPEED_TOKENS}")
+            proc["tokens_per_s"] = speed["tokens_per_s"]
+            _say(f"{spec.name}: serving {speed['tokens_per_s']:.1f} tokens/s"
+                 + (f" with {head.job_env}" if head.job_env else ""))
+        return w, proc, M.observe(w, spec)
+    except BaseException:
+        w.close(graceful=False)
+        raise
+
+
+def _failed_entry(proc: dict[str, Any], exc: M.JobFailed, samples: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"process": proc, "outcome": exc.outcome, "error": str(exc), "failed_step": exc.step,
+            "errors": {str(k): v for k, v in exc.errors.items()}, "steps_s": exc.steps_s, "samples": samples,
+            "median": None, "warmup": None, "correct": False}
+
+
 def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, ceiling: dict | None,
               repeat: int, out: dict[str, dict[str, Any]], hugepages_for: int | None = None,
               saved: Callable[[], None] = lambda: None) -> None:
-    """Start one process for `group`, then time `repeat` cycles of each method on it; each method's
+    """Start one job for `group`, then time `repeat` cycles of each method on it; each method's
     results go into `out`, and `saved` is called, as soon as it is done, so a later failure or a
-    time limit keeps them. hugepages_for: bytes of hugepages to reserve for the agent's staging
-    while this group runs."""
+    time limit keeps them. A method that leaves the job dead (the driver's path failed or hung) is
+    reported as such, and the job is killed and started again for the next method.
+    hugepages_for: bytes of hugepages to reserve for the agent's staging while this group runs."""
     if hugepages_for:
         with Hugepages(hugepages_for) as h:
             def saved_with_pages() -> None:
@@ -175,47 +238,51 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
             run_group(spec, group, simulate, drv, ceiling, repeat, out, saved=saved_with_pages)
         return
     used = _used(drv)
-    under_agent = group[0].under_agent
-    idle = used()
-    _say(f"{spec.name}: starting {'under the agent' if under_agent else 'without the agent'} "
-         f"for {', '.join(m.name for m in group)}")
-    w = M.start(spec, under_agent, simulate, group[0].agent_env)
+    idle, idle_gpus = used(), _used_per_gpu(drv)
+    w, proc, ref = _start(spec, group, simulate, drv, idle, idle_gpus)
     ok_exit = False
     try:
-        info = w.ask("info")
-        running = used()
-        proc = {"pid": w.pid, "info": info, "gpu_used_idle_bytes": idle, "gpu_used_running_bytes": running,
-                "footprint_bytes": _diff(running, idle)}
-        ref = M.observe(w, spec)
         warmup = None
-        if under_agent:
+        if group[0].under_agent:
             _say(f"{spec.name}: warm-up cycle (the agent prepares its staging once)")
-            ck, rs, _ = M.timed_cycle(M.GpucrMethod("full", timeout=M.WARMUP_TIMEOUT_S), w.pid, used)
+            ck, rs, _ = M.timed_cycle(M.GpucrMethod("full", timeout=M.WARMUP_TIMEOUT_S), w.pids, used)
             warmup = {"checkpoint_s": ck["wall_s"], "restore_s": rs["wall_s"], "staging_ms": ck["agent_ms"]["staging"],
                       "checkpoint": ck, "restore": rs, "correct": M.compare(ref, M.observe(w, spec))}
             _say(f"{spec.name}: warm-up checkpoint {ck['wall_s']:.3f} s (staging {ck['agent_ms']['staging'] / 1000:.3f} s), "
                  f"restore {rs['wall_s']:.3f} s")
-        for m in group:
-            samples = []
-            for i in range(repeat):
-                ck, rs, used_ck = M.timed_cycle(m, w.pid, used)
-                row = M.metrics(m, ck, rs, proc["footprint_bytes"], ceiling)
-                row["gpu_held_checkpointed_bytes"] = _diff(used_ck, idle)
-                row["correct"] = M.compare(ref, M.observe(w, spec))
-                samples.append(row)
-                _say(f"{spec.name} {m.name} {i + 1}/{repeat}: checkpoint {row['checkpoint_s']:.3f} s, "
-                     f"restore {row['restore_s']:.3f} s, correct: {'yes' if all(row['correct'].values()) else 'NO'}")
+            proc["bytes_per_gpu"] = _agent_bytes_per_gpu(w.pids)
+        else:
+            proc["bytes_per_gpu"] = proc["footprint_per_gpu_bytes"]
+        for k, m in enumerate(group):
+            samples: list[dict[str, Any]] = []
+            try:
+                for i in range(repeat):
+                    ck, rs, used_ck = M.timed_cycle(m, w.pids, used)
+                    row = M.metrics(m, ck, rs, proc["footprint_bytes"], ceiling)
+                    row.update(M.per_gpu(row, m, proc["bytes_per_gpu"]))
+                    row["gpu_held_checkpointed_bytes"] = _diff(used_ck, idle)
+                    row["correct"] = M.compare(ref, M.observe(w, spec))
+                    samples.append(row)
+                    _say(f"{spec.name} {m.name} {i + 1}/{repeat}: checkpoint {row['checkpoint_s']:.3f} s, "
+                         f"restore {row['restore_s']:.3f} s, correct: {'yes' if all(row['correct'].values()) else 'NO'}")
+            except M.JobFailed as exc:
+                _say(f"{spec.name} {m.name}: {exc.outcome} at {exc.step}: {exc}; the job is killed"
+                     + ("" if k == len(group) - 1 else " and started again for the next method"))
+                out[m.name] = _failed_entry(proc, exc, samples)
+                saved()
+                w.close(graceful=False)
+                _settle(used, idle)
+                if k < len(group) - 1:
+                    w, proc, ref = _start(spec, group[k + 1:], simulate, drv, idle, idle_gpus)
+                    proc["bytes_per_gpu"] = proc["footprint_per_gpu_bytes"]
+                continue
             checks = [s["correct"] for s in samples] + ([warmup["correct"]] if warmup else [])
             out[m.name] = {"process": proc, "warmup": warmup, "samples": samples, "median": M.medians(samples),
-                           "correct": all(all(c.values()) for c in checks), "error": None}
+                           "outcome": "ok", "correct": all(all(c.values()) for c in checks), "error": None}
             saved()
         ok_exit = True
     finally:
-        if ok_exit:
-            w.close()
-        else:   # it may be parked by a checkpoint half done: it cannot be asked to quit
-            w.proc.kill()
-            w.proc.wait()
+        w.close(graceful=ok_exit)   # not graceful: it may be parked by a checkpoint half done
         _settle(used, idle)
 
 
@@ -230,7 +297,7 @@ def _hugepages_for(a: argparse.Namespace, spec: M.Spec, group: list[M.Method], d
     if seen:
         return max(seen)
     if spec.llm:
-        return int(a.gpu_util * (results["device"]["memory_total_bytes"] or 0)) or None
+        return int(a.gpu_util * spec.gpus * (results["device"]["memory_total_bytes"] or 0)) or None
     return int(float(spec.args[1]) * 2**30)
 
 
@@ -238,7 +305,7 @@ def speedups(by_method: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]
     """gpucr-full against the driver's own path, from the side-by-side medians."""
     out = {}
     g = (by_method.get("gpucr-full") or {}).get("median")
-    for base in ("driver", "driver-fresh"):
+    for base in ("driver", "driver-fresh", "driver-nop2p"):
         b = (by_method.get(base) or {}).get("median")
         if g and b and g["checkpoint_s"] and g["restore_s"]:
             out[f"gpucr-full_vs_{base}"] = {"checkpoint": b["checkpoint_s"] / g["checkpoint_s"],
@@ -260,12 +327,32 @@ def _write(path: Path, results: dict[str, Any]) -> None:
 
 
 def _groups(ms: list[M.Method]) -> list[list[M.Method]]:
-    """Plain-process methods together, agent methods with the same agent settings together, in the
-    order first asked for."""
+    """Plain-process methods together, agent methods with the same agent settings together, methods
+    whose job needs other settings apart; in the order first asked for."""
     groups: dict[tuple, list[M.Method]] = {}
     for m in ms:
-        groups.setdefault((m.under_agent, tuple(sorted(m.agent_env.items()))), []).append(m)
+        groups.setdefault((m.under_agent, tuple(sorted(m.agent_env.items())), tuple(sorted(m.job_env.items()))),
+                          []).append(m)
     return list(groups.values())
+
+
+def method_names(text: str | None, specs: list[M.Spec]) -> list[str]:
+    """--methods, or the default: the multi-GPU set when a multi-GPU job is among the workloads."""
+    if text is None:
+        return list(M.JOB_METHODS if any(s.gpus > 1 for s in specs) else M.DEFAULT_METHODS)
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    for n in names:
+        if n not in M.METHODS:
+            raise GpucrError(f"unknown method '{n}': use some of {', '.join(M.METHODS)}")
+    return names
+
+
+def _ceiling_for(spec: M.Spec, results: dict[str, Any]) -> dict | None:
+    """What a workload's rates are set against: one link, or every link at once for a multi-GPU job."""
+    both = results.get("ceiling_all_gpus")
+    if spec.gpus > 1 and both:
+        return {"d2h_gbps": both["aggregate_d2h_gbps"], "h2d_gbps": both["aggregate_h2d_gbps"]}
+    return results["ceiling"]
 
 
 def main(a: argparse.Namespace) -> int:
@@ -273,13 +360,12 @@ def main(a: argparse.Namespace) -> int:
         raise GpucrError("--repeat must be at least 1")
     if not 0 < a.gpu_util < 1:
         raise GpucrError("--gpu-util is a share of the GPU, between 0 and 1")
+    if a.driver_deadline <= 0:
+        raise GpucrError("--driver-deadline is a number of seconds above 0")
     simulated = a.simulate or not gpu_present()
-    names = [n.strip() for n in a.methods.split(",") if n.strip()]
-    for n in names:
-        if n not in M.METHODS:
-            raise GpucrError(f"unknown method '{n}': use some of {', '.join(M.METHODS)}")
     specs = [M.parse_workload(w, a.gpu_util)
              for w in (a.workloads or (SIMULATED_WORKLOADS if simulated else DEFAULT_WORKLOADS)).split(",") if w.strip()]
+    names = method_names(a.methods, specs)
     skipped = []
     if simulated:
         _say(SIMULATED_BANNER)
@@ -304,28 +390,39 @@ def main(a: argparse.Namespace) -> int:
                      if a.staging_hugepages else "the agent's default (hugepages if free, else shared memory)",
                      "unpin_for_driver": os.environ.get("GPUCR_UNPIN_FOR_DRIVER", "0") not in ("", "0")},
         "ceiling": None, "workloads": {}}
+    gib = a.ceiling_gib or (0.25 if simulated else 8.0)
     if "ceiling" in names:
-        gib = a.ceiling_gib or (0.25 if simulated else 8.0)
         _say(f"measuring the pinned-copy ceiling ({gib:g} GiB)")
         results["ceiling"] = M.ceiling(simulated, gib)
         _say(f"ceiling: D2H {results['ceiling']['d2h_gbps']:.1f} GB/s, H2D {results['ceiling']['h2d_gbps']:.1f} GB/s")
-    methods = [M.make(n, drv, simulated) for n in names if n != "ceiling"]
+    gpus = max(s.gpus for s in specs)
+    if "ceiling" in names and gpus > 1:
+        _say(f"measuring the pinned-copy ceiling of {gpus} GPUs' links at once ({gib:g} GiB each)")
+        results["ceiling_all_gpus"] = c = M.ceiling_all(simulated, gib, gpus)
+        _say(f"ceiling of {gpus} links at once: D2H {c['aggregate_d2h_gbps']:.1f} GB/s, H2D {c['aggregate_h2d_gbps']:.1f} GB/s "
+             f"in all; per GPU " + ", ".join(f"{g['d2h_gbps']:.1f}/{g['h2d_gbps']:.1f}" for g in c["per_gpu"]))
+    methods = [M.make(n, drv, simulated, a.driver_deadline) for n in names if n != "ceiling"]
     failed = False
     for spec in specs:
         wres: dict[str, Any] = {"module": spec.module, "args": list(spec.args), "methods": {}}
         results["workloads"][spec.name] = wres
         for group in _groups(methods):
+            if group[0].job_env and not spec.nccl:   # NCCL settings change nothing in a job without NCCL
+                for m in group:
+                    wres["methods"][m.name] = {"skipped": "not an NCCL job", "correct": True, "error": None}
+                continue
             huge = _hugepages_for(a, spec, group, wres["methods"], results) if a.staging_hugepages else None
             try:
-                run_group(spec, group, simulated, drv, results["ceiling"], a.repeat, wres["methods"], hugepages_for=huge,
-                          saved=lambda: _save(out, results, wres))
+                run_group(spec, group, simulated, drv, _ceiling_for(spec, results), a.repeat, wres["methods"],
+                          hugepages_for=huge, saved=lambda: _save(out, results, wres))
             except (GpucrError, RuntimeError, OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
                 failed = True
                 _say(f"{spec.name}: {', '.join(m.name for m in group)} failed: {exc}")
                 for m in group:
                     wres["methods"].setdefault(m.name, {"error": str(exc), "correct": False})
             _save(out, results, wres)
-    failed = failed or not all(r.get("correct") for w in results["workloads"].values() for r in w["methods"].values())
+    failed = failed or not all(r.get("correct") or r.get("outcome") in ("failed", "hung")
+                               for w in results["workloads"].values() for r in w["methods"].values())
     try:
         report.chart(results, chart)
     except ImportError:

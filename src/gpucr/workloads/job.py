@@ -45,7 +45,7 @@ def torchrun_argv(module: str, args: list[str], world: int, group: str | None = 
 class Job:
     def __init__(self, module: str, args: list[str], launch: str = "torchrun", world: int = 2,
                  env: dict[str, str] | None = None, agent: bool = True, group: str | None = None,
-                 ready_timeout: float = 600.0) -> None:
+                 ready_timeout: float = 600.0, simulate: bool = False) -> None:
         if launch not in LAUNCHES:
             raise ValueError(f"unknown launch '{launch}': use one of {', '.join(LAUNCHES)}")
         self.launch, self.world = launch, world
@@ -53,7 +53,7 @@ class Job:
         if launch == "torchrun":
             # `gpucr run` adds the agent itself; without a group, the launcher gets it from here
             self.procs = [Workload("", argv=torchrun_argv(module, args, world, group), env=env,
-                                   agent=agent and not group, ready_timeout=ready_timeout)]
+                                   agent=agent and not group, ready_timeout=ready_timeout, simulate=simulate)]
             self.pids: list[int] = list(self.procs[0].info["pids"])
             self.launcher: int | None = self.procs[0].pid
         elif launch == "ranks":
@@ -62,7 +62,8 @@ class Job:
             port = str(free_port())
             with ThreadPoolExecutor(world) as pool:   # every rank must start at once: init waits for all
                 futures = [pool.submit(Workload, module, *args, "--rank", str(r), "--world", str(world), "--port", port,
-                                       env=env, agent=agent, ready_timeout=ready_timeout) for r in range(world)]
+                                       env=env, agent=agent, ready_timeout=ready_timeout, simulate=simulate)
+                           for r in range(world)]
             failed = [f.exception() for f in futures if f.exception() is not None]
             self.procs = [f.result() for f in futures if f.exception() is None]
             self.pids, self.launcher = [w.pid for w in self.procs], None
@@ -70,7 +71,7 @@ class Job:
                 self.close(graceful=False)
                 raise RuntimeError(f"a rank of {module} did not start: {failed[0]}")
         else:
-            self.procs = [Workload(module, *args, env=env, agent=agent, ready_timeout=ready_timeout)]
+            self.procs = [Workload(module, *args, env=env, agent=agent, ready_timeout=ready_timeout, simulate=simulate)]
             self.pids, self.launcher = [self.procs[0].pid], None
         self.info = self._merge([w.info for w in self.procs])
         self._pool = ThreadPoolExecutor(len(self.procs))

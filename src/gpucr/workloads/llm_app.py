@@ -5,13 +5,14 @@ The architectures are the models' own config.json values, written out here (no h
 download); the weights are random, so the tokens mean nothing, but the memory, the kernels and the
 allocation pattern are those of the real model.
 
-Commands: generate N | digest | info | quit
+Commands: generate N | digest | info | serve-speed N | quit
 
 torch and transformers are imported where they are used, so MODELS can be read without them.
 """
 from __future__ import annotations
 
 import argparse
+import time
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -186,6 +187,13 @@ class App:
             return {"tokens": tokens}
         if cmd == "digest":
             return self.digest()
+        if cmd == "serve-speed":   # tokens per second of one greedy generation, prompt included
+            self.torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            n = len(greedy(self.model, self.prompt, int(words[1])))
+            self.torch.cuda.synchronize()
+            s = time.perf_counter() - t0
+            return {"tokens_per_s": n / s, "seconds": s, "tokens": n}
         if cmd == "info":
             return self.info()
         raise ValueError(f"unknown command {cmd}")

@@ -13,7 +13,7 @@ import time
 from typing import TYPE_CHECKING, Callable
 
 from .llama import MAX_SEQ, Stage
-from .llm_app import PROMPT_SEED, PROMPT_TOKENS, kv_cache, nbytes
+from .llm_app import PROMPT_SEED, PROMPT_TOKENS, nbytes
 
 if TYPE_CHECKING:
     import torch
