@@ -174,8 +174,8 @@ def nccl_tp(rank: int, size: int, group=None) -> Tp:
         dist.all_reduce(t, group=group)
 
     def all_gather(t: torch.Tensor) -> torch.Tensor:
-        parts = [torch.empty_like(t) for _ in range(size)]
-        dist.all_gather(parts, t.contiguous(), group=group)
-        return torch.cat(parts)
+        out = torch.empty(size * t.numel(), dtype=t.dtype, device=t.device)   # one flat buffer: no copies after
+        dist.all_gather_into_tensor(out, t.contiguous(), group=group)
+        return out
     return Tp(rank, size, all_reduce, all_gather)
 

@@ -23,10 +23,20 @@ CPU_KV_BYTES = 16 << 20        # --device cpu: a token KV cache, the code path o
 LOOP_CHUNK = 8                 # graph replays between two checks of whether every rank should stop
 
 
+def device_uuid(ordinal: int) -> str:
+    """The UUID of this process's CUDA device `ordinal`; cuInit first, as it may come before torch's."""
+    import ctypes
+
+    from .multi_gpu_app import device_uuid as read
+    rc = ctypes.CDLL("libcuda.so.1").cuInit(0)
+    if rc != 0:
+        raise RuntimeError(f"cuInit failed (CUDA error {rc}): is there a GPU and its driver?")
+    return read(ordinal)
+
+
 def gpu_used(ordinal: int) -> int | None:
     """Bytes in use on this process's CUDA device `ordinal` (NVML, by UUID: no CUDA context needed)."""
     from ..driver import _nvml_memory
-    from .multi_gpu_app import device_uuid
     m = _nvml_memory(ordinal, device_uuid(ordinal))
     return m.used if m else None
 
@@ -123,7 +133,6 @@ class Server:
             row = {"device": str(d), "weights_bytes": sum(s.weight_bytes() for s in self.stages if s.device == d),
                    "kv_cache_bytes": sum(nbytes(t) for t in self.kv[d])}
             if d.type == "cuda":
-                from .multi_gpu_app import device_uuid
                 row.update(uuid=device_uuid(d.index), reserved_bytes=torch.cuda.memory_reserved(d),
                            used_on_gpu_bytes=gpu_used(d.index))
             per.append(row)
@@ -153,7 +162,8 @@ class Server:
         chunk, so all stop after the same replay (a lone replay would wait on a collective forever)."""
         g, n = self.graph, 0
         try:
-            self.torch.cuda.set_device(self.first)   # the current device is per thread
+            if self.first.type == "cuda":
+                self.torch.cuda.set_device(self.first)   # the current device is per thread
             with self.torch.no_grad():
                 while True:
                     for _ in range(LOOP_CHUNK):
