@@ -10,14 +10,16 @@ from pathlib import Path
 import pytest
 
 from gpucr import paths
+from gpucr.target import agent_socket_name
 from gpucr.workloads.runner import Workload
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(autouse=True)
-def _private_dirs(tmp_path_factory, monkeypatch):
-    """Each test gets its own agent runtime dir and simcuda device, so tests cannot see each other."""
+def _private_dirs(tmp_path_factory, monkeypatch, request):
+    """Each test gets its own agent runtime dir and simcuda device, so tests cannot see each other; the
+    controller itself is told to use simcuda (it never takes the driver a target names), except in GPU tests."""
     base = tmp_path_factory.mktemp("rt")
     rt, sim = base / "gpucr", base / "simcuda"
     rt.mkdir(mode=0o700)
@@ -25,6 +27,8 @@ def _private_dirs(tmp_path_factory, monkeypatch):
     monkeypatch.setenv("GPUCR_RUNTIME_DIR", str(rt))
     monkeypatch.setenv("SIMCUDA_DIR", str(sim))
     monkeypatch.setenv("SIMCUDA_TOTAL_MEM", str(4 << 30))
+    if "gpu" not in Path(str(request.node.path)).parent.parts[-1:]:
+        monkeypatch.setenv("GPUCR_SIMULATE", "1")
     yield
 
 
@@ -87,7 +91,7 @@ def sim_agent_socket(tmp_path_factory):
     (base / "rt").mkdir(mode=0o700)
     (base / "sim").mkdir(mode=0o700)
     w = Workload("driver_app", "--sizes", "4M", simulate=True, env=env)
-    yield base / "rt" / f"{w.pid}.sock"
+    yield base / "rt" / agent_socket_name(w.pid)
     w.close()
 
 
@@ -137,7 +141,7 @@ def check_fork_child_apart(app: Workload, timeout: float = 30.0) -> None:
     child = app.ask("fork 30")["child"]
     try:
         deadline = time.time() + 10
-        while not (paths.runtime_dir() / f"{child}.sock").exists() and time.time() < deadline:
+        while not (paths.runtime_dir() / agent_socket_name(child)).exists() and time.time() < deadline:
             time.sleep(0.05)
         assert gpucr.status(child)["allocations"]["tracked"] == 0, "the child must not inherit the parent's registry"
         r = gpucr_cli("checkpoint", str(child))

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from gpucr import paths
+from gpucr.target import agent_socket_name
 
 
 def talk(sock_path, data: bytes) -> list[dict]:
@@ -37,14 +38,14 @@ def talk(sock_path, data: bytes) -> list[dict]:
 def test_runtime_dir_and_socket_are_private(sim_app):
     app = sim_app("--sizes", "4M")
     d = paths.runtime_dir()
-    sock = d / f"{app.pid}.sock"
+    sock = d / agent_socket_name(app.pid)
     assert stat.S_IMODE(os.stat(d).st_mode) == 0o700
     assert stat.S_IMODE(os.stat(sock).st_mode) == 0o600
 
 
 def test_malformed_requests_get_errors_and_agent_keeps_serving(sim_app):
     app = sim_app("--sizes", "4M")
-    sock = paths.runtime_dir() / f"{app.pid}.sock"
+    sock = paths.runtime_dir() / agent_socket_name(app.pid)
     replies = talk(sock, b"\n" + b"bogus\n" + b"checkpoint timeout_ms=-5\n" + b"checkpoint timeout_ms=abc\n" + b"hel\x00lo\n" + b"hello\n")
     assert [r["ok"] for r in replies] == [False, False, False, False, False, True]
     assert "unknown request verb" in replies[1]["error"]
@@ -69,7 +70,7 @@ def test_peer_of_another_user_is_refused_by_the_agent_itself(sim_app):
     d = Path(tempfile.mkdtemp(dir="/tmp"))   # reachable by another user once opened up (pytest's own dirs are not)
     try:
         app = sim_app("--sizes", "4M", env=dict(os.environ, GPUCR_RUNTIME_DIR=str(d)))
-        _probe_as_stranger(d, d / f"{app.pid}.sock")
+        _probe_as_stranger(d, d / agent_socket_name(app.pid))
     finally:
         shutil.rmtree(d, ignore_errors=True)
 

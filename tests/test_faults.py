@@ -14,6 +14,7 @@ import pytest
 
 import gpucr
 from gpucr import paths
+from gpucr.target import agent_socket_name
 from gpucr.driver import ProcessState
 
 from conftest import check_fork_child_apart, cycle_concurrently, gpucr_cli, process_resources, sim_driver
@@ -151,7 +152,7 @@ def test_app_killed_while_checkpointed_leaves_nothing_behind(sim_app, tmp_path):
     app.ask("join ok 1")
     gpucr.checkpoint(app.pid)
     rdir = paths.runtime_dir()
-    assert (rdir / f"{app.pid}.sock").exists() and (rdir / f"{app.pid}.app.sock").exists()
+    assert (rdir / agent_socket_name(app.pid)).exists() and (rdir / f"{app.pid}.app.sock").exists()
     app.proc.kill()
     app.proc.wait()
     assert gpucr.ps() == []                     # stale sockets are cleaned by the first listing

@@ -1,9 +1,13 @@
-/* The control channel: one Unix socket per process, <runtime dir>/<pid>.sock, in a directory only
- * its user can enter. Requests are single lines "VERB key=value ...", at most 4 KiB; each answer is
- * one JSON line. Only the same user or root may connect (SO_PEERCRED). */
+/* The control channel: one Unix socket per process, <runtime dir>/<pid>-<pid namespace inode>.sock,
+ * in a directory only its user can enter. Requests are single lines "VERB key=value ...", at most
+ * 4 KiB; each answer is one JSON line. Only the same user or root may connect (SO_PEERCRED).
+ * docs/security.md says what each check stops. */
 #define _GNU_SOURCE
+#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
+#include <fcntl.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -21,13 +25,17 @@
 
 #define MAX_REQUEST 4096
 #define MAX_CLIENTS 8
+#define PROTOCOL 2                 /* gpucr/agent.py PROTOCOL: the controller refuses any other */
+#define IDLE_TIMEOUT_S 30          /* a connection that never asked for a change (status, a monitor) */
+#define EVICT_GRACE_MS 500         /* an idle connection younger than this is not evicted */
+#define ACTED_TIMEOUT_S 3600       /* a controller's connection between its steps (driver lock, checkpoint) */
 
 static char g_dir[256], g_sock[300];
+static ino_t g_sock_ino;           /* what we bound: at exit only that is removed */
 static char g_group[128];   /* GPUCR_GROUP, read once at start: the application may change its environment later */
 static int g_listen = -1;
 static pthread_mutex_t g_op = PTHREAD_MUTEX_INITIALIZER;   /* one checkpoint/restore at a time */
 static volatile bool g_rolling_back;   /* status says so: a new controller waits for it instead of "busy" */
-static int g_clients;
 static pthread_mutex_t g_clients_mu = PTHREAD_MUTEX_INITIALIZER;
 
 
@@ -35,21 +43,65 @@ static pthread_mutex_t g_clients_mu = PTHREAD_MUTEX_INITIALIZER;
 static struct { double driver_lock, control_out, control_in, driver_unlock; } g_notes;
 
 
-/* <GPUCR_RUNTIME_DIR> or $XDG_RUNTIME_DIR/gpucr or /tmp/gpucr-<uid>; the same rule as the Python side. */
+/* The runtime dir rule: the same table as gpucr/paths.py RUNTIME_DIR_RULES (tests/test_security.py
+ * holds the two to it). The first rule whose setting is present names the dir:
+ *   GPUCR_RUNTIME_DIR   that dir                   not private: refused, the channel is off
+ *   XDG_RUNTIME_DIR     $XDG_RUNTIME_DIR/gpucr     not private: refused, the channel is off
+ *   (neither)           /tmp/gpucr-<uid>           not private (anyone may take that name first): the
+ *                                                  first private /tmp/gpucr-<uid>.* dir, else a new one
+ *                                                  made here with mkdtemp (the controller looks there too)
+ * Private: a directory, not a link (lstat), of this user, mode 0700. */
+static bool dir_private(const char *d)
+{
+    struct stat st;
+    return lstat(d, &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == getuid() && !(st.st_mode & 0077);
+}
+
+static int fallback_dir(const char *taken)
+{
+    char prefix[64], best[256] = "";
+    int plen = snprintf(prefix, sizeof prefix, "gpucr-%u.", (unsigned)getuid());
+    DIR *d = opendir("/tmp");
+    for (struct dirent *e; d && (e = readdir(d));) {
+        char path[300];
+        snprintf(path, sizeof path, "/tmp/%s", e->d_name);
+        if (!strncmp(e->d_name, prefix, (size_t)plen) && strlen(path) < sizeof best && dir_private(path) &&
+            (!best[0] || strcmp(path, best) < 0))
+            snprintf(best, sizeof best, "%s", path);
+    }
+    if (d) closedir(d);
+    if (best[0]) snprintf(g_dir, sizeof g_dir, "%s", best);
+    else {
+        snprintf(g_dir, sizeof g_dir, "/tmp/%sXXXXXX", prefix);
+        if (!mkdtemp(g_dir)) {
+            gpucr_warn("error: %s is not a private directory of this user and no private one can be made (%s): "
+                       "the control channel is OFF, this process cannot be checkpointed", taken, strerror(errno));
+            return -1;
+        }
+    }
+    gpucr_warn("%s is not a private directory of this user (someone else may have made it): the control channel is "
+               "in %s instead", taken, g_dir);
+    return 0;
+}
+
 static int make_runtime_dir(void)
 {
     const char *env = getenv("GPUCR_RUNTIME_DIR"), *xdg = getenv("XDG_RUNTIME_DIR");
+    bool fallback = false;
     if (env && *env) snprintf(g_dir, sizeof g_dir, "%s", env);
     else if (xdg && *xdg) snprintf(g_dir, sizeof g_dir, "%s/gpucr", xdg);
-    else snprintf(g_dir, sizeof g_dir, "/tmp/gpucr-%u", (unsigned)getuid());
-    if (mkdir(g_dir, 0700) != 0 && errno != EEXIST) return -1;
-    struct stat st;
-    if (lstat(g_dir, &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != getuid() || (st.st_mode & 0077)) {
-        gpucr_warn("runtime dir %s is not a private directory of this user (want owner uid %u, mode 0700); "
-                   "the control channel is off", g_dir, (unsigned)getuid());
-        return -1;
+    else { snprintf(g_dir, sizeof g_dir, "/tmp/gpucr-%u", (unsigned)getuid()); fallback = true; }
+    mkdir(g_dir, 0700);
+    if (dir_private(g_dir)) return 0;
+    if (fallback) {
+        char taken[sizeof g_dir];
+        snprintf(taken, sizeof taken, "%s", g_dir);
+        return fallback_dir(taken);
     }
-    return 0;
+    gpucr_warn("error: runtime dir %s is not a private directory of this user (want a directory, not a link, owned "
+               "by uid %u with mode 0700): the control channel is OFF, this process cannot be checkpointed",
+               g_dir, (unsigned)getuid());
+    return -1;
 }
 
 /* Whether the process has loaded a CUDA driver, through the agent or on its own. */
@@ -65,12 +117,11 @@ static void reply_hello(struct jb *j)
 {
     jb_bool(j, "ok", true);
     jb_str(j, "agent", "gpucr");
-    jb_int(j, "protocol", 1);
+    jb_int(j, "protocol", PROTOCOL);
     jb_int(j, "pid", getpid());
     jb_int(j, "uid", getuid());
     jb_bool(j, "cuda", cuda_present());
     jb_bool(j, "simulated", gpucr_drv.simcudaIsSimulated && gpucr_drv.simcudaIsSimulated());
-    jb_str(j, "libcuda", gpucr_libcuda_path());
     jb_str(j, "group", g_group);
 }
 
@@ -129,6 +180,12 @@ static void reply_status(struct jb *j)
     jb_bool(j, "busy", busy);
     jb_bool(j, "rolling_back", g_rolling_back);
     jb_bool(j, "gate_closed", gpucr_gate_is_closed());
+    unsigned long long pbytes, psteps;
+    dp_get_progress(&pbytes, &psteps);   /* a controller waiting on another connection watches these move */
+    jb_sub(j, "progress");
+    jb_int(j, "bytes", (long long)pbytes);
+    jb_int(j, "steps", (long long)psteps);
+    jb_end(j);
     jb_int(j, "generation", st.generation);
     reg_lock();
     long n = 0, conv = 0, app = 0, kept = 0;
@@ -226,6 +283,9 @@ struct client {
     bool close_sent;            /* the fds sent are ours to close afterwards (a re-export) */
     int in[4];                  /* received with the request (SCM_RIGHTS) */
     int nin;
+    bool acted;                 /* it asked for a change (handle_op): a controller, never evicted as idle */
+    int slot;                   /* its place in g_slots while it holds it */
+    unsigned long id;
 };
 
 static void reply_note(const char *req, struct jb *j)
@@ -256,7 +316,9 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
         return;
     }
     if (!cuda_present()) { reply_error(j, "the process has not loaded the CUDA driver: nothing to checkpoint"); return; }
+    c->acted = true;
     if (pthread_mutex_trylock(&g_op) != 0) { reply_error(j, "busy: another checkpoint or restore of this process is in progress"); return; }
+    dp_watch_requester(c->fd);   /* long waits end at once if this connection goes away */
     gpucr_init();
     char err[600] = "";
     int rc;
@@ -294,6 +356,7 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
     } else {   /* stage */
         rc = dp_stage(err, sizeof err);
     }
+    dp_watch_requester(-1);
     pthread_mutex_unlock(&g_op);
     if (rc) { c->nfds = 0; reply_error(j, err); return; }
     if (status_after) reply_status(j);
@@ -310,6 +373,7 @@ static void handle(const char *req, struct jb *j, struct client *c)
     else if (!strcmp(verb, "status")) reply_status(j);
     else if (!strcmp(verb, "note")) reply_note(req, j);
     else if (!strcmp(verb, "commit")) { c->lease = false; jb_bool(j, "ok", true); }
+    else if (!strcmp(verb, "progress")) { dp_mark_progress(); jb_bool(j, "ok", true); }   /* an image chunk read */
     else if (!strcmp(verb, "zero")) {
         long long va = arg_ll(req, "va", 0, INT64_MAX), off = arg_ll(req, "offset", -1, INT64_MAX);
         if (va <= 0 || off < 0 || dp_mark_zero((unsigned long long)va, (unsigned long long)off))
@@ -330,12 +394,25 @@ static void handle(const char *req, struct jb *j, struct client *c)
     else reply_error(j, "unknown request verb");
 }
 
-static bool peer_allowed(int fd)
+/* Only the process's own user or root; `why` says who was refused. Through a user namespace, a user
+ * with no uid in it (host root seen from a container is one) appears as the overflow uid. */
+static bool peer_allowed(int fd, char *why, size_t len)
 {
     struct ucred cr;
-    socklen_t len = sizeof cr;
-    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &len) != 0) return false;
-    return cr.uid == getuid() || cr.uid == 0;
+    socklen_t clen = sizeof cr;
+    if (getsockopt(fd, SOL_SOCKET, SO_PEERCRED, &cr, &clen) != 0) { snprintf(why, len, "permission denied"); return false; }
+    if (cr.uid == getuid() || cr.uid == 0) return true;
+    long overflow = 65534;
+    FILE *f = fopen("/proc/sys/kernel/overflowuid", "re");
+    if (f) { if (fscanf(f, "%ld", &overflow) != 1) overflow = 65534; fclose(f); }
+    if ((long)cr.uid == overflow)
+        snprintf(why, len, "permission denied: the peer has uid %u, the overflow uid: a user with no uid in this process's "
+                 "user namespace (host root seen from inside a container is one) cannot control it; run gpucr inside "
+                 "the process's namespaces, as its user or that namespace's root", (unsigned)cr.uid);
+    else
+        snprintf(why, len, "permission denied: only the process's own user or root may control it (peer uid %u)",
+                 (unsigned)cr.uid);
+    return false;
 }
 
 /* Send the answer; file descriptors, if any, ride along with its first byte. */
@@ -386,18 +463,72 @@ static void roll_back_abandoned(void)
     pthread_mutex_unlock(&g_op);
 }
 
+/* ---- connections: at most MAX_CLIENTS at once. One that never asked for a change times out after
+ * IDLE_TIMEOUT_S and is the first to go when a newcomer needs its slot, so idle connections (a hung
+ * monitor, `gpucr status` left open) never keep out a controller that acts. ---- */
+struct slot { unsigned long id; int fd; bool busy, acted; int64_t last_ns; };   /* id 0: free */
+static struct slot g_slots[MAX_CLIENTS];
+static unsigned long g_next_id;
+
+/* Idle for a while (a newcomer gets EVICT_GRACE_MS to send its request), with no request waiting, and
+ * never a controller's. */
+static bool evictable(const struct slot *s, int64_t now)
+{
+    struct pollfd pf = {.fd = s->fd, .events = POLLIN};
+    return !s->busy && !s->acted && now - s->last_ns >= EVICT_GRACE_MS * 1000000LL && poll(&pf, 1, 0) == 0;
+}
+
+/* A slot for c: a free one, else that of the oldest idle connection that never acted (shut down: its
+ * thread sees the end and goes). False when every slot serves a request or a controller. */
+static bool take_slot(struct client *c)
+{
+    pthread_mutex_lock(&g_clients_mu);
+    int k = -1, idle = -1;
+    int64_t now = gpucr_now_ns();
+    for (int i = 0; i < MAX_CLIENTS; i++) {
+        if (!g_slots[i].id) { k = i; break; }
+        if (evictable(&g_slots[i], now) && (idle < 0 || g_slots[i].last_ns < g_slots[idle].last_ns)) idle = i;
+    }
+    if (k < 0 && idle >= 0) { shutdown(g_slots[idle].fd, SHUT_RDWR); k = idle; }
+    if (k >= 0) {
+        c->slot = k;
+        c->id = ++g_next_id;
+        g_slots[k] = (struct slot){c->id, c->fd, false, false, gpucr_now_ns()};
+    }
+    pthread_mutex_unlock(&g_clients_mu);
+    return k >= 0;
+}
+
+/* Between requests (busy false) the connection is idle since now; once it acted it is a controller's. */
+static void mark_slot(struct client *c, bool busy)
+{
+    pthread_mutex_lock(&g_clients_mu);
+    struct slot *s = &g_slots[c->slot];
+    if (s->id == c->id) { s->busy = busy; s->acted = c->acted || c->lease; s->last_ns = gpucr_now_ns(); }
+    pthread_mutex_unlock(&g_clients_mu);
+}
+
+static void leave_slot(struct client *c)
+{
+    pthread_mutex_lock(&g_clients_mu);
+    if (g_slots[c->slot].id == c->id) g_slots[c->slot].id = 0;   /* not if a newcomer took it */
+    pthread_mutex_unlock(&g_clients_mu);
+}
+
+static void set_idle_timeout(int fd, int seconds)
+{
+    struct timeval tv = {seconds, 0};
+    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+}
+
 static void *serve_client(void *arg)
 {
-    struct client c = {.fd = (int)(intptr_t)arg};
+    struct client *cp = arg, c = *cp;
+    free(cp);
     struct jb j = {0};
     char *req = malloc(MAX_REQUEST + 1);
     size_t have = 0;
     if (!req) goto out;
-    if (!peer_allowed(c.fd)) {
-        reply_error(&j, "permission denied: only the process's own user or root may control it");
-        send_answer(&c, &j);
-        goto out;
-    }
     for (;;) {
         /* requests may carry file descriptors (relink): keep the first few, close any others */
         char ctl[CMSG_SPACE(sizeof(int) * 4)];
@@ -416,6 +547,8 @@ static void *serve_client(void *arg)
         }
         have += (size_t)n;
         char *nl;
+        bool acted = c.acted;
+        mark_slot(&c, true);
         while ((nl = memchr(req, '\n', have))) {
             *nl = 0;
             size_t used = (size_t)(nl - req) + 1;
@@ -427,27 +560,42 @@ static void *serve_client(void *arg)
             memmove(req, req + used, have - used);
             have -= used;
         }
+        mark_slot(&c, false);
+        if (c.acted && !acted) set_idle_timeout(c.fd, ACTED_TIMEOUT_S);   /* a controller between its steps */
         if (have == MAX_REQUEST) {
             reply_error(&j, "request too long (at most 4096 bytes)");
             send_answer(&c, &j);
             /* read what the client still sends, briefly, so closing does not reset the answer away */
             shutdown(c.fd, SHUT_WR);
-            struct timeval tv = {1, 0};
-            setsockopt(c.fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+            set_idle_timeout(c.fd, 1);
             while (recv(c.fd, req, MAX_REQUEST, 0) > 0) {}
             break;
         }
     }
 out:
     for (int i = 0; i < c.nin; i++) close(c.in[i]);
+    leave_slot(&c);
     if (c.lease) roll_back_abandoned();
     jb_free(&j);
     free(req);
     close(c.fd);
-    pthread_mutex_lock(&g_clients_mu);
-    g_clients--;
-    pthread_mutex_unlock(&g_clients_mu);
     return NULL;
+}
+
+/* Answer a connection that is not served, and close it; what it already sent is read first (briefly),
+ * so closing does not reset the answer away. */
+static void refuse(int fd, const char *why)
+{
+    struct jb j = {0};
+    struct client c = {.fd = fd};
+    reply_error(&j, why);
+    send_answer(&c, &j);
+    jb_free(&j);
+    shutdown(fd, SHUT_WR);
+    char sink[512];
+    struct pollfd pf = {.fd = fd, .events = POLLIN};
+    while (poll(&pf, 1, 200) > 0 && recv(fd, sink, sizeof sink, MSG_DONTWAIT) > 0) {}
+    close(fd);
 }
 
 static void *accept_loop(void *arg)
@@ -456,19 +604,18 @@ static void *accept_loop(void *arg)
     for (;;) {
         int fd = accept4(g_listen, NULL, NULL, SOCK_CLOEXEC);
         if (fd < 0) { if (errno == EINTR || errno == ECONNABORTED) continue; break; }
-        /* a client that stops mid-request must not hold its thread for ever */
-        struct timeval tv = {3600, 0};
-        setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-        pthread_mutex_lock(&g_clients_mu);
-        bool room = g_clients < MAX_CLIENTS;
-        if (room) g_clients++;
-        pthread_mutex_unlock(&g_clients_mu);
+        char why[400];
+        if (!peer_allowed(fd, why, sizeof why)) { refuse(fd, why); continue; }   /* before it can take a slot */
+        /* a client that says nothing, or stops mid-request, must not hold its slot for long */
+        set_idle_timeout(fd, IDLE_TIMEOUT_S);
+        struct client *c = calloc(1, sizeof *c);
+        if (c) c->fd = fd;
+        if (!c || !take_slot(c)) { free(c); refuse(fd, "busy: too many connections"); continue; }
         pthread_t th;
-        if (!room || pthread_create(&th, NULL, serve_client, (void *)(intptr_t)fd) != 0) {
-            if (room) { pthread_mutex_lock(&g_clients_mu); g_clients--; pthread_mutex_unlock(&g_clients_mu); }
-            static const char busy[] = "{\"ok\":false,\"error\":\"busy: too many connections\"}\n";
-            send(fd, busy, sizeof busy - 1, MSG_NOSIGNAL);
-            close(fd);
+        if (pthread_create(&th, NULL, serve_client, c) != 0) {
+            leave_slot(c);
+            free(c);
+            refuse(fd, "busy: too many connections");
             continue;
         }
         pthread_detach(th);
@@ -478,32 +625,70 @@ static void *accept_loop(void *arg)
 
 static void remove_socket(void)
 {
-    if (g_sock[0] && g_listen >= 0) unlink(g_sock);
+    struct stat st;
+    /* only the socket we bound: after a crash another process may hold the name */
+    if (g_sock[0] && g_listen >= 0 && lstat(g_sock, &st) == 0 && st.st_ino == g_sock_ino) unlink(g_sock);
+}
+
+/* Nothing listens there any more (its process died without removing it). */
+static bool socket_stale(const char *path)
+{
+    int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_un sa = {.sun_family = AF_UNIX};
+    snprintf(sa.sun_path, sizeof sa.sun_path, "%s", path);
+    bool stale = fd >= 0 && connect(fd, (struct sockaddr *)&sa, sizeof sa) != 0 && errno == ECONNREFUSED;
+    if (fd >= 0) close(fd);
+    return stale;
+}
+
+/* Move the listening socket to its name, never over another's: a live agent of the same pid in another
+ * run keeps its socket; a stale one (its process died) is replaced. */
+static int publish(const char *tmp)
+{
+    for (int tries = 0; tries < 2; tries++) {
+        int rc = renameat2(AT_FDCWD, tmp, AT_FDCWD, g_sock, RENAME_NOREPLACE);
+        if (rc != 0 && (errno == ENOSYS || errno == EINVAL)) {   /* no renameat2 here: link is no-replace too */
+            rc = link(tmp, g_sock);
+            if (rc == 0) unlink(tmp);
+        }
+        if (rc == 0) return 0;
+        if (errno != EEXIST || !socket_stale(g_sock)) break;
+        unlink(g_sock);
+    }
+    return -1;
 }
 
 void gpucr_channel_start(void)
 {
     if (make_runtime_dir()) return;
-    snprintf(g_sock, sizeof g_sock, "%s/%d.sock", g_dir, (int)getpid());
+    struct stat ns;
+    unsigned long long pidns = stat("/proc/self/ns/pid", &ns) == 0 ? (unsigned long long)ns.st_ino : 0;
+    /* pids repeat across pid namespaces sharing a dir: the namespace is part of the name */
+    snprintf(g_sock, sizeof g_sock, "%s/%d-%llu.sock", g_dir, (int)getpid(), pidns);
     int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
     if (fd < 0) return;
     /* Bound under a temporary name and renamed once listening: a controller that sees the socket can
      * connect to it (between bind and listen it would be refused). */
-    char tmp[sizeof g_sock + 8];
-    snprintf(tmp, sizeof tmp, "%s.new", g_sock);
+    char tmp[sizeof g_sock + 32];
+    snprintf(tmp, sizeof tmp, "%s/.%d-%llu.%llx.new", g_dir, (int)getpid(), pidns, (unsigned long long)gpucr_now_ns());
     struct sockaddr_un sa = {.sun_family = AF_UNIX};
-    if (strlen(tmp) >= sizeof sa.sun_path) { close(fd); gpucr_warn("runtime dir path too long: %s", g_dir); return; }
+    if (strlen(g_sock) >= sizeof sa.sun_path || strlen(tmp) >= sizeof sa.sun_path) {
+        close(fd);
+        gpucr_warn("runtime dir path too long: %s", g_dir);
+        return;
+    }
     strcpy(sa.sun_path, tmp);
-    unlink(tmp);
     mode_t old = umask(0177);   /* the socket is born 0600 */
     int rc = bind(fd, (struct sockaddr *)&sa, sizeof sa);
     umask(old);
-    if (rc != 0 || listen(fd, 8) != 0 || rename(tmp, g_sock) != 0) {
-        gpucr_warn("cannot listen on %s: %s", g_sock, strerror(errno));
-        unlink(tmp);
+    if (rc != 0 || listen(fd, 8) != 0 || publish(tmp) != 0) {
+        gpucr_warn("cannot listen on %s: %s", g_sock, errno == EEXIST ? "a live agent already listens there" : strerror(errno));
+        if (rc == 0) unlink(tmp);
         close(fd);
         return;
     }
+    struct stat st;
+    g_sock_ino = lstat(g_sock, &st) == 0 ? st.st_ino : 0;
     g_listen = fd;
     gpucr_spawn_detached(accept_loop, NULL);   /* it must not take signals meant for the application */
     gpucr_log("control channel at %s", g_sock);
@@ -517,7 +702,7 @@ void gpucr_channel_after_fork_child(void)
     g_sock[0] = 0;
     pthread_mutex_init(&g_op, NULL);
     pthread_mutex_init(&g_clients_mu, NULL);
-    g_clients = 0;
+    memset(g_slots, 0, sizeof g_slots);
     gpucr_channel_start();
 }
 

@@ -3,6 +3,7 @@
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
+#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -32,6 +33,34 @@ static struct {
 } g_dp;
 
 static double ms_since(int64_t t0) { return (double)(gpucr_now_ns() - t0) / 1e6; }
+
+/* ---- progress, read by status on another connection while an operation runs ---- */
+static unsigned long long g_progress_bytes, g_progress_steps;
+
+static void progress(size_t bytes)
+{
+    __atomic_add_fetch(&g_progress_bytes, (unsigned long long)bytes, __ATOMIC_RELAXED);
+    __atomic_add_fetch(&g_progress_steps, 1, __ATOMIC_RELAXED);
+}
+
+void dp_get_progress(unsigned long long *bytes, unsigned long long *steps)
+{
+    *bytes = __atomic_load_n(&g_progress_bytes, __ATOMIC_RELAXED);
+    *steps = __atomic_load_n(&g_progress_steps, __ATOMIC_RELAXED);
+}
+
+static int g_requester = -1;
+
+void dp_watch_requester(int fd) { __atomic_store_n(&g_requester, fd, __ATOMIC_RELAXED); }
+
+/* The connection that asked for this operation has closed (its controller died or gave up). */
+static bool requester_gone(void)
+{
+    int fd = __atomic_load_n(&g_requester, __ATOMIC_RELAXED);
+    if (fd < 0) return false;
+    struct pollfd pf = {.fd = fd, .events = POLLRDHUP};
+    return poll(&pf, 1, 0) > 0 && (pf.revents & (POLLRDHUP | POLLHUP | POLLERR));
+}
 
 static void seterr(char *err, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static void seterr(char *err, size_t len, const char *fmt, ...)
@@ -84,6 +113,7 @@ static CUresult copy_chunks(struct phys *p, CUdeviceptr va, bool out, int *turn)
             rc = out ? REAL(cuMemcpyDtoHAsync_v2)(host + off, va + off, n, s)
                      : REAL(cuMemcpyHtoDAsync_v2)(va + off, host + off, n, s);
         if (rc != CUDA_SUCCESS) return rc;
+        progress(n);
     }
     return CUDA_SUCCESS;
 }
@@ -261,15 +291,33 @@ void dp_preflight(char *why, size_t len)
 static pthread_mutex_t g_ready_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_ready_cv = PTHREAD_COND_INITIALIZER;
 static bool g_ready_abort;
+static int64_t g_last_mark_ns;   /* the controller's last sign of progress (ready, zero, progress) */
 
-static CUresult wait_ready(struct phys *p, int64_t deadline_ns)
+/* Wait until the controller says p's data is in staging. The deadline is on idle time: every sign of
+ * progress restarts it; and the requesting connection closing (its controller died) ends it at once. */
+static CUresult wait_ready(struct phys *p, int64_t idle_ns, char *err, size_t errlen)
 {
     pthread_mutex_lock(&g_ready_mu);
-    while (!p->ready && !g_ready_abort && gpucr_now_ns() < deadline_ns)
-        gpucr_cond_wait_step(&g_ready_cv, &g_ready_mu, deadline_ns);
+    bool gone = false, idle = false;
+    while (!p->ready && !g_ready_abort) {
+        int64_t now = gpucr_now_ns();
+        if ((idle = now - g_last_mark_ns > idle_ns) || (gone = requester_gone())) break;
+        gpucr_cond_wait_step(&g_ready_cv, &g_ready_mu, now + 100000000LL);
+    }
     CUresult rc = p->ready ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
     pthread_mutex_unlock(&g_ready_mu);
+    if (rc != CUDA_SUCCESS)
+        seterr(err, errlen, "the image's data for 0x%llx did not arrive (%s)", (unsigned long long)full_mapping_va(p),
+               gone ? "the controller went away" : idle ? "no progress within the deadline" : "reading the image failed");
     return rc;
+}
+
+void dp_mark_progress(void)
+{
+    pthread_mutex_lock(&g_ready_mu);
+    g_last_mark_ns = gpucr_now_ns();
+    progress(0);
+    pthread_mutex_unlock(&g_ready_mu);
 }
 
 int dp_mark_zero(unsigned long long va, unsigned long long offset)
@@ -284,6 +332,7 @@ int dp_mark_zero(unsigned long long va, unsigned long long offset)
         if (p->zero_chunks) { p->zero_chunks[offset / CHUNK] = 1; rc = 0; }
     }
     reg_unlock();
+    if (rc == 0) { g_last_mark_ns = gpucr_now_ns(); progress(0); }
     pthread_mutex_unlock(&g_ready_mu);
     return rc;
 }
@@ -298,6 +347,7 @@ int dp_mark_ready(unsigned long long va, bool abort_all)
         struct mapping *m = hmap_get(&g_reg.map_by_va, va);
         if (m && m->phys->staging) m->phys->ready = true; else rc = -1;
         reg_unlock();
+        if (rc == 0) { g_last_mark_ns = gpucr_now_ns(); progress(0); }
     }
     pthread_cond_broadcast(&g_ready_cv);
     pthread_mutex_unlock(&g_ready_mu);
@@ -305,10 +355,10 @@ int dp_mark_ready(unsigned long long va, bool abort_all)
 }
 
 /* Re-create, map and set access for every released allocation, then copy its data back; with a
- * ready_deadline, each copy first waits until the controller says that allocation's data is in
- * staging (so re-mapping and copying overlap the reading of an image). Returns the first error;
- * allocations that failed stay released. */
-static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_deadline)
+ * ready_idle_ns, each copy first waits until the controller says that allocation's data is in
+ * staging (so re-mapping and copying overlap the reading of an image), for at most that long without
+ * progress. Returns the first error; allocations that failed stay released. */
+static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_idle_ns)
 {
     CUresult first = CUDA_SUCCESS;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
@@ -346,12 +396,9 @@ static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_de
             }
         }
         p->released = false;
-        if (ready_deadline && wait_ready(p, ready_deadline) != CUDA_SUCCESS) {
-            if (first == CUDA_SUCCESS) {
-                first = CUDA_ERROR_NOT_READY;
-                seterr(err, errlen, "the image's data for 0x%llx did not arrive (reading the image failed or timed out)",
-                       (unsigned long long)full_mapping_va(p));
-            }
+        progress(0);
+        if (ready_idle_ns && first == CUDA_SUCCESS && wait_ready(p, ready_idle_ns, err, errlen) != CUDA_SUCCESS) {
+            first = CUDA_ERROR_NOT_READY;
             break;
         }
         const struct mapping *fm = full_mapping(p);
@@ -385,6 +432,7 @@ static CUresult release_one(struct phys *p)
     for (int i = 0; i < refs; i++) REAL(cuMemRelease)(p->real);
     reg_set_real(p, 0);
     p->released = true;
+    progress(0);
     return CUDA_SUCCESS;
 }
 
@@ -423,6 +471,7 @@ int dp_checkpoint(int timeout_ms, bool unpin, char *err, size_t errlen)
         if (rc) return -1;
     }
     t.staging = ms_since(t0);
+    progress(0);
 
     t0 = gpucr_now_ns();
     long left = 0;
@@ -432,6 +481,7 @@ int dp_checkpoint(int timeout_ms, bool unpin, char *err, size_t errlen)
         return -1;
     }
     t.gate = ms_since(t0);
+    progress(0);
     t0 = gpucr_now_ns();
     struct deadline_job *sj = job_new(sync_job);
     if (!sj) { gpucr_gate_open(); seterr(err, errlen, "out of host memory"); return -1; }
@@ -444,6 +494,7 @@ int dp_checkpoint(int timeout_ms, bool unpin, char *err, size_t errlen)
     snprintf(serr, sizeof serr, "%s", sj->err);
     job_put(sj);
     t.sync = ms_since(t0);
+    progress(0);
     if (late || src_rc) {
         gpucr_gate_open();
         if (late)
@@ -537,9 +588,11 @@ int dp_restore(int timeout_ms, bool drop_staging, bool wait, bool open_gate, cha
     g_dp.zeroed = 0;
     g_dp.pin_wait_ms = 0;
     if (need) staging_pin_ahead(any_ctx);   /* staging unpinned for the driver: pinned again while copies run */
-    int64_t ready_deadline = 0;
-    if (wait) ready_deadline = gpucr_now_ns() + (int64_t)timeout_ms * 1000000LL;
-    CUresult rc = bring_back(err, errlen, &turn, ready_deadline);
+    int64_t ready_idle = wait ? (int64_t)timeout_ms * 1000000LL : 0;
+    pthread_mutex_lock(&g_ready_mu);
+    g_last_mark_ns = gpucr_now_ns();
+    pthread_mutex_unlock(&g_ready_mu);
+    CUresult rc = bring_back(err, errlen, &turn, ready_idle);
     CUresult src = sync_streams();
     double both = ms_since(t0);
     if (rc == CUDA_SUCCESS && src != CUDA_SUCCESS) {
@@ -550,6 +603,9 @@ int dp_restore(int timeout_ms, bool drop_staging, bool wait, bool open_gate, cha
         /* stay checkpointed: give back what was re-created, the data is still in staging */
         for (struct phys *p = g_reg.all; p; p = p->next_all)
             if (!p->released && reg_phys_movable(p)) release_one(p);
+        /* staging filled from an image only in part must never be restored from: the image stays the source */
+        char e2[100];
+        if (wait) dp_drop_staged(e2, sizeof e2);
         size_t l = strlen(err);
         snprintf(err + l, errlen - l, "; the process stays checkpointed");
         return -1;

@@ -28,6 +28,13 @@ int dp_mark_ready(unsigned long long va, bool abort_all);
 /* The image says this 64 MiB chunk of the allocation at va is all zero: set it on the device, copy nothing. */
 int dp_mark_zero(unsigned long long va, unsigned long long offset);
 void dp_get_status(struct dp_status *out);
+/* Progress of the operation running now (or the last one): bytes moved and steps taken; a controller
+ * reads them on a second connection and gives up only when they stop changing. */
+void dp_get_progress(unsigned long long *bytes, unsigned long long *steps);
+/* The controller read and verified another chunk of an image: the wait for its data is not idle. */
+void dp_mark_progress(void);
+/* The connection that asked for the running operation (-1: none); a long wait ends when it goes away. */
+void dp_watch_requester(int fd);
 /* Coverage problems that make a checkpoint unsafe, as one line; empty when there are none. */
 void dp_preflight(char *why, size_t len);
 void dp_reset_after_fork(void);

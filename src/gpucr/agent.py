@@ -4,19 +4,32 @@ from __future__ import annotations
 import json
 import os
 import socket
+import struct
 import threading
+import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .errors import GpucrError
 
 MAX_REPLY = 64 << 20
+PROTOCOL = 2            # what the agent says in hello's "protocol"; native/agent/channel.c sends the same
+WATCH_EVERY_S = 0.25    # how often a watched call looks at the process while it waits
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """(pid, uid, gid) of the process at the other end, as the kernel translates them into our namespaces
+    (pid 0: a process in a pid namespace we cannot see)."""
+    raw = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", raw)
+    return pid, uid, gid
 
 
 class AgentClient:
     """One connection to one process's agent; requests are lines, answers JSON lines."""
 
-    def __init__(self, path: Path, pid: int, connect_timeout: float = 5.0) -> None:
+    def __init__(self, path: Path, pid: int, connect_timeout: float = 5.0, uid: int | None = None) -> None:
+        """Connect to `path`; with `uid`, refuse (before a byte is sent) unless the listener is process `pid` of `uid`."""
         self.path, self.pid = path, pid
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(connect_timeout)
@@ -28,6 +41,20 @@ class AgentClient:
                              "was it started with 'gpucr run'?") from exc
         self._buf = b""
         self._lock = threading.Lock()   # one request at a time on this connection, whichever thread asks
+        if uid is not None:
+            self._check_peer(uid)
+
+    def _check_peer(self, uid: int) -> None:
+        pid, peer_uid, _ = peer_credentials(self._sock)
+        if pid == self.pid and peer_uid == uid:
+            return
+        self._sock.close()
+        if pid == 0:
+            who = "a process in a pid namespace this controller cannot see"
+        else:
+            who = f"process {pid} of uid {peer_uid}"
+        raise GpucrError(f"the agent socket {self.path} of process {self.pid} is served by {who}, not by process "
+                         f"{self.pid} of uid {uid}; refusing to talk to it")
 
     def close(self) -> None:
         self._sock.close()
@@ -38,9 +65,11 @@ class AgentClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def call(self, verb: str, timeout: float = 30.0, **args: int) -> dict[str, Any]:
-        """Send one request and return the agent's answer; raise GpucrError when it says no."""
-        reply, fds = self._call(verb, timeout, False, args)
+    def call(self, verb: str, timeout: float = 30.0, *, watch: Callable[[], None] | None = None,
+             **args: int) -> dict[str, Any]:
+        """Send one request and return the agent's answer; raise GpucrError when it says no. With `watch`, it is
+        called every WATCH_EVERY_S while the answer is awaited: it raises to give up (a stopped or stalled process)."""
+        reply, fds = self._call(verb, timeout, False, args, watch=watch)
         return reply
 
     def call_with_fds(self, verb: str, timeout: float = 30.0, **args: int) -> tuple[dict[str, Any], list[int]]:
@@ -52,14 +81,33 @@ class AgentClient:
         return self._call(verb, timeout, False, args, send)[0]
 
     def _call(self, verb: str, timeout: float, want_fds: bool, args: dict,
-              send: list[int] | None = None) -> tuple[dict[str, Any], list[int]]:
+              send: list[int] | None = None, watch: Callable[[], None] | None = None) -> tuple[dict[str, Any], list[int]]:
         with self._lock:
-            return self._call_locked(verb, timeout, want_fds, args, send)
+            return self._call_locked(verb, timeout, want_fds, args, send, watch)
+
+    def _recv(self, want_fds: bool, fds: list[int], deadline: float, watch: Callable[[], None] | None) -> bytes:
+        """One read of the answer; while it waits, `watch` looks at the process every WATCH_EVERY_S."""
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise socket.timeout()
+            self._sock.settimeout(min(left, WATCH_EVERY_S) if watch else left)
+            try:
+                if want_fds and not fds:
+                    chunk, got, _, _ = socket.recv_fds(self._sock, 65536, 253)
+                    fds.extend(got)
+                    return chunk
+                return self._sock.recv(65536)
+            except socket.timeout:
+                if watch is None:
+                    raise
+                watch()
 
     def _call_locked(self, verb: str, timeout: float, want_fds: bool, args: dict,
-                     send: list[int] | None) -> tuple[dict[str, Any], list[int]]:
+                     send: list[int] | None, watch: Callable[[], None] | None = None) -> tuple[dict[str, Any], list[int]]:
         line = " ".join([verb, *(f"{k}={int(v)}" for k, v in args.items())]) + "\n"
         self._sock.settimeout(timeout)
+        deadline = time.monotonic() + timeout
         fds: list[int] = []
         try:
             if send:
@@ -67,11 +115,12 @@ class AgentClient:
             else:
                 self._sock.sendall(line.encode())
             while b"\n" not in self._buf:
-                if want_fds and not fds:
-                    chunk, got, _, _ = socket.recv_fds(self._sock, 65536, 253)
-                    fds.extend(got)
-                else:
-                    chunk = self._sock.recv(65536)
+                try:
+                    chunk = self._recv(want_fds, fds, deadline, watch)
+                except GpucrError:   # the watch gave up: an answer may still come, so this connection is done
+                    _close_all(fds)
+                    self._sock.close()
+                    raise
                 if not chunk:
                     raise GpucrError(f"process {self.pid} closed the control channel during '{verb}' (did it exit?)")
                 self._buf += chunk

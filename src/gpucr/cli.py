@@ -17,7 +17,9 @@ BOUNCE_MIB_MIN, BOUNCE_MIB_MAX = 4, 16384
 GROUP_MAX_BYTES = 127
 STAGING_KINDS = ("auto", "hugetlbfs", "shm")
 # Settings of the controller, read from its own environment: checked before anything runs.
-CONTROLLER_FLAGS = ("GPUCR_UNPIN_FOR_DRIVER",)
+CONTROLLER_FLAGS = ("GPUCR_UNPIN_FOR_DRIVER", "GPUCR_SIMULATE")
+CONTROLLER_SIMULATE_HELP = ("act through simcuda, the simulated driver (test double), on processes started with "
+                            "'gpucr run --simulate' (the same as GPUCR_SIMULATE=1)")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -318,6 +320,7 @@ def _parser() -> argparse.ArgumentParser:
     def pid_cmd(name: str, fn: Callable, help_: str, level: bool, image_help: str) -> None:
         c = sub.add_parser(name, help=help_)
         c.add_argument("pids", type=int, nargs="*", metavar="PID")
+        c.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
         c.add_argument("--group", metavar="NAME", type=_group_name,
                        help="the processes started with 'gpucr run --group NAME' that hold GPU state (others are listed)")
         c.add_argument("--tree", metavar="PID", type=int, help="the processes of the tree under PID (a launcher such as "
@@ -359,10 +362,12 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("status", help="state, tracked memory and last cycle's timings of one or all processes")
     s.add_argument("pid", type=int, nargs="?", metavar="PID")
     s.add_argument("--json", action="store_true")
+    s.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
     s.set_defaults(fn=cmd_status)
 
     ps = sub.add_parser("ps", help="list the processes under gpucr")
     ps.add_argument("--json", action="store_true")
+    ps.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
     ps.set_defaults(fn=cmd_ps)
 
     dr = sub.add_parser("doctor", help="report hugepages, pinned-memory limits, driver and checkpoint API, with advice")
@@ -385,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         _check_controller_env(dict(os.environ))
+        if getattr(args, "simulate", False) and args.command != "run":
+            os.environ["GPUCR_SIMULATE"] = "1"   # the controller itself is told (never by its target)
         return args.fn(args)
     except GpucrError as exc:
         print(f"gpucr: error: {exc}", file=sys.stderr)

@@ -21,16 +21,26 @@ from pathlib import Path
 from typing import Any
 
 from . import gpus, manifest
+from . import imagefs
 from . import target as targets
 from .app import AppChannel
-from .driver import CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, Driver, DriverError, ProcessState, driver_for, gpu_memory
+from .driver import (CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, SIMULATE_ENV, Driver, DriverError, ProcessState,
+                     controller_driver, gpu_memory)
 from .errors import GpucrError
 
 LEVELS = ("full", "data")
 
 
 def _driver(t: targets.Target) -> Driver:
-    return driver_for(t.hello.get("libcuda") or "libcuda.so.1")
+    """The controller's own driver (never a library the target names); a target on the other kind is refused."""
+    drv = controller_driver()
+    if t.simulated != drv.simulated:
+        if t.simulated:
+            raise GpucrError(f"process {t.pid} runs on simcuda, the simulated driver, and this controller on the "
+                             "system's CUDA driver: give the controller --simulate (or GPUCR_SIMULATE=1)")
+        raise GpucrError(f"process {t.pid} runs on the system's CUDA driver and this controller on simcuda, the "
+                         f"simulated driver ({SIMULATE_ENV}=1 or --simulate): run gpucr without them")
+    return drv
 
 
 def _driver_state(drv: Driver, pid: int) -> ProcessState:
@@ -60,9 +70,69 @@ def _test_kill_point(point: str) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
+STALL_GRACE_S = 10.0        # beyond the user's deadline, which bounds staging, drain and sync together
+IMAGE_STALL_MIN_S = 30.0    # an image chunk (64 MiB) may take this long to read on a slow disk
+IMAGE_STAGE_MIN_S = 300.0   # making staging for an image (pinned, with the bounce ring off) reports no progress
+HARD_LIMIT_S = 24 * 3600.0  # no wait is longer: progress deadlines end them long before
+
+
 def _reply_timeout(timeout: float) -> float:
-    # the agent's deadline covers the drain and synchronisation; the copy itself takes what it takes
-    return timeout + 600.0
+    """How long the controller waits for a data-moving answer while the process moves: the copy takes
+    what it takes. Stalls are caught by _Watch (no progress for the stall limit), not by this."""
+    return HARD_LIMIT_S
+
+
+class _Watch:
+    """Watches a process while the controller waits for its agent's answer: gives up at once when the
+    process is stopped or gone, and when its progress (bytes moved, steps taken, read on a second
+    connection) has not changed for `limit` seconds. Called every agent.WATCH_EVERY_S."""
+
+    def __init__(self, t: targets.Target, verb: str, limit: float) -> None:
+        self.t, self.verb, self.limit = t, verb, limit
+        self.seen: Any = None
+        self.since = time.monotonic()
+        self.next_look = 0.0
+        self.probe = None
+
+    def __call__(self) -> None:
+        pid = self.t.pid
+        if not os.path.exists(f"/proc/{pid}"):
+            raise GpucrError(f"process {pid} exited during '{self.verb}'")
+        targets.check_not_stopped(pid)
+        now = time.monotonic()
+        if now < self.next_look:
+            return
+        self.next_look = now + 1.0
+        seen = self._progress()
+        if seen is not None and seen != self.seen:
+            self.seen, self.since = seen, now
+        elif now - self.since > self.limit:
+            raise GpucrError(f"process {pid} made no progress for {self.limit:.0f} s during '{self.verb}' "
+                             f"(last: {self.seen[0] if self.seen else 0} bytes moved); gave up")
+
+    def _progress(self) -> tuple[int, int] | None:
+        try:
+            if self.probe is None:
+                self.probe = self.t.connect()
+            p = self.probe.call("status", timeout=5.0).get("progress") or {}
+            return int(p.get("bytes", 0)), int(p.get("steps", 0))
+        except (GpucrError, TypeError, ValueError):
+            self.close()
+            return None   # cannot tell: it counts as no progress
+
+    def close(self) -> None:
+        if self.probe is not None:
+            self.probe.close()
+            self.probe = None
+
+
+def _watched_call(m: "_Member", verb: str, limit: float, **args: int) -> dict[str, Any]:
+    """A data-moving request, with its wait watched (see _Watch)."""
+    watch = _Watch(m.t, verb, limit)
+    try:
+        return m.agent.call(verb, timeout=_reply_timeout(limit), watch=watch, **args)
+    finally:
+        watch.close()
 
 
 def status(pid: int) -> dict[str, Any]:
@@ -215,7 +285,7 @@ def _vet_for_checkpoint(pid: int, image_dir: Path | None) -> _Member:
         raise GpucrError(f"process {pid} is already checkpointed (driver state {dstate.name.lower()}); "
                          f"restore it with 'gpucr restore {pid}'")
     if image_dir is not None:
-        _check_image_dir(image_dir)
+        _check_image_dir(image_dir, imagefs.owner_for(t.uid, pid))
     m = _Member(t, drv, image_dir=image_dir, result={"pid": pid, "phases_s": {}})
     m.agent = t.connect()
     m.status = m.agent.call("status", timeout=10.0)
@@ -225,15 +295,21 @@ def _vet_for_checkpoint(pid: int, image_dir: Path | None) -> _Member:
     return m
 
 
-def _check_image_dir(d: Path) -> None:
-    """An image goes to a new or empty directory we can write: known before anything is touched."""
-    if d.exists() and not d.is_dir():
-        raise GpucrError(f"{d} is not a directory; give a new or empty directory for the image")
-    if d.exists() and any(d.iterdir()):
-        raise GpucrError(f"the image directory {d} is not empty; give a new or empty directory")
-    parent = d if d.exists() else next((p for p in d.absolute().parents if p.exists()), Path("/"))
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise GpucrError(f"cannot write the image under {parent}: permission denied or not a directory")
+def _check_image_dir(d: Path, owner: imagefs.Owner | None) -> None:
+    """An image goes to a new or empty directory that the process's user can write (root acting for
+    another user writes as that user): known before anything is touched."""
+    with imagefs.fs_identity(owner):
+        if d.is_symlink():
+            raise GpucrError(f"the image directory {d} is a symbolic link; give the directory itself")
+        if d.exists() and not d.is_dir():
+            raise GpucrError(f"{d} is not a directory; give a new or empty directory for the image")
+        if d.exists() and any(d.iterdir()):
+            raise GpucrError(f"the image directory {d} is not empty; give a new or empty directory")
+        parent = d if d.exists() else next((p for p in d.absolute().parents if p.exists()), Path("/"))
+        # effective_ids: checked with this thread's file-system identity, the one the image is written with
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK, effective_ids=True):
+            who = f" as uid {owner[0]}, the process's user" if owner else ""
+            raise GpucrError(f"cannot write the image under {parent}{who}: permission denied or not a directory")
 
 
 def _prepare(m: _Member, timeout: float) -> None:
@@ -257,8 +333,8 @@ def _data_out(m: _Member, timeout: float, level: str) -> None:
     # unpin=1: staging is unpinned segment by segment behind the copies, for an image (its memory goes
     # away once on disk, and the driver must not be needed then) or for the driver's checkpoint.
     unpin = m.image_dir is not None or (level == "full" and _unpin_for_driver())
-    out = m.agent.call("checkpoint", timeout=_reply_timeout(timeout), timeout_ms=int(timeout * 1000), lease=1,
-                       unpin=int(unpin))
+    out = _watched_call(m, "checkpoint", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1,
+                        unpin=int(unpin))
     m.data_out = True
     r = m.result
     r["phases_s"]["data_out"] = time.perf_counter() - t0
@@ -333,6 +409,7 @@ def _roll_back_driver(m: _Member) -> None:
         if not os.path.exists(f"/proc/{m.pid}"):
             m.data_out = False
             return
+        targets.check_not_stopped(m.pid)   # a stopped process cannot answer the driver: left restorable
         s = m.drv.state(m.pid)
         if s == ProcessState.CHECKPOINTED:
             m.drv.restore(m.pid)
@@ -409,16 +486,20 @@ def _write_image(m: _Member, level: str, epoch) -> dict:
     from . import image as images   # needs xxhash: only image work pays for importing it
     layout, fds = m.agent.call_with_fds("layout", timeout=60.0)
     try:
-        allocs, stats = images.write(m.image_dir, layout, fds)
+        with imagefs.ImageDir(m.image_dir, imagefs.owner_for(m.t.uid, m.pid), create=True) as idir:
+            if idir.names():
+                raise GpucrError(f"the image directory {m.image_dir} is no longer empty (someone else writes there); "
+                                 "the process stays checkpointed with its data in host memory")
+            allocs, stats = images.write(idir, layout, fds)
+            man = manifest.build(pid=m.pid, start_time=m.t.start_time, generation=layout["generation"], level=level,
+                                 gpus=gpus.process_gpus(m.status, gpus.machine_gpus(m.drv)),
+                                 driver_version=m.drv.version(), status=m.status, allocations=allocs,
+                                 epoch=epoch, simulated=m.drv.simulated)
+            man["image"] = stats
+            manifest.save(idir, man)
     finally:
         for fd in fds:
             os.close(fd)
-    man = manifest.build(pid=m.pid, start_time=m.t.start_time, generation=layout["generation"], level=level,
-                         gpus=gpus.process_gpus(m.status, gpus.machine_gpus(m.drv)), driver_version=m.drv.version(),
-                         status=m.status, allocations=allocs,
-                         epoch=epoch, simulated=m.drv.simulated)
-    man["image"] = stats
-    manifest.save(m.image_dir, man)
     m.agent.call("drop", timeout=60.0)   # the data is safe on disk: free the host memory too
     return {"dir": str(m.image_dir), "id": man["id"], **stats}
 
@@ -454,7 +535,8 @@ def _vet_for_restore(pid: int, image_dir: Path | None, force: bool, gpu_map: dic
         raise
     # (running with its gate still closed: a restore stopped before its last step; it is finished below)
     if image_dir is not None:
-        man = manifest.load(image_dir)
+        with imagefs.ImageDir(image_dir, imagefs.owner_for(t.uid, pid)) as idir:
+            man = manifest.load(idir)
         m.result["manifest_entry"] = manifest.check_restore(man, pid=pid, start_time=t.start_time,
                                                             generation=st["generation"], gpus=_restored_on(m, machine),
                                                             force=force)
@@ -543,8 +625,8 @@ def _data_in(m: _Member, timeout: float, drop_staging: bool) -> None:
         _data_in_from_image(m, entry, timeout, drop_staging)
         return
     t0 = time.perf_counter()
-    out = m.agent.call("restore", timeout=_reply_timeout(timeout), timeout_ms=int(timeout * 1000),
-                       drop_staging=int(drop_staging), open_gate=0)
+    out = _watched_call(m, "restore", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000),
+                        drop_staging=int(drop_staging), open_gate=0)
     m.result["phases_s"]["data_in"] = time.perf_counter() - t0
     m.result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
     m.result["agent_ms"] = {"data_in": out["last_cycle_ms"]["data_in"], "pin_wait": out["last_cycle_ms"]["pin_wait"]}
@@ -555,40 +637,68 @@ def _data_in_from_image(m: _Member, entry: dict, timeout: float, drop_staging: b
     if m.status.get("staged"):
         m.agent.call("drop", timeout=60.0)   # the image is the source now
     t0 = time.perf_counter()
-    m.agent.call("stage", timeout=_reply_timeout(timeout))
+    # staging is made before any data arrives; it reports no progress of its own, so its limit is wide
+    _watched_call(m, "stage", max(timeout, IMAGE_STAGE_MIN_S) + STALL_GRACE_S)
     layout, fds = m.agent.call_with_fds("layout", timeout=60.0)
     m.result["phases_s"]["stage"] = time.perf_counter() - t0
     t0 = time.perf_counter()
+    limit = max(timeout, IMAGE_STALL_MIN_S) + STALL_GRACE_S
+    try:
+        with imagefs.ImageDir(m.image_dir, imagefs.owner_for(m.t.uid, m.pid)) as idir:
+            out = _restore_reading(m, idir, entry, layout, fds, limit, drop_staging)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    m.result["phases_s"]["image_read_and_data_in"] = time.perf_counter() - t0
+    m.result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
+
+
+def _restore_reading(m: _Member, idir: imagefs.ImageDir, entry: dict, layout: dict, fds: list[int], limit: float,
+                     drop_staging: bool) -> dict[str, Any]:
+    """The restore, waiting on this connection, while a reader thread fills staging from the image and
+    announces each allocation on a second connection as soon as its chunks are verified. Either side
+    failing stops the other; the agent then drops what was read and stays checkpointed (the image is
+    still the source)."""
+    from . import image as images
     read_error: list[GpucrError] = []
-    # reading overlaps the process's re-mapping and copying: each allocation is announced on a second
-    # connection as soon as its chunks are verified, while the restore waits on this one
+    stop = threading.Event()
+
+    def chunk_read() -> None:
+        if stop.is_set():
+            raise GpucrError("the restore ended")
+        notify.call("progress", timeout=60.0)
+        if os.environ.get("GPUCR_TEST_KILL_AT") == "during-image-read":
+            while not notify.call("status", timeout=10.0)["busy"]:   # the agent waits for the data now
+                time.sleep(0.01)
+            _test_kill_point("during-image-read")
+
     with m.t.connect() as notify:
         def read_all() -> None:
             try:
                 m.result["image"] = images.read(
-                    m.image_dir, entry["data"], layout, fds,
+                    idir, entry["data"], layout, fds,
                     on_ready=lambda va: notify.call("ready", timeout=60.0, va=va),
-                    on_zero=lambda va, off: notify.call("zero", timeout=60.0, va=va, offset=off))
+                    on_zero=lambda va, off: notify.call("zero", timeout=60.0, va=va, offset=off),
+                    on_chunk=chunk_read)
             except GpucrError as exc:
                 read_error.append(exc)
-                notify.call("ready_abort", timeout=60.0)
+                try:
+                    notify.call("ready_abort", timeout=60.0)
+                except GpucrError:
+                    pass
         reader = threading.Thread(target=read_all, name="gpucr-image-read")
         reader.start()
         try:
-            out = m.agent.call("restore", timeout=_reply_timeout(timeout) + 3600.0,
-                               timeout_ms=int((timeout + 3600.0) * 1000), drop_staging=int(drop_staging), wait_ready=1,
-                               open_gate=0)
+            return _watched_call(m, "restore", limit, timeout_ms=int(limit * 1000), drop_staging=int(drop_staging),
+                                 wait_ready=1, open_gate=0)
         except GpucrError as exc:
+            stop.set()
             reader.join()
-            m.agent.call("drop", timeout=60.0)
             cause = read_error[0] if read_error else exc
             raise GpucrError(f"{cause}; it stays checkpointed: restore it from an intact image") from exc
         finally:
+            stop.set()
             reader.join()
-            for fd in fds:
-                os.close(fd)
-    m.result["phases_s"]["image_read_and_data_in"] = time.perf_counter() - t0
-    m.result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
 
 
 def _data_in_all(members: list[_Member], timeout: float, drop_staging: bool, phase: str) -> None:
@@ -702,14 +812,20 @@ def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: 
 
 
 def _settled_status(agent, timeout: float) -> dict[str, Any]:
-    """The agent's status once no checkpoint or restore is running in it (e.g. its own roll-back)."""
-    deadline = time.monotonic() + _reply_timeout(timeout)
+    """The agent's status once no checkpoint or restore is running in it (e.g. its own roll-back); given up
+    when the process is stopped, or when what runs makes no progress for the deadline."""
+    seen, since = None, time.monotonic()
     while True:
         st = agent.call("status", timeout=10.0)
         if not st.get("busy"):
             return st
-        if time.monotonic() > deadline:
-            raise GpucrError(f"process {agent.pid} stayed busy with another checkpoint or restore; retry later")
+        targets.check_not_stopped(agent.pid)
+        progress = st.get("progress")
+        if progress != seen:
+            seen, since = progress, time.monotonic()
+        elif time.monotonic() - since > timeout + STALL_GRACE_S:
+            raise GpucrError(f"process {agent.pid} stayed busy with another checkpoint or restore, making no progress "
+                             f"for {timeout + STALL_GRACE_S:.0f} s; retry later")
         time.sleep(0.05)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from typing import Any
 
@@ -34,6 +35,7 @@ def main(simulate: bool = False, as_json: bool = False) -> int:
             "reserved once it has computed their digests)")
         module, args = "torch_app", ["--gib", "2"]
     else:
+        os.environ["GPUCR_SIMULATE"] = "1"   # the controller acts through simcuda only when told so
         drv = driver_for(str(simcuda_dir() / "libcuda.so.1"))
         say("gpucr demo on simcuda, the SIMULATED driver (a test double over host memory): no GPU was found "
             "or --simulate was given, so no GPU result is shown here")

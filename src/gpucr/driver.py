@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import ctypes
 import enum
+import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,9 +79,13 @@ class Driver:
             raise GpucrError(f"cannot load the CUDA driver {self.path}: {exc}") from exc
         cu = self._cu
         pid, p = ctypes.c_int, ctypes.c_void_p
-        _sig(cu, "cuInit", ctypes.c_uint)
-        _sig(cu, "cuDriverGetVersion", ctypes.POINTER(ctypes.c_int))
-        _sig(cu, "cuGetErrorString", ctypes.c_int, ctypes.POINTER(ctypes.c_char_p))
+        for name, args in (("cuInit", (ctypes.c_uint,)), ("cuDriverGetVersion", (ctypes.POINTER(ctypes.c_int),)),
+                           ("cuGetErrorString", (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)))):
+            try:
+                _sig(cu, name, *args)
+            except AttributeError:
+                raise GpucrError(f"{self.path} is not a CUDA driver library (it has no {name}); install the NVIDIA "
+                                 "driver, whose libcuda.so.1 gpucr uses") from None
         try:
             _sig(cu, "cuCheckpointProcessLock", pid, p)
             _sig(cu, "cuCheckpointProcessCheckpoint", pid, p)
@@ -139,6 +144,27 @@ class Driver:
 
 _drivers: dict[str, Driver] = {}
 _drivers_lock = threading.Lock()
+
+
+SIMULATE_ENV = "GPUCR_SIMULATE"
+
+
+def controller_simulated() -> bool:
+    """Whether this controller itself was told to use simcuda (its own --simulate, or GPUCR_SIMULATE=1 in its
+    own environment). Nothing a target says chooses the driver library a controller loads."""
+    v = os.environ.get(SIMULATE_ENV, "")
+    if v not in ("", "0", "1"):
+        raise GpucrError(f"{SIMULATE_ENV}={v!r} is not 0 or 1")
+    return v == "1"
+
+
+def controller_driver() -> Driver:
+    """The driver this controller acts through: the system's libcuda.so.1, or the simcuda bundled with gpucr when
+    the controller itself is simulated."""
+    if controller_simulated():
+        from .paths import simcuda_dir
+        return driver_for(str(simcuda_dir() / "libcuda.so.1"))
+    return driver_for("libcuda.so.1")
 
 
 def driver_for(libpath: str) -> Driver:
@@ -220,6 +246,24 @@ def nvml_gpu_list() -> list[tuple[str, str]]:
             return []
         out.append((uuid.value.decode(), name.value.decode(errors="replace")))
     return out
+
+
+def nvml_device_node(uuid: str) -> str | None:
+    """/dev/nvidiaN of a GPU (N its minor number), or None without NVML."""
+    nvml = _nvml_lib()
+    handle, minor = ctypes.c_void_p(), ctypes.c_uint()
+    if (nvml is None or nvml.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(handle)) != 0 or
+            nvml.nvmlDeviceGetMinorNumber(handle, ctypes.byref(minor)) != 0):
+        return None
+    return f"/dev/nvidia{minor.value}"
+
+
+def simulated_device_node(driver: Driver, ordinal: int) -> str | None:
+    """simcuda's stand-in for /dev/nvidiaN of its GPU `ordinal` (the test double's own extension)."""
+    buf = ctypes.create_string_buffer(4096)
+    fn = driver._cu.simcudaDeviceNode
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_size_t]
+    return buf.value.decode() if fn(ordinal, buf, len(buf)) == 0 else None
 
 
 def uuid_text(raw: bytes) -> str:

@@ -10,12 +10,13 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import xxhash
 
 from .errors import GpucrError
+from .imagefs import ImageDir, try_direct
+from .manifest import check_coverage
 
 CHUNK = 64 << 20   # the agent copies in chunks of the same size (native/agent/dataplane.c)
 DATA = "data.bin"
@@ -36,14 +37,6 @@ def _is_zero(buf: memoryview, digest: str) -> bool:
         return not np.frombuffer(buf, dtype=np.uint8).any()
     except ImportError:
         return buf == memoryview(_ZERO)[:n]
-
-
-def _open_data(path: Path, write: bool) -> tuple[int, bool]:
-    flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
-    try:
-        return os.open(path, flags | os.O_DIRECT | os.O_CLOEXEC, 0o600), True
-    except OSError:   # tmpfs and some others refuse O_DIRECT
-        return os.open(path, flags | os.O_CLOEXEC, 0o600), False
 
 
 @contextmanager
@@ -76,9 +69,9 @@ def _progress(label: str, total: int) -> Iterator[Callable[[int], None]]:
         yield lambda n: bar.update(task, advance=n)
 
 
-def write(directory: Path, layout: dict[str, Any], fds: list[int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Write the staged allocations; returns their manifest records and the write statistics."""
-    directory.mkdir(parents=True, exist_ok=True)
+def write(idir: ImageDir, layout: dict[str, Any], fds: list[int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Write the staged allocations under a temporary name, then name it data.bin (a failed write leaves
+    nothing); returns their manifest records and the write statistics."""
     segs = layout["segments"]
     allocs, jobs, foff = [], [], 0
     for a in layout["allocations"]:
@@ -91,7 +84,8 @@ def write(directory: Path, layout: dict[str, Any], fds: list[int]) -> tuple[list
         foff += a["bytes"]
         allocs.append(rec)
     t0 = time.perf_counter()
-    fd, direct = _open_data(directory / DATA, write=True)
+    fd, tmp = idir.create(DATA)
+    direct = try_direct(fd)
     written = 0
     try:
         with _mapped(fds, [s["bytes"] for s in segs], writable=False) as views, _progress("writing image", foff) as tick:
@@ -114,36 +108,49 @@ def write(directory: Path, layout: dict[str, Any], fds: list[int]) -> tuple[list
                 written = sum(pool.map(one, jobs))
         os.ftruncate(fd, foff)   # holes where zero chunks were skipped
         os.fsync(fd)
-    except OSError as exc:
-        raise GpucrError(f"writing the image to {directory} failed: {exc.strerror or exc}; the process stays "
+        os.close(fd)
+        fd = -1
+        idir.publish(tmp, DATA)
+    except (OSError, GpucrError) as exc:
+        idir.discard(tmp)
+        why = (exc.strerror or exc) if isinstance(exc, OSError) else exc
+        raise GpucrError(f"writing the image to {idir.path} failed: {why}; the process stays "
                          "checkpointed with its data in host memory") from exc
     finally:
-        os.close(fd)
+        if fd >= 0:
+            os.close(fd)
     secs = time.perf_counter() - t0
     return allocs, {"bytes": foff, "bytes_written": written, "seconds": secs, "direct_io": direct,
                     "gb_per_s": foff / secs / 1e9 if secs else None}
 
 
-def read(directory: Path, allocs: list[dict[str, Any]], layout: dict[str, Any], fds: list[int],
+def read(idir: ImageDir, allocs: list[dict[str, Any]], layout: dict[str, Any], fds: list[int],
          on_ready: Callable[[int], None] | None = None, fresh: bool = True,
-         on_zero: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+         on_zero: Callable[[int, int], None] | None = None,
+         on_chunk: Callable[[], None] | None = None) -> dict[str, Any]:
     """Read an image into staged memory, verifying every chunk's digest.
 
     `on_ready(va)` is called as soon as all of an allocation's chunks are in and verified, so the
     process can copy it to the device while the rest is read. Zero chunks are not read: with
     `on_zero(va, offset)` the process sets them on the device instead of copying them, and in `fresh`
-    staging (new shared memory, already zero) they cost the host nothing either.
+    staging (new shared memory, already zero) they cost the host nothing either. `on_chunk()` is called
+    after each chunk is in (the process's wait for the data is not idle); it may raise to stop the read.
     """
+    check_coverage(allocs)
     where = {a["va"]: a for a in layout["allocations"]}
     missing = [hex(a["va"]) for a in allocs if a["va"] not in where or where[a["va"]]["bytes"] != a["bytes"]]
     if missing or len(allocs) != len(where):
         raise GpucrError(f"refused: the image's allocations do not match the process's ({len(allocs)} in the image, "
                          f"{len(where)} in the process)")
-    path = directory / DATA
-    size = path.stat().st_size if path.exists() else -1
     need = sum(a["bytes"] for a in allocs)
+    try:
+        fd = idir.open_read(DATA)
+    except FileNotFoundError:
+        raise GpucrError("refused: the image's data file is missing") from None
+    size = os.fstat(fd).st_size
     if size != need:
-        raise GpucrError(f"refused: the image's data file is {'missing' if size < 0 else f'{size} bytes, not {need}'} (truncated?)")
+        os.close(fd)
+        raise GpucrError(f"refused: the image's data file is {size} bytes, not {need} (truncated?)")
     jobs = [(a, c) for a in allocs for c in a["chunks"]]
     left = {a["va"]: len(a["chunks"]) for a in allocs}
     lock = threading.Lock()
@@ -151,7 +158,7 @@ def read(directory: Path, allocs: list[dict[str, Any]], layout: dict[str, Any], 
         if not a["chunks"] and on_ready:
             on_ready(a["va"])
     t0 = time.perf_counter()
-    fd, direct = _open_data(path, write=False)
+    direct = try_direct(fd)
     try:
         with _mapped(fds, [s["bytes"] for s in layout["segments"]], writable=True) as views, \
                 _progress("reading image", need) as tick:
@@ -175,6 +182,8 @@ def read(directory: Path, allocs: list[dict[str, Any]], layout: dict[str, Any], 
                     raise GpucrError(f"refused: chunk {c['offset']:#x} of allocation {a['va']:#x} does not match "
                                      "its digest (the image is corrupt)")
                 tick(c["bytes"])
+                if on_chunk:
+                    on_chunk()
                 with lock:
                     left[a["va"]] -= 1
                     done = left[a["va"]] == 0

@@ -8,6 +8,7 @@ that joined the cut, and an explicit `unknown` list. A restore proceeds only whe
 from __future__ import annotations
 
 import json
+import os
 import socket
 import time
 import uuid
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import GpucrError
+from .imagefs import ImageDir
 
 VERSION = 1
 NAME = "manifest.json"
@@ -58,23 +60,81 @@ def build(*, pid: int, start_time: int, generation: int, level: str, gpus: list[
     }
 
 
-def save(directory: Path, manifest: dict[str, Any]) -> None:
-    tmp = directory / (NAME + ".tmp")
-    tmp.write_text(json.dumps(manifest, indent=1))
-    tmp.replace(directory / NAME)   # a manifest is either whole or absent
-
-
-def load(directory: Path) -> dict[str, Any]:
-    path = Path(directory) / NAME
+def save(idir: ImageDir, manifest: dict[str, Any]) -> None:
+    """Write the manifest (mode 0600, like the data) whole or not at all: a temporary file renamed into place."""
+    fd, tmp = idir.create(NAME)
     try:
-        m = json.loads(path.read_text())
+        with os.fdopen(fd, "w") as f:
+            json.dump(manifest, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        idir.publish(tmp, NAME)
+    except BaseException:
+        idir.discard(tmp)
+        raise
+
+
+def load(directory: Path | ImageDir, max_bytes: int = 256 << 20) -> dict[str, Any]:
+    """Read a manifest through its image directory's fd: never through a link, a hard link or a special file
+    (and, given an ImageDir with an owner, only one of that owner)."""
+    idir = directory if isinstance(directory, ImageDir) else None
+    path = Path(directory.path if idir else directory) / NAME
+    try:
+        if idir is None:
+            with ImageDir(Path(directory)) as own:
+                m = _read_json(own, max_bytes)
+        else:
+            m = _read_json(idir, max_bytes)
     except FileNotFoundError:
-        raise GpucrError(f"{directory} holds no checkpoint manifest ({NAME} is missing); nothing there can be trusted") from None
+        raise GpucrError(f"{path.parent} holds no checkpoint manifest ({NAME} is missing); nothing there can be trusted") from None
     except (OSError, ValueError) as exc:
         raise GpucrError(f"the manifest {path} cannot be read ({exc}); the image cannot be trusted") from exc
     if not isinstance(m, dict) or m.get("version") != VERSION or not m.get("processes"):
         raise GpucrError(f"the manifest {path} is not a gpucr manifest of version {VERSION}")
     return m
+
+
+def _read_json(idir: ImageDir, max_bytes: int) -> Any:
+    fd = idir.open_read(NAME)
+    with os.fdopen(fd, "rb") as f:
+        raw = f.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise ValueError(f"larger than {max_bytes >> 20} MiB")
+    return json.loads(raw)
+
+
+def _int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def check_coverage(allocations: Any) -> None:
+    """The certificate covers every byte exactly: each allocation's chunks tile [0, bytes) with no gap and
+    no overlap, and the allocations tile the data file the same way. Raises naming the first fault."""
+    if not isinstance(allocations, list):
+        raise GpucrError("refused: the manifest's allocation list is malformed")
+    foff = 0
+    for a in allocations:
+        if not isinstance(a, dict) or not all(_int(a.get(k)) for k in ("va", "bytes", "file_offset")) \
+                or not isinstance(a.get("chunks"), list):
+            raise GpucrError("refused: the manifest has a malformed allocation record")
+        if a["file_offset"] != foff:
+            raise GpucrError(f"refused: allocation {a['va']:#x} starts at {a['file_offset']:#x} of the data file, "
+                             f"not {foff:#x}: the manifest does not cover the data file exactly")
+        end = 0
+        for c in sorted(a["chunks"], key=lambda c: c.get("offset", -1) if isinstance(c, dict) else -1):
+            if not isinstance(c, dict) or not _int(c.get("offset")) or not _int(c.get("bytes")) or c["bytes"] == 0:
+                raise GpucrError(f"refused: allocation {a['va']:#x} has a malformed chunk record")
+            if c["offset"] != end:
+                what = "a gap" if c["offset"] > end else "an overlap"
+                raise GpucrError(f"refused: the chunks of allocation {a['va']:#x} leave {what} at {min(end, c['offset']):#x}: "
+                                 "the manifest does not cover every byte exactly")
+            if not c.get("zero") and not isinstance(c.get("xxh3_64"), str):
+                raise GpucrError(f"refused: chunk {c['offset']:#x} of allocation {a['va']:#x} has no digest")
+            end = c["offset"] + c["bytes"]
+        if end != a["bytes"]:
+            raise GpucrError(f"refused: the chunks of allocation {a['va']:#x} cover {end} of its {a['bytes']} bytes: "
+                             "the manifest does not cover every byte exactly")
+        foff += a["bytes"]
 
 
 def check_restore(m: dict[str, Any], *, pid: int, start_time: int, generation: int, gpus: list[dict[str, Any]],
@@ -94,6 +154,7 @@ def check_restore(m: dict[str, Any], *, pid: int, start_time: int, generation: i
     if taken and now and taken != now:
         raise GpucrError(f"refused: the image was taken on {' + '.join(taken)}, the process would be restored onto "
                          f"{' + '.join(now)} (the driver needs the same chips)")
+    check_coverage(entry.get("data"))
     if entry["unknown"] and not force:
         raise GpucrError(f"refused: the checkpoint does not cover everything ({'; '.join(entry['unknown'])}); "
                          "use --force to restore anyway")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 
 from .errors import GpucrError
@@ -25,14 +26,83 @@ def simcuda_dir() -> Path:
     return path
 
 
-def runtime_dir(uid: int | None = None, environ: dict[str, str] | None = None) -> Path:
-    """The agent's socket directory: the same rule as native/agent/channel.c."""
+# Where an agent listens: the first rule whose setting is present names the dir. A dir that is not
+# private to the process's user (owner, mode 0700, not a link) is refused, except under the last rule,
+# where the name is one anyone can take first: there the agent falls back to a private dir it makes
+# itself (mkdtemp), /tmp/gpucr-<uid>.XXXXXX, and the controller looks in those it can verify. The same
+# table is in native/agent/channel.c; tests/test_security.py holds the two to it.
+RUNTIME_DIR_RULES: tuple[tuple[str | None, str, str], ...] = (
+    ("GPUCR_RUNTIME_DIR", "{GPUCR_RUNTIME_DIR}", "refuse"),
+    ("XDG_RUNTIME_DIR", "{XDG_RUNTIME_DIR}/gpucr", "refuse"),
+    (None, "/tmp/gpucr-{uid}", "fallback"),
+)
+FALLBACK_PREFIX = "/tmp/gpucr-{uid}."
+
+
+def runtime_rule(uid: int | None = None, environ: dict[str, str] | None = None) -> tuple[Path, bool]:
+    """The dir the rules name for this user and environment, and whether a private fallback is allowed."""
     env = os.environ if environ is None else environ
-    if env.get("GPUCR_RUNTIME_DIR"):
-        return Path(env["GPUCR_RUNTIME_DIR"])
-    if env.get("XDG_RUNTIME_DIR"):
-        return Path(env["XDG_RUNTIME_DIR"]) / "gpucr"
-    return Path(f"/tmp/gpucr-{os.getuid() if uid is None else uid}")
+    uid = os.getuid() if uid is None else uid
+    for setting, pattern, when_not_private in RUNTIME_DIR_RULES:
+        if setting is None or env.get(setting):
+            return Path(pattern.format(uid=uid, **{k: env.get(k, "") for k in ("GPUCR_RUNTIME_DIR", "XDG_RUNTIME_DIR")})), \
+                when_not_private == "fallback"
+    raise AssertionError("the last rule always applies")
+
+
+def runtime_dir(uid: int | None = None, environ: dict[str, str] | None = None) -> Path:
+    """The agent's socket directory as the rules name it (see RUNTIME_DIR_RULES)."""
+    return runtime_rule(uid, environ)[0]
+
+
+def dir_problem(path: Path, uid: int) -> str | None:
+    """Why `path` is not a private runtime dir of `uid` (checked with lstat: a link is never followed), or None."""
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        return f"{path}: {exc.strerror}"
+    if stat.S_ISLNK(st.st_mode):
+        return f"{path} is a symbolic link"
+    if not stat.S_ISDIR(st.st_mode):
+        return f"{path} is not a directory"
+    if st.st_uid != uid:
+        return f"{path} belongs to uid {st.st_uid}, not {uid}"
+    if st.st_mode & 0o077:
+        return f"{path} has mode {stat.S_IMODE(st.st_mode):04o}, not 0700"
+    return None
+
+
+def fallback_dirs(uid: int) -> list[Path]:
+    """The private dirs agents of `uid` made for themselves because /tmp/gpucr-<uid> was taken."""
+    prefix = Path(FALLBACK_PREFIX.format(uid=uid))
+    try:
+        names = sorted(n for n in os.listdir(prefix.parent) if n.startswith(prefix.name))
+    except OSError:
+        return []
+    return [prefix.parent / n for n in names if dir_problem(prefix.parent / n, uid) is None]
+
+
+def agent_dirs(uid: int | None = None, environ: dict[str, str] | None = None) -> list[Path]:
+    """The verified dirs where an agent of `uid` with this environment may listen (the rules, then the checks)."""
+    uid = os.getuid() if uid is None else uid
+    named, fallback = runtime_rule(uid, environ)
+    if dir_problem(named, uid) is None:
+        return [named]
+    return fallback_dirs(uid) if fallback else []
+
+
+def socket_name(pid_in_ns: int, pidns_inode: int) -> str:
+    """An agent's socket: its pid as its own namespace sees it, and that namespace (pids repeat across namespaces)."""
+    return f"{pid_in_ns}-{pidns_inode}.sock"
+
+
+def parse_socket_name(name: str) -> tuple[int, int] | None:
+    """(pid in its namespace, pid namespace inode) of an agent socket's name, or None for any other name."""
+    stem, dot, ext = name.partition(".")
+    pid, dash, ino = stem.partition("-")
+    if ext != "sock" or not dash or not pid.isdigit() or not ino.isdigit():
+        return None
+    return int(pid), int(ino)
 
 
 def run_env(simulate: bool = False, base: dict[str, str] | None = None) -> dict[str, str]:

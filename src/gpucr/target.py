@@ -1,13 +1,23 @@
-"""Finding and vetting a target process before anything is asked of it."""
+"""Finding and vetting a target process before anything is asked of it.
+
+A target is untrusted input (docs/security.md): its socket is looked for only in runtime dirs that pass
+the checks of paths.dir_problem for the target's uid, the socket itself must be the target uid's, the
+listener must be the target process (SO_PEERCRED, checked before a byte is sent), and its hello is data
+to validate: nothing in it is a path to open or a library to load.
+"""
 from __future__ import annotations
 
+import errno
 import os
 import pwd
+import socket
+import stat
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from . import paths
-from .agent import AgentClient
+from .agent import PROTOCOL, AgentClient
 from .errors import GpucrError
 
 
@@ -24,7 +34,7 @@ class Target:
         return bool(self.hello.get("simulated"))
 
     def connect(self) -> AgentClient:
-        return AgentClient(self.socket, self.pid)
+        return AgentClient(self.socket, self.pid, uid=self.uid)
 
 
 def _user(uid: int) -> str:
@@ -34,9 +44,39 @@ def _user(uid: int) -> str:
         return str(uid)
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat from field 3 (state) on: the command name before it may hold spaces and parentheses."""
+    text = Path(f"/proc/{pid}/stat").read_text()
+    return text[text.rindex(")") + 2:].split()
+
+
 def process_start_time(pid: int) -> int:
-    stat = Path(f"/proc/{pid}/stat").read_text()
-    return int(stat[stat.rindex(")") + 2:].split()[19])
+    return int(_stat_fields(pid)[19])
+
+
+def check_not_stopped(pid: int) -> None:
+    """Name a stopped process at once: its agent cannot answer until it runs again."""
+    try:
+        state = _stat_fields(pid)[0]
+    except (OSError, IndexError):
+        return   # gone: the caller's next step says so
+    if state == "T":
+        raise GpucrError(f"process {pid} is stopped (SIGSTOP); continue it with kill -CONT {pid}")
+    if state == "t":
+        raise GpucrError(f"process {pid} is stopped by a debugger (tracing stop); let it continue first")
+
+
+def pid_namespace(pid: int) -> tuple[int, int]:
+    """(pid as the process's own namespace sees it, that pid namespace's inode): what names its agent socket."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+        ino = os.stat(f"/proc/{pid}/ns/pid").st_ino
+    except PermissionError:
+        raise GpucrError(f"cannot read the pid namespace of process {pid} (permission denied)") from None
+    except FileNotFoundError:
+        raise GpucrError(f"no process with pid {pid}; check the pid with 'gpucr ps'") from None
+    nspid = next((line.split()[-1] for line in status.splitlines() if line.startswith("NSpid:")), str(pid))
+    return int(nspid), ino
 
 
 def command_line(pid: int) -> str:
@@ -46,18 +86,76 @@ def command_line(pid: int) -> str:
         return ""
 
 
-def _socket_candidates(pid: int, uid: int) -> list[Path]:
-    cands = []
-    if uid == os.getuid():
-        cands.append(paths.runtime_dir() / f"{pid}.sock")
-    try:  # the target's own settings decide where its agent listens
+def _environ(pid: int) -> dict[str, str]:
+    try:
         raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        env = dict(e.decode(errors="replace").split("=", 1) for e in raw if b"=" in e)
-        cands.append(paths.runtime_dir(uid, env) / f"{pid}.sock")
     except OSError:
-        pass
-    cands.append(paths.runtime_dir(uid, {}) / f"{pid}.sock")
-    return list(dict.fromkeys(cands))
+        return {}
+    return dict(e.decode(errors="replace").split("=", 1) for e in raw if b"=" in e)
+
+
+def _candidate_dirs(pid: int, uid: int) -> list[Path]:
+    """Verified runtime dirs of `uid` where this process's agent may listen. Its environment only suggests
+    a dir: each one must pass the same checks (owner, 0700, not a link) as any other."""
+    dirs: list[Path] = []
+    if uid == os.getuid():
+        dirs += paths.agent_dirs(uid)
+    dirs += paths.agent_dirs(uid, _environ(pid))
+    dirs += paths.agent_dirs(uid, {})
+    return list(dict.fromkeys(dirs))
+
+
+def _socket_problem(path: Path, uid: int) -> str | None:
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return exc.strerror
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{path} is not a socket"
+    if st.st_uid != uid:
+        return f"{path} belongs to uid {st.st_uid}, not {uid}"
+    return None
+
+
+def agent_socket_name(pid: int) -> str:
+    """The name of process `pid`'s agent socket in its runtime dir."""
+    return paths.socket_name(*pid_namespace(pid))
+
+
+def _find_socket(pid: int, uid: int) -> Path:
+    name = agent_socket_name(pid)
+    problems = []
+    for d in _candidate_dirs(pid, uid):
+        why = _socket_problem(d / name, uid)
+        if why is None:
+            return d / name
+        if why != "missing":
+            problems.append(why)
+    if problems:
+        raise GpucrError(f"refusing the agent socket of process {pid}: {problems[0]}")
+    raise GpucrError(f"process {pid} is not running under gpucr (no agent socket); start it with "
+                     f"'gpucr run -- CMD' or LD_PRELOAD=$(gpucr lib)")
+
+
+def check_hello(hello: Any, pid: int, nspid: int) -> dict[str, Any]:
+    """The agent's hello, validated: only the fields the controller uses, each of its type."""
+    if not isinstance(hello, dict) or hello.get("agent") != "gpucr":
+        raise GpucrError(f"process {pid}'s socket did not answer as gpucr's agent")
+    if hello.get("protocol") != PROTOCOL:
+        raise GpucrError(f"process {pid} runs a gpucr agent of protocol {hello.get('protocol')!r}, this controller "
+                         f"speaks protocol {PROTOCOL}: restart the process under this gpucr (gpucr run / LD_PRELOAD=$(gpucr lib)), "
+                         "or use the gpucr it was started with")
+    if hello.get("pid") != nspid:
+        raise GpucrError(f"the agent socket of process {pid} answered for process {hello.get('pid')}; "
+                         "remove the stale socket and retry")
+    out = {"agent": "gpucr", "protocol": PROTOCOL, "pid": pid}
+    for key, kind in (("cuda", bool), ("simulated", bool), ("group", str)):
+        if not isinstance(hello.get(key), kind):
+            raise GpucrError(f"process {pid}'s agent sent a malformed hello ({key})")
+        out[key] = hello[key]
+    return out
 
 
 def resolve(pid: int) -> Target:
@@ -72,35 +170,75 @@ def resolve(pid: int) -> Target:
     if st.st_uid != me and me != 0:
         raise GpucrError(f"process {pid} belongs to user {_user(st.st_uid)}; gpucr acts only on your own processes "
                          "(or run it as root)")
-    sock = next((c for c in _socket_candidates(pid, st.st_uid) if c.exists()), None)
-    if sock is None:
-        raise GpucrError(f"process {pid} is not running under gpucr (no agent socket); start it with "
-                         f"'gpucr run -- CMD' or LD_PRELOAD=$(gpucr lib)")
-    with AgentClient(sock, pid) as agent:
-        hello = agent.call("hello", timeout=5.0)
-    if hello.get("pid") != pid:
-        raise GpucrError(f"the agent socket of process {pid} answered for process {hello.get('pid')}; "
-                         "remove the stale socket and retry")
+    check_not_stopped(pid)
+    nspid, _ = pid_namespace(pid)
+    sock = _find_socket(pid, st.st_uid)
+    with AgentClient(sock, pid, uid=st.st_uid) as agent:
+        hello = check_hello(agent.call("hello", timeout=5.0), pid, nspid)
     return Target(pid, st.st_uid, process_start_time(pid), sock, hello)
 
 
-def list_sockets() -> list[tuple[int, Path]]:
-    """(pid, socket) of every live process under gpucr in this user's runtime dir; stale sockets are removed."""
-    found = []
-    rdir = paths.runtime_dir()
-    if not rdir.is_dir():
-        return found
-    for sock in sorted(rdir.glob("*.sock")):
-        name = sock.name.split(".")[0]
-        if not name.isdigit():
-            continue
-        pid = int(name)
-        if Path(f"/proc/{pid}").exists():
-            if sock.name == f"{pid}.sock":
-                found.append((pid, sock))
-        else:
+def _my_pidns() -> int:
+    return os.stat("/proc/self/ns/pid").st_ino
+
+
+def _host_pids_by_ns() -> dict[tuple[int, int], int]:
+    """{(pid namespace inode, pid in it): pid here} for every process this controller can see."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
             try:
-                sock.unlink()  # left behind by a process that was killed (agent or app-join socket)
-            except OSError:
-                pass
+                nspid, ino = pid_namespace(int(entry))
+            except (GpucrError, OSError, ValueError):
+                continue
+            out[(ino, nspid)] = int(entry)
+    return out
+
+
+def _listener_gone(path: Path) -> bool:
+    """Nothing listens on this socket any more (its process died without removing it)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(str(path))
+    except OSError as exc:
+        return exc.errno == errno.ECONNREFUSED
+    finally:
+        s.close()
+    return False
+
+
+def _own_live_pid(name: str) -> bool:
+    """A socket named after a live process of this namespace, other than an agent's (an app-join socket)."""
+    head = name.split(".")[0]
+    return paths.parse_socket_name(name) is None and head.isdigit() and os.path.exists(f"/proc/{head}")
+
+
+def list_sockets() -> list[tuple[int, Path]]:
+    """(pid, socket) of every live process under gpucr in this user's verified runtime dirs, pid as this
+    controller's namespace sees it; sockets nothing listens on any more are removed (only in those dirs)."""
+    found = []
+    mine, others = _my_pidns(), None
+    for rdir in paths.agent_dirs(os.getuid()):
+        try:
+            names = sorted(os.listdir(rdir))
+        except OSError:
+            continue
+        for name in names:
+            ident = paths.parse_socket_name(name)
+            pid = None
+            if ident is not None:
+                nspid, ino = ident
+                if ino == mine and os.path.exists(f"/proc/{nspid}"):
+                    pid = nspid
+                elif ino != mine:
+                    others = _host_pids_by_ns() if others is None else others
+                    pid = others.get((ino, nspid))
+            if pid is not None:
+                found.append((pid, rdir / name))
+            elif name.endswith(".sock") and not _own_live_pid(name) and _listener_gone(rdir / name):
+                try:
+                    (rdir / name).unlink()   # left by a process that was killed (agent or app-join socket)
+                except OSError:
+                    pass
     return found
