@@ -166,22 +166,21 @@ static int seg_create(struct seg *g, size_t cap, char *err, size_t errlen)
     return 0;
 }
 
-/* First fit of `sizes`, in this order, into the segments: the bytes each segment would hold (into
- * used, if given), and the bytes left without a place and the largest of them. */
-static size_t shortfall_locked(const size_t *sizes, int n, size_t *used, size_t *largest)
+/* Bytes of `sizes` that first fit, in this order, leaves without a place in the segments, and the
+ * largest of them. */
+static size_t shortfall_locked(const size_t *sizes, int n, size_t *largest)
 {
-    size_t fill[STAGING_MAX_SEGS] = {0}, missing = 0;
+    size_t used[STAGING_MAX_SEGS] = {0}, missing = 0;
     if (largest) *largest = 0;
     for (int k = 0; k < n; k++) {
         int i = 0;
-        while (i < S.n && S.segs[i].cap - fill[i] < sizes[k]) i++;
-        if (i < S.n) fill[i] += sizes[k];
+        while (i < S.n && S.segs[i].cap - used[i] < sizes[k]) i++;
+        if (i < S.n) used[i] += sizes[k];
         else {
             missing += sizes[k];
             if (largest && sizes[k] > *largest) *largest = sizes[k];
         }
     }
-    if (used) memcpy(used, fill, sizeof fill);
     return missing;
 }
 
@@ -221,19 +220,15 @@ static void seg_free(struct seg *g)
     close(g->fd);
 }
 
-/* Give back the segments the plan leaves empty once staging holds more than twice what is needed: a
- * process whose data shrank does not keep the host memory of its largest moment. Called while
- * nothing is staged (the process runs, or its data comes from an image next). */
-static void release_unneeded_locked(const size_t *used, size_t need)
+/* Give staging back when it holds more than twice what is needed (the process's data shrank): all
+ * of it, to be made again at the size needed, since a segment still in use may be the oversized
+ * one. Called while nothing is staged (the process runs, or its data comes from an image next). */
+static void release_if_oversized_locked(size_t need)
 {
     if (capacity_locked() <= 2 * need) return;
     stop_pinners_locked();
-    int kept = 0;
-    for (int i = 0; i < S.n; i++) {
-        if (used[i]) S.segs[kept++] = S.segs[i];
-        else seg_free(&S.segs[i]);
-    }
-    S.n = kept;
+    for (int i = 0; i < S.n; i++) seg_free(&S.segs[i]);
+    S.n = 0;
 }
 
 /* Whether the host can give `need` more bytes of staging of the kind asked for; err says why not. */
@@ -256,14 +251,14 @@ static bool room_for(size_t need, char *err, size_t errlen)
     return true;
 }
 
-/* staging_fit; `shrink`: also give back what this plan does not need (see release_unneeded_locked). */
+/* staging_fit; `shrink`: also give staging back first if it is oversized (release_if_oversized_locked). */
 static int fit(const size_t *sizes, int n, bool shrink, char *err, size_t errlen)
 {
-    size_t used[STAGING_MAX_SEGS], need = 0;
+    size_t need = 0;
     for (int k = 0; k < n; k++) need += sizes[k];
     pthread_mutex_lock(&S.mu);
-    size_t largest = 0, missing = shortfall_locked(sizes, n, used, &largest);
-    if (shrink) release_unneeded_locked(used, need);
+    if (shrink) release_if_oversized_locked(need);
+    size_t largest = 0, missing = shortfall_locked(sizes, n, &largest);
     int rc = 0;
     /* the whole shortfall is checked first: a refusal must come before anything is touched */
     if (missing) {
@@ -279,7 +274,7 @@ static int fit(const size_t *sizes, int n, bool shrink, char *err, size_t errlen
         }
         rc = seg_create(&S.segs[S.n], next_seg_size_locked(missing, largest), err, errlen);
         if (rc == 0) S.n++;
-        missing = shortfall_locked(sizes, n, NULL, &largest);
+        missing = shortfall_locked(sizes, n, &largest);
     }
     pthread_mutex_unlock(&S.mu);
     return rc;
@@ -396,14 +391,33 @@ int staging_pin_ahead(CUcontext ctx)
     return started;
 }
 
+/* First fit, in the order staging_fit planned with. */
+static void *take_locked(size_t size)
+{
+    for (int i = 0; i < S.n; i++) {
+        struct seg *g = &S.segs[i];
+        if (g->cap - g->used >= size) {
+            g->used += size;
+            return (char *)g->base + g->used - size;
+        }
+    }
+    return NULL;
+}
+
 void *staging_take(size_t size)
 {
-    /* first fit, in the order staging_fit planned with */
     pthread_mutex_lock(&S.mu);
-    void *p = NULL;
-    for (int i = 0; i < S.n && !p; i++) {
-        struct seg *g = &S.segs[i];
-        if (g->cap - g->used >= size) { p = (char *)g->base + g->used; g->used += size; }
+    void *p = take_locked(size);
+    /* An allocation made between staging_fit and the gate closing has no place in a staging sized to
+     * the data: make one now rather than refuse the checkpoint. */
+    char err[256];
+    if (!p && S.n < STAGING_MAX_SEGS) {
+        if (seg_create(&S.segs[S.n], next_seg_size_locked(size, size), err, sizeof err) == 0) {
+            S.n++;
+            p = take_locked(size);
+        } else {
+            gpucr_warn("%s", err);
+        }
     }
     pthread_mutex_unlock(&S.mu);
     return p;
@@ -485,7 +499,7 @@ static void *ahead_loop(void *arg)
         size_t *sizes = staging_movable_sizes(&n, &ctx);
         if (!sizes) continue;
         pthread_mutex_lock(&S.mu);
-        size_t missing = shortfall_locked(sizes, n, NULL, NULL);
+        size_t missing = shortfall_locked(sizes, n, NULL);
         pthread_mutex_unlock(&S.mu);
         char err[256];
         if (missing && ctx) {

@@ -18,12 +18,13 @@ struct staging_info {
 };
 
 /* Make room for allocations of these sizes, placed first fit in this order (never moves what
- * exists). Segments this placement leaves empty are given back when staging holds more than twice
- * what is needed, so call it only while nothing is staged. Needs a current context for pinning.
- * 0, or -1 with err set. */
+ * exists). Staging that holds more than twice what is needed is given back first and made anew,
+ * so call it only while nothing is staged. Needs a current context for pinning. 0, or -1 with err
+ * set. */
 int staging_fit(const size_t *sizes, int n, char *err, size_t errlen);
 size_t *staging_movable_sizes(int *n, CUcontext *ctx);   /* malloc'd; the caller frees */
-/* Hand out `size` bytes for this cycle (first fit); NULL if the capacity is exhausted. */
+/* Hand out `size` bytes for this cycle (first fit), adding a segment if none has room (an allocation
+ * made after staging_fit); NULL if that fails. */
 void *staging_take(size_t size);
 void staging_rewind(void);      /* the next cycle hands out from the start again */
 void staging_drop(void);        /* give all host memory back */
