@@ -67,7 +67,7 @@ def nvidia_gpu() -> bool:
     return _nvml_memory(0) is not None
 
 
-gpu = pytest.mark.skipif(not nvidia_gpu(), reason="needs an NVIDIA GPU (NVML found none): GPU tests run on the lent H200 via scripts/gpu-check")
+gpu = pytest.mark.skipif(not nvidia_gpu(), reason="needs an NVIDIA GPU: NVML (libnvidia-ml.so.1) reports none")
 
 
 def gpu_count() -> int:
@@ -80,7 +80,7 @@ def gpu_count() -> int:
         return 0
 
 
-two_gpus = pytest.mark.skipif(gpu_count() < 2, reason="needs 2 GPUs (run on nvidia-h200-x2)")
+two_gpus = pytest.mark.skipif(gpu_count() < 2, reason=f"needs 2 NVIDIA GPUs: NVML reports {gpu_count()}")
 
 
 @pytest.fixture(scope="module")

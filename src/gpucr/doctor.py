@@ -42,6 +42,11 @@ def report() -> dict[str, Any]:
     except GpucrError as exc:
         r["agent"] = None
         r["agent_problem"] = str(exc)
+    try:
+        r["simcuda"] = str(paths.simcuda_dir() / "libcuda.so.1")
+    except GpucrError as exc:
+        r["simcuda"] = None
+        r["simcuda_problem"] = str(exc)
     gpu = _nvml_memory(0)
     r["gpu"] = None if gpu is None else {"total_bytes": gpu.total, "used_bytes": gpu.used}
     try:
@@ -53,7 +58,23 @@ def report() -> dict[str, Any]:
     return r
 
 
+def problems(r: dict[str, Any]) -> list[str]:
+    """What stops gpucr from checkpointing a GPU process here: each makes `gpucr doctor` fail."""
+    found = []
+    if r["agent"] is None:
+        found.append(r["agent_problem"])
+    if r["simcuda"] is None:
+        found.append(r["simcuda_problem"])
+    if r["driver"].get("loaded") is False:
+        found.append("no CUDA driver (libcuda.so.1) could be loaded: install the NVIDIA driver, or use simcuda "
+                     "with 'gpucr run --simulate'")
+    elif not r["driver"].get("checkpoint_api"):
+        found.append("the CUDA driver's checkpoint API is missing (driver 555 or newer has it): only --level data can work")
+    return found
+
+
 def advice(r: dict[str, Any]) -> list[str]:
+    """What would make gpucr faster or safer here; none of it stops it."""
     tips = []
     if r["hugepages_free"] == 0:
         tips.append("no hugepages are reserved: staging falls back to 4 KiB shared memory, which takes ~2-4x longer "
@@ -63,21 +84,19 @@ def advice(r: dict[str, Any]) -> list[str]:
                     "with 'ulimit -l unlimited' (or in /etc/security/limits.conf)")
     if r["gpu"] is None:
         tips.append("no NVIDIA GPU answered through NVML: only 'gpucr run --simulate' (simcuda, a test double) works here")
-    if r["driver"].get("loaded") is False:
-        tips.append("no CUDA driver (libcuda.so.1) could be loaded: install the NVIDIA driver, or use simcuda "
-                    "with 'gpucr run --simulate'")
-    elif not r["driver"].get("checkpoint_api"):
-        tips.append("the CUDA driver's checkpoint API is missing (driver 555 or newer has it): only --level data can work")
     return tips
 
 
 def main(as_json: bool = False) -> int:
+    """Print the report; 1 when something gpucr needs is missing (see problems), else 0."""
     import json
     r = report()
+    r["problems"] = problems(r)
     r["advice"] = advice(r)
+    code = 1 if r["problems"] else 0
     if as_json:
         print(json.dumps(r, indent=2))
-        return 0
+        return code
     gib = lambda b: f"{b / 2**30:.1f} GiB"
     drv = r["driver"]
     print(f"driver        {drv.get('library', 'libcuda.so.1')}: " + (f"CUDA {drv['cuda_version'] // 1000}.{drv['cuda_version'] % 1000 // 10}, "
@@ -90,8 +109,15 @@ def main(as_json: bool = False) -> int:
     limit = "unlimited" if r["memlock_limit"] is None else f"{r['memlock_limit'] >> 20} MiB"
     print(f"pinned memory limit (ulimit -l): {limit}"
           + (" (root may exceed it)" if os.geteuid() == 0 else ""))
-    print(f"agent         {r['agent'] or r.get('agent_problem')}")
+    print(f"agent         {r['agent'] or 'missing'}")
+    print(f"simcuda       {r['simcuda'] or 'missing'}")
     print(f"runtime dir   {r['runtime_dir']}")
+    for t in r["problems"]:
+        print(f"problem: {t}")
     for t in r["advice"]:
         print(f"advice: {t}")
-    return 0
+    if code:
+        print(f"{len(r['problems'])} problem(s): gpucr cannot checkpoint a GPU process here")
+    else:
+        print("nothing missing" + (" (the driver found is simcuda, a test double)" if drv.get("simulated") else ""))
+    return code
