@@ -10,6 +10,7 @@ import pytest
 
 import gpucr
 from gpucr import paths
+from gpucr import target as targets
 
 from conftest import gpucr_cli, sim_driver
 
@@ -42,7 +43,7 @@ def test_process_not_under_gpucr():
 def test_non_cuda_process_under_gpucr():
     p = subprocess.Popen(["sleep", "30"], env=paths.run_env(simulate=True))
     try:
-        sock = paths.runtime_dir() / f"{p.pid}.sock"
+        sock = paths.runtime_dir() / targets.agent_socket_name(p.pid)
         for _ in range(100):
             if sock.exists():
                 break

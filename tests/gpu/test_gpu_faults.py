@@ -12,6 +12,7 @@ import pytest
 
 import gpucr
 from gpucr import paths
+from gpucr import target as targets
 from gpucr.coordinator import checkpoint_many, restore_many
 from gpucr.driver import ProcessState, driver_for, gpu_memory
 from gpucr.workloads.runner import Workload
@@ -109,7 +110,7 @@ def test_app_killed_while_checkpointed_leaves_nothing_behind():
     app = Workload("torch_app", "--gib", "2")
     gpucr.checkpoint(app.pid, timeout=60)
     rdir = paths.runtime_dir()
-    assert (rdir / f"{app.pid}.sock").exists()
+    assert (rdir / targets.agent_socket_name(app.pid)).exists()
     app.proc.kill()
     app.proc.wait()
     assert app.pid not in [p["pid"] for p in gpucr.ps()]
