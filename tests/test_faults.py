@@ -51,6 +51,26 @@ def test_legacy_ipc(sim_app):
     assert gpucr.status(app.pid)["state"] == "running"
 
 
+def test_multicast_objects_are_refused_before_touching(sim_app):
+    """NCCL's NVLS binds memory of several GPUs into a multicast object: no checkpoint covers it."""
+    app = sim_app("--sizes", "16M")
+    before = app.ask("digest")
+    assert app.ask("multicast")["rc"] == 0
+    r = gpucr_cli("checkpoint", str(app.pid))
+    assert r.returncode != 0 and "multicast" in r.stderr and "NCCL_NVLS_ENABLE=0" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    assert gpucr.status(app.pid)["state"] == "running" and app.ask("digest") == before
+
+
+def test_fabric_handles_are_refused_before_touching(sim_app):
+    app = sim_app("--sizes", "16M")
+    before = app.ask("digest")
+    assert app.ask("share-fabric 2")["rc"] == 0
+    with pytest.raises(gpucr.GpucrError, match="fabric handles"):
+        gpucr.checkpoint(app.pid)
+    assert gpucr.status(app.pid)["state"] == "running" and app.ask("digest") == before
+
+
 def test_hugepages_asked_for_but_missing_refused_before_touching(sim_app):
     if int(Path("/proc/sys/vm/nr_hugepages").read_text()) > 0:
         pytest.skip("this host has hugepages reserved")

@@ -2,6 +2,7 @@
 checkpointed together, the exporter's data saved once, both see the same memory after restore."""
 from __future__ import annotations
 
+import hashlib
 import os
 
 import pytest
@@ -130,3 +131,21 @@ def test_unreachable_process_on_the_same_gpu_refuses_a_sharing_checkpoint(pair, 
         os.kill(other.pid, signal.SIGCONT)
     checkpoint_many([exp.pid, imp.pid])
     restore_many([exp.pid, imp.pid])
+
+
+def test_exporter_killed_during_data_out_leaves_the_importer_running(pair, monkeypatch):
+    """A rank killed mid-checkpoint: the other is rolled back and runs with its own data; the memory
+    it imported from the dead one can never come back, so zeroed memory takes its place (said in
+    the error) instead of a gate closed for ever."""
+    exp, imp, _ = pair
+    exp.ask(f"close-fd {exp.fd}")
+    monkeypatch.setenv("GPUCR_TEST_KILL_TARGET", f"data-out:{exp.pid}")
+    with pytest.raises(gpucr.GpucrError, match=f"process {exp.pid}.*replaced by zeroed memory"):
+        checkpoint_many([exp.pid, imp.pid])
+    exp.proc.wait(timeout=30)
+    st = gpucr.status(imp.pid)
+    assert st["state"] == "running" and not st["gate_closed"]
+    assert imp.ask("read-shared")["sha256"] == hashlib.sha256(bytes(32 * MiB)).hexdigest()
+    imp.ask("write-shared 5")   # the process runs on, its addresses usable
+    gpucr.checkpoint(imp.pid)   # and can be checkpointed alone now: it shares nothing any more
+    gpucr.restore(imp.pid)

@@ -340,17 +340,24 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
     } else if (!strcmp(verb, "drop")) {
         rc = dp_drop_staged(err, sizeof err);
     } else if (!strcmp(verb, "export")) {
-        long long dev = arg_ll(req, "dev", -1, INT64_MAX), ino = arg_ll(req, "ino", -1, INT64_MAX);
+        long long key = arg_ll(req, "key", -1, INT64_MAX);
         int fd = -1;
-        rc = dev < 0 || ino < 0 ? (snprintf(err, sizeof err, "export takes dev= and ino="), -1)
-                                : dp_export((unsigned long long)dev, (unsigned long long)ino, &fd, j, err, sizeof err);
+        rc = key <= 0 ? (snprintf(err, sizeof err, "export takes key=KEY of an exported allocation"), -1)
+                      : dp_export((unsigned long long)key, &fd, j, err, sizeof err);
         if (rc == 0) { c->fds[0] = fd; c->nfds = 1; c->close_sent = true; }
         status_after = false;
     } else if (!strcmp(verb, "relink")) {
-        long long dev = arg_ll(req, "dev", -1, INT64_MAX), ino = arg_ll(req, "ino", -1, INT64_MAX);
+        long long key = arg_ll(req, "key", -1, INT64_MAX);
         if (c->nin < 1) rc = (snprintf(err, sizeof err, "relink needs the shared memory's file descriptor attached"), -1);
-        else if (dev < 0 || ino < 0) rc = (snprintf(err, sizeof err, "relink takes dev= and ino="), -1);
-        else rc = dp_relink((unsigned long long)dev, (unsigned long long)ino, c->in[0], err, sizeof err);
+        else if (key <= 0) rc = (snprintf(err, sizeof err, "relink takes key=KEY"), -1);
+        else rc = dp_relink((unsigned long long)key, c->in[0], err, sizeof err);
+    } else if (!strcmp(verb, "orphan")) {
+        long long key = arg_ll(req, "key", -1, INT64_MAX);
+        size_t bytes = 0;
+        rc = key <= 0 ? (snprintf(err, sizeof err, "orphan takes key=KEY"), -1)
+                      : dp_orphan((unsigned long long)key, &bytes, err, sizeof err);
+        if (rc == 0) { jb_bool(j, "ok", true); jb_int(j, "bytes", (long long)bytes); }
+        status_after = false;
     } else if (!strcmp(verb, "resume")) {
         rc = dp_resume(err, sizeof err);
     } else {   /* stage */
@@ -374,6 +381,21 @@ static void handle(const char *req, struct jb *j, struct client *c)
     else if (!strcmp(verb, "note")) reply_note(req, j);
     else if (!strcmp(verb, "commit")) { c->lease = false; jb_bool(j, "ok", true); }
     else if (!strcmp(verb, "progress")) { dp_mark_progress(); jb_bool(j, "ok", true); }   /* an image chunk read */
+    else if (!strcmp(verb, "shared")) {
+        /* the agent's own fds of shared memory, for a controller to tell who shares what (never ours to close) */
+        long long from = arg_ll(req, "from", 0, INT32_MAX);
+        if (from < 0) reply_error(j, "shared takes from=INDEX");
+        else dp_shared_fds(j, (int)from, c->fds, &c->nfds, STAGING_MAX_SEGS);
+    }
+    else if (!strcmp(verb, "bind")) {
+        long long sid = arg_ll(req, "sid", -1, UINT32_MAX), key = arg_ll(req, "key", -1, INT64_MAX);
+        long long owner = arg_ll(req, "owner", 0, INT32_MAX), start = arg_ll(req, "owner_start", 0, INT64_MAX);
+        char err[200];
+        if (sid <= 0 || key <= 0 || owner < 0 || start < 0) reply_error(j, "bind takes sid=N key=KEY owner=PID owner_start=T");
+        else if (dp_bind((unsigned)sid, (unsigned long long)key, (long)owner, (unsigned long long)start, err, sizeof err))
+            reply_error(j, err);
+        else jb_bool(j, "ok", true);
+    }
     else if (!strcmp(verb, "zero")) {
         long long va = arg_ll(req, "va", 0, INT64_MAX), off = arg_ll(req, "offset", -1, INT64_MAX);
         if (va <= 0 || off < 0 || dp_mark_zero((unsigned long long)va, (unsigned long long)off))
@@ -389,7 +411,7 @@ static void handle(const char *req, struct jb *j, struct client *c)
     }
     else if (!strcmp(verb, "checkpoint") || !strcmp(verb, "restore") || !strcmp(verb, "layout") ||
              !strcmp(verb, "drop") || !strcmp(verb, "stage") || !strcmp(verb, "export") ||
-             !strcmp(verb, "relink") || !strcmp(verb, "resume"))
+             !strcmp(verb, "relink") || !strcmp(verb, "orphan") || !strcmp(verb, "resume"))
         handle_op(verb, req, j, c);
     else reply_error(j, "unknown request verb");
 }

@@ -272,8 +272,14 @@ void dp_preflight(char *why, size_t len)
     reg_lock();
     long shared = 0;
     for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if ((p->kind == PHYS_IMPORTED || p->exported) && !p->share_ino) shared++;   /* shared some other way than a POSIX fd */
-    if (g_reg.managed_count)
+        if (p->share_unknown) shared++;   /* shared some other way than a POSIX fd the agent could keep */
+    if (g_reg.multicast_objects)
+        snprintf(why, len, "the process uses multicast objects (cuMulticastCreate: %ld; NCCL's NVLS makes them), which no "
+                 "CUDA checkpoint covers; run the job with NCCL_NVLS_ENABLE=0", g_reg.multicast_objects);
+    else if (g_reg.fabric_shares)
+        snprintf(why, len, "the process shares memory as fabric handles (%ld exports or imports), which gpucr cannot relink; "
+                 "share it as POSIX file descriptors (NCCL: NCCL_CUMEM_ENABLE=1 on one host uses them)", g_reg.fabric_shares);
+    else if (g_reg.managed_count)
         snprintf(why, len, "the process uses managed memory (cuMemAllocManaged / cudaMallocManaged: %ld allocations, %zu MiB), "
                  "which no CUDA checkpoint can save; allocate with cudaMalloc instead",
                  g_reg.managed_count, g_reg.managed_bytes >> 20);
@@ -428,6 +434,7 @@ static CUresult release_one(struct phys *p)
             return rc;
         }
     }
+    share_release(p);   /* the agent's own fds of shared memory would keep it on the GPU */
     int refs = p->kind == PHYS_CONVERTED ? 1 : p->app_refs;
     for (int i = 0; i < refs; i++) REAL(cuMemRelease)(p->real);
     reg_set_real(p, 0);
@@ -725,29 +732,35 @@ int dp_stage(char *err, size_t errlen)
     return 0;
 }
 
-/* ---- memory shared with other processes through POSIX fds: re-export and relink after a restore ---- */
+/* ---- memory shared with other processes through POSIX fds (share.c says how it is named) ---- */
 
-static struct phys *shared_by_key(bool exporter, unsigned long long dev, unsigned long long ino)
+/* The shared allocations from the n-th on, with the agent's fd of each that still has one (for a
+ * controller to compare with other processes'; at most maxfds fds, the rest on a later call). */
+int dp_shared_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds)
 {
-    for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if ((exporter ? p->exported : p->kind == PHYS_IMPORTED) && p->share_dev == dev && p->share_ino == ino) return p;
-    return NULL;
-}
-
-/* How many of this process's open fds are the shared memory (dev, ino): such an fd keeps the
- * physical memory alive in the driver, so it stays on the GPU while the process is checkpointed. */
-static int open_fds_of(unsigned long long dev, unsigned long long ino)
-{
-    int n = 0;
-    DIR *d = opendir("/proc/self/fd");
-    if (!d) return 0;
-    struct dirent *e;
-    while ((e = readdir(d))) {
-        struct stat st;
-        if (e->d_name[0] != '.' && fstat(atoi(e->d_name), &st) == 0 && st.st_dev == dev && st.st_ino == ino) n++;
+    *nfds = 0;
+    jb_bool(j, "ok", true);
+    jb_arr(j, "shared");
+    reg_lock();
+    int k = 0, next = -1;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        if (!p->share_sid) continue;
+        if (k++ < from) continue;
+        if (*nfds >= maxfds) { next = k - 1; break; }
+        jb_sub(j, NULL);
+        jb_int(j, "sid", p->share_sid);
+        jb_str(j, "role", p->kind == PHYS_IMPORTED ? "importer" : "exporter");
+        jb_int(j, "key", (long long)p->share_key);
+        if (p->kind == PHYS_IMPORTED) jb_int(j, "owner", p->share_owner_pid);
+        jb_int(j, "bytes", (long long)p->size);
+        jb_int(j, "fd_index", p->share_ndups ? *nfds : -1);
+        jb_end(j);
+        if (p->share_ndups) fds[(*nfds)++] = p->share_dups[0];
     }
-    closedir(d);
-    return n;
+    reg_unlock();
+    jb_arr_end(j);
+    jb_int(j, "next", next);
+    return 0;
 }
 
 void dp_shared_json(struct jb *j)
@@ -755,60 +768,126 @@ void dp_shared_json(struct jb *j)
     jb_arr(j, "shared");
     reg_lock();
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (!p->share_ino || !(p->exported || p->kind == PHYS_IMPORTED)) continue;
+        if (!p->share_sid) continue;
         jb_sub(j, NULL);
+        jb_int(j, "sid", p->share_sid);
         jb_str(j, "role", p->kind == PHYS_IMPORTED ? "importer" : "exporter");
-        jb_int(j, "dev", (long long)p->share_dev);
-        jb_int(j, "ino", (long long)p->share_ino);
+        jb_int(j, "key", (long long)p->share_key);
+        if (p->kind == PHYS_IMPORTED) {
+            jb_int(j, "owner", p->share_owner_pid);
+            jb_int(j, "owner_start", (long long)p->share_owner_start);
+        }
         jb_int(j, "bytes", (long long)p->size);
         jb_bool(j, "unlinked", p->released);
-        jb_int(j, "open_fds", open_fds_of(p->share_dev, p->share_ino));
+        jb_int(j, "open_fds", share_open_fds(p));
         jb_end(j);
     }
     reg_unlock();
     jb_arr_end(j);
 }
 
-int dp_export(unsigned long long dev, unsigned long long ino, int *fd_out, struct jb *j, char *err, size_t errlen)
+/* A controller found which exporter's memory an imported allocation is: give it that key. */
+int dp_bind(unsigned sid, unsigned long long key, long owner, unsigned long long owner_start, char *err, size_t errlen)
 {
-    struct phys *p = shared_by_key(true, dev, ino);
-    if (!p || !p->real) { seterr(err, errlen, "no restored exported allocation with that key"); return -1; }
+    reg_lock();
+    struct phys *p = g_reg.all;
+    while (p && p->share_sid != sid) p = p->next_all;
+    int rc = 0;
+    if (!p || p->kind != PHYS_IMPORTED) rc = (seterr(err, errlen, "no imported shared allocation %u", sid), -1);
+    else { p->share_key = key; p->share_owner_pid = owner; p->share_owner_start = owner_start; }
+    reg_unlock();
+    return rc;
+}
+
+int dp_export(unsigned long long key, int *fd_out, struct jb *j, char *err, size_t errlen)
+{
+    struct phys *p = g_reg.all;
+    while (p && !(p->exported && p->share_key == key)) p = p->next_all;
+    if (!p || !p->real) { seterr(err, errlen, "no restored exported allocation with key %llu", key); return -1; }
     gpucr_drv.cuCtxSetCurrent(p->ctx);
     int fd = -1;
     CUresult rc = REAL(cuMemExportToShareableHandle)(&fd, p->real, 1, 0);
     if (rc != CUDA_SUCCESS) { seterr(err, errlen, "re-exporting failed: %s", gpucr_cu_errstr(rc)); return -1; }
-    struct stat st;
-    if (fstat(fd, &st) == 0) { p->share_dev = st.st_dev; p->share_ino = st.st_ino; }
+    reg_lock();
+    share_keep_fd(p, fd);   /* for the next checkpoint's matching */
+    reg_unlock();
     *fd_out = fd;
     jb_bool(j, "ok", true);
-    jb_int(j, "dev", (long long)p->share_dev);
-    jb_int(j, "ino", (long long)p->share_ino);
+    jb_int(j, "key", (long long)key);
     return 0;
 }
 
-int dp_relink(unsigned long long dev, unsigned long long ino, int fd, char *err, size_t errlen)
+/* Map the exporter's re-exported memory (fd) at the old addresses of every allocation this process
+ * imported under that key (it may have imported it more than once). */
+int dp_relink(unsigned long long key, int fd, char *err, size_t errlen)
 {
-    struct phys *p = shared_by_key(false, dev, ino);
-    if (!p || !p->released) { seterr(err, errlen, "no unlinked imported allocation with that key"); return -1; }
-    gpucr_drv.cuCtxSetCurrent(p->ctx);
-    CUmemGenericAllocationHandle h = 0;
-    CUresult rc = REAL(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)fd, 1);
-    struct mapping *m = p->maps;
-    for (; m && rc == CUDA_SUCCESS; m = m->next) {
-        rc = REAL(cuMemMap)(m->va, m->size, m->offset, h, 0);
-        if (rc == CUDA_SUCCESS && m->ndesc) rc = REAL(cuMemSetAccess)(m->va, m->size, m->desc, (size_t)m->ndesc);
+    int done = 0;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        if (p->kind != PHYS_IMPORTED || p->share_key != key || !p->released) continue;
+        gpucr_drv.cuCtxSetCurrent(p->ctx);
+        CUmemGenericAllocationHandle h = 0;
+        CUresult rc = REAL(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)fd, 1);
+        struct mapping *m = p->maps;
+        for (; m && rc == CUDA_SUCCESS; m = m->next) {
+            rc = REAL(cuMemMap)(m->va, m->size, m->offset, h, 0);
+            if (rc == CUDA_SUCCESS && m->ndesc) rc = REAL(cuMemSetAccess)(m->va, m->size, m->desc, (size_t)m->ndesc);
+        }
+        if (rc != CUDA_SUCCESS) {
+            for (struct mapping *n = p->maps; n && n != m; n = n->next) REAL(cuMemUnmap)(n->va, n->size);
+            if (h) REAL(cuMemRelease)(h);
+            seterr(err, errlen, "relinking shared memory failed: %s", gpucr_cu_errstr(rc));
+            return -1;
+        }
+        reg_lock();
+        reg_set_real(p, h);
+        share_keep_fd(p, fd);
+        reg_unlock();
+        if (p->app_refs == 0) REAL(cuMemRelease)(h);   /* the application had released its handle: mappings hold it */
+        p->released = false;
+        done++;
     }
-    if (rc != CUDA_SUCCESS) {
-        for (struct mapping *n = p->maps; n && n != m; n = n->next) REAL(cuMemUnmap)(n->va, n->size);
-        if (h) REAL(cuMemRelease)(h);
-        seterr(err, errlen, "relinking shared memory failed: %s", gpucr_cu_errstr(rc));
-        return -1;
+    if (!done) { seterr(err, errlen, "no unlinked imported allocation with key %llu", key); return -1; }
+    return 0;
+}
+
+/* The exporter of memory this process imported under `key` is gone (it died mid-checkpoint), so
+ * nothing can be relinked: put zeroed memory of the same size on the same device at the old
+ * addresses, with the same access, so the process runs on (its own data intact) instead of
+ * waiting for ever with its gate closed. The controller says so in its answer. */
+int dp_orphan(unsigned long long key, size_t *bytes, char *err, size_t errlen)
+{
+    *bytes = 0;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        if (p->kind != PHYS_IMPORTED || p->share_key != key || !p->released) continue;
+        gpucr_drv.cuCtxSetCurrent(p->ctx);
+        CUdevice dev = 0;
+        gpucr_drv.cuCtxGetDevice(&dev);
+        CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
+                                    .location = {CU_MEM_LOCATION_TYPE_DEVICE, dev}};
+        CUmemGenericAllocationHandle h = 0;
+        CUresult rc = REAL(cuMemCreate)(&h, p->size, &prop, 0);
+        struct mapping *m = p->maps;
+        for (; m && rc == CUDA_SUCCESS; m = m->next) {
+            rc = REAL(cuMemMap)(m->va, m->size, m->offset, h, 0);
+            if (rc == CUDA_SUCCESS && m->ndesc) rc = REAL(cuMemSetAccess)(m->va, m->size, m->desc, (size_t)m->ndesc);
+            if (rc == CUDA_SUCCESS) rc = REAL(cuMemsetD8_v2)(m->va, 0, m->size);
+        }
+        if (rc != CUDA_SUCCESS) {
+            for (struct mapping *n = p->maps; n && n != m; n = n->next) REAL(cuMemUnmap)(n->va, n->size);
+            if (h) REAL(cuMemRelease)(h);
+            seterr(err, errlen, "replacing shared memory whose exporter is gone failed: %s", gpucr_cu_errstr(rc));
+            return -1;
+        }
+        reg_lock();
+        reg_set_real(p, h);
+        p->kind = PHYS_APP_VMM;   /* it is this process's own memory now */
+        p->prop = prop;
+        p->share_key = 0;
+        reg_unlock();
+        if (p->app_refs == 0) REAL(cuMemRelease)(h);
+        p->released = false;
+        *bytes += p->size;
     }
-    reg_set_real(p, h);
-    if (p->app_refs == 0) REAL(cuMemRelease)(h);   /* the application had released its handle: mappings hold it */
-    struct stat st;
-    if (fstat(fd, &st) == 0) { p->share_dev = st.st_dev; p->share_ino = st.st_ino; }
-    p->released = false;
     return 0;
 }
 

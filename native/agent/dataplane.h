@@ -45,8 +45,11 @@ int dp_drop_staged(char *err, size_t errlen);
 int dp_stage(char *err, size_t errlen);
 /* Shared memory (POSIX fds): list it; re-export after a restore; relink an importer; open the gate. */
 void dp_shared_json(struct jb *j);
-int dp_export(unsigned long long dev, unsigned long long ino, int *fd_out, struct jb *j, char *err, size_t errlen);
-int dp_relink(unsigned long long dev, unsigned long long ino, int fd, char *err, size_t errlen);
+int dp_shared_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds);
+int dp_bind(unsigned sid, unsigned long long key, long owner, unsigned long long owner_start, char *err, size_t errlen);
+int dp_export(unsigned long long key, int *fd_out, struct jb *j, char *err, size_t errlen);
+int dp_relink(unsigned long long key, int fd, char *err, size_t errlen);
+int dp_orphan(unsigned long long key, size_t *bytes, char *err, size_t errlen);
 int dp_resume(char *err, size_t errlen);
 /* A context ends (context.c): drop the copy streams made in it. */
 void dp_forget_context(CUcontext ctx);

@@ -36,6 +36,8 @@ struct phys {
      * process; the dups are the agent's own duplicates of the fds exported or imported. */
     uint64_t share_key;
     unsigned share_sid;
+    long share_owner_pid;                   /* an importer's exporter, as the binding controller saw it */
+    unsigned long long share_owner_start;   /* ... and its start time (with the pid, names one process) */
     int share_dups[SHARE_MAX_DUPS];
     int share_ndups;
     int share_open_at_release;  /* the application's fds of it still open when it was released */

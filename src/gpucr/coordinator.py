@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import gpus, manifest
+from . import gpus, manifest, sharing
 from . import imagefs
 from . import target as targets
 from .app import AppChannel
@@ -458,7 +458,10 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
         except PhaseError as exc:
             _roll_back(members)
             if len(members) > 1:
-                raise GpucrError(f"{exc}; rolled back: all {len(members)} processes run on with their data intact") from exc
+                alive = [m for m in members if os.path.exists(f"/proc/{m.pid}")]
+                lost = "".join(f"; process {m.pid}: {w}" for m in alive for w in m.result.get("warnings", []))
+                raise GpucrError(f"{exc}; rolled back: {'all ' if len(alive) == len(members) else ''}{len(alive)} "
+                                 f"processes run on with their data intact{lost}") from exc
             if exc.phase in ("prepare", "data out"):
                 raise GpucrError(str(exc)) from exc   # nothing was released: its own words say it runs on
             raise GpucrError(f"{exc}; rolled back, process {exc.pid} runs on with its data intact") from exc
@@ -712,25 +715,57 @@ def _data_in_all(members: list[_Member], timeout: float, drop_staging: bool, pha
         for obj in shared_before[exp.pid]:
             if obj["role"] != "exporter":
                 continue
-            importers = [m for m in restoring for o in shared_before[m.pid]
-                         if o["role"] == "importer" and (o["dev"], o["ino"]) == (obj["dev"], obj["ino"])]
+            # the key names the memory in every process (sharing.check_and_bind gave importers theirs)
+            importers = [m for m in restoring
+                         if any(o["role"] == "importer" and o["key"] == obj["key"] and o.get("unlinked", True)
+                                for o in shared_before[m.pid])]
             if not importers:
                 continue
             try:
-                _reply, fds = exp.agent.call_with_fds("export", timeout=60.0, dev=obj["dev"], ino=obj["ino"])
+                _reply, fds = exp.agent.call_with_fds("export", timeout=60.0, key=obj["key"])
             except GpucrError as exc:
                 raise PhaseError(exp.pid, "re-export of shared memory", exc) from exc
             try:
                 for imp in importers:
                     try:
-                        imp.agent.call_sending_fds("relink", fds[:1], timeout=60.0, dev=obj["dev"], ino=obj["ino"])
+                        imp.agent.call_sending_fds("relink", fds[:1], timeout=60.0, key=obj["key"])
                     except GpucrError as exc:
                         raise PhaseError(imp.pid, "relink of shared memory", exc) from exc
             finally:
                 for fd in fds:
                     os.close(fd)
+    _orphans(restoring, shared_before)
     parked = [m for m in members if m.status.get("state") == "running" and m.status.get("gate_closed")]
     _each("resume", [m for m in restoring if _agent_restored(m)] + parked, lambda m: m.agent.call("resume", timeout=60.0))
+
+
+def _owner_gone(o: dict[str, Any]) -> bool:
+    """Whether the exporter an importer was bound to has ended (pid and start time name it)."""
+    if not o.get("owner"):
+        return False
+    try:
+        fields = Path(f"/proc/{o['owner']}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0] in ("Z", "X") or int(fields[19]) != o.get("owner_start")   # a zombie has ended too
+    except (OSError, ValueError, IndexError):
+        return True
+
+
+def _orphans(restoring: list[_Member], shared_before: dict[int, list[dict[str, Any]]]) -> None:
+    """Memory a process imported from an exporter that has died (a rank killed mid-checkpoint) can
+    never be relinked: the agent puts zeroed memory at those addresses, so the process runs on with
+    its own data intact instead of waiting for ever with its gate closed; the result says so."""
+    exported = {o["key"] for m in restoring for o in shared_before[m.pid] if o["role"] == "exporter"}
+    for m in restoring:
+        gone = {o["key"]: o for o in shared_before[m.pid] if o["role"] == "importer" and o.get("unlinked", True)
+                and o["key"] not in exported and _owner_gone(o)}
+        for key, o in gone.items():
+            try:
+                out = m.agent.call("orphan", timeout=60.0, key=key)
+            except GpucrError as exc:
+                raise PhaseError(m.pid, "replacing memory shared by a process that ended", exc) from exc
+            m.result.setdefault("warnings", []).append(
+                f"{out['bytes'] >> 20} MiB it shared with process {o['owner']}, which ended, were replaced by zeroed memory "
+                "at the same addresses (a communicator with that process cannot work again)")
 
 
 def _agent_restored(m: _Member) -> bool:
@@ -738,27 +773,10 @@ def _agent_restored(m: _Member) -> bool:
 
 
 def _check_sharing(members: list[_Member]) -> None:
-    """Memory shared between processes is checkpointed only with every process that shares it."""
-    keys: dict[tuple[int, int], list[tuple[int, str]]] = {}
-    for m in members:
-        for o in m.status.get("shared", []):
-            keys.setdefault((o["dev"], o["ino"]), []).append((m.pid, o["role"]))
-    inside = {m.pid for m in members}
-    outsiders: dict[tuple[int, int], list[int]] = {}
-    for other in ps():
-        if other.get("pid") in inside:
-            continue
-        for o in other.get("shared", []):
-            if (o["dev"], o["ino"]) in keys:
-                outsiders.setdefault((o["dev"], o["ino"]), []).append(other["pid"])
-    for key, holders in keys.items():
-        if key in outsiders:
-            raise GpucrError(f"process {holders[0][0]} shares GPU memory with process "
-                             f"{', '.join(map(str, outsiders[key]))}, which is not in this checkpoint; "
-                             "checkpoint them together (name every pid, or use --group)")
-        if not any(role == "exporter" for _, role in holders):
-            raise GpucrError(f"process {holders[0][0]} uses GPU memory shared by a process that is not in this "
-                             "checkpoint (its exporter); checkpoint them together (name every pid, or use --group)")
+    """Memory shared between processes is checkpointed only with every process that shares it
+    (sharing.py says how that is found); importers are given their exporters' keys for the relink."""
+    uuids = {d["uuid"] for m in members for d in m.status.get("devices", [])}
+    sharing.check_and_bind({m.pid: m.agent for m in members}, members[0].drv, uuids)
 
 
 def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,

@@ -60,6 +60,7 @@ class Shared:
     key: int            # names it across processes (an importer's is 0 until bound)
     bytes: int
     fd: int | None      # the agent's duplicate of its fd, received here; None if it kept none
+    owner: int = 0      # an importer's exporter, once bound
 
 
 def gather(pid: int, agent: Any) -> list[Shared]:
@@ -72,7 +73,7 @@ def gather(pid: int, agent: Any) -> list[Shared]:
             for e in reply["shared"]:
                 idx = e["fd_index"]
                 out.append(Shared(pid, e["sid"], e["role"], e["key"], e["bytes"],
-                                  fds[idx] if 0 <= idx < len(fds) else None))
+                                  fds[idx] if 0 <= idx < len(fds) else None, e.get("owner", 0)))
         except (KeyError, TypeError) as exc:
             close_all(out)
             for fd in fds:
@@ -157,8 +158,9 @@ def check_and_bind(members: dict[int, Any], drv: Driver, uuids: set[str]) -> Non
                 if e.pid not in members:
                     raise GpucrError(f"process {o.pid} uses GPU memory shared by process {e.pid}, which is not in this "
                                      "checkpoint (its exporter); checkpoint them together (name every pid, or use --group)")
-                if o.key != e.key:
-                    members[o.pid].call("bind", timeout=10.0, sid=o.sid, key=e.key)
+                if o.key != e.key or o.owner != e.pid:
+                    members[o.pid].call("bind", timeout=10.0, sid=o.sid, key=e.key, owner=e.pid,
+                                        owner_start=targets.process_start_time(e.pid))
                     o.key = e.key
             elif e is not None and e.pid in members:
                 raise GpucrError(f"process {e.pid} shares GPU memory with process {o.pid}, which is not in this "

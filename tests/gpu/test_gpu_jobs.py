@@ -62,19 +62,20 @@ def _all_running(ranks: list[Workload]) -> bool:
 @two_gpus
 def test_rank_killed_during_data_out_rolls_the_other_back(job, monkeypatch):
     r0, r1 = job
-    before = r0.ask("digest")
+    before = r0.ask("digest", timeout=120)
     monkeypatch.setenv("GPUCR_TEST_KILL_TARGET", f"data-out:{r1.pid}")
     with pytest.raises(gpucr.GpucrError, match=f"process {r1.pid}"):
         checkpoint_many([r0.pid, r1.pid], timeout=60)
+    # what rank 0 imported from rank 1 (NCCL's buffers) died with it: zeroed memory takes its place
     r1.proc.wait(timeout=30)
     assert drv().state(r0.pid) == ProcessState.RUNNING and gpucr.status(r0.pid)["state"] == "running"
-    assert r0.ask("digest") == before, "the surviving rank runs on with its data"
+    assert r0.ask("digest", timeout=120) == before, "the surviving rank runs on with its data"
 
 
 @two_gpus
 def test_rank_stuck_in_a_collective_misses_the_deadline_and_all_roll_back(job):
     r0, r1 = job
-    before = [w.ask("digest") for w in job]
+    before = [w.ask("digest", timeout=120) for w in job]
     r0.proc.stdin.write("allreduce 1\n")   # rank 0 enters an all-reduce that rank 1 has not joined
     r0.proc.stdin.flush()
     time.sleep(1.0)
@@ -85,14 +86,14 @@ def test_rank_stuck_in_a_collective_misses_the_deadline_and_all_roll_back(job):
     assert _all_running(job), "every rank is rolled back and runs on"
     assert r1.ask("allreduce 1", timeout=120)["ok"]   # now rank 1 joins, and both finish
     assert r0._read(120)["ok"]
-    assert [w.ask("digest") for w in job] == before
+    assert [w.ask("digest", timeout=120) for w in job] == before
     assert all(r["ok"] for r in _allreduce_all(job))
 
 
 @two_gpus
 def test_no_room_on_one_gpu_at_restore_leaves_all_restorable(job):
     r0, r1 = job
-    before = [w.ask("digest") for w in job]
+    before = [w.ask("digest", timeout=120) for w in job]
     checkpoint_many([r0.pid, r1.pid], timeout=60)
     uuid1 = gpucr.status(r1.pid)["devices"][0]["uuid"]
     g1 = next(g for g in machine_gpus(drv()) if g.uuid == uuid1)
@@ -113,13 +114,13 @@ def test_no_room_on_one_gpu_at_restore_leaves_all_restorable(job):
         filler.kill()
         filler.wait()
     restore_many([r0.pid, r1.pid], timeout=60)
-    assert [w.ask("digest") for w in job] == before
+    assert [w.ask("digest", timeout=120) for w in job] == before
     assert all(r["ok"] for r in _allreduce_all(job))
 
 
 @two_gpus
 def test_recover_after_the_controller_died_mid_checkpoint(job):
-    before = [w.ask("digest") for w in job]
+    before = [w.ask("digest", timeout=120) for w in job]
     env = dict(os.environ, GPUCR_TEST_KILL_AT="after-driver-checkpoint")
     r = gpucr_cli("checkpoint", *(str(w.pid) for w in job), "--timeout", "60", env=env, timeout=300)
     assert r.returncode != 0
@@ -129,7 +130,7 @@ def test_recover_after_the_controller_died_mid_checkpoint(job):
     r = gpucr_cli("recover", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
     assert _all_running(job)
-    assert [w.ask("digest") for w in job] == before
+    assert [w.ask("digest", timeout=120) for w in job] == before
     assert all(x["ok"] for x in _allreduce_all(job))
 
 
@@ -140,8 +141,8 @@ def test_shell_wrapped_app_with_a_fork_child_checkpointed_by_group():
     app_cmd = f"{sys.executable} -m gpucr.workloads.driver_app --sizes 256M,64M"
     w = Workload("", argv=["bash", "-c", f"{app_cmd}; true"], env=env)
     try:
-        before = w.ask("digest")
-        fork = w.ask("fork 120")["child"]
+        before = w.ask("digest", timeout=120)
+        fork = w.ask("fork 120", timeout=120)["child"]
         time.sleep(1.0)
         r = gpucr_cli("checkpoint", "--group", "wrapped", "--json", "--timeout", "60", timeout=300)
         assert r.returncode == 0, r.stderr
@@ -151,7 +152,7 @@ def test_shell_wrapped_app_with_a_fork_child_checkpointed_by_group():
         assert drv().state(pids[0]) == ProcessState.CHECKPOINTED
         r = gpucr_cli("restore", "--group", "wrapped", timeout=300)
         assert r.returncode == 0, r.stderr
-        assert w.ask("digest") == before
+        assert w.ask("digest", timeout=120) == before
         os.kill(fork, 9)
     finally:
         subprocess.run(["pkill", "-KILL", "-P", str(w.pid)], check=False)
@@ -162,13 +163,13 @@ def test_shell_wrapped_app_with_a_fork_child_checkpointed_by_group():
 @two_gpus
 def test_every_rank_of_a_job_restored_onto_the_other_gpu(job):
     """--map for every rank of a job: each rank's GPU swapped with its peer's, the collectives run on."""
-    before = [w.ask("digest") for w in job]
+    before = [w.ask("digest", timeout=120) for w in job]
     u = [gpucr.status(w.pid)["devices"][0]["uuid"] for w in job]
     assert u[0] != u[1]
     checkpoint_many([w.pid for w in job], timeout=60)
     restore_many([w.pid for w in job], timeout=60, gpu_map={u[0]: u[1], u[1]: u[0]})
     assert [gpucr.status(w.pid)["devices"][0]["uuid"] for w in job] == [u[1], u[0]]
-    assert [w.ask("digest") for w in job] == before
+    assert [w.ask("digest", timeout=120) for w in job] == before
     assert all(r["ok"] for r in _allreduce_all(job))
     checkpoint_many([w.pid for w in job], timeout=60)   # and back
     restore_many([w.pid for w in job], timeout=60, gpu_map={u[0]: u[1], u[1]: u[0]})
