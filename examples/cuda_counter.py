@@ -1,8 +1,8 @@
 """A small CUDA program to try gpucr on, with a GPU or without one (on simcuda, a test double):
 
-    gpucr run --simulate -- python3 examples/cuda_counter.py &    # drop --simulate on a GPU
-    gpucr checkpoint $!          # its GPU memory saved and given back; its steps pause
-    gpucr restore $!             # every byte back at the same address; the steps go on
+    gpucr run --simulate -- python3 examples/cuda_counter.py &   # on a GPU, leave out every --simulate
+    gpucr checkpoint --simulate $!    # its GPU memory saved and given back; its steps pause
+    gpucr restore --simulate $!       # every byte back at the same address; the steps go on
 
 It keeps a buffer on the GPU (32 MiB, or --mib N) and, once a second, adds one to a counter held in
 that buffer and checks that the rest of it is unchanged. It prints one line a step until it is

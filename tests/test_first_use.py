@@ -119,17 +119,30 @@ def test_editable_build_is_not_at_the_root():
     assert paths.agent_lib().is_file() and (paths.simcuda_dir() / "libcuda.so.1").is_file()
 
 
-def test_the_sample_survives_a_checkpoint():
-    cmd = [sys.executable, "-m", "gpucr.cli", "run", "--simulate", "--",
-           sys.executable, str(ROOT / "examples" / "cuda_counter.py"), "--mib", "8"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+def _readme_sample() -> list[list[str]]:
+    """The README's sample session: its commands, split, comments dropped."""
+    readme = (ROOT / "README.md").read_text()
+    block = next(b for b in re.findall(r"```sh\n(.*?)```", readme, re.S) if "examples/cuda_counter.py &" in b)
+    return [line.split("#")[0].replace("&", "").split() for line in block.splitlines() if line.strip()]
+
+
+def test_the_readme_sample_survives_a_checkpoint():
+    """The README's sample, as a user would type it (no GPUCR_SIMULATE of the test suite's)."""
+    env = {k: v for k, v in os.environ.items() if k != "GPUCR_SIMULATE"}
+    run, *steps = _readme_sample()
+    assert run[:2] == ["gpucr", "run"] and steps[-1] == ["kill", "$!"]
+    argv = [sys.executable, "-m", "gpucr.cli", *run[1:]]
+    argv[argv.index("python3")] = sys.executable
+    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert proc.stdout is not None
-        assert proc.stdout.readline().startswith("cuda_counter: 8 MiB on the GPU")
+        assert proc.stdout.readline().startswith("cuda_counter: 32 MiB on the GPU")
         assert proc.stdout.readline().strip() == "step 1: counter 1, buffer intact"
-        gpucr.checkpoint(proc.pid)
-        assert gpucr.status(proc.pid)["state"] == "checkpointed"
-        gpucr.restore(proc.pid)
+        for cmd in steps[:-1]:
+            r = gpucr_cli(*[str(proc.pid) if w == "$!" else w for w in cmd[1:]], env=env)
+            assert r.returncode == 0, (cmd, r.stderr)
+            if cmd[1] == "checkpoint":
+                assert gpucr.status(proc.pid)["state"] == "checkpointed"
         # the counter lives on the GPU: it goes on from where it stopped, the buffer intact
         for n in (2, 3):
             assert proc.stdout.readline().strip() == f"step {n}: counter {n}, buffer intact"

@@ -184,11 +184,12 @@ def test_cli_limits_are_the_agents():
     assert "|".join((*cli.STAGING_KINDS, "file:DIR")) == s["GPUCR_STAGING"].accepted
 
 
-def test_cli_checks_its_own_environment():
-    r = gpucr_cli("ps", env={**os.environ, "GPUCR_UNPIN_FOR_DRIVER": "yes"})
+@pytest.mark.parametrize("name", cli.CONTROLLER_FLAGS)
+def test_cli_checks_its_own_environment(name):
+    r = gpucr_cli("ps", env={**os.environ, name: "yes"})
     assert r.returncode != 0 and r.stderr.strip() == \
-        "gpucr: error: GPUCR_UNPIN_FOR_DRIVER=yes is not valid: use 0 or 1 (or leave it unset)"
-    assert gpucr_cli("ps", env={**os.environ, "GPUCR_UNPIN_FOR_DRIVER": "1"}).returncode == 0
+        f"gpucr: error: {name}=yes is not valid: use 0 or 1 (or leave it unset)"
+    assert gpucr_cli("ps", env={**os.environ, name: "1"}).returncode == 0
 
 
 # ---- what the controller reads from an application (item 10) ----
