@@ -134,12 +134,33 @@ def test_unreachable_process_on_the_same_gpu_refuses_a_sharing_checkpoint(pair, 
 
 
 def test_exporter_killed_during_data_out_leaves_the_importer_running(pair, monkeypatch):
-    """A rank killed mid-checkpoint: the other is rolled back and runs with its own data; the memory
-    it imported from the dead one can never come back, so zeroed memory takes its place (said in
-    the error) instead of a gate closed for ever."""
+    """A rank killed mid-checkpoint, before anyone gave memory back (processes that share memory
+    release only once all are copied): the other is aborted and runs with every byte, even what it
+    imported from the dead one (its import still holds that memory)."""
     exp, imp, _ = pair
     exp.ask(f"close-fd {exp.fd}")
+    exp.ask("write-shared 7")
+    shared = imp.ask("read-shared")["sha256"]
+    own = imp.ask("digest")
     monkeypatch.setenv("GPUCR_TEST_KILL_TARGET", f"data-out:{exp.pid}")
+    with pytest.raises(gpucr.GpucrError, match=f"process {exp.pid}"):
+        checkpoint_many([exp.pid, imp.pid])
+    exp.proc.wait(timeout=30)
+    st = gpucr.status(imp.pid)
+    assert st["state"] == "running" and not st["gate_closed"] and st["checkpoint_phase"] == ""
+    assert imp.ask("read-shared")["sha256"] == shared and imp.ask("digest") == own
+    # alone, it holds memory whose exporter is gone, which no restore could relink: refused, clearly
+    with pytest.raises(gpucr.GpucrError, match="imported from a process gpucr cannot find"):
+        gpucr.checkpoint(imp.pid)
+
+
+def test_exporter_killed_after_release_leaves_the_importer_running_on_zeroed_memory(pair, monkeypatch):
+    """Killed once every process gave its memory back (at the driver lock): the other is rolled back
+    with its own data; what it imported from the dead one is gone for good, so zeroed memory takes
+    its place at the same addresses (the error says so) instead of a gate closed for ever."""
+    exp, imp, _ = pair
+    exp.ask(f"close-fd {exp.fd}")
+    monkeypatch.setenv("GPUCR_TEST_KILL_TARGET", f"driver-lock:{exp.pid}")
     with pytest.raises(gpucr.GpucrError, match=f"process {exp.pid}.*replaced by zeroed memory"):
         checkpoint_many([exp.pid, imp.pid])
     exp.proc.wait(timeout=30)
@@ -149,3 +170,50 @@ def test_exporter_killed_during_data_out_leaves_the_importer_running(pair, monke
     imp.ask("write-shared 5")   # the process runs on, its addresses usable
     gpucr.checkpoint(imp.pid)   # and can be checkpointed alone now: it shares nothing any more
     gpucr.restore(imp.pid)
+
+
+def test_a_process_that_does_not_drain_aborts_the_others_before_anything_is_released(pair):
+    """Processes that share memory go through quiesce, copy and release together: when one cannot be
+    made still in time (a kernel running past the deadline, as a rank in a collective its peer never
+    joins), the others are aborted having released nothing, so shared memory is never split."""
+    import time
+    exp, imp, _ = pair
+    exp.ask("write-shared 3")
+    before = [exp.ask("digest"), imp.ask("digest")]
+    gens = [gpucr.status(p)["generation"] for p in (exp.pid, imp.pid)]
+    imp.ask("spin 4000")   # the importer's kernel runs for 4 s
+    time.sleep(0.2)
+    with pytest.raises(gpucr.GpucrError, match=f"process {imp.pid} failed at quiesce.*all 2 processes run on"):
+        checkpoint_many([exp.pid, imp.pid], timeout=1)
+    for p in (exp.pid, imp.pid):
+        st = gpucr.status(p)
+        assert st["state"] == "running" and not st["gate_closed"] and st["checkpoint_phase"] == ""
+    assert [gpucr.status(p)["generation"] for p in (exp.pid, imp.pid)] == gens, "nothing was checkpointed"
+    time.sleep(4)
+    assert [exp.ask("digest"), imp.ask("digest")] == before
+    assert imp.ask("read-shared")["sha256"] == exp.ask("read-shared")["sha256"]
+    checkpoint_many([exp.pid, imp.pid])
+    restore_many([exp.pid, imp.pid])
+    assert [exp.ask("digest"), imp.ask("digest")] == before
+
+
+@pytest.mark.parametrize("point", ["after-driver-lock", "after-driver-checkpoint"])
+def test_recover_brings_back_processes_that_share_memory(pair, point):
+    """A controller killed with both processes held by the driver: each agent's lease rolls its own
+    process back once the driver lets go, which an importer cannot do alone (its memory is the
+    exporter's); `gpucr recover` restores them together and relinks from wherever the exporter is."""
+    from conftest import gpucr_cli
+    exp, imp, _ = pair
+    exp.ask(f"close-fd {exp.fd}")
+    exp.ask("write-shared 9")
+    before = [exp.ask("digest"), imp.ask("digest")]
+    r = gpucr_cli("checkpoint", str(exp.pid), str(imp.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT=point))
+    assert r.returncode != 0
+    r = gpucr_cli("recover")
+    assert r.returncode == 0, r.stdout + r.stderr
+    for p in (exp.pid, imp.pid):
+        st = gpucr.status(p)
+        assert st["state"] == "running" and not st["gate_closed"], st
+    assert [exp.ask("digest"), imp.ask("digest")] == before
+    imp.ask("write-shared 4")
+    assert exp.ask("read-shared")["sha256"] == imp.ask("read-shared")["sha256"], "still one buffer"

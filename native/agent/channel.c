@@ -172,6 +172,8 @@ static void reply_status(struct jb *j)
     jb_bool(j, "cuda", cuda_present());
     jb_bool(j, "simulated", gpucr_drv.simcudaIsSimulated && gpucr_drv.simcudaIsSimulated());
     jb_str(j, "state", st.state == AGENT_RUNNING ? "running" : "checkpointed");
+    /* between the phases of a checkpoint of several processes: still (gate closed), nothing released */
+    jb_str(j, "checkpoint_phase", st.copied ? "copied" : st.quiesced ? "quiesced" : "");
     jb_str(j, "group", g_group);
     jb_bool(j, "staged", st.staged);
     /* a checkpoint, restore or roll-back is running now (trylock probes without waiting) */
@@ -324,11 +326,23 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
     int rc;
     bool status_after = true;
     if (!strcmp(verb, "checkpoint")) {
+        /* hold=1: copy out but release nothing yet ("release" or "abort" follows: several processes
+         * release only once all of them are copied) */
         g_notes.driver_lock = g_notes.control_out = g_notes.control_in = g_notes.driver_unlock = 0;
-        int unpin = arg_int(req, "unpin", 0);
-        rc = unpin < 0 || unpin > 1 ? (snprintf(err, sizeof err, "unpin must be 0 or 1"), -1)
-                                    : dp_checkpoint(timeout_ms, unpin == 1, err, sizeof err);
+        int unpin = arg_int(req, "unpin", 0), hold = arg_int(req, "hold", 0);
+        rc = unpin < 0 || unpin > 1 || hold < 0 || hold > 1
+                 ? (snprintf(err, sizeof err, "unpin and hold must be 0 or 1"), -1)
+                 : dp_checkpoint(timeout_ms, unpin == 1, hold == 1, err, sizeof err);
         if (rc == 0 && lease) c->lease = true;
+    } else if (!strcmp(verb, "quiesce")) {
+        /* staging ready, gate closed, device still: the first phase of a checkpoint of several processes */
+        rc = dp_quiesce(timeout_ms, err, sizeof err);
+        if (rc == 0 && lease) c->lease = true;
+    } else if (!strcmp(verb, "release")) {
+        rc = dp_release(err, sizeof err);
+    } else if (!strcmp(verb, "abort")) {
+        rc = dp_abort(err, sizeof err);
+        if (rc == 0) c->lease = false;
     } else if (!strcmp(verb, "restore")) {
         int open_gate = arg_int(req, "open_gate", 1);
         rc = open_gate < 0 || open_gate > 1 ? (snprintf(err, sizeof err, "open_gate must be 0 or 1"), -1)
@@ -409,7 +423,8 @@ static void handle(const char *req, struct jb *j, struct client *c)
         else if (dp_mark_ready((unsigned long long)va, !strcmp(verb, "ready_abort"))) reply_error(j, "no released allocation at that address");
         else jb_bool(j, "ok", true);
     }
-    else if (!strcmp(verb, "checkpoint") || !strcmp(verb, "restore") || !strcmp(verb, "layout") ||
+    else if (!strcmp(verb, "checkpoint") || !strcmp(verb, "quiesce") || !strcmp(verb, "release") ||
+             !strcmp(verb, "abort") || !strcmp(verb, "restore") || !strcmp(verb, "layout") ||
              !strcmp(verb, "drop") || !strcmp(verb, "stage") || !strcmp(verb, "export") ||
              !strcmp(verb, "relink") || !strcmp(verb, "orphan") || !strcmp(verb, "resume"))
         handle_op(verb, req, j, c);
@@ -475,7 +490,11 @@ static void roll_back_abandoned(void)
     g_rolling_back = true;
     struct dp_status st;
     dp_get_status(&st);
-    if (st.state == AGENT_CHECKPOINTED && st.staged) {
+    char aerr[200];
+    if (st.quiesced || st.copied) {   /* nothing was released yet: reopening the gate undoes it */
+        if (dp_abort(aerr, sizeof aerr) == 0)
+            gpucr_warn("the controller went away during a checkpoint: aborted, the application runs on");
+    } else if (st.state == AGENT_CHECKPOINTED && st.staged) {
         char err[600] = "";
         /* if the driver holds the process locked, this waits until a new controller unlocks it */
         if (dp_restore(30000, false, false, true, err, sizeof err)) gpucr_warn("rolling back an abandoned checkpoint failed: %s", err);

@@ -30,6 +30,11 @@ static struct {
     struct phase_times last;
     struct ctx_streams streams[16];
     int nstreams;
+    /* A checkpoint of several processes goes phase by phase (quiesce all, copy all, release all) so
+     * no process gives memory back before every process sharing it is still and copied: */
+    bool quiesced;              /* staging ready, gate closed, device synchronised; nothing copied */
+    bool copied;                /* data copied out too; nothing released (the gate stays closed) */
+    struct phase_times pending; /* the phases done so far of a checkpoint in progress */
 } g_dp;
 
 static double ms_since(int64_t t0) { return (double)(gpucr_now_ns() - t0) / 1e6; }
@@ -443,9 +448,10 @@ static CUresult release_one(struct phys *p)
     return CUDA_SUCCESS;
 }
 
-int dp_checkpoint(int timeout_ms, bool unpin, char *err, size_t errlen)
+int dp_quiesce(int timeout_ms, char *err, size_t errlen)
 {
     if (g_dp.state != AGENT_RUNNING) { seterr(err, errlen, "the process is already checkpointed"); return -1; }
+    if (g_dp.quiesced || g_dp.copied) { seterr(err, errlen, "the process is already quiesced for a checkpoint"); return -1; }
     char why[512];
     dp_preflight(why, sizeof why);
     if (why[0]) { seterr(err, errlen, "refused before touching the process: %s", why); return -1; }
@@ -510,10 +516,37 @@ int dp_checkpoint(int timeout_ms, bool unpin, char *err, size_t errlen)
             seterr(err, errlen, "synchronising the device failed: %s; checkpoint refused", serr);
         return -1;
     }
+    if (saved) gpucr_drv.cuCtxSetCurrent(saved);
+    g_dp.pending = t;
+    g_dp.quiesced = true;
+    return 0;
+}
+
+/* Undo a quiesce or a copy that was not released: nothing left the device, so reopening the gate is all. */
+int dp_abort(char *err, size_t errlen)
+{
+    if (!g_dp.quiesced && !g_dp.copied) { seterr(err, errlen, "no checkpoint in progress to abort"); return -1; }
+    g_dp.quiesced = g_dp.copied = false;
+    staging_rewind();
+    gpucr_gate_open();
+    return 0;
+}
+
+int dp_checkpoint(int timeout_ms, bool unpin, bool hold, char *err, size_t errlen)
+{
+    if (g_dp.copied) { seterr(err, errlen, "the data is copied already: release it or abort"); return -1; }
+    if (!g_dp.quiesced && dp_quiesce(timeout_ms, err, errlen)) return -1;
+    g_dp.quiesced = false;
+    struct phase_times t = g_dp.pending;
+    CUcontext saved = NULL;
+    if (gpucr_drv.cuCtxGetCurrent) gpucr_drv.cuCtxGetCurrent(&saved);
+    size_t need = 0;
+    for (struct phys *p = g_reg.all; p; p = p->next_all)
+        if (reg_phys_movable(p)) need += p->size;
     CUresult rc;
 
     /* The registry cannot change now: every wrapper that could change it is behind the gate. */
-    t0 = gpucr_now_ns();
+    int64_t t0 = gpucr_now_ns();
     int turn = 0;
     rc = CUDA_SUCCESS;
     staging_rewind();
@@ -545,7 +578,22 @@ int dp_checkpoint(int timeout_ms, bool unpin, char *err, size_t errlen)
         return -1;
     }
 
-    t0 = gpucr_now_ns();
+    if (saved) gpucr_drv.cuCtxSetCurrent(saved);
+    g_dp.pending = t;
+    g_dp.copied = true;
+    return hold ? 0 : dp_release(err, errlen);
+}
+
+int dp_release(char *err, size_t errlen)
+{
+    if (!g_dp.copied) { seterr(err, errlen, "nothing is copied out to release"); return -1; }
+    g_dp.copied = false;
+    struct phase_times t = g_dp.pending;
+    CUcontext saved = NULL;
+    if (gpucr_drv.cuCtxGetCurrent) gpucr_drv.cuCtxGetCurrent(&saved);
+    CUresult rc = CUDA_SUCCESS;
+    int turn = 0;
+    int64_t t0 = gpucr_now_ns();
     for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
         if (reg_phys_movable(p) || (p->kind == PHYS_IMPORTED && p->maps)) rc = release_one(p);
     t.release = ms_since(t0);
@@ -564,8 +612,8 @@ int dp_checkpoint(int timeout_ms, bool unpin, char *err, size_t errlen)
     g_dp.state = AGENT_CHECKPOINTED;
     g_dp.staged = true;
     g_dp.generation++;
-    gpucr_log("checkpointed %zu bytes: gate %.1f ms, sync %.1f ms, copy %.1f ms, release %.1f ms", need, t.gate, t.sync,
-              t.copy_out, t.release);
+    gpucr_log("checkpointed %llu bytes: gate %.1f ms, sync %.1f ms, copy %.1f ms, release %.1f ms",
+              (unsigned long long)t.bytes_out, t.gate, t.sync, t.copy_out, t.release);
     return 0;
 }
 
@@ -635,6 +683,8 @@ void dp_get_status(struct dp_status *out)
 {
     out->staged = g_dp.staged;
     out->state = g_dp.state;
+    out->quiesced = g_dp.quiesced;
+    out->copied = g_dp.copied;
     out->generation = g_dp.generation;
     out->last = g_dp.last;
 }

@@ -14,13 +14,20 @@ enum agent_state { AGENT_RUNNING, AGENT_CHECKPOINTED };
 struct dp_status {
     enum agent_state state;
     bool staged;
+    bool quiesced, copied;      /* a checkpoint of several processes is between its phases */
     long generation;            /* completed checkpoints */
     struct phase_times last;
 };
 
 /* Close the gate, synchronise, copy every movable allocation out and release its physical memory.
  * On failure nothing is released, the gate is open again, and err says why. */
-int dp_checkpoint(int timeout_ms, bool unpin, char *err, size_t errlen);
+int dp_checkpoint(int timeout_ms, bool unpin, bool hold, char *err, size_t errlen);
+/* The phases of dp_checkpoint one by one, for several processes going through each together:
+ * quiesce (staging ready, gate closed, device still), checkpoint with hold (copied, nothing
+ * released), release (memory given back: checkpointed); abort undoes a quiesce or a held copy. */
+int dp_quiesce(int timeout_ms, char *err, size_t errlen);
+int dp_release(char *err, size_t errlen);
+int dp_abort(char *err, size_t errlen);
 /* Re-create, re-map and copy back; then open the gate. On failure the process stays checkpointed. */
 int dp_restore(int timeout_ms, bool drop_staging, bool wait_ready, bool open_gate, char *err, size_t errlen);
 /* The controller says an allocation's data is in staging (restore from an image), or gives up. */

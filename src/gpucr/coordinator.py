@@ -215,6 +215,8 @@ class _Member:
     result: dict[str, Any] = field(default_factory=dict)
     image_dir: Path | None = None
     data_out: bool = False
+    held: bool = False            # quiesced or copied (gate closed), nothing released: "abort" undoes it
+    data_out_t0: float = 0.0
     locked: bool = False
     checkpointed: bool = False
     gpus: list[dict[str, Any]] = field(default_factory=list)    # the GPUs it uses (gpus.process_gpus)
@@ -326,18 +328,41 @@ def _unpin_for_driver() -> bool:
     return os.environ.get("GPUCR_UNPIN_FOR_DRIVER", "0") not in ("", "0")
 
 
-def _data_out(m: _Member, timeout: float, level: str) -> None:
+def _quiesce(m: _Member, timeout: float) -> None:
+    """First phase of a checkpoint of several processes: staging ready, gate closed, device still;
+    nothing copied or released (an "abort" undoes it). lease=1 as for _data_out."""
+    m.data_out_t0 = time.perf_counter()
+    _watched_call(m, "quiesce", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1)
+    m.held = True
+
+
+def _data_out(m: _Member, timeout: float, level: str, hold: bool = False) -> None:
+    """Copy the data out and (unless `hold`: several processes release only once all are copied)
+    give the memory back."""
     _test_kill_target(m.pid, "data-out")
-    t0 = time.perf_counter()
+    if not hold:
+        m.data_out_t0 = time.perf_counter()
     # lease=1: should this controller die before it commits, the agent rolls the process back itself.
     # unpin=1: staging is unpinned segment by segment behind the copies, for an image (its memory goes
     # away once on disk, and the driver must not be needed then) or for the driver's checkpoint.
     unpin = m.image_dir is not None or (level == "full" and _unpin_for_driver())
     out = _watched_call(m, "checkpoint", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1,
-                        unpin=int(unpin))
-    m.data_out = True
+                        unpin=int(unpin), hold=int(hold))
+    if hold:
+        m.held = True
+        return
+    _data_out_done(m, out)
+
+
+def _release(m: _Member) -> None:
+    """Last phase of a checkpoint of several processes: every one is copied, so memory may go."""
+    _data_out_done(m, m.agent.call("release", timeout=120.0))
+
+
+def _data_out_done(m: _Member, out: dict[str, Any]) -> None:
+    m.data_out, m.held = True, False
     r = m.result
-    r["phases_s"]["data_out"] = time.perf_counter() - t0
+    r["phases_s"]["data_out"] = time.perf_counter() - m.data_out_t0
     cyc = out["last_cycle_ms"]
     r["agent_ms"] = {k: cyc[k] for k in ("staging", "gate", "sync", "copy_out", "release")}
     r["bytes_moved"] = cyc["bytes_out"]
@@ -420,14 +445,25 @@ def _roll_back_driver(m: _Member) -> None:
         pass
 
 
+def _abort_held(m: _Member) -> None:
+    """A process quiesced or copied but not released: reopening its gate undoes it."""
+    if m.held and os.path.exists(f"/proc/{m.pid}"):
+        try:
+            m.agent.call("abort", timeout=60.0)
+        except GpucrError:
+            pass   # its lease ends with this connection and the agent aborts by itself
+        m.held = False
+
+
 def _roll_back(members: list[_Member]) -> None:
     """Undo a partial checkpoint of these processes, last step first; never raises."""
     _run_all(members, _roll_back_driver)   # it never raises
-    back = [m for m in members if m.data_out]
+    _run_all(members, _abort_held)   # it never raises
+    back = [m for m in members if m.data_out and not _ended(m.pid)]
     for m in back:
         m.status = {**m.status, "state": "checkpointed"}
     try:
-        _data_in_all(back, 600.0, False, "roll-back")
+        _data_in_all(back, 600.0, False, "roll-back", sources=members)
     except GpucrError:
         pass
     for m in members:
@@ -451,17 +487,26 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
         before = _mem(members[0].drv)
         try:
             _each("prepare", members, lambda m: _prepare(m, timeout))
-            _each("data out", members, lambda m: _data_out(m, timeout, level))
+            if len(members) > 1:
+                # no process gives memory back before every one is still and copied: memory they share
+                # stays whole if any of them fails, and nothing is copied while a peer still writes to it
+                _each("quiesce", members, lambda m: _quiesce(m, timeout))
+                _each("data out", members, lambda m: _data_out(m, timeout, level, hold=True))
+                _each("release", members, _release)
+            else:
+                _each("data out", members, lambda m: _data_out(m, timeout, level))
             if level == "full":
                 _each("driver lock", members, lambda m: _driver_lock(m, timeout))
                 _each("driver checkpoint", members, _driver_checkpoint)
         except PhaseError as exc:
             _roll_back(members)
             if len(members) > 1:
-                alive = [m for m in members if os.path.exists(f"/proc/{m.pid}")]
+                alive = [m for m in members if not _ended(m.pid)]
                 lost = "".join(f"; process {m.pid}: {w}" for m in alive for w in m.result.get("warnings", []))
-                raise GpucrError(f"{exc}; rolled back: {'all ' if len(alive) == len(members) else ''}{len(alive)} "
-                                 f"processes run on with their data intact{lost}") from exc
+                ended = [str(m.pid) for m in members if m not in alive]
+                who = (f"all {len(members)} processes run on" if not ended else
+                       f"{len(alive)} of {len(members)} processes run on (process {', '.join(ended)} ended)")
+                raise GpucrError(f"{exc}; rolled back: {who} with their data intact{lost}") from exc
             if exc.phase in ("prepare", "data out"):
                 raise GpucrError(str(exc)) from exc   # nothing was released: its own words say it runs on
             raise GpucrError(f"{exc}; rolled back, process {exc.pid} runs on with its data intact") from exc
@@ -704,50 +749,77 @@ def _restore_reading(m: _Member, idir: imagefs.ImageDir, entry: dict, layout: di
             reader.join()
 
 
-def _data_in_all(members: list[_Member], timeout: float, drop_staging: bool, phase: str) -> None:
+def _data_in_all(members: list[_Member], timeout: float, drop_staging: bool, phase: str,
+                 sources: list[_Member] | None = None) -> None:
     """Data in for every process with its gate still closed, then memory shared between them relinked
     (each exporter re-exports, each importer maps the new memory at its old addresses), then every
-    gate opened."""
+    gate opened. An exporter may be any of `sources` (default: `members`), restored or never released,
+    or a live process outside them that the importer was bound to (see _relink)."""
     restoring = [m for m in members if m.status.get("state") == "checkpointed"]
     shared_before = {m.pid: list(m.status.get("shared", [])) for m in restoring}
     _each(phase, restoring, lambda m: _data_in(m, timeout, drop_staging))
-    for exp in restoring:
-        for obj in shared_before[exp.pid]:
-            if obj["role"] != "exporter":
-                continue
-            # the key names the memory in every process (sharing.check_and_bind gave importers theirs)
-            importers = [m for m in restoring
-                         if any(o["role"] == "importer" and o["key"] == obj["key"] and o.get("unlinked", True)
-                                for o in shared_before[m.pid])]
-            if not importers:
-                continue
-            try:
-                _reply, fds = exp.agent.call_with_fds("export", timeout=60.0, key=obj["key"])
-            except GpucrError as exc:
-                raise PhaseError(exp.pid, "re-export of shared memory", exc) from exc
-            try:
-                for imp in importers:
-                    try:
-                        imp.agent.call_sending_fds("relink", fds[:1], timeout=60.0, key=obj["key"])
-                    except GpucrError as exc:
-                        raise PhaseError(imp.pid, "relink of shared memory", exc) from exc
-            finally:
-                for fd in fds:
-                    os.close(fd)
+    _relink(restoring, shared_before, sources if sources is not None else members)
     _orphans(restoring, shared_before)
     parked = [m for m in members if m.status.get("state") == "running" and m.status.get("gate_closed")]
     _each("resume", [m for m in restoring if _agent_restored(m)] + parked, lambda m: m.agent.call("resume", timeout=60.0))
 
 
-def _owner_gone(o: dict[str, Any]) -> bool:
-    """Whether the exporter an importer was bound to has ended (pid and start time name it)."""
-    if not o.get("owner"):
-        return False
+def _relink(restoring: list[_Member], shared_before: dict[int, list[dict[str, Any]]], sources: list[_Member]) -> None:
+    """Every importer's unlinked memory mapped again from its exporter, named by key."""
+    wanted: dict[int, list[_Member]] = {}   # key -> importers waiting for it
+    owners: dict[int, int] = {}
+    for m in restoring:
+        for o in shared_before[m.pid]:
+            if o["role"] == "importer" and o.get("unlinked", True) and o.get("key"):
+                wanted.setdefault(o["key"], []).append(m)
+                owners[o["key"]] = o.get("owner", 0)
+    if not wanted:
+        return
+    by_key = {o["key"]: m for m in sources if not _ended(m.pid)
+              for o in m.status.get("shared", []) if o["role"] == "exporter"}
+    outside: dict[int, Any] = {}
     try:
-        fields = Path(f"/proc/{o['owner']}/stat").read_text().rsplit(")", 1)[1].split()
-        return fields[0] in ("Z", "X") or int(fields[19]) != o.get("owner_start")   # a zombie has ended too
+        for key, importers in wanted.items():
+            exp_pid, exp = (by_key[key].pid, by_key[key].agent) if key in by_key else (owners[key], None)
+            if exp is None:   # an exporter running outside this restore (it never stopped): ask it directly
+                if not exp_pid or _ended(exp_pid):
+                    continue  # gone: _orphans deals with it
+                try:
+                    if exp_pid not in outside:
+                        outside[exp_pid] = targets.resolve(exp_pid).connect()
+                    exp = outside[exp_pid]
+                except GpucrError as exc:
+                    raise PhaseError(importers[0].pid, f"relink of memory shared by process {exp_pid}", exc) from exc
+            try:
+                _reply, fds = exp.call_with_fds("export", timeout=60.0, key=key)
+            except GpucrError as exc:
+                raise PhaseError(exp_pid, "re-export of shared memory", exc) from exc
+            try:
+                for imp in {m.pid: m for m in importers}.values():   # once each: a relink maps every import of the key
+                    try:
+                        imp.agent.call_sending_fds("relink", fds[:1], timeout=60.0, key=key)
+                    except GpucrError as exc:
+                        raise PhaseError(imp.pid, "relink of shared memory", exc) from exc
+            finally:
+                for fd in fds:
+                    os.close(fd)
+    finally:
+        for agent in outside.values():
+            agent.close()
+
+
+def _ended(pid: int, start_time: int | None = None) -> bool:
+    """Whether a process has ended: gone, a zombie, or another process under its pid (start time)."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return fields[0] in ("Z", "X") or (start_time is not None and int(fields[19]) != start_time)
     except (OSError, ValueError, IndexError):
         return True
+
+
+def _owner_gone(o: dict[str, Any]) -> bool:
+    """Whether the exporter an importer was bound to has ended (pid and start time name it)."""
+    return bool(o.get("owner")) and _ended(o["owner"], o.get("owner_start"))
 
 
 def _orphans(restoring: list[_Member], shared_before: dict[int, list[dict[str, Any]]]) -> None:
