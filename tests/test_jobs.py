@@ -61,7 +61,18 @@ def wrapped():
 
 
 def test_group_takes_the_processes_holding_gpu_state_and_lists_the_others(wrapped):
+    """The group of a shell-wrapped app: the shell (no CUDA), the app's fork child (the driver knows
+    no CUDA of its own) and a launcher that only initialised the driver (as torchrun does: the driver
+    knows it, but it holds no context) are left out and listed; the app alone is checkpointed."""
     w, app, fork = wrapped
+    from gpucr import paths
+    launcher = subprocess.Popen([sys.executable, "-c", "import ctypes, sys; cu = ctypes.CDLL('libcuda.so.1');"
+                                 "assert cu.cuInit(0) == 0; print('ready', flush=True); sys.stdin.read()"],
+                                env=paths.run_env(simulate=True, base=dict(os.environ, GPUCR_GROUP="job")),
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert launcher.stdout.readline().strip() == "ready"
+    _wait_for_socket_of(launcher.pid)
+    assert sim_driver().state(launcher.pid) == ProcessState.RUNNING, "the driver knows it"
     before = w.ask("digest")
     r = gpucr_cli("checkpoint", "--group", "job", "--json")
     assert r.returncode == 0, r.stderr
@@ -71,6 +82,9 @@ def test_group_takes_the_processes_holding_gpu_state_and_lists_the_others(wrappe
     notes = [l for l in r.stderr.splitlines() if "left out" in l]
     assert any(f"process {w.pid} " in l and "not loaded the CUDA driver" in l for l in notes), r.stderr
     assert any(f"process {fork} " in l and "no CUDA context" in l for l in notes), r.stderr
+    assert any(f"process {launcher.pid} " in l and "holds no CUDA context" in l for l in notes), r.stderr
+    launcher.kill()
+    launcher.wait()
     assert sim_driver().state(app) == ProcessState.CHECKPOINTED
     assert gpucr.status(fork)["state"] == "running", "the fork child is left alone"
     r = gpucr_cli("restore", "--group", "job")

@@ -63,6 +63,7 @@ struct gpucr_driver {
     CUresult (*cuDeviceGetUuid)(unsigned char uuid[16], CUdevice);   /* _v2 (the resolver's at 12000) */
     CUresult (*cuPointerGetAttribute)(void *, int, CUdeviceptr);
     CUresult (*cuDevicePrimaryCtxGetState)(CUdevice, unsigned *, int *);
+    CUresult (*cuDeviceGetCount)(int *);
     CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
     CUresult (*cuDevicePrimaryCtxRelease_v2)(CUdevice);
     int (*simcudaIsSimulated)(void);     /* present only in simcuda, the test double */
@@ -91,6 +92,9 @@ bool gpucr_spawn_detached(void *(*fn)(void *), void *arg);
 long gpucr_env_long(const char *name, long dflt);
 void gpucr_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void gpucr_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/* ---- contexts (context.c) ---- */
+int gpucr_contexts_held(void);
 
 /* ---- channel (channel.c) ---- */
 void gpucr_channel_start(void);

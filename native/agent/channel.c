@@ -113,6 +113,18 @@ static bool cuda_present(void)
     return h != NULL;
 }
 
+/* Whether the driver the process loaded is simcuda, the test double: asked of the library itself,
+ * also when the process has not called through the agent yet (it may have called cuInit directly). */
+static bool simulated_driver(void)
+{
+    if (gpucr_drv.simcudaIsSimulated) return gpucr_drv.simcudaIsSimulated();
+    void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    if (!h) return false;
+    int (*is_sim)(void) = (int (*)(void))gpucr_real_dlsym(h, "simcudaIsSimulated");
+    dlclose(h);
+    return is_sim && is_sim();
+}
+
 static void reply_hello(struct jb *j)
 {
     jb_bool(j, "ok", true);
@@ -121,7 +133,7 @@ static void reply_hello(struct jb *j)
     jb_int(j, "pid", getpid());
     jb_int(j, "uid", getuid());
     jb_bool(j, "cuda", cuda_present());
-    jb_bool(j, "simulated", gpucr_drv.simcudaIsSimulated && gpucr_drv.simcudaIsSimulated());
+    jb_bool(j, "simulated", simulated_driver());
     jb_str(j, "group", g_group);
 }
 
@@ -170,7 +182,7 @@ static void reply_status(struct jb *j)
     jb_bool(j, "ok", true);
     jb_int(j, "pid", getpid());
     jb_bool(j, "cuda", cuda_present());
-    jb_bool(j, "simulated", gpucr_drv.simcudaIsSimulated && gpucr_drv.simcudaIsSimulated());
+    jb_bool(j, "simulated", simulated_driver());
     jb_str(j, "state", st.state == AGENT_RUNNING ? "running" : "checkpointed");
     /* between the phases of a checkpoint of several processes: still (gate closed), nothing released */
     jb_str(j, "checkpoint_phase", st.copied ? "copied" : st.quiesced ? "quiesced" : "");
@@ -400,6 +412,10 @@ static void handle(const char *req, struct jb *j, struct client *c)
         long long from = arg_ll(req, "from", 0, INT32_MAX);
         if (from < 0) reply_error(j, "shared takes from=INDEX");
         else dp_shared_fds(j, (int)from, c->fds, &c->nfds, STAGING_MAX_SEGS);
+    }
+    else if (!strcmp(verb, "contexts")) {   /* the controller asks only while the driver does not hold the process */
+        jb_bool(j, "ok", true);
+        jb_int(j, "contexts", gpucr_contexts_held());
     }
     else if (!strcmp(verb, "bind")) {
         long long sid = arg_ll(req, "sid", -1, UINT32_MAX), key = arg_ll(req, "key", -1, INT64_MAX);

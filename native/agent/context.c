@@ -85,3 +85,23 @@ static CUresult reset(CUresult (*real)(CUdevice), CUdevice dev)
 
 GPUCR_EXPORT CUresult cuDevicePrimaryCtxReset(CUdevice dev) { return reset(REAL(cuDevicePrimaryCtxReset), dev); }
 GPUCR_EXPORT CUresult cuDevicePrimaryCtxReset_v2(CUdevice dev) { return reset(REAL(cuDevicePrimaryCtxReset_v2), dev); }
+
+/* Whether the process holds a CUDA context: a primary context active on some device (the runtime's,
+ * so PyTorch's), or a context it allocated in. A launcher that only initialised the driver (torchrun
+ * does) holds none, and is left out of a job's checkpoint. Call only while the driver does not hold
+ * the process: its calls would wait until it lets go. */
+int gpucr_contexts_held(void)
+{
+    if (!gpucr_cuda_loaded() || !gpucr_drv.cuDeviceGetCount || !gpucr_drv.cuDevicePrimaryCtxGetState) return 0;
+    int n = 0, count = 0;
+    if (gpucr_drv.cuDeviceGetCount(&count) != CUDA_SUCCESS) return 0;
+    for (int d = 0; d < count; d++) {
+        unsigned flags = 0;
+        int active = 0;
+        if (gpucr_drv.cuDevicePrimaryCtxGetState(d, &flags, &active) == CUDA_SUCCESS && active) n++;
+    }
+    reg_lock();
+    if (g_reg.nctx > n) n = g_reg.nctx;
+    reg_unlock();
+    return n;
+}

@@ -97,7 +97,7 @@ static void do_init(void)
     D(cuMemHostUnregister); D(cuStreamCreate); D(cuStreamSynchronize);
     D(cuGetErrorString); D(cuDeviceGetAttribute); D(cuDeviceGetUuid);
     D(cuPointerGetAttribute); D(cuDevicePrimaryCtxGetState); D(cuDevicePrimaryCtxRetain);
-    D(cuEventCreate); D(cuEventRecord); D(cuEventSynchronize);
+    D(cuEventCreate); D(cuEventRecord); D(cuEventSynchronize); D(cuDeviceGetCount);
 #undef D
     /* versioned names the resolver knows by their base name */
     gpucr_drv.cuMemGetInfo_v2 = drv_sym("cuMemGetInfo");

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import target as targets
-from .driver import DriverError, controller_driver
+from .driver import DriverError, ProcessState, controller_driver
 from .errors import GpucrError
 
 
@@ -64,14 +64,20 @@ def _group_of(pid: int) -> str | None:
 
 
 def gpu_state_problem(t: targets.Target) -> str | None:
-    """Why this process holds no GPU state the driver could checkpoint; None when it holds some."""
+    """Why this process holds no GPU state the driver could checkpoint; None when it holds some: a
+    CUDA context, with memory or without (a process the driver holds has one by definition)."""
     if not t.hello.get("cuda"):
         return "it has not loaded the CUDA driver"
     try:
-        controller_driver().state(t.pid)
+        state = controller_driver().state(t.pid)
     except DriverError:
-        return "it has no CUDA context of its own (a launcher, or a fork() child of a CUDA process)"
-    return None
+        return "it has no CUDA context of its own (a fork() child of a CUDA process)"
+    if state != ProcessState.RUNNING:
+        return None
+    with t.connect() as agent:
+        held = agent.call("contexts", timeout=10.0).get("contexts", 0)
+    # torchrun's launcher initialises the driver (so the driver knows it) but makes no context
+    return None if held else "it holds no CUDA context (a launcher that only initialised the driver)"
 
 
 def select(pids: list[int], why_considered: str) -> Job:

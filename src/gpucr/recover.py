@@ -64,8 +64,8 @@ def find() -> list[Stuck]:
                 st = coordinator.status(pid)
             except GpucrError:
                 continue
-            if st.get("busy"):
-                continue
+            if st.get("busy") and not st.get("rolling_back"):
+                continue   # a controller is at work on it (an agent rolling back by itself waits for one)
             if st.get("state") == "checkpointed":
                 how = "checkpointed by gpucr (level data)"
             elif st.get("gate_closed"):

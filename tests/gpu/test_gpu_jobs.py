@@ -129,7 +129,9 @@ def test_recover_after_the_controller_died_mid_checkpoint(job):
     assert stuck >= {w.pid for w in job}, listed.stdout
     r = gpucr_cli("recover", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    assert _all_running(job)
+    states = {w.pid: (drv().state(w.pid).name, gpucr.status(w.pid)["state"], gpucr.status(w.pid)["gate_closed"])
+              for w in job}
+    assert _all_running(job), f"recover said:\n{r.stdout}{r.stderr}\nthen: {states}"
     assert [w.ask("digest", timeout=120) for w in job] == before
     assert all(x["ok"] for x in _allreduce_all(job))
 

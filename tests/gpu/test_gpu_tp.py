@@ -85,24 +85,32 @@ def cli_ok(*args: str) -> str:
     return r.stdout + r.stderr
 
 
+def _phases(out) -> object:
+    """Where a cycle's time went: each process's phases (a result list), or the CLI's lines."""
+    if isinstance(out, list):
+        return [{"pid": r["pid"], **r.get("phases_s", {})} for r in out]
+    return [l for l in str(out or "").splitlines() if l.startswith("process ")]
+
+
 def run_cycles(name: str, job: Job, base: dict[str, int], checkpoint, restore) -> None:
     ref = state(job)
     speed = job.ask("serve-speed 64")["tokens_per_s"]
     for i in range(CYCLES):
         t0 = time.perf_counter()
-        checkpoint()
+        ck_out = checkpoint()
         ck_s = time.perf_counter() - t0
         during = above_idle(base)
         over = {u: mib for u, mib in during.items() if mib * MiB > SLACK}
         assert not over, f"{name} cycle {i}: MiB above idle while checkpointed: {over}"
         t0 = time.perf_counter()
-        restore()
+        rs_out = restore()
         rs_s = time.perf_counter() - t0
         now = state(job)
         assert now["ptrs"] == ref["ptrs"], f"{name} cycle {i}: addresses moved"
         assert now["digest"] == ref["digest"], f"{name} cycle {i}: bytes differ"
         assert now["tokens"] == ref["tokens"], f"{name} cycle {i}: tokens differ: {now['tokens']} != {ref['tokens']}"
         record(test=name, cycle=i, checkpoint_s=ck_s, restore_s=rs_s, above_idle_while_ckpt_mib=during,
+               phases=[_phases(ck_out), _phases(rs_out)],
                tokens_per_s_before=speed, gpus=[r["devices"] for r in job.info["ranks"]])
 
 
@@ -112,11 +120,12 @@ def test_tp2_torchrun_by_group_ten_cycles():
     try:
         assert len(job.pids) == 2 and job.launcher not in job.pids
 
-        def checkpoint() -> None:
+        def checkpoint() -> str:
             out = cli_ok("checkpoint", "--group", "tp2")
             for pid in job.pids:
                 assert f"process {pid}: checkpointed" in out, f"rank {pid} not in the group's checkpoint:\n{out}"
             assert f"process {job.launcher}: checkpointed" not in out, "the launcher (no CUDA) was checkpointed"
+            return out
         run_cycles("tp2-torchrun-group", job, base, checkpoint, lambda: cli_ok("restore", "--group", "tp2"))
     finally:
         job.close()
