@@ -32,20 +32,19 @@ class Job:
 
 
 def children_of(pid: int) -> list[int]:
-    """Every descendant of pid, found through the parent links in /proc (any depth)."""
-    parent: dict[int, int] = {}
+    """Every descendant of pid, found through the parent links in /proc (any depth), in pid order."""
+    kids_of: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
         try:
             text = Path(f"/proc/{entry}/stat").read_text()
-            parent[int(entry)] = int(text[text.rindex(")") + 2:].split()[1])
+            kids_of.setdefault(int(text[text.rindex(")") + 2:].split()[1]), []).append(int(entry))
         except (OSError, ValueError, IndexError):
             continue   # gone meanwhile
     out, todo = [], [pid]
     while todo:
-        p = todo.pop()
-        kids = [c for c, pp in parent.items() if pp == p]
+        kids = kids_of.get(todo.pop(), [])
         out += kids
         todo += kids
     return sorted(out)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from .. import paths
+from ..jobs import children_of
 
 
 def plain_env(simulate: bool = False, base: dict[str, str] | None = None) -> dict[str, str]:
@@ -92,30 +93,10 @@ class Workload:
         self.close()
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (children first found, then theirs), read from /proc."""
-    parents: dict[int, list[int]] = {}
-    for d in Path("/proc").iterdir():
-        if not d.name.isdigit():
-            continue
-        try:
-            stat = (d / "stat").read_text()
-        except OSError:
-            continue
-        ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-        parents.setdefault(ppid, []).append(int(d.name))
-    out, todo = [], [pid]
-    while todo:
-        kids = parents.get(todo.pop(), [])
-        out += kids
-        todo += kids
-    return out
-
-
 def kill_tree(pid: int, also: list[int] | None = None) -> None:
     """SIGKILL a process, everything below it and `also` (workers a launcher started in sessions of
     their own, which no process-group kill reaches); the ones below first, so none is orphaned."""
-    for p in [*descendants(pid), *(also or []), pid]:
+    for p in [*children_of(pid), *(also or []), pid]:
         try:
             os.kill(p, signal.SIGKILL)
         except ProcessLookupError:
