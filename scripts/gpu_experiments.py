@@ -62,13 +62,13 @@ def staging_experiment(kind: str, cycles: int = int(os.environ.get("EXP_CYCLES",
             rs = gpucr.restore(app.pid, timeout=120)
             assert app.ask("digest") == before
             if i:
-                samples.append({"control_out": ck["phases_s"]["control_out"], "control_in": rs["phases_s"]["control_in"],
-                                "data_out": ck["phases_s"]["data_out"], "data_in": rs["phases_s"]["data_in"],
-                                "pin_wait": rs.get("agent_ms", {}).get("pin_wait", 0.0) / 1000})
+                samples.append({"control_out": ck.phases_s["control_out"], "control_in": rs.phases_s["control_in"],
+                                "data_out": ck.phases_s["data_out"], "data_in": rs.phases_s["data_in"],
+                                "pin_wait": rs.agent_phases_s.get("pin_wait", 0.0)})
         st = gpucr.status(app.pid)
-        emit(experiment="control-vs-staging", staging=st["staging"], unpinned_for_driver=unpin,
-             staging_gib=st["staging_bytes"] / 2**30,
-             bytes_moved=ck["bytes_moved"], median={k: statistics.median(s[k] for s in samples) for k in samples[0]},
+        emit(experiment="control-vs-staging", staging=st.staging_kind, unpinned_for_driver=unpin,
+             staging_gib=st.staging_bytes / 2**30,
+             bytes_moved=ck.bytes_moved, median={k: statistics.median(s[k] for s in samples) for k in samples[0]},
              samples=samples)
 
 
@@ -197,9 +197,9 @@ def image_experiment(directory: Path) -> None:
             f.write(b)
         gpucr.restore(app.pid, image=img2, timeout=120)
         ok2 = app.ask("digest") == before
-        emit(experiment="image", gib=GIB, image=ck["image"], read=rs["image"], checkpoint_s=ck_s, restore_s=rs_s,
-             phases_checkpoint=ck["phases_s"], phases_restore=rs["phases_s"], rss_shmem_after_image=rss_after,
-             staging_bytes_after_image=st["staging_bytes"], byte_exact=ok, corrupt_refused=refused,
+        emit(experiment="image", gib=GIB, image=gpucr.to_json(ck.image), read=gpucr.to_json(rs.image), checkpoint_s=ck_s, restore_s=rs_s,
+             phases_checkpoint=ck.phases_s, phases_restore=rs.phases_s, rss_shmem_after_image=rss_after,
+             staging_bytes_after_image=st.staging_bytes, byte_exact=ok, corrupt_refused=refused,
              restored_from_good_after_refusal=ok2)
     emit(experiment="dd", dir=str(directory), **dd(directory / "dd.bin", 8))
 

@@ -143,7 +143,7 @@ def check_fork_child_apart(app: Workload, timeout: float = 30.0) -> None:
         deadline = time.time() + 10
         while not (paths.runtime_dir() / agent_socket_name(child)).exists() and time.time() < deadline:
             time.sleep(0.05)
-        assert gpucr.status(child)["allocations"]["tracked"] == 0, "the child must not inherit the parent's registry"
+        assert gpucr.status(child).allocations.tracked == 0, "the child must not inherit the parent's registry"
         r = gpucr_cli("checkpoint", str(child))
         assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         gpucr.checkpoint(app.pid, timeout=timeout)

@@ -114,13 +114,13 @@ def test_gpu_map_is_checked_before_anything_is_touched(sim_app):
     app = sim_app("--sizes", "8M")
     before = app.ask("digest")
     assert gpucr_cli("checkpoint", str(app.pid)).returncode == 0
-    mine = gpucr.status(app.pid)["devices"]
-    assert [d["ordinal"] for d in mine] == [0] and mine[0]["vmm_bytes"] >= 8 * MiB
-    here = mine[0]["uuid"]
+    mine = gpucr.status(app.pid).gpus
+    assert [d.ordinal for d in mine] == [0] and mine[0].vmm_bytes >= 8 * MiB
+    here = mine[0].uuid
     # a map that misses the process's GPU, or points at a GPU this machine lacks: refused, still checkpointed
     one_line_error(gpucr_cli("restore", "--map", f"{u1}={u2}", str(app.pid)), f"was checkpointed on {here}")
     one_line_error(gpucr_cli("restore", "--map", f"{here}={u2}", str(app.pid)), "is not a GPU of this machine")
-    assert gpucr.status(app.pid)["state"] == "checkpointed"
+    assert gpucr.status(app.pid).state == "checkpointed"
     # the identity map is a map like any other: the driver gets one pair and restores in place
     assert gpucr_cli("restore", "--map", f"{here}={here}", str(app.pid)).returncode == 0
     assert app.ask("digest") == before

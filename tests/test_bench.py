@@ -15,6 +15,7 @@ from gpucr import paths
 from gpucr.bench import methods as M
 from gpucr.bench import report
 from gpucr.driver import DriverError
+from gpucr.results import ProcessCheckpoint
 from gpucr.workloads import llm_app
 
 from conftest import gpucr_cli, sim_driver
@@ -311,10 +312,12 @@ def test_a_job_left_dead_by_the_driver_is_killed_and_started_again():
 
 
 def test_job_results_are_shaped_per_job_and_per_gpu():
-    rs = [{"pid": 1, "phases_s": {"data_out": 1.0, "control_out": 0.5}, "agent_ms": {"gate": 2.0, "staging": 0.0},
-           "bytes_moved": 10, "bytes_left_to_driver": 1, "warnings": ["w1"]},
-          {"pid": 2, "phases_s": {"data_out": 1.5, "control_out": 0.25}, "agent_ms": {"gate": 1.0, "staging": 3.0},
-           "bytes_moved": 20, "bytes_left_to_driver": 2, "warnings": []}]
+    def ck(pid: int, phases: dict, agent: dict, moved: int, left: int, warnings: list) -> ProcessCheckpoint:
+        return ProcessCheckpoint(pid=pid, state="checkpointed", level="full", generation=1, bytes_moved=moved,
+                                 bytes_left_to_driver=left, phases_s=phases, agent_phases_s=agent, gpus=[], image=None,
+                                 warnings=warnings)
+    rs = [ck(1, {"data_out": 1.0, "control_out": 0.5}, {"gate": 0.002, "staging": 0.0}, 10, 1, ["w1"]),
+          ck(2, {"data_out": 1.5, "control_out": 0.25}, {"gate": 0.001, "staging": 0.003}, 20, 2, [])]
     c = M.combine(rs)
     assert c["steps_s"] == {"data_out": 1.5, "control_out": 0.5}         # ranks go through a phase together
     assert c["agent_ms"] == {"gate": 2.0, "staging": 3.0}

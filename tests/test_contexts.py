@@ -22,10 +22,10 @@ def used() -> int:
 def test_destroyed_context_leaves_nothing_behind(sim_app):
     app = sim_app("--sizes", "16M,3M")
     held = used()
-    tracked = gpucr.status(app.pid)["allocations"]
+    tracked = gpucr.status(app.pid).allocations
     app.ask("ctx-temp 40M")   # 40 MiB made VMM by the agent, and a small native one, in a context then destroyed
     assert used() == held, "the converted allocation died with its context"
-    assert gpucr.status(app.pid)["allocations"] == tracked
+    assert gpucr.status(app.pid).allocations == tracked
     before = app.ask("digest")
     for _ in range(2):
         gpucr.checkpoint(app.pid)
@@ -46,8 +46,8 @@ def test_device_reset_then_checkpoints_go_on(sim_app, ring):
     assert used() - idle == held
     assert app.ask("digest") == before, "same sizes and contents, made again"
     st = gpucr.status(app.pid)
-    assert [d["ordinal"] for d in st["devices"]] == [0]
-    assert st["allocations"]["native"] == 1 and st["allocations"]["converted"] == 2
+    assert [d.ordinal for d in st.gpus] == [0]
+    assert st.allocations.native == 1 and st.allocations.converted == 2
     for _ in range(2):
         gpucr.checkpoint(app.pid)
         assert used() - idle <= 16 * MiB

@@ -26,15 +26,15 @@ def test_full_cycle_gives_back_all_memory_and_restores_every_byte(sim_app):
     before = app.ask("digest")
 
     ck = gpucr.checkpoint(app.pid, level="full", timeout=10)
-    assert ck["state"] == "checkpointed"
+    assert ck.state == "checkpointed"
     # everything above 2 MiB moved by gpucr: 64M + 16M + 3M(->4M) + pitched 3072*700 (->4M) + 32M of app VMM
-    assert ck["bytes_moved"] >= (64 + 16 + 4 + 2 + 32) * MiB
+    assert ck.bytes_moved >= (64 + 16 + 4 + 2 + 32) * MiB
     assert used() - idle == 0, "the driver's floor on simcuda is zero"
     st = gpucr.status(app.pid)
-    assert st["state"] == "checkpointed" and st["level"] == "full"
+    assert st.state == "checkpointed" and st.level == "full"
 
     rs = gpucr.restore(app.pid, timeout=10)
-    assert rs["state"] == "running"
+    assert rs.state == "running"
     after = app.ask("digest")
     assert after["digest"] == before["digest"]
     assert after["ptrs"] == before["ptrs"]
@@ -50,11 +50,11 @@ def test_data_level_keeps_context_and_skips_driver(sim_app):
     before = app.ask("digest")
     running = used()
     ck = gpucr.checkpoint(app.pid, level="data")
-    assert ck["level"] == "data" and "control_out" not in ck["phases_s"]
+    assert ck.level == "data" and "control_out" not in ck.phases_s
     assert sim_driver().state(app.pid) == ProcessState.RUNNING
     # the 40 MiB are given back, the context (64 MiB on simcuda) stays
     assert running - used() >= 40 * MiB
-    assert gpucr.status(app.pid)["level"] == "data"
+    assert gpucr.status(app.pid).level == "data"
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
 
@@ -67,7 +67,7 @@ def test_ten_cycles_with_work_between(sim_app):
         gpucr.checkpoint(app.pid, level="full" if i % 2 == 0 else "data")
         gpucr.restore(app.pid)
         assert app.ask("digest") == before, f"cycle {i}"
-    assert gpucr.status(app.pid)["generation"] == 10
+    assert gpucr.status(app.pid).generation == 10
 
 
 def test_checkpoint_mid_loop_of_kernel_launches(sim_app):
@@ -92,7 +92,7 @@ def test_calls_in_flight_past_the_deadline_refuse_and_app_runs_on(sim_app):
     time.sleep(0.2)
     with pytest.raises(gpucr.GpucrError, match="in flight|did not finish"):
         gpucr.checkpoint(app.pid, timeout=0.5)
-    assert gpucr.status(app.pid)["state"] == "running"
+    assert gpucr.status(app.pid).state == "running"
     assert sim_driver().state(app.pid) == ProcessState.RUNNING
     app.ask("work 1")
     app.ask("work -1")
@@ -107,7 +107,7 @@ def test_allocations_after_restore_and_frees_are_tracked(sim_app):
     app.ask("free 0")
     before = app.ask("digest")
     st = gpucr.status(app.pid)
-    assert st["allocations"]["converted"] == 2
+    assert st.allocations.converted == 2
     gpucr.checkpoint(app.pid)
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
@@ -121,7 +121,7 @@ def test_restore_refused_without_room_then_succeeds(sim_app, monkeypatch):
     hog = sim_app("--sizes", "4000M")
     with pytest.raises(gpucr.GpucrError, match="not enough free GPU memory"):
         gpucr.restore(app.pid)
-    assert gpucr.status(app.pid)["state"] == "checkpointed"
+    assert gpucr.status(app.pid).state == "checkpointed"
     assert sim_driver().state(app.pid) == ProcessState.CHECKPOINTED
     hog.close()
     gpucr.restore(app.pid)
@@ -137,7 +137,7 @@ def test_staging_file_backend_and_drop_policy(sim_app, tmp_path):
     before = app.ask("digest")
     gpucr.checkpoint(app.pid)
     st = gpucr.status(app.pid)
-    assert st["staging"] == "file" and st["staging_bytes"] >= 20 * MiB and st["staging_segments"] >= 1
+    assert st.staging_kind == "file" and st.staging_bytes >= 20 * MiB and st.staging_segments >= 1
     # the files are unlinked once open (a killed process leaves nothing behind), yet live in DIR's filesystem
     assert list(sdir.iterdir()) == []
     fds = [os.readlink(f"/proc/{app.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{app.pid}/fd")]
@@ -145,7 +145,7 @@ def test_staging_file_backend_and_drop_policy(sim_app, tmp_path):
     gpucr.restore(app.pid, drop_staging=True)
     assert app.ask("digest") == before
     st = gpucr.status(app.pid)
-    assert st["staging_bytes"] == 0
+    assert st.staging_bytes == 0
     fds = [os.readlink(f"/proc/{app.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{app.pid}/fd")]
     assert not any(str(sdir) in f for f in fds)
 
@@ -154,18 +154,18 @@ def test_staging_prepared_ahead_as_allocations_grow(sim_app):
     import os
     app = sim_app("--sizes", "32M", env=dict(os.environ, GPUCR_STAGING_AHEAD="1"))
     deadline = time.time() + 10
-    while gpucr.status(app.pid)["staging_bytes"] < 32 * MiB and time.time() < deadline:
+    while gpucr.status(app.pid).staging_bytes < 32 * MiB and time.time() < deadline:
         time.sleep(0.1)
     st = gpucr.status(app.pid)
-    assert st["staging_ahead"] and st["staging_bytes"] >= 32 * MiB and st["generation"] == 0
+    assert st.staging_ahead and st.staging_bytes >= 32 * MiB and st.generation == 0
     app.ask(f"alloc {300 * MiB}")
     deadline = time.time() + 10
-    while gpucr.status(app.pid)["staging_bytes"] < 332 * MiB and time.time() < deadline:
+    while gpucr.status(app.pid).staging_bytes < 332 * MiB and time.time() < deadline:
         time.sleep(0.1)
-    assert gpucr.status(app.pid)["staging_bytes"] >= 332 * MiB
+    assert gpucr.status(app.pid).staging_bytes >= 332 * MiB
     before = app.ask("digest")
     ck = gpucr.checkpoint(app.pid)
-    assert ck["agent_ms"]["staging"] < 50, "staging was ready: the checkpoint must not prepare it"
+    assert ck.agent_phases_s["staging"] < 0.050, "staging was ready: the checkpoint must not prepare it"
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
 
@@ -174,10 +174,10 @@ def test_status_reports_every_phase_of_the_last_cycle(sim_app):
     app = sim_app("--sizes", "8M")
     gpucr.checkpoint(app.pid)
     gpucr.restore(app.pid)
-    cyc = gpucr.status(app.pid)["last_cycle_ms"]
+    cyc = gpucr.status(app.pid).last_cycle
     for k in ("staging", "gate", "sync", "copy_out", "release", "driver_lock", "control_out", "control_in", "data_in"):
-        assert k in cyc
-    assert cyc["control_out"] > 0 and cyc["control_in"] > 0 and cyc["bytes_out"] == cyc["bytes_in"] >= 8 * MiB
+        assert getattr(cyc, f"{k}_s") >= 0
+    assert cyc.control_out_s > 0 and cyc.control_in_s > 0 and cyc.bytes_out == cyc.bytes_in >= 8 * MiB
 
 
 @pytest.mark.parametrize("pin_threads", ["1", "3"])
@@ -191,11 +191,11 @@ def test_staging_unpinned_for_the_driver_and_pinned_again_at_restore(sim_app, mo
     for _ in range(3):
         gpucr.checkpoint(app.pid)
         st = gpucr.status(app.pid)
-        assert st["staging_pinned_bytes"] == 0 and st["staging_segments"] >= 3, "segments of about 32 MiB, unpinned"
+        assert st.staging_pinned_bytes == 0 and st.staging_segments >= 3, "segments of about 32 MiB, unpinned"
         r = gpucr.restore(app.pid)
-        assert r["agent_ms"]["pin_wait"] >= 0
+        assert r.agent_phases_s["pin_wait"] >= 0
         st = gpucr.status(app.pid)
-        assert st["staging_pinned_bytes"] == st["staging_bytes"] > 0
+        assert st.staging_pinned_bytes == st.staging_bytes > 0
         assert app.ask("digest") == before
 
 
@@ -208,7 +208,7 @@ def test_bounce_ring_keeps_staging_unpinned(sim_app, tmp_path):
     for i, level in enumerate(["full", "data", "full"]):
         gpucr.checkpoint(app.pid, level=level)
         st = gpucr.status(app.pid)
-        assert st["staging_pinned_bytes"] == 0 and st["bounce_pinned_bytes"] == 128 * MiB
+        assert st.staging_pinned_bytes == 0 and st.bounce_pinned_bytes == 128 * MiB
         if level == "full":
             assert used() - idle <= 16 * MiB
         gpucr.restore(app.pid)
@@ -223,13 +223,13 @@ def test_bounce_ring_is_the_default_and_sized_to_the_data(sim_app):
     before = app.ask("digest")
     gpucr.checkpoint(app.pid)
     st = gpucr.status(app.pid)
-    assert st["staging_pinned_bytes"] == 0 and st["bounce_pinned_bytes"] == 12 * MiB, "two slots that hold the 11 MiB"
+    assert st.staging_pinned_bytes == 0 and st.bounce_pinned_bytes == 12 * MiB, "two slots that hold the 11 MiB"
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
     app.ask(f"alloc {300 * MiB}")   # 311 MiB to move now: the ring grows to five slots
     before = app.ask("digest")
     gpucr.checkpoint(app.pid)
-    assert gpucr.status(app.pid)["bounce_pinned_bytes"] == 320 * MiB
+    assert gpucr.status(app.pid).bounce_pinned_bytes == 320 * MiB
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
     r = gpucr_cli("run", "--bounce", "1", "--", "true")
@@ -242,7 +242,7 @@ def test_staging_kept_pinned_through_the_driver_with_the_ring_off(sim_app, monke
     before = app.ask("digest")
     gpucr.checkpoint(app.pid)
     st = gpucr.status(app.pid)
-    assert st["staging_pinned_bytes"] == st["staging_bytes"] > 0
+    assert st.staging_pinned_bytes == st.staging_bytes > 0
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
 
@@ -263,7 +263,7 @@ def test_threads_allocating_and_launching_through_checkpoints(sim_app):
     assert loop["error"] is None and churn["errors"] == [] and churn["cycles"] > 10
     assert app.ask("digest")["digest"] == before["digest"]
     st = gpucr.status(app.pid)
-    assert st["allocations"]["converted"] == 2, "every churned allocation was freed and forgotten"
+    assert st.allocations.converted == 2, "every churned allocation was freed and forgotten"
 
 
 def test_no_pinned_ring_means_slower_copies_not_a_refusal(sim_app):
@@ -271,9 +271,9 @@ def test_no_pinned_ring_means_slower_copies_not_a_refusal(sim_app):
     app = sim_app("--sizes", "40M,3M", "--vmm-mib", "8", env={**os.environ, "GPUCR_TEST_FAIL_RING": "1"})
     before = app.ask("digest")
     r = gpucr.checkpoint(app.pid)
-    assert any("pageable memory" in w for w in r["warnings"]), r["warnings"]
+    assert any("pageable memory" in w for w in r.warnings), r.warnings
     st = gpucr.status(app.pid)
-    assert st["bounce_pinned_bytes"] == 0 and st["staging_pinned_bytes"] == 0 and "cannot pin" in st["bounce_problem"]
+    assert st.bounce_pinned_bytes == 0 and st.staging_pinned_bytes == 0 and "cannot pin" in st.bounce_problem
     assert "ring         none: cannot pin" in gpucr_cli("status", str(app.pid)).stdout
     assert used() - idle <= 16 * MiB
     gpucr.restore(app.pid)

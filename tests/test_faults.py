@@ -31,7 +31,7 @@ def test_managed_memory_is_refused_before_touching(sim_app):
     r = gpucr_cli("checkpoint", str(app.pid))
     assert r.returncode != 0 and "managed memory" in r.stderr and "cudaMalloc" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
-    assert gpucr.status(app.pid)["state"] == "running"
+    assert gpucr.status(app.pid).state == "running"
     assert sim_driver().state(app.pid) == ProcessState.RUNNING
     assert app.ask("digest") == before
     app.ask("free-managed")       # once it is gone, the checkpoint proceeds
@@ -48,7 +48,7 @@ def test_legacy_ipc(sim_app):
     assert app.ask("ipc 1")["rc"] == 0
     with pytest.raises(gpucr.GpucrError, match="legacy CUDA IPC"):
         gpucr.checkpoint(app.pid)
-    assert gpucr.status(app.pid)["state"] == "running"
+    assert gpucr.status(app.pid).state == "running"
 
 
 def test_multicast_objects_are_refused_before_touching(sim_app):
@@ -59,7 +59,7 @@ def test_multicast_objects_are_refused_before_touching(sim_app):
     r = gpucr_cli("checkpoint", str(app.pid))
     assert r.returncode != 0 and "multicast" in r.stderr and "NCCL_NVLS_ENABLE=0" in r.stderr
     assert len(r.stderr.strip().splitlines()) == 1
-    assert gpucr.status(app.pid)["state"] == "running" and app.ask("digest") == before
+    assert gpucr.status(app.pid).state == "running" and app.ask("digest") == before
 
 
 def test_fabric_handles_are_refused_before_touching(sim_app):
@@ -68,7 +68,7 @@ def test_fabric_handles_are_refused_before_touching(sim_app):
     assert app.ask("share-fabric 2")["rc"] == 0
     with pytest.raises(gpucr.GpucrError, match="fabric handles"):
         gpucr.checkpoint(app.pid)
-    assert gpucr.status(app.pid)["state"] == "running" and app.ask("digest") == before
+    assert gpucr.status(app.pid).state == "running" and app.ask("digest") == before
 
 
 def test_hugepages_asked_for_but_missing_refused_before_touching(sim_app):
@@ -78,7 +78,7 @@ def test_hugepages_asked_for_but_missing_refused_before_touching(sim_app):
     before = app.ask("digest")
     with pytest.raises(gpucr.GpucrError, match="hugepages"):
         gpucr.checkpoint(app.pid)
-    assert gpucr.status(app.pid)["state"] == "running" and app.ask("digest") == before
+    assert gpucr.status(app.pid).state == "running" and app.ask("digest") == before
 
 
 # ---- a controller killed at every phase ----
@@ -98,12 +98,12 @@ def test_controller_killed_during_checkpoint(sim_app, point, after, bounce):
     assert r.returncode == -signal.SIGKILL
     if after == "running":
         deadline = time.time() + 10
-        while gpucr.status(app.pid)["state"] != "running" and time.time() < deadline:
+        while gpucr.status(app.pid).state != "running" and time.time() < deadline:
             time.sleep(0.05)
     else:
         assert sim_driver().state(app.pid) != ProcessState.RUNNING
         assert gpucr_cli("restore", str(app.pid)).returncode == 0
-    assert gpucr.status(app.pid)["state"] == "running"
+    assert gpucr.status(app.pid).state == "running"
     assert sim_driver().state(app.pid) == ProcessState.RUNNING
     assert app.ask("digest") == before
     gpucr.checkpoint(app.pid)   # and it can be checkpointed again
@@ -118,7 +118,7 @@ def test_controller_killed_during_restore(sim_app, point):
     gpucr.checkpoint(app.pid)
     r = gpucr_cli("restore", str(app.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT=point))
     assert r.returncode == -signal.SIGKILL
-    assert gpucr.status(app.pid)["state"] == "checkpointed"
+    assert gpucr.status(app.pid).state == "checkpointed"
     assert gpucr_cli("restore", str(app.pid)).returncode == 0
     assert app.ask("digest") == before
 
@@ -133,10 +133,10 @@ def test_controller_killed_mid_data_out(sim_app):
     deadline = time.time() + 30
     while time.time() < deadline:
         st = gpucr.status(app.pid)
-        if st["state"] == "running" and not st["busy"]:
+        if st.state == "running" and not st.busy:
             break
         time.sleep(0.05)
-    assert gpucr.status(app.pid)["state"] == "running"
+    assert gpucr.status(app.pid).state == "running"
     assert app.ask("digest") == before
 
 
@@ -175,7 +175,7 @@ def test_app_killed_while_checkpointed_leaves_nothing_behind(sim_app, tmp_path):
     assert (rdir / agent_socket_name(app.pid)).exists() and (rdir / f"{app.pid}.app.sock").exists()
     app.proc.kill()
     app.proc.wait()
-    assert gpucr.ps() == []                     # stale sockets are cleaned by the first listing
+    assert gpucr.ps().processes == []          # stale sockets are cleaned by the first listing
     assert list(rdir.iterdir()) == []
     assert list(sdir.iterdir()) == []
     # the simulated device counts no memory for the dead process (its record is reaped on reading)
@@ -233,7 +233,7 @@ def test_controller_killed_before_the_gate_reopens(sim_app):
     finally:
         co._agent_restored = real
     st = gpucr.status(app.pid)
-    assert st["state"] == "running" and st["gate_closed"]
+    assert st.state == "running" and st.gate_closed
     assert gpucr_cli("restore", str(app.pid)).returncode == 0   # finishes the job
-    assert not gpucr.status(app.pid)["gate_closed"]
+    assert not gpucr.status(app.pid).gate_closed
     assert app.ask("digest") == before

@@ -32,11 +32,11 @@ def test_a_small_process_pays_little(sim_app):
     before = app.ask("digest")
     ck = gpucr.checkpoint(app.pid)
     st = gpucr.status(app.pid)
-    moved = st["allocations"]["tracked_bytes"]
+    moved = st.allocations.tracked_bytes
     assert moved == 16 * MiB
-    assert moved <= st["staging_bytes"] <= 2 * moved, st["staging_bytes"]
-    assert 0 < st["bounce_pinned_bytes"] <= 2 * moved, st["bounce_pinned_bytes"]
-    assert ck["bytes_moved"] == moved
+    assert moved <= st.staging_bytes <= 2 * moved, st.staging_bytes
+    assert 0 < st.bounce_pinned_bytes <= 2 * moved, st.bounce_pinned_bytes
+    assert ck.bytes_moved == moved
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
 
@@ -46,13 +46,13 @@ def test_staging_and_ring_given_back_when_the_data_shrinks(sim_app):
     app.ask(f"alloc {300 * MiB}")
     gpucr.checkpoint(app.pid)
     st = gpucr.status(app.pid)
-    assert st["staging_bytes"] >= 316 * MiB and st["bounce_pinned_bytes"] == 320 * MiB
+    assert st.staging_bytes >= 316 * MiB and st.bounce_pinned_bytes == 320 * MiB
     gpucr.restore(app.pid)
     app.ask("free 1")                      # the 300 MiB buffer: 16 MiB left to move
     before = app.ask("digest")
     gpucr.checkpoint(app.pid)
     st = gpucr.status(app.pid)
-    assert st["staging_bytes"] <= 32 * MiB and 0 < st["bounce_pinned_bytes"] <= 32 * MiB, st
+    assert st.staging_bytes <= 32 * MiB and 0 < st.bounce_pinned_bytes <= 32 * MiB, st
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
 
@@ -66,8 +66,8 @@ def test_staging_grows_in_few_segments(sim_app):
         before = app.ask("digest")
         gpucr.checkpoint(app.pid)
         st = gpucr.status(app.pid)
-        data = st["allocations"]["tracked_bytes"]
-        assert data <= st["staging_bytes"] <= 2 * data and st["staging_segments"] <= 4, (i, st)
+        data = st.allocations.tracked_bytes
+        assert data <= st.staging_bytes <= 2 * data and st.staging_segments <= 4, (i, st)
         gpucr.restore(app.pid)
         assert app.ask("digest") == before
 
@@ -142,7 +142,7 @@ def test_the_readme_sample_survives_a_checkpoint():
             r = gpucr_cli(*[str(proc.pid) if w == "$!" else w for w in cmd[1:]], env=env)
             assert r.returncode == 0, (cmd, r.stderr)
             if cmd[1] == "checkpoint":
-                assert gpucr.status(proc.pid)["state"] == "checkpointed"
+                assert gpucr.status(proc.pid).state == "checkpointed"
         # the counter lives on the GPU: it goes on from where it stopped, the buffer intact
         for n in (2, 3):
             assert proc.stdout.readline().strip() == f"step {n}: counter {n}, buffer intact"

@@ -31,7 +31,7 @@ def start_group(sim_app, n: int, group: str = "g", extra: dict[int, dict[str, st
 def test_group_checkpoint_and_restore_from_the_cli(sim_app):
     idle = used()
     apps, before = start_group(sim_app, 3)
-    ps = json.loads(gpucr_cli("ps", "--json").stdout)
+    ps = json.loads(gpucr_cli("ps", "--json").stdout)["processes"]
     assert sorted(r["pid"] for r in ps if r["group"] == "g") == sorted(a.pid for a in apps)
     r = gpucr_cli("checkpoint", "--group", "g")
     assert r.returncode == 0, r.stderr
@@ -53,7 +53,7 @@ def test_a_process_that_dies_during_data_out_rolls_everyone_back(sim_app, monkey
     for a, b in zip(apps, before):
         if a is victim:
             continue
-        assert gpucr.status(a.pid)["state"] == "running"
+        assert gpucr.status(a.pid).state == "running"
         assert sim_driver().state(a.pid) == ProcessState.RUNNING
         assert a.ask("digest") == b
 
@@ -63,7 +63,7 @@ def test_a_process_missing_the_lock_deadline_rolls_everyone_back(sim_app):
     with pytest.raises(gpucr.GpucrError, match=f"process {apps[2].pid} failed at driver lock"):
         checkpoint_many([a.pid for a in apps], timeout=2)
     for a, b in zip(apps, before):
-        assert gpucr.status(a.pid)["state"] == "running"
+        assert gpucr.status(a.pid).state == "running"
         assert sim_driver().state(a.pid) == ProcessState.RUNNING
         assert a.ask("digest") == b
     checkpoint_many([a.pid for a in apps])   # the lock succeeds the next time
@@ -76,9 +76,9 @@ def test_a_process_failing_at_restore_stays_checkpointed_others_run(sim_app):
     checkpoint_many([a.pid for a in apps])
     with pytest.raises(gpucr.GpucrError, match=f"process {apps[0].pid} failed at driver restore.*were restored and run"):
         restore_many([a.pid for a in apps])
-    assert gpucr.status(apps[0].pid)["state"] == "checkpointed"
+    assert gpucr.status(apps[0].pid).state == "checkpointed"
     for a, b in zip(apps[1:], before[1:]):
-        assert gpucr.status(a.pid)["state"] == "running" and a.ask("digest") == b
+        assert gpucr.status(a.pid).state == "running" and a.ask("digest") == b
     gpucr.restore(apps[0].pid)   # and it is restorable
     assert apps[0].ask("digest") == before[0]
 

@@ -42,9 +42,9 @@ def test_image_frees_host_memory_and_restores_byte_exact(sim_app, tmp_path):
     ck = gpucr.checkpoint(app.pid, image=img)
     assert (img / "manifest.json").exists() and (img / "data.bin").exists()
     st = gpucr.status(app.pid)
-    assert st["staging_bytes"] == 0 and st["staged"] is False
+    assert st.staging_bytes == 0 and st.staged is False
     assert rss_shmem(app.pid) < 16 * MiB, "the staging must be released after the image is written"
-    assert ck["image"]["bytes"] >= 64 * MiB
+    assert ck.image.bytes >= 64 * MiB
     m = json.loads((img / "manifest.json").read_text())
     p = m["processes"][0]
     assert p["pid"] == app.pid and p["generation"] == 1 and m["simulated"] is True
@@ -55,7 +55,7 @@ def test_image_frees_host_memory_and_restores_byte_exact(sim_app, tmp_path):
     with pytest.raises(gpucr.GpucrError, match="--image"):
         gpucr.restore(app.pid)
     rs = gpucr.restore(app.pid, image=img)
-    assert rs["image"]["bytes"] == ck["image"]["bytes"]
+    assert rs.image.bytes == ck.image.bytes
     assert app.ask("digest") == before
 
 
@@ -65,7 +65,7 @@ def test_zero_chunks_are_recorded_not_written(sim_app, tmp_path):
     before = app.ask("digest")
     img = tmp_path / "z"
     ck = gpucr.checkpoint(app.pid, image=img)
-    assert ck["image"]["bytes"] >= 264 * MiB and ck["image"]["bytes_written"] <= 8 * MiB
+    assert ck.image.bytes >= 264 * MiB and ck.image.bytes_written <= 8 * MiB
     m = json.loads((img / "manifest.json").read_text())
     zero = [c for a in m["processes"][0]["data"] for c in a["chunks"] if c.get("zero")]
     assert len(zero) == 4 and all("xxh3_64" not in c for c in zero)
@@ -112,7 +112,7 @@ def test_broken_and_foreign_images_are_refused(sim_app, tmp_path):
         assert r.returncode != 0, image
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and why in lines[0], (image, r.stderr)
-        assert gpucr.status(app.pid)["state"] == "checkpointed"
+        assert gpucr.status(app.pid).state == "checkpointed"
     gpucr.restore(app.pid, image=good)
     assert app.ask("digest") == before
     gpucr.restore(other.pid, image=foreign)
@@ -140,7 +140,7 @@ def test_app_prepare_failing_or_hanging_aborts_and_app_runs_on(sim_app, mode, wh
     with pytest.raises(gpucr.GpucrError, match=why):
         gpucr.checkpoint(app.pid, timeout=1.0)
     assert time.perf_counter() - t0 < 5
-    assert gpucr.status(app.pid)["state"] == "running"
+    assert gpucr.status(app.pid).state == "running"
     assert sim_driver().state(app.pid) == ProcessState.RUNNING
     app.ask("work 2")
     app.ask("work -2")
@@ -155,27 +155,27 @@ def test_zero_chunks_are_set_on_the_device_at_restore(sim_app, tmp_path):
     gpucr.checkpoint(app.pid, image=img)
     rs = gpucr.restore(app.pid, image=img)
     assert app.ask("digest") == before
-    assert gpucr.status(app.pid)["last_cycle_ms"]["bytes_zeroed"] == 192 * MiB, "zero chunks set by memset, not copied"
+    assert gpucr.status(app.pid).last_cycle.bytes_zeroed == 192 * MiB, "zero chunks set by memset, not copied"
     # then the buffer is changed and checkpointed to memory: no zero-chunk marks may linger
     app.ask("work 3")
     after_work = app.ask("digest")
     gpucr.checkpoint(app.pid)
     gpucr.restore(app.pid)
     assert app.ask("digest") == after_work
-    assert gpucr.status(app.pid)["last_cycle_ms"]["bytes_zeroed"] == 0
-    assert rs["image"]["bytes"] >= 200 * MiB
+    assert gpucr.status(app.pid).last_cycle.bytes_zeroed == 0
+    assert rs.image.bytes >= 200 * MiB
 
 
 def test_status_shows_the_live_certificate(sim_app):
     app = sim_app("--sizes", "16M,4M")
     app.ask("join ok 7")
-    assert "certificate" not in gpucr.status(app.pid)
+    assert gpucr.status(app.pid).certificate is None
     gpucr.checkpoint(app.pid)
-    cert = gpucr.status(app.pid)["certificate"]
+    cert = gpucr.status(app.pid).certificate
     p = cert["processes"][0]
     assert cert["version"] == 1 and cert["id"] == "live" and cert["level"] == "full" and cert["where"] == "host memory"
     assert p["pid"] == app.pid and p["generation"] == 1 and p["allocations"]["count"] == 2
     assert p["allocations"]["bytes"] == 20 * MiB and p["domains"]["app_epoch"] == 7 and p["unknown"] == []
     r = gpucr_cli("status", "--json", str(app.pid))
-    assert json.loads(r.stdout)["certificate"]["processes"][0]["pid"] == app.pid
+    assert json.loads(r.stdout)["processes"][0]["certificate"]["processes"][0]["pid"] == app.pid
     gpucr.restore(app.pid)

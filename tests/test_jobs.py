@@ -78,7 +78,8 @@ def test_group_takes_the_processes_holding_gpu_state_and_lists_the_others(wrappe
     assert r.returncode == 0, r.stderr
     import json
     out = json.loads(r.stdout)
-    assert [x["pid"] for x in out] == [app]
+    assert [x["pid"] for x in out["processes"]] == [app]
+    assert {x["pid"] for x in out["left_out"]} == {w.pid, fork, launcher.pid}, "the JSON lists what was left out"
     notes = [l for l in r.stderr.splitlines() if "left out" in l]
     assert any(f"process {w.pid} " in l and "not loaded the CUDA driver" in l for l in notes), r.stderr
     assert any(f"process {fork} " in l and "no CUDA context" in l for l in notes), r.stderr
@@ -86,7 +87,7 @@ def test_group_takes_the_processes_holding_gpu_state_and_lists_the_others(wrappe
     launcher.kill()
     launcher.wait()
     assert sim_driver().state(app) == ProcessState.CHECKPOINTED
-    assert gpucr.status(fork)["state"] == "running", "the fork child is left alone"
+    assert gpucr.status(fork).state == "running", "the fork child is left alone"
     r = gpucr_cli("restore", "--group", "job")
     assert r.returncode == 0, r.stderr
     assert w.ask("digest") == before
@@ -121,7 +122,7 @@ def test_tree_of_a_launcher_checkpoints_its_workers(tmp_path):
         assert all(sim_driver().state(p) == ProcessState.CHECKPOINTED for p in workers)
         r = gpucr_cli("restore", "--tree", str(proc.pid))
         assert r.returncode == 0, r.stderr
-        assert all(gpucr.status(p)["state"] == "running" for p in workers)
+        assert all(gpucr.status(p).state == "running" for p in workers)
     finally:
         for p in children_of(proc.pid):
             os.kill(p, 9)

@@ -38,13 +38,13 @@ def test_process_on_two_gpus_keeps_peer_access(sim_app):
     assert app.ask("peer-add 4")["rc"] == 0
     app.ask("device 1 64K")   # small: left native, to the driver's checkpoint, and counted on its own GPU
     st = gpucr.status(app.pid)
-    assert {d["ordinal"]: d["driver_bytes"] for d in st["devices"]} == {0: 0, 1: 64 << 10}
+    assert {d.ordinal: d.driver_bytes for d in st.gpus} == {0: 0, 1: 64 << 10}
     before = app.ask("digest")
     for cycle in range(2):
         gpucr.checkpoint(app.pid)
         st = gpucr.status(app.pid)
-        assert sorted(d["ordinal"] for d in st["devices"]) == [0, 1]
-        assert {d["ordinal"]: d["vmm_bytes"] for d in st["devices"]}[1] == 32 * MiB
+        assert sorted(d.ordinal for d in st.gpus) == [0, 1]
+        assert {d.ordinal: d.vmm_bytes for d in st.gpus}[1] == 32 * MiB
         for d in (0, 1):
             assert dev_used(d) - idle[d] <= 16 * MiB, f"cycle {cycle}: device {d} not given back"
         gpucr.restore(app.pid)
@@ -72,14 +72,15 @@ def test_restore_onto_the_swapped_gpus(sim_app, tmp_path):
                      (["--map", f"{u0}={u1}", "--map", f"{u1}={u1}"], f"onto {u1}")):
         r = gpucr_cli("restore", "--image", str(tmp_path / "img"), *bad, str(app.pid))
         assert r.returncode == 1 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert gpucr.status(app.pid)["state"] == "checkpointed"
+    assert gpucr.status(app.pid).state == "checkpointed"
     r = gpucr_cli("restore", "--image", str(tmp_path / "img"), "--map", f"{u0}={u1}", "--map", f"{u1}={u0}", str(app.pid))
     assert r.returncode == 0, r.stderr
     assert app.ask("uuids")["uuids"] == [u1, u0], "the process's device 0 is now the other card"
     assert app.ask("digest") == before
     assert [dev_used(0) - idle[0], dev_used(1) - idle[1]] == held[::-1], "each card holds what the other held"
-    assert {d["ordinal"]: d["uuid"] for d in gpucr.status(app.pid)["devices"]} == {0: u1, 1: u0}
-    assert f"gpus         device 0 {u1}, device 1 {u0}" in gpucr_cli("status", str(app.pid)).stdout
+    assert {d.ordinal: d.uuid for d in gpucr.status(app.pid).gpus} == {0: u1, 1: u0}
+    out = gpucr_cli("status", str(app.pid)).stdout
+    assert f"gpu          device 0 {u1}: this process" in out and f"gpu          device 1 {u0}: this process" in out, out
     # and a plain cycle afterwards keeps it where it now is
     assert gpucr_cli("checkpoint", str(app.pid)).returncode == 0
     assert gpucr_cli("restore", str(app.pid)).returncode == 0

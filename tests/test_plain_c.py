@@ -26,9 +26,9 @@ def test_plain_c_program(tmp_path):
         ready = p.stdout.readline().split()
         assert ready[0] == "READY", ready
         st = gpucr.status(p.pid)
-        assert st["allocations"]["converted"] == 2, "both allocations, symbol and cuGetProcAddress, were caught"
+        assert st.allocations.converted == 2, "both allocations, symbol and cuGetProcAddress, were caught"
         ck = gpucr.checkpoint(p.pid)
-        assert ck["bytes_moved"] == 16 << 20
+        assert ck.bytes_moved == 16 << 20
         gpucr.restore(p.pid)
         p.stdin.write("check\n")
         p.stdin.flush()

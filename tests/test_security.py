@@ -239,7 +239,7 @@ def test_a_squatted_runtime_dir_is_never_trusted(users, evil_dir):
             try:
                 r = user_cli(victim, env, "status", "--json", str(app.pid))
                 assert r.returncode == 0, r.stderr
-                assert json.loads(r.stdout)["allocations"]["tracked_bytes"] >= 8 * MiB   # the real agent answered
+                assert json.loads(r.stdout)["processes"][0]["allocations"]["tracked_bytes"] >= 8 * MiB   # the real agent answered
                 assert not mark.exists(), "the victim ran the attacker's library"
                 assert user_cli(victim, env, "ps").returncode == 0
                 assert (squat / "999999-1.sock").exists() and (squat / "999999.sock").exists(), \
@@ -364,7 +364,7 @@ def test_a_link_planted_in_the_image_dir_is_never_followed(sim_app, tmp_path, mo
     assert precious.read_text() == "not yours"
     assert not [n for n in os.listdir(img) if n != "data.bin"], "a temporary file was left behind"
     st = gpucr.status(app.pid)
-    assert st["state"] == "checkpointed" and st["staged"], "the data must stay in host memory"
+    assert st.state == "checkpointed" and st.staged, "the data must stay in host memory"
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
 
@@ -390,7 +390,7 @@ def test_image_reads_follow_no_link_and_no_hard_link(sim_app, tmp_path):
     (mlink / "manifest.json").symlink_to(tmp_path / "m.json")
     for img, why in ((linked, "symbolic link"), (hard, "2 links"), (mlink, "symbolic link")):
         one_line(gpucr_cli("restore", "--image", str(img), str(app.pid)), why)
-        assert gpucr.status(app.pid)["state"] == "checkpointed"
+        assert gpucr.status(app.pid).state == "checkpointed"
     gpucr.restore(app.pid, image=good)
     assert app.ask("digest") == before
 
@@ -465,10 +465,10 @@ def test_controller_killed_during_image_restore_frees_the_agent_at_once(sim_app,
     r = gpucr_cli("restore", "--image", str(img), str(app.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT="during-image-read"))
     assert r.returncode == -signal.SIGKILL
     t0 = time.time()
-    wait_for(lambda: not gpucr.status(app.pid)["busy"], timeout=5, what="the agent noticing its controller died")
+    wait_for(lambda: not gpucr.status(app.pid).busy, timeout=5, what="the agent noticing its controller died")
     assert time.time() - t0 < 5
     st = gpucr.status(app.pid)
-    assert st["state"] == "checkpointed" and st["gate_closed"] and not st["staged"], st   # parked, restorable
+    assert st.state == "checkpointed" and st.gate_closed and not st.staged, st   # parked, restorable
     gpucr.restore(app.pid, image=img)
     assert app.ask("digest") == before
 
@@ -485,7 +485,7 @@ def test_a_stopped_process_is_named_at_once(sim_app):
         assert time.time() - t0 < 10
     finally:
         os.kill(app.pid, signal.SIGCONT)
-    assert gpucr.status(app.pid)["state"] == "running" and app.ask("digest") == before
+    assert gpucr.status(app.pid).state == "running" and app.ask("digest") == before
 
 
 def test_a_process_stopped_during_data_out_is_named_and_rolled_back(sim_app):
@@ -543,9 +543,9 @@ def test_idle_connections_never_keep_out_a_controller(sim_app):
         for _ in range(3):               # newcomers push the idle ones out, never the controller's
             more += _open_idle(sock, 4)
             time.sleep(0.6)
-        assert gpucr.status(app.pid)["state"] == "checkpointed"
+        assert gpucr.status(app.pid).state == "checkpointed"
         leased.close()       # the controller goes away: now the lease ends and the agent rolls back
-        wait_for(lambda: gpucr.status(app.pid)["state"] == "running", what="the roll-back")
+        wait_for(lambda: gpucr.status(app.pid).state == "running", what="the roll-back")
         assert app.ask("digest") == before
         idle += more
     finally:
@@ -602,7 +602,7 @@ def test_floods_and_garbage_are_handled(sim_app):
         t.join()
     big.close()
     assert len(answers) == 500 and all(answers)
-    assert gpucr.status(app.pid)["state"] == "running"
+    assert gpucr.status(app.pid).state == "running"
     gpucr.checkpoint(app.pid)
     gpucr.restore(app.pid)
 
@@ -654,8 +654,8 @@ def test_pid_namespaces_sharing_a_runtime_dir_do_not_collide(tmp_path):
             rdir = paths.runtime_dir()
             socks = {p.name for p in rdir.glob("2-*.sock")}
             assert len(socks) >= 2, socks          # one each: neither replaced the other
-            assert 16 * MiB <= gpucr.status(pid_a)["allocations"]["tracked_bytes"] < 32 * MiB
-            assert gpucr.status(pid_b)["allocations"]["tracked_bytes"] >= 32 * MiB
+            assert 16 * MiB <= gpucr.status(pid_a).allocations.tracked_bytes < 32 * MiB
+            assert gpucr.status(pid_b).allocations.tracked_bytes >= 32 * MiB
             listed = dict(targets.list_sockets())
             assert pid_a in listed and pid_b in listed
         finally:
@@ -666,7 +666,7 @@ def test_pid_namespaces_sharing_a_runtime_dir_do_not_collide(tmp_path):
             b.wait()
         # B's exit removed nothing of A's
         assert (paths.runtime_dir() / targets.agent_socket_name(pid_a)).exists()
-        assert 16 * MiB <= gpucr.status(pid_a)["allocations"]["tracked_bytes"] < 32 * MiB
+        assert 16 * MiB <= gpucr.status(pid_a).allocations.tracked_bytes < 32 * MiB
     finally:
         os.kill(pid_a, signal.SIGKILL)
         a.kill()
@@ -715,6 +715,6 @@ def test_an_image_that_does_not_cover_every_byte_is_refused(sim_app, tmp_path, e
         chunks.pop()
     (bad / "manifest.json").write_text(json.dumps(m))
     one_line(gpucr_cli("restore", "--image", str(bad), str(app.pid)), why)
-    assert gpucr.status(app.pid)["state"] == "checkpointed"
+    assert gpucr.status(app.pid).state == "checkpointed"
     gpucr.restore(app.pid, image=good)
     assert app.ask("digest") == before

@@ -106,12 +106,12 @@ def test_bad_settings_keep_the_defaults(sim_app):
     gpucr.checkpoint(app.pid)
     st = gpucr.status(app.pid)
     # the default ring (was: the ring off, all of staging pinned)
-    assert st["bounce_pinned_bytes"] > 0 and st["staging_pinned_bytes"] == 0, st
-    assert st["staging"] in ("shm", "hugetlbfs"), st["staging"]
-    assert not st.get("group"), "a group name too long is refused, not cut"
+    assert st.bounce_pinned_bytes > 0 and st.staging_pinned_bytes == 0, st
+    assert st.staging_kind in ("shm", "hugetlbfs"), st.staging_kind
+    assert not st.group, "a group name too long is refused, not cut"
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
-    assert gpucr.status(app.pid)["staging_bytes"] > 0, "staging kept after the restore (the default policy)"
+    assert gpucr.status(app.pid).staging_bytes > 0, "staging kept after the restore (the default policy)"
 
 
 def test_no_bare_getenv_of_a_setting():

@@ -41,12 +41,12 @@ def test_shared_buffer_checkpointed_together(pair):
     before = [exp.ask("digest"), imp.ask("digest")]
     va = [exp.ask("read-shared")["va"], imp.ask("read-shared")["va"]]
 
-    res = checkpoint_many([exp.pid, imp.pid])
+    res = checkpoint_many([exp.pid, imp.pid]).processes
     assert used() == idle, "the shared memory and everything else is given back"
-    moved = {r["pid"]: r["bytes_moved"] for r in res}
+    moved = {r.pid: r.bytes_moved for r in res}
     assert moved[exp.pid] >= (8 + 32) * MiB and moved[imp.pid] < 32 * MiB, "the exporter's data is stored once"
     # the exporter still holds the exported fd, which keeps real GPU memory allocated: it is said
-    warned = {r["pid"]: r["warnings"] for r in res}
+    warned = {r.pid: r.warnings for r in res}
     assert len(warned[exp.pid]) == 1 and "open file descriptor" in warned[exp.pid][0] and warned[imp.pid] == []
 
     restore_many([exp.pid, imp.pid])
@@ -58,7 +58,7 @@ def test_shared_buffer_checkpointed_together(pair):
     assert exp.ask("read-shared")["sha256"] == imp.ask("read-shared")["sha256"]
     # and again, with the fd closed as NCCL does: nothing to warn about
     exp.ask(f"close-fd {exp.fd}")
-    assert all(r["warnings"] == [] for r in checkpoint_many([exp.pid, imp.pid], level="data"))
+    assert all(r.warnings == [] for r in checkpoint_many([exp.pid, imp.pid], level="data").processes)
     restore_many([exp.pid, imp.pid])
     assert exp.ask("read-shared")["sha256"] == imp.ask("read-shared")["sha256"]
 
@@ -69,7 +69,7 @@ def test_sharing_process_alone_is_refused(pair):
         gpucr.checkpoint(imp.pid)
     with pytest.raises(gpucr.GpucrError, match="not in this checkpoint"):
         gpucr.checkpoint(exp.pid)
-    assert gpucr.status(exp.pid)["state"] == gpucr.status(imp.pid)["state"] == "running"
+    assert gpucr.status(exp.pid).state == gpucr.status(imp.pid).state == "running"
 
 
 def test_two_processes_sharing_several_buffers_both_ways(sim_app):
@@ -95,7 +95,7 @@ def test_two_processes_sharing_several_buffers_both_ways(sim_app):
 
     for level in ("full", "data", "full"):
         res = checkpoint_many([a.pid, b.pid], level=level)
-        assert all(r["warnings"] == [] for r in res), res
+        assert all(r.warnings == [] for r in res.processes), res
         if level == "full":
             assert used() == idle, "every buffer is given back: no fd keeps one on the GPU"
         restore_many([a.pid, b.pid])
@@ -122,7 +122,7 @@ def test_unreachable_process_on_the_same_gpu_refuses_a_sharing_checkpoint(pair, 
         with pytest.raises(gpucr.GpucrError, match=f"process {other.pid} .*stopped"):
             checkpoint_many([exp.pid, imp.pid])
         assert time.monotonic() - t0 < 3
-        assert gpucr.status(exp.pid)["state"] == gpucr.status(imp.pid)["state"] == "running"
+        assert gpucr.status(exp.pid).state == gpucr.status(imp.pid).state == "running"
         t0 = time.monotonic()
         gpucr.checkpoint(lone.pid)
         assert time.monotonic() - t0 < 3, "a checkpoint sharing nothing does not wait for the stopped process"
@@ -147,7 +147,7 @@ def test_exporter_killed_during_data_out_leaves_the_importer_running(pair, monke
         checkpoint_many([exp.pid, imp.pid])
     exp.proc.wait(timeout=30)
     st = gpucr.status(imp.pid)
-    assert st["state"] == "running" and not st["gate_closed"] and st["checkpoint_phase"] == ""
+    assert st.state == "running" and not st.gate_closed and st.checkpoint_phase == ""
     assert imp.ask("read-shared")["sha256"] == shared and imp.ask("digest") == own
     # alone, it holds memory whose exporter is gone, which no restore could relink: refused, clearly
     with pytest.raises(gpucr.GpucrError, match="imported from a process gpucr cannot find"):
@@ -165,7 +165,7 @@ def test_exporter_killed_after_release_leaves_the_importer_running_on_zeroed_mem
         checkpoint_many([exp.pid, imp.pid])
     exp.proc.wait(timeout=30)
     st = gpucr.status(imp.pid)
-    assert st["state"] == "running" and not st["gate_closed"]
+    assert st.state == "running" and not st.gate_closed
     assert imp.ask("read-shared")["sha256"] == hashlib.sha256(bytes(32 * MiB)).hexdigest()
     imp.ask("write-shared 5")   # the process runs on, its addresses usable
     gpucr.checkpoint(imp.pid)   # and can be checkpointed alone now: it shares nothing any more
@@ -180,15 +180,15 @@ def test_a_process_that_does_not_drain_aborts_the_others_before_anything_is_rele
     exp, imp, _ = pair
     exp.ask("write-shared 3")
     before = [exp.ask("digest"), imp.ask("digest")]
-    gens = [gpucr.status(p)["generation"] for p in (exp.pid, imp.pid)]
+    gens = [gpucr.status(p).generation for p in (exp.pid, imp.pid)]
     imp.ask("spin 4000")   # the importer's kernel runs for 4 s
     time.sleep(0.2)
     with pytest.raises(gpucr.GpucrError, match=f"process {imp.pid} failed at quiesce.*all 2 processes run on"):
         checkpoint_many([exp.pid, imp.pid], timeout=1)
     for p in (exp.pid, imp.pid):
         st = gpucr.status(p)
-        assert st["state"] == "running" and not st["gate_closed"] and st["checkpoint_phase"] == ""
-    assert [gpucr.status(p)["generation"] for p in (exp.pid, imp.pid)] == gens, "nothing was checkpointed"
+        assert st.state == "running" and not st.gate_closed and st.checkpoint_phase == ""
+    assert [gpucr.status(p).generation for p in (exp.pid, imp.pid)] == gens, "nothing was checkpointed"
     time.sleep(4)
     assert [exp.ask("digest"), imp.ask("digest")] == before
     assert imp.ask("read-shared")["sha256"] == exp.ask("read-shared")["sha256"]
@@ -213,7 +213,7 @@ def test_recover_brings_back_processes_that_share_memory(pair, point):
     assert r.returncode == 0, r.stdout + r.stderr
     for p in (exp.pid, imp.pid):
         st = gpucr.status(p)
-        assert st["state"] == "running" and not st["gate_closed"], st
+        assert st.state == "running" and not st.gate_closed, st
     assert [exp.ask("digest"), imp.ask("digest")] == before
     imp.ask("write-shared 4")
     assert exp.ask("read-shared")["sha256"] == imp.ask("read-shared")["sha256"], "still one buffer"

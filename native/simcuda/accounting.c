@@ -346,11 +346,11 @@ SIMAPI CUresult simcudaDeviceMemUsed(int device, size_t *used, size_t *total)
     return CUDA_SUCCESS;
 }
 
-/* A live process that publishes nothing holds nothing: used = 0. A pid with no process is
- * CUDA_ERROR_INVALID_VALUE, as in the checkpoint API. */
-SIMAPI CUresult simcudaProcessMemUsed(int pid, size_t *used)
+/* What process pid publishes, by physical device. A live process that publishes nothing holds
+ * nothing (all zero). A pid with no process is CUDA_ERROR_INVALID_VALUE, as in the checkpoint API. */
+static CUresult process_usage(int pid, size_t sums[SIM_MAX_DEVICES])
 {
-    if (pid <= 0 || !used)
+    if (pid <= 0)
         return CUDA_ERROR_INVALID_VALUE;
     if (kill(pid, 0) != 0 && errno == ESRCH)
         return CUDA_ERROR_INVALID_VALUE;
@@ -359,14 +359,34 @@ SIMAPI CUresult simcudaProcessMemUsed(int pid, size_t *used)
     if (rc != CUDA_SUCCESS)
         return rc;
     snprintf(name, sizeof(name), "%d.mem", pid);
-    size_t sums[SIM_MAX_DEVICES] = {0};
     int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd >= 0) {
         read_mem_file(dfd, name, sums);
         close(dfd);
     }
+    return CUDA_SUCCESS;
+}
+
+SIMAPI CUresult simcudaProcessMemUsed(int pid, size_t *used)
+{
+    size_t sums[SIM_MAX_DEVICES] = {0};
+    CUresult rc = used ? process_usage(pid, sums) : CUDA_ERROR_INVALID_VALUE;
+    if (rc != CUDA_SUCCESS)
+        return rc;
     *used = 0;
     for (int d = 0; d < SIM_MAX_DEVICES; d++)
         *used += sums[d];
     return CUDA_SUCCESS;
+}
+
+/* One process's bytes on one physical device: what NVML's per-process list says on a real GPU. */
+SIMAPI CUresult simcudaProcessDeviceMemUsed(int pid, int device, size_t *used)
+{
+    size_t sums[SIM_MAX_DEVICES] = {0};
+    if (!used || device < 0 || device >= SIM_MAX_DEVICES)
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = process_usage(pid, sums);
+    if (rc == CUDA_SUCCESS)
+        *used = sums[device];
+    return rc;
 }

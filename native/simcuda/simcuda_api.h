@@ -411,5 +411,7 @@ SIMAPI CUresult simcudaDeviceMemUsed(int device, size_t *used, size_t *total);
 /* The path standing in for /dev/nvidia<phys> (simcuda's device node); processes on that GPU hold it open. */
 SIMAPI CUresult simcudaDeviceNode(int phys, char *buf, size_t len);
 SIMAPI CUresult simcudaProcessMemUsed(int pid, size_t *used);
+/* One process's bytes on physical device `device` (NVML's per-process usage on a real GPU). */
+SIMAPI CUresult simcudaProcessDeviceMemUsed(int pid, int device, size_t *used);
 
 #endif /* SIMCUDA_API_H */

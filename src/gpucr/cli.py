@@ -10,6 +10,8 @@ from typing import Any, Callable, NoReturn
 
 from . import __version__, coordinator, gpus, paths
 from .errors import GpucrError
+from .results import (SCHEMA_VERSION, GpuMemoryChange, ImageTransfer, LeftOut, ProcessStatus, RecoverResult, StatusResult,
+                      to_json)
 
 # The agent's limits for the settings `gpucr run` passes on (native/agent/settings.def; tests/test_settings.py
 # holds the two to each other).
@@ -86,6 +88,19 @@ def _fmt_phases(phases: dict[str, float]) -> str:
     return ", ".join(f"{k.replace('_', ' ')} {v:.3f} s" for k, v in phases.items())
 
 
+def _fmt_gpus(changes: list[GpuMemoryChange]) -> str:
+    """Per GPU: this process's memory, and the whole GPU's, before -> after."""
+    return "; ".join(f"{g.uuid}: this process {_mib(g.process_before_bytes)} -> {_mib(g.process_after_bytes)}, "
+                     f"GPU used {_mib(g.gpu_used_before_bytes)} -> {_mib(g.gpu_used_after_bytes)}" for g in changes)
+
+
+def _fmt_image(im: ImageTransfer, verb: str) -> str:
+    written = f" ({_mib(im.bytes_written)} written, zero chunks skipped)" if im.bytes_written is not None else ""
+    rate = f", {im.gbps:.2f} GB/s" if im.gbps is not None else ""
+    return (f"  image {im.dir}: {_mib(im.bytes)}{written} {verb} in {im.transfer_s:.2f} s{rate}"
+            f"{' (direct I/O)' if im.direct_io else ''}")
+
+
 def cmd_run(a: argparse.Namespace) -> int:
     cmd = a.cmd[1:] if a.cmd and a.cmd[0] == "--" else a.cmd
     if not cmd:
@@ -119,9 +134,9 @@ def _image_dir(base: str, pid: int, count: int) -> str:
     return os.path.join(base, str(pid)) if count > 1 else base
 
 
-def _targets(a: argparse.Namespace) -> list[int]:
-    """The processes named on the command line, or those of --group or --tree that hold GPU state
-    (the others, a launcher or a helper that never touched CUDA, are left alone and listed)."""
+def _targets(a: argparse.Namespace) -> tuple[list[int], list[LeftOut]]:
+    """The processes named on the command line, or those of --group or --tree that hold GPU state;
+    and the others, a launcher or a helper that never touched CUDA, left alone (and listed)."""
     from . import jobs
     if a.group and a.tree:
         raise GpucrError("give either --group or --tree, not both")
@@ -129,10 +144,10 @@ def _targets(a: argparse.Namespace) -> list[int]:
         job = jobs.of_group(a.group) if a.group else jobs.of_tree(a.tree)
         for x in job.left_out:
             print(f"gpucr: note: {x.line()}", file=sys.stderr)
-        return sorted(set(job.pids) | set(a.pids))
+        return sorted(set(job.pids) | set(a.pids)), job.left_out
     if not a.pids:
         raise GpucrError("name the processes (PID ...), a group (--group NAME) or a launcher (--tree PID)")
-    return a.pids
+    return a.pids, []
 
 
 def _images(a: argparse.Namespace, pids: list[int]) -> dict[int, str] | None:
@@ -140,102 +155,112 @@ def _images(a: argparse.Namespace, pids: list[int]) -> dict[int, str] | None:
 
 
 def cmd_checkpoint(a: argparse.Namespace) -> int:
-    pids = _targets(a)
-    results = coordinator.checkpoint_many(pids, level=a.level, timeout=a.timeout, images=_images(a, pids))
-    for r in results:
-        if a.json:
-            continue
-        used = r["gpu_used_bytes"]
-        print(f"process {r['pid']}: checkpointed (level {r['level']}); {_mib(r['bytes_moved'])} moved by gpucr, "
-              f"{_mib(r['bytes_left_to_driver'])} left to the driver; GPU memory used {_mib(used['before'])} -> "
-              f"{_mib(used['after'])}; {_fmt_phases(r['phases_s'])}")
-        for w in r.get("warnings", []):
-            print(f"gpucr: warning: process {r['pid']}: {w}", file=sys.stderr)
-        if "image" in r:
-            im = r["image"]
-            print(f"  image {im['dir']}: {_mib(im['bytes'])} ({_mib(im['bytes_written'])} written, zero chunks skipped) "
-                  f"in {im['seconds']:.2f} s, {im['gb_per_s']:.2f} GB/s{' (direct I/O)' if im['direct_io'] else ''}; "
-                  "host staging released")
+    pids, left_out = _targets(a)
+    result = coordinator.checkpoint_many(pids, level=a.level, timeout=a.timeout, images=_images(a, pids))
+    result.left_out = left_out
+    for r in result.processes:
+        for w in r.warnings:
+            print(f"gpucr: warning: process {r.pid}: {w}", file=sys.stderr)
     if a.json:
-        _print_json(results[0] if len(results) == 1 and not a.group else results)
+        _print_json(to_json(result))
+        return 0
+    for r in result.processes:
+        print(f"process {r.pid}: checkpointed (level {r.level}); {_mib(r.bytes_moved)} moved by gpucr, "
+              f"{_mib(r.bytes_left_to_driver)} left to the driver; {_fmt_phases(r.phases_s)}")
+        if r.gpus:
+            print(f"  memory       {_fmt_gpus(r.gpus)}")
+        if r.image is not None:
+            print(_fmt_image(r.image, "written") + "; host staging released")
     return 0
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
-    pids = _targets(a)
-    results = coordinator.restore_many(pids, timeout=a.timeout, drop_staging=a.drop_staging, force=a.force,
-                                       images=_images(a, pids), gpu_map=gpus.parse_map(a.map or []))
-    for r in results:
-        if not a.json:
-            print(f"process {r['pid']}: restored and running; {_mib(r.get('bytes_moved', 0))} copied back; "
-                  f"{_fmt_phases(r['phases_s'])}")
+    pids, left_out = _targets(a)
+    result = coordinator.restore_many(pids, timeout=a.timeout, drop_staging=a.drop_staging, force=a.force,
+                                      images=_images(a, pids), gpu_map=gpus.parse_map(a.map or []))
+    result.left_out = left_out
+    for r in result.processes:
+        for w in r.warnings:
+            print(f"gpucr: warning: process {r.pid}: {w}", file=sys.stderr)
     if a.json:
-        _print_json(results[0] if len(results) == 1 and not a.group else results)
+        _print_json(to_json(result))
+        return 0
+    for r in result.processes:
+        moved = "".join(f"; moved from {o} to {n}" for o, n in r.moved.items())
+        print(f"process {r.pid}: restored and running; {_mib(r.bytes_moved)} copied back{moved}; {_fmt_phases(r.phases_s)}")
+        if r.gpus:
+            print(f"  memory       {_fmt_gpus(r.gpus)}")
+        if r.image is not None:
+            print(_fmt_image(r.image, "read"))
     return 0
 
 
-def _status_lines(st: dict[str, Any]) -> list[str]:
-    if st.get("state") == "unreachable":
-        return [f"process {st['pid']}: unreachable: {st.get('error')}"]
-    al = st.get("allocations", {})
-    state = st["state"] + (f" (level {st['level']})" if st.get("level") else "")
-    if st["state"] == "running" and st.get("gate_closed"):
+def _status_lines(st: ProcessStatus) -> list[str]:
+    al = st.allocations
+    state = st.state + (f" (level {st.level})" if st.level else "")
+    if st.state == "running" and st.gate_closed:
         state += ", parked: a restore stopped before its last step (run 'gpucr restore' again)"
-    ring = st.get("bounce_pinned_bytes", 0)
+    ring = st.bounce_pinned_bytes
     bounce = f", copies through a {_mib(ring)} pinned bounce ring" if ring else ""
-    lines = [f"process {st['pid']}: {state}" + ("" if st.get("cuda") else ", CUDA not loaded") +
-             (" [simcuda]" if st.get("simulated") else ""),
-             f"  command      {st.get('cmd', '')}",
-             f"  tracked      {al.get('tracked', 0)} allocations, {_mib(al.get('tracked_bytes', 0))} moved by gpucr "
-             f"({al.get('converted', 0)} converted, {al.get('app_vmm', 0)} application VMM)",
-             f"  driver path  {_mib(st.get('bytes_left_to_driver', 0))} left to the driver's checkpoint "
-             f"({al.get('native', 0)} small, {al.get('pool', 0)} pool, {al.get('vmm_left_to_driver', 0)} partial VMM)",
-             f"  staging      {_mib(st.get('staging_bytes', 0))} in {st.get('staging_segments', 0)} segments "
-             f"({st.get('staging')}, {_mib(st.get('staging_pinned_bytes', 0))} pinned"
-             f"{', prepared ahead' if st.get('staging_ahead') else ''}{bounce})",
-             f"  checkpoints  {st.get('generation', 0)} completed"]
-    if st.get("devices"):
-        lines.insert(2, "  gpus         " + ", ".join(f"device {d['ordinal']} {d['uuid']}" for d in st["devices"]))
-    if st.get("bounce_problem"):
-        lines.append(f"  ring         none: {st['bounce_problem']} (copies go through pageable memory)")
-    cyc = st.get("last_cycle_ms") or {}
-    if any(cyc.get(k) for k in ("gate", "copy_out", "data_in")):
-        lines.append("  last cycle   " + ", ".join(
-            f"{k.replace('_', ' ')} {cyc[k]:.1f} ms"
-            for k in ("staging", "gate", "sync", "copy_out", "release", "driver_lock", "control_out", "control_in",
-                      "driver_unlock", "data_in") if k in cyc))
-    if st.get("refusal"):
-        lines.append(f"  cannot checkpoint: {st['refusal']}")
+    lines = [f"process {st.pid}: {state}" + ("" if st.cuda else ", CUDA not loaded") +
+             (" [simcuda]" if st.simulated else ""),
+             f"  command      {st.cmd}",
+             f"  tracked      {al.tracked} allocations, {_mib(al.tracked_bytes)} moved by gpucr "
+             f"({al.converted} converted, {al.app_vmm} application VMM)",
+             f"  driver path  {_mib(st.bytes_left_to_driver)} left to the driver's checkpoint "
+             f"({al.native} small, {al.pool} pool, {al.vmm_left_to_driver} partial VMM)",
+             f"  staging      {_mib(st.staging_bytes)} in {st.staging_segments} segments "
+             f"({st.staging_kind}, {_mib(st.staging_pinned_bytes)} pinned"
+             f"{', prepared ahead' if st.staging_ahead else ''}{bounce})",
+             f"  checkpoints  {st.generation} completed"]
+    for i, g in enumerate(st.gpus):
+        lines.insert(2 + i, f"  gpu          device {g.ordinal} {g.uuid}: this process {_mib(g.process_bytes)}, "
+                            f"GPU used {_mib(g.gpu_used_bytes)} of {_mib(g.gpu_total_bytes)}")
+    if st.bounce_problem:
+        lines.append(f"  ring         none: {st.bounce_problem} (copies go through pageable memory)")
+    cyc = st.last_cycle
+    if cyc.gate_s or cyc.copy_out_s or cyc.data_in_s:
+        steps = ("staging", "gate", "sync", "copy_out", "release", "driver_lock", "control_out", "control_in",
+                 "driver_unlock", "data_in")
+        lines.append("  last cycle   " + ", ".join(f"{k.replace('_', ' ')} {getattr(cyc, k + '_s'):.3f} s" for k in steps))
+    if st.refusal:
+        lines.append(f"  cannot checkpoint: {st.refusal}")
     return lines
 
 
 def cmd_status(a: argparse.Namespace) -> int:
-    rows = [coordinator.status(a.pid)] if a.pid is not None else coordinator.ps()
+    if a.pid is None:
+        return cmd_ps(a, command="status")
+    st = coordinator.status(a.pid)
     if a.json:
-        _print_json(rows[0] if a.pid is not None else rows)
-    elif not rows:
-        print("no processes under gpucr")
+        _print_json(to_json(StatusResult(SCHEMA_VERSION, "status", [st])))
     else:
-        for st in rows:
-            print("\n".join(_status_lines(st)))
+        print("\n".join(_status_lines(st)))
     return 0
 
 
-def cmd_ps(a: argparse.Namespace) -> int:
+def cmd_ps(a: argparse.Namespace, command: str = "ps") -> int:
     rows = coordinator.ps()
+    rows.command = command
     if a.json:
-        _print_json(rows)
+        _print_json(to_json(rows))
         return 0
-    if not rows:
+    if not rows.processes and not rows.unreachable:
         print("no processes under gpucr")
         return 0
+    if command == "status":
+        for st in rows.processes:
+            print("\n".join(_status_lines(st)))
+        for u in rows.unreachable:
+            print(f"process {u.pid}: unreachable: {u.error}")
+        return 0
     print(f"{'PID':>8}  {'STATE':<14} {'LEVEL':<5} {'GROUP':<10} {'TRACKED':>12} {'DRIVER':>12}  COMMAND")
-    for st in rows:
-        al = st.get("allocations", {})
-        state = st.get("state", "?") if st.get("cuda", True) else "no-cuda"
-        print(f"{st['pid']:>8}  {state:<14} {st.get('level') or '-':<5} {(st.get('group') or '-')[:10]:<10} "
-              f"{_mib(al.get('tracked_bytes')):>12} "
-              f"{_mib(st.get('bytes_left_to_driver')):>12}  {st.get('cmd', st.get('error', ''))[:60]}")
+    for st in rows.processes:
+        state = st.state if st.cuda else "no-cuda"
+        print(f"{st.pid:>8}  {state:<14} {st.level or '-':<5} {(st.group or '-')[:10]:<10} "
+              f"{_mib(st.allocations.tracked_bytes):>12} {_mib(st.bytes_left_to_driver):>12}  {st.cmd[:60]}")
+    for u in rows.unreachable:
+        print(f"{u.pid:>8}  {'unreachable':<14} {'-':<5} {'-':<10} {'-':>12} {'-':>12}  {u.error[:60]}")
     return 0
 
 
@@ -279,7 +304,7 @@ def cmd_recover(a: argparse.Namespace) -> int:
     from . import recover
     stuck = recover.find() if a.list else recover.recover(timeout=a.timeout)
     if a.json:
-        _print_json([vars(s) for s in stuck])
+        _print_json(to_json(RecoverResult(SCHEMA_VERSION, "recover", a.list, stuck)))
     elif not stuck:
         print("no stuck process: nothing is locked, checkpointed or parked without a controller")
     for s in ([] if a.json else stuck):

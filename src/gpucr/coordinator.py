@@ -20,13 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from . import gpus, manifest, sharing
+from . import gpus, manifest, sharing, shape
 from . import imagefs
 from . import target as targets
 from .app import AppChannel
 from .driver import (CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, SIMULATE_ENV, Driver, DriverError, ProcessState,
-                     controller_driver, gpu_memory)
+                     controller_driver)
 from .errors import GpucrError
+from .results import (SCHEMA_VERSION, CheckpointResult, ProcessCheckpoint, ProcessRestore, ProcessStatus, RestoreResult,
+                      StatusResult, Unreachable)
 
 LEVELS = ("full", "data")
 
@@ -56,11 +58,6 @@ def _driver_state(drv: Driver, pid: int) -> ProcessState:
 def _need_cuda(t: targets.Target) -> None:
     if not t.hello.get("cuda"):
         raise GpucrError(f"process {t.pid} has not loaded the CUDA driver: there is nothing to checkpoint")
-
-
-def _mem(drv: Driver) -> int | None:
-    m = gpu_memory(drv)
-    return m.used if m else None
 
 
 def _test_kill_point(point: str) -> None:
@@ -135,9 +132,24 @@ def _watched_call(m: "_Member", verb: str, limit: float, **args: int) -> dict[st
         watch.close()
 
 
-def status(pid: int) -> dict[str, Any]:
-    """The live state of a process under gpucr, as the agent and the driver see it."""
+def status(pid: int) -> ProcessStatus:
+    """The live state of a process under gpucr, as the agent and the driver see it, with the memory
+    it holds on each of its GPUs."""
     t = targets.resolve(pid)
+    st = _status(t)
+    return shape.process_status(st, _usage(t.pid, [d["uuid"] for d in st.get("devices", [])]))
+
+
+def _usage(pid: int, uuids: list[str]) -> dict[str, gpus.Usage]:
+    """These GPUs' memory now, with this process's part (read at a result's edges, never inside a phase)."""
+    if not uuids:
+        return {}
+    drv = controller_driver()
+    return gpus.usage(drv, pid, uuids, gpus.machine_gpus(drv))
+
+
+def _status(t: targets.Target) -> dict[str, Any]:
+    pid = t.pid
     with t.connect() as agent:
         st = agent.call("status", timeout=10.0)
     st.pop("ok", None)
@@ -221,6 +233,12 @@ class _Member:
     checkpointed: bool = False
     gpus: list[dict[str, Any]] = field(default_factory=list)    # the GPUs it uses (gpus.process_gpus)
     gpu_moves: dict[str, str] = field(default_factory=dict)   # restore: {old UUID: new UUID} for the driver
+    gpu_before: dict[str, gpus.Usage] = field(default_factory=dict)   # its GPUs' memory before it all began
+
+    def uuids(self) -> list[str]:
+        """The GPUs it is on, and those a restore moves it to."""
+        own = [d["uuid"] for d in (self.gpus or self.status.get("devices", []))]
+        return own + [u for u in self.gpu_moves.values() if u not in own]
 
     @property
     def pid(self) -> int:
@@ -472,7 +490,7 @@ def _roll_back(members: list[_Member]) -> None:
 
 
 def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
-                    images: dict[int, str | Path] | None = None) -> list[dict[str, Any]]:
+                    images: dict[int, str | Path] | None = None) -> CheckpointResult:
     """Checkpoint several processes together, all or nothing (see the module's doc)."""
     if level not in LEVELS:
         raise GpucrError(f"unknown level '{level}': use one of {', '.join(LEVELS)}")
@@ -484,7 +502,8 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
             img = images.get(pid)
             members.append(_vet_for_checkpoint(pid, Path(img) if img is not None else None))
         _check_sharing(members)
-        before = _mem(members[0].drv)
+        for m in members:
+            m.gpu_before = _usage(m.pid, m.uuids())
         try:
             _each("prepare", members, lambda m: _prepare(m, timeout))
             if len(members) > 1:
@@ -511,22 +530,20 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
                 raise GpucrError(str(exc)) from exc   # nothing was released: its own words say it runs on
             raise GpucrError(f"{exc}; rolled back, process {exc.pid} runs on with its data intact") from exc
         _each("commit", members, lambda m: _commit(m, level))
-        after = _mem(members[0].drv)
-        for m in members:
-            m.result["gpu_used_bytes"] = {"before": before, "after": after}
-        return [m.result for m in members]
+        return CheckpointResult(SCHEMA_VERSION, "checkpoint", [
+            shape.checkpoint(m.result, shape.gpu_changes(m.gpu_before, _usage(m.pid, m.uuids()))) for m in members])
     finally:
         for m in members:
             m.close()
 
 
-def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str | Path | None = None) -> dict[str, Any]:
+def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str | Path | None = None) -> ProcessCheckpoint:
     """Save the process's GPU memory and give it back; the process stays alive, parked.
 
     With `image`, the data is also written to that directory (with its manifest) and the host
     staging is released, so host memory is freed too.
     """
-    return checkpoint_many([pid], level, timeout, {pid: image} if image is not None else None)[0]
+    return checkpoint_many([pid], level, timeout, {pid: image} if image is not None else None).processes[0]
 
 
 def _write_image(m: _Member, level: str, epoch) -> dict:
@@ -585,6 +602,7 @@ def _vet_for_restore(pid: int, image_dir: Path | None, force: bool, gpu_map: dic
     if image_dir is not None:
         with imagefs.ImageDir(image_dir, imagefs.owner_for(t.uid, pid)) as idir:
             man = manifest.load(idir)
+        m.result["image_id"] = man.get("id")
         m.result["manifest_entry"] = manifest.check_restore(man, pid=pid, start_time=t.start_time,
                                                             generation=st["generation"], gpus=_restored_on(m, machine),
                                                             force=force)
@@ -853,17 +871,20 @@ def _check_sharing(members: list[_Member]) -> None:
 
 def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,
                  images: dict[int, str | Path] | None = None, force: bool = False,
-                 gpu_map: dict[str, str] | None = None) -> list[dict[str, Any]]:
+                 gpu_map: dict[str, str] | None = None) -> RestoreResult:
     """Restore several processes together; each that can be is brought back (see the module's doc).
-    `gpu_map` {old UUID: new UUID} (gpus.parse_map) moves them to other GPUs of this machine."""
+    `gpu_map` {old UUID: new UUID}, as --map takes them, moves them to other GPUs of this machine."""
     _check_request(pids, timeout)
     images = images or {}
+    gpu_map = gpus.check_map(gpu_map or {})
     members: list[_Member] = []
     try:
         for pid in pids:   # every check before anything is re-created
             img = images.get(pid)
             members.append(_vet_for_restore(pid, Path(img) if img is not None else None, force, gpu_map or {}))
         _check_room(members)
+        for m in members:
+            m.gpu_before = _usage(m.pid, m.uuids())
         failed: dict[int, PhaseError] = {}
 
         def phase(name: str, fn) -> None:
@@ -884,21 +905,24 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
         for m in members:
             _app_resume(_app_channel_quiet(m.t))
             m.result["state"] = "running"
-            m.result["gpu_used_bytes"] = _mem(m.drv)
-        return [m.result for m in members]
+        return RestoreResult(SCHEMA_VERSION, "restore", [
+            shape.restore(m.result, shape.gpu_changes(m.gpu_before, _usage(m.pid, m.uuids())), m.gpu_moves,
+                          str(m.image_dir) if m.image_dir is not None else None) for m in members])
     finally:
         for m in members:
             m.close()
 
 
 def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: str | Path | None = None,
-            force: bool = False) -> dict[str, Any]:
+            force: bool = False, gpu_map: dict[str, str] | None = None) -> ProcessRestore:
     """Put every byte back at the same address and let the process carry on.
 
     `image` restores the data from a checkpoint image (verified against its manifest first);
-    `drop_staging` gives the host staging back afterwards (else it stays pinned for the next cycle).
+    `drop_staging` gives the host staging back afterwards (else it is kept for the next cycle);
+    `gpu_map` {old UUID: new UUID} moves it onto other GPUs of this machine, as `gpucr restore --map`.
     """
-    return restore_many([pid], timeout, drop_staging, {pid: image} if image is not None else None, force)[0]
+    return restore_many([pid], timeout, drop_staging, {pid: image} if image is not None else None, force,
+                        gpu_map).processes[0]
 
 
 def _settled_status(agent, timeout: float) -> dict[str, Any]:
@@ -968,12 +992,12 @@ def _test_kill_target(pid: int, phase: str) -> None:
         os.kill(pid, signal.SIGKILL)
 
 
-def ps() -> list[dict[str, Any]]:
-    """Every live process under gpucr that this user can see."""
-    rows = []
+def ps() -> StatusResult:
+    """Every live process under gpucr that this user can see; those that cannot be asked apart."""
+    out = StatusResult(SCHEMA_VERSION, "ps", [])
     for pid, sock in targets.list_sockets():
         try:
-            rows.append(status(pid))
+            out.processes.append(status(pid))
         except GpucrError as exc:
-            rows.append({"pid": pid, "state": "unreachable", "error": str(exc)})
-    return rows
+            out.unreachable.append(Unreachable(pid, str(exc)))
+    return out

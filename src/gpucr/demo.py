@@ -12,6 +12,7 @@ from . import coordinator
 from .driver import Driver, driver_for, gpu_memory
 from .errors import GpucrError
 from .paths import simcuda_dir
+from .results import SCHEMA_VERSION, to_json
 from .workloads.runner import Workload
 
 
@@ -40,31 +41,31 @@ def main(simulate: bool = False, as_json: bool = False) -> int:
         say("gpucr demo on simcuda, the SIMULATED driver (a test double over host memory): no GPU was found "
             "or --simulate was given, so no GPU result is shown here")
         module, args = "driver_app", ["--sizes", "64M,16M,3M,100K", "--pitch", "--vmm-mib", "32"]
-    fig: dict[str, Any] = {"simulated": not real, "workload": module}
-    fig["gpu_used_before_start"] = _used(drv)
+    fig: dict[str, Any] = {"schema_version": SCHEMA_VERSION, "command": "demo", "simulated": not real, "workload": module}
+    fig["gpu_used_before_start_bytes"] = _used(drv)
     with Workload(module, *args, simulate=not real) as app:
         before = app.ask("digest")
         result_before = app.ask("compute") if real else None
-        fig["gpu_used_running"] = _used(drv)
-        say(f"  started pid {app.pid}; GPU memory used: {fig['gpu_used_before_start'] / 2**20:,.0f} MiB before it, "
-            f"{fig['gpu_used_running'] / 2**20:,.0f} MiB with it")
+        fig["gpu_used_running_bytes"] = _used(drv)
+        say(f"  started pid {app.pid}; GPU memory used: {fig['gpu_used_before_start_bytes'] / 2**20:,.0f} MiB before it, "
+            f"{fig['gpu_used_running_bytes'] / 2**20:,.0f} MiB with it")
         ck = coordinator.checkpoint(app.pid, level="full")
-        fig["gpu_used_checkpointed"] = _used(drv)
-        fig["checkpoint"] = ck
-        say(f"  checkpointed: {ck['bytes_moved'] / 2**20:,.0f} MiB moved by gpucr; GPU memory used now "
-            f"{fig['gpu_used_checkpointed'] / 2**20:,.0f} MiB; "
-            + ", ".join(f"{k} {v:.3f} s" for k, v in ck["phases_s"].items()))
+        fig["gpu_used_checkpointed_bytes"] = _used(drv)
+        fig["checkpoint"] = to_json(ck)
+        say(f"  checkpointed: {ck.bytes_moved / 2**20:,.0f} MiB moved by gpucr; GPU memory used now "
+            f"{fig['gpu_used_checkpointed_bytes'] / 2**20:,.0f} MiB; "
+            + ", ".join(f"{k} {v:.3f} s" for k, v in ck.phases_s.items()))
         rs = coordinator.restore(app.pid)
-        fig["restore"] = rs
-        fig["gpu_used_restored"] = _used(drv)
+        fig["restore"] = to_json(rs)
+        fig["gpu_used_restored_bytes"] = _used(drv)
         after = app.ask("digest")
         result_after = app.ask("compute") if real else None
         if not real:
             app.ask("work 7")   # the application carries on: its next kernels run on the restored memory
             app.ask("work -7")
             result_after = result_before = {"digest_after_work": app.ask("digest")["digest"] == before["digest"]}
-        say(f"  restored: GPU memory used {fig['gpu_used_restored'] / 2**20:,.0f} MiB; "
-            + ", ".join(f"{k} {v:.3f} s" for k, v in rs["phases_s"].items()))
+        say(f"  restored: GPU memory used {fig['gpu_used_restored_bytes'] / 2**20:,.0f} MiB; "
+            + ", ".join(f"{k} {v:.3f} s" for k, v in rs.phases_s.items()))
     checks = {"bytes_identical": before["digest"] == after["digest"],
               "addresses_identical": before["ptrs"] == after["ptrs"],
               "next_computation_identical": result_before == result_after}

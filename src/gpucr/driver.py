@@ -191,6 +191,65 @@ def gpu_memory(driver: Driver, device: int = 0, uuid: str | None = None) -> GpuM
     return _nvml_memory(device, uuid)
 
 
+def process_gpu_memory(driver: Driver, pid: int, device: int = 0, uuid: str | None = None) -> int | None:
+    """Device memory that process `pid` holds on one GPU, as nvidia-smi lists it per process (NVML's
+    compute processes; simcuda's accounting per pid when simulated); 0 when it holds none there, None
+    when it cannot be read. NVML lists host pids: in a container with its own pid namespace a process
+    is never found there and this reads 0."""
+    if driver.simulated:
+        used = ctypes.c_size_t()
+        fn = driver._cu.simcudaProcessDeviceMemUsed
+        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]
+        return used.value if fn(pid, device, ctypes.byref(used)) == 0 else None
+    return _nvml_process_memory(pid, device, uuid)
+
+
+class _NvmlProcessInfo(ctypes.Structure):   # nvmlProcessInfo_t (v2 and v3 of the call share it)
+    _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong), ("gpuInstanceId", ctypes.c_uint),
+                ("computeInstanceId", ctypes.c_uint)]
+
+
+NVML_ERROR_INSUFFICIENT_SIZE = 7
+NVML_VALUE_NOT_AVAILABLE = 2**64 - 1
+
+
+def _nvml_process_memory(pid: int, device: int, uuid: str | None) -> int | None:
+    handle = _nvml_handle(device, uuid)
+    if handle is None:
+        return None
+    fn = getattr(_nvml, "nvmlDeviceGetComputeRunningProcesses_v3", None) or \
+        getattr(_nvml, "nvmlDeviceGetComputeRunningProcesses_v2", None)
+    if fn is None:
+        return None
+    count = ctypes.c_uint(0)
+    infos = (_NvmlProcessInfo * 0)()
+    for _ in range(3):   # the list may grow between asking its size and reading it
+        rc = fn(handle, ctypes.byref(count), infos)
+        if rc != NVML_ERROR_INSUFFICIENT_SIZE:
+            break
+        infos = (_NvmlProcessInfo * (count.value + 8))()
+        count = ctypes.c_uint(len(infos))
+    if rc != 0:
+        return None
+    used = [i.usedGpuMemory for i in infos[:count.value] if i.pid == pid]
+    if any(u == NVML_VALUE_NOT_AVAILABLE for u in used):
+        return None
+    return sum(used)
+
+
+def _nvml_handle(device: int, uuid: str | None) -> ctypes.c_void_p | None:
+    """NVML's handle of a GPU, by UUID where known (NVML numbers GPUs its own way); None without NVML."""
+    try:
+        if _nvml_lib() is None:
+            return None
+    except OSError:
+        return None
+    handle = ctypes.c_void_p()
+    rc = (_nvml.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(handle)) if uuid else
+          _nvml.nvmlDeviceGetHandleByIndex_v2(device, ctypes.byref(handle)))
+    return handle if rc == 0 else None
+
+
 class _NvmlMemory(ctypes.Structure):
     _fields_ = [("total", ctypes.c_ulonglong), ("free", ctypes.c_ulonglong), ("used", ctypes.c_ulonglong)]
 
@@ -199,20 +258,13 @@ _nvml: ctypes.CDLL | None = None
 
 
 def _nvml_memory(device: int, uuid: str | None = None) -> GpuMemory | None:
-    try:
-        if _nvml_lib() is None:
-            return None
-        handle = ctypes.c_void_p()
-        rc = (_nvml.nvmlDeviceGetHandleByUUID(uuid.encode(), ctypes.byref(handle)) if uuid else
-              _nvml.nvmlDeviceGetHandleByIndex_v2(device, ctypes.byref(handle)))
-        if rc != 0:
-            return None
-        mem = _NvmlMemory()
-        if _nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)) != 0:
-            return None
-        return GpuMemory(mem.used, mem.total)
-    except OSError:
+    handle = _nvml_handle(device, uuid)
+    if handle is None:
         return None
+    mem = _NvmlMemory()
+    if _nvml.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)) != 0:
+        return None
+    return GpuMemory(mem.used, mem.total)
 
 
 def _nvml_lib() -> ctypes.CDLL | None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .driver import (Driver, GpuMemory, device_count, device_info, gpu_memory, nvml_device_node, nvml_gpu_list,
-                     simulated_device_node, uuid_text)
+                     process_gpu_memory, simulated_device_node, uuid_text)
 from .errors import GpucrError
 
 
@@ -75,16 +75,29 @@ def normalise(uuid: str) -> str:
 
 def parse_map(items: list[str]) -> dict[str, str]:
     """--map OLD_UUID=NEW_UUID items into {old: new}."""
-    out: dict[str, str] = {}
+    pairs = []
     for item in items:
         old, sep, new = item.partition("=")
+        pairs.append((old, new) if sep else (item, None))
+    return _checked_map(pairs)
+
+
+def check_map(gpu_map: dict[str, str]) -> dict[str, str]:
+    """The API's gpu_map {old UUID: new UUID}, checked and written as --map's are."""
+    return _checked_map(list(gpu_map.items()))
+
+
+def _checked_map(pairs: list[tuple[str, str | None]]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for old, new in pairs:
         try:
-            if not sep:
-                raise ValueError(item)
+            if new is None:
+                raise ValueError(old)
             old, new = normalise(old), normalise(new)
-        except ValueError:
+        except (ValueError, AttributeError):
+            shown = old if new is None else f"{old}={new}"
             raise GpucrError(f"--map takes OLD_UUID=NEW_UUID, each GPU- and 32 hex digits as nvidia-smi -L prints "
-                             f"them (e.g. GPU-1a2b...=GPU-3c4d...), not '{item}'") from None
+                             f"them (e.g. GPU-1a2b...=GPU-3c4d...), not '{shown}'") from None
         if out.get(old, new) != new:
             raise GpucrError(f"--map names {old} twice, with different targets")
         out[old] = new
@@ -140,3 +153,25 @@ def device_nodes(drv: Driver, uuids: set[str]) -> set[str]:
 def memory_of(drv: Driver, uuid: str, machine: list[Gpu]) -> GpuMemory | None:
     g = next((g for g in machine if g.uuid == uuid), None)
     return gpu_memory(drv, g.ordinal, uuid) if g else None
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One GPU's memory at one moment: one process's part of it, and the whole GPU's."""
+    uuid: str
+    name: str
+    process: int | None   # bytes the process holds on it (None: cannot be read)
+    used: int | None      # bytes every process holds on it
+    total: int | None
+
+
+def usage(drv: Driver, pid: int, uuids: list[str], machine: list[Gpu]) -> dict[str, Usage]:
+    """Each of these GPUs' memory now, with process `pid`'s own part (process_gpu_memory)."""
+    here = {g.uuid: g for g in machine}
+    out = {}
+    for uuid in uuids:
+        g = here.get(uuid)
+        mem = gpu_memory(drv, g.ordinal, uuid) if g else None
+        out[uuid] = Usage(uuid, g.name if g else "unknown", process_gpu_memory(drv, pid, g.ordinal, uuid) if g else None,
+                          mem.used if mem else None, mem.total if mem else None)
+    return out

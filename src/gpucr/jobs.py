@@ -13,16 +13,7 @@ from pathlib import Path
 from . import target as targets
 from .driver import DriverError, ProcessState, controller_driver
 from .errors import GpucrError
-
-
-@dataclass(frozen=True)
-class LeftOut:
-    pid: int
-    cmd: str
-    reason: str
-
-    def line(self) -> str:
-        return f"process {self.pid} ({self.cmd[:60] or '?'}) left out: {self.reason}"
+from .results import LeftOut
 
 
 @dataclass(frozen=True)

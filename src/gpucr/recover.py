@@ -10,21 +10,12 @@ Processes that share memory are restored together, as a restore needs them to be
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+
 from . import coordinator
 from . import target as targets
 from .driver import DriverError, ProcessState, controller_driver
 from .errors import GpucrError
-
-
-@dataclass
-class Stuck:
-    pid: int
-    cmd: str
-    how: str                 # what holds it: driver locked | driver checkpointed | checkpointed | parked
-    under_gpucr: bool
-    outcome: str = ""        # after recover: what became of it
-    ok: bool = False
+from .results import Stuck
 
 
 def _has_cuda_loaded(pid: int) -> bool:
@@ -64,11 +55,11 @@ def find() -> list[Stuck]:
                 st = coordinator.status(pid)
             except GpucrError:
                 continue
-            if st.get("busy") and not st.get("rolling_back"):
+            if st.busy and not st.rolling_back:
                 continue   # a controller is at work on it (an agent rolling back by itself waits for one)
-            if st.get("state") == "checkpointed":
+            if st.state == "checkpointed":
                 how = "checkpointed by gpucr (level data)"
-            elif st.get("gate_closed"):
+            elif st.gate_closed:
                 how = "parked (a restore stopped before its last step)"
         if how:
             out.append(Stuck(pid, targets.command_line(pid), how, pid in under))
@@ -112,16 +103,16 @@ def recover(timeout: float = 60.0) -> list[Stuck]:
             except GpucrError as exc:
                 s.outcome = f"cannot be asked after the restore: {exc}"
                 continue
-            s.ok = st.get("state") == "running" and not st.get("gate_closed") and st.get("driver_state") in (None, "running")
+            s.ok = st.state == "running" and not st.gate_closed and st.driver_state in (None, "running")
             if s.ok:
                 s.outcome = "restored; running"
-            elif not st.get("staged", True) and st.get("state") == "checkpointed":
+            elif not st.staged and st.state == "checkpointed":
                 s.outcome = f"its data is in an image: restore it with 'gpucr restore --image DIR {s.pid}'"
             else:
-                s.outcome = f"still {st.get('state')}: {errors.get(s.pid) or 'see gpucr status ' + str(s.pid)}"
+                s.outcome = f"still {st.state}: {errors.get(s.pid) or 'see gpucr status ' + str(s.pid)}"
     return stuck
 
 
 def _still_stuck(pid: int) -> bool:
     st = coordinator.status(pid)
-    return st.get("state") != "running" or bool(st.get("gate_closed")) or st.get("driver_state") not in (None, "running")
+    return st.state != "running" or st.gate_closed or st.driver_state not in (None, "running")

@@ -47,7 +47,7 @@ def test_plain_cuda_program_three_cycles(cuda_app):
         assert app.ask("digest") == before
         for i in range(3):
             ck = gpucr.checkpoint(app.pid, timeout=60)
-            assert ck["bytes_moved"] >= 323 * MiB, "the cudaMalloc buffers of 2 MiB and more are gpucr's to move"
+            assert ck.bytes_moved >= 323 * MiB, "the cudaMalloc buffers of 2 MiB and more are gpucr's to move"
             assert used() - idle <= 16 * MiB, f"cycle {i}: {(used() - idle) / MiB:.0f} MiB above idle while checkpointed"
             gpucr.restore(app.pid, timeout=60)
             assert app.ask("digest") == before, f"cycle {i}: bytes or addresses differ"

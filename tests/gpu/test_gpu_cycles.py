@@ -41,15 +41,15 @@ def cycles(name: str, module: str, args: list[str], n: int, env: dict | None = N
             ck = gpucr.checkpoint(app.pid, level="full", timeout=60)
             during = used()
             assert during - idle <= SLACK, f"{name} cycle {i}: {(during - idle) / MiB:.0f} MiB above idle while checkpointed"
-            assert gpucr.status(app.pid)["state"] == "checkpointed"
+            assert gpucr.status(app.pid).state == "checkpointed"
             rs = gpucr.restore(app.pid, timeout=60)
             after = app.ask("digest")
             assert after["digest"] == before["digest"], f"{name} cycle {i}: bytes differ"
             assert after["ptrs"] == before["ptrs"], f"{name} cycle {i}: addresses moved"
             assert app.ask("compute") == result, f"{name} cycle {i}: computation differs"
             record(test=name, cycle=i, held_mib=held / MiB, above_idle_while_ckpt_mib=(during - idle) / MiB,
-                   bytes_moved=ck["bytes_moved"], left_to_driver=ck["bytes_left_to_driver"],
-                   ckpt=ck["phases_s"], agent_ms=ck["agent_ms"], restore=rs["phases_s"])
+                   bytes_moved=ck.bytes_moved, left_to_driver=ck.bytes_left_to_driver,
+                   ckpt=ck.phases_s, agent_s=ck.agent_phases_s, restore=rs.phases_s)
 
 
 def test_torch_default_allocator_20gib_ten_cycles():
@@ -97,7 +97,7 @@ def test_long_kernel_past_deadline_is_refused_and_app_runs_on():
         refused_after = time.perf_counter() - t0
         assert refused_after < 5
         assert driver_for("libcuda.so.1").state(app.pid) == ProcessState.RUNNING
-        assert gpucr.status(app.pid)["state"] == "running"
+        assert gpucr.status(app.pid).state == "running"
         assert app.ask("digest")["digest"] == before["digest"]
         record(test="deadline", refused_after_s=refused_after)
 

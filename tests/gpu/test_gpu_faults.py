@@ -47,11 +47,11 @@ def test_controller_killed_at_each_phase(point):
         # after data out only (the driver never took it), the agent rolls back on its own: let it;
         # with the driver holding the process, its roll-back waits for the restore below instead
         deadline = time.time() + 60
-        while st.get("rolling_back") and driver_for("libcuda.so.1").state(app.pid) == ProcessState.RUNNING \
+        while st.rolling_back and driver_for("libcuda.so.1").state(app.pid) == ProcessState.RUNNING \
                 and time.time() < deadline:
             time.sleep(0.1)
             st = gpucr.status(app.pid)
-        if st["state"] != "running" or st.get("gate_closed") or st.get("driver_state") != "running":
+        if st.state != "running" or st.gate_closed or st.driver_state != "running":
             assert cli("restore", str(app.pid)).returncode == 0
         assert driver_for("libcuda.so.1").state(app.pid) == ProcessState.RUNNING
         assert app.ask("digest") == before
@@ -66,7 +66,7 @@ def test_restore_refused_while_another_process_holds_the_memory():
         with Workload("torch_app", "--gib", f"{hog_gib:.1f}", env={**os.environ, "GPUCR_AGENT_DISABLE": "1"}):
             with pytest.raises(gpucr.GpucrError, match="not enough free GPU memory"):
                 gpucr.restore(app.pid, timeout=60)
-            assert gpucr.status(app.pid)["state"] == "checkpointed"
+            assert gpucr.status(app.pid).state == "checkpointed"
         gpucr.restore(app.pid, timeout=60)
         assert app.ask("digest") == before
 
@@ -113,7 +113,7 @@ def test_app_killed_while_checkpointed_leaves_nothing_behind():
     assert (rdir / targets.agent_socket_name(app.pid)).exists()
     app.proc.kill()
     app.proc.wait()
-    assert app.pid not in [p["pid"] for p in gpucr.ps()]
+    assert app.pid not in [p.pid for p in gpucr.ps().processes]
     assert not [e for e in rdir.iterdir() if e.name.startswith(f"{app.pid}.")]
     deadline = time.time() + 30
     while used() > idle + 16 * MiB and time.time() < deadline:

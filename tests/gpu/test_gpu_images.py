@@ -29,7 +29,7 @@ def rss_shmem(pid: int) -> int:
 def refused(pid: int, image: Path, why: str) -> None:
     with pytest.raises(gpucr.GpucrError, match=why):
         gpucr.restore(pid, image=image, timeout=120)
-    assert gpucr.status(pid)["state"] == "checkpointed"
+    assert gpucr.status(pid).state == "checkpointed"
 
 
 def test_large_image_and_every_refusal():
@@ -39,7 +39,7 @@ def test_large_image_and_every_refusal():
         before, result = app.ask("digest"), app.ask("compute")
         gen1 = tmp / "gen1"
         ck = gpucr.checkpoint(app.pid, image=gen1, timeout=120)
-        assert ck["image"]["bytes"] >= 20 << 30
+        assert ck.image.bytes >= 20 << 30
         assert rss_shmem(app.pid) < 64 << 20, "staging released once the image is on disk"
         data = gen1 / "data.bin"
         m = json.loads((gen1 / "manifest.json").read_text())

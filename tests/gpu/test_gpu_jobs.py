@@ -55,7 +55,7 @@ def job():
 
 
 def _all_running(ranks: list[Workload]) -> bool:
-    return all(drv().state(w.pid) == ProcessState.RUNNING and gpucr.status(w.pid)["state"] == "running"
+    return all(drv().state(w.pid) == ProcessState.RUNNING and gpucr.status(w.pid).state == "running"
                for w in ranks if w.proc.poll() is None)
 
 
@@ -68,7 +68,7 @@ def test_rank_killed_during_data_out_rolls_the_other_back(job, monkeypatch):
         checkpoint_many([r0.pid, r1.pid], timeout=60)
     # what rank 0 imported from rank 1 (NCCL's buffers) died with it: zeroed memory takes its place
     r1.proc.wait(timeout=30)
-    assert drv().state(r0.pid) == ProcessState.RUNNING and gpucr.status(r0.pid)["state"] == "running"
+    assert drv().state(r0.pid) == ProcessState.RUNNING and gpucr.status(r0.pid).state == "running"
     assert r0.ask("digest", timeout=120) == before, "the surviving rank runs on with its data"
 
 
@@ -95,7 +95,7 @@ def test_no_room_on_one_gpu_at_restore_leaves_all_restorable(job):
     r0, r1 = job
     before = [w.ask("digest", timeout=120) for w in job]
     checkpoint_many([r0.pid, r1.pid], timeout=60)
-    uuid1 = gpucr.status(r1.pid)["devices"][0]["uuid"]
+    uuid1 = gpucr.status(r1.pid).gpus[0].uuid
     g1 = next(g for g in machine_gpus(drv()) if g.uuid == uuid1)
     free = gpu_memory(drv(), g1.ordinal, uuid1).free
     # another process takes all but 64 MiB of rank 1's GPU
@@ -125,11 +125,11 @@ def test_recover_after_the_controller_died_mid_checkpoint(job):
     r = gpucr_cli("checkpoint", *(str(w.pid) for w in job), "--timeout", "60", env=env, timeout=300)
     assert r.returncode != 0
     listed = gpucr_cli("recover", "--list", "--json")
-    stuck = {s["pid"] for s in json.loads(listed.stdout)}
+    stuck = {s["pid"] for s in json.loads(listed.stdout)["processes"]}
     assert stuck >= {w.pid for w in job}, listed.stdout
     r = gpucr_cli("recover", timeout=300)
     assert r.returncode == 0, r.stdout + r.stderr
-    states = {w.pid: (drv().state(w.pid).name, gpucr.status(w.pid)["state"], gpucr.status(w.pid)["gate_closed"])
+    states = {w.pid: (drv().state(w.pid).name, gpucr.status(w.pid).state, gpucr.status(w.pid).gate_closed)
               for w in job}
     assert _all_running(job), f"recover said:\n{r.stdout}{r.stderr}\nthen: {states}"
     assert [w.ask("digest", timeout=120) for w in job] == before
@@ -148,7 +148,7 @@ def test_shell_wrapped_app_with_a_fork_child_checkpointed_by_group():
         time.sleep(1.0)
         r = gpucr_cli("checkpoint", "--group", "wrapped", "--json", "--timeout", "60", timeout=300)
         assert r.returncode == 0, r.stderr
-        pids = [x["pid"] for x in json.loads(r.stdout)]
+        pids = [x["pid"] for x in json.loads(r.stdout)["processes"]]
         assert len(pids) == 1 and pids[0] != w.pid
         assert f"process {w.pid} " in r.stderr and f"process {fork} " in r.stderr, r.stderr
         assert drv().state(pids[0]) == ProcessState.CHECKPOINTED
@@ -166,14 +166,14 @@ def test_shell_wrapped_app_with_a_fork_child_checkpointed_by_group():
 def test_every_rank_of_a_job_restored_onto_the_other_gpu(job):
     """--map for every rank of a job: each rank's GPU swapped with its peer's, the collectives run on."""
     before = [w.ask("digest", timeout=120) for w in job]
-    u = [gpucr.status(w.pid)["devices"][0]["uuid"] for w in job]
+    u = [gpucr.status(w.pid).gpus[0].uuid for w in job]
     assert u[0] != u[1]
     checkpoint_many([w.pid for w in job], timeout=60)
     restore_many([w.pid for w in job], timeout=60, gpu_map={u[0]: u[1], u[1]: u[0]})
-    assert [gpucr.status(w.pid)["devices"][0]["uuid"] for w in job] == [u[1], u[0]]
+    assert [gpucr.status(w.pid).gpus[0].uuid for w in job] == [u[1], u[0]]
     assert [w.ask("digest", timeout=120) for w in job] == before
     assert all(r["ok"] for r in _allreduce_all(job))
     checkpoint_many([w.pid for w in job], timeout=60)   # and back
     restore_many([w.pid for w in job], timeout=60, gpu_map={u[0]: u[1], u[1]: u[0]})
-    assert [gpucr.status(w.pid)["devices"][0]["uuid"] for w in job] == u
+    assert [gpucr.status(w.pid).gpus[0].uuid for w in job] == u
     assert all(r["ok"] for r in _allreduce_all(job))

@@ -31,9 +31,9 @@ def test_identity_map_restores_in_place(tmp_path):
     with Workload("torch_app", "--gib", "4") as app:
         before = app.ask("digest")
         gpucr.checkpoint(app.pid, timeout=60)
-        devices = gpucr.status(app.pid)["devices"]
-        assert len(devices) == 1 and devices[0]["vmm_bytes"] >= 4 << 30
-        here = devices[0]["uuid"]
+        devices = gpucr.status(app.pid).gpus
+        assert len(devices) == 1 and devices[0].vmm_bytes >= 4 << 30
+        here = devices[0].uuid
         assert here in {g.uuid for g in machine_gpus(driver_for("libcuda.so.1"))}
         restore_many([app.pid], timeout=60, gpu_map={here: here})
         assert app.ask("digest") == before
@@ -57,8 +57,8 @@ def test_process_on_two_gpus_with_peer_access():
         for _ in range(2):
             gpucr.checkpoint(app.pid, timeout=60)
             st = gpucr.status(app.pid)
-            assert sorted(d["uuid"] for d in st["devices"]) == sorted(uuids[:len(st["devices"])])
-            assert len(st["devices"]) == len(uuids)
+            assert sorted(d.uuid for d in st.gpus) == sorted(uuids[:len(st.gpus)])
+            assert len(st.gpus) == len(uuids)
             during = all_used()
             for u in uuids:
                 assert during[u] - idle[u] <= SLACK, f"{u}: {(during[u] - idle[u]) / MiB:.0f} MiB above idle"
@@ -76,11 +76,11 @@ def test_process_restored_onto_swapped_gpus():
         # every GPU of the process needs a pair: a map naming only the first is refused, nothing touched
         with pytest.raises(gpucr.GpucrError, match="which --map does not name"):
             restore_many([app.pid], timeout=60, gpu_map={a: b})
-        assert gpucr.status(app.pid)["state"] == "checkpointed"
+        assert gpucr.status(app.pid).state == "checkpointed"
         restore_many([app.pid], timeout=60, gpu_map={a: b, b: a, **{u: u for u in others}})
         assert app.ask("uuids")["uuids"][:2] == [b, a], "device 0 is now the other card"
         assert app.ask("digest") == before
         assert app.ask("peer-copy")["equal"]
         st = gpucr.status(app.pid)
-        assert {d["ordinal"]: d["uuid"] for d in st["devices"]}[0] == b
+        assert {d.ordinal: d.uuid for d in st.gpus}[0] == b
 

@@ -22,6 +22,7 @@ import pytest
 from gpucr.coordinator import checkpoint_many, restore_many
 from gpucr.driver import driver_for, gpu_memory
 from gpucr.gpus import machine_gpus
+from gpucr.results import CheckpointResult, RestoreResult
 from gpucr.workloads.job import Job
 
 from conftest import gpu, gpucr_cli, two_gpus
@@ -87,8 +88,8 @@ def cli_ok(*args: str) -> str:
 
 def _phases(out) -> object:
     """Where a cycle's time went: each process's phases (a result list), or the CLI's lines."""
-    if isinstance(out, list):
-        return [{"pid": r["pid"], **r.get("phases_s", {})} for r in out]
+    if isinstance(out, (CheckpointResult, RestoreResult)):
+        return [{"pid": r.pid, **r.phases_s} for r in out.processes]
     return [l for l in str(out or "").splitlines() if l.startswith("process ")]
 
 

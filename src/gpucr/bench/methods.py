@@ -23,6 +23,7 @@ from typing import Any
 from ..coordinator import checkpoint_many, restore_many
 from ..driver import Driver
 from ..errors import GpucrError
+from ..results import ProcessCheckpoint, ProcessRestore
 from ..workloads.llm_app import MODELS
 from ..workloads import runner
 from ..workloads.job import Job
@@ -222,19 +223,20 @@ class FreshDriverMethod(DriverMethod):
                              f"{rc or out.stderr.strip()[-300:]}")
 
 
-def combine(results: list[dict[str, Any]]) -> dict[str, Any]:
+def combine(results: list[ProcessCheckpoint] | list[ProcessRestore]) -> dict[str, Any]:
     """The job's view of gpucr's per-process results: the processes go through each phase together,
-    so a phase takes as long as its slowest process; bytes add up."""
+    so a phase takes as long as its slowest process; bytes add up. (The bench file's schema,
+    gpucr-bench/1, keeps the agent's times in milliseconds.)"""
     steps: dict[str, float] = {}
     agent_ms: dict[str, float] = {}
     for r in results:
-        for k, v in r.get("phases_s", {}).items():
+        for k, v in r.phases_s.items():
             steps[k] = max(steps.get(k, 0.0), v)
-        for k, v in r.get("agent_ms", {}).items():
-            agent_ms[k] = max(agent_ms.get(k, 0.0), v)
-    return {"steps_s": steps, "agent_ms": agent_ms, "bytes_moved": sum(r.get("bytes_moved", 0) for r in results),
-            "bytes_left_to_driver": sum(r.get("bytes_left_to_driver", 0) for r in results),
-            "warnings": [w for r in results for w in r.get("warnings", [])]}
+        for k, v in r.agent_phases_s.items():
+            agent_ms[k] = max(agent_ms.get(k, 0.0), v * 1000)
+    return {"steps_s": steps, "agent_ms": agent_ms, "bytes_moved": sum(r.bytes_moved for r in results),
+            "bytes_left_to_driver": sum(getattr(r, "bytes_left_to_driver", 0) for r in results),
+            "warnings": [w for r in results for w in r.warnings]}
 
 
 class GpucrMethod(Method):
@@ -260,10 +262,10 @@ class GpucrMethod(Method):
                 rs = checkpoint_many(pids, level=self.level, timeout=self.timeout)
         else:
             rs = checkpoint_many(pids, level=self.level, timeout=self.timeout)
-        return combine(rs)
+        return combine(rs.processes)
 
     def restore(self, pids: list[int]) -> dict[str, Any]:
-        return combine(restore_many(pids, timeout=self.timeout))
+        return combine(restore_many(pids, timeout=self.timeout).processes)
 
 
 @contextlib.contextmanager

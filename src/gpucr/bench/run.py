@@ -183,8 +183,8 @@ def _agent_bytes_per_gpu(pids: list[int]) -> dict[str, int]:
     """What gpucr's agents move on each GPU (their tracked VMM bytes), added over the processes."""
     out: dict[str, int] = {}
     for pid in pids:
-        for d in gpucr.status(pid).get("devices", []):
-            out[d["uuid"]] = out.get(d["uuid"], 0) + d.get("vmm_bytes", 0)
+        for g in gpucr.status(pid).gpus:
+            out[g.uuid] = out.get(g.uuid, 0) + g.vmm_bytes
     return out
 
 

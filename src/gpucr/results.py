@@ -1,0 +1,282 @@
+"""What gpucr's commands and its Python API return: one typed schema, the same in Python and in JSON.
+
+The Python API returns these dataclasses; `--json` prints `to_json()` of the same objects
+(dataclasses.asdict), and `from_json()` reads such JSON back, refusing any key or type that is not
+the schema's. Units are in the field names (`_bytes`, `_s` seconds, `_gbps` 10^9 bytes per
+second); a field that cannot be measured here is null. docs/api.md documents every field.
+Every command prints an envelope with `schema_version`, `command` and a `processes` list, however
+many processes it acted on. SCHEMA_VERSION changes when a field is renamed, removed or changes
+type (a new field does not change it).
+"""
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any, TypeVar, Union
+
+SCHEMA_VERSION = 1
+
+
+# ---- GPU memory ----
+
+@dataclass
+class GpuMemoryChange:
+    """One GPU around a checkpoint or a restore: what this process held on it, and the whole GPU."""
+    uuid: str
+    name: str
+    process_before_bytes: int | None   # this process's device memory on this GPU, as nvidia-smi lists it per process
+    process_after_bytes: int | None
+    gpu_used_before_bytes: int | None  # the whole GPU's used memory, every process's (nvidia-smi's Memory-Usage)
+    gpu_used_after_bytes: int | None
+    gpu_total_bytes: int | None
+
+
+@dataclass
+class GpuStatus:
+    """One GPU a process uses, now."""
+    ordinal: int                      # the process's own device ordinal for it
+    uuid: str
+    name: str
+    vmm_bytes: int                    # gpucr-tracked memory (moved by gpucr) on it
+    driver_bytes: int                 # plain and pool allocations on it (left to the driver's checkpoint)
+    process_bytes: int | None         # this process's device memory on it, as nvidia-smi lists it per process
+    gpu_used_bytes: int | None        # the whole GPU's used memory, every process's
+    gpu_total_bytes: int | None
+
+
+# ---- checkpoint and restore ----
+
+@dataclass
+class ImageTransfer:
+    """A checkpoint image written (checkpoint --image) or read (restore --image)."""
+    dir: str
+    id: str | None                    # the manifest's id
+    bytes: int                        # the data, zero chunks included
+    bytes_written: int | None         # written to disk (zero chunks are not); null on a read
+    transfer_s: float
+    gbps: float | None                # bytes / transfer_s / 1e9
+    direct_io: bool
+
+
+@dataclass
+class LeftOut:
+    """A process of a --group or --tree that holds no GPU state, so was left alone."""
+    pid: int
+    cmd: str
+    reason: str
+
+    def line(self) -> str:
+        return f"process {self.pid} ({self.cmd[:60] or '?'}) left out: {self.reason}"
+
+
+@dataclass
+class ProcessCheckpoint:
+    pid: int
+    state: str                        # checkpointed
+    level: str                        # full | data
+    generation: int                   # checkpoints this process has completed
+    bytes_moved: int                  # copied out by gpucr
+    bytes_left_to_driver: int         # left to the driver's checkpoint (level full) or on the GPU (level data)
+    phases_s: dict[str, float]        # the controller's phases: data_out, then driver_lock, control_out (level full)
+    agent_phases_s: dict[str, float]  # inside the process: staging, gate, sync, copy_out, release
+    gpus: list[GpuMemoryChange]
+    image: ImageTransfer | None
+    warnings: list[str]
+
+
+@dataclass
+class ProcessRestore:
+    pid: int
+    state: str                        # running
+    bytes_moved: int                  # copied back by gpucr
+    phases_s: dict[str, float]        # control_in, driver_unlock, data_in (or stage, image_read_and_data_in)
+    agent_phases_s: dict[str, float]  # inside the process: data_in, pin_wait
+    gpus: list[GpuMemoryChange]       # every GPU it was on or moved to
+    moved: dict[str, str]             # {old UUID: new UUID} for each GPU it was moved off (restore --map)
+    image: ImageTransfer | None
+    warnings: list[str]
+
+
+@dataclass
+class CheckpointResult:
+    schema_version: int
+    command: str                      # checkpoint
+    processes: list[ProcessCheckpoint]
+    left_out: list[LeftOut] = field(default_factory=list)
+
+
+@dataclass
+class RestoreResult:
+    schema_version: int
+    command: str                      # restore
+    processes: list[ProcessRestore]
+    left_out: list[LeftOut] = field(default_factory=list)
+
+
+# ---- status and ps ----
+
+@dataclass
+class Allocations:
+    tracked: int                      # allocations gpucr moves
+    tracked_bytes: int
+    converted: int                    # of them, cuMemAlloc allocations gpucr made into VMM memory
+    app_vmm: int                      # of them, the application's own VMM memory
+    vmm_left_to_driver: int           # VMM allocations gpucr cannot move (left to the driver)
+    vmm_left_to_driver_bytes: int
+    native: int                       # small plain allocations, left to the driver
+    native_bytes: int
+    pool: int                         # stream-ordered pool allocations, left to the driver
+    pool_bytes: int
+    managed: int
+    managed_bytes: int
+    ipc_exports: int
+
+
+@dataclass
+class LastCycle:
+    """The last checkpoint and restore, as the process timed them."""
+    staging_s: float
+    gate_s: float
+    sync_s: float
+    copy_out_s: float
+    release_s: float
+    data_in_s: float
+    pin_wait_s: float
+    driver_lock_s: float
+    control_out_s: float
+    control_in_s: float
+    driver_unlock_s: float
+    bytes_out: int
+    bytes_in: int
+    bytes_zeroed: int                 # set by memset on restore (zero chunks of an image), not copied
+
+
+@dataclass
+class SharedMemory:
+    """Memory the process exported to or imported from another process (CUDA IPC, VMM handles)."""
+    role: str                         # exporter | importer
+    key: int
+    bytes: int
+    unlinked: bool                    # given back by a checkpoint, not yet relinked
+    open_fds: int                     # file descriptors of it the process still holds
+    owner: int | None                 # importer: the exporter's pid
+
+
+@dataclass
+class ProcessStatus:
+    pid: int
+    state: str                        # running | checkpointed
+    level: str | None                 # full | data while checkpointed
+    driver_state: str | None          # the driver's view: running | locked | checkpointed | failed; null without CUDA
+    cmd: str
+    start_time: int                   # clock ticks since boot (/proc/PID/stat): with pid, names the process
+    cuda: bool                        # the process has loaded the CUDA driver
+    simulated: bool                   # on simcuda, the test double
+    group: str
+    busy: bool                        # a checkpoint, restore or roll-back runs in it now
+    rolling_back: bool
+    gate_closed: bool                 # CUDA calls are held (mid-checkpoint, or a restore stopped before its end)
+    checkpoint_phase: str             # quiesced | copied between a group's phases, else empty
+    staged: bool                      # a checkpoint's data is in host memory (not only in an image)
+    generation: int
+    allocations: Allocations
+    bytes_left_to_driver: int
+    gpus: list[GpuStatus]
+    staging_kind: str                 # hugetlbfs | shm | file:DIR
+    staging_bytes: int
+    staging_pinned_bytes: int
+    staging_segments: int
+    staging_ahead: bool
+    bounce_pinned_bytes: int
+    bounce_problem: str | None        # why no pinned bounce ring could be made
+    last_cycle: LastCycle
+    refusal: str | None               # why a checkpoint would be refused now
+    shared: list[SharedMemory]
+    certificate: dict[str, Any] | None  # while checkpointed: what the checkpoint covers (a manifest, see inspect)
+
+
+@dataclass
+class Unreachable:
+    pid: int
+    error: str
+
+
+@dataclass
+class StatusResult:
+    schema_version: int
+    command: str                      # status | ps
+    processes: list[ProcessStatus]
+    unreachable: list[Unreachable] = field(default_factory=list)
+
+
+# ---- recover ----
+
+@dataclass
+class Stuck:
+    pid: int
+    cmd: str
+    how: str                          # driver locked | driver checkpointed | checkpointed | parked
+    under_gpucr: bool
+    outcome: str = ""                 # after recover: what became of it
+    ok: bool = False
+
+
+@dataclass
+class RecoverResult:
+    schema_version: int
+    command: str                      # recover
+    listed_only: bool                 # recover --list: nothing was done
+    processes: list[Stuck]
+
+
+# ---- JSON ----
+
+def to_json(result: Any) -> dict[str, Any]:
+    """The JSON form of a result: its fields, nested, as dataclasses.asdict gives them."""
+    return dataclasses.asdict(result)
+
+
+T = TypeVar("T")
+
+
+def from_json(cls: type[T], data: Any) -> T:
+    """A result read back from its JSON, strictly: every field present with its type, nothing else;
+    raises ValueError naming the first field that is not."""
+    return _parse(cls, data, cls.__name__)
+
+
+def _parse(tp: Any, v: Any, where: str) -> Any:
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(v, dict):
+            raise ValueError(f"{where}: an object is expected, not {type(v).__name__}")
+        hints = typing.get_type_hints(tp)
+        names = [f.name for f in dataclasses.fields(tp)]
+        missing, extra = [n for n in names if n not in v], [k for k in v if k not in names]
+        if missing or extra:
+            raise ValueError(f"{where}: " + "; ".join(x for x in (f"missing {', '.join(missing)}" if missing else "",
+                                                                  f"unknown {', '.join(extra)}" if extra else "") if x))
+        return tp(**{n: _parse(hints[n], v[n], f"{where}.{n}") for n in names})
+    if origin in (Union, types.UnionType):
+        if v is None and type(None) in args:
+            return None
+        inner = [a for a in args if a is not type(None)]
+        if len(inner) != 1:
+            raise TypeError(f"{where}: unsupported union {tp}")
+        return _parse(inner[0], v, where)
+    if origin is list:
+        if not isinstance(v, list):
+            raise ValueError(f"{where}: a list is expected, not {type(v).__name__}")
+        return [_parse(args[0], x, f"{where}[{i}]") for i, x in enumerate(v)]
+    if origin is dict:
+        if not isinstance(v, dict) or not all(isinstance(k, str) for k in v):
+            raise ValueError(f"{where}: an object is expected, not {type(v).__name__}")
+        return {k: _parse(args[1], x, f"{where}.{k}") for k, x in v.items()}
+    if tp is Any:
+        return v
+    # bool is an int in Python, not in the schema; an int is not taken for a float (JSON keeps 1.0)
+    if tp in (int, float, str, bool) and type(v) is tp:
+        return v
+    raise ValueError(f"{where}: {tp.__name__} expected, not {type(v).__name__} ({v!r})")

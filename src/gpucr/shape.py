@@ -1,0 +1,93 @@
+"""What the agents answer and the coordinator measured, made into results' dataclasses. The one
+place that knows both the agent's status keys (native/agent/channel.c) and the schema's fields, so
+the coordinator keeps its working dicts and builds results only at its edges."""
+from __future__ import annotations
+
+from typing import Any
+
+from . import gpus
+from .results import (Allocations, GpuMemoryChange, GpuStatus, ImageTransfer, LastCycle, ProcessCheckpoint,
+                      ProcessRestore, ProcessStatus, SharedMemory)
+
+MS = 1e-3   # the agent times in milliseconds; results say seconds
+
+
+def _seconds(ms: dict[str, Any]) -> dict[str, float]:
+    return {k: float(v) * MS for k, v in ms.items()}
+
+
+def gpu_changes(before: dict[str, gpus.Usage], after: dict[str, gpus.Usage]) -> list[GpuMemoryChange]:
+    """Every GPU seen before or after, in that order."""
+    out = []
+    for uuid in [*before, *(u for u in after if u not in before)]:
+        b, a = before.get(uuid), after.get(uuid)
+        name = (a or b).name
+        total = (a.total if a else None) or (b.total if b else None)
+        out.append(GpuMemoryChange(uuid=uuid, name=name, process_before_bytes=b.process if b else None,
+                                   process_after_bytes=a.process if a else None,
+                                   gpu_used_before_bytes=b.used if b else None, gpu_used_after_bytes=a.used if a else None,
+                                   gpu_total_bytes=total))
+    return out
+
+
+def image(raw: dict[str, Any] | None, where: str, image_id: str | None) -> ImageTransfer | None:
+    """image.write's or image.read's statistics."""
+    if raw is None:
+        return None
+    return ImageTransfer(dir=where, id=image_id, bytes=raw["bytes"], bytes_written=raw.get("bytes_written"),
+                         transfer_s=float(raw["seconds"]), gbps=raw["gb_per_s"], direct_io=bool(raw["direct_io"]))
+
+
+def checkpoint(r: dict[str, Any], changes: list[GpuMemoryChange]) -> ProcessCheckpoint:
+    im = r.get("image")
+    return ProcessCheckpoint(pid=r["pid"], state=r["state"], level=r["level"], generation=r["generation"],
+                             bytes_moved=r["bytes_moved"], bytes_left_to_driver=r["bytes_left_to_driver"],
+                             phases_s=dict(r["phases_s"]), agent_phases_s=_seconds(r.get("agent_ms", {})),
+                             gpus=changes, image=image(im, im["dir"], im["id"]) if im else None,
+                             warnings=list(r.get("warnings", [])))
+
+
+def restore(r: dict[str, Any], changes: list[GpuMemoryChange], moved: dict[str, str],
+            image_dir: str | None) -> ProcessRestore:
+    return ProcessRestore(pid=r["pid"], state=r["state"], bytes_moved=r.get("bytes_moved", 0),
+                          phases_s=dict(r["phases_s"]), agent_phases_s=_seconds(r.get("agent_ms", {})),
+                          gpus=changes, moved={o: n for o, n in moved.items() if o != n},
+                          image=image(r.get("image"), image_dir or "", r.get("image_id")),
+                          warnings=list(r.get("warnings", [])))
+
+
+def process_status(st: dict[str, Any], now: dict[str, gpus.Usage]) -> ProcessStatus:
+    """The agent's status (with what the coordinator added: driver_state, level, cmd, start_time,
+    certificate) and each GPU's memory now."""
+    al = st.get("allocations", {})
+    cyc = st.get("last_cycle_ms", {})
+    gpu_rows = []
+    for d in st.get("devices", []):
+        u = now.get(d["uuid"])
+        gpu_rows.append(GpuStatus(ordinal=d["ordinal"], uuid=d["uuid"], name=u.name if u else "unknown",
+                                  vmm_bytes=d.get("vmm_bytes", 0), driver_bytes=d.get("driver_bytes", 0),
+                                  process_bytes=u.process if u else None, gpu_used_bytes=u.used if u else None,
+                                  gpu_total_bytes=u.total if u else None))
+    counts = ("tracked", "tracked_bytes", "converted", "app_vmm", "vmm_left_to_driver", "vmm_left_to_driver_bytes",
+              "native", "native_bytes", "pool", "pool_bytes", "managed", "managed_bytes", "ipc_exports")
+    times = ("staging", "gate", "sync", "copy_out", "release", "data_in", "pin_wait", "driver_lock", "control_out",
+             "control_in", "driver_unlock")
+    return ProcessStatus(
+        pid=st["pid"], state=st["state"], level=st.get("level"), driver_state=st.get("driver_state"),
+        cmd=st.get("cmd", ""), start_time=st["start_time"], cuda=bool(st.get("cuda")),
+        simulated=bool(st.get("simulated")), group=st.get("group", ""), busy=bool(st.get("busy")),
+        rolling_back=bool(st.get("rolling_back")), gate_closed=bool(st.get("gate_closed")),
+        checkpoint_phase=st.get("checkpoint_phase", ""), staged=bool(st.get("staged")),
+        generation=st.get("generation", 0), allocations=Allocations(**{k: int(al.get(k, 0)) for k in counts}),
+        bytes_left_to_driver=st.get("bytes_left_to_driver", 0), gpus=gpu_rows,
+        staging_kind=st.get("staging", ""), staging_bytes=st.get("staging_bytes", 0),
+        staging_pinned_bytes=st.get("staging_pinned_bytes", 0), staging_segments=st.get("staging_segments", 0),
+        staging_ahead=bool(st.get("staging_ahead")), bounce_pinned_bytes=st.get("bounce_pinned_bytes", 0),
+        bounce_problem=st.get("bounce_problem") or None,
+        last_cycle=LastCycle(**{f"{k}_s": float(cyc.get(k, 0.0)) * MS for k in times},
+                             bytes_out=int(cyc.get("bytes_out", 0)), bytes_in=int(cyc.get("bytes_in", 0)),
+                             bytes_zeroed=int(cyc.get("bytes_zeroed", 0))),
+        refusal=st.get("refusal") or None,
+        shared=[SharedMemory(role=s["role"], key=s.get("key", 0), bytes=s["bytes"], unlinked=bool(s.get("unlinked")),
+                             open_fds=s.get("open_fds", 0), owner=s.get("owner") or None) for s in st.get("shared", [])],
+        certificate=st.get("certificate"))
