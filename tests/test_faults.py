@@ -73,7 +73,7 @@ def test_fabric_handles_are_refused_before_touching(sim_app):
 
 def test_hugepages_asked_for_but_missing_refused_before_touching(sim_app):
     if int(Path("/proc/sys/vm/nr_hugepages").read_text()) > 0:
-        pytest.skip("this host has hugepages reserved")
+        pytest.skip("needs a host with no hugepages reserved (nr_hugepages is not 0 here)")
     app = sim_app("--sizes", "16M", env=dict(os.environ, GPUCR_STAGING="hugetlbfs"))
     before = app.ask("digest")
     with pytest.raises(gpucr.GpucrError, match="hugepages"):

@@ -204,3 +204,6 @@ def test_skip_reasons_say_what_is_missing():
     assert any(reasons.values()), "no skip reason was found: the scan is broken"
     machine = re.compile(r"h200|nvidia-h|\blent\b|run on", re.I)
     assert {n: [r for r in rs if machine.search(r)] for n, rs in reasons.items() if any(machine.search(r) for r in rs)} == {}
+    # each says what is missing, as "needs WHAT" (pytest.importorskip says which module by itself)
+    unsaid = {n: [r for r in rs if not re.match(r"f?['\"]needs ", r)] for n, rs in reasons.items()}
+    assert {n: rs for n, rs in unsaid.items() if rs} == {}

@@ -9,6 +9,7 @@ import pytest
 
 import gpucr
 from gpucr.coordinator import checkpoint_many, restore_many
+from gpucr import target as targets
 from gpucr.driver import gpu_memory
 
 from conftest import sim_driver
@@ -131,6 +132,33 @@ def test_unreachable_process_on_the_same_gpu_refuses_a_sharing_checkpoint(pair, 
         os.kill(other.pid, signal.SIGCONT)
     checkpoint_many([exp.pid, imp.pid])
     restore_many([exp.pid, imp.pid])
+
+
+def test_a_stopped_process_holding_no_gpu_is_not_asked(pair):
+    """The candidates are the processes that hold the GPU's device node open (what every process with
+    a context there does): a stopped process under gpucr that only initialised the driver (as
+    torchrun's launcher does) holds none, so a checkpoint of processes sharing memory goes ahead at
+    once without asking it (before: every process under gpucr was asked, and this one refused it)."""
+    import signal
+    import subprocess
+    import sys
+    import time
+    from gpucr import paths
+    exp, imp, _ = pair
+    idle = subprocess.Popen([sys.executable, "-c", "import ctypes, sys; cu = ctypes.CDLL('libcuda.so.1');"
+                             "assert cu.cuInit(0) == 0; print('ready', flush=True); sys.stdin.read()"],
+                            env=paths.run_env(simulate=True), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert idle.stdout.readline().strip() == "ready"
+        assert idle.pid in [p for p, _ in targets.list_sockets()], "it runs under gpucr"
+        os.kill(idle.pid, signal.SIGSTOP)
+        t0 = time.monotonic()
+        checkpoint_many([exp.pid, imp.pid])
+        assert time.monotonic() - t0 < 3
+        restore_many([exp.pid, imp.pid])
+    finally:
+        idle.kill()
+        idle.wait()
 
 
 def test_exporter_killed_during_data_out_leaves_the_importer_running(pair, monkeypatch):
