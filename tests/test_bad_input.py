@@ -95,7 +95,8 @@ def test_doctor_reports_and_advises():
     r = gpucr_cli("doctor", "--json")
     d = json.loads(r.stdout)
     assert r.returncode == (1 if d["problems"] else 0), r.stderr   # 1: something gpucr needs is missing
-    for key in ("hugepages_free", "memlock_limit", "driver", "gpu", "problems", "advice"):
+    assert (d["schema_version"], d["command"]) == (gpucr.SCHEMA_VERSION, "doctor")
+    for key in ("hugepages_free", "memlock_limit_bytes", "driver", "gpu", "problems", "advice"):
         assert key in d
     env = dict(os.environ, LD_LIBRARY_PATH=str(paths.simcuda_dir()))
     d = json.loads(gpucr_cli("doctor", "--json", env=env).stdout)

@@ -177,6 +177,16 @@ def test_restore_through_the_api_takes_a_gpu_map(sim_app):
         "each card holds what the other held"
 
 
+def test_demo_json_carries_the_results_in_the_schema():
+    r = gpucr_cli("demo", "--simulate", "--json")
+    assert r.returncode == 0, r.stderr
+    d = json.loads(r.stdout)
+    assert (d["schema_version"], d["command"], d["simulated"]) == (R.SCHEMA_VERSION, "demo", True)
+    ck, rs = R.from_json(R.ProcessCheckpoint, d["checkpoint"]), R.from_json(R.ProcessRestore, d["restore"])
+    assert ck.pid == rs.pid and all(d["checks"].values())
+    assert d["gpu_used_checkpointed_bytes"] < d["gpu_used_running_bytes"] == d["gpu_used_restored_bytes"]
+
+
 def test_from_json_refuses_what_is_not_the_schema():
     good = R.to_json(R.RecoverResult(R.SCHEMA_VERSION, "recover", True, [R.Stuck(1, "x", "parked", True)]))
     assert R.from_json(R.RecoverResult, good).processes[0].pid == 1

@@ -29,7 +29,7 @@ def report() -> dict[str, Any]:
         "hugepages_total": mi.get("HugePages_Total", 0),
         "hugepages_free": mi.get("HugePages_Free", 0),
         "hugepage_bytes": mi.get("Hugepagesize", 0) * 1024,
-        "memlock_limit": None if resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] == resource.RLIM_INFINITY
+        "memlock_limit_bytes": None if resource.getrlimit(resource.RLIMIT_MEMLOCK)[0] == resource.RLIM_INFINITY
         else resource.getrlimit(resource.RLIMIT_MEMLOCK)[0],
         "runtime_dir": str(paths.runtime_dir()),
     }
@@ -79,8 +79,8 @@ def advice(r: dict[str, Any]) -> list[str]:
     if r["hugepages_free"] == 0:
         tips.append("no hugepages are reserved: staging falls back to 4 KiB shared memory, which takes ~2-4x longer "
                     "to prepare; as root, reserve N GiB with: echo $((N*512)) > /proc/sys/vm/nr_hugepages")
-    if r["memlock_limit"] is not None and os.geteuid() != 0:   # root may pin past the limit
-        tips.append(f"the locked-memory limit is {r['memlock_limit'] >> 20} MiB; pinning staging may fail: raise it "
+    if r["memlock_limit_bytes"] is not None and os.geteuid() != 0:   # root may pin past the limit
+        tips.append(f"the locked-memory limit is {r['memlock_limit_bytes'] >> 20} MiB; pinning staging may fail: raise it "
                     "with 'ulimit -l unlimited' (or in /etc/security/limits.conf)")
     if r["gpu"] is None:
         tips.append("no NVIDIA GPU answered through NVML: only 'gpucr run --simulate' (simcuda, a test double) works here")
@@ -95,7 +95,8 @@ def main(as_json: bool = False) -> int:
     r["advice"] = advice(r)
     code = 1 if r["problems"] else 0
     if as_json:
-        print(json.dumps(r, indent=2))
+        from .results import SCHEMA_VERSION
+        print(json.dumps({"schema_version": SCHEMA_VERSION, "command": "doctor", **r}, indent=2))
         return code
     gib = lambda b: f"{b / 2**30:.1f} GiB"
     drv = r["driver"]
@@ -106,7 +107,7 @@ def main(as_json: bool = False) -> int:
     print(f"host memory   {gib(r['host_memory_available_bytes'])} available")
     print(f"hugepages     {r['hugepages_free']} free of {r['hugepages_total']} ({gib(r['hugepages_free'] * r['hugepage_bytes'])})"
           f"; transparent hugepages: {r['transparent_hugepages']}")
-    limit = "unlimited" if r["memlock_limit"] is None else f"{r['memlock_limit'] >> 20} MiB"
+    limit = "unlimited" if r["memlock_limit_bytes"] is None else f"{r['memlock_limit_bytes'] >> 20} MiB"
     print(f"pinned memory limit (ulimit -l): {limit}"
           + (" (root may exceed it)" if os.geteuid() == 0 else ""))
     print(f"agent         {r['agent'] or 'missing'}")
