@@ -494,7 +494,7 @@ def test_a_process_stopped_during_data_out_is_named_and_rolled_back(sim_app):
     p = subprocess.Popen([sys.executable, "-m", "gpucr.cli", "checkpoint", "--timeout", "2", str(app.pid)],
                          stderr=subprocess.PIPE, text=True)
     probe = gpucr.status   # a second connection sees the data out start
-    wait_for(lambda: probe(app.pid)["busy"], timeout=20, what="the data out starting")
+    wait_for(lambda: probe(app.pid).busy, timeout=20, what="the data out starting")
     os.kill(app.pid, signal.SIGSTOP)
     t0 = time.time()
     try:
@@ -504,7 +504,7 @@ def test_a_process_stopped_during_data_out_is_named_and_rolled_back(sim_app):
     finally:
         os.kill(app.pid, signal.SIGCONT)
     # once it runs again, the agent finishes the step and rolls back by itself (the lease ended)
-    wait_for(lambda: (lambda s: s["state"] == "running" and not s["busy"])(gpucr.status(app.pid)), timeout=30,
+    wait_for(lambda: (lambda s: s.state == "running" and not s.busy)(gpucr.status(app.pid)), timeout=30,
              what="the roll-back")
     assert app.ask("digest") == before
     gpucr.checkpoint(app.pid)
