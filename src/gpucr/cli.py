@@ -10,8 +10,8 @@ from typing import Any, Callable, NoReturn
 
 from . import __version__, coordinator, gpus, paths
 from .errors import GpucrError
-from .results import (SCHEMA_VERSION, GpuMemoryChange, ImageTransfer, LeftOut, ProcessStatus, RecoverResult, StatusResult,
-                      to_json)
+from .results import (SCHEMA_VERSION, GpuMemoryChange, ImageTransfer, LeftOut, ProcessStatus, RecoverResult,
+                      StatusResult, to_json)
 
 # The agent's limits for the settings `gpucr run` passes on (native/agent/settings.def; tests/test_settings.py
 # holds the two to each other).
@@ -187,7 +187,8 @@ def cmd_restore(a: argparse.Namespace) -> int:
         return 0
     for r in result.processes:
         moved = "".join(f"; moved from {o} to {n}" for o, n in r.moved.items())
-        print(f"process {r.pid}: restored and running; {_mib(r.bytes_moved)} copied back{moved}; {_fmt_phases(r.phases_s)}")
+        print(f"process {r.pid}: restored and running; {_mib(r.bytes_moved)} copied back{moved}; "
+              f"{_fmt_phases(r.phases_s)}")
         if r.gpus:
             print(f"  memory       {_fmt_gpus(r.gpus)}")
         if r.image is not None:
@@ -222,7 +223,8 @@ def _status_lines(st: ProcessStatus) -> list[str]:
     if cyc.gate_s or cyc.copy_out_s or cyc.data_in_s:
         steps = ("staging", "gate", "sync", "copy_out", "release", "driver_lock", "control_out", "control_in",
                  "driver_unlock", "data_in")
-        lines.append("  last cycle   " + ", ".join(f"{k.replace('_', ' ')} {getattr(cyc, k + '_s'):.3f} s" for k in steps))
+        lines.append("  last cycle   " + ", ".join(f"{k.replace('_', ' ')} {getattr(cyc, k + '_s'):.3f} s"
+                                                  for k in steps))
     if st.refusal:
         lines.append(f"  cannot checkpoint: {st.refusal}")
     return lines

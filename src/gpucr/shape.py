@@ -25,8 +25,8 @@ def gpu_changes(before: dict[str, gpus.Usage], after: dict[str, gpus.Usage]) -> 
         total = (a.total if a else None) or (b.total if b else None)
         out.append(GpuMemoryChange(uuid=uuid, name=name, process_before_bytes=b.process if b else None,
                                    process_after_bytes=a.process if a else None,
-                                   gpu_used_before_bytes=b.used if b else None, gpu_used_after_bytes=a.used if a else None,
-                                   gpu_total_bytes=total))
+                                   gpu_used_before_bytes=b.used if b else None,
+                                   gpu_used_after_bytes=a.used if a else None, gpu_total_bytes=total))
     return out
 
 
@@ -89,5 +89,6 @@ def process_status(st: dict[str, Any], now: dict[str, gpus.Usage]) -> ProcessSta
                              bytes_zeroed=int(cyc.get("bytes_zeroed", 0))),
         refusal=st.get("refusal") or None,
         shared=[SharedMemory(role=s["role"], key=s.get("key", 0), bytes=s["bytes"], unlinked=bool(s.get("unlinked")),
-                             open_fds=s.get("open_fds", 0), owner=s.get("owner") or None) for s in st.get("shared", [])],
+                             open_fds=s.get("open_fds", 0), owner=s.get("owner") or None)
+                for s in st.get("shared", [])],
         certificate=st.get("certificate"))
