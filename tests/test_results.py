@@ -90,6 +90,25 @@ def test_status_and_ps_print_the_same_shape_for_one_and_for_all(sim_app):
     gpucr.restore(apps[1].pid)
 
 
+def test_ps_lists_a_stopped_process_as_unreachable_at_once(sim_app):
+    """Issue 14 item 1: ps took 5.3 s with one process stopped; it names it at once, apart."""
+    import signal
+    import time
+    stopped, running = start(sim_app, 2)
+    os.kill(stopped.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        listed = cli_json(R.StatusResult, "ps")
+        assert time.monotonic() - t0 < 3
+        assert [p.pid for p in listed.processes] == [running.pid]
+        [u] = listed.unreachable
+        assert u.pid == stopped.pid and "stopped (SIGSTOP)" in u.error, u
+        line = next(l for l in gpucr_cli("ps").stdout.splitlines() if l.split()[0] == str(stopped.pid))
+        assert "unreachable" in line and "stopped" in line, line
+    finally:
+        os.kill(stopped.pid, signal.SIGCONT)
+
+
 @pytest.mark.parametrize("n", [1, 2])
 def test_recover_prints_the_same_shape_listed_or_done(sim_app, n):
     apps = start(sim_app, n)
