@@ -131,8 +131,9 @@ def process_resources(pid: int) -> tuple[int, int, int]:
 
 
 def check_fork_child_apart(app: Workload, timeout: float = 30.0) -> None:
-    """A child forked by an app under the agent has its own agent with an empty registry, refuses a
-    checkpoint in one line, and leaves the parent checkpointable."""
+    """A child forked by an app under the agent that never uses CUDA costs nothing: no control socket,
+    no thread of the agent's (it has the forking thread only); it cannot be checkpointed (one line),
+    and the parent stays checkpointable."""
     import signal
     import time
 
@@ -140,10 +141,9 @@ def check_fork_child_apart(app: Workload, timeout: float = 30.0) -> None:
     before = app.ask("digest")
     child = app.ask("fork 30")["child"]
     try:
-        deadline = time.time() + 10
-        while not (paths.runtime_dir() / agent_socket_name(child)).exists() and time.time() < deadline:
-            time.sleep(0.05)
-        assert gpucr.status(child).allocations.tracked == 0, "the child must not inherit the parent's registry"
+        time.sleep(1.0)   # ample for a channel to appear, were the agent to start one at the fork
+        assert not (paths.runtime_dir() / agent_socket_name(child)).exists(), "no channel before CUDA is used"
+        assert len(os.listdir(f"/proc/{child}/task")) == 1, "no agent thread in a child that never used CUDA"
         r = gpucr_cli("checkpoint", str(child))
         assert r.returncode != 0 and len(r.stderr.strip().splitlines()) == 1, r.stderr
         gpucr.checkpoint(app.pid, timeout=timeout)

@@ -7,6 +7,7 @@ import time
 import pytest
 
 import gpucr
+from gpucr import target as targets
 from gpucr.driver import ProcessState, gpu_memory
 
 from conftest import gpucr_cli, sim_driver
@@ -170,14 +171,21 @@ def test_staging_prepared_ahead_as_allocations_grow(sim_app):
     assert app.ask("digest") == before
 
 
-def test_status_reports_every_phase_of_the_last_cycle(sim_app):
+def test_each_phase_is_reported_by_the_side_that_times_it(sim_app):
+    """The agent's phases in its status; the driver's steps, which only the controller times, in the
+    controller's results (never pushed into the agent to be read back)."""
     app = sim_app("--sizes", "8M")
-    gpucr.checkpoint(app.pid)
-    gpucr.restore(app.pid)
+    ck = gpucr.checkpoint(app.pid)
+    rs = gpucr.restore(app.pid)
     cyc = gpucr.status(app.pid).last_cycle
-    for k in ("staging", "gate", "sync", "copy_out", "release", "driver_lock", "control_out", "control_in", "data_in"):
+    for k in ("staging", "gate", "sync", "copy_out", "release", "data_in"):
         assert getattr(cyc, f"{k}_s") >= 0
-    assert cyc.control_out_s > 0 and cyc.control_in_s > 0 and cyc.bytes_out == cyc.bytes_in >= 8 * MiB
+    assert not [f for f in vars(cyc) if f.startswith(("driver_", "control_"))], "the agent times only its own phases"
+    assert cyc.bytes_out == cyc.bytes_in >= 8 * MiB
+    assert ck.phases_s["driver_lock"] > 0 and ck.phases_s["control_out"] > 0
+    assert rs.phases_s["control_in"] > 0 and rs.phases_s["driver_unlock"] > 0
+    with targets.resolve(app.pid).connect() as agent, pytest.raises(gpucr.GpucrError, match="unknown request verb"):
+        agent.call("note", driver_lock_us=5)
 
 
 @pytest.mark.parametrize("pin_threads", ["1", "3"])

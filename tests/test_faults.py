@@ -2,6 +2,7 @@
 restore completes or the process stays checkpointed and restorable; nothing is left behind."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,6 +15,7 @@ import pytest
 
 import gpucr
 from gpucr import paths
+from gpucr.workloads.runner import Workload
 from gpucr.target import agent_socket_name
 from gpucr.driver import ProcessState
 
@@ -185,8 +187,57 @@ def test_app_killed_while_checkpointed_leaves_nothing_behind(sim_app, tmp_path):
     assert not (simdir / f"{app.pid}.mem").exists()
 
 
-def test_fork_child_has_its_own_agent_and_no_parent_state(sim_app):
+def test_fork_child_that_never_uses_cuda_costs_nothing(sim_app):
     check_fork_child_apart(sim_app("--sizes", "16M"))
+
+
+# A launcher under the agent that never uses CUDA forks a worker; the worker waits for "go" on stdin
+# (until then it has not touched CUDA), then becomes driver_app, answering on the same stdin/stdout.
+FORK_THEN_CUDA = """
+import json, os, sys
+pid = os.fork()
+if pid:
+    print(json.dumps({"ready": True, "child": pid}), flush=True)
+    os.waitpid(pid, 0)
+else:
+    sys.stdin.readline()
+    sys.argv = ["driver_app", "--sizes", "16M,1M"]
+    from gpucr.workloads import driver_app
+    driver_app.main()
+"""
+
+
+def test_fork_child_gets_its_channel_at_its_first_cuda_call():
+    w = Workload("", argv=[sys.executable, "-c", FORK_THEN_CUDA], simulate=True)
+    child = w.info["child"]
+    sock = paths.runtime_dir() / agent_socket_name(child)
+    try:
+        time.sleep(1.0)
+        assert not sock.exists() and len(os.listdir(f"/proc/{child}/task")) == 1, "nothing before CUDA is used"
+        w.proc.stdin.write("go\n")
+        w.proc.stdin.flush()
+        assert w._read(60)["pid"] == child
+        assert sock.exists(), "the channel appeared with the first CUDA call"
+        before = w.ask("digest")
+        assert gpucr.status(child)["allocations"]["converted"] == 1
+        gpucr.checkpoint(child)
+        gpucr.restore(child)
+        assert w.ask("digest") == before
+        # in a checkpoint of the tree, the launcher (it never used CUDA) is left out, the worker taken
+        r = gpucr_cli("checkpoint", "--tree", str(w.pid), "--json")
+        assert r.returncode == 0, r.stderr
+        out = json.loads(r.stdout)
+        assert [x["pid"] for x in (out if isinstance(out, list) else [out])] == [child]
+        assert f"process {w.pid} " in r.stderr and "left out: it has not loaded the CUDA driver" in r.stderr, r.stderr
+        assert gpucr_cli("restore", "--tree", str(w.pid)).returncode == 0
+        assert w.ask("digest") == before
+    finally:
+        for pid in (child, w.pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        w.proc.wait()
 
 
 # ---- load ----

@@ -43,12 +43,13 @@ def _child_pid(pid: int) -> int:
 
 @pytest.fixture
 def wrapped():
-    """`bash -c 'APP; true'` under gpucr in group 'job', the app with a fork child that sleeps."""
+    """`bash -c 'APP; true'` under gpucr in group 'job', the app with a fork child that made one CUDA
+    call (which fails there: the driver is its parent's) and sleeps."""
     env = dict(os.environ, GPUCR_GROUP="job")
     w = Workload("", argv=["bash", "-c", " ".join(APP) + " --sizes 8M,4M; true"], simulate=True, env=env)
     app = _child_pid(w.pid)
-    fork = w.ask("fork 120")["child"]
-    _wait_for_socket_of(fork)
+    fork = w.ask("fork 120 cuda")["child"]
+    _wait_for_socket_of(fork)   # its channel started with that call
     yield w, app, fork
     subprocess.run(["pkill", "-KILL", "-P", str(w.pid)], check=False)
     for p in (fork, app):

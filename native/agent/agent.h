@@ -1,4 +1,28 @@
-/* Shared declarations of the in-process agent (libgpucr.so). */
+/* Shared declarations of the in-process agent (libgpucr.so).
+ *
+ * Threads: the application's (through the wrappers), the control channel's (one per connection),
+ * and the agent's own helpers (deadline jobs, staging preparation and pinning, the bounce ring).
+ *
+ * Lock order (never take an earlier lock while holding a later one):
+ *   g_op (channel.c, one checkpoint or restore at a time)
+ *     -> g_ready_mu (dataplane.c, image data arriving during a restore)
+ *     -> reg_lock (registry.c, the registry)
+ *     -> the data plane's status lock (dataplane.c, what status reports of it)
+ *   g_staging_mu (dataplane.c, staging preparation) -> S.mu (staging.c) -> B.mu (bounce.c)
+ * and each of these is held only on its own: the gate's mutex (gate.c), g_clients_mu (channel.c), a
+ * deadline job's mutex (dataplane.c).
+ * Rules that keep it so:
+ *   - No driver call is made under reg_lock: the driver may hold a call for as long as it holds the
+ *     process locked, and status (which takes reg_lock) must answer then. Copy what is needed out of
+ *     the registry under the lock, call the driver without it, record the result under it again.
+ *   - The data plane (dataplane.c) runs only while the gate is closed and under g_op; see registry.h.
+ *   - One-time initialisation goes through pthread_once (gpucr_init, the settings); state that
+ *     other threads read without a lock is atomic.
+ *
+ * Errors, one convention: an entry point or a driver step returns its CUresult; every other function
+ * that can fail returns 0, or -1 with one line for the user in (err, errlen) when it has a caller to
+ * tell, and a bool only when it answers a question. A driver error that nobody is told of is logged
+ * with gpucr_cu_warn, which names the call and the error (cuGetErrorName). */
 #ifndef GPUCR_AGENT_H
 #define GPUCR_AGENT_H
 #include <pthread.h>
@@ -59,6 +83,7 @@ struct gpucr_driver {
     CUresult (*cuEventSynchronize)(CUevent);
     CUresult (*cuEventDestroy_v2)(CUevent);
     CUresult (*cuGetErrorString)(CUresult, const char **);
+    CUresult (*cuGetErrorName)(CUresult, const char **);
     CUresult (*cuDeviceGetAttribute)(int *, int, CUdevice);
     CUresult (*cuDeviceGetUuid)(unsigned char uuid[16], CUdevice);   /* _v2 (the resolver's at 12000) */
     CUresult (*cuPointerGetAttribute)(void *, int, CUdeviceptr);
@@ -69,7 +94,10 @@ struct gpucr_driver {
     int (*simcudaIsSimulated)(void);     /* present only in simcuda, the test double */
 };
 extern struct gpucr_driver gpucr_drv;
+/* "CUDA_ERROR_NAME (what it means)", for messages (in a buffer of the calling thread's). */
 const char *gpucr_cu_errstr(CUresult rc);
+/* Log a driver error nobody else is told of: "<what> failed: CUDA_ERROR_NAME (what it means)". */
+void gpucr_cu_warn(CUresult rc, const char *what_fmt, ...) __attribute__((format(printf, 2, 3)));
 const char *gpucr_libcuda_path(void);
 
 /* ---- gate (gate.c) ---- */
@@ -79,6 +107,7 @@ void gpucr_gate_leave(void);
 bool gpucr_gate_close(int64_t deadline_ns, long *in_flight_left);
 void gpucr_gate_open(void);
 bool gpucr_gate_is_closed(void);
+void gpucr_gate_reset_after_fork(void);
 
 /* ---- time and logging (util.c) ---- */
 int64_t gpucr_now_ns(void);
@@ -98,6 +127,14 @@ int gpucr_contexts_held(void);
 
 /* ---- channel (channel.c) ---- */
 void gpucr_channel_start(void);
-void gpucr_channel_after_fork_child(void);
+/* Every wrapped call, first thing (gpucr_init): the child of a fork starts its channel at its first
+ * CUDA call, not at the fork (a child that never uses CUDA costs nothing). One atomic load. */
+void gpucr_channel_first_use(void);
+
+/* ---- fork (channel.c) ----
+ * pthread_atfork: before the fork the registry lock is taken (never held across a driver call, so
+ * this is short); in the child every module forgets the parent's state with plain stores and
+ * close(), as POSIX allows there (no socket, thread, malloc or driver call), and its locks are made
+ * new. Host memory of the parent's staging and ring is never inherited (MADV_DONTFORK). */
 
 #endif

@@ -6,22 +6,15 @@
 #include <stdlib.h>
 #include <string.h>
 #include "registry.h"
-
-static size_t g_min_vmm = (size_t)-1;   /* set at first use */
-static int g_convert = -1;
+#include "settings.h"
 
 static size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 enum { HANDLE_POSIX_FD = 1, HANDLE_FABRIC = 8 };   /* CUmemAllocationHandleType */
 
-static void read_settings(void)
-{
-    if (g_convert >= 0) return;
-    const char *native = getenv("GPUCR_NATIVE_ALLOC");
-    g_convert = !(native && *native && *native != '0');
-    const char *min = getenv("GPUCR_MIN_VMM_BYTES");
-    g_min_vmm = min && *min ? strtoull(min, NULL, 0) : 0;   /* 0: one granule */
-}
+/* Settings are read once (settings.def, pthread_once): no wrapper sees them change. */
+static bool convert_plain(void) { return !gpucr_setting_on(SET_NATIVE_ALLOC); }
+static size_t min_vmm_bytes(void) { return (size_t)gpucr_setting_int(SET_MIN_VMM_BYTES); }   /* 0: one granule */
 
 static void device_prop(CUmemAllocationProp *prop, CUdevice dev)
 {
@@ -29,6 +22,22 @@ static void device_prop(CUmemAllocationProp *prop, CUdevice dev)
     prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop->location.id = dev;
+}
+
+static void free_addresses(CUdeviceptr va, size_t size)
+{
+    CUresult rc = gpucr_drv.cuMemAddressFree(va, size);
+    if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuMemAddressFree of %zu bytes at 0x%llx", size, (unsigned long long)va);
+}
+
+/* Give back what alloc_vmm made when it cannot be used (each failure logged: memory may stay behind). */
+static void undo_vmm(CUdeviceptr va, size_t size, CUmemGenericAllocationHandle h, bool mapped)
+{
+    CUresult rc;
+    if (mapped && (rc = REAL(cuMemUnmap)(va, size)) != CUDA_SUCCESS)
+        gpucr_cu_warn(rc, "cuMemUnmap of %zu bytes at 0x%llx", size, (unsigned long long)va);
+    if ((rc = REAL(cuMemRelease)(h)) != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuMemRelease of %zu bytes", size);
+    free_addresses(va, size);
 }
 
 /* Allocate `size` bytes as VMM; CUDA_ERROR_NOT_SUPPORTED means "use the native path instead". */
@@ -43,7 +52,7 @@ static CUresult alloc_vmm(CUdeviceptr *dptr, size_t size)
     size_t gran = 0;
     if (gpucr_drv.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || !gran)
         return CUDA_ERROR_NOT_SUPPORTED;
-    if (size < (g_min_vmm ? g_min_vmm : gran)) return CUDA_ERROR_NOT_SUPPORTED;
+    if (size < (min_vmm_bytes() ? min_vmm_bytes() : gran)) return CUDA_ERROR_NOT_SUPPORTED;
 
     size_t rsize = round_up(size, gran);
     CUdeviceptr va = 0;
@@ -52,7 +61,7 @@ static CUresult alloc_vmm(CUdeviceptr *dptr, size_t size)
     if (rc != CUDA_SUCCESS) return CUDA_ERROR_NOT_SUPPORTED;
     rc = REAL(cuMemCreate)(&h, rsize, &prop, 0);
     if (rc != CUDA_SUCCESS) {
-        gpucr_drv.cuMemAddressFree(va, rsize);
+        free_addresses(va, rsize);
         /* out of memory is the application's answer, not a reason to try the other path */
         return rc == CUDA_ERROR_OUT_OF_MEMORY ? rc : CUDA_ERROR_NOT_SUPPORTED;
     }
@@ -66,26 +75,25 @@ static CUresult alloc_vmm(CUdeviceptr *dptr, size_t size)
     for (int d = 0; d < 32 && nacc < MAX_ACCESS; d++)
         if ((peers >> d & 1) && d != dev) acc[nacc++] = (CUmemAccessDesc){{CU_MEM_LOCATION_TYPE_DEVICE, d}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
     rc = REAL(cuMemMap)(va, rsize, 0, h, 0);
-    if (rc == CUDA_SUCCESS) {
-        rc = REAL(cuMemSetAccess)(va, rsize, acc, (size_t)nacc);
-        if (rc != CUDA_SUCCESS) REAL(cuMemUnmap)(va, rsize);
-    }
+    bool mapped = rc == CUDA_SUCCESS;
+    if (mapped) rc = REAL(cuMemSetAccess)(va, rsize, acc, (size_t)nacc);
     if (rc != CUDA_SUCCESS) {
-        REAL(cuMemRelease)(h);
-        gpucr_drv.cuMemAddressFree(va, rsize);
+        undo_vmm(va, rsize, h, mapped);
         return CUDA_ERROR_NOT_SUPPORTED;
     }
+    reg_learn_ctx(ctx);
     reg_lock();
     struct phys *p = reg_phys_new(PHYS_CONVERTED, h, rsize, &prop, ctx);
     struct mapping *m = p ? reg_map_add(p, va, rsize, 0) : NULL;
+    bool ok = m && reg_put(&g_reg.conv_by_va, va, p, "an allocation") == 0;
     if (m) {
         reg_map_merge_access(m, acc, (size_t)nacc);
         p->resv_va = va; p->resv_size = rsize; p->user_size = size;
-        hmap_put(&g_reg.conv_by_va, va, p);
     }
+    if (!ok && p) reg_phys_free(p);   /* not recorded: given back, the application is told no */
     reg_unlock();
-    if (!m) {
-        REAL(cuMemUnmap)(va, rsize); REAL(cuMemRelease)(h); gpucr_drv.cuMemAddressFree(va, rsize);
+    if (!ok) {
+        undo_vmm(va, rsize, h, true);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     *dptr = va;
@@ -97,11 +105,12 @@ static void note_native(struct hmap *map, size_t *bytes, long *count, CUdevicept
     CUcontext ctx = NULL;
     CUdevice dev = -1;
     if (gpucr_drv.cuCtxGetDevice(&dev) != CUDA_SUCCESS) dev = -1;
+    if (gpucr_drv.cuCtxGetCurrent(&ctx) == CUDA_SUCCESS) reg_learn_ctx(ctx);
     reg_lock();
-    if (gpucr_drv.cuCtxGetCurrent && gpucr_drv.cuCtxGetCurrent(&ctx) == CUDA_SUCCESS) reg_note_ctx(ctx);
-    hmap_put(map, ptr, reg_native_value(size, dev));
-    *bytes += size;
-    (*count)++;
+    if (reg_put(map, ptr, reg_native_value(size, dev), "a plain allocation") == 0) {
+        *bytes += size;
+        (*count)++;
+    }
     reg_unlock();
 }
 
@@ -118,11 +127,10 @@ static bool forget_native(struct hmap *map, size_t *bytes, long *count, CUdevice
 GPUCR_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
 {
     gpucr_init();
-    read_settings();
     if (!REAL(cuMemAlloc_v2)) return CUDA_ERROR_NOT_SUPPORTED;
     gpucr_gate_enter();
     CUresult rc = CUDA_ERROR_NOT_SUPPORTED;
-    if (g_convert && dptr && size) rc = alloc_vmm(dptr, size);
+    if (convert_plain() && dptr && size) rc = alloc_vmm(dptr, size);
     if (rc == CUDA_ERROR_NOT_SUPPORTED) {
         rc = REAL(cuMemAlloc_v2)(dptr, size);
         if (rc == CUDA_SUCCESS) note_native(&g_reg.native_by_va, &g_reg.native_bytes, &g_reg.native_count, *dptr, size);
@@ -134,11 +142,10 @@ GPUCR_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
 GPUCR_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_t w, size_t h, unsigned elem)
 {
     gpucr_init();
-    read_settings();
     if (!REAL(cuMemAllocPitch_v2)) return CUDA_ERROR_NOT_SUPPORTED;
     gpucr_gate_enter();
     CUresult rc = CUDA_ERROR_NOT_SUPPORTED;
-    if (g_convert && dptr && pitch && w && h && (elem == 4 || elem == 8 || elem == 16)) {
+    if (convert_plain() && dptr && pitch && w && h && (elem == 4 || elem == 8 || elem == 16)) {
         /* the pitch the driver would choose: rows aligned to the texture pitch alignment */
         int align = 512;
         CUdevice dev = 0;
@@ -158,14 +165,40 @@ GPUCR_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_
     return rc;
 }
 
-CUresult alloc_free_converted(struct phys *p)
+CUresult alloc_free_converted(CUdeviceptr va)
 {
-    CUresult rc = REAL(cuMemUnmap)(p->resv_va, p->resv_size);
+    reg_lock();
+    struct phys *p = hmap_get(&g_reg.conv_by_va, va);
+    size_t size = p ? p->resv_size : 0;
+    CUmemGenericAllocationHandle real = p ? p->real : 0;
+    reg_unlock();
+    if (!p) return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = REAL(cuMemUnmap)(va, size);
     if (rc != CUDA_SUCCESS) return rc;   /* still mapped: keep the record, the memory is still there */
-    REAL(cuMemRelease)(p->real);
-    gpucr_drv.cuMemAddressFree(p->resv_va, p->resv_size);
-    reg_phys_free(p);
+    CUresult rrc = REAL(cuMemRelease)(real);
+    if (rrc != CUDA_SUCCESS) gpucr_cu_warn(rrc, "cuMemRelease of the %zu bytes at 0x%llx", size, (unsigned long long)va);
+    free_addresses(va, size);
+    reg_lock();
+    if ((p = hmap_get(&g_reg.conv_by_va, va))) reg_phys_free(p);
+    reg_unlock();
     return CUDA_SUCCESS;
+}
+
+/* Make ctx current (if it is not), remembering which was; each failure logged. */
+static CUcontext switch_to(CUcontext ctx)
+{
+    CUcontext cur = NULL;
+    CUresult rc = gpucr_drv.cuCtxGetCurrent(&cur);
+    if (rc == CUDA_SUCCESS && cur != ctx && (rc = gpucr_drv.cuCtxSetCurrent(ctx)) != CUDA_SUCCESS)
+        gpucr_cu_warn(rc, "cuCtxSetCurrent (context %p)", (void *)ctx);
+    return cur;
+}
+
+static void switch_back(CUcontext was, CUcontext ctx)
+{
+    CUresult rc;
+    if (was != ctx && (rc = gpucr_drv.cuCtxSetCurrent(was)) != CUDA_SUCCESS)
+        gpucr_cu_warn(rc, "cuCtxSetCurrent (back to context %p)", (void *)was);
 }
 
 GPUCR_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
@@ -175,18 +208,18 @@ GPUCR_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
     gpucr_gate_enter();
     reg_lock();
     struct phys *p = dptr ? hmap_get(&g_reg.conv_by_va, dptr) : NULL;
+    CUcontext own = p ? p->ctx : NULL;
+    reg_unlock();
     CUresult rc;
     if (p) {
-        /* cuMemFree waits for work using the memory; unmapping under running work is undefined */
-        CUcontext cur = NULL, own = p->ctx;   /* p is gone after reg_phys_free */
-        gpucr_drv.cuCtxGetCurrent(&cur);
-        if (cur != own) gpucr_drv.cuCtxSetCurrent(own);
-        gpucr_drv.cuCtxSynchronize();
-        rc = alloc_free_converted(p);
-        if (cur != own) gpucr_drv.cuCtxSetCurrent(cur);
-        reg_unlock();
+        /* cuMemFree waits for work using the memory; unmapping under running work is undefined.
+         * The wait is done without the registry lock: status and other threads go on meanwhile. */
+        CUcontext was = switch_to(own);
+        rc = gpucr_drv.cuCtxSynchronize();
+        if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuCtxSynchronize (before freeing 0x%llx)", (unsigned long long)dptr);
+        rc = alloc_free_converted(dptr);
+        switch_back(was, own);
     } else {
-        reg_unlock();
         rc = REAL(cuMemFree_v2)(dptr);
         if (rc == CUDA_SUCCESS && !forget_native(&g_reg.native_by_va, &g_reg.native_bytes, &g_reg.native_count, dptr))
             forget_native(&g_reg.managed_by_va, &g_reg.managed_bytes, &g_reg.managed_count, dptr);
@@ -255,13 +288,19 @@ GPUCR_EXPORT CUresult cuIpcGetMemHandle(void *handle, CUdeviceptr dptr)
     return rc;
 }
 
-/* ---- the application's own VMM ---- */
+/* ---- the application's own VMM ----
+ * Each wrapper looks up the driver's handle under the registry lock, calls the driver without it,
+ * and records the result under it again, finding the record anew by the application's handle (the
+ * application may have released it meanwhile from another thread). */
 
-static CUmemGenericAllocationHandle to_real(uint64_t app_handle, struct phys **out)
+/* The driver's handle for an application's handle: its record's, else the handle itself. */
+static CUmemGenericAllocationHandle to_real(uint64_t app_handle)
 {
+    reg_lock();
     struct phys *p = hmap_get(&g_reg.by_app_handle, app_handle);
-    if (out) *out = p;
-    return p ? p->real : app_handle;
+    CUmemGenericAllocationHandle real = p ? p->real : app_handle;
+    reg_unlock();
+    return real;
 }
 
 GPUCR_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, const CUmemAllocationProp *prop,
@@ -274,6 +313,7 @@ GPUCR_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, 
     if (rc == CUDA_SUCCESS) {
         CUcontext ctx = NULL;
         gpucr_drv.cuCtxGetCurrent(&ctx);
+        reg_learn_ctx(ctx);
         reg_lock();
         struct phys *p = reg_phys_new(PHYS_APP_VMM, *h, size, prop, ctx);
         if (p) *h = p->app_handle;
@@ -292,6 +332,7 @@ GPUCR_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandl
     if (rc == CUDA_SUCCESS) {
         CUcontext ctx = NULL;
         gpucr_drv.cuCtxGetCurrent(&ctx);
+        reg_learn_ctx(ctx);
         reg_lock();
         struct phys *p = reg_phys_new(PHYS_IMPORTED, *h, 0, NULL, ctx);
         if (p) {
@@ -311,14 +352,16 @@ GPUCR_EXPORT CUresult cuMemRelease(CUmemGenericAllocationHandle h)
     gpucr_init();
     if (!REAL(cuMemRelease)) return CUDA_ERROR_NOT_SUPPORTED;
     gpucr_gate_enter();
-    reg_lock();
-    struct phys *p;
-    CUresult rc = REAL(cuMemRelease)(to_real(h, &p));
-    if (rc == CUDA_SUCCESS && p && --p->app_refs <= 0) {
-        p->app_refs = 0;
-        if (!p->maps) reg_phys_free(p);   /* memory is gone once neither a handle nor a mapping holds it */
+    CUresult rc = REAL(cuMemRelease)(to_real(h));
+    if (rc == CUDA_SUCCESS) {
+        reg_lock();
+        struct phys *p = hmap_get(&g_reg.by_app_handle, h);
+        if (p && --p->app_refs <= 0) {
+            p->app_refs = 0;
+            if (!p->maps) reg_phys_free(p);   /* memory is gone once neither a handle nor a mapping holds it */
+        }
+        reg_unlock();
     }
-    reg_unlock();
     gpucr_gate_leave();
     return rc;
 }
@@ -329,14 +372,16 @@ GPUCR_EXPORT CUresult cuMemMap(CUdeviceptr va, size_t size, size_t offset, CUmem
     gpucr_init();
     if (!REAL(cuMemMap)) return CUDA_ERROR_NOT_SUPPORTED;
     gpucr_gate_enter();
-    reg_lock();
-    struct phys *p;
-    CUresult rc = REAL(cuMemMap)(va, size, offset, to_real(h, &p), flags);
-    if (rc == CUDA_SUCCESS && p) {
-        if (p->kind == PHYS_IMPORTED && !p->size) p->size = offset + size;
-        reg_map_add(p, va, size, offset);
+    CUresult rc = REAL(cuMemMap)(va, size, offset, to_real(h), flags);
+    if (rc == CUDA_SUCCESS) {
+        reg_lock();
+        struct phys *p = hmap_get(&g_reg.by_app_handle, h);
+        if (p) {
+            if (p->kind == PHYS_IMPORTED && !p->size) p->size = offset + size;
+            reg_map_add(p, va, size, offset);
+        }
+        reg_unlock();
     }
-    reg_unlock();
     gpucr_gate_leave();
     return rc;
 }
@@ -346,9 +391,9 @@ GPUCR_EXPORT CUresult cuMemUnmap(CUdeviceptr va, size_t size)
     gpucr_init();
     if (!REAL(cuMemUnmap)) return CUDA_ERROR_NOT_SUPPORTED;
     gpucr_gate_enter();
-    reg_lock();
     CUresult rc = REAL(cuMemUnmap)(va, size);
     if (rc == CUDA_SUCCESS) {
+        reg_lock();
         /* a range may span several mappings laid end to end */
         for (CUdeviceptr a = va; a < va + size;) {
             struct mapping *m = hmap_get(&g_reg.map_by_va, a);
@@ -358,8 +403,8 @@ GPUCR_EXPORT CUresult cuMemUnmap(CUdeviceptr va, size_t size)
             reg_map_remove(m);
             if (!p->maps && p->app_refs == 0 && p->kind != PHYS_CONVERTED) reg_phys_free(p);
         }
+        reg_unlock();
     }
-    reg_unlock();
     gpucr_gate_leave();
     return rc;
 }
@@ -369,17 +414,17 @@ GPUCR_EXPORT CUresult cuMemSetAccess(CUdeviceptr va, size_t size, const CUmemAcc
     gpucr_init();
     if (!REAL(cuMemSetAccess)) return CUDA_ERROR_NOT_SUPPORTED;
     gpucr_gate_enter();
-    reg_lock();
     CUresult rc = REAL(cuMemSetAccess)(va, size, desc, count);
     if (rc == CUDA_SUCCESS) {
+        reg_lock();
         for (CUdeviceptr a = va; a < va + size;) {
             struct mapping *m = hmap_get(&g_reg.map_by_va, a);
             if (!m) break;
             reg_map_merge_access(m, desc, count);
             a += m->size;
         }
+        reg_unlock();
     }
-    reg_unlock();
     gpucr_gate_leave();
     return rc;
 }
@@ -388,13 +433,13 @@ GPUCR_EXPORT CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *
 {
     gpucr_init();
     if (!REAL(cuMemRetainAllocationHandle)) return CUDA_ERROR_NOT_SUPPORTED;
-    reg_lock();
     CUresult rc = REAL(cuMemRetainAllocationHandle)(h, addr);
     if (rc == CUDA_SUCCESS) {
+        reg_lock();
         struct phys *p = hmap_get(&g_reg.by_real_handle, *h);
         if (p && p->kind != PHYS_CONVERTED) { p->app_refs++; *h = p->app_handle; }
+        reg_unlock();
     }
-    reg_unlock();
     return rc;
 }
 
@@ -403,20 +448,22 @@ GPUCR_EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAlloca
 {
     gpucr_init();
     if (!REAL(cuMemExportToShareableHandle)) return CUDA_ERROR_NOT_SUPPORTED;
-    reg_lock();
-    struct phys *p;
-    CUresult rc = REAL(cuMemExportToShareableHandle)(out, to_real(h, &p), type, flags);
-    if (rc == CUDA_SUCCESS && p) {
-        p->exported = true;
-        if (type == HANDLE_POSIX_FD) {
-            if (!p->share_key) p->share_key = share_new_key();
-            share_keep_fd(p, *(int *)out);
-        } else {
-            p->share_unknown = true;
+    CUresult rc = REAL(cuMemExportToShareableHandle)(out, to_real(h), type, flags);
+    if (rc == CUDA_SUCCESS) {
+        reg_lock();
+        struct phys *p = hmap_get(&g_reg.by_app_handle, h);
+        if (p) {
+            p->exported = true;
+            if (type == HANDLE_POSIX_FD) {
+                if (!p->share_key) p->share_key = share_new_key();
+                share_keep_fd(p, *(int *)out);
+            } else {
+                p->share_unknown = true;
+            }
+            if (type == HANDLE_FABRIC) g_reg.fabric_shares++;
         }
-        if (type == HANDLE_FABRIC) g_reg.fabric_shares++;
+        reg_unlock();
     }
-    reg_unlock();
     return rc;
 }
 
@@ -424,10 +471,7 @@ GPUCR_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp
 {
     gpucr_init();
     if (!REAL(cuMemGetAllocationPropertiesFromHandle)) return CUDA_ERROR_NOT_SUPPORTED;
-    reg_lock();
-    CUmemGenericAllocationHandle real = to_real(h, NULL);
-    reg_unlock();
-    return REAL(cuMemGetAllocationPropertiesFromHandle)(prop, real);
+    return REAL(cuMemGetAllocationPropertiesFromHandle)(prop, to_real(h));
 }
 
 /* Multicast objects (NCCL's NVLS) bind memory of several GPUs into one address: neither the driver's

@@ -1,4 +1,5 @@
 #define _GNU_SOURCE
+#include <errno.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -180,6 +181,8 @@ int bounce_prepare(CUcontext ctx, const size_t *sizes, int n, char *err, size_t 
         snprintf(err, errlen, "cannot map %zu MiB for the bounce ring", bytes >> 20);
         goto out;
     }
+    /* a fork child (a DataLoader worker) must not copy or keep the ring */
+    if (madvise(ring, bytes, MADV_DONTFORK)) gpucr_warn("madvise(MADV_DONTFORK) of the bounce ring: %s", strerror(errno));
     gpucr_drv.cuCtxSetCurrent(ctx);
     /* GPUCR_TEST_FAIL_RING=1: the test suite's stand-in for a driver that will not pin the ring */
     CUresult cr = gpucr_setting_on(SET_TEST_FAIL_RING) ? CUDA_ERROR_OUT_OF_MEMORY
@@ -286,9 +289,8 @@ void bounce_forget_context(CUcontext ctx)
 
 void bounce_reset_after_fork(void)
 {
-    /* the parent's ring and threads are not the child's; its pinning is not ours to undo */
-    if (B.ring) munmap(B.ring, B.bytes);
+    /* the parent's ring (never inherited: MADV_DONTFORK), threads and events are not the child's */
     memset(&B, 0, sizeof B);
-    pthread_mutex_init(&B.mu, NULL);
-    pthread_cond_init(&B.cv, NULL);
+    B.mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
+    B.cv = (pthread_cond_t)PTHREAD_COND_INITIALIZER;
 }

@@ -9,6 +9,7 @@
 #include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -25,7 +26,7 @@
 
 #define MAX_REQUEST 4096
 #define MAX_CLIENTS 8
-#define PROTOCOL 2                 /* gpucr/agent.py PROTOCOL: the controller refuses any other */
+#define PROTOCOL 3                 /* gpucr/agent.py PROTOCOL: the controller refuses any other */
 #define IDLE_TIMEOUT_S 30          /* a connection that never asked for a change (status, a monitor) */
 #define EVICT_GRACE_MS 500         /* an idle connection younger than this is not evicted */
 #define ACTED_TIMEOUT_S 3600       /* a controller's connection between its steps (driver lock, checkpoint) */
@@ -35,12 +36,8 @@ static ino_t g_sock_ino;           /* what we bound: at exit only that is remove
 static char g_group[128];   /* GPUCR_GROUP, read once at start: the application may change its environment later */
 static int g_listen = -1;
 static pthread_mutex_t g_op = PTHREAD_MUTEX_INITIALIZER;   /* one checkpoint/restore at a time */
-static volatile bool g_rolling_back;   /* status says so: a new controller waits for it instead of "busy" */
+static atomic_bool g_rolling_back;   /* status says so: a new controller waits for it instead of "busy" */
 static pthread_mutex_t g_clients_mu = PTHREAD_MUTEX_INITIALIZER;
-
-
-/* The controller's share of the last cycle (driver steps), which only it can time. */
-static struct { double driver_lock, control_out, control_in, driver_unlock; } g_notes;
 
 
 /* The runtime dir rule: the same table as gpucr/paths.py RUNTIME_DIR_RULES (tests/test_security.py
@@ -117,7 +114,7 @@ static bool cuda_present(void)
  * also when the process has not called through the agent yet (it may have called cuInit directly). */
 static bool simulated_driver(void)
 {
-    if (gpucr_drv.simcudaIsSimulated) return gpucr_drv.simcudaIsSimulated();
+    if (gpucr_cuda_loaded() && gpucr_drv.simcudaIsSimulated) return gpucr_drv.simcudaIsSimulated();
     void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
     if (!h) return false;
     int (*is_sim)(void) = (int (*)(void))gpucr_real_dlsym(h, "simcudaIsSimulated");
@@ -154,22 +151,21 @@ static void devices_json(struct jb *j)
 {
     jb_arr(j, "devices");
     for (int i = 0; i < g_reg.nctx; i++) {
-        int k = 0;
-        while (k < i && g_reg.ctx_dev[k] != g_reg.ctx_dev[i]) k++;
+        int k = 0, dev = g_reg.ctxs[i].dev;
+        while (k < i && g_reg.ctxs[k].dev != dev) k++;
         if (k < i) continue;   /* a second context on the same device */
-        const unsigned char *u = g_reg.ctx_uuid[i];
+        const unsigned char *u = g_reg.ctxs[i].uuid;
         char uuid[48];
         snprintf(uuid, sizeof uuid, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
                  u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
         size_t bytes = 0;
         for (struct phys *p = g_reg.all; p; p = p->next_all)
-            if (p->kind != PHYS_IMPORTED && p->prop.location.id == g_reg.ctx_dev[i]) bytes += p->size;
+            if (p->kind != PHYS_IMPORTED && p->prop.location.id == dev) bytes += p->size;
         jb_sub(j, NULL);
-        jb_int(j, "ordinal", g_reg.ctx_dev[i]);
+        jb_int(j, "ordinal", dev);
         jb_str(j, "uuid", uuid);
         jb_int(j, "vmm_bytes", (long long)bytes);
-        jb_int(j, "driver_bytes", (long long)(native_on(&g_reg.native_by_va, g_reg.ctx_dev[i]) +
-                                             native_on(&g_reg.pool_by_va, g_reg.ctx_dev[i])));
+        jb_int(j, "driver_bytes", (long long)(native_on(&g_reg.native_by_va, dev) + native_on(&g_reg.pool_by_va, dev)));
         jb_end(j);
     }
     jb_arr_end(j);
@@ -192,7 +188,7 @@ static void reply_status(struct jb *j)
     bool busy = pthread_mutex_trylock(&g_op) != 0;
     if (!busy) pthread_mutex_unlock(&g_op);
     jb_bool(j, "busy", busy);
-    jb_bool(j, "rolling_back", g_rolling_back);
+    jb_bool(j, "rolling_back", atomic_load(&g_rolling_back));
     jb_bool(j, "gate_closed", gpucr_gate_is_closed());
     unsigned long long pbytes, psteps;
     dp_get_progress(&pbytes, &psteps);   /* a controller waiting on another connection watches these move */
@@ -246,10 +242,6 @@ static void reply_status(struct jb *j)
     jb_dbl(j, "release", st.last.release);
     jb_dbl(j, "data_in", st.last.copy_in);
     jb_dbl(j, "pin_wait", st.last.pin_wait);
-    jb_dbl(j, "driver_lock", g_notes.driver_lock);
-    jb_dbl(j, "control_out", g_notes.control_out);
-    jb_dbl(j, "control_in", g_notes.control_in);
-    jb_dbl(j, "driver_unlock", g_notes.driver_unlock);
     jb_int(j, "bytes_out", (long long)st.last.bytes_out);
     jb_int(j, "bytes_in", (long long)st.last.bytes_in);
     jb_int(j, "bytes_zeroed", (long long)st.last.bytes_zeroed);
@@ -302,23 +294,6 @@ struct client {
     unsigned long id;
 };
 
-static void reply_note(const char *req, struct jb *j)
-{
-    /* microseconds of the driver steps, as the controller measured them */
-    const long long max = 86400LL * 1000000;
-    long long v[4] = {arg_ll(req, "driver_lock_us", 0, max), arg_ll(req, "control_out_us", 0, max),
-                      arg_ll(req, "control_in_us", 0, max), arg_ll(req, "driver_unlock_us", 0, max)};
-    for (int i = 0; i < 4; i++)
-        if (v[i] < 0) { reply_error(j, "note takes *_us=MICROSECONDS values"); return; }
-    if (strstr(req, " driver_lock_us=") || strstr(req, " control_out_us=")) {
-        g_notes.driver_lock = (double)v[0] / 1000; g_notes.control_out = (double)v[1] / 1000;
-    }
-    if (strstr(req, " control_in_us=") || strstr(req, " driver_unlock_us=")) {
-        g_notes.control_in = (double)v[2] / 1000; g_notes.driver_unlock = (double)v[3] / 1000;
-    }
-    jb_bool(j, "ok", true);
-}
-
 /* Requests that change the process: one at a time (a second controller is told "busy"). */
 static void handle_op(const char *verb, const char *req, struct jb *j, struct client *c)
 {
@@ -340,7 +315,6 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
     if (!strcmp(verb, "checkpoint")) {
         /* hold=1: copy out but release nothing yet ("release" or "abort" follows: several processes
          * release only once all of them are copied) */
-        g_notes.driver_lock = g_notes.control_out = g_notes.control_in = g_notes.driver_unlock = 0;
         int unpin = arg_int(req, "unpin", 0), hold = arg_int(req, "hold", 0);
         rc = unpin < 0 || unpin > 1 || hold < 0 || hold > 1
                  ? (snprintf(err, sizeof err, "unpin and hold must be 0 or 1"), -1)
@@ -404,7 +378,6 @@ static void handle(const char *req, struct jb *j, struct client *c)
     jb_open(j);
     if (!strcmp(verb, "hello")) reply_hello(j);
     else if (!strcmp(verb, "status")) reply_status(j);
-    else if (!strcmp(verb, "note")) reply_note(req, j);
     else if (!strcmp(verb, "commit")) { c->lease = false; jb_bool(j, "ok", true); }
     else if (!strcmp(verb, "progress")) { dp_mark_progress(); jb_bool(j, "ok", true); }   /* an image chunk read */
     else if (!strcmp(verb, "shared")) {
@@ -503,7 +476,7 @@ static void send_answer(struct client *c, struct jb *j)
 static void roll_back_abandoned(void)
 {
     pthread_mutex_lock(&g_op);
-    g_rolling_back = true;
+    atomic_store(&g_rolling_back, true);
     struct dp_status st;
     dp_get_status(&st);
     char aerr[200];
@@ -516,7 +489,7 @@ static void roll_back_abandoned(void)
         if (dp_restore(30000, false, false, true, err, sizeof err)) gpucr_warn("rolling back an abandoned checkpoint failed: %s", err);
         else gpucr_warn("the controller went away during a checkpoint: rolled back, the application runs on");
     }
-    g_rolling_back = false;
+    atomic_store(&g_rolling_back, false);
     pthread_mutex_unlock(&g_op);
 }
 
@@ -751,23 +724,37 @@ void gpucr_channel_start(void)
     gpucr_log("control channel at %s", g_sock);
 }
 
-void gpucr_channel_after_fork_child(void)
+/* ---- fork (agent.h says what may be done where) ---- */
+static atomic_bool g_start_pending;   /* a fork child that has not used CUDA yet: no channel until it does */
+
+static void before_fork(void) { reg_lock(); }
+static void after_fork_parent(void) { reg_unlock(); }
+
+static void after_fork_child(void)
 {
-    /* The parent's socket is the parent's: close our copy, never unlink it, and start our own. */
+    gpucr_gate_reset_after_fork();
+    reg_reset_after_fork();
+    dp_reset_after_fork();
+    /* The parent's socket and connections are the parent's: close our copies (a copy would keep a
+     * controller's connection open after the parent closed it), never unlink the socket. */
     if (g_listen >= 0) close(g_listen);
     g_listen = -1;
     g_sock[0] = 0;
-    pthread_mutex_init(&g_op, NULL);
-    pthread_mutex_init(&g_clients_mu, NULL);
+    for (int i = 0; i < MAX_CLIENTS; i++)
+        if (g_slots[i].id) close(g_slots[i].fd);
     memset(g_slots, 0, sizeof g_slots);
-    gpucr_channel_start();
+    g_op = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
+    g_clients_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
+    atomic_store(&g_rolling_back, false);
+    atomic_store(&g_start_pending, true);
 }
 
-static void on_fork_child(void)
+void gpucr_channel_first_use(void)
 {
-    reg_reset_after_fork();
-    dp_reset_after_fork();
-    gpucr_channel_after_fork_child();
+    if (!atomic_load_explicit(&g_start_pending, memory_order_relaxed)) return;
+    if (!atomic_exchange(&g_start_pending, false)) return;   /* another thread of the child started it */
+    gpucr_channel_start();
+    staging_start_ahead();
 }
 
 __attribute__((constructor)) static void agent_start(void)
@@ -779,7 +766,7 @@ __attribute__((constructor)) static void agent_start(void)
     snprintf(g_group, sizeof g_group, "%s", gpucr_setting_str(SET_GROUP));
     gpucr_channel_start();
     staging_start_ahead();
-    pthread_atfork(NULL, NULL, on_fork_child);
+    pthread_atfork(before_fork, after_fork_parent, after_fork_child);
     atexit(remove_socket);
 }
 

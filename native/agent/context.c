@@ -4,6 +4,7 @@
  * (registry, copy streams, ring events; host memory pinned in it is unpinned while it still
  * lives), and afterwards forgets the plain allocations the driver freed. A context left in the
  * records would make every later checkpoint fail on it. */
+#include <stdlib.h>
 #include "registry.h"
 #include "bounce.h"
 #include "dataplane.h"
@@ -15,21 +16,32 @@
 static void before_end(CUcontext ctx)
 {
     CUcontext cur = NULL;
+    CUresult rc;
     gpucr_log("context %p ends: what was allocated in it is forgotten", (void *)ctx);
     gpucr_drv.cuCtxGetCurrent(&cur);
-    gpucr_drv.cuCtxSetCurrent(ctx);
-    gpucr_drv.cuCtxSynchronize();   /* as the driver does: no work may still use what is freed */
+    if ((rc = gpucr_drv.cuCtxSetCurrent(ctx)) != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuCtxSetCurrent (context %p, ending)", (void *)ctx);
+    /* as the driver does: no work may still use what is freed */
+    if ((rc = gpucr_drv.cuCtxSynchronize()) != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuCtxSynchronize (context %p, ending)", (void *)ctx);
+    /* the addresses of its converted allocations, taken under the lock; given back without it */
     reg_lock();
-    for (struct phys *p = g_reg.all, *next; p; p = next) {
-        next = p->next_all;
-        if (p->kind == PHYS_CONVERTED && p->ctx == ctx) alloc_free_converted(p);
-    }
+    size_t n = 0, k = 0;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) n += p->kind == PHYS_CONVERTED && p->ctx == ctx;
+    CUdeviceptr *vas = n ? malloc(sizeof *vas * n) : NULL;
+    for (struct phys *p = g_reg.all; p && vas; p = p->next_all)
+        if (p->kind == PHYS_CONVERTED && p->ctx == ctx) vas[k++] = p->resv_va;
+    if (n && !vas) reg_lost("out of host memory giving back the allocations of context %p", (void *)ctx);
+    reg_unlock();
+    for (size_t i = 0; i < k; i++)
+        if ((rc = alloc_free_converted(vas[i])) != CUDA_SUCCESS)
+            gpucr_cu_warn(rc, "giving back the allocation at 0x%llx of ending context %p", (unsigned long long)vas[i], (void *)ctx);
+    free(vas);
+    reg_lock();
     reg_forget_ctx(ctx);
     reg_unlock();
     dp_forget_context(ctx);
     bounce_forget_context(ctx);
     staging_forget_context(ctx);
-    gpucr_drv.cuCtxSetCurrent(cur == ctx ? NULL : cur);
+    if ((rc = gpucr_drv.cuCtxSetCurrent(cur == ctx ? NULL : cur)) != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuCtxSetCurrent (back)");
 }
 
 static bool freed(CUdeviceptr ptr)
@@ -66,7 +78,8 @@ static CUcontext primary_of(CUdevice dev)
     CUcontext ctx = NULL;
     if (gpucr_drv.cuDevicePrimaryCtxGetState(dev, &flags, &active) != CUDA_SUCCESS || !active) return NULL;
     if (gpucr_drv.cuDevicePrimaryCtxRetain(&ctx, dev) != CUDA_SUCCESS) return NULL;
-    gpucr_drv.cuDevicePrimaryCtxRelease_v2(dev);
+    CUresult rc = gpucr_drv.cuDevicePrimaryCtxRelease_v2(dev);
+    if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuDevicePrimaryCtxRelease (device %d)", dev);
     return ctx;
 }
 

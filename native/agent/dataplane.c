@@ -14,6 +14,7 @@
 #include "bounce.h"
 #include "dataplane.h"
 #include "registry.h"
+#include "settings.h"
 #include "staging.h"
 
 #define NSTREAMS 4
@@ -28,14 +29,27 @@ static struct {
     uint64_t zeroed;            /* bytes of the last restore set by memset instead of copied */
     double pin_wait_ms;         /* of the last restore: copies waiting for their staging to be pinned again */
     struct phase_times last;
-    struct ctx_streams streams[16];
-    int nstreams;
+    struct ctx_streams *streams;    /* one set per context that copies (grown as needed) */
+    int nstreams, streams_cap;
     /* A checkpoint of several processes goes phase by phase (quiesce all, copy all, release all) so
      * no process gives memory back before every process sharing it is still and copied: */
     bool quiesced;              /* staging ready, gate closed, device synchronised; nothing copied */
     bool copied;                /* data copied out too; nothing released (the gate stays closed) */
     struct phase_times pending; /* the phases done so far of a checkpoint in progress */
 } g_dp;
+/* The data plane runs in one thread at a time (channel.c's g_op), which reads g_dp freely; what
+ * status reports (state, staged, quiesced, copied, generation, last) it changes only under this
+ * lock, which dp_get_status takes from the channel's other threads. */
+static pthread_mutex_t g_dp_mu = PTHREAD_MUTEX_INITIALIZER;
+#define DP_SET(...) do { pthread_mutex_lock(&g_dp_mu); __VA_ARGS__; pthread_mutex_unlock(&g_dp_mu); } while (0)
+
+/* Make ctx current for the data plane's own work; a failure is logged (the next call then fails
+ * with its own error, which is reported). */
+static void use_ctx(CUcontext ctx)
+{
+    CUresult rc = gpucr_drv.cuCtxSetCurrent(ctx);
+    if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuCtxSetCurrent (context %p)", (void *)ctx);
+}
 
 static double ms_since(int64_t t0) { return (double)(gpucr_now_ns() - t0) / 1e6; }
 
@@ -76,15 +90,26 @@ static void seterr(char *err, size_t len, const char *fmt, ...)
     va_end(ap);
 }
 
-static struct ctx_streams *streams_for(CUcontext ctx)
+static struct ctx_streams *streams_for(CUcontext ctx, CUresult *rc)
 {
     for (int i = 0; i < g_dp.nstreams; i++)
         if (g_dp.streams[i].ctx == ctx) return &g_dp.streams[i];
-    if (g_dp.nstreams >= 16) return NULL;
+    if (g_dp.nstreams == g_dp.streams_cap) {
+        int cap = g_dp.streams_cap ? g_dp.streams_cap * 2 : 4;
+        struct ctx_streams *a = realloc(g_dp.streams, sizeof *a * (size_t)cap);
+        if (!a) { *rc = CUDA_ERROR_OUT_OF_MEMORY; return NULL; }
+        g_dp.streams = a;
+        g_dp.streams_cap = cap;
+    }
     struct ctx_streams *cs = &g_dp.streams[g_dp.nstreams];
-    gpucr_drv.cuCtxSetCurrent(ctx);
-    for (int i = 0; i < NSTREAMS; i++)
-        if (gpucr_drv.cuStreamCreate(&cs->s[i], CU_STREAM_NON_BLOCKING) != CUDA_SUCCESS) return NULL;
+    use_ctx(ctx);
+    for (int i = 0; i < NSTREAMS; i++) {
+        if ((*rc = gpucr_drv.cuStreamCreate(&cs->s[i], CU_STREAM_NON_BLOCKING)) != CUDA_SUCCESS) {
+            gpucr_cu_warn(*rc, "cuStreamCreate (copy stream %d of context %p)", i, (void *)ctx);
+            while (i-- > 0) gpucr_drv.cuStreamDestroy_v2(cs->s[i]);
+            return NULL;
+        }
+    }
     cs->ctx = ctx;
     g_dp.nstreams++;
     return cs;
@@ -100,9 +125,10 @@ void dp_forget_context(CUcontext ctx)
 /* Copy [off, off+size) of one allocation in chunks round-robin over its context's streams. */
 static CUresult copy_chunks(struct phys *p, CUdeviceptr va, bool out, int *turn)
 {
-    struct ctx_streams *cs = streams_for(p->ctx);
-    if (!cs) return CUDA_ERROR_OUT_OF_MEMORY;
-    gpucr_drv.cuCtxSetCurrent(p->ctx);
+    CUresult src = CUDA_SUCCESS;
+    struct ctx_streams *cs = streams_for(p->ctx, &src);
+    if (!cs) return src;
+    use_ctx(p->ctx);
     char *host = p->staging;
     for (size_t off = 0; off < p->size; off += CHUNK) {
         size_t n = p->size - off < CHUNK ? p->size - off : CHUNK;
@@ -127,7 +153,7 @@ static CUresult sync_streams(void)
 {
     CUresult first = bounce_enabled() ? bounce_wait() : CUDA_SUCCESS;
     for (int i = 0; i < g_dp.nstreams; i++) {
-        gpucr_drv.cuCtxSetCurrent(g_dp.streams[i].ctx);
+        use_ctx(g_dp.streams[i].ctx);
         for (int j = 0; j < NSTREAMS; j++) {
             CUresult rc = gpucr_drv.cuStreamSynchronize(g_dp.streams[i].s[j]);
             if (rc != CUDA_SUCCESS && first == CUDA_SUCCESS) first = rc;
@@ -140,29 +166,35 @@ static CUresult sync_streams(void)
  * (a process may use several, each with its own free memory). */
 static bool enough_device_memory(char *err, size_t errlen)
 {
-    struct dev_need { CUcontext ctx; int dev; size_t need; } per[16];
-    int n = 0;
+    struct dev_need { CUcontext ctx; int dev; size_t need; } *per;
+    int n = 0, released = 0;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) released += p->released;
+    if (!(per = malloc(sizeof *per * (size_t)(released ? released : 1)))) {
+        seterr(err, errlen, "out of host memory");
+        return false;
+    }
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
         if (!p->released || p->kind == PHYS_IMPORTED) continue;
         int k = 0;
         while (k < n && per[k].dev != p->prop.location.id) k++;
-        if (k == n) {
-            if (n == 16) continue;
-            per[n++] = (struct dev_need){p->ctx, p->prop.location.id, 0};
-        }
+        if (k == n) per[n++] = (struct dev_need){p->ctx, p->prop.location.id, 0};
         per[k].need += p->size;
     }
-    for (int k = 0; k < n; k++) {
+    bool ok = true;
+    for (int k = 0; k < n && ok; k++) {
         size_t free_b = 0, total = 0;
-        gpucr_drv.cuCtxSetCurrent(per[k].ctx);
-        if (gpucr_drv.cuMemGetInfo_v2(&free_b, &total) == CUDA_SUCCESS && free_b < per[k].need) {
+        use_ctx(per[k].ctx);
+        CUresult rc = gpucr_drv.cuMemGetInfo_v2(&free_b, &total);
+        if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuMemGetInfo (device %d, before a restore; restoring anyway)", per[k].dev);
+        else if (free_b < per[k].need) {
             seterr(err, errlen, "not enough free GPU memory to restore on device %d: need %zu MiB, %zu MiB free; free GPU "
                    "memory and run 'gpucr restore' again (the process stays checkpointed)", per[k].dev,
                    per[k].need >> 20, free_b >> 20);
-            return false;
+            ok = false;
         }
     }
-    return true;
+    free(per);
+    return ok;
 }
 
 static const struct mapping *full_mapping(const struct phys *p)
@@ -192,7 +224,7 @@ struct deadline_job {
     size_t *sizes;              /* staging job: the allocations to place */
     int nsizes;
     CUcontext ctx;              /* staging job: context to register with */
-    CUcontext ctxs[16];         /* sync job: contexts to synchronise */
+    CUcontext *ctxs;            /* sync job: contexts to synchronise (malloc'd) */
     int nctx;
 };
 
@@ -201,7 +233,7 @@ static void job_put(struct deadline_job *j)
     pthread_mutex_lock(&j->mu);
     bool last = --j->refs == 0;
     pthread_mutex_unlock(&j->mu);
-    if (last) { pthread_mutex_destroy(&j->mu); pthread_cond_destroy(&j->cv); free(j->sizes); free(j); }
+    if (last) { pthread_mutex_destroy(&j->mu); pthread_cond_destroy(&j->cv); free(j->sizes); free(j->ctxs); free(j); }
 }
 
 static void *job_thread(void *arg)
@@ -247,9 +279,9 @@ static int job_run(struct deadline_job *j, int64_t deadline_ns)
 static int sync_job(struct deadline_job *j)
 {
     for (int i = 0; i < j->nctx; i++) {
-        gpucr_drv.cuCtxSetCurrent(j->ctxs[i]);
+        use_ctx(j->ctxs[i]);
         CUresult rc = gpucr_drv.cuCtxSynchronize();
-        if (rc != CUDA_SUCCESS) { snprintf(j->err, sizeof j->err, "%s", gpucr_cu_errstr(rc)); return -1; }
+        if (rc != CUDA_SUCCESS) { snprintf(j->err, sizeof j->err, "cuCtxSynchronize: %s", gpucr_cu_errstr(rc)); return -1; }
     }
     return 0;
 }
@@ -259,7 +291,7 @@ static pthread_mutex_t g_staging_mu = PTHREAD_MUTEX_INITIALIZER;
 static int staging_job(struct deadline_job *j)
 {
     pthread_mutex_lock(&g_staging_mu);
-    gpucr_drv.cuCtxSetCurrent(j->ctx);
+    use_ctx(j->ctx);
     int rc = staging_fit(j->sizes, j->nsizes, j->err, sizeof j->err);
     if (rc == 0 && bounce_enabled()) {
         /* no ring is no reason to refuse: the copies then go to pageable staging, slower (status says why) */
@@ -278,7 +310,10 @@ void dp_preflight(char *why, size_t len)
     long shared = 0;
     for (struct phys *p = g_reg.all; p; p = p->next_all)
         if (p->share_unknown) shared++;   /* shared some other way than a POSIX fd the agent could keep */
-    if (g_reg.multicast_objects)
+    if (g_reg.lost)
+        snprintf(why, len, "the agent could not record everything this process did (%ld times; first: %s), so a "
+                 "checkpoint would miss it; restart the process", g_reg.lost, g_reg.lost_why);
+    else if (g_reg.multicast_objects)
         snprintf(why, len, "the process uses multicast objects (cuMulticastCreate: %ld; NCCL's NVLS makes them), which no "
                  "CUDA checkpoint covers; run the job with NCCL_NVLS_ENABLE=0", g_reg.multicast_objects);
     else if (g_reg.fabric_shares)
@@ -365,6 +400,42 @@ int dp_mark_ready(unsigned long long va, bool abort_all)
     return rc;
 }
 
+/* Release `refs` references of handle h of p; each failure logged (the memory may stay on the GPU). */
+static void release_handle(CUmemGenericAllocationHandle h, int refs, const struct phys *p)
+{
+    for (int i = 0; i < refs; i++) {
+        CUresult rc = REAL(cuMemRelease)(h);
+        if (rc != CUDA_SUCCESS) {
+            gpucr_cu_warn(rc, "cuMemRelease (%zu MiB at 0x%llx; its device memory may stay allocated)", p->size >> 20,
+                          (unsigned long long)(p->maps ? p->maps->va : 0));
+            return;
+        }
+    }
+}
+
+/* Unmap p's mappings before `upto` (all when NULL), e.g. to undo a re-map that failed half way. */
+static void unmap_upto(const struct phys *p, const struct mapping *upto)
+{
+    for (const struct mapping *m = p->maps; m && m != upto; m = m->next) {
+        CUresult rc = REAL(cuMemUnmap)(m->va, m->size);
+        if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuMemUnmap (%zu bytes at 0x%llx)", m->size, (unsigned long long)m->va);
+    }
+}
+
+/* Map handle h at every mapping of p, with the access each had; all or nothing. */
+static CUresult map_all(const struct phys *p, CUmemGenericAllocationHandle h)
+{
+    for (const struct mapping *m = p->maps; m; m = m->next) {
+        CUresult rc = REAL(cuMemMap)(m->va, m->size, m->offset, h, 0);
+        if (rc == CUDA_SUCCESS && m->ndesc && (rc = REAL(cuMemSetAccess)(m->va, m->size, m->desc, (size_t)m->ndesc)) != CUDA_SUCCESS)
+            unmap_upto(p, m->next);   /* this one too */
+        else if (rc != CUDA_SUCCESS)
+            unmap_upto(p, m);
+        if (rc != CUDA_SUCCESS) return rc;
+    }
+    return CUDA_SUCCESS;
+}
+
 /* Re-create, map and set access for every released allocation, then copy its data back; with a
  * ready_idle_ns, each copy first waits until the controller says that allocation's data is in
  * staging (so re-mapping and copying overlap the reading of an image), for at most that long without
@@ -374,21 +445,10 @@ static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_id
     CUresult first = CUDA_SUCCESS;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
         if (!p->released || p->kind == PHYS_IMPORTED) continue;   /* imported memory is relinked from its exporter */
-        gpucr_drv.cuCtxSetCurrent(p->ctx);
+        use_ctx(p->ctx);
         CUmemGenericAllocationHandle h = 0;
         CUresult rc = REAL(cuMemCreate)(&h, p->size, &p->prop, 0);
-        struct mapping *done_upto = NULL;
-        if (rc == CUDA_SUCCESS) {
-            for (struct mapping *m = p->maps; m; m = m->next) {
-                rc = REAL(cuMemMap)(m->va, m->size, m->offset, h, 0);
-                if (rc == CUDA_SUCCESS) rc = REAL(cuMemSetAccess)(m->va, m->size, m->desc, (size_t)m->ndesc);
-                if (rc != CUDA_SUCCESS) { REAL(cuMemUnmap)(m->va, m->size); done_upto = m; break; }
-            }
-            if (rc != CUDA_SUCCESS) {
-                for (struct mapping *m = p->maps; m != done_upto; m = m->next) REAL(cuMemUnmap)(m->va, m->size);
-                REAL(cuMemRelease)(h);
-            }
-        }
+        if (rc == CUDA_SUCCESS && (rc = map_all(p, h)) != CUDA_SUCCESS) release_handle(h, 1, p);
         if (rc != CUDA_SUCCESS) {
             if (first == CUDA_SUCCESS) {
                 first = rc;
@@ -397,16 +457,22 @@ static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_id
             }
             continue;
         }
+        reg_lock();
         reg_set_real(p, h);
+        int refs = p->app_refs;
+        p->released = false;
+        reg_unlock();
         /* the handle references the application held before the checkpoint, no more and no fewer */
         if (p->kind == PHYS_APP_VMM) {
-            if (p->app_refs == 0) REAL(cuMemRelease)(h);
-            for (int i = 1; i < p->app_refs; i++) {
+            if (refs == 0) release_handle(h, 1, p);
+            for (int i = 1; i < refs; i++) {
                 CUmemGenericAllocationHandle again;
-                REAL(cuMemRetainAllocationHandle)(&again, (void *)(uintptr_t)p->maps->va);
+                CUresult rrc = REAL(cuMemRetainAllocationHandle)(&again, (void *)(uintptr_t)p->maps->va);
+                if (rrc != CUDA_SUCCESS)
+                    gpucr_cu_warn(rrc, "cuMemRetainAllocationHandle (the application's reference %d of 0x%llx)", i + 1,
+                                  (unsigned long long)p->maps->va);
             }
         }
-        p->released = false;
         progress(0);
         if (ready_idle_ns && first == CUDA_SUCCESS && wait_ready(p, ready_idle_ns, err, errlen) != CUDA_SUCCESS) {
             first = CUDA_ERROR_NOT_READY;
@@ -428,22 +494,27 @@ static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_id
 /* Give back the physical memory of an allocation whose data is in staging. */
 static CUresult release_one(struct phys *p)
 {
-    gpucr_drv.cuCtxSetCurrent(p->ctx);
+    use_ctx(p->ctx);
     for (struct mapping *m = p->maps; m; m = m->next) {
         CUresult rc = REAL(cuMemUnmap)(m->va, m->size);
         if (rc != CUDA_SUCCESS) {
-            for (struct mapping *n = p->maps; n != m; n = n->next) {
-                REAL(cuMemMap)(n->va, n->size, n->offset, p->real, 0);
-                REAL(cuMemSetAccess)(n->va, n->size, n->desc, (size_t)n->ndesc);
+            CUresult mrc;
+            for (struct mapping *n = p->maps; n != m; n = n->next) {   /* put back what was unmapped */
+                if ((mrc = REAL(cuMemMap)(n->va, n->size, n->offset, p->real, 0)) != CUDA_SUCCESS ||
+                    (n->ndesc && (mrc = REAL(cuMemSetAccess)(n->va, n->size, n->desc, (size_t)n->ndesc)) != CUDA_SUCCESS))
+                    gpucr_cu_warn(mrc, "mapping 0x%llx again after a failed release", (unsigned long long)n->va);
             }
             return rc;
         }
     }
+    reg_lock();
     share_release(p);   /* the agent's own fds of shared memory would keep it on the GPU */
     int refs = p->kind == PHYS_CONVERTED ? 1 : p->app_refs;
-    for (int i = 0; i < refs; i++) REAL(cuMemRelease)(p->real);
+    CUmemGenericAllocationHandle real = p->real;
     reg_set_real(p, 0);
     p->released = true;
+    reg_unlock();
+    release_handle(real, refs, p);
     progress(0);
     return CUDA_SUCCESS;
 }
@@ -498,10 +569,7 @@ int dp_quiesce(int timeout_ms, char *err, size_t errlen)
     t0 = gpucr_now_ns();
     struct deadline_job *sj = job_new(sync_job);
     if (!sj) { gpucr_gate_open(); seterr(err, errlen, "out of host memory"); return -1; }
-    reg_lock();
-    sj->nctx = g_reg.nctx;
-    memcpy(sj->ctxs, g_reg.ctxs, sizeof sj->ctxs);
-    reg_unlock();
+    sj->ctxs = reg_contexts(&sj->nctx);
     int late = job_run(sj, deadline), src_rc = sj->rc;
     char serr[256];
     snprintf(serr, sizeof serr, "%s", sj->err);
@@ -516,9 +584,9 @@ int dp_quiesce(int timeout_ms, char *err, size_t errlen)
             seterr(err, errlen, "synchronising the device failed: %s; checkpoint refused", serr);
         return -1;
     }
-    if (saved) gpucr_drv.cuCtxSetCurrent(saved);
+    if (saved) use_ctx(saved);
     g_dp.pending = t;
-    g_dp.quiesced = true;
+    DP_SET(g_dp.quiesced = true);
     return 0;
 }
 
@@ -526,7 +594,7 @@ int dp_quiesce(int timeout_ms, char *err, size_t errlen)
 int dp_abort(char *err, size_t errlen)
 {
     if (!g_dp.quiesced && !g_dp.copied) { seterr(err, errlen, "no checkpoint in progress to abort"); return -1; }
-    g_dp.quiesced = g_dp.copied = false;
+    DP_SET(g_dp.quiesced = g_dp.copied = false);
     staging_rewind();
     gpucr_gate_open();
     return 0;
@@ -536,7 +604,7 @@ int dp_checkpoint(int timeout_ms, bool unpin, bool hold, char *err, size_t errle
 {
     if (g_dp.copied) { seterr(err, errlen, "the data is copied already: release it or abort"); return -1; }
     if (!g_dp.quiesced && dp_quiesce(timeout_ms, err, errlen)) return -1;
-    g_dp.quiesced = false;
+    DP_SET(g_dp.quiesced = false);
     struct phase_times t = g_dp.pending;
     CUcontext saved = NULL;
     if (gpucr_drv.cuCtxGetCurrent) gpucr_drv.cuCtxGetCurrent(&saved);
@@ -550,8 +618,14 @@ int dp_checkpoint(int timeout_ms, bool unpin, bool hold, char *err, size_t errle
     int turn = 0;
     rc = CUDA_SUCCESS;
     staging_rewind();
-    for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
-        if (reg_phys_movable(p) && !(p->staging = staging_take(p->size))) rc = CUDA_ERROR_OUT_OF_MEMORY;
+    for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all) {
+        if (!reg_phys_movable(p)) continue;
+        void *at = staging_take(p->size);
+        reg_lock();
+        p->staging = at;
+        reg_unlock();
+        if (!at) rc = CUDA_ERROR_OUT_OF_MEMORY;
+    }
     /* Segment by segment; with unpin, each segment is unpinned while the next one's copies run (the
      * driver's checkpoint then has no pinned host memory of ours to handle). */
     int nseg = staging_count();
@@ -578,16 +652,16 @@ int dp_checkpoint(int timeout_ms, bool unpin, bool hold, char *err, size_t errle
         return -1;
     }
 
-    if (saved) gpucr_drv.cuCtxSetCurrent(saved);
+    if (saved) use_ctx(saved);
     g_dp.pending = t;
-    g_dp.copied = true;
+    DP_SET(g_dp.copied = true);
     return hold ? 0 : dp_release(err, errlen);
 }
 
 int dp_release(char *err, size_t errlen)
 {
     if (!g_dp.copied) { seterr(err, errlen, "nothing is copied out to release"); return -1; }
-    g_dp.copied = false;
+    DP_SET(g_dp.copied = false);
     struct phase_times t = g_dp.pending;
     CUcontext saved = NULL;
     if (gpucr_drv.cuCtxGetCurrent) gpucr_drv.cuCtxGetCurrent(&saved);
@@ -606,12 +680,9 @@ int dp_release(char *err, size_t errlen)
                gpucr_cu_errstr(rc), e2[0] ? " (" : "", e2);
         return -1;
     }
-    if (saved) gpucr_drv.cuCtxSetCurrent(saved);
+    if (saved) use_ctx(saved);
     t.copy_in = 0;
-    g_dp.last = t;
-    g_dp.state = AGENT_CHECKPOINTED;
-    g_dp.staged = true;
-    g_dp.generation++;
+    DP_SET(g_dp.last = t, g_dp.state = AGENT_CHECKPOINTED, g_dp.staged = true, g_dp.generation++);
     gpucr_log("checkpointed %llu bytes: gate %.1f ms, sync %.1f ms, copy %.1f ms, release %.1f ms",
               (unsigned long long)t.bytes_out, t.gate, t.sync, t.copy_out, t.release);
     return 0;
@@ -666,27 +737,27 @@ int dp_restore(int timeout_ms, bool drop_staging, bool wait, bool open_gate, cha
         return -1;
     }
     /* Re-mapping and copying overlap (each allocation's copy is queued as soon as it is mapped): one figure. */
-    g_dp.last.copy_in = both;
-    g_dp.last.bytes_in = need;
-    g_dp.last.bytes_zeroed = g_dp.zeroed;
-    g_dp.last.pin_wait = g_dp.pin_wait_ms;
+    DP_SET(g_dp.last.copy_in = both, g_dp.last.bytes_in = need, g_dp.last.bytes_zeroed = g_dp.zeroed,
+           g_dp.last.pin_wait = g_dp.pin_wait_ms, g_dp.state = AGENT_RUNNING);
+    reg_lock();
     for (struct phys *p = g_reg.all; p; p = p->next_all) { free(p->zero_chunks); p->zero_chunks = NULL; }
-    g_dp.state = AGENT_RUNNING;
+    reg_unlock();
     if (open_gate) gpucr_gate_open();   /* else: shared memory is relinked first, then "resume" */
     /* policy: keep staging pinned for the next cycle (fast) or give the host memory back */
-    const char *policy = getenv("GPUCR_STAGING_POLICY");
-    if (drop_staging || (policy && !strcmp(policy, "drop"))) staging_drop();
+    if (drop_staging || !strcmp(gpucr_setting_str(SET_STAGING_POLICY), "drop")) staging_drop();
     return 0;
 }
 
 void dp_get_status(struct dp_status *out)
 {
+    pthread_mutex_lock(&g_dp_mu);
     out->staged = g_dp.staged;
     out->state = g_dp.state;
     out->quiesced = g_dp.quiesced;
     out->copied = g_dp.copied;
     out->generation = g_dp.generation;
     out->last = g_dp.last;
+    pthread_mutex_unlock(&g_dp_mu);
 }
 
 void dp_reset_after_fork(void)
@@ -694,7 +765,13 @@ void dp_reset_after_fork(void)
     /* the parent's staging and streams are not the child's: forget them without driver calls */
     staging_reset_after_fork();
     bounce_reset_after_fork();
-    memset(&g_dp, 0, sizeof g_dp);
+    memset(&g_dp, 0, sizeof g_dp);   /* the parent's streams array is leaked, never freed twice */
+    g_dp_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
+    g_staging_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
+    g_ready_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
+    g_ready_cv = (pthread_cond_t)PTHREAD_COND_INITIALIZER;
+    g_ready_abort = false;
+    g_requester = -1;
 }
 
 /* ---- handing the staged data to the controller (images) ---- */
@@ -745,9 +822,11 @@ int dp_drop_staged(char *err, size_t errlen)
         seterr(err, errlen, g_dp.state != AGENT_CHECKPOINTED ? "the process is not checkpointed" : "the data is not staged");
         return -1;
     }
+    reg_lock();
     for (struct phys *p = g_reg.all; p; p = p->next_all) p->staging = NULL;
+    reg_unlock();
     staging_drop();
-    g_dp.staged = false;
+    DP_SET(g_dp.staged = false);
     return 0;
 }
 
@@ -763,7 +842,7 @@ int dp_stage(char *err, size_t errlen)
     size_t *sizes = malloc(sizeof *sizes * (size_t)(n ? n : 1));
     if (!sizes) { seterr(err, errlen, "out of host memory"); return -1; }
     for (struct phys *p = g_reg.all; p; p = p->next_all) if (p->released) sizes[k++] = p->size;
-    if (ctx) gpucr_drv.cuCtxSetCurrent(ctx);
+    if (ctx) use_ctx(ctx);
     int rc = staging_fit(sizes, n, err, errlen);
     free(sizes);
     if (rc) return -1;
@@ -772,13 +851,16 @@ int dp_stage(char *err, size_t errlen)
     pthread_mutex_lock(&g_ready_mu);
     g_ready_abort = false;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        void *at = p->released ? staging_take(p->size) : NULL;
+        reg_lock();
         p->ready = false;
         free(p->zero_chunks);
         p->zero_chunks = NULL;
-        if (p->released) p->staging = staging_take(p->size);
+        if (p->released) p->staging = at;
+        reg_unlock();
     }
     pthread_mutex_unlock(&g_ready_mu);
-    g_dp.staged = true;
+    DP_SET(g_dp.staged = true);
     return 0;
 }
 
@@ -849,17 +931,38 @@ int dp_bind(unsigned sid, unsigned long long key, long owner, unsigned long long
     return rc;
 }
 
-int dp_export(unsigned long long key, int *fd_out, struct jb *j, char *err, size_t errlen)
+/* Relink and orphan come between a restore that left the gate closed and "resume": only then are
+ * the records still (see registry.h), and only then is there anything to do. */
+static bool between_restore_and_resume(char *err, size_t errlen)
+{
+    if (g_dp.state == AGENT_RUNNING && gpucr_gate_is_closed()) return true;
+    seterr(err, errlen, "only between a restore that left the gate closed (open_gate=0) and 'resume'");
+    return false;
+}
+
+static struct phys *exported_with_key(unsigned long long key)
 {
     struct phys *p = g_reg.all;
     while (p && !(p->exported && p->share_key == key)) p = p->next_all;
-    if (!p || !p->real) { seterr(err, errlen, "no restored exported allocation with key %llu", key); return -1; }
-    gpucr_drv.cuCtxSetCurrent(p->ctx);
+    return p;
+}
+
+/* Asked of a restored exporter, or of one that never stopped (its application runs on, so the
+ * record is looked up again after the driver call). */
+int dp_export(unsigned long long key, int *fd_out, struct jb *j, char *err, size_t errlen)
+{
+    reg_lock();
+    struct phys *p = exported_with_key(key);
+    CUmemGenericAllocationHandle real = p ? p->real : 0;
+    CUcontext ctx = p ? p->ctx : NULL;
+    reg_unlock();
+    if (!real) { seterr(err, errlen, "no restored exported allocation with key %llu", key); return -1; }
+    use_ctx(ctx);
     int fd = -1;
-    CUresult rc = REAL(cuMemExportToShareableHandle)(&fd, p->real, 1, 0);
+    CUresult rc = REAL(cuMemExportToShareableHandle)(&fd, real, 1, 0);
     if (rc != CUDA_SUCCESS) { seterr(err, errlen, "re-exporting failed: %s", gpucr_cu_errstr(rc)); return -1; }
     reg_lock();
-    share_keep_fd(p, fd);   /* for the next checkpoint's matching */
+    if ((p = exported_with_key(key))) share_keep_fd(p, fd);   /* for the next checkpoint's matching */
     reg_unlock();
     *fd_out = fd;
     jb_bool(j, "ok", true);
@@ -867,33 +970,47 @@ int dp_export(unsigned long long key, int *fd_out, struct jb *j, char *err, size
     return 0;
 }
 
+/* Whether p is memory imported under `key` that is not linked yet (the key is bound on another
+ * connection: read under the lock). */
+static bool unlinked_import(struct phys *p, unsigned long long key)
+{
+    reg_lock();
+    bool yes = p->kind == PHYS_IMPORTED && p->share_key == key && p->released;
+    reg_unlock();
+    return yes;
+}
+
+/* p's memory is back, as handle h: record it; the application's handle count decides whether h is kept. */
+static void linked(struct phys *p, CUmemGenericAllocationHandle h)
+{
+    reg_lock();
+    reg_set_real(p, h);
+    int refs = p->app_refs;
+    p->released = false;
+    reg_unlock();
+    if (refs == 0) release_handle(h, 1, p);   /* the application had released its handle: mappings hold it */
+}
+
 /* Map the exporter's re-exported memory (fd) at the old addresses of every allocation this process
  * imported under that key (it may have imported it more than once). */
 int dp_relink(unsigned long long key, int fd, char *err, size_t errlen)
 {
+    if (!between_restore_and_resume(err, errlen)) return -1;
     int done = 0;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (p->kind != PHYS_IMPORTED || p->share_key != key || !p->released) continue;
-        gpucr_drv.cuCtxSetCurrent(p->ctx);
+        if (!unlinked_import(p, key)) continue;
+        use_ctx(p->ctx);
         CUmemGenericAllocationHandle h = 0;
         CUresult rc = REAL(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)fd, 1);
-        struct mapping *m = p->maps;
-        for (; m && rc == CUDA_SUCCESS; m = m->next) {
-            rc = REAL(cuMemMap)(m->va, m->size, m->offset, h, 0);
-            if (rc == CUDA_SUCCESS && m->ndesc) rc = REAL(cuMemSetAccess)(m->va, m->size, m->desc, (size_t)m->ndesc);
-        }
+        if (rc == CUDA_SUCCESS && (rc = map_all(p, h)) != CUDA_SUCCESS) release_handle(h, 1, p);
         if (rc != CUDA_SUCCESS) {
-            for (struct mapping *n = p->maps; n && n != m; n = n->next) REAL(cuMemUnmap)(n->va, n->size);
-            if (h) REAL(cuMemRelease)(h);
             seterr(err, errlen, "relinking shared memory failed: %s", gpucr_cu_errstr(rc));
             return -1;
         }
         reg_lock();
-        reg_set_real(p, h);
         share_keep_fd(p, fd);
         reg_unlock();
-        if (p->app_refs == 0) REAL(cuMemRelease)(h);   /* the application had released its handle: mappings hold it */
-        p->released = false;
+        linked(p, h);
         done++;
     }
     if (!done) { seterr(err, errlen, "no unlinked imported allocation with key %llu", key); return -1; }
@@ -907,35 +1024,28 @@ int dp_relink(unsigned long long key, int fd, char *err, size_t errlen)
 int dp_orphan(unsigned long long key, size_t *bytes, char *err, size_t errlen)
 {
     *bytes = 0;
+    if (!between_restore_and_resume(err, errlen)) return -1;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (p->kind != PHYS_IMPORTED || p->share_key != key || !p->released) continue;
-        gpucr_drv.cuCtxSetCurrent(p->ctx);
+        if (!unlinked_import(p, key)) continue;
+        use_ctx(p->ctx);
         CUdevice dev = 0;
-        gpucr_drv.cuCtxGetDevice(&dev);
+        CUresult rc = gpucr_drv.cuCtxGetDevice(&dev);
         CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
                                     .location = {CU_MEM_LOCATION_TYPE_DEVICE, dev}};
         CUmemGenericAllocationHandle h = 0;
-        CUresult rc = REAL(cuMemCreate)(&h, p->size, &prop, 0);
-        struct mapping *m = p->maps;
-        for (; m && rc == CUDA_SUCCESS; m = m->next) {
-            rc = REAL(cuMemMap)(m->va, m->size, m->offset, h, 0);
-            if (rc == CUDA_SUCCESS && m->ndesc) rc = REAL(cuMemSetAccess)(m->va, m->size, m->desc, (size_t)m->ndesc);
-            if (rc == CUDA_SUCCESS) rc = REAL(cuMemsetD8_v2)(m->va, 0, m->size);
-        }
+        if (rc == CUDA_SUCCESS) rc = REAL(cuMemCreate)(&h, p->size, &prop, 0);
+        if (rc == CUDA_SUCCESS && (rc = map_all(p, h)) != CUDA_SUCCESS) release_handle(h, 1, p);
+        for (struct mapping *m = p->maps; m && rc == CUDA_SUCCESS; m = m->next) rc = REAL(cuMemsetD8_v2)(m->va, 0, m->size);
         if (rc != CUDA_SUCCESS) {
-            for (struct mapping *n = p->maps; n && n != m; n = n->next) REAL(cuMemUnmap)(n->va, n->size);
-            if (h) REAL(cuMemRelease)(h);
             seterr(err, errlen, "replacing shared memory whose exporter is gone failed: %s", gpucr_cu_errstr(rc));
             return -1;
         }
         reg_lock();
-        reg_set_real(p, h);
         p->kind = PHYS_APP_VMM;   /* it is this process's own memory now */
         p->prop = prop;
         p->share_key = 0;
         reg_unlock();
-        if (p->app_refs == 0) REAL(cuMemRelease)(h);
-        p->released = false;
+        linked(p, h);
         *bytes += p->size;
     }
     return 0;

@@ -3,6 +3,7 @@
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,22 +38,30 @@ struct gpucr_entry gpucr_entries[ENTRY_COUNT] = {
 
 struct gpucr_driver gpucr_drv;
 static void *g_libcuda;
+static void *g_real_dlsym;
 static char g_libcuda_path[4096];
 static pthread_once_t g_once = PTHREAD_ONCE_INIT;
+/* Set last by do_init: a thread that sees it set (acquire) sees the whole table and gpucr_drv, also
+ * one that never called gpucr_init (the control channel's). */
+static bool g_loaded;
 
 void *gpucr_real_dlsym(void *handle, const char *name)
 {
-    static void *(*real)(void *, const char *);
+    /* not pthread_once: dlsym may be asked for while the process starts; any thread may resolve it,
+     * they all find the same function */
+    typedef void *(*dlsym_fn)(void *, const char *);
+    dlsym_fn real = __atomic_load_n((dlsym_fn *)&g_real_dlsym, __ATOMIC_ACQUIRE);
     if (!real) {
         /* dlvsym is not interposed; ask for the default dlsym of either glibc era. */
-        real = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
-        if (!real) real = (void *(*)(void *, const char *))dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+        real = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.34");
+        if (!real) real = (dlsym_fn)dlvsym(RTLD_NEXT, "dlsym", "GLIBC_2.2.5");
+        __atomic_store_n((dlsym_fn *)&g_real_dlsym, real, __ATOMIC_RELEASE);
     }
     return real ? real(handle, name) : NULL;
 }
 
 const char *gpucr_libcuda_path(void) { return g_libcuda_path; }
-bool gpucr_cuda_loaded(void) { return g_libcuda != NULL; }
+bool gpucr_cuda_loaded(void) { return __atomic_load_n(&g_loaded, __ATOMIC_ACQUIRE); }
 
 static void *drv_sym(const char *name)
 {
@@ -95,7 +104,7 @@ static void do_init(void)
     D(cuCtxGetCurrent); D(cuCtxSetCurrent); D(cuCtxGetDevice); D(cuCtxSynchronize);
     D(cuMemAddressReserve); D(cuMemAddressFree); D(cuMemGetAllocationGranularity);
     D(cuMemHostUnregister); D(cuStreamCreate); D(cuStreamSynchronize);
-    D(cuGetErrorString); D(cuDeviceGetAttribute); D(cuDeviceGetUuid);
+    D(cuGetErrorString); D(cuGetErrorName); D(cuDeviceGetAttribute); D(cuDeviceGetUuid);
     D(cuPointerGetAttribute); D(cuDevicePrimaryCtxGetState); D(cuDevicePrimaryCtxRetain);
     D(cuEventCreate); D(cuEventRecord); D(cuEventSynchronize); D(cuDeviceGetCount);
 #undef D
@@ -106,10 +115,15 @@ static void do_init(void)
     gpucr_drv.cuEventDestroy_v2 = drv_sym("cuEventDestroy");
     gpucr_drv.cuDevicePrimaryCtxRelease_v2 = drv_sym("cuDevicePrimaryCtxRelease");
     gpucr_drv.simcudaIsSimulated = gpucr_real_dlsym(g_libcuda, "simcudaIsSimulated");
+    __atomic_store_n(&g_loaded, true, __ATOMIC_RELEASE);
     gpucr_log("driver %s loaded, %d entry points resolved", g_libcuda_path, ENTRY_COUNT);
 }
 
-void gpucr_init(void) { pthread_once(&g_once, do_init); }
+void gpucr_init(void)
+{
+    pthread_once(&g_once, do_init);
+    gpucr_channel_first_use();
+}
 
 const struct gpucr_entry *gpucr_entry_by_symbol(const char *symbol)
 {
@@ -136,9 +150,23 @@ bool gpucr_is_wrapper(void *p)
 
 const char *gpucr_cu_errstr(CUresult rc)
 {
-    const char *s = NULL;
-    if (gpucr_drv.cuGetErrorString && gpucr_drv.cuGetErrorString(rc, &s) == CUDA_SUCCESS && s) return s;
-    return "unknown CUDA error";
+    static __thread char text[160];
+    const char *name = NULL, *desc = NULL;
+    if (!gpucr_cuda_loaded() || !gpucr_drv.cuGetErrorName || gpucr_drv.cuGetErrorName(rc, &name) != CUDA_SUCCESS) name = NULL;
+    if (!gpucr_cuda_loaded() || !gpucr_drv.cuGetErrorString || gpucr_drv.cuGetErrorString(rc, &desc) != CUDA_SUCCESS) desc = NULL;
+    if (name) snprintf(text, sizeof text, "%s (%s)", name, desc ? desc : "no description");
+    else snprintf(text, sizeof text, "CUDA error %d (%s)", rc, desc ? desc : "unknown to the driver");
+    return text;
+}
+
+void gpucr_cu_warn(CUresult rc, const char *what_fmt, ...)
+{
+    char what[300];
+    va_list ap;
+    va_start(ap, what_fmt);
+    vsnprintf(what, sizeof what, what_fmt, ap);
+    va_end(ap);
+    gpucr_warn("%s failed: %s", what, gpucr_cu_errstr(rc));
 }
 
 /* For the table test: the agent's view of its own table, one "symbol base version per_thread kind" per line. */

@@ -68,3 +68,15 @@ void gpucr_gate_open(void)
 }
 
 bool gpucr_gate_is_closed(void) { return atomic_load(&g_closed) != 0; }
+
+void gpucr_gate_reset_after_fork(void)
+{
+    /* the child runs on alone: whatever the parent's threads held or had closed is not its own
+     * (plain stores, as POSIX allows in a fork child) */
+    atomic_store(&g_closed, 0);
+    atomic_store(&g_in_flight, 0);
+    t_depth = 0;
+    g_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
+    g_opened = (pthread_cond_t)PTHREAD_COND_INITIALIZER;
+    g_drained = (pthread_cond_t)PTHREAD_COND_INITIALIZER;
+}

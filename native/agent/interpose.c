@@ -35,6 +35,8 @@ GPUCR_EXPORT CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, cuu
 }
 
 /* ---- dlsym ---- */
+#ifndef GPUCR_NO_DLSYM   /* scripts/tsan-build: ThreadSanitizer resolves its own interceptors through
+                          * dlsym(RTLD_NEXT) before it can run instrumented code or dlopen */
 
 /* dlsym(RTLD_NEXT, ...) means "after the caller's object"; forwarded from here it would mean "after
  * libgpucr", so walk the link map from the caller's object ourselves. */
@@ -62,6 +64,8 @@ GPUCR_EXPORT void *dlsym(void *handle, const char *name)
     const struct gpucr_entry *e = gpucr_entry_by_symbol(name);
     return e ? e->wrapper : p;
 }
+
+#endif
 
 /* ---- the runtime's resolvers (dynamic libcudart; a static runtime comes through dlsym above) ---- */
 

@@ -1,4 +1,6 @@
 #include <pthread.h>
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "registry.h"
@@ -9,45 +11,103 @@ static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 void reg_lock(void) { pthread_mutex_lock(&g_mu); }
 void reg_unlock(void) { pthread_mutex_unlock(&g_mu); }
 
-/* The device of context i, which is current. Asked while the process runs: once the driver holds
- * the process, its calls would wait. */
-static void note_device(int i)
+void reg_lost(const char *fmt, ...)
 {
-    CUdevice dev;
-    g_reg.ctx_dev[i] = -1;
-    memset(g_reg.ctx_uuid[i], 0, 16);
-    if (gpucr_drv.cuCtxGetDevice(&dev) != CUDA_SUCCESS) return;
-    g_reg.ctx_dev[i] = dev;
-    if (gpucr_drv.cuDeviceGetUuid) gpucr_drv.cuDeviceGetUuid(g_reg.ctx_uuid[i], dev);
+    char why[sizeof g_reg.lost_why];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(why, sizeof why, fmt, ap);
+    va_end(ap);
+    gpucr_warn("%s: this process cannot be checkpointed any more (a checkpoint would miss it)", why);
+    if (!g_reg.lost++) snprintf(g_reg.lost_why, sizeof g_reg.lost_why, "%s", why);
 }
 
-void reg_note_ctx(CUcontext ctx)
+int reg_put(struct hmap *m, uint64_t key, void *val, const char *what)
+{
+    if (hmap_put(m, key, val) == 0) return 0;
+    reg_lost("out of host memory recording %s at 0x%llx", what, (unsigned long long)key);
+    return -1;
+}
+
+/* Room for one more element in a grown array of *cap elements of `size` bytes. */
+static bool grow(void **arr, int *cap, int n, size_t size)
+{
+    if (n < *cap) return true;
+    int want = *cap ? *cap * 2 : 8;
+    void *a = realloc(*arr, (size_t)want * size);
+    if (!a) return false;
+    *arr = a;
+    *cap = want;
+    return true;
+}
+
+static int ctx_index(CUcontext ctx)
+{
+    for (int i = 0; i < g_reg.nctx; i++)
+        if (g_reg.ctxs[i].ctx == ctx) return i;
+    return -1;
+}
+
+/* The device of the current context, and its UUID; asked while the process runs (once the driver
+ * holds the process, its calls would wait), never under the registry lock. */
+static void query_device(struct ctx_rec *r)
+{
+    CUdevice dev;
+    CUresult rc;
+    r->dev = -1;
+    memset(r->uuid, 0, sizeof r->uuid);
+    if ((rc = gpucr_drv.cuCtxGetDevice(&dev)) != CUDA_SUCCESS) {
+        gpucr_cu_warn(rc, "cuCtxGetDevice (the device of context %p)", (void *)r->ctx);
+        return;
+    }
+    r->dev = dev;
+    if (gpucr_drv.cuDeviceGetUuid && (rc = gpucr_drv.cuDeviceGetUuid(r->uuid, dev)) != CUDA_SUCCESS)
+        gpucr_cu_warn(rc, "cuDeviceGetUuid (device %d)", dev);
+}
+
+void reg_learn_ctx(CUcontext ctx)
 {
     if (!ctx) return;
-    for (int i = 0; i < g_reg.nctx; i++)
-        if (g_reg.ctxs[i] == ctx) return;
-    if (g_reg.nctx == (int)(sizeof g_reg.ctxs / sizeof g_reg.ctxs[0])) return;
-    g_reg.ctxs[g_reg.nctx] = ctx;
-    note_device(g_reg.nctx);
-    /* memory whose context ended waits for a new one on its device */
-    for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if (!p->ctx && p->prop.location.id == g_reg.ctx_dev[g_reg.nctx]) p->ctx = ctx;
-    g_reg.nctx++;
+    reg_lock();
+    bool known = ctx_index(ctx) >= 0;
+    reg_unlock();
+    if (known) return;
+    struct ctx_rec r = {.ctx = ctx};
+    query_device(&r);
+    reg_lock();
+    if (ctx_index(ctx) < 0) {
+        if (!grow((void **)&g_reg.ctxs, &g_reg.ctx_cap, g_reg.nctx, sizeof *g_reg.ctxs)) {
+            reg_lost("out of host memory recording context %p", (void *)ctx);
+        } else {
+            g_reg.ctxs[g_reg.nctx++] = r;
+            /* memory whose context ended waits for a new one on its device */
+            for (struct phys *p = g_reg.all; p; p = p->next_all)
+                if (!p->ctx && p->prop.location.id == r.dev) p->ctx = ctx;
+        }
+    }
+    reg_unlock();
+}
+
+CUcontext *reg_contexts(int *n)
+{
+    reg_lock();
+    CUcontext *out = g_reg.nctx ? malloc(sizeof *out * (size_t)g_reg.nctx) : NULL;
+    *n = out ? g_reg.nctx : 0;
+    for (int i = 0; i < *n; i++) out[i] = g_reg.ctxs[i].ctx;
+    reg_unlock();
+    return out;
 }
 
 void reg_forget_ctx(CUcontext ctx)
 {
-    int i = 0;
-    while (i < g_reg.nctx && g_reg.ctxs[i] != ctx) i++;
-    if (i == g_reg.nctx) return;
-    int dev = g_reg.ctx_dev[i];
+    int i = ctx_index(ctx);
+    if (i < 0) return;
+    int dev = g_reg.ctxs[i].dev;
     g_reg.nctx--;
     memmove(&g_reg.ctxs[i], &g_reg.ctxs[i + 1], sizeof g_reg.ctxs[0] * (size_t)(g_reg.nctx - i));
-    memmove(&g_reg.ctx_dev[i], &g_reg.ctx_dev[i + 1], sizeof g_reg.ctx_dev[0] * (size_t)(g_reg.nctx - i));
-    memmove(&g_reg.ctx_uuid[i], &g_reg.ctx_uuid[i + 1], sizeof g_reg.ctx_uuid[0] * (size_t)(g_reg.nctx - i));
     CUcontext heir = NULL;
     for (int k = 0; k < g_reg.nctx && !heir; k++)
-        if (g_reg.ctx_dev[k] == dev) heir = g_reg.ctxs[k];
+        if (g_reg.ctxs[k].dev == dev) heir = g_reg.ctxs[k].ctx;
     for (struct phys *p = g_reg.all; p; p = p->next_all)
         if (p->ctx == ctx) p->ctx = heir;
     for (int k = 0; k < g_reg.npeers; k++) {
@@ -77,15 +137,26 @@ void reg_forget_natives(bool (*gone)(CUdeviceptr))
 
 void reg_refresh_devices(void)
 {
-    for (int i = 0; i < g_reg.nctx; i++)
-        if (gpucr_drv.cuCtxSetCurrent(g_reg.ctxs[i]) == CUDA_SUCCESS) note_device(i);
+    int n = 0;
+    CUcontext *ctxs = reg_contexts(&n);
+    for (int i = 0; i < n; i++) {
+        CUresult rc = gpucr_drv.cuCtxSetCurrent(ctxs[i]);
+        if (rc != CUDA_SUCCESS) { gpucr_cu_warn(rc, "cuCtxSetCurrent (context %p, to ask its device)", (void *)ctxs[i]); continue; }
+        struct ctx_rec r = {.ctx = ctxs[i]};
+        query_device(&r);
+        reg_lock();
+        int k = ctx_index(ctxs[i]);
+        if (k >= 0) g_reg.ctxs[k] = r;
+        reg_unlock();
+    }
+    free(ctxs);
 }
 
 struct phys *reg_phys_new(enum phys_kind kind, CUmemGenericAllocationHandle real, size_t size,
                           const CUmemAllocationProp *prop, CUcontext ctx)
 {
     struct phys *p = calloc(1, sizeof *p);
-    if (!p) return NULL;
+    if (!p) { reg_lost("out of host memory recording an allocation of %zu bytes", size); return NULL; }
     p->kind = kind;
     p->size = size;
     if (prop) p->prop = *prop;
@@ -97,9 +168,8 @@ struct phys *reg_phys_new(enum phys_kind kind, CUmemGenericAllocationHandle real
          * changes the driver's handle, never the application's. */
         p->app_handle = real;
         if (hmap_get(&g_reg.by_app_handle, real)) p->app_handle = (1ULL << 63) | (uint64_t)(uintptr_t)p;
-        hmap_put(&g_reg.by_app_handle, p->app_handle, p);
+        reg_put(&g_reg.by_app_handle, p->app_handle, p, "a memory handle");
     }
-    reg_note_ctx(ctx);
     p->next_all = g_reg.all;
     if (g_reg.all) g_reg.all->prev_all = p;
     g_reg.all = p;
@@ -110,7 +180,7 @@ void reg_set_real(struct phys *p, CUmemGenericAllocationHandle real)
 {
     if (p->real && hmap_get(&g_reg.by_real_handle, p->real) == p) hmap_del(&g_reg.by_real_handle, p->real);
     p->real = real;
-    if (real) hmap_put(&g_reg.by_real_handle, real, p);
+    if (real) reg_put(&g_reg.by_real_handle, real, p, "a driver handle");
 }
 
 void reg_phys_free(struct phys *p)
@@ -129,11 +199,11 @@ void reg_phys_free(struct phys *p)
 struct mapping *reg_map_add(struct phys *p, CUdeviceptr va, size_t size, size_t offset)
 {
     struct mapping *m = calloc(1, sizeof *m);
-    if (!m) return NULL;
+    if (!m) { reg_lost("out of host memory recording a mapping at 0x%llx", (unsigned long long)va); return NULL; }
     m->va = va; m->size = size; m->offset = offset; m->phys = p;
     m->next = p->maps;
     p->maps = m;
-    hmap_put(&g_reg.map_by_va, va, m);
+    reg_put(&g_reg.map_by_va, va, m, "a mapping");
     return m;
 }
 
@@ -149,6 +219,8 @@ void reg_map_merge_access(struct mapping *m, const CUmemAccessDesc *desc, size_t
             m->desc[k] = desc[i];
         } else if (m->ndesc < MAX_ACCESS) {
             m->desc[m->ndesc++] = desc[i];
+        } else {
+            reg_lost("more than %d locations given access to the mapping at 0x%llx", MAX_ACCESS, (unsigned long long)m->va);
         }
     }
 }
@@ -160,17 +232,25 @@ uint32_t reg_peer_devs(CUcontext owner)
     return 0;
 }
 
-void reg_peer_set(CUcontext owner, int dev, bool on)
+int reg_peer_set(CUcontext owner, int dev, bool on)
 {
-    if (dev < 0 || dev >= 32) return;
+    if (dev < 0 || dev >= 32) {
+        if (on) reg_lost("peer access for device %d: gpucr records peer access for devices 0 to 31", dev);
+        return on ? -1 : 0;
+    }
     int i = 0;
     while (i < g_reg.npeers && g_reg.peers[i].ctx != owner) i++;
     if (i == g_reg.npeers) {
-        if (!on || i == (int)(sizeof g_reg.peers / sizeof g_reg.peers[0])) return;
+        if (!on) return 0;
+        if (!grow((void **)&g_reg.peers, &g_reg.peer_cap, g_reg.npeers, sizeof *g_reg.peers)) {
+            reg_lost("out of host memory recording peer access of context %p", (void *)owner);
+            return -1;
+        }
         g_reg.peers[g_reg.npeers++] = (struct peer_grant){owner, 0};
     }
     if (on) g_reg.peers[i].devs |= 1u << dev;
     else g_reg.peers[i].devs &= ~(1u << dev);
+    return 0;
 }
 
 void reg_map_remove(struct mapping *m)
@@ -205,7 +285,8 @@ bool reg_phys_movable(const struct phys *p)
  * touching any driver object (they are not the child's). */
 void reg_reset_after_fork(void)
 {
-    pthread_mutex_init(&g_mu, NULL);
+    /* the forking thread holds the lock (channel.c's fork handlers): the records are whole */
+    g_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
     /* the child's copies of the agent's fds of shared memory would keep the parent's GPU memory
      * alive (a DataLoader worker pinning VRAM while its parent is parked): close them (close is
      * async-signal-safe) */
@@ -217,6 +298,8 @@ void reg_reset_after_fork(void)
     g_reg.native_bytes = g_reg.pool_bytes = g_reg.managed_bytes = 0;
     g_reg.native_count = g_reg.pool_count = g_reg.managed_count = g_reg.ipc_exports = 0;
     g_reg.multicast_objects = g_reg.fabric_shares = 0;
-    g_reg.nctx = 0;
-    g_reg.npeers = 0;
+    /* the arrays are the parent's too (leaked, as the records are): start afresh */
+    g_reg.ctxs = NULL; g_reg.nctx = g_reg.ctx_cap = 0;
+    g_reg.peers = NULL; g_reg.npeers = g_reg.peer_cap = 0;
+    g_reg.lost = 0; g_reg.lost_why[0] = 0;
 }

@@ -1,12 +1,15 @@
 /* The registry: every live device allocation the agent has seen, and what the checkpoint can do
- * with it. Guarded by reg_lock(); wrappers hold the gate open while they change it, so a
- * checkpoint (gate closed) sees it still. */
+ * with it. Guarded by reg_lock() (agent.h says where it sits in the lock order). No driver call is
+ * made under it: a wrapper copies what it needs out under the lock, calls the driver without it, and
+ * records the result under it again. Records are added and freed only by gated wrappers, so while the
+ * gate is closed (a checkpoint or restore runs) the set of records and their mappings stay as they are;
+ * the data plane walks them then without the lock, and makes each change to a record under it. */
 #ifndef GPUCR_REGISTRY_H
 #define GPUCR_REGISTRY_H
 #include "agent.h"
 #include "hmap.h"
 
-#define MAX_ACCESS 16   /* one descriptor per device (and the host) that may touch a mapping */
+#define MAX_ACCESS 34   /* one descriptor per device (peer access covers 32) and the host that may touch a mapping */
 #define SHARE_MAX_DUPS 16   /* exports or imports of one allocation told apart for a checkpoint */
 
 struct mapping {
@@ -61,23 +64,33 @@ struct registry {
     long native_count, pool_count, managed_count, ipc_exports;
     long multicast_objects;     /* cuMulticastCreate (NCCL's NVLS): no checkpoint covers them */
     long fabric_shares;         /* memory exported or imported as a fabric handle */
-    CUcontext ctxs[16];
-    int ctx_dev[16];                    /* the device ordinal of each context, and its UUID */
-    unsigned char ctx_uuid[16][16];
-    int nctx;
+    /* the contexts the application uses, each with its device ordinal and UUID (grown as needed) */
+    struct ctx_rec { CUcontext ctx; int dev; unsigned char uuid[16]; } *ctxs;
+    int nctx, ctx_cap;
     /* cuCtxEnablePeerAccess: the devices whose contexts may touch ctx's plain allocations, which
-     * the agent turned into VMM and so must grant them itself */
-    struct peer_grant { CUcontext ctx; uint32_t devs; } peers[16];
-    int npeers;
+     * the agent turned into VMM and so must grant them itself (grown as needed) */
+    struct peer_grant { CUcontext ctx; uint32_t devs; } *peers;
+    int npeers, peer_cap;
+    /* What the agent could not record (out of host memory, a limit): a checkpoint would miss it, so
+     * it is refused, and status says why (the first such problem). */
+    long lost;
+    char lost_why[160];
 };
 
 extern struct registry g_reg;
 void reg_lock(void);
 void reg_unlock(void);
 /* Remember a context the application uses, and its device; ctx must be the calling thread's current
- * one (every caller just asked the driver for it). */
-void reg_note_ctx(CUcontext ctx);
-/* Ask again which GPU each context is on: a restore may have moved the process to others (--map). */
+ * one (every caller just asked the driver for it). Registry NOT locked: it asks the driver. */
+void reg_learn_ctx(CUcontext ctx);
+/* The contexts known now (malloc'd, *n of them; NULL when none or out of memory). */
+CUcontext *reg_contexts(int *n);
+/* Something could not be recorded: log it and remember it, so a checkpoint is refused (registry locked). */
+void reg_lost(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+/* hmap_put that records a failure with reg_lost; 0 or -1 (registry locked). */
+int reg_put(struct hmap *m, uint64_t key, void *val, const char *what);
+/* Ask again which GPU each context is on: a restore may have moved the process to others (--map).
+ * Registry NOT locked: it asks the driver. */
 void reg_refresh_devices(void);
 /* A context ends: forget it; memory recorded in it moves to another live context of its device, or
  * to none until the process makes one (the data plane leaves such memory to the driver). */
@@ -88,6 +101,8 @@ void reg_forget_natives(bool (*gone)(CUdeviceptr));
 static inline void *reg_native_value(size_t size, int dev) { return (void *)(uintptr_t)(size | (uint64_t)(dev + 1) << 56); }
 static inline size_t reg_native_size(const void *v) { return (size_t)((uintptr_t)v & ((1ULL << 56) - 1)); }
 static inline int reg_native_dev(const void *v) { return (int)((uintptr_t)v >> 56) - 1; }
+/* A new record (registry locked; its context learnt first with reg_learn_ctx); NULL, recorded as
+ * lost, when out of host memory. */
 struct phys *reg_phys_new(enum phys_kind kind, CUmemGenericAllocationHandle real, size_t size,
                           const CUmemAllocationProp *prop, CUcontext ctx);
 void reg_phys_free(struct phys *p);
@@ -97,12 +112,12 @@ struct mapping *reg_map_add(struct phys *p, CUdeviceptr va, size_t size, size_t 
  * location set to no access is forgotten (a re-created mapping starts with none). */
 void reg_map_merge_access(struct mapping *m, const CUmemAccessDesc *desc, size_t count);
 uint32_t reg_peer_devs(CUcontext owner);
-void reg_peer_set(CUcontext owner, int dev, bool on);
+int reg_peer_set(CUcontext owner, int dev, bool on);   /* 0, or -1 out of memory (recorded as lost) */
 void reg_map_remove(struct mapping *m);
 struct phys *reg_phys_containing(CUdeviceptr ptr);
-/* Give back a plain allocation the agent made VMM: unmap, release, free its addresses, forget it
- * (alloc.c; registry locked, its context current). */
-CUresult alloc_free_converted(struct phys *p);
+/* Give back the plain allocation at va the agent made VMM: unmap, release, free its addresses, forget
+ * it (alloc.c; registry NOT locked, the gate entered, its context current). */
+CUresult alloc_free_converted(CUdeviceptr va);
 /* Whether the data plane moves this allocation itself (else the driver's checkpoint does). */
 bool reg_phys_movable(const struct phys *p);
 void reg_reset_after_fork(void);

@@ -155,6 +155,8 @@ static int seg_create(struct seg *g, size_t cap, char *err, size_t errlen)
         close(fd);
         return -1;
     }
+    /* a fork child (a DataLoader worker) must not map the parent's staging: it would keep it alive */
+    if (madvise(base, cap, MADV_DONTFORK)) gpucr_warn("madvise(MADV_DONTFORK) of staging: %s", strerror(errno));
     touch_parallel(base, cap, k == K_HUGETLB ? HUGE_PAGE : (size_t)sysconf(_SC_PAGESIZE));
     *g = (struct seg){.fd = fd, .base = base, .cap = cap, .kind = k};
     if (bounce_enabled()) return 0;   /* copies go through the pinned bounce ring: staging stays unpinned */
@@ -530,11 +532,13 @@ void staging_start_ahead(void)
 
 void staging_reset_after_fork(void)
 {
-    /* the parent's staging is the parent's: unmap our copy, never unregister or unlink it */
-    pthread_mutex_init(&S.mu, NULL);
-    pthread_cond_init(&S.cv, NULL);
+    /* the parent's staging is the parent's (not mapped here: MADV_DONTFORK): close our copies of its
+     * fds, which would keep it alive, never unregister or unlink it */
+    S.mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
+    S.cv = (pthread_cond_t)PTHREAD_COND_INITIALIZER;
     S.pinners = 0;
-    for (int i = 0; i < S.n; i++) { munmap(S.segs[i].base, S.segs[i].cap); close(S.segs[i].fd); }
+    S.stop_pinning = false;
+    for (int i = 0; i < S.n; i++) close(S.segs[i].fd);
     S.n = 0;
     S.ahead = false;
 }

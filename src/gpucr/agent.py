@@ -13,7 +13,7 @@ from typing import Any, Callable
 from .errors import GpucrError
 
 MAX_REPLY = 64 << 20
-PROTOCOL = 2            # what the agent says in hello's "protocol"; native/agent/channel.c sends the same
+PROTOCOL = 3            # what the agent says in hello's "protocol"; native/agent/channel.c sends the same
 WATCH_EVERY_S = 0.25    # how often a watched call looks at the process while it waits
 
 

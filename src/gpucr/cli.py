@@ -221,8 +221,7 @@ def _status_lines(st: ProcessStatus) -> list[str]:
         lines.append(f"  ring         none: {st.bounce_problem} (copies go through pageable memory)")
     cyc = st.last_cycle
     if cyc.gate_s or cyc.copy_out_s or cyc.data_in_s:
-        steps = ("staging", "gate", "sync", "copy_out", "release", "driver_lock", "control_out", "control_in",
-                 "driver_unlock", "data_in")
+        steps = ("staging", "gate", "sync", "copy_out", "release", "data_in")
         lines.append("  last cycle   " + ", ".join(f"{k.replace('_', ' ')} {getattr(cyc, k + '_s'):.3f} s"
                                                   for k in steps))
     if st.refusal:

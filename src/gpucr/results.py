@@ -136,7 +136,7 @@ class Allocations:
 
 @dataclass
 class LastCycle:
-    """The last checkpoint and restore, as the process timed them."""
+    """The last checkpoint and restore, as the process timed them (the driver's steps are in the controller's results)."""
     staging_s: float
     gate_s: float
     sync_s: float
@@ -144,10 +144,6 @@ class LastCycle:
     release_s: float
     data_in_s: float
     pin_wait_s: float
-    driver_lock_s: float
-    control_out_s: float
-    control_in_s: float
-    driver_unlock_s: float
     bytes_out: int
     bytes_in: int
     bytes_zeroed: int                 # set by memset on restore (zero chunks of an image), not copied

@@ -70,8 +70,7 @@ def process_status(st: dict[str, Any], now: dict[str, gpus.Usage]) -> ProcessSta
                                   gpu_total_bytes=u.total if u else None))
     counts = ("tracked", "tracked_bytes", "converted", "app_vmm", "vmm_left_to_driver", "vmm_left_to_driver_bytes",
               "native", "native_bytes", "pool", "pool_bytes", "managed", "managed_bytes", "ipc_exports")
-    times = ("staging", "gate", "sync", "copy_out", "release", "data_in", "pin_wait", "driver_lock", "control_out",
-             "control_in", "driver_unlock")
+    times = ("staging", "gate", "sync", "copy_out", "release", "data_in", "pin_wait")
     return ProcessStatus(
         pid=st["pid"], state=st["state"], level=st.get("level"), driver_state=st.get("driver_state"),
         cmd=st.get("cmd", ""), start_time=st["start_time"], cuda=bool(st.get("cuda")),

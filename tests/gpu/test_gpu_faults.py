@@ -121,7 +121,7 @@ def test_app_killed_while_checkpointed_leaves_nothing_behind():
     assert used() <= idle + 16 * MiB
 
 
-def test_fork_child_has_its_own_agent_and_no_parent_state():
+def test_fork_child_that_never_uses_cuda_costs_nothing():
     with Workload("driver_app", "--sizes", "64M") as app:
         check_fork_child_apart(app, timeout=60)
 

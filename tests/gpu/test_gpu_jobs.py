@@ -137,14 +137,15 @@ def test_recover_after_the_controller_died_mid_checkpoint(job):
 
 
 def test_shell_wrapped_app_with_a_fork_child_checkpointed_by_group():
-    """`gpucr run --group g -- bash -c 'APP; true'`: the shell and the app's fork child (no CUDA of
-    its own) are left out and listed; the app is checkpointed and restored, every byte back."""
+    """`gpucr run --group g -- bash -c 'APP; true'`: the shell and the app's fork child (a CUDA call
+    failed there: no CUDA of its own) are left out and listed; the app is checkpointed and restored,
+    every byte back."""
     env = dict(os.environ, GPUCR_GROUP="wrapped")
     app_cmd = f"{sys.executable} -m gpucr.workloads.driver_app --sizes 256M,64M"
     w = Workload("", argv=["bash", "-c", f"{app_cmd}; true"], env=env)
     try:
         before = w.ask("digest", timeout=120)
-        fork = w.ask("fork 120", timeout=120)["child"]
+        fork = w.ask("fork 120 cuda", timeout=120)["child"]
         time.sleep(1.0)
         r = gpucr_cli("checkpoint", "--group", "wrapped", "--json", "--timeout", "60", timeout=300)
         assert r.returncode == 0, r.stderr

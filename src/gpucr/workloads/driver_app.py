@@ -300,10 +300,12 @@ class App:
             handle = ctypes.create_string_buffer(64)
             rc = cuIpcGetMemHandle(handle, self.bufs[int(words[1])][0])
             return {"rc": rc}
-        if cmd == "fork":   # a child that shares nothing CUDA with us, and sleeps
+        if cmd == "fork":   # fork SECONDS [cuda]: a child that shares nothing CUDA with us, and sleeps
             pid = os.fork()
             if pid == 0:
                 import time
+                if "cuda" in words[2:]:   # one CUDA call, as a DataLoader worker touching CUDA by mistake: it fails
+                    cuMemAlloc(ctypes.byref(u64()), 1 << 20)
                 time.sleep(float(words[1]) if len(words) > 1 else 30)
                 os._exit(0)
             return {"child": pid}
