@@ -53,3 +53,18 @@ def test_device_reset_then_checkpoints_go_on(sim_app, ring):
         assert used() - idle <= 16 * MiB
         gpucr.restore(app.pid)
         assert app.ask("digest") == before
+
+
+def test_seventeen_contexts_each_with_memory_are_checkpointed(sim_app):
+    """No fixed limit on contexts: each of 18 (the primary and 17 more) keeps its memory through a cycle
+    (before: the agent recorded 16 and made copy streams for 16)."""
+    app = sim_app("--sizes", "4M")
+    assert app.ask("ctx-keep 17 4M")["buffers"] == 18
+    before = app.ask("digest")
+    st = gpucr.status(app.pid)
+    assert st["allocations"]["converted"] == 18 and st["refusal"] == ""
+    for _ in range(2):
+        ck = gpucr.checkpoint(app.pid)
+        assert ck["bytes_moved"] == 18 * 4 * MiB
+        gpucr.restore(app.pid)
+        assert app.ask("digest") == before

@@ -83,6 +83,33 @@ def test_hugepages_asked_for_but_missing_refused_before_touching(sim_app):
     assert gpucr.status(app.pid).state == "running" and app.ask("digest") == before
 
 
+# ---- driver calls that fail during a cycle (simcuda's SIMCUDA_FAIL_CALL) ----
+
+def test_a_driver_call_failing_during_a_cycle_is_logged_by_name(sim_app, capfd):
+    """cuMemRelease fails as a checkpoint gives memory back: nobody is told through a return value,
+    so the agent logs it, naming the call and the error; the cycle completes, the data intact."""
+    app = sim_app("--sizes", "16M", env=dict(os.environ, SIMCUDA_FAIL_CALL="cuMemRelease"))
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before
+    logged = [l for l in capfd.readouterr().err.splitlines() if f"gpucr[{app.pid}]" in l and "cuMemRelease" in l]
+    assert logged and "failed: CUDA_ERROR_UNKNOWN (unknown error)" in logged[0], logged
+
+
+def test_a_driver_call_failing_in_a_restore_is_reported_by_name(sim_app):
+    """The restore's cuMemCreate fails (the app's own allocation was the first): the error names it, the
+    process stays checkpointed, and the next restore completes."""
+    app = sim_app("--sizes", "16M", env=dict(os.environ, SIMCUDA_FAIL_CALL="cuMemCreate:2"))
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    r = gpucr_cli("restore", str(app.pid))
+    assert r.returncode != 0 and "CUDA_ERROR_UNKNOWN" in r.stderr and "stays checkpointed" in r.stderr, r.stderr
+    assert gpucr.status(app.pid)["state"] == "checkpointed"
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before
+
+
 # ---- a controller killed at every phase ----
 
 @pytest.mark.parametrize("point,after,bounce", [

@@ -98,6 +98,9 @@ extern struct gpucr_driver gpucr_drv;
 const char *gpucr_cu_errstr(CUresult rc);
 /* Log a driver error nobody else is told of: "<what> failed: CUDA_ERROR_NAME (what it means)". */
 void gpucr_cu_warn(CUresult rc, const char *what_fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Make ctx current for the agent's own work; a failure is logged (the next call then fails with its
+ * own error, which is reported). */
+void gpucr_use_ctx(CUcontext ctx);
 const char *gpucr_libcuda_path(void);
 
 /* ---- gate (gate.c) ---- */

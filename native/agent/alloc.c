@@ -188,17 +188,13 @@ CUresult alloc_free_converted(CUdeviceptr va)
 static CUcontext switch_to(CUcontext ctx)
 {
     CUcontext cur = NULL;
-    CUresult rc = gpucr_drv.cuCtxGetCurrent(&cur);
-    if (rc == CUDA_SUCCESS && cur != ctx && (rc = gpucr_drv.cuCtxSetCurrent(ctx)) != CUDA_SUCCESS)
-        gpucr_cu_warn(rc, "cuCtxSetCurrent (context %p)", (void *)ctx);
+    if (gpucr_drv.cuCtxGetCurrent(&cur) == CUDA_SUCCESS && cur != ctx) gpucr_use_ctx(ctx);
     return cur;
 }
 
 static void switch_back(CUcontext was, CUcontext ctx)
 {
-    CUresult rc;
-    if (was != ctx && (rc = gpucr_drv.cuCtxSetCurrent(was)) != CUDA_SUCCESS)
-        gpucr_cu_warn(rc, "cuCtxSetCurrent (back to context %p)", (void *)was);
+    if (was != ctx) gpucr_use_ctx(was);
 }
 
 GPUCR_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)

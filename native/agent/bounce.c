@@ -15,7 +15,6 @@
 #define SLOT_MAX ((size_t)64 << 20)
 #define SLOT_MIN ((size_t)2 << 20)
 #define MAX_SLOTS 256                   /* GPUCR_BOUNCE_MIB's most, 16 GiB, in 64 MiB slots */
-#define MAX_CTX 16
 
 struct job { CUcontext ctx; CUstream s; CUevent ev; CUdeviceptr dev; char *host; size_t n; bool out; int slot; };
 
@@ -30,8 +29,8 @@ static struct {
     size_t bytes, slot;         /* the ring's size and each slot's */
     int nslots;
     bool slot_busy[MAX_SLOTS];
-    struct ctx_events evs[MAX_CTX];
-    int nevs;
+    struct ctx_events **evs;    /* one set per context that copies (grown as needed) */
+    int nevs, evs_cap;
     struct job q[MAX_SLOTS];    /* at most one queued job per slot */
     int qhead, qlen, running;
     CUresult first_err;
@@ -80,7 +79,8 @@ static CUresult run_job(const struct job *j)
 {
     char *slot = B.ring + (size_t)j->slot * B.slot;
     CUevent ev = j->ev;
-    gpucr_drv.cuCtxSetCurrent(j->ctx);
+    CUresult crc = gpucr_drv.cuCtxSetCurrent(j->ctx);
+    if (crc != CUDA_SUCCESS) return crc;
     if (j->out) {
         CUresult rc = gpucr_drv.cuEventSynchronize(ev);
         if (rc == CUDA_SUCCESS) memcpy(j->host, slot, j->n);
@@ -125,7 +125,8 @@ static int default_threads(void)
 static void drop_ring_locked(void)
 {
     if (!B.ring) return;
-    gpucr_drv.cuMemHostUnregister(B.ring);
+    CUresult rc = gpucr_drv.cuMemHostUnregister(B.ring);
+    if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuMemHostUnregister (the %zu MiB bounce ring)", B.bytes >> 20);
     munmap(B.ring, B.bytes);
     B.ring = NULL;
     B.bytes = B.slot = 0;
@@ -173,6 +174,7 @@ int bounce_prepare(CUcontext ctx, const size_t *sizes, int n, char *err, size_t 
     struct ring_shape shape = ring_shape_for(need);
     size_t bytes = (size_t)shape.nslots * shape.slot;
     int rc = 0;
+    CUresult cr0;
     if (B.ready && B.bytes >= bytes && B.bytes <= 2 * bytes) goto out;
     rc = -1;
     drop_ring_locked();
@@ -183,7 +185,11 @@ int bounce_prepare(CUcontext ctx, const size_t *sizes, int n, char *err, size_t 
     }
     /* a fork child (a DataLoader worker) must not copy or keep the ring */
     if (madvise(ring, bytes, MADV_DONTFORK)) gpucr_warn("madvise(MADV_DONTFORK) of the bounce ring: %s", strerror(errno));
-    gpucr_drv.cuCtxSetCurrent(ctx);
+    if ((cr0 = gpucr_drv.cuCtxSetCurrent(ctx)) != CUDA_SUCCESS) {
+        snprintf(err, errlen, "cannot pin the bounce ring: cuCtxSetCurrent: %s", gpucr_cu_errstr(cr0));
+        munmap(ring, bytes);
+        goto out;
+    }
     /* GPUCR_TEST_FAIL_RING=1: the test suite's stand-in for a driver that will not pin the ring */
     CUresult cr = gpucr_setting_on(SET_TEST_FAIL_RING) ? CUDA_ERROR_OUT_OF_MEMORY
                                                            : gpucr_drv.cuMemHostRegister_v2(ring, bytes, CU_MEMHOSTREGISTER_PORTABLE);
@@ -194,7 +200,7 @@ int bounce_prepare(CUcontext ctx, const size_t *sizes, int n, char *err, size_t 
     }
     if (!start_threads_locked(shape.nslots)) {
         snprintf(err, errlen, "cannot start the bounce copy threads");
-        gpucr_drv.cuMemHostUnregister(ring);
+        if ((cr0 = gpucr_drv.cuMemHostUnregister(ring)) != CUDA_SUCCESS) gpucr_cu_warn(cr0, "cuMemHostUnregister (the bounce ring)");
         munmap(ring, bytes);
         goto out;
     }
@@ -214,19 +220,29 @@ out:
     return rc;
 }
 
-/* The event of a slot in ctx, made on first use (the caller holds B.mu, ctx is current). */
-static CUevent slot_event_locked(CUcontext ctx, int slot)
+/* The event of a slot in ctx, made on first use (the caller holds B.mu, ctx is current); NULL with *rc
+ * set when it cannot be made. */
+static CUevent slot_event_locked(CUcontext ctx, int slot, CUresult *rc)
 {
     struct ctx_events *e = NULL;
     for (int i = 0; i < B.nevs && !e; i++)
-        if (B.evs[i].ctx == ctx) e = &B.evs[i];
+        if (B.evs[i]->ctx == ctx) e = B.evs[i];
     if (!e) {
-        if (B.nevs == MAX_CTX) return NULL;
-        e = &B.evs[B.nevs++];
-        memset(e, 0, sizeof *e);   /* a forgotten context's entry may have been here */
+        if (B.nevs == B.evs_cap) {
+            int cap = B.evs_cap ? B.evs_cap * 2 : 4;
+            struct ctx_events **a = realloc(B.evs, sizeof *a * (size_t)cap);
+            if (!a) { *rc = CUDA_ERROR_OUT_OF_MEMORY; return NULL; }
+            B.evs = a;
+            B.evs_cap = cap;
+        }
+        if (!(e = calloc(1, sizeof *e))) { *rc = CUDA_ERROR_OUT_OF_MEMORY; return NULL; }
         e->ctx = ctx;
+        B.evs[B.nevs++] = e;
     }
-    if (!e->ev[slot] && gpucr_drv.cuEventCreate(&e->ev[slot], CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) e->ev[slot] = NULL;
+    if (!e->ev[slot] && (*rc = gpucr_drv.cuEventCreate(&e->ev[slot], CU_EVENT_DISABLE_TIMING)) != CUDA_SUCCESS) {
+        gpucr_cu_warn(*rc, "cuEventCreate (bounce slot %d, context %p)", slot, (void *)ctx);
+        e->ev[slot] = NULL;
+    }
     return e->ev[slot];
 }
 
@@ -239,9 +255,8 @@ static CUresult submit_piece_locked(CUcontext ctx, CUstream s, CUdeviceptr dev, 
         if (slot < 0) pthread_cond_wait(&B.cv, &B.mu);
     }
     B.slot_busy[slot] = true;
-    gpucr_drv.cuCtxSetCurrent(ctx);
-    CUevent ev = slot_event_locked(ctx, slot);
-    CUresult rc = ev ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
+    CUresult rc = gpucr_drv.cuCtxSetCurrent(ctx);
+    CUevent ev = rc == CUDA_SUCCESS ? slot_event_locked(ctx, slot, &rc) : NULL;
     if (rc == CUDA_SUCCESS && out) {   /* the device's copy is queued here, on the caller's stream, in order */
         rc = REAL(cuMemcpyDtoHAsync_v2)(B.ring + (size_t)slot * B.slot, dev, n, s);
         if (rc == CUDA_SUCCESS) rc = gpucr_drv.cuEventRecord(ev, s);
@@ -282,7 +297,7 @@ void bounce_forget_context(CUcontext ctx)
 {
     pthread_mutex_lock(&B.mu);
     for (int i = 0; i < B.nevs; i++)
-        if (B.evs[i].ctx == ctx) B.evs[i--] = B.evs[--B.nevs];
+        if (B.evs[i]->ctx == ctx) { free(B.evs[i]); B.evs[i--] = B.evs[--B.nevs]; }   /* its events end with it */
     if (B.ring && B.ring_ctx == ctx) drop_ring_locked();   /* ctx is current: unpinned now, pinned anew when next needed */
     pthread_mutex_unlock(&B.mu);
 }

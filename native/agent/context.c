@@ -19,7 +19,7 @@ static void before_end(CUcontext ctx)
     CUresult rc;
     gpucr_log("context %p ends: what was allocated in it is forgotten", (void *)ctx);
     gpucr_drv.cuCtxGetCurrent(&cur);
-    if ((rc = gpucr_drv.cuCtxSetCurrent(ctx)) != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuCtxSetCurrent (context %p, ending)", (void *)ctx);
+    gpucr_use_ctx(ctx);
     /* as the driver does: no work may still use what is freed */
     if ((rc = gpucr_drv.cuCtxSynchronize()) != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuCtxSynchronize (context %p, ending)", (void *)ctx);
     /* the addresses of its converted allocations, taken under the lock; given back without it */
@@ -41,7 +41,7 @@ static void before_end(CUcontext ctx)
     dp_forget_context(ctx);
     bounce_forget_context(ctx);
     staging_forget_context(ctx);
-    if ((rc = gpucr_drv.cuCtxSetCurrent(cur == ctx ? NULL : cur)) != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuCtxSetCurrent (back)");
+    gpucr_use_ctx(cur == ctx ? NULL : cur);
 }
 
 static bool freed(CUdeviceptr ptr)

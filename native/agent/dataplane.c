@@ -43,13 +43,6 @@ static struct {
 static pthread_mutex_t g_dp_mu = PTHREAD_MUTEX_INITIALIZER;
 #define DP_SET(...) do { pthread_mutex_lock(&g_dp_mu); __VA_ARGS__; pthread_mutex_unlock(&g_dp_mu); } while (0)
 
-/* Make ctx current for the data plane's own work; a failure is logged (the next call then fails
- * with its own error, which is reported). */
-static void use_ctx(CUcontext ctx)
-{
-    CUresult rc = gpucr_drv.cuCtxSetCurrent(ctx);
-    if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuCtxSetCurrent (context %p)", (void *)ctx);
-}
 
 static double ms_since(int64_t t0) { return (double)(gpucr_now_ns() - t0) / 1e6; }
 
@@ -102,7 +95,7 @@ static struct ctx_streams *streams_for(CUcontext ctx, CUresult *rc)
         g_dp.streams_cap = cap;
     }
     struct ctx_streams *cs = &g_dp.streams[g_dp.nstreams];
-    use_ctx(ctx);
+    gpucr_use_ctx(ctx);
     for (int i = 0; i < NSTREAMS; i++) {
         if ((*rc = gpucr_drv.cuStreamCreate(&cs->s[i], CU_STREAM_NON_BLOCKING)) != CUDA_SUCCESS) {
             gpucr_cu_warn(*rc, "cuStreamCreate (copy stream %d of context %p)", i, (void *)ctx);
@@ -128,7 +121,7 @@ static CUresult copy_chunks(struct phys *p, CUdeviceptr va, bool out, int *turn)
     CUresult src = CUDA_SUCCESS;
     struct ctx_streams *cs = streams_for(p->ctx, &src);
     if (!cs) return src;
-    use_ctx(p->ctx);
+    gpucr_use_ctx(p->ctx);
     char *host = p->staging;
     for (size_t off = 0; off < p->size; off += CHUNK) {
         size_t n = p->size - off < CHUNK ? p->size - off : CHUNK;
@@ -153,7 +146,7 @@ static CUresult sync_streams(void)
 {
     CUresult first = bounce_enabled() ? bounce_wait() : CUDA_SUCCESS;
     for (int i = 0; i < g_dp.nstreams; i++) {
-        use_ctx(g_dp.streams[i].ctx);
+        gpucr_use_ctx(g_dp.streams[i].ctx);
         for (int j = 0; j < NSTREAMS; j++) {
             CUresult rc = gpucr_drv.cuStreamSynchronize(g_dp.streams[i].s[j]);
             if (rc != CUDA_SUCCESS && first == CUDA_SUCCESS) first = rc;
@@ -183,7 +176,7 @@ static bool enough_device_memory(char *err, size_t errlen)
     bool ok = true;
     for (int k = 0; k < n && ok; k++) {
         size_t free_b = 0, total = 0;
-        use_ctx(per[k].ctx);
+        gpucr_use_ctx(per[k].ctx);
         CUresult rc = gpucr_drv.cuMemGetInfo_v2(&free_b, &total);
         if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuMemGetInfo (device %d, before a restore; restoring anyway)", per[k].dev);
         else if (free_b < per[k].need) {
@@ -279,7 +272,7 @@ static int job_run(struct deadline_job *j, int64_t deadline_ns)
 static int sync_job(struct deadline_job *j)
 {
     for (int i = 0; i < j->nctx; i++) {
-        use_ctx(j->ctxs[i]);
+        gpucr_use_ctx(j->ctxs[i]);
         CUresult rc = gpucr_drv.cuCtxSynchronize();
         if (rc != CUDA_SUCCESS) { snprintf(j->err, sizeof j->err, "cuCtxSynchronize: %s", gpucr_cu_errstr(rc)); return -1; }
     }
@@ -291,7 +284,7 @@ static pthread_mutex_t g_staging_mu = PTHREAD_MUTEX_INITIALIZER;
 static int staging_job(struct deadline_job *j)
 {
     pthread_mutex_lock(&g_staging_mu);
-    use_ctx(j->ctx);
+    gpucr_use_ctx(j->ctx);
     int rc = staging_fit(j->sizes, j->nsizes, j->err, sizeof j->err);
     if (rc == 0 && bounce_enabled()) {
         /* no ring is no reason to refuse: the copies then go to pageable staging, slower (status says why) */
@@ -445,7 +438,7 @@ static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_id
     CUresult first = CUDA_SUCCESS;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
         if (!p->released || p->kind == PHYS_IMPORTED) continue;   /* imported memory is relinked from its exporter */
-        use_ctx(p->ctx);
+        gpucr_use_ctx(p->ctx);
         CUmemGenericAllocationHandle h = 0;
         CUresult rc = REAL(cuMemCreate)(&h, p->size, &p->prop, 0);
         if (rc == CUDA_SUCCESS && (rc = map_all(p, h)) != CUDA_SUCCESS) release_handle(h, 1, p);
@@ -494,7 +487,7 @@ static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_id
 /* Give back the physical memory of an allocation whose data is in staging. */
 static CUresult release_one(struct phys *p)
 {
-    use_ctx(p->ctx);
+    gpucr_use_ctx(p->ctx);
     for (struct mapping *m = p->maps; m; m = m->next) {
         CUresult rc = REAL(cuMemUnmap)(m->va, m->size);
         if (rc != CUDA_SUCCESS) {
@@ -584,7 +577,7 @@ int dp_quiesce(int timeout_ms, char *err, size_t errlen)
             seterr(err, errlen, "synchronising the device failed: %s; checkpoint refused", serr);
         return -1;
     }
-    if (saved) use_ctx(saved);
+    if (saved) gpucr_use_ctx(saved);
     g_dp.pending = t;
     DP_SET(g_dp.quiesced = true);
     return 0;
@@ -652,7 +645,7 @@ int dp_checkpoint(int timeout_ms, bool unpin, bool hold, char *err, size_t errle
         return -1;
     }
 
-    if (saved) use_ctx(saved);
+    if (saved) gpucr_use_ctx(saved);
     g_dp.pending = t;
     DP_SET(g_dp.copied = true);
     return hold ? 0 : dp_release(err, errlen);
@@ -680,7 +673,7 @@ int dp_release(char *err, size_t errlen)
                gpucr_cu_errstr(rc), e2[0] ? " (" : "", e2);
         return -1;
     }
-    if (saved) use_ctx(saved);
+    if (saved) gpucr_use_ctx(saved);
     t.copy_in = 0;
     DP_SET(g_dp.last = t, g_dp.state = AGENT_CHECKPOINTED, g_dp.staged = true, g_dp.generation++);
     gpucr_log("checkpointed %llu bytes: gate %.1f ms, sync %.1f ms, copy %.1f ms, release %.1f ms",
@@ -842,7 +835,7 @@ int dp_stage(char *err, size_t errlen)
     size_t *sizes = malloc(sizeof *sizes * (size_t)(n ? n : 1));
     if (!sizes) { seterr(err, errlen, "out of host memory"); return -1; }
     for (struct phys *p = g_reg.all; p; p = p->next_all) if (p->released) sizes[k++] = p->size;
-    if (ctx) use_ctx(ctx);
+    if (ctx) gpucr_use_ctx(ctx);
     int rc = staging_fit(sizes, n, err, errlen);
     free(sizes);
     if (rc) return -1;
@@ -957,7 +950,7 @@ int dp_export(unsigned long long key, int *fd_out, struct jb *j, char *err, size
     CUcontext ctx = p ? p->ctx : NULL;
     reg_unlock();
     if (!real) { seterr(err, errlen, "no restored exported allocation with key %llu", key); return -1; }
-    use_ctx(ctx);
+    gpucr_use_ctx(ctx);
     int fd = -1;
     CUresult rc = REAL(cuMemExportToShareableHandle)(&fd, real, 1, 0);
     if (rc != CUDA_SUCCESS) { seterr(err, errlen, "re-exporting failed: %s", gpucr_cu_errstr(rc)); return -1; }
@@ -999,7 +992,7 @@ int dp_relink(unsigned long long key, int fd, char *err, size_t errlen)
     int done = 0;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
         if (!unlinked_import(p, key)) continue;
-        use_ctx(p->ctx);
+        gpucr_use_ctx(p->ctx);
         CUmemGenericAllocationHandle h = 0;
         CUresult rc = REAL(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)fd, 1);
         if (rc == CUDA_SUCCESS && (rc = map_all(p, h)) != CUDA_SUCCESS) release_handle(h, 1, p);
@@ -1027,7 +1020,7 @@ int dp_orphan(unsigned long long key, size_t *bytes, char *err, size_t errlen)
     if (!between_restore_and_resume(err, errlen)) return -1;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
         if (!unlinked_import(p, key)) continue;
-        use_ctx(p->ctx);
+        gpucr_use_ctx(p->ctx);
         CUdevice dev = 0;
         CUresult rc = gpucr_drv.cuCtxGetDevice(&dev);
         CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,

@@ -169,6 +169,12 @@ void gpucr_cu_warn(CUresult rc, const char *what_fmt, ...)
     gpucr_warn("%s failed: %s", what, gpucr_cu_errstr(rc));
 }
 
+void gpucr_use_ctx(CUcontext ctx)
+{
+    CUresult rc = gpucr_drv.cuCtxSetCurrent(ctx);
+    if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuCtxSetCurrent (context %p)", (void *)ctx);
+}
+
 /* For the table test: the agent's view of its own table, one "symbol base version per_thread kind" per line. */
 GPUCR_EXPORT const char *gpucr_entry_table(void)
 {

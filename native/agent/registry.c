@@ -140,8 +140,7 @@ void reg_refresh_devices(void)
     int n = 0;
     CUcontext *ctxs = reg_contexts(&n);
     for (int i = 0; i < n; i++) {
-        CUresult rc = gpucr_drv.cuCtxSetCurrent(ctxs[i]);
-        if (rc != CUDA_SUCCESS) { gpucr_cu_warn(rc, "cuCtxSetCurrent (context %p, to ask its device)", (void *)ctxs[i]); continue; }
+        if (gpucr_drv.cuCtxSetCurrent(ctxs[i]) != CUDA_SUCCESS) continue;   /* it ended meanwhile: nothing to ask */
         struct ctx_rec r = {.ctx = ctxs[i]};
         query_device(&r);
         reg_lock();

@@ -48,6 +48,12 @@ static struct {
 
 static size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
+static void unregister(const struct seg *g)
+{
+    CUresult rc = gpucr_drv.cuMemHostUnregister(g->base);
+    if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuMemHostUnregister (a %zu MiB staging segment)", g->cap >> 20);
+}
+
 static size_t meminfo(const char *key)
 {
     FILE *f = fopen("/proc/meminfo", "r");
@@ -217,7 +223,7 @@ static void stop_pinners_locked(void)
 
 static void seg_free(struct seg *g)
 {
-    if (g->pinned) gpucr_drv.cuMemHostUnregister(g->base);
+    if (g->pinned) unregister(g);
     munmap(g->base, g->cap);
     close(g->fd);
 }
@@ -324,7 +330,7 @@ static void pin_locked(struct seg *g)
 static void unpin_locked(struct seg *g)
 {
     wait_not_pinning_locked(g);
-    if (g->pinned) gpucr_drv.cuMemHostUnregister(g->base);
+    if (g->pinned) unregister(g);
     g->pinned = g->pin_failed = false;
 }
 
@@ -362,7 +368,7 @@ void staging_pin_for(const void *p)
 
 static void *pin_loop(void *ctx)
 {
-    gpucr_drv.cuCtxSetCurrent((CUcontext)ctx);   /* registering needs a current context */
+    gpucr_use_ctx((CUcontext)ctx);   /* registering needs a current context */
     pthread_mutex_lock(&S.mu);
     for (;;) {
         struct seg *g = NULL;
@@ -505,7 +511,7 @@ static void *ahead_loop(void *arg)
         pthread_mutex_unlock(&S.mu);
         char err[256];
         if (missing && ctx) {
-            gpucr_drv.cuCtxSetCurrent(ctx);
+            gpucr_use_ctx(ctx);
             if (fit(sizes, n, false, err, sizeof err)) {   /* never shrinks: a checkpoint may be about to take it */
                 gpucr_log("preparing staging ahead: %s", err);
                 usleep(5 * 1000 * 1000);   /* host memory is short: do not spin on it */
@@ -515,7 +521,7 @@ static void *ahead_loop(void *arg)
         if (ctx && bounce_enabled() && !bounce_problem(problem, sizeof problem)) {   /* a failure waits for a checkpoint's retry */
             /* as a call in flight: a checkpoint's copies never see the ring replaced under them */
             gpucr_gate_enter();
-            gpucr_drv.cuCtxSetCurrent(ctx);
+            gpucr_use_ctx(ctx);
             if (bounce_prepare(ctx, sizes, n, err, sizeof err)) gpucr_log("preparing the bounce ring ahead: %s", err);
             gpucr_gate_leave();
         }

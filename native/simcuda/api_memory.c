@@ -293,6 +293,8 @@ static CUresult mem_create(CUmemGenericAllocationHandle *handle, size_t size, co
 SIMAPI CUresult cuMemCreate(CUmemGenericAllocationHandle *handle, size_t size, const CUmemAllocationProp *prop,
                             unsigned long long flags)
 {
+    if (sim_fault_injected("cuMemCreate"))
+        return CUDA_ERROR_UNKNOWN;
     SIM_GATED(mem_create(handle, size, prop, flags));
 }
 
@@ -302,7 +304,12 @@ static CUresult mem_release(CUmemGenericAllocationHandle handle)
     CUresult rc = sim_ctx_current(&c);
     return rc != CUDA_SUCCESS ? rc : sim_vmm_release(handle);
 }
-SIMAPI CUresult cuMemRelease(CUmemGenericAllocationHandle handle) { SIM_GATED(mem_release(handle)); }
+SIMAPI CUresult cuMemRelease(CUmemGenericAllocationHandle handle)
+{
+    if (sim_fault_injected("cuMemRelease"))
+        return CUDA_ERROR_UNKNOWN;
+    SIM_GATED(mem_release(handle));
+}
 
 static CUresult mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                         unsigned long long flags)
@@ -318,6 +325,8 @@ static CUresult mem_map(CUdeviceptr ptr, size_t size, size_t offset, CUmemGeneri
 SIMAPI CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, CUmemGenericAllocationHandle handle,
                          unsigned long long flags)
 {
+    if (sim_fault_injected("cuMemMap"))
+        return CUDA_ERROR_UNKNOWN;
     SIM_GATED(mem_map(ptr, size, offset, handle, flags));
 }
 
@@ -331,7 +340,12 @@ static CUresult mem_unmap(CUdeviceptr ptr, size_t size)
         return CUDA_ERROR_INVALID_VALUE;
     return sim_vmm_unmap(ptr, size);
 }
-SIMAPI CUresult cuMemUnmap(CUdeviceptr ptr, size_t size) { SIM_GATED(mem_unmap(ptr, size)); }
+SIMAPI CUresult cuMemUnmap(CUdeviceptr ptr, size_t size)
+{
+    if (sim_fault_injected("cuMemUnmap"))
+        return CUDA_ERROR_UNKNOWN;
+    SIM_GATED(mem_unmap(ptr, size));
+}
 
 static CUresult mem_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
 {
@@ -354,6 +368,8 @@ static CUresult mem_set_access(CUdeviceptr ptr, size_t size, const CUmemAccessDe
 }
 SIMAPI CUresult cuMemSetAccess(CUdeviceptr ptr, size_t size, const CUmemAccessDesc *desc, size_t count)
 {
+    if (sim_fault_injected("cuMemSetAccess"))
+        return CUDA_ERROR_UNKNOWN;
     SIM_GATED(mem_set_access(ptr, size, desc, count));
 }
 

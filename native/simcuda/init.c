@@ -45,7 +45,28 @@ void sim_config_load(struct sim_config *cfg)
     cfg->fail_restore = fail && strcmp(fail, "1") == 0;
     const char *fail_lock = getenv("SIMCUDA_FAIL_LOCK");
     cfg->fail_lock = fail_lock && strcmp(fail_lock, "1") == 0;
+    const char *call = getenv("SIMCUDA_FAIL_CALL");
+    if (call && *call) {
+        const char *colon = strchr(call, ':');
+        size_t len = colon ? (size_t)(colon - call) : strlen(call);
+        char *end = NULL;
+        unsigned long nth = colon ? strtoul(colon + 1, &end, 10) : 1;
+        if (len >= sizeof cfg->fail_call || (colon && (*end || nth == 0)))
+            fprintf(stderr, "simcuda: ignoring SIMCUDA_FAIL_CALL=%s (want NAME or NAME:N, N from 1)\n", call);
+        else {
+            memcpy(cfg->fail_call, call, len);
+            cfg->fail_nth = (unsigned)nth;
+        }
+    }
     cfg->pid = getpid();
+}
+
+bool sim_fault_injected(const char *entry)
+{
+    static atomic_uint calls;
+    if (!sim_cfg.fail_nth || strcmp(entry, sim_cfg.fail_call) != 0)
+        return false;
+    return atomic_fetch_add(&calls, 1) + 1 == sim_cfg.fail_nth;
 }
 
 bool sim_is_ready(void)

@@ -47,6 +47,8 @@ struct sim_config {
     size_t ctx_bytes;    /* SIMCUDA_CTX_BYTES per live context, default 64 MiB */
     bool fail_restore;   /* SIMCUDA_FAIL_RESTORE=1: the next RESTORE fails (one shot) */
     bool fail_lock;      /* SIMCUDA_FAIL_LOCK=1: the next LOCK times out (one shot), as if a call never drained */
+    char fail_call[64];  /* SIMCUDA_FAIL_CALL=NAME[:N]: the N-th call (default the first) of entry point */
+    unsigned fail_nth;   /* NAME fails with CUDA_ERROR_UNKNOWN (one shot); see sim_fault_injected */
     pid_t pid;           /* the process that ran cuInit (a forked child is not it) */
 };
 extern struct sim_config sim_cfg;
@@ -55,6 +57,10 @@ extern struct sim_config sim_cfg;
 void sim_config_load(struct sim_config *cfg);
 /* True once cuInit succeeded in this process (and we are not a forked child of it). */
 bool sim_is_ready(void);
+/* Whether this call of `entry` is the one SIMCUDA_FAIL_CALL says fails (counted per process). Only
+ * the entry points that call it can be made to fail: cuMemCreate, cuMemMap, cuMemUnmap, cuMemRelease,
+ * cuMemSetAccess (those a checkpoint's data plane uses). */
+bool sim_fault_injected(const char *entry);
 
 /* ---- gate.c ---- */
 

@@ -9,8 +9,8 @@ Commands: digest | work N | loop start | loop stop | spin MS | free I | alloc BY
 several GPUs: device D BYTES [vmm] (a buffer on device D, plain or the application's own VMM) |
 peer on|off (device 1 gets or loses peer access to device 0's plain allocations) | peer-add I
 (device 1 adds 0 to buffer I in a kernel: simcuda only) | uuids (each device's UUID, as this process sees it),
-and contexts that end: ctx-temp BYTES (a context of its own, BYTES and a small buffer allocated in it,
-then destroyed) | reset (cuDevicePrimaryCtxReset, as cudaDeviceReset; then every buffer made again)
+and contexts: ctx-keep N BYTES (N more contexts, each with a buffer of BYTES, kept) | ctx-temp BYTES (a
+context of its own, BYTES and a small buffer allocated in it, then destroyed) | reset (cuDevicePrimaryCtxReset, as cudaDeviceReset; then every buffer made again)
 """
 from __future__ import annotations
 
@@ -394,6 +394,16 @@ class App:
             check(cuCtxDestroy(c), "destroy ctx")
             check(cuCtxSetCurrent(self.ctx), "set ctx")
             return {"freed_with_context": [big, small]}
+        if cmd == "ctx-keep":   # ctx-keep N BYTES: N more contexts on device 0, each with a buffer that is kept
+            for _ in range(int(words[1])):
+                c = vp()
+                check(cuCtxCreate(ctypes.byref(c), 0, 0), "create ctx")
+                n = parse_size(words[2])
+                p = self._alloc(n)
+                self._fill(p, n, self.seed + len(self.bufs))
+                self.bufs.append((p, n))
+            check(cuCtxSetCurrent(self.ctx), "set ctx")
+            return {"buffers": len(self.bufs)}
         if cmd == "reset":   # everything on device 0 is gone; make the same buffers again, with the same contents
             check(cuDevicePrimaryCtxReset(0), "reset")
             self.ctx = vp()
