@@ -41,7 +41,7 @@ def test_threads_allocating_freeing_and_asking_status_during_cycles(tsan_build):
     err = _stderr_reader(proc)
     try:
         assert proc.stdout.readline().strip() == "READY", "".join(err)
-        for _ in range(4):
+        for _ in range(6):
             gpucr.checkpoint(proc.pid, timeout=60)
             gpucr.restore(proc.pid, timeout=60)
         proc.stdin.write("stop\n")

@@ -114,14 +114,23 @@ static void note_native(struct hmap *map, size_t *bytes, long *count, CUdevicept
     reg_unlock();
 }
 
-/* Forget a native allocation; true if `map` had it. */
-static bool forget_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr)
+/* Forget a native allocation before the driver frees it (once freed, another thread's allocation may
+ * get its address and be recorded under it); its record, NULL if `map` had none. */
+static void *take_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr)
 {
     reg_lock();
     void *v = hmap_del(map, ptr);
     if (v) { *bytes -= reg_native_size(v); (*count)--; }
     reg_unlock();
-    return v != NULL;
+    return v;
+}
+
+/* The driver did not free it after all: it is the application's still. */
+static void keep_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, void *v)
+{
+    reg_lock();
+    if (reg_put(map, ptr, v, "a plain allocation") == 0) { *bytes += reg_native_size(v); (*count)++; }
+    reg_unlock();
 }
 
 GPUCR_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
@@ -175,12 +184,14 @@ CUresult alloc_free_converted(CUdeviceptr va)
     if (!p) return CUDA_ERROR_INVALID_VALUE;
     CUresult rc = REAL(cuMemUnmap)(va, size);
     if (rc != CUDA_SUCCESS) return rc;   /* still mapped: keep the record, the memory is still there */
-    CUresult rrc = REAL(cuMemRelease)(real);
-    if (rrc != CUDA_SUCCESS) gpucr_cu_warn(rrc, "cuMemRelease of the %zu bytes at 0x%llx", size, (unsigned long long)va);
-    free_addresses(va, size);
+    /* Forgotten before the addresses are given back: once they are, another thread's allocation may
+     * get them and be recorded under the same address. */
     reg_lock();
     if ((p = hmap_get(&g_reg.conv_by_va, va))) reg_phys_free(p);
     reg_unlock();
+    CUresult rrc = REAL(cuMemRelease)(real);
+    if (rrc != CUDA_SUCCESS) gpucr_cu_warn(rrc, "cuMemRelease of the %zu bytes at 0x%llx", size, (unsigned long long)va);
+    free_addresses(va, size);
     return CUDA_SUCCESS;
 }
 
@@ -216,9 +227,11 @@ GPUCR_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
         rc = alloc_free_converted(dptr);
         switch_back(was, own);
     } else {
+        void *v = take_native(&g_reg.native_by_va, &g_reg.native_bytes, &g_reg.native_count, dptr), *mv = NULL;
+        if (!v) mv = take_native(&g_reg.managed_by_va, &g_reg.managed_bytes, &g_reg.managed_count, dptr);
         rc = REAL(cuMemFree_v2)(dptr);
-        if (rc == CUDA_SUCCESS && !forget_native(&g_reg.native_by_va, &g_reg.native_bytes, &g_reg.native_count, dptr))
-            forget_native(&g_reg.managed_by_va, &g_reg.managed_bytes, &g_reg.managed_count, dptr);
+        if (rc != CUDA_SUCCESS && v) keep_native(&g_reg.native_by_va, &g_reg.native_bytes, &g_reg.native_count, dptr, v);
+        if (rc != CUDA_SUCCESS && mv) keep_native(&g_reg.managed_by_va, &g_reg.managed_bytes, &g_reg.managed_count, dptr, mv);
     }
     gpucr_gate_leave();
     return rc;
@@ -258,8 +271,9 @@ POOL_ALLOC(cuMemAllocFromPoolAsync_ptsz, (CUdeviceptr *dptr, size_t size, CUmemo
         gpucr_init();                                                                              \
         if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                           \
         gpucr_gate_enter();                                                                        \
+        void *v = take_native(&g_reg.pool_by_va, &g_reg.pool_bytes, &g_reg.pool_count, dptr);      \
         CUresult rc = REAL(sym)(dptr, st);                                                         \
-        if (rc == CUDA_SUCCESS) forget_native(&g_reg.pool_by_va, &g_reg.pool_bytes, &g_reg.pool_count, dptr); \
+        if (rc != CUDA_SUCCESS && v) keep_native(&g_reg.pool_by_va, &g_reg.pool_bytes, &g_reg.pool_count, dptr, v); \
         gpucr_gate_leave();                                                                        \
         return rc;                                                                                 \
     }

@@ -25,7 +25,7 @@ static int grow(struct hmap *m)
     struct hmap n = {calloc(cap, sizeof(uint64_t)), calloc(cap, sizeof(void *)), cap, 0, 0};
     if (!n.keys || !n.vals) { free(n.keys); free(n.vals); return -1; }
     for (size_t i = 0; i < m->cap; i++)
-        if (m->keys[i] && m->keys[i] != TOMB) hmap_put(&n, m->keys[i], m->vals[i]);
+        if (m->keys[i] && m->keys[i] != TOMB) hmap_put(&n, m->keys[i], m->vals[i]);   /* n has room: cannot fail */
     free(m->keys); free(m->vals);
     *m = n;
     return 0;
