@@ -7,10 +7,9 @@
  *   g_op (channel.c, one checkpoint or restore at a time)
  *     -> g_ready_mu (dataplane.c, image data arriving during a restore)
  *     -> reg_lock (registry.c, the registry)
- *     -> the data plane's status lock (dataplane.c, what status reports of it)
- *   g_staging_mu (dataplane.c, staging preparation) -> S.mu (staging.c) -> B.mu (bounce.c)
- * and each of these is held only on its own: the gate's mutex (gate.c), g_clients_mu (channel.c), a
- * deadline job's mutex (dataplane.c).
+ *   g_staging_mu (dataplane.c, staging preparation) -> S.mu (staging.c), and -> B.mu (bounce.c)
+ * and each of these is held only on its own: g_dp_mu (dataplane.c, what status reports of the data
+ * plane), the gate's mutex (gate.c), g_clients_mu (channel.c), a deadline job's mutex (dataplane.c).
  * Rules that keep it so:
  *   - No driver call is made under reg_lock: the driver may hold a call for as long as it holds the
  *     process locked, and status (which takes reg_lock) must answer then. Copy what is needed out of

@@ -606,7 +606,8 @@ int dp_checkpoint(int timeout_ms, bool unpin, bool hold, char *err, size_t errle
         if (reg_phys_movable(p)) need += p->size;
     CUresult rc;
 
-    /* The registry cannot change now: every wrapper that could change it is behind the gate. */
+    /* No record is added or freed now (those wrappers are behind the gate); status and the ungated
+     * wrappers still read and touch records, so each change made here is made under reg_lock. */
     int64_t t0 = gpucr_now_ns();
     int turn = 0;
     rc = CUDA_SUCCESS;
