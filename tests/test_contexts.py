@@ -62,9 +62,9 @@ def test_seventeen_contexts_each_with_memory_are_checkpointed(sim_app):
     assert app.ask("ctx-keep 17 4M")["buffers"] == 18
     before = app.ask("digest")
     st = gpucr.status(app.pid)
-    assert st["allocations"]["converted"] == 18 and st["refusal"] == ""
+    assert st.allocations.converted == 18 and not st.refusal
     for _ in range(2):
         ck = gpucr.checkpoint(app.pid)
-        assert ck["bytes_moved"] == 18 * 4 * MiB
+        assert ck.bytes_moved == 18 * 4 * MiB
         gpucr.restore(app.pid)
         assert app.ask("digest") == before

@@ -105,7 +105,7 @@ def test_a_driver_call_failing_in_a_restore_is_reported_by_name(sim_app):
     gpucr.checkpoint(app.pid)
     r = gpucr_cli("restore", str(app.pid))
     assert r.returncode != 0 and "CUDA_ERROR_UNKNOWN" in r.stderr and "stays checkpointed" in r.stderr, r.stderr
-    assert gpucr.status(app.pid)["state"] == "checkpointed"
+    assert gpucr.status(app.pid).state == "checkpointed"
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
 
@@ -246,7 +246,7 @@ def test_fork_child_gets_its_channel_at_its_first_cuda_call():
         assert w._read(60)["pid"] == child
         assert sock.exists(), "the channel appeared with the first CUDA call"
         before = w.ask("digest")
-        assert gpucr.status(child)["allocations"]["converted"] == 1
+        assert gpucr.status(child).allocations.converted == 1
         gpucr.checkpoint(child)
         gpucr.restore(child)
         assert w.ask("digest") == before
@@ -254,7 +254,7 @@ def test_fork_child_gets_its_channel_at_its_first_cuda_call():
         r = gpucr_cli("checkpoint", "--tree", str(w.pid), "--json")
         assert r.returncode == 0, r.stderr
         out = json.loads(r.stdout)
-        assert [x["pid"] for x in (out if isinstance(out, list) else [out])] == [child]
+        assert [x["pid"] for x in out["processes"]] == [child]
         assert f"process {w.pid} " in r.stderr and "left out: it has not loaded the CUDA driver" in r.stderr, r.stderr
         assert gpucr_cli("restore", "--tree", str(w.pid)).returncode == 0
         assert w.ask("digest") == before

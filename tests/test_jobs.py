@@ -19,15 +19,18 @@ from conftest import gpucr_cli, sim_driver
 APP = [sys.executable, "-m", "gpucr.workloads.driver_app"]
 
 
-def _wait_for_socket_of(pid: int, timeout: float = 20.0) -> None:
+def _wait_for_socket_of(pid: int, timeout: float = 20.0, min_bytes: int = 0) -> None:
+    """Until the process answers under gpucr (and tracks min_bytes: its channel opens at its first CUDA
+    call, before its context and memory exist)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            gpucr.status(pid)
-            return
+            if gpucr.status(pid).allocations.tracked_bytes >= min_bytes:
+                return
         except gpucr.GpucrError:
-            time.sleep(0.1)
-    raise AssertionError(f"process {pid} never came up under gpucr")
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"process {pid} never came up under gpucr with {min_bytes} bytes tracked")
 
 
 def _child_pid(pid: int) -> int:
@@ -116,7 +119,7 @@ def test_tree_of_a_launcher_checkpoints_its_workers(tmp_path):
         workers = children_of(proc.pid)
         assert len(workers) == 2
         for p in workers:
-            _wait_for_socket_of(p)
+            _wait_for_socket_of(p, min_bytes=6 << 20)
         r = gpucr_cli("checkpoint", "--tree", str(proc.pid))
         assert r.returncode == 0, r.stderr
         assert f"process {proc.pid} " in r.stderr and "not running under gpucr" in r.stderr
