@@ -151,3 +151,46 @@ def check_fork_child_apart(app: Workload, timeout: float = 30.0) -> None:
         assert app.ask("digest") == before
     finally:
         os.kill(child, signal.SIGKILL)
+
+
+class RunningServer:
+    """`gpucr serve` in the foreground, as systemd would run it; stopped (or reaped, if a test killed it) at the end."""
+
+    def __init__(self, simulate: bool = True, *extra: str) -> None:
+        from gpucr.server import wire
+        self.log = Path(os.environ["GPUCR_RUNTIME_DIR"]) / ("test-" + wire.log_name(simulate))
+        self._log_f = self.log.open("ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "gpucr.cli", "serve", *extra] + (["--simulate"] if simulate else []),
+                                     stdin=subprocess.DEVNULL, stdout=self._log_f, stderr=subprocess.STDOUT)
+        self.pid = self.proc.pid
+        self.socket = paths.runtime_dir() / wire.socket_name(simulate)
+        self.simulate = simulate
+        import time
+        deadline = time.time() + 60
+        while self.info() is None:
+            if self.proc.poll() is not None or time.time() > deadline:
+                raise RuntimeError(f"gpucr serve did not start: {self.log.read_text()}")
+            time.sleep(0.05)
+
+    def info(self) -> dict | None:
+        from gpucr.server import client
+        return client.info(self.simulate)
+
+    def requests(self) -> int:
+        info = self.info()
+        assert info is not None and info["pid"] == self.pid, "the test's server is not the one answering"
+        return info["requests"]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        self.proc.wait(timeout=30)
+        self._log_f.close()
+
+
+@pytest.fixture
+def server():
+    """A gpucr server on simcuda for this test's runtime dir."""
+    s = RunningServer(True)
+    yield s
+    s.stop()

@@ -8,7 +8,9 @@
 
 Each returns a typed result (gpucr.results, documented in docs/api.md); `--json` prints the same.
 """
-from .coordinator import checkpoint, checkpoint_many, ps, restore, restore_many, status
+__version__ = "0.1.0"   # before the imports: gpucr.server.wire reads it
+
+from .server.route import checkpoint, checkpoint_many, ps, restore, restore_many, status   # through `gpucr serve` when it runs
 from .errors import GpucrError
 from .paths import agent_lib as lib_path
 from .paths import run_env
@@ -18,4 +20,3 @@ from .results import (SCHEMA_VERSION, CheckpointResult, ProcessCheckpoint, Proce
 __all__ = ["checkpoint", "checkpoint_many", "restore", "restore_many", "status", "ps", "GpucrError", "lib_path",
            "run_env", "SCHEMA_VERSION", "CheckpointResult", "RestoreResult", "StatusResult", "RecoverResult",
            "ProcessCheckpoint", "ProcessRestore", "ProcessStatus", "from_json", "to_json"]
-__version__ = "0.1.0"

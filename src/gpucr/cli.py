@@ -9,6 +9,7 @@ import sys
 from typing import Any, Callable, NoReturn
 
 from . import __version__, coordinator, gpus, paths
+from .server import route
 from .errors import GpucrError
 from .results import (SCHEMA_VERSION, GpuMemoryChange, ImageTransfer, LeftOut, ProcessStatus, RecoverResult,
                       StatusResult, to_json)
@@ -19,7 +20,9 @@ BOUNCE_MIB_MIN, BOUNCE_MIB_MAX = 4, 16384
 GROUP_MAX_BYTES = 127
 STAGING_KINDS = ("auto", "hugetlbfs", "shm")
 # Settings of the controller, read from its own environment: checked before anything runs.
-CONTROLLER_FLAGS = ("GPUCR_UNPIN_FOR_DRIVER", "GPUCR_SIMULATE")
+CONTROLLER_FLAGS = ("GPUCR_UNPIN_FOR_DRIVER", "GPUCR_SIMULATE", route.NO_SERVER_ENV)
+NO_SERVER_HELP = ("act in-process, not through the gpucr server even when one runs (the same as "
+                  f"{route.NO_SERVER_ENV}=1)")
 CONTROLLER_SIMULATE_HELP = ("act through simcuda, the simulated driver (test double), on processes started with "
                             "'gpucr run --simulate' (the same as GPUCR_SIMULATE=1)")
 
@@ -116,6 +119,11 @@ def cmd_run(a: argparse.Namespace) -> int:
         env["GPUCR_BOUNCE_MIB"] = str(a.bounce)
     if a.group:
         env["GPUCR_GROUP"] = a.group
+    if route.server_wanted():
+        from .server import client
+        problem = client.ensure_running(a.simulate)
+        if problem:
+            route.note(problem)
     if a.simulate:
         print("gpucr: running on simcuda, the simulated driver (a test double; no GPU is used)", file=sys.stderr)
     try:
@@ -156,7 +164,7 @@ def _images(a: argparse.Namespace, pids: list[int]) -> dict[int, str] | None:
 
 def cmd_checkpoint(a: argparse.Namespace) -> int:
     pids, left_out = _targets(a)
-    result = coordinator.checkpoint_many(pids, level=a.level, timeout=a.timeout, images=_images(a, pids))
+    result = route.checkpoint_many(pids, level=a.level, timeout=a.timeout, images=_images(a, pids))
     result.left_out = left_out
     for r in result.processes:
         for w in r.warnings:
@@ -176,7 +184,7 @@ def cmd_checkpoint(a: argparse.Namespace) -> int:
 
 def cmd_restore(a: argparse.Namespace) -> int:
     pids, left_out = _targets(a)
-    result = coordinator.restore_many(pids, timeout=a.timeout, drop_staging=a.drop_staging, force=a.force,
+    result = route.restore_many(pids, timeout=a.timeout, drop_staging=a.drop_staging, force=a.force,
                                       images=_images(a, pids), gpu_map=gpus.parse_map(a.map or []))
     result.left_out = left_out
     for r in result.processes:
@@ -232,7 +240,7 @@ def _status_lines(st: ProcessStatus) -> list[str]:
 def cmd_status(a: argparse.Namespace) -> int:
     if a.pid is None:
         return cmd_ps(a, command="status")
-    st = coordinator.status(a.pid)
+    st = route.status(a.pid)
     if a.json:
         _print_json(to_json(StatusResult(SCHEMA_VERSION, "status", [st])))
     else:
@@ -241,11 +249,12 @@ def cmd_status(a: argparse.Namespace) -> int:
 
 
 def cmd_ps(a: argparse.Namespace, command: str = "ps") -> int:
-    rows = coordinator.ps()
+    rows = route.ps()
     rows.command = command
     if a.json:
         _print_json(to_json(rows))
         return 0
+    print(_server_line())
     if not rows.processes and not rows.unreachable:
         print("no processes under gpucr")
         return 0
@@ -263,6 +272,35 @@ def cmd_ps(a: argparse.Namespace, command: str = "ps") -> int:
     for u in rows.unreachable:
         print(f"{u.pid:>8}  {'unreachable':<14} {'-':<5} {'-':<10} {'-':>12} {'-':>12}  {u.error[:60]}")
     return 0
+
+
+def _server_line() -> str:
+    """The server, apart from the processes: its pid and what it holds on each GPU."""
+    if not route.server_wanted():
+        return "server: not used (--no-server)"
+    info = route.server_info()
+    if info is None:
+        return "server: not running (checkpoints run in-process)"
+    held = ", ".join(f"{g['uuid']}: {'a context, ' + _mib(g['bytes']) if g['context'] else 'nothing'}"
+                     for g in info["gpus"]) or "no GPU"
+    return (f"server: pid {info['pid']}{' [simcuda]' if info['simulated'] else ''}, up {info['up_s']:.0f} s, "
+            f"{info['requests']} requests; holds on each GPU: {held}")
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from .server import client, daemon
+    if a.stop:
+        pid = client.stop(a.simulate)
+        print("no gpucr server runs" if pid is None else f"gpucr server (pid {pid}) stopped")
+        return 0
+    if a.status:
+        info = client.info(a.simulate)
+        if a.json:
+            _print_json(info)
+        else:
+            print(_server_line() if info else "server: not running")
+        return 0 if info else 3
+    return daemon.main(a.idle_exit)
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -302,8 +340,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
 
 
 def cmd_recover(a: argparse.Namespace) -> int:
-    from . import recover
-    stuck = recover.find() if a.list else recover.recover(timeout=a.timeout)
+    stuck = route.recover(a.list, a.timeout)
     if a.json:
         _print_json(to_json(RecoverResult(SCHEMA_VERSION, "recover", a.list, stuck)))
     elif not stuck:
@@ -336,6 +373,8 @@ def _parser() -> argparse.ArgumentParser:
                    f"{BOUNCE_MIB_MAX}); 0: no ring, all of staging pinned instead")
     r.add_argument("--group", metavar="NAME", type=_group_name, help="make the process a member of a group, checkpointed "
                    f"and restored together with 'gpucr checkpoint --group NAME' (up to {GROUP_MAX_BYTES} bytes)")
+    r.add_argument("--no-server", action="store_true", help="do not start the gpucr server (checkpoints of this "
+                   f"process then run in-process unless one runs anyway; the same as {route.NO_SERVER_ENV}=1)")
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     r.set_defaults(fn=cmd_run)
 
@@ -347,6 +386,7 @@ def _parser() -> argparse.ArgumentParser:
         c = sub.add_parser(name, help=help_)
         c.add_argument("pids", type=int, nargs="*", metavar="PID")
         c.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
+        c.add_argument("--no-server", action="store_true", help=NO_SERVER_HELP)
         c.add_argument("--group", metavar="NAME", type=_group_name,
                        help="the processes started with 'gpucr run --group NAME' that hold GPU state (others are listed)")
         c.add_argument("--tree", metavar="PID", type=int, help="the processes of the tree under PID (a launcher such as "
@@ -378,7 +418,19 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--list", action="store_true", help="only list them")
     rc.add_argument("--timeout", type=_seconds, default=60.0, metavar="SECONDS", help="deadline for each step (default 60)")
     rc.add_argument("--json", action="store_true", help="machine-readable output")
+    rc.add_argument("--no-server", action="store_true", help=NO_SERVER_HELP)
     rc.set_defaults(fn=cmd_recover)
+
+    sv = sub.add_parser("serve", help="run the gpucr server (per user: checkpoints without a fresh interpreter and "
+                        "cuInit each time); 'gpucr run' starts one when none runs")
+    sv.add_argument("--simulate", action="store_true", help="serve on simcuda, the simulated driver (test double)")
+    sv.add_argument("--idle-exit", type=_seconds, metavar="SECONDS", help="exit after SECONDS with no process under "
+                    "gpucr and no request (default: run until stopped)")
+    sv.add_argument("--stop", action="store_true", help="stop the running server")
+    sv.add_argument("--status", action="store_true", help="say whether a server runs, its pid and what it holds "
+                    "(exit status 3 when none runs)")
+    sv.add_argument("--json", action="store_true", help="with --status: machine-readable output")
+    sv.set_defaults(fn=cmd_serve)
 
     ins = sub.add_parser("inspect", help="print a checkpoint image's manifest (its certificate)")
     ins.add_argument("dir", metavar="DIR")
@@ -389,11 +441,13 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("pid", type=int, nargs="?", metavar="PID")
     s.add_argument("--json", action="store_true")
     s.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
+    s.add_argument("--no-server", action="store_true", help=NO_SERVER_HELP)
     s.set_defaults(fn=cmd_status)
 
     ps = sub.add_parser("ps", help="list the processes under gpucr")
     ps.add_argument("--json", action="store_true")
     ps.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
+    ps.add_argument("--no-server", action="store_true", help=NO_SERVER_HELP)
     ps.set_defaults(fn=cmd_ps)
 
     dr = sub.add_parser("doctor", help="report hugepages, pinned-memory limits, driver and checkpoint API, with advice")
@@ -418,6 +472,8 @@ def main(argv: list[str] | None = None) -> int:
         _check_controller_env(dict(os.environ))
         if getattr(args, "simulate", False) and args.command != "run":
             os.environ["GPUCR_SIMULATE"] = "1"   # the controller itself is told (never by its target)
+        if getattr(args, "no_server", False):
+            os.environ[route.NO_SERVER_ENV] = "1"
         return args.fn(args)
     except GpucrError as exc:
         print(f"gpucr: error: {exc}", file=sys.stderr)

@@ -72,6 +72,21 @@ def dir_problem(path: Path, uid: int) -> str | None:
     return None
 
 
+def socket_problem(path: Path, uid: int) -> str | None:
+    """Why `path` is not a socket of `uid` (lstat: a link is never followed), "missing", or None."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return "missing"
+    except OSError as exc:
+        return exc.strerror
+    if not stat.S_ISSOCK(st.st_mode):
+        return f"{path} is not a socket"
+    if st.st_uid != uid:
+        return f"{path} belongs to uid {st.st_uid}, not {uid}"
+    return None
+
+
 def fallback_dirs(uid: int) -> list[Path]:
     """The private dirs agents of `uid` made for themselves because /tmp/gpucr-<uid> was taken."""
     prefix = Path(FALLBACK_PREFIX.format(uid=uid))

@@ -11,7 +11,6 @@ import errno
 import os
 import pwd
 import socket
-import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -105,20 +104,6 @@ def _candidate_dirs(pid: int, uid: int) -> list[Path]:
     return list(dict.fromkeys(dirs))
 
 
-def _socket_problem(path: Path, uid: int) -> str | None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return "missing"
-    except OSError as exc:
-        return exc.strerror
-    if not stat.S_ISSOCK(st.st_mode):
-        return f"{path} is not a socket"
-    if st.st_uid != uid:
-        return f"{path} belongs to uid {st.st_uid}, not {uid}"
-    return None
-
-
 def agent_socket_name(pid: int) -> str:
     """The name of process `pid`'s agent socket in its runtime dir."""
     return paths.socket_name(*pid_namespace(pid))
@@ -128,7 +113,7 @@ def _find_socket(pid: int, uid: int) -> Path:
     name = agent_socket_name(pid)
     problems = []
     for d in _candidate_dirs(pid, uid):
-        why = _socket_problem(d / name, uid)
+        why = paths.socket_problem(d / name, uid)
         if why is None:
             return d / name
         if why != "missing":

@@ -1,0 +1,195 @@
+"""Finding, asking, starting and stopping this user's gpucr server.
+
+The client trusts a server as it trusts an agent's socket, and no more: the socket must be in the user's
+verified private runtime dir, be a socket of the user's, and the listener's SO_PEERCRED uid must be the
+user's (checked before a byte is sent).
+"""
+from __future__ import annotations
+
+import os
+import socket
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import paths
+from ..agent import peer_credentials
+from ..errors import GpucrError
+from . import wire
+
+AUTO_IDLE_EXIT_S = 60.0   # a server `gpucr run` started goes away this long after the last process under gpucr
+
+
+class Unavailable(GpucrError):
+    """A server's socket is there but no usable server behind it (stale, of another install, not ours)."""
+
+
+class ServerDied(GpucrError):
+    """The server's connection closed before its answer: it died during the request."""
+
+    def __init__(self, message: str, pid: int | None) -> None:
+        super().__init__(message)
+        self.server_pid = pid
+
+
+def socket_path(simulated: bool) -> Path | None:
+    d = wire.existing_dir()
+    return d / wire.socket_name(simulated) if d is not None else None
+
+
+class Connection:
+    """One connection to the server, for one request."""
+
+    def __init__(self, path: Path) -> None:
+        why = paths.socket_problem(path, os.getuid())
+        if why is not None:
+            raise Unavailable(f"refusing the gpucr server socket: {why}")
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.settimeout(5.0)
+        try:
+            self.sock.connect(str(path))
+        except OSError as exc:
+            self.sock.close()
+            raise Unavailable(f"the gpucr server is not running ({path.name}: {exc.strerror})") from exc
+        self.pid, uid, _ = peer_credentials(self.sock)
+        if uid != os.getuid():
+            self.sock.close()
+            raise Unavailable(f"the gpucr server socket {path} is served by uid {uid}, not {os.getuid()}; not used")
+
+    def ask(self, op: str, args: dict[str, Any] | None = None, env: dict[str, str] | None = None,
+            timeout: float | None = None) -> Any:
+        """Send one request and return its result; GpucrError with the server's words when it says no,
+        ServerDied when the connection ends before an answer. No deadline by default: the server puts
+        its own on every wait (the coordinator's progress watches), and its death ends the wait."""
+        try:
+            self.sock.settimeout(5.0)
+            wire.send(self.sock, {"op": op, "args": args or {}, "env": env or {}, "protocol": wire.PROTOCOL,
+                                  "code": wire.code_identity()})
+            self.sock.settimeout(timeout)
+            reply = wire.receive(self.sock, "server's answer")
+        except socket.timeout as exc:
+            raise GpucrError(f"the gpucr server (pid {self.pid}) did not answer '{op}' within {timeout} s") from exc
+        except OSError as exc:
+            reply = None
+            if not isinstance(exc, (ConnectionResetError, BrokenPipeError)):
+                raise GpucrError(f"talking to the gpucr server failed during '{op}': {exc}") from exc
+        finally:
+            self.sock.close()
+        if reply is None:
+            raise ServerDied(f"the gpucr server (pid {self.pid}) died during '{op}'", self.pid)
+        if reply.get("mismatch"):
+            raise Unavailable(str(reply.get("error")))
+        if not reply.get("ok"):
+            raise GpucrError(str(reply.get("error", "the gpucr server refused the request")), code=int(reply.get("code", 1)))
+        return reply.get("result")
+
+
+def connect(simulated: bool) -> Connection | None:
+    """A connection to the user's server, None when none was started; Unavailable when one is named
+    but cannot be used (the caller goes on in-process, with a note)."""
+    path = socket_path(simulated)
+    if path is None or not os.path.lexists(path):
+        return None
+    return Connection(path)
+
+
+def info(simulated: bool) -> dict[str, Any] | None:
+    """The server's own description (its hello), or None when none answers."""
+    try:
+        conn = connect(simulated)
+        return conn.ask("hello", timeout=10.0) if conn is not None else None
+    except GpucrError:
+        return None
+
+
+def start(simulated: bool, idle_exit_s: float | None = AUTO_IDLE_EXIT_S) -> None:
+    """Start a server in the background, detached (its own session, reparented to init), logging to
+    server[-sim].log in the runtime dir, and do not wait for it: until it listens, requests run
+    in-process. A second server started at the same time finds the first's socket and exits."""
+    d = wire.make_dir()
+    log_fd = _open_log(d / wire.log_name(simulated))
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCR_TEST_") and k != "GPUCR_NO_SERVER"}
+    env["GPUCR_SIMULATE"] = "1" if simulated else "0"
+    argv = [sys.executable, "-m", "gpucr.cli", "serve"] + (["--idle-exit", str(idle_exit_s)] if idle_exit_s else [])
+    try:
+        child = os.fork()
+        if child == 0:   # the first child only makes a session and forks the server: no zombie is left behind
+            code = 127
+            try:
+                os.setsid()
+                if os.fork() == 0:
+                    null = os.open(os.devnull, os.O_RDONLY)
+                    os.dup2(null, 0)
+                    os.dup2(log_fd, 1)
+                    os.dup2(log_fd, 2)
+                    os.execve(sys.executable, argv, env)
+                code = 0
+            finally:
+                os._exit(code)
+        os.waitpid(child, 0)
+    finally:
+        os.close(log_fd)
+
+
+def _open_log(path: Path) -> int:
+    """The server's log, appended to: a regular file of the user's, never through a link."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_nlink != 1:
+        os.close(fd)
+        raise GpucrError(f"{path} is not a regular file of yours; remove it")
+    return fd
+
+
+def ensure_running(simulated: bool) -> str | None:
+    """Start the server unless one answers; a note to show when it cannot be started, else None."""
+    try:
+        conn = connect(simulated)
+        if conn is not None:
+            conn.ask("hello", timeout=10.0)
+            return None
+    except Unavailable:
+        pass   # stale (a killed server's socket): the new server replaces it
+    except GpucrError as exc:
+        return f"the gpucr server does not answer ({exc}); checkpoints run in-process"
+    try:
+        start(simulated)
+    except (OSError, GpucrError) as exc:
+        return f"cannot start the gpucr server ({exc}); checkpoints run in-process"
+    return None
+
+
+def stop(simulated: bool, wait_s: float = 30.0) -> int | None:
+    """Ask the server to stop and wait until it has; its pid, or None when none ran."""
+    conn = connect(simulated)
+    if conn is None:
+        return None
+    pid = conn.pid
+    conn.ask("stop", timeout=10.0)
+    deadline = time.monotonic() + wait_s
+    while _alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if _alive(pid):
+        raise GpucrError(f"the gpucr server (pid {pid}) did not stop within {wait_s:.0f} s; kill it with kill {pid}")
+    return pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:   # a zombie (a server this very process started and has not reaped) has stopped
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
+__all__ = ["Connection", "ServerDied", "Unavailable", "connect", "ensure_running", "info", "start", "stop",
+           "socket_path"]

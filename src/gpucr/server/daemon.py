@@ -1,0 +1,351 @@
+"""The server: the controller kept running, with its driver initialised, serving this user's requests.
+
+Trust (docs/security.md, "The server"): the socket is in the user's private runtime dir, mode 0600;
+every connection's SO_PEERCRED must be this server's own uid (root's server serves root only, a user's
+server only that user: root never needs another user's server, since its own acts on any process), and
+the peer must share the server's pid and mount namespaces, since a request names pids and image paths.
+A request is data: the coordinator's own checks (target.resolve and the rest) apply to every pid in it,
+exactly as in-process, and nothing in it is a library to load or a path the server opens for itself.
+"""
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from .. import coordinator, gpus, recover
+from .. import target as targets
+from ..agent import peer_credentials
+from ..driver import controller_driver, controller_simulated
+from ..errors import GpucrError
+from . import wire
+
+ACCEPT_TICK_S = 0.5
+
+
+class _EnvGate:
+    """A request carrying settings of its client's environment (wire.REQUEST_ENV) runs alone, with them
+    set in this process's environment (where the coordinator reads them); the others share it."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._shared = 0
+        self._alone = False
+
+    @contextmanager
+    def hold(self, env: dict[str, str]) -> Iterator[None]:
+        with self._cond:
+            if env:
+                self._cond.wait_for(lambda: not self._alone and self._shared == 0)
+                self._alone = True
+            else:
+                self._cond.wait_for(lambda: not self._alone)
+                self._shared += 1
+        saved = {k: os.environ.get(k) for k in wire.REQUEST_ENV}
+        try:
+            if env:
+                for k in wire.REQUEST_ENV:
+                    os.environ.pop(k, None)
+                os.environ.update(env)
+            yield
+        finally:
+            with self._cond:
+                if env:
+                    for k, v in saved.items():
+                        if v is None:
+                            os.environ.pop(k, None)
+                        else:
+                            os.environ[k] = v
+                    self._alone = False
+                else:
+                    self._shared -= 1
+                self._cond.notify_all()
+
+
+class Server:
+    def __init__(self, idle_exit_s: float | None = None) -> None:
+        self.simulated = controller_simulated()
+        self.idle_exit_s = idle_exit_s
+        self.started = time.time()
+        self.requests = 0
+        self.in_flight = 0
+        self.last_activity = time.monotonic()
+        self.stopping = threading.Event()
+        self.env_gate = _EnvGate()
+        self.lock = threading.Lock()
+        self.dir = wire.make_dir()
+        self.path = self.dir / wire.socket_name(self.simulated)
+        self.me = wire.namespaces("self")
+        self.sock: socket.socket | None = None
+        self.ino = 0
+
+    # ---- the socket ----
+
+    def bind(self) -> None:
+        """Bind under a temporary name, then link it to the server's name, which fails if one is there:
+        a live server's socket is never replaced (a second server exits), a dead one's is."""
+        tmp = self.dir / f".server-{os.getpid()}.tmp"
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            _unlink_quiet(tmp)
+            s.bind(str(tmp))
+        finally:
+            os.umask(old)
+        try:
+            for _ in range(3):
+                try:
+                    os.link(tmp, self.path)
+                    break
+                except FileExistsError:
+                    if _answers(self.path):
+                        raise GpucrError(f"a gpucr server already listens on {self.path}") from None
+                    _unlink_quiet(self.path)   # left by a server that was killed
+            else:
+                raise GpucrError(f"cannot take {self.path}: another server starts at the same moment")
+        except BaseException:
+            s.close()
+            _unlink_quiet(tmp)
+            raise
+        _unlink_quiet(tmp)
+        s.listen(64)
+        s.settimeout(ACCEPT_TICK_S)
+        self.sock, self.ino = s, os.lstat(self.path).st_ino
+
+    def close(self) -> None:
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
+        try:
+            if os.lstat(self.path).st_ino == self.ino:   # only the socket this server bound
+                self.path.unlink()
+        except OSError:
+            pass
+
+    # ---- serving ----
+
+    def serve(self) -> None:
+        assert self.sock is not None
+        while not self.stopping.is_set():
+            try:
+                conn, _ = self.sock.accept()
+            except socket.timeout:
+                if self._idle_long_enough():
+                    log(f"no process under gpucr and no request for {self.idle_exit_s:.0f} s: exiting")
+                    return
+                continue
+            except OSError as exc:
+                if exc.errno in (errno.EINTR, errno.ECONNABORTED):
+                    continue
+                raise
+            with self.lock:
+                self.last_activity = time.monotonic()
+            threading.Thread(target=self._connection, args=(conn,), daemon=True, name="gpucr-serve").start()
+
+    def _idle_long_enough(self) -> bool:
+        if self.idle_exit_s is None:
+            return False
+        with self.lock:
+            if self.in_flight or time.monotonic() - self.last_activity < self.idle_exit_s:
+                return False
+        if targets.list_sockets():
+            with self.lock:
+                self.last_activity = time.monotonic()
+            return False
+        return True
+
+    def _connection(self, conn: socket.socket) -> None:
+        try:
+            why = self._peer_problem(conn)
+            if why is not None:
+                log(f"refused a connection: {why}")
+                wire.send(conn, {"ok": False, "error": why, "code": 1})
+                return
+            conn.settimeout(wire.REQUEST_IDLE_S)
+            req = wire.receive(conn, "request")
+            if req is None:
+                return
+            conn.settimeout(None)
+            wire.send(conn, self._answer(req))
+        except Exception as exc:   # a bug must not look like the server dying: say it, keep serving
+            if not isinstance(exc, (OSError, GpucrError)):
+                log("internal error:\n" + traceback.format_exc())
+            try:
+                wire.send(conn, {"ok": False, "error": f"the gpucr server failed: {exc}", "code": 1})
+            except OSError:
+                pass
+        finally:
+            conn.close()
+
+    def _peer_problem(self, conn: socket.socket) -> str | None:
+        pid, uid, _ = peer_credentials(conn)
+        if uid != os.getuid():
+            return (f"permission denied: this gpucr server serves uid {os.getuid()} only, not uid {uid}; "
+                    "run gpucr as that user, or with --no-server")
+        try:
+            if pid == 0 or wire.namespaces(pid) != self.me:
+                raise OSError
+        except OSError:
+            return ("the client runs in another pid or mount namespace than this gpucr server, so its pids and "
+                    "paths mean other things here; run gpucr with --no-server there")
+        return None
+
+    def _answer(self, req: dict[str, Any]) -> dict[str, Any]:
+        op = req.get("op")
+        handler = _HANDLERS.get(op) if isinstance(op, str) else None
+        if handler is None:
+            return {"ok": False, "error": f"unknown request {op!r}", "code": 2}
+        if op not in ("hello", "stop") and (req.get("protocol"), req.get("code")) != (wire.PROTOCOL, wire.code_identity()):
+            return {"ok": False, "mismatch": True,
+                    "error": f"the gpucr server running (pid {os.getpid()}) is of another gpucr ({wire.code_identity()}); "
+                             "stop it with 'gpucr serve --stop'"}
+        env = req.get("env") or {}
+        if not isinstance(env, dict) or any(k not in wire.REQUEST_ENV or not isinstance(v, str) for k, v in env.items()):
+            return {"ok": False, "error": f"a request may carry only {', '.join(wire.REQUEST_ENV)}", "code": 2}
+        args = req.get("args") or {}
+        if not isinstance(args, dict):
+            return {"ok": False, "error": "the request's args are not an object", "code": 2}
+        try:
+            run = handler(self, args)   # the args checked before anything is done
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:
+            return {"ok": False, "error": f"malformed '{op}' request ({exc})", "code": 2}
+        with self.lock:   # a hello (a look at the server itself) is not counted
+            self.in_flight += op != "hello"
+            self.requests += op != "hello"
+        try:
+            with self.env_gate.hold(env):
+                return {"ok": True, "result": run()}
+        except GpucrError as exc:
+            return {"ok": False, "error": str(exc), "code": exc.code}
+        finally:
+            with self.lock:
+                self.in_flight -= op != "hello"
+                self.last_activity = time.monotonic()
+
+    def info(self) -> dict[str, Any]:
+        """What `gpucr serve --status`, `gpucr ps` and `status` show of the server."""
+        drv = controller_driver()
+        with self.lock:
+            busy, served = self.in_flight, self.requests
+        return {"server": "gpucr", "protocol": wire.PROTOCOL, "code": wire.code_identity(), "pid": os.getpid(),
+                "simulated": self.simulated, "socket": str(self.path),
+                "log": str(self.dir / wire.log_name(self.simulated)), "up_s": round(time.time() - self.started, 1),
+                "requests": served, "in_flight": busy, "driver_version": drv.version(), "idle_exit_s": self.idle_exit_s,
+                # it initialises the driver and makes no context of its own: nothing of it is on any GPU
+                "gpus": [{"uuid": g.uuid, "context": False, "bytes": 0} for g in gpus.machine_gpus(drv)]}
+
+
+# ---- requests: each handler checks its args and returns what runs the request ----
+
+Run = Callable[[], Any]
+
+
+def _images(args: dict[str, Any]) -> dict[int, str] | None:
+    imgs = args.get("images")
+    if imgs is None:
+        return None
+    out = {int(k): str(v) for k, v in imgs.items()}
+    if any(not os.path.isabs(v) for v in out.values()):
+        raise ValueError("an image dir sent to the server must be an absolute path")
+    return out
+
+
+def _pid(v: Any) -> int:
+    if not isinstance(v, int) or isinstance(v, bool):
+        raise ValueError(f"{v!r} is not a pid")
+    return v
+
+
+def _pids(args: dict[str, Any]) -> list[int]:
+    if not isinstance(args["pids"], list):
+        raise ValueError("pids must be a list")
+    return [_pid(p) for p in args["pids"]]
+
+
+def _checkpoint(_s: Server, a: dict[str, Any]) -> Run:
+    pids, level, timeout, images = _pids(a), str(a["level"]), float(a["timeout"]), _images(a)
+    return lambda: coordinator.checkpoint_many(pids, level=level, timeout=timeout, images=images)
+
+
+def _restore(_s: Server, a: dict[str, Any]) -> Run:
+    pids, timeout, images = _pids(a), float(a["timeout"]), _images(a)
+    drop, force = bool(a["drop_staging"]), bool(a["force"])
+    gpu_map = {str(k): str(v) for k, v in (a.get("gpu_map") or {}).items()}
+    return lambda: coordinator.restore_many(pids, timeout=timeout, drop_staging=drop, images=images, force=force,
+                                            gpu_map=gpu_map)
+
+
+def _status(_s: Server, a: dict[str, Any]) -> Run:
+    pid = _pid(a["pid"])
+    return lambda: coordinator.status(pid)
+
+
+def _recover(_s: Server, a: dict[str, Any]) -> Run:
+    only_list, timeout = bool(a.get("list")), float(a["timeout"])
+    return lambda: [vars(x) for x in (recover.find() if only_list else recover.recover(timeout=timeout))]
+
+
+def _stop(s: Server, _a: dict[str, Any]) -> Run:
+    def run() -> Any:
+        s.stopping.set()
+        return {"pid": os.getpid()}
+    return run
+
+
+_HANDLERS: dict[str, Callable[[Server, dict[str, Any]], Run]] = {
+    "hello": lambda s, a: s.info,
+    "checkpoint": _checkpoint,
+    "restore": _restore,
+    "status": _status,
+    "ps": lambda s, a: coordinator.ps,
+    "recover": _recover,
+    "stop": _stop,
+}
+
+
+def _answers(path: Path) -> bool:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.settimeout(1.0)
+    try:
+        s.connect(str(path))
+        return True
+    except OSError:
+        return False
+    finally:
+        s.close()
+
+
+def _unlink_quiet(path: Path) -> None:
+    try:
+        path.unlink()
+    except FileNotFoundError:
+        pass
+
+
+def log(line: str) -> None:
+    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} gpucr serve [{os.getpid()}]: {line}", file=sys.stderr, flush=True)
+
+
+def main(idle_exit_s: float | None = None) -> int:
+    """Run the server in the foreground until `gpucr serve --stop`, SIGTERM or SIGINT (or, with
+    `idle_exit_s`, that long with no process under gpucr and no request)."""
+    controller_driver()   # cuInit once, here: a server that cannot reach its driver does not start
+    srv = Server(idle_exit_s)
+    srv.bind()
+    signal.signal(signal.SIGTERM, lambda *_: srv.stopping.set())
+    signal.signal(signal.SIGINT, lambda *_: srv.stopping.set())
+    log(f"serving uid {os.getuid()} on {srv.path} ({'simcuda' if srv.simulated else 'the system CUDA driver'})")
+    try:
+        srv.serve()
+    finally:
+        srv.close()
+    log("stopped")
+    return 0

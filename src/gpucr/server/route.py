@@ -1,0 +1,126 @@
+"""What the CLI and `import gpucr` call: each request goes to the user's gpucr server when one runs,
+else it runs here, in-process, as it always could.
+
+In-process is chosen, silently, when no server was started, or when told (`--no-server`,
+GPUCR_NO_SERVER=1); with a one-line note on stderr when a server is named but cannot be used (killed,
+of another install). A server that dies during a checkpoint or a restore leaves the process as a killed
+in-process controller would (docs/faults.md): the error says so and what to do; reads (status, ps) are
+simply asked again in-process.
+"""
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from .. import coordinator
+from .. import recover as recovery
+from ..driver import controller_simulated
+from ..errors import GpucrError
+from . import client, wire
+
+NO_SERVER_ENV = "GPUCR_NO_SERVER"
+
+
+def server_wanted() -> bool:
+    return os.environ.get(NO_SERVER_ENV, "") != "1"
+
+
+def note(line: str) -> None:
+    print(f"gpucr: note: {line}", file=sys.stderr, flush=True)
+
+
+def _ask(op: str, args: dict[str, Any]) -> tuple[bool, Any]:
+    """(True, result) when the server answered, (False, None) to go on in-process."""
+    if not server_wanted():
+        return False, None
+    try:
+        conn = client.connect(controller_simulated())
+    except client.Unavailable as exc:
+        note(f"{exc}; acting in-process")
+        return False, None
+    if conn is None:
+        return False, None
+    env = {k: os.environ[k] for k in wire.REQUEST_ENV if k in os.environ}
+    try:
+        return True, conn.ask(op, args, env)
+    except client.Unavailable as exc:
+        note(f"{exc}; acting in-process")
+        return False, None
+
+
+def _changing(op: str, pids: list[int], args: dict[str, Any]) -> tuple[bool, Any]:
+    """A checkpoint or restore through the server: its death mid-way is the end of this request."""
+    try:
+        return _ask(op, args)
+    except client.ServerDied as exc:
+        who = ", ".join(map(str, pids))
+        if not pids:
+            raise GpucrError(f"{exc}; run it again (in-process until a server runs again)") from exc
+        raise GpucrError(f"{exc} of process {who}; it is left as a killed controller leaves it: its agent rolls back "
+                         f"a checkpoint not yet committed, and 'gpucr restore {who}' completes one the driver holds "
+                         f"(see 'gpucr status'); gpucr acts in-process until a server runs again") from exc
+
+
+def _reading(op: str, args: dict[str, Any]) -> tuple[bool, Any]:
+    try:
+        return _ask(op, args)
+    except client.ServerDied as exc:
+        note(f"{exc}; acting in-process")
+        return False, None
+
+
+def _abs_images(images: dict[int, str | Path] | None) -> dict[str, str] | None:
+    # the server's cwd is not the client's: an image dir travels as an absolute path
+    return {str(k): os.path.abspath(str(v)) for k, v in images.items()} if images else None
+
+
+def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
+                    images: dict[int, str | Path] | None = None) -> list[dict[str, Any]]:
+    done, out = _changing("checkpoint", pids, {"pids": list(pids), "level": level, "timeout": timeout,
+                                               "images": _abs_images(images)})
+    return out if done else coordinator.checkpoint_many(pids, level, timeout, images)
+
+
+def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,
+                 images: dict[int, str | Path] | None = None, force: bool = False,
+                 gpu_map: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    done, out = _changing("restore", pids, {"pids": list(pids), "timeout": timeout, "drop_staging": drop_staging,
+                                            "images": _abs_images(images), "force": force, "gpu_map": gpu_map or {}})
+    return out if done else coordinator.restore_many(pids, timeout, drop_staging, images, force, gpu_map)
+
+
+def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str | Path | None = None) -> dict[str, Any]:
+    """Save the process's GPU memory and give it back; the process stays alive, parked (coordinator.checkpoint)."""
+    return checkpoint_many([pid], level, timeout, {pid: image} if image is not None else None)[0]
+
+
+def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: str | Path | None = None,
+            force: bool = False) -> dict[str, Any]:
+    """Put every byte back at the same address and let the process carry on (coordinator.restore)."""
+    return restore_many([pid], timeout, drop_staging, {pid: image} if image is not None else None, force)[0]
+
+
+def status(pid: int) -> dict[str, Any]:
+    """The live state of a process under gpucr (coordinator.status)."""
+    done, out = _reading("status", {"pid": pid})
+    return out if done else coordinator.status(pid)
+
+
+def ps() -> list[dict[str, Any]]:
+    """Every live process under gpucr that this user can see (coordinator.ps)."""
+    done, out = _reading("ps", {})
+    return out if done else coordinator.ps()
+
+
+def recover(list_only: bool, timeout: float) -> list[recovery.Stuck]:
+    done, out = _changing("recover", [], {"list": list_only, "timeout": timeout}) if server_wanted() else (False, None)
+    if done:
+        return [recovery.Stuck(**s) for s in out]
+    return recovery.find() if list_only else recovery.recover(timeout=timeout)
+
+
+def server_info() -> dict[str, Any] | None:
+    """The running server's description, None when none runs (or when told not to use one)."""
+    return client.info(controller_simulated()) if server_wanted() else None

@@ -1,0 +1,363 @@
+"""`gpucr serve` (issue 13, step 1): a per-user server that acts as the controller. Real servers, real
+sockets, real processes under LD_PRELOAD on simcuda. What each test proves is in its name and docstring."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import stat
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import gpucr
+from gpucr import paths
+from gpucr.driver import ProcessState
+from gpucr.server import client, wire
+from gpucr.workloads.runner import Workload
+
+from conftest import RunningServer, cycle_concurrently, gpucr_cli, sim_driver
+
+
+def one_line_error(r: subprocess.CompletedProcess, *words: str) -> str:
+    assert r.returncode != 0, r.stdout
+    lines = r.stderr.strip().splitlines()
+    errors = [l for l in lines if l.startswith("gpucr: error:")]
+    assert len(errors) == 1, r.stderr
+    for w in words:
+        assert w in errors[0], errors[0]
+    return errors[0]
+
+
+def wait_for(cond, timeout: float = 30.0, what: str = "condition") -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+# ---- requests go through the server ----
+
+def test_cli_and_api_requests_go_through_the_server(server, sim_app):
+    """checkpoint, restore, status and ps from the CLI and from `import gpucr` are served by the server
+    (its count of requests moves by one each), and the bytes come back at the same addresses."""
+    app = sim_app("--sizes", "32M,4M", "--vmm-mib", "8")
+    before = app.ask("digest")
+    n = server.requests()
+    r = gpucr_cli("checkpoint", str(app.pid))
+    assert r.returncode == 0, r.stderr
+    assert server.requests() == n + 1
+    assert gpucr.status(app.pid)["state"] == "checkpointed"
+    assert server.requests() == n + 2
+    assert gpucr_cli("restore", str(app.pid)).returncode == 0
+    assert server.requests() == n + 3
+    gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid)
+    assert server.requests() == n + 5
+    assert app.ask("digest") == before
+    ps = gpucr_cli("ps")
+    assert ps.returncode == 0 and server.requests() == n + 6
+    assert f"server: pid {server.pid} [simcuda]" in ps.stdout and "holds on each GPU" in ps.stdout
+    assert str(app.pid) in ps.stdout
+
+
+def test_no_server_flag_and_setting_act_in_process(server, sim_app):
+    """--no-server and GPUCR_NO_SERVER=1 (a checked controller setting) leave the server out."""
+    app = sim_app("--sizes", "8M")
+    n = server.requests()
+    assert gpucr_cli("checkpoint", "--no-server", str(app.pid)).returncode == 0
+    assert gpucr_cli("restore", str(app.pid), env={**os.environ, "GPUCR_NO_SERVER": "1"}).returncode == 0
+    assert gpucr_cli("status", "--no-server", str(app.pid)).returncode == 0
+    assert server.requests() == n
+    assert "server: not used (--no-server)" in gpucr_cli("ps", "--no-server").stdout
+    one_line_error(gpucr_cli("ps", env={**os.environ, "GPUCR_NO_SERVER": "yes"}), "GPUCR_NO_SERVER=yes is not valid")
+
+
+def test_processes_cycled_concurrently_through_the_server(server, sim_app):
+    """The server serves several controllers at once: six processes, each cycled in its own thread."""
+    apps = [sim_app("--sizes", "16M,2M", "--seed", str(i)) for i in range(6)]
+    befores = [a.ask("digest") for a in apps]
+    n = server.requests()
+    assert cycle_concurrently([a.pid for a in apps], 3) == []
+    assert server.requests() == n + 6 * 3 * 2
+    assert [a.ask("digest") for a in apps] == befores
+
+
+def test_refusals_come_back_as_the_same_one_line(server, sim_app):
+    """What the coordinator refuses in-process is refused in the same words through the server."""
+    app = sim_app("--sizes", "8M")
+    via = one_line_error(gpucr_cli("restore", str(app.pid)), "is not checkpointed")
+    alone = one_line_error(gpucr_cli("restore", "--no-server", str(app.pid)), "is not checkpointed")
+    assert via == alone
+    one_line_error(gpucr_cli("checkpoint", "999999999"), "no process with pid 999999999")
+
+
+def test_image_dirs_travel_as_absolute_paths(server, sim_app, tmp_path):
+    """An image dir given relative to the client's cwd is written there, not in the server's cwd."""
+    app = sim_app("--sizes", "8M")
+    before = app.ask("digest")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    r = subprocess.run([sys.executable, "-m", "gpucr.cli", "checkpoint", "--image", "img", str(app.pid)], cwd=tmp_path,
+                       capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "img" / "manifest.json").exists()
+    assert gpucr_cli("restore", "--image", str(tmp_path / "img"), str(app.pid)).returncode == 0
+    assert app.ask("digest") == before
+
+
+# ---- the server killed: the app loses nothing, in-process still works ----
+
+@pytest.mark.parametrize("point,after", [
+    ("after-data-out", "running"),             # the agent's lease rolls it back by itself
+    ("after-driver-lock", "restorable"),       # the driver holds it: a restore finishes the job
+    ("after-driver-checkpoint", "restorable"),
+])
+def test_server_killed_during_checkpoint(server, sim_app, point, after):
+    """A server SIGKILLed at each phase of a checkpoint: the client says so in one line, the process runs
+    on or is restorable in-process with every byte, and can be cycled again."""
+    app = sim_app("--sizes", "32M,4M", "--vmm-mib", "8")
+    before = app.ask("digest")
+    r = gpucr_cli("checkpoint", str(app.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT=point))
+    one_line_error(r, f"the gpucr server (pid {server.pid}) died during 'checkpoint'", f"gpucr restore {app.pid}")
+    assert server.proc.wait(timeout=30) == -signal.SIGKILL
+    if after == "running":
+        wait_for(lambda: gpucr.status(app.pid)["state"] == "running" and not gpucr.status(app.pid)["busy"],
+                 what="the agent's roll-back")
+    else:
+        assert sim_driver().state(app.pid) != ProcessState.RUNNING
+        r = gpucr_cli("restore", str(app.pid))
+        assert r.returncode == 0, r.stderr
+        assert "gpucr server is not running" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert gpucr.status(app.pid)["state"] == "running"
+    assert sim_driver().state(app.pid) == ProcessState.RUNNING
+    assert app.ask("digest") == before
+    gpucr.checkpoint(app.pid)   # in-process now, and it still works
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before
+
+
+@pytest.mark.parametrize("point", ["after-driver-restore", "after-driver-unlock"])
+def test_server_killed_during_restore(server, sim_app, point):
+    """A server SIGKILLed mid restore leaves the process checkpointed; an in-process restore completes it."""
+    app = sim_app("--sizes", "32M,4M")
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    r = gpucr_cli("restore", str(app.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT=point))
+    one_line_error(r, "died during 'restore'")
+    server.proc.wait(timeout=30)
+    assert gpucr.status(app.pid)["state"] == "checkpointed"
+    assert gpucr_cli("restore", str(app.pid)).returncode == 0
+    assert app.ask("digest") == before
+
+
+def test_server_killed_mid_data_out(server, sim_app):
+    """SIGKILL while the server waits for 1.5 GiB to be copied out: the agent rolls back by itself."""
+    app = sim_app("--sizes", "1500M")
+    before = app.ask("digest")
+    p = subprocess.Popen([sys.executable, "-m", "gpucr.cli", "checkpoint", str(app.pid)], stderr=subprocess.PIPE, text=True)
+    wait_for(lambda: server.info() is not None and server.info()["in_flight"] == 1, what="the checkpoint in the server")
+    time.sleep(0.1)
+    os.kill(server.pid, signal.SIGKILL)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 1 and "died during 'checkpoint'" in err, err
+    wait_for(lambda: gpucr.status(app.pid)["state"] == "running" and not gpucr.status(app.pid)["busy"],
+             what="the agent's roll-back")
+    assert app.ask("digest") == before
+
+
+def test_a_killed_servers_socket_is_noted_once_then_replaced(server, sim_app):
+    """A killed server leaves its socket: the next request notes it in one line and acts in-process; ps
+    removes the dead socket, so the note is not repeated; a new server takes the name."""
+    app = sim_app("--sizes", "8M")
+    os.kill(server.pid, signal.SIGKILL)
+    server.proc.wait(timeout=30)
+    assert server.socket.exists()
+    r = gpucr_cli("status", str(app.pid))
+    assert r.returncode == 0 and r.stderr.count("gpucr: note:") == 1 and "not running" in r.stderr, r.stderr
+    r = gpucr_cli("ps")
+    assert r.returncode == 0 and "server: not running" in r.stdout
+    assert not server.socket.exists()
+    assert gpucr_cli("status", str(app.pid)).stderr == ""
+    again = RunningServer(True)
+    try:
+        assert gpucr_cli("checkpoint", str(app.pid)).returncode == 0 and again.requests() == 1
+        assert gpucr_cli("restore", str(app.pid)).returncode == 0
+    finally:
+        again.stop()
+
+
+# ---- one server, its socket and who may use it ----
+
+def test_a_second_server_exits_and_the_first_keeps_its_socket(server):
+    r = gpucr_cli("serve", "--simulate")
+    one_line_error(r, "already listens on")
+    assert server.info()["pid"] == server.pid
+
+
+def test_socket_log_and_dir_are_private(server):
+    st = os.lstat(server.socket)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o600 and st.st_uid == os.getuid()
+    assert paths.dir_problem(server.socket.parent, os.getuid()) is None
+
+
+def test_a_client_of_another_uid_is_refused_by_the_server(monkeypatch):
+    """Even with the dir and socket opened up by hand, SO_PEERCRED keeps another uid out."""
+    d = Path(tempfile.mkdtemp(dir="/tmp"))   # reachable by another user once opened up (pytest's own dirs are not)
+    monkeypatch.setenv("GPUCR_RUNTIME_DIR", str(d))
+    srv = RunningServer(True)
+    try:
+        os.chmod(d, 0o711)
+        os.chmod(srv.socket, 0o666)
+        probe = ("import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]);"
+                 "s.sendall(b'{\"op\":\"ps\"}\\n'); print(s.recv(4096).decode())")
+        r = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", sys.executable, "-c", probe,
+                            str(srv.socket)], capture_output=True, text=True, timeout=30)
+        reply = json.loads(r.stdout)
+        assert reply["ok"] is False and "serves uid 0 only, not uid 65534" in reply["error"], r
+        assert client.info(True) is None, "a client never uses a server in a dir that is not private"
+        os.chmod(d, 0o700)
+        assert srv.info()["pid"] == srv.pid
+        assert "refused a connection" in srv.log.read_text()
+    finally:
+        srv.stop()
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="unshare needs root")
+def test_a_client_in_another_pid_namespace_is_refused(server, sim_app):
+    """Pids in a request mean what they mean in the server's namespace only: a client elsewhere is refused."""
+    probe = ("import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]);"
+             "s.sendall(b'{\"op\":\"ps\"}\\n'); print(s.recv(4096).decode())")
+    r = subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", probe, str(server.socket)],
+                       capture_output=True, text=True, timeout=30)
+    if r.returncode != 0 and "unshare" in r.stderr:
+        pytest.skip(f"unshare failed here: {r.stderr.strip()}")
+    reply = json.loads(r.stdout)
+    assert reply["ok"] is False and "another pid or mount namespace" in reply["error"]
+
+
+def test_garbage_and_bad_requests_are_answered_and_serving_goes_on(server, sim_app):
+    app = sim_app("--sizes", "4M")
+
+    def raw(data: bytes) -> dict | None:
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(server.socket))
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while chunk := s.recv(65536):
+            out += chunk
+        s.close()
+        return json.loads(out) if out else None
+    ident = {"protocol": wire.PROTOCOL, "code": wire.code_identity()}
+    assert raw(b"\x00\xff not json\n")["ok"] is False
+    assert raw(b"[1,2]\n")["ok"] is False
+    assert "unknown request" in raw(json.dumps({"op": "rm -rf", **ident}).encode() + b"\n")["error"]
+    assert "malformed" in raw(json.dumps({"op": "status", "args": {"pid": "1; ls"}, **ident}).encode() + b"\n")["error"]
+    assert "malformed" in raw(json.dumps({"op": "checkpoint", "args": {"pids": [True]}, **ident}).encode() + b"\n")["error"]
+    bad_env = {"op": "ps", "env": {"LD_PRELOAD": "/tmp/evil.so"}, **ident}
+    assert "may carry only" in raw(json.dumps(bad_env).encode() + b"\n")["error"]
+    other = {"op": "ps", "protocol": wire.PROTOCOL, "code": "0.0.0:/elsewhere"}
+    reply = raw(json.dumps(other).encode() + b"\n")
+    assert reply["mismatch"] and "another gpucr" in reply["error"]
+    assert raw(b"") is None                                    # a connection that says nothing
+    assert raw(b"x" * (wire.MAX_MESSAGE + 10))["ok"] is False  # larger than any request
+    assert gpucr.status(app.pid)["state"] == "running"
+    assert server.info()["pid"] == server.pid
+
+
+# ---- started by `gpucr run`, stopped, gone when idle ----
+
+def test_gpucr_run_starts_a_detached_server_that_serves_it(tmp_path):
+    """`gpucr run` starts the server when none runs: detached (not the app's child), logging to a 0600
+    file in the runtime dir; it serves the app's checkpoints; `gpucr serve --stop` stops it."""
+    argv = [sys.executable, "-m", "gpucr.cli", "run", "--simulate", "--", sys.executable, "-m",
+            "gpucr.workloads.driver_app", "--sizes", "16M"]
+    app = Workload("driver_app", argv=argv, agent=False, simulate=True)
+    try:
+        sock = paths.runtime_dir() / wire.socket_name(True)
+        wait_for(lambda: client.info(True) is not None, what="the server gpucr run started")
+        info = client.info(True)
+        ppid = int(next(l for l in Path(f"/proc/{info['pid']}/status").read_text().splitlines()
+                        if l.startswith("PPid:")).split()[1])
+        assert ppid != app.pid, "the server must not be the app's child"
+        assert os.getsid(info["pid"]) != os.getsid(app.pid), "the server runs in a session of its own"
+        log = Path(info["log"])
+        assert stat.S_IMODE(os.lstat(log).st_mode) == 0o600 and "serving uid" in log.read_text()
+        assert info["idle_exit_s"] == client.AUTO_IDLE_EXIT_S
+        before = app.ask("digest")
+        assert gpucr_cli("checkpoint", str(app.pid)).returncode == 0
+        assert gpucr_cli("restore", str(app.pid)).returncode == 0
+        assert client.info(True)["requests"] == 2
+        assert app.ask("digest") == before
+        r = gpucr_cli("serve", "--simulate", "--stop")
+        assert r.returncode == 0 and f"(pid {info['pid']}) stopped" in r.stdout
+        assert not sock.exists() and "stopped" in log.read_text()
+        assert gpucr_cli("serve", "--simulate", "--status").returncode == 3
+    finally:
+        app.close()
+        gpucr_cli("serve", "--simulate", "--stop")
+
+
+def test_gpucr_run_no_server_starts_none(tmp_path):
+    argv = [sys.executable, "-m", "gpucr.cli", "run", "--simulate", "--no-server", "--", sys.executable, "-m",
+            "gpucr.workloads.driver_app", "--sizes", "4M"]
+    app = Workload("driver_app", argv=argv, agent=False, simulate=True)
+    try:
+        time.sleep(1.0)
+        assert client.info(True) is None
+        assert not (paths.runtime_dir() / wire.socket_name(True)).exists()
+    finally:
+        app.close()
+
+
+def test_a_server_that_cannot_start_leaves_a_note_and_the_app_runs(sim_app, tmp_path):
+    """The server's log cannot be opened (a directory is in its place): `gpucr run` says so in one note
+    and runs the app, whose checkpoints run in-process."""
+    (paths.runtime_dir() / wire.log_name(True)).mkdir()
+    argv = [sys.executable, "-m", "gpucr.cli", "run", "--simulate", "--", sys.executable, "-m",
+            "gpucr.workloads.driver_app", "--sizes", "4M"]
+    err = tmp_path / "err"
+    with err.open("w") as f:
+        p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=f, text=True)
+        try:
+            assert json.loads(p.stdout.readline())["ready"]
+            notes = [l for l in err.read_text().splitlines() if l.startswith("gpucr: note:")]
+            assert len(notes) == 1 and "cannot start the gpucr server" in notes[0], err.read_text()
+            assert gpucr_cli("checkpoint", str(p.pid)).returncode == 0
+            assert gpucr_cli("restore", str(p.pid)).returncode == 0
+        finally:
+            p.kill()
+            p.wait()
+
+
+def test_an_idle_server_exits_only_when_no_process_is_under_gpucr(sim_app):
+    app = sim_app("--sizes", "4M")
+    s = RunningServer(True, "--idle-exit", "1")
+    try:
+        time.sleep(3)
+        assert s.proc.poll() is None, "it must stay while a process runs under gpucr"
+        app.proc.kill()
+        app.proc.wait()
+        assert s.proc.wait(timeout=30) == 0
+        assert not s.socket.exists()
+    finally:
+        s.stop()
+
+
+def test_the_systemd_unit_runs_gpucr_serve():
+    """The shipped user unit starts and stops the server with commands gpucr's own parser accepts."""
+    from gpucr import cli
+    unit = (Path(__file__).resolve().parent.parent / "scripts" / "systemd" / "gpucr.service").read_text()
+    lines = dict(l.split("=", 1) for l in unit.splitlines() if "=" in l and not l.startswith("#"))
+    for key, want in (("ExecStart", ["serve"]), ("ExecStop", ["serve", "--stop"])):
+        argv = lines[key].split()
+        assert argv[:2] == ["/usr/bin/env", "gpucr"] and argv[2:] == want, lines[key]
+        assert cli._parser().parse_args(argv[2:]).fn is cli.cmd_serve
+    assert lines["Type"] == "simple" and lines["WantedBy"] == "default.target"
