@@ -194,3 +194,21 @@ def server():
     s = RunningServer(True)
     yield s
     s.stop()
+
+
+def bring_back_on_the_gpu(pid: int, cli) -> None:
+    """After a controller (or server) was killed mid-cycle on the real driver: let the agent's own roll-back
+    finish (the driver never took the process), else restore it with `cli` (the driver holds it, or its gate
+    is still closed), then check the driver has it running."""
+    import time
+    import gpucr
+    from gpucr.driver import ProcessState, driver_for
+    st = gpucr.status(pid)
+    deadline = time.time() + 60
+    while st.rolling_back and driver_for("libcuda.so.1").state(pid) == ProcessState.RUNNING \
+            and time.time() < deadline:
+        time.sleep(0.1)
+        st = gpucr.status(pid)
+    if st.state != "running" or st.gate_closed or st.driver_state != "running":
+        assert cli("restore", str(pid)).returncode == 0
+    assert driver_for("libcuda.so.1").state(pid) == ProcessState.RUNNING

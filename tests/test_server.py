@@ -361,3 +361,19 @@ def test_the_systemd_unit_runs_gpucr_serve():
         assert argv[:2] == ["/usr/bin/env", "gpucr"] and argv[2:] == want, lines[key]
         assert cli._parser().parse_args(argv[2:]).fn is cli.cmd_serve
     assert lines["Type"] == "simple" and lines["WantedBy"] == "default.target"
+
+
+def test_bench_measures_the_cli_through_the_server_and_in_process(tmp_path):
+    """`gpucr bench` methods gpucr-cli (a fresh CLI, --no-server) and gpucr-cli-server (a fresh CLI through a
+    server the bench starts): both move every byte and are correct, and the bench stops its server."""
+    out = tmp_path / "r.json"
+    r = gpucr_cli("bench", "--simulate", "--workloads", "raw:0.05", "--methods", "gpucr-cli,gpucr-cli-server",
+                  "--repeat", "2", "--out", str(out), "--chart", str(tmp_path / "r.png"), timeout=300)
+    assert r.returncode == 0, r.stderr
+    methods = json.loads(out.read_text())["workloads"]["raw:0.05"]["methods"]
+    for name in ("gpucr-cli", "gpucr-cli-server"):
+        m = methods[name]
+        assert m["error"] is None and m["correct"] is True and len(m["samples"]) == 2, (name, m)
+        assert m["median"]["bytes_out"] == m["median"]["bytes_in"] > 0
+    assert client.info(True) is None, "the bench must stop the server it started"
+    assert "gpucr-cli-server" in r.stdout

@@ -8,7 +8,8 @@ import os
 import sys
 from typing import Any, Callable, NoReturn
 
-from . import __version__, coordinator, gpus, paths
+from . import __version__, gpus, paths
+from .levels import LEVELS
 from .server import route
 from .errors import GpucrError
 from .results import (SCHEMA_VERSION, GpuMemoryChange, ImageTransfer, LeftOut, ProcessStatus, RecoverResult,
@@ -392,7 +393,7 @@ def _parser() -> argparse.ArgumentParser:
         c.add_argument("--tree", metavar="PID", type=int, help="the processes of the tree under PID (a launcher such as "
                        "torchrun, a shell script) that hold GPU state under gpucr; the others are left alone and listed")
         if level:
-            c.add_argument("--level", choices=coordinator.LEVELS, default="full",
+            c.add_argument("--level", choices=LEVELS, default="full",
                            help="full: data and driver control state (GPU memory to the driver's floor); "
                                 "data: data only, the CUDA context stays (faster both ways)")
         c.add_argument("--timeout", type=_seconds, default=30.0, metavar="SECONDS",
@@ -459,15 +460,26 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--json", action="store_true")
     d.set_defaults(fn=cmd_demo)
 
-    from .bench.run import add_arguments as bench_arguments
-    bn = sub.add_parser("bench", help="gpucr against the driver's own checkpoint, side by side (JSON, chart, table)")
-    bench_arguments(bn)
-    bn.set_defaults(fn=cmd_bench)
+    sub.add_parser("bench", help=BENCH_HELP)   # its arguments: _bench_parser
+    return p
+
+
+BENCH_HELP = "gpucr against the driver's own checkpoint, side by side (JSON, chart, table)"
+
+
+def _bench_parser() -> argparse.ArgumentParser:
+    """`gpucr bench`'s own parser. Its arguments import the bench (and the coordinator), so they are built
+    only for it: the other commands, whose requests may go to the server, do not pay for those imports."""
+    from .bench.run import add_arguments
+    p = _Parser(prog="gpucr bench", description=BENCH_HELP)
+    add_arguments(p)
+    p.set_defaults(fn=cmd_bench, command="bench")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = _bench_parser().parse_args(argv[1:]) if argv[:1] == ["bench"] else _parser().parse_args(argv)
     try:
         _check_controller_env(dict(os.environ))
         if getattr(args, "simulate", False) and args.command != "run":

@@ -30,7 +30,7 @@ from .errors import GpucrError
 from .results import (SCHEMA_VERSION, CheckpointResult, ProcessCheckpoint, ProcessRestore, ProcessStatus, RestoreResult,
                       StatusResult, Unreachable)
 
-LEVELS = ("full", "data")
+from .levels import LEVELS   # noqa: E402,F401 (coordinator.LEVELS, as before)
 
 
 def _driver(t: targets.Target) -> Driver:

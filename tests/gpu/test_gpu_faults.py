@@ -17,7 +17,7 @@ from gpucr.coordinator import checkpoint_many, restore_many
 from gpucr.driver import ProcessState, driver_for, gpu_memory
 from gpucr.workloads.runner import Workload
 
-from conftest import check_fork_child_apart, cycle_concurrently, gpu, process_resources
+from conftest import bring_back_on_the_gpu, check_fork_child_apart, cycle_concurrently, gpu, process_resources
 
 pytestmark = [gpu, pytest.mark.gpu]
 MiB = 1 << 20
@@ -43,17 +43,9 @@ def test_controller_killed_at_each_phase(point):
         else:
             r = cli("checkpoint", str(app.pid), env=env)
         assert r.returncode == -signal.SIGKILL
-        st = gpucr.status(app.pid)
         # after data out only (the driver never took it), the agent rolls back on its own: let it;
-        # with the driver holding the process, its roll-back waits for the restore below instead
-        deadline = time.time() + 60
-        while st.rolling_back and driver_for("libcuda.so.1").state(app.pid) == ProcessState.RUNNING \
-                and time.time() < deadline:
-            time.sleep(0.1)
-            st = gpucr.status(app.pid)
-        if st.state != "running" or st.gate_closed or st.driver_state != "running":
-            assert cli("restore", str(app.pid)).returncode == 0
-        assert driver_for("libcuda.so.1").state(app.pid) == ProcessState.RUNNING
+        # with the driver holding the process, its roll-back waits for the restore instead
+        bring_back_on_the_gpu(app.pid, cli)
         assert app.ask("digest") == before
 
 

@@ -164,6 +164,9 @@ class Method:
     def restore(self, pids: list[int]) -> dict[str, Any]:
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Give back what the method holds between cycles (a server it started); after the last workload."""
+
 
 class DriverMethod(Method):
     """The driver's own checkpoint, through one persistent, initialised controller: every process
@@ -268,6 +271,58 @@ class GpucrMethod(Method):
         return combine(restore_many(pids, timeout=self.timeout).processes)
 
 
+class CliMethod(Method):
+    """gpucr as a user types it: a fresh `gpucr checkpoint|restore --json` process per step.
+    'gpucr-cli-server': through a gpucr server (`gpucr serve`, started for the bench and stopped after);
+    'gpucr-cli': in-process (--no-server), so each step also pays an interpreter, imports and cuInit.
+    The difference between the two is what the server saves; gpucr-full (a warm in-process controller,
+    the bench itself) bounds it."""
+    under_agent = True
+    splits = True
+
+    def __init__(self, server: bool, simulate: bool, timeout: float = STEP_TIMEOUT_S) -> None:
+        self.name = "gpucr-cli-server" if server else "gpucr-cli"
+        self.server, self.simulate, self.timeout = server, simulate, timeout
+        self.proc: subprocess.Popen | None = None
+
+    def _ensure_server(self) -> None:
+        from ..server import client
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        if client.info(self.simulate) is not None:
+            raise GpucrError("a gpucr server already runs: stop it ('gpucr serve --stop') so the bench knows what it measures")
+        self.proc = subprocess.Popen([sys.executable, "-m", "gpucr.cli", "serve"] + (["--simulate"] if self.simulate else []),
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while client.info(self.simulate) is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise GpucrError(f"gpucr serve did not start: {self.proc.stderr.read().decode().strip() if self.proc.stderr else ''}")
+            time.sleep(0.05)
+
+    def _cli(self, verb: str, pids: list[int]) -> dict[str, Any]:
+        if self.server:
+            self._ensure_server()
+        argv = [sys.executable, "-m", "gpucr.cli", verb, "--json", "--timeout", str(self.timeout)]
+        argv += (["--simulate"] if self.simulate else []) + ([] if self.server else ["--no-server"]) + [str(p) for p in pids]
+        r = subprocess.run(argv, capture_output=True, text=True)
+        if r.returncode != 0:
+            raise GpucrError(f"{self.name} {verb}: {(r.stderr.strip().splitlines() or ['exit ' + str(r.returncode)])[-1]}")
+        out = json.loads(r.stdout)
+        return combine(out if isinstance(out, list) else [out])
+
+    def checkpoint(self, pids: list[int]) -> dict[str, Any]:
+        return self._cli("checkpoint", pids)
+
+    def restore(self, pids: list[int]) -> dict[str, Any]:
+        return self._cli("restore", pids)
+
+    def close(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(timeout=60)
+        self.proc = None
+
+
 @contextlib.contextmanager
 def _env(key: str, value: str):
     old = os.environ.get(key)
@@ -282,7 +337,7 @@ def _env(key: str, value: str):
 
 
 METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data", "gpucr-full-pinned", "gpucr-full-unpinned",
-           "driver-nop2p")
+           "driver-nop2p", "gpucr-cli", "gpucr-cli-server")
 DEFAULT_METHODS = METHODS[:5]
 JOB_METHODS = ("ceiling", "driver", "driver-nop2p", "gpucr-full", "gpucr-data")   # the default for multi-GPU jobs
 
@@ -300,6 +355,8 @@ def make(name: str, drv: Driver, simulate: bool, deadline: float = 600.0) -> Met
         return GpucrMethod("full", pinned=True)
     if name == "gpucr-full-unpinned":
         return GpucrMethod("full", unpin=True)
+    if name in ("gpucr-cli", "gpucr-cli-server"):
+        return CliMethod(name.endswith("-server"), simulate)
     raise GpucrError(f"unknown method '{name}': use some of {', '.join(METHODS)}")
 
 

@@ -94,7 +94,8 @@ def markdown(res: dict[str, Any]) -> str:
               "pinned ring of up to 1 GiB by CPU threads), driver the control state; gpucr-data: data only, the CUDA "
               "context stays; ablations, when run: gpucr-full-pinned, the ring off and all of staging pinned; "
               "gpucr-full-unpinned, pinned staging unpinned for the driver's checkpoint and pinned again during the "
-              "restore's copies."]
+              "restore's copies; gpucr-cli / gpucr-cli-server: a fresh `gpucr checkpoint|restore` per step, in-process "
+              "(--no-server: an interpreter and cuInit each time) or through `gpucr serve`."]
     return "\n".join(lines)
 
 

@@ -403,24 +403,28 @@ def main(a: argparse.Namespace) -> int:
              f"in all; per GPU " + ", ".join(f"{g['d2h_gbps']:.1f}/{g['h2d_gbps']:.1f}" for g in c["per_gpu"]))
     methods = [M.make(n, drv, simulated, a.driver_deadline) for n in names if n != "ceiling"]
     failed = False
-    for spec in specs:
-        wres: dict[str, Any] = {"module": spec.module, "args": list(spec.args), "methods": {}}
-        results["workloads"][spec.name] = wres
-        for group in _groups(methods):
-            if group[0].job_env and not spec.nccl:   # NCCL settings change nothing in a job without NCCL
-                for m in group:
-                    wres["methods"][m.name] = {"skipped": "not an NCCL job", "correct": True, "error": None}
-                continue
-            huge = _hugepages_for(a, spec, group, wres["methods"], results) if a.staging_hugepages else None
-            try:
-                run_group(spec, group, simulated, drv, _ceiling_for(spec, results), a.repeat, wres["methods"],
-                          hugepages_for=huge, saved=lambda: _save(out, results, wres))
-            except (GpucrError, RuntimeError, OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
-                failed = True
-                _say(f"{spec.name}: {', '.join(m.name for m in group)} failed: {exc}")
-                for m in group:
-                    wres["methods"].setdefault(m.name, {"error": str(exc), "correct": False})
-            _save(out, results, wres)
+    try:   # a method may hold a server it started: given back whatever happens
+        for spec in specs:
+            wres: dict[str, Any] = {"module": spec.module, "args": list(spec.args), "methods": {}}
+            results["workloads"][spec.name] = wres
+            for group in _groups(methods):
+                if group[0].job_env and not spec.nccl:   # NCCL settings change nothing in a job without NCCL
+                    for m in group:
+                        wres["methods"][m.name] = {"skipped": "not an NCCL job", "correct": True, "error": None}
+                    continue
+                huge = _hugepages_for(a, spec, group, wres["methods"], results) if a.staging_hugepages else None
+                try:
+                    run_group(spec, group, simulated, drv, _ceiling_for(spec, results), a.repeat, wres["methods"],
+                              hugepages_for=huge, saved=lambda: _save(out, results, wres))
+                except (GpucrError, RuntimeError, OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
+                    failed = True
+                    _say(f"{spec.name}: {', '.join(m.name for m in group)} failed: {exc}")
+                    for m in group:
+                        wres["methods"].setdefault(m.name, {"error": str(exc), "correct": False})
+                _save(out, results, wres)
+    finally:
+        for m in methods:
+            m.close()
     failed = failed or not all(r.get("correct") or r.get("outcome") in ("failed", "hung")
                                for w in results["workloads"].values() for r in w["methods"].values())
     try:

@@ -14,13 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .. import coordinator
-from .. import recover as recovery
 from ..driver import controller_simulated
 from ..errors import GpucrError
 from . import client, wire
 
 NO_SERVER_ENV = "GPUCR_NO_SERVER"
+# The coordinator is imported only when a request runs here: a request sent to the server does not
+# pay for its imports (tens of ms).
 
 
 def server_wanted() -> bool:
@@ -80,7 +80,10 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
                     images: dict[int, str | Path] | None = None) -> list[dict[str, Any]]:
     done, out = _changing("checkpoint", pids, {"pids": list(pids), "level": level, "timeout": timeout,
                                                "images": _abs_images(images)})
-    return out if done else coordinator.checkpoint_many(pids, level, timeout, images)
+    if done:
+        return out
+    from .. import coordinator
+    return coordinator.checkpoint_many(pids, level, timeout, images)
 
 
 def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,
@@ -88,7 +91,10 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
                  gpu_map: dict[str, str] | None = None) -> list[dict[str, Any]]:
     done, out = _changing("restore", pids, {"pids": list(pids), "timeout": timeout, "drop_staging": drop_staging,
                                             "images": _abs_images(images), "force": force, "gpu_map": gpu_map or {}})
-    return out if done else coordinator.restore_many(pids, timeout, drop_staging, images, force, gpu_map)
+    if done:
+        return out
+    from .. import coordinator
+    return coordinator.restore_many(pids, timeout, drop_staging, images, force, gpu_map)
 
 
 def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str | Path | None = None) -> dict[str, Any]:
@@ -105,17 +111,25 @@ def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: 
 def status(pid: int) -> dict[str, Any]:
     """The live state of a process under gpucr (coordinator.status)."""
     done, out = _reading("status", {"pid": pid})
-    return out if done else coordinator.status(pid)
+    if done:
+        return out
+    from .. import coordinator
+    return coordinator.status(pid)
 
 
 def ps() -> list[dict[str, Any]]:
     """Every live process under gpucr that this user can see (coordinator.ps)."""
     done, out = _reading("ps", {})
-    return out if done else coordinator.ps()
+    if done:
+        return out
+    from .. import coordinator
+    return coordinator.ps()
 
 
-def recover(list_only: bool, timeout: float) -> list[recovery.Stuck]:
-    done, out = _changing("recover", [], {"list": list_only, "timeout": timeout}) if server_wanted() else (False, None)
+def recover(list_only: bool, timeout: float) -> list[Any]:
+    """`gpucr recover`: recover.Stuck for each process left stuck (recover.find / recover.recover)."""
+    from .. import recover as recovery
+    done, out = _changing("recover", [], {"list": list_only, "timeout": timeout})
     if done:
         return [recovery.Stuck(**s) for s in out]
     return recovery.find() if list_only else recovery.recover(timeout=timeout)

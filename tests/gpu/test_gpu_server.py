@@ -1,0 +1,98 @@
+"""`gpucr serve` on the real driver (issue 13, step 1): cycles through the server are correct and give the
+card back as in-process ones do; the server itself holds nothing on the GPU; a server SIGKILLed at each
+phase loses nothing; the CLI's cost through the server against in-process. Needs the H200; written in a
+session without one, so not yet run (the CPU suite covers the same on simcuda: tests/test_server.py)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import gpucr
+from gpucr.workloads.runner import Workload
+
+from conftest import RunningServer, bring_back_on_the_gpu, gpu
+from test_gpu_cycles import RESULTS, SLACK, used
+
+pytestmark = [gpu, pytest.mark.gpu]
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "gpucr.cli", *args], capture_output=True, text=True, env=env, timeout=300)
+
+
+@pytest.fixture
+def gpu_server():
+    s = RunningServer(False)
+    yield s
+    s.stop()
+
+
+def test_server_holds_nothing_on_the_gpu(gpu_server):
+    """The server initialises the driver and makes no context: the GPU's use does not move when it starts,
+    and it says so per GPU."""
+    info = gpu_server.info()
+    assert info["gpus"] and all(not g["context"] and g["bytes"] == 0 for g in info["gpus"])
+    with_server = used()
+    gpu_server.stop()
+    assert abs(used() - with_server) <= SLACK
+    assert cli("serve", "--status").returncode == 3
+
+
+def test_cycles_through_the_server_give_the_card_back(gpu_server):
+    idle = used()
+    with Workload("torch_app", "--gib", "4") as app:
+        before = app.ask("digest")
+        n = gpu_server.requests()
+        for _ in range(3):
+            r = cli("checkpoint", "--json", str(app.pid))
+            assert r.returncode == 0, r.stderr
+            assert used() - idle <= SLACK
+            assert cli("restore", str(app.pid)).returncode == 0
+            assert app.ask("digest") == before
+        assert gpu_server.requests() == n + 6
+
+
+@pytest.mark.parametrize("point", ["after-data-out", "after-driver-lock", "after-driver-checkpoint",
+                                   "after-driver-restore", "after-driver-unlock"])
+def test_server_killed_at_each_phase(gpu_server, point):
+    with Workload("torch_app", "--gib", "2") as app:
+        before = app.ask("digest")
+        env = dict(os.environ, GPUCR_TEST_KILL_AT=point)
+        if point in ("after-driver-restore", "after-driver-unlock"):
+            gpucr.checkpoint(app.pid, timeout=60)
+            r = cli("restore", str(app.pid), env=env)
+        else:
+            r = cli("checkpoint", str(app.pid), env=env)
+        assert r.returncode == 1 and "gpucr server" in r.stderr and "died" in r.stderr, r.stderr
+        assert gpu_server.proc.wait(timeout=60) == -signal.SIGKILL
+        bring_back_on_the_gpu(app.pid, cli)   # in-process now
+        assert app.ask("digest") == before
+
+
+def test_cli_cost_through_the_server_and_in_process(gpu_server):
+    """What the server saves a user's `gpucr checkpoint`: the same cycle, a fresh CLI each step, through
+    the server and with --no-server (an interpreter and cuInit each time); recorded, medians compared."""
+    def timed(*flags: str) -> tuple[float, float]:
+        t0 = time.perf_counter()
+        assert cli("checkpoint", *flags, str(app.pid)).returncode == 0
+        t1 = time.perf_counter()
+        assert cli("restore", *flags, str(app.pid)).returncode == 0
+        return t1 - t0, time.perf_counter() - t1
+    with Workload("torch_app", "--gib", "4") as app:
+        before = app.ask("digest")
+        timed()   # the first cycle prepares staging: not measured
+        via = sorted(timed() for _ in range(5))
+        alone = sorted(timed("--no-server") for _ in range(5))
+        assert app.ask("digest") == before
+    med = lambda xs, i: sorted(x[i] for x in xs)[len(xs) // 2]
+    row = {"test": "cli_cost_server_vs_in_process", "server_checkpoint_s": med(via, 0), "server_restore_s": med(via, 1),
+           "in_process_checkpoint_s": med(alone, 0), "in_process_restore_s": med(alone, 1)}
+    with RESULTS.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    assert row["server_checkpoint_s"] < row["in_process_checkpoint_s"], row
