@@ -149,6 +149,7 @@ def test_the_readme_sample_survives_a_checkpoint():
     finally:
         proc.kill()
         proc.wait()
+        gpucr_cli("serve", "--simulate", "--stop", env=env)   # the server `gpucr run --simulate` started, if it did
 
 
 def test_readme_points_at_files_that_exist():
