@@ -231,7 +231,8 @@ def test_a_client_of_another_uid_is_refused_by_the_server(monkeypatch):
 
 @pytest.mark.skipif(os.getuid() != 0, reason="unshare needs root")
 def test_a_client_in_another_pid_namespace_is_refused(server, sim_app):
-    """Pids in a request mean what they mean in the server's namespace only: a client elsewhere is refused."""
+    """Pids in a request mean what they mean in the server's namespace only: a client elsewhere is refused,
+    and gpucr there acts in-process."""
     probe = ("import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]);"
              "s.sendall(b'{\"op\":\"ps\"}\\n'); print(s.recv(4096).decode())")
     r = subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", probe, str(server.socket)],
@@ -239,7 +240,12 @@ def test_a_client_in_another_pid_namespace_is_refused(server, sim_app):
     if r.returncode != 0 and "unshare" in r.stderr:
         pytest.skip(f"unshare failed here: {r.stderr.strip()}")
     reply = json.loads(r.stdout)
-    assert reply["ok"] is False and "another pid or mount namespace" in reply["error"]
+    assert reply["ok"] is False and reply["mismatch"] and "another pid or mount namespace" in reply["error"]
+    # gpucr itself there: one note, and it acts in-process
+    r = subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-m", "gpucr.cli", "ps"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("gpucr: note:") == 1 and "another pid or mount namespace" in r.stderr, r.stderr
 
 
 def test_garbage_and_bad_requests_are_answered_and_serving_goes_on(server, sim_app):

@@ -55,9 +55,15 @@ class Connection:
             self.sock.close()
             raise Unavailable(f"the gpucr server is not running ({path.name}: {exc.strerror})") from exc
         self.pid, uid, _ = peer_credentials(self.sock)
+        why = None
         if uid != os.getuid():
+            why = f"the gpucr server socket {path} is served by uid {uid}, not {os.getuid()}; not used"
+        elif not _same_namespaces(self.pid):
+            why = ("the gpucr server runs in another pid or mount namespace than this client, where its pids and "
+                   "paths mean other things")
+        if why is not None:
             self.sock.close()
-            raise Unavailable(f"the gpucr server socket {path} is served by uid {uid}, not {os.getuid()}; not used")
+            raise Unavailable(why)
 
     def ask(self, op: str, args: dict[str, Any] | None = None, env: dict[str, str] | None = None,
             timeout: float | None = None) -> Any:
@@ -85,6 +91,15 @@ class Connection:
         if not reply.get("ok"):
             raise GpucrError(str(reply.get("error", "the gpucr server refused the request")), code=int(reply.get("code", 1)))
         return reply.get("result")
+
+
+def _same_namespaces(pid: int) -> bool:
+    """Whether the server (pid as the kernel shows it here; 0: in a pid namespace we cannot see) shares
+    this process's pid and mount namespaces (the server checks the same of its clients)."""
+    try:
+        return pid != 0 and wire.namespaces(pid) == wire.namespaces("self")
+    except OSError:
+        return False
 
 
 def connect(simulated: bool) -> Connection | None:

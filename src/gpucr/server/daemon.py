@@ -29,6 +29,7 @@ from ..errors import GpucrError
 from . import wire
 
 ACCEPT_TICK_S = 0.5
+REFUSED_READ_S = 2.0   # how long a refused peer's request is waited for, to answer it with why
 
 
 class _EnvGate:
@@ -165,12 +166,14 @@ class Server:
     def _connection(self, conn: socket.socket) -> None:
         try:
             why = self._peer_problem(conn)
-            if why is not None:
+            conn.settimeout(REFUSED_READ_S if why else wire.REQUEST_IDLE_S)
+            # the request is read even from a peer refused: closing on unread bytes would reset the
+            # connection, and the peer would read that instead of why
+            req = _receive_quiet(conn) if why else wire.receive(conn, "request")
+            if why is not None:   # "mismatch": a client of ours goes on in-process, with a note
                 log(f"refused a connection: {why}")
-                wire.send(conn, {"ok": False, "error": why, "code": 1})
+                wire.send(conn, {"ok": False, "mismatch": True, "error": why, "code": 1})
                 return
-            conn.settimeout(wire.REQUEST_IDLE_S)
-            req = wire.receive(conn, "request")
             if req is None:
                 return
             conn.settimeout(None)
@@ -194,8 +197,8 @@ class Server:
             if pid == 0 or wire.namespaces(pid) != self.me:
                 raise OSError
         except OSError:
-            return ("the client runs in another pid or mount namespace than this gpucr server, so its pids and "
-                    "paths mean other things here; run gpucr with --no-server there")
+            return ("the gpucr server runs in another pid or mount namespace than this client, where its pids and "
+                    "paths mean other things")
         return None
 
     def _answer(self, req: dict[str, Any]) -> dict[str, Any]:
@@ -309,6 +312,13 @@ _HANDLERS: dict[str, Callable[[Server, dict[str, Any]], Run]] = {
     "recover": _recover,
     "stop": _stop,
 }
+
+
+def _receive_quiet(conn: socket.socket) -> None:
+    try:
+        wire.receive(conn, "request")
+    except (OSError, GpucrError):
+        pass
 
 
 def _answers(path: Path) -> bool:
