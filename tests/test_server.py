@@ -383,3 +383,20 @@ def test_bench_measures_the_cli_through_the_server_and_in_process(tmp_path):
         assert m["median"]["bytes_out"] == m["median"]["bytes_in"] > 0
     assert client.info(True) is None, "the bench must stop the server it started"
     assert "gpucr-cli-server" in r.stdout
+
+
+def test_a_server_that_dies_at_start_is_named_in_one_note(tmp_path):
+    """`gpucr run` waits for the server it started; one that dies first (here its driver library has no
+    cuInit) is named in one note with its log's last line, and the command runs all the same."""
+    if not shutil.which("gcc"):
+        pytest.skip("needs gcc to build a library that is not a driver")
+    (tmp_path / "nocuda.c").write_text("int nothing_here(void) { return 0; }\n")
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(tmp_path / "libcuda.so.1"), str(tmp_path / "nocuda.c")], check=True)
+    env = {k: v for k, v in os.environ.items() if k != "GPUCR_SIMULATE"}
+    env["LD_LIBRARY_PATH"] = str(tmp_path)
+    r = gpucr_cli("run", "--", "true", env=env)
+    assert r.returncode == 0, r.stderr
+    notes = [l for l in r.stderr.splitlines() if l.startswith("gpucr: note:")]
+    assert len(notes) == 1 and "cannot start the gpucr server (it exited: gpucr: error:" in notes[0], r.stderr
+    assert "no cuInit" in notes[0]
+    assert client.info(False) is None

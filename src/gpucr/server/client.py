@@ -20,6 +20,7 @@ from ..errors import GpucrError
 from . import wire
 
 AUTO_IDLE_EXIT_S = 60.0   # a server `gpucr run` started goes away this long after the last process under gpucr
+START_WAIT_S = 20.0       # how long `gpucr run` waits for the server it started (python and cuInit: ~0.3-1.5 s)
 
 
 class Unavailable(GpucrError):
@@ -120,33 +121,62 @@ def info(simulated: bool) -> dict[str, Any] | None:
         return None
 
 
-def start(simulated: bool, idle_exit_s: float | None = AUTO_IDLE_EXIT_S) -> None:
-    """Start a server in the background, detached (its own session, reparented to init), logging to
-    server[-sim].log in the runtime dir, and do not wait for it: until it listens, requests run
-    in-process. A second server started at the same time finds the first's socket and exits."""
+def start(simulated: bool, idle_exit_s: float | None = AUTO_IDLE_EXIT_S, wait_s: float = START_WAIT_S) -> None:
+    """Start a server in the background, detached (its own session, reparented to init: never the
+    caller's child), logging to server[-sim].log in the runtime dir, and wait until it answers, so the
+    first checkpoint goes through it; GpucrError when it dies first (its log's last line says why) or
+    does not answer within `wait_s`. A second server started at the same time exits, leaving the first."""
     d = wire.make_dir()
-    log_fd = _open_log(d / wire.log_name(simulated))
+    log_path = d / wire.log_name(simulated)
+    log_fd = _open_log(log_path)
     env = {k: v for k, v in os.environ.items() if not k.startswith("GPUCR_TEST_") and k != "GPUCR_NO_SERVER"}
     env["GPUCR_SIMULATE"] = "1" if simulated else "0"
     argv = [sys.executable, "-m", "gpucr.cli", "serve"] + (["--idle-exit", str(idle_exit_s)] if idle_exit_s else [])
+    rfd, wfd = os.pipe()
     try:
         child = os.fork()
-        if child == 0:   # the first child only makes a session and forks the server: no zombie is left behind
+        if child == 0:   # the first child only makes a session, forks the server and says its pid
             code = 127
             try:
+                os.close(rfd)
                 os.setsid()
-                if os.fork() == 0:
+                server = os.fork()
+                if server == 0:
                     null = os.open(os.devnull, os.O_RDONLY)
                     os.dup2(null, 0)
                     os.dup2(log_fd, 1)
                     os.dup2(log_fd, 2)
                     os.execve(sys.executable, argv, env)
+                os.write(wfd, str(server).encode())
                 code = 0
             finally:
                 os._exit(code)
+        os.close(wfd)
+        wfd = -1
         os.waitpid(child, 0)
+        pid = int(os.read(rfd, 32) or b"0")
     finally:
         os.close(log_fd)
+        os.close(rfd)
+        if wfd >= 0:
+            os.close(wfd)
+    deadline = time.monotonic() + wait_s
+    while info(simulated) is None:
+        if not pid or not _alive(pid):
+            if info(simulated) is not None:   # another server won the name: it serves
+                return
+            raise GpucrError(f"it exited: {_last_line(log_path)}")
+        if time.monotonic() > deadline:
+            raise GpucrError(f"it did not answer within {wait_s:.0f} s (pid {pid}, log {log_path})")
+        time.sleep(0.02)
+
+
+def _last_line(path: Path) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError as exc:
+        return f"(its log {path}: {exc.strerror})"
+    return lines[-1] if lines else f"(nothing in {path})"
 
 
 def _open_log(path: Path) -> int:
