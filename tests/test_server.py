@@ -400,3 +400,26 @@ def test_a_server_that_dies_at_start_is_named_in_one_note(tmp_path):
     assert len(notes) == 1 and "cannot start the gpucr server (it exited: gpucr: error:" in notes[0], r.stderr
     assert "no cuInit" in notes[0]
     assert client.info(False) is None
+
+
+def test_the_server_leaks_nothing_across_cycles(server, sim_app):
+    """A long-lived server: 20 cycles through it leave its open files, threads and memory where they were."""
+    app = sim_app("--sizes", "16M,2M")
+    before = app.ask("digest")
+
+    def resources() -> tuple[int, int, int]:
+        time.sleep(0.3)   # the last connection's thread ends just after its answer
+        status = Path(f"/proc/{server.pid}/status").read_text().splitlines()
+        field = lambda k: int(next(l for l in status if l.startswith(k)).split()[1])
+        return len(os.listdir(f"/proc/{server.pid}/fd")), field("Threads:"), field("VmRSS:")
+    gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid)
+    fds0, threads0, rss0 = resources()
+    for _ in range(20):
+        gpucr.checkpoint(app.pid)
+        gpucr.status(app.pid)
+        gpucr.restore(app.pid)
+    fds1, threads1, rss1 = resources()
+    assert (fds1, threads1) == (fds0, threads0)
+    assert rss1 - rss0 < 8 << 10, f"the server grew by {(rss1 - rss0) >> 10} MiB over 20 cycles"
+    assert app.ask("digest") == before and server.requests() >= 62
