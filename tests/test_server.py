@@ -18,7 +18,7 @@ import pytest
 
 import gpucr
 from gpucr import paths
-from gpucr.driver import ProcessState
+from gpucr.driver import ProcessState, process_gpu_memory
 from gpucr.server import client, wire
 from gpucr.workloads.runner import Workload
 
@@ -63,8 +63,12 @@ def test_cli_and_api_requests_go_through_the_server(server, sim_app):
     assert app.ask("digest") == before
     ps = gpucr_cli("ps")
     assert ps.returncode == 0 and server.requests() == n + 6
-    assert f"server: pid {server.pid} [simcuda]" in ps.stdout and "holds on each GPU" in ps.stdout
+    assert f"server: pid {server.pid} [simcuda]" in ps.stdout
+    assert "GPU memory it holds (apart from the processes): 0 MiB on 1 GPU" in ps.stdout, ps.stdout
     assert str(app.pid) in ps.stdout
+    # measured per process: the app holds its memory, the server, which makes no context, none
+    assert process_gpu_memory(sim_driver(), app.pid, 0) >= 44 << 20
+    assert server.info()["gpu_bytes"] == 0
 
 
 def test_no_server_flag_and_setting_act_in_process(server, sim_app):

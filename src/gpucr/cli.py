@@ -276,16 +276,16 @@ def cmd_ps(a: argparse.Namespace, command: str = "ps") -> int:
 
 
 def _server_line() -> str:
-    """The server, apart from the processes: its pid and what it holds on each GPU."""
+    """The server, apart from the processes: its pid and the GPU memory it holds (measured for its pid)."""
     if not route.server_wanted():
         return "server: not used (--no-server)"
     info = route.server_info()
     if info is None:
         return "server: not running (checkpoints run in-process)"
-    held = ", ".join(f"{g['uuid']}: {'a context, ' + _mib(g['bytes']) if g['context'] else 'nothing'}"
-                     for g in info["gpus"]) or "no GPU"
+    held = "unknown (no per-process count here)" if info["gpu_bytes"] is None else _mib(info["gpu_bytes"])
     return (f"server: pid {info['pid']}{' [simcuda]' if info['simulated'] else ''}, up {info['up_s']:.0f} s, "
-            f"{info['requests']} requests; holds on each GPU: {held}")
+            f"{info['requests']} requests; GPU memory it holds (apart from the processes): {held} "
+            f"on {len(info['gpus'])} GPU{'s' if len(info['gpus']) != 1 else ''}")
 
 
 def cmd_serve(a: argparse.Namespace) -> int:

@@ -236,14 +236,17 @@ class Server:
     def info(self) -> dict[str, Any]:
         """What `gpucr serve --status`, `gpucr ps` and `status` show of the server."""
         drv = controller_driver()
+        machine = gpus.machine_gpus(drv)
+        # measured, not assumed: it initialises the driver and makes no context, so 0 is expected
+        held = gpus.usage(drv, os.getpid(), [g.uuid for g in machine], machine)
         with self.lock:
             busy, served = self.in_flight, self.requests
         return {"server": "gpucr", "protocol": wire.PROTOCOL, "code": wire.code_identity(), "pid": os.getpid(),
                 "simulated": self.simulated, "socket": str(self.path),
                 "log": str(self.dir / wire.log_name(self.simulated)), "up_s": round(time.time() - self.started, 1),
                 "requests": served, "in_flight": busy, "driver_version": drv.version(), "idle_exit_s": self.idle_exit_s,
-                # it initialises the driver and makes no context of its own: nothing of it is on any GPU
-                "gpus": [{"uuid": g.uuid, "context": False, "bytes": 0} for g in gpus.machine_gpus(drv)]}
+                "gpus": [{"uuid": u.uuid, "process_bytes": u.process} for u in held.values()],
+                "gpu_bytes": None if any(u.process is None for u in held.values()) else sum(u.process for u in held.values())}
 
 
 # ---- requests: each handler checks its args and returns what runs the request ----
