@@ -53,7 +53,7 @@ def test_cli_and_api_requests_go_through_the_server(server, sim_app):
     r = gpucr_cli("checkpoint", str(app.pid))
     assert r.returncode == 0, r.stderr
     assert server.requests() == n + 1
-    assert gpucr.status(app.pid)["state"] == "checkpointed"
+    assert gpucr.status(app.pid).state == "checkpointed"
     assert server.requests() == n + 2
     assert gpucr_cli("restore", str(app.pid)).returncode == 0
     assert server.requests() == n + 3
@@ -131,14 +131,14 @@ def test_server_killed_during_checkpoint(server, sim_app, point, after):
     one_line_error(r, f"the gpucr server (pid {server.pid}) died during 'checkpoint'", f"gpucr restore {app.pid}")
     assert server.proc.wait(timeout=30) == -signal.SIGKILL
     if after == "running":
-        wait_for(lambda: gpucr.status(app.pid)["state"] == "running" and not gpucr.status(app.pid)["busy"],
+        wait_for(lambda: gpucr.status(app.pid).state == "running" and not gpucr.status(app.pid).busy,
                  what="the agent's roll-back")
     else:
         assert sim_driver().state(app.pid) != ProcessState.RUNNING
         r = gpucr_cli("restore", str(app.pid))
         assert r.returncode == 0, r.stderr
         assert "gpucr server is not running" in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
-    assert gpucr.status(app.pid)["state"] == "running"
+    assert gpucr.status(app.pid).state == "running"
     assert sim_driver().state(app.pid) == ProcessState.RUNNING
     assert app.ask("digest") == before
     gpucr.checkpoint(app.pid)   # in-process now, and it still works
@@ -155,7 +155,7 @@ def test_server_killed_during_restore(server, sim_app, point):
     r = gpucr_cli("restore", str(app.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT=point))
     one_line_error(r, "died during 'restore'")
     server.proc.wait(timeout=30)
-    assert gpucr.status(app.pid)["state"] == "checkpointed"
+    assert gpucr.status(app.pid).state == "checkpointed"
     assert gpucr_cli("restore", str(app.pid)).returncode == 0
     assert app.ask("digest") == before
 
@@ -170,7 +170,7 @@ def test_server_killed_mid_data_out(server, sim_app):
     os.kill(server.pid, signal.SIGKILL)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 1 and "died during 'checkpoint'" in err, err
-    wait_for(lambda: gpucr.status(app.pid)["state"] == "running" and not gpucr.status(app.pid)["busy"],
+    wait_for(lambda: gpucr.status(app.pid).state == "running" and not gpucr.status(app.pid).busy,
              what="the agent's roll-back")
     assert app.ask("digest") == before
 
@@ -233,7 +233,7 @@ def test_a_client_of_another_uid_is_refused_by_the_server(monkeypatch):
         shutil.rmtree(d, ignore_errors=True)
 
 
-@pytest.mark.skipif(os.getuid() != 0, reason="unshare needs root")
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root (unshare makes a pid namespace)")
 def test_a_client_in_another_pid_namespace_is_refused(server, sim_app):
     """Pids in a request mean what they mean in the server's namespace only: a client elsewhere is refused,
     and gpucr there acts in-process."""
@@ -242,7 +242,7 @@ def test_a_client_in_another_pid_namespace_is_refused(server, sim_app):
     r = subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-c", probe, str(server.socket)],
                        capture_output=True, text=True, timeout=30)
     if r.returncode != 0 and "unshare" in r.stderr:
-        pytest.skip(f"unshare failed here: {r.stderr.strip()}")
+        pytest.skip(f"needs unshare to make a pid namespace here: {r.stderr.strip()}")
     reply = json.loads(r.stdout)
     assert reply["ok"] is False and reply["mismatch"] and "another pid or mount namespace" in reply["error"]
     # gpucr itself there: one note, and it acts in-process
@@ -278,7 +278,7 @@ def test_garbage_and_bad_requests_are_answered_and_serving_goes_on(server, sim_a
     assert reply["mismatch"] and "another gpucr" in reply["error"]
     assert raw(b"") is None                                    # a connection that says nothing
     assert raw(b"x" * (wire.MAX_MESSAGE + 10))["ok"] is False  # larger than any request
-    assert gpucr.status(app.pid)["state"] == "running"
+    assert gpucr.status(app.pid).state == "running"
     assert server.info()["pid"] == server.pid
 
 

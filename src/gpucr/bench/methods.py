@@ -307,8 +307,9 @@ class CliMethod(Method):
         r = subprocess.run(argv, capture_output=True, text=True)
         if r.returncode != 0:
             raise GpucrError(f"{self.name} {verb}: {(r.stderr.strip().splitlines() or ['exit ' + str(r.returncode)])[-1]}")
-        out = json.loads(r.stdout)
-        return combine(out if isinstance(out, list) else [out])
+        from ..results import CheckpointResult, RestoreResult, from_json
+        kind = CheckpointResult if verb == "checkpoint" else RestoreResult
+        return combine(from_json(kind, json.loads(r.stdout)).processes)
 
     def checkpoint(self, pids: list[int]) -> dict[str, Any]:
         return self._cli("checkpoint", pids)

@@ -26,6 +26,7 @@ from .. import target as targets
 from ..agent import peer_credentials
 from ..driver import controller_driver, controller_simulated
 from ..errors import GpucrError
+from ..results import to_json
 from . import wire
 
 ACCEPT_TICK_S = 0.5
@@ -249,7 +250,8 @@ class Server:
                 "gpu_bytes": None if any(u.process is None for u in held.values()) else sum(u.process for u in held.values())}
 
 
-# ---- requests: each handler checks its args and returns what runs the request ----
+# ---- requests: each handler checks its args and returns what runs the request; results travel as
+# their JSON (gpucr.results.to_json), read back strictly by the client (from_json) ----
 
 Run = Callable[[], Any]
 
@@ -278,25 +280,25 @@ def _pids(args: dict[str, Any]) -> list[int]:
 
 def _checkpoint(_s: Server, a: dict[str, Any]) -> Run:
     pids, level, timeout, images = _pids(a), str(a["level"]), float(a["timeout"]), _images(a)
-    return lambda: coordinator.checkpoint_many(pids, level=level, timeout=timeout, images=images)
+    return lambda: to_json(coordinator.checkpoint_many(pids, level=level, timeout=timeout, images=images))
 
 
 def _restore(_s: Server, a: dict[str, Any]) -> Run:
     pids, timeout, images = _pids(a), float(a["timeout"]), _images(a)
     drop, force = bool(a["drop_staging"]), bool(a["force"])
     gpu_map = {str(k): str(v) for k, v in (a.get("gpu_map") or {}).items()}
-    return lambda: coordinator.restore_many(pids, timeout=timeout, drop_staging=drop, images=images, force=force,
-                                            gpu_map=gpu_map)
+    return lambda: to_json(coordinator.restore_many(pids, timeout=timeout, drop_staging=drop, images=images, force=force,
+                                                    gpu_map=gpu_map))
 
 
 def _status(_s: Server, a: dict[str, Any]) -> Run:
     pid = _pid(a["pid"])
-    return lambda: coordinator.status(pid)
+    return lambda: to_json(coordinator.status(pid))
 
 
 def _recover(_s: Server, a: dict[str, Any]) -> Run:
     only_list, timeout = bool(a.get("list")), float(a["timeout"])
-    return lambda: [vars(x) for x in (recover.find() if only_list else recover.recover(timeout=timeout))]
+    return lambda: [to_json(x) for x in (recover.find() if only_list else recover.recover(timeout=timeout))]
 
 
 def _stop(s: Server, _a: dict[str, Any]) -> Run:
@@ -311,7 +313,7 @@ _HANDLERS: dict[str, Callable[[Server, dict[str, Any]], Run]] = {
     "checkpoint": _checkpoint,
     "restore": _restore,
     "status": _status,
-    "ps": lambda s, a: coordinator.ps,
+    "ps": lambda s, a: lambda: to_json(coordinator.ps()),
     "recover": _recover,
     "stop": _stop,
 }

@@ -12,13 +12,16 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from ..driver import controller_simulated
 from ..errors import GpucrError
+from ..results import (CheckpointResult, ProcessCheckpoint, ProcessRestore, ProcessStatus, RestoreResult,
+                       StatusResult, Stuck, from_json)
 from . import client, wire
 
 NO_SERVER_ENV = "GPUCR_NO_SERVER"
+T = TypeVar("T")
 # The coordinator is imported only when a request runs here: a request sent to the server does not
 # pay for its imports (tens of ms).
 
@@ -76,62 +79,77 @@ def _abs_images(images: dict[int, str | Path] | None) -> dict[str, str] | None:
     return {str(k): os.path.abspath(str(v)) for k, v in images.items()} if images else None
 
 
+def _typed(cls: type[T], out: Any) -> T:
+    """A result from the server, read back strictly (gpucr.results.from_json): one that does not parse
+    is the server's fault, said in one line."""
+    try:
+        return from_json(cls, out)
+    except ValueError as exc:
+        raise GpucrError(f"the gpucr server sent a malformed {cls.__name__} ({exc}); stop it with "
+                         "'gpucr serve --stop' and retry") from exc
+
+
 def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
-                    images: dict[int, str | Path] | None = None) -> list[dict[str, Any]]:
+                    images: dict[int, str | Path] | None = None) -> CheckpointResult:
+    """Checkpoint several processes together, all or nothing (coordinator.checkpoint_many)."""
     done, out = _changing("checkpoint", pids, {"pids": list(pids), "level": level, "timeout": timeout,
                                                "images": _abs_images(images)})
     if done:
-        return out
+        return _typed(CheckpointResult, out)
     from .. import coordinator
     return coordinator.checkpoint_many(pids, level, timeout, images)
 
 
 def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,
                  images: dict[int, str | Path] | None = None, force: bool = False,
-                 gpu_map: dict[str, str] | None = None) -> list[dict[str, Any]]:
+                 gpu_map: dict[str, str] | None = None) -> RestoreResult:
+    """Restore several processes together (coordinator.restore_many)."""
     done, out = _changing("restore", pids, {"pids": list(pids), "timeout": timeout, "drop_staging": drop_staging,
                                             "images": _abs_images(images), "force": force, "gpu_map": gpu_map or {}})
     if done:
-        return out
+        return _typed(RestoreResult, out)
     from .. import coordinator
     return coordinator.restore_many(pids, timeout, drop_staging, images, force, gpu_map)
 
 
-def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str | Path | None = None) -> dict[str, Any]:
+def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str | Path | None = None) -> ProcessCheckpoint:
     """Save the process's GPU memory and give it back; the process stays alive, parked (coordinator.checkpoint)."""
-    return checkpoint_many([pid], level, timeout, {pid: image} if image is not None else None)[0]
+    return checkpoint_many([pid], level, timeout, {pid: image} if image is not None else None).processes[0]
 
 
 def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: str | Path | None = None,
-            force: bool = False) -> dict[str, Any]:
+            force: bool = False, gpu_map: dict[str, str] | None = None) -> ProcessRestore:
     """Put every byte back at the same address and let the process carry on (coordinator.restore)."""
-    return restore_many([pid], timeout, drop_staging, {pid: image} if image is not None else None, force)[0]
+    return restore_many([pid], timeout, drop_staging, {pid: image} if image is not None else None, force,
+                        gpu_map).processes[0]
 
 
-def status(pid: int) -> dict[str, Any]:
+def status(pid: int) -> ProcessStatus:
     """The live state of a process under gpucr (coordinator.status)."""
     done, out = _reading("status", {"pid": pid})
     if done:
-        return out
+        return _typed(ProcessStatus, out)
     from .. import coordinator
     return coordinator.status(pid)
 
 
-def ps() -> list[dict[str, Any]]:
+def ps() -> StatusResult:
     """Every live process under gpucr that this user can see (coordinator.ps)."""
     done, out = _reading("ps", {})
     if done:
-        return out
+        return _typed(StatusResult, out)
     from .. import coordinator
     return coordinator.ps()
 
 
-def recover(list_only: bool, timeout: float) -> list[Any]:
-    """`gpucr recover`: recover.Stuck for each process left stuck (recover.find / recover.recover)."""
-    from .. import recover as recovery
+def recover(list_only: bool, timeout: float) -> list[Stuck]:
+    """`gpucr recover`: each process left stuck (recover.find / recover.recover)."""
     done, out = _changing("recover", [], {"list": list_only, "timeout": timeout})
     if done:
-        return [recovery.Stuck(**s) for s in out]
+        if not isinstance(out, list):
+            raise GpucrError("the gpucr server sent a malformed recover answer; stop it with 'gpucr serve --stop'")
+        return [_typed(Stuck, s) for s in out]
+    from .. import recover as recovery
     return recovery.find() if list_only else recovery.recover(timeout=timeout)
 
 
