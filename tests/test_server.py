@@ -57,12 +57,17 @@ def test_cli_and_api_requests_go_through_the_server(server, sim_app):
     assert server.requests() == n + 2
     assert gpucr_cli("restore", str(app.pid)).returncode == 0
     assert server.requests() == n + 3
-    gpucr.checkpoint(app.pid)
-    gpucr.restore(app.pid)
+    ck, rs = gpucr.checkpoint(app.pid), gpucr.restore(app.pid)
     assert server.requests() == n + 5
+    # the same typed results as in-process (issue 14's schema), read back strictly from the server's JSON
+    assert isinstance(ck, gpucr.ProcessCheckpoint) and ck.bytes_moved == rs.bytes_moved >= 44 << 20
+    assert isinstance(rs, gpucr.ProcessRestore) and rs.state == "running"
+    assert isinstance(gpucr.status(app.pid), gpucr.ProcessStatus)
+    out = json.loads(gpucr_cli("status", "--json", str(app.pid)).stdout)
+    assert gpucr.from_json(gpucr.StatusResult, out).processes[0].pid == app.pid
     assert app.ask("digest") == before
     ps = gpucr_cli("ps")
-    assert ps.returncode == 0 and server.requests() == n + 6
+    assert ps.returncode == 0 and server.requests() == n + 8
     assert f"server: pid {server.pid} [simcuda]" in ps.stdout
     assert "GPU memory it holds (apart from the processes): 0 MiB on 1 GPU" in ps.stdout, ps.stdout
     assert str(app.pid) in ps.stdout
