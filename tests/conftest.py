@@ -167,10 +167,14 @@ class RunningServer:
         self.simulate = simulate
         import time
         deadline = time.time() + 60
-        while self.info() is None:
-            if self.proc.poll() is not None or time.time() > deadline:
-                raise RuntimeError(f"gpucr serve did not start: {self.log.read_text()}")
-            time.sleep(0.05)
+        try:
+            while self.info() is None:
+                if self.proc.poll() is not None or time.time() > deadline:
+                    raise RuntimeError(f"gpucr serve did not start: {self.log.read_text()}")
+                time.sleep(0.05)
+        except BaseException:
+            self.stop()   # never left running behind a test that failed to start it
+            raise
 
     def info(self) -> dict | None:
         from gpucr.server import client
