@@ -180,6 +180,23 @@ def test_server_killed_mid_data_out(server, sim_app):
     assert app.ask("digest") == before
 
 
+def test_a_stopped_server_is_named_at_once(server, sim_app):
+    """A server stopped (SIGSTOP) while a client waits cannot answer, nor put its deadlines on the wait:
+    the client names it within seconds, one line, and the server serves again once continued."""
+    app = sim_app("--sizes", "8M")
+    os.kill(server.pid, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        r = gpucr_cli("status", str(app.pid), timeout=30)
+        assert time.monotonic() - t0 < 10
+        one_line_error(r, f"process {server.pid} is stopped", f"kill -CONT {server.pid}", "--no-server")
+    finally:
+        os.kill(server.pid, signal.SIGCONT)
+    n = server.requests()
+    assert gpucr_cli("checkpoint", str(app.pid)).returncode == 0 and gpucr_cli("restore", str(app.pid)).returncode == 0
+    assert server.requests() >= n + 2
+
+
 def test_a_killed_servers_socket_is_noted_once_then_replaced(server, sim_app):
     """A killed server leaves its socket: the next request notes it in one line and acts in-process; ps
     removes the dead socket, so the note is not repeated; a new server takes the name."""

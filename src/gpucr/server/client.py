@@ -7,6 +7,7 @@ user's (checked before a byte is sent).
 from __future__ import annotations
 
 import os
+import select
 import socket
 import stat
 import sys
@@ -17,9 +18,12 @@ from typing import Any
 from .. import paths
 from ..agent import peer_credentials
 from ..errors import GpucrError
+from ..target import check_not_stopped
 from . import wire
 
 AUTO_IDLE_EXIT_S = 60.0   # a server `gpucr run` started goes away this long after the last process under gpucr
+STOPPED_CHECK_S = 1.0     # how often a client waiting for an answer checks that the server is not stopped
+ANSWER_READ_S = 30.0      # once an answer has begun, the rest of it must come within this
 START_WAIT_S = 20.0       # how long `gpucr run` waits for the server it started (python and cuInit: ~0.3-1.5 s)
 
 
@@ -66,16 +70,33 @@ class Connection:
             self.sock.close()
             raise Unavailable(why)
 
+    def _wait_for_answer(self, op: str, timeout: float | None) -> None:
+        """Until the answer begins: checking every second that the server is not stopped."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = STOPPED_CHECK_S if deadline is None else min(STOPPED_CHECK_S, max(0.0, deadline - time.monotonic()))
+            if select.select([self.sock], [], [], wait)[0]:
+                return
+            if deadline is not None and time.monotonic() >= deadline:
+                raise socket.timeout()
+            if self.pid:
+                try:
+                    check_not_stopped(self.pid)
+                except GpucrError as exc:
+                    raise GpucrError(f"gpucr server: {exc}, or run with --no-server ('{op}' waits for it)") from exc
+
     def ask(self, op: str, args: dict[str, Any] | None = None, env: dict[str, str] | None = None,
             timeout: float | None = None) -> Any:
         """Send one request and return its result; GpucrError with the server's words when it says no,
         ServerDied when the connection ends before an answer. No deadline by default: the server puts
-        its own on every wait (the coordinator's progress watches), and its death ends the wait."""
+        its own on every wait (the coordinator's progress watches), and its death ends the wait; a
+        server that is stopped (SIGSTOP, a debugger) can do neither, so it is named at once."""
         try:
             self.sock.settimeout(5.0)
             wire.send(self.sock, {"op": op, "args": args or {}, "env": env or {}, "protocol": wire.PROTOCOL,
                                   "code": wire.code_identity()})
-            self.sock.settimeout(timeout)
+            self._wait_for_answer(op, timeout)
+            self.sock.settimeout(ANSWER_READ_S)   # the answer has begun: the server writes it whole
             reply = wire.receive(self.sock, "server's answer")
         except socket.timeout as exc:
             raise GpucrError(f"the gpucr server (pid {self.pid}) did not answer '{op}' within {timeout} s") from exc
