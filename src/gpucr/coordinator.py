@@ -479,7 +479,7 @@ def _roll_back(members: list[_Member]) -> None:
     for m in back:
         m.status = {**m.status, "state": "checkpointed"}
     try:
-        _data_in_all(back, 600.0, False, "roll-back", sources=members)
+        _data_in_all(back, 600.0, False, "roll-back", sources=members, drop_ended=True)
     except GpucrError:
         pass
     for m in members:
@@ -764,14 +764,21 @@ def _restore_reading(m: _Member, idir: imagefs.ImageDir, entry: dict, layout: di
 
 
 def _data_in_all(members: list[_Member], timeout: float, drop_staging: bool, phase: str,
-                 sources: list[_Member] | None = None) -> None:
+                 sources: list[_Member] | None = None, drop_ended: bool = False) -> None:
     """Data in for every process with its gate still closed, then memory shared between them relinked
     (each exporter re-exports, each importer maps the new memory at its old addresses), then every
     gate opened. An exporter may be any of `sources` (default: `members`), restored or never released,
-    or a live process outside them that the importer was bound to (see _relink)."""
+    or a live process outside them that the importer was bound to (see _relink). `drop_ended` (a
+    roll-back): one that dies meanwhile is left out, and the others go on without it."""
     restoring = [m for m in members if m.status.get("state") == "checkpointed"]
+    failures = _phase_failures(phase, restoring, lambda m: _data_in(m, timeout, drop_staging))
+    live = [f for f in failures if not (drop_ended and _ends_soon(f.pid))]
+    if live:
+        raise live[0] from live[0].cause
+    # one that died meanwhile (a rank killed mid-checkpoint) is no more: the others go on, and what they
+    # imported from it is replaced (_orphans)
+    restoring = [m for m in restoring if not _ended(m.pid)]
     shared_before = {m.pid: list(m.status.get("shared", [])) for m in restoring}
-    _each(phase, restoring, lambda m: _data_in(m, timeout, drop_staging))
     _relink(restoring, shared_before, sources if sources is not None else members)
     _orphans(restoring, shared_before)
     parked = [m for m in members if m.status.get("state") == "running" and m.status.get("gate_closed")]
@@ -829,6 +836,17 @@ def _ended(pid: int, start_time: int | None = None) -> bool:
         return fields[0] in ("Z", "X") or (start_time is not None and int(fields[19]) != start_time)
     except (OSError, ValueError, IndexError):
         return True
+
+
+def _ends_soon(pid: int, within_s: float = 1.0) -> bool:
+    """Whether a process whose agent just failed has ended or ends within a moment: a SIGKILLed
+    process closes its sockets a little before it becomes a zombie."""
+    deadline = time.monotonic() + within_s
+    while not _ended(pid):
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+    return True
 
 
 def _owner_gone(o: dict[str, Any]) -> bool:
