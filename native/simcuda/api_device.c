@@ -97,6 +97,7 @@ static CUresult ctx_activate(struct sim_ctx *c)
 static void ctx_drop_resources(struct sim_ctx *c)
 {
     sim_exec_drop_ctx(c);
+    sim_pool_drop_ctx(c);
     sim_mem_drop_ctx(c);
 }
 
@@ -456,7 +457,12 @@ static CUresult ctx_resolve(CUcontext ctx, struct sim_ctx **out)
 static CUresult ctx_synchronize(CUcontext ctx)
 {
     struct sim_ctx *c;
-    return ctx_resolve(ctx, &c);
+    CUresult rc = ctx_resolve(ctx, &c);
+    if (rc == CUDA_SUCCESS) {
+        sim_order_sync_all();   /* every stream's work seen complete (one stream order per process) */
+        sim_pool_after_sync();
+    }
+    return rc;
 }
 SIMAPI CUresult cuCtxSynchronize(void) { SIM_GATED(ctx_synchronize(NULL)); }
 SIMAPI CUresult cuCtxSynchronize_v2(CUcontext ctx) { SIM_GATED(ctx_synchronize(ctx)); }

@@ -127,6 +127,7 @@ struct sim_event {
     struct sim_ctx *ctx;
     unsigned flags;
     bool recorded;
+    struct sim_clock clock;   /* the order it recorded (order.c) */
     struct timespec when;
 };
 
@@ -226,7 +227,9 @@ static CUresult work_ctx(CUstream stream, struct sim_ctx **ctx)
 {
     struct sim_ctx *c;
     CUresult rc = sim_ctx_current(&c);
-    return rc != CUDA_SUCCESS ? rc : stream_ctx(stream, c, ctx);
+    if (rc == CUDA_SUCCESS) rc = stream_ctx(stream, c, ctx);
+    if (rc == CUDA_SUCCESS) sim_order_op(stream);   /* its place in the stream's order */
+    return rc;
 }
 
 static CUresult work_begin(CUstream stream)
@@ -477,17 +480,47 @@ static CUresult stream_destroy(CUstream s)
     pthread_mutex_unlock(&ex.mu);
     if (!found)
         return CUDA_ERROR_INVALID_HANDLE;
+    sim_order_forget(s);
     free(s);
     return CUDA_SUCCESS;
 }
 SIMAPI CUresult cuStreamDestroy_v2(CUstream hStream) { SIM_GATED(stream_destroy(hStream)); }
 SIMAPI CUresult cuStreamDestroy(CUstream hStream) { SIM_GATED(stream_destroy(hStream)); }
 
-/* Nothing is ever pending: synchronize and query succeed for any valid stream. */
-SIMAPI CUresult cuStreamSynchronize(CUstream hStream) { SIM_GATED(work_begin(hStream)); }
-SIMAPI CUresult cuStreamSynchronize_ptsz(CUstream hStream) { SIM_GATED(work_begin(hStream)); }
-SIMAPI CUresult cuStreamQuery(CUstream hStream) { SIM_GATED(work_begin(hStream)); }
-SIMAPI CUresult cuStreamQuery_ptsz(CUstream hStream) { SIM_GATED(work_begin(hStream)); }
+/* Work is done when enqueued, so synchronize and query succeed for any valid stream; the host
+ * has then seen the stream's work complete (order.c), and pools may give memory back. */
+static CUresult stream_sync(CUstream s)
+{
+    CUresult rc = work_begin(s);
+    if (rc == CUDA_SUCCESS) {
+        sim_order_sync_stream(s);
+        sim_pool_after_sync();
+    }
+    return rc;
+}
+static CUresult stream_query(CUstream s)
+{
+    CUresult rc = work_begin(s);
+    if (rc == CUDA_SUCCESS) sim_order_sync_stream(s);
+    return rc;
+}
+SIMAPI CUresult cuStreamSynchronize(CUstream hStream) { SIM_GATED(stream_sync(hStream)); }
+SIMAPI CUresult cuStreamSynchronize_ptsz(CUstream hStream) { SIM_GATED(stream_sync(hStream)); }
+SIMAPI CUresult cuStreamQuery(CUstream hStream) { SIM_GATED(stream_query(hStream)); }
+SIMAPI CUresult cuStreamQuery_ptsz(CUstream hStream) { SIM_GATED(stream_query(hStream)); }
+
+/* Nothing is ever captured into a graph: simcuda has no graphs. */
+static CUresult stream_is_capturing(CUstream s, int *status)
+{
+    CUresult rc = status ? sim_stream_check(s) : CUDA_ERROR_INVALID_VALUE;
+    if (rc == CUDA_SUCCESS) *status = CU_STREAM_CAPTURE_STATUS_NONE;
+    return rc;
+}
+SIMAPI CUresult cuStreamIsCapturing(CUstream hStream, int *captureStatus) { SIM_GATED(stream_is_capturing(hStream, captureStatus)); }
+SIMAPI CUresult cuStreamIsCapturing_ptsz(CUstream hStream, int *captureStatus)
+{
+    SIM_GATED(stream_is_capturing(hStream, captureStatus));
+}
 
 static CUresult launch_host_func(CUstream stream, CUhostFn fn, void *user_data)
 {
@@ -539,6 +572,7 @@ static CUresult event_record(CUevent e, CUstream stream)
     if (event_known_locked(e)) {
         clock_gettime(CLOCK_MONOTONIC, &e->when);
         e->recorded = true;
+        sim_order_record(&e->clock, stream);
     } else {
         rc = CUDA_ERROR_INVALID_HANDLE;
     }
@@ -552,10 +586,45 @@ static CUresult event_synchronize(CUevent e)
 {
     pthread_mutex_lock(&ex.mu);
     bool known = event_known_locked(e);
+    if (known) sim_order_sync_clock(&e->clock);
     pthread_mutex_unlock(&ex.mu);
+    if (known) sim_pool_after_sync();
     return known ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
 SIMAPI CUresult cuEventSynchronize(CUevent hEvent) { SIM_GATED(event_synchronize(hEvent)); }
+
+/* Complete once the host has seen what it recorded complete (order.c: completion is observed at
+ * synchronize points), so a caller must be ready for CUDA_ERROR_NOT_READY, as on a GPU. */
+static CUresult event_query(CUevent e)
+{
+    pthread_mutex_lock(&ex.mu);
+    CUresult rc = !event_known_locked(e) ? CUDA_ERROR_INVALID_HANDLE
+                  : sim_order_done(&e->clock) ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
+    pthread_mutex_unlock(&ex.mu);
+    return rc;
+}
+SIMAPI CUresult cuEventQuery(CUevent hEvent) { SIM_GATED(event_query(hEvent)); }
+
+static CUresult stream_wait_event(CUstream s, CUevent e, unsigned flags)
+{
+    if (flags & ~1u) /* CU_EVENT_WAIT_DEFAULT or CU_EVENT_WAIT_EXTERNAL */
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = work_begin(s);
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    pthread_mutex_lock(&ex.mu);
+    if (!event_known_locked(e))
+        rc = CUDA_ERROR_INVALID_HANDLE;
+    else if (e->recorded)   /* an event never recorded is complete: nothing to wait for */
+        sim_order_wait(s, &e->clock);
+    pthread_mutex_unlock(&ex.mu);
+    return rc;
+}
+SIMAPI CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags) { SIM_GATED(stream_wait_event(hStream, hEvent, Flags)); }
+SIMAPI CUresult cuStreamWaitEvent_ptsz(CUstream hStream, CUevent hEvent, unsigned int Flags)
+{
+    SIM_GATED(stream_wait_event(hStream, hEvent, Flags));
+}
 
 static CUresult event_destroy(CUevent e)
 {

@@ -67,7 +67,9 @@ static CUresult mem_free(CUdeviceptr dptr)
 {
     struct sim_ctx *c;
     CUresult rc = sim_ctx_current(&c);
-    return rc != CUDA_SUCCESS ? rc : sim_free(dptr);
+    if (rc != CUDA_SUCCESS || sim_pool_free_sync(dptr, &rc))   /* a pool's memory goes back through its pool */
+        return rc;
+    return sim_free(dptr);
 }
 SIMAPI CUresult cuMemFree_v2(CUdeviceptr dptr) { SIM_GATED(mem_free(dptr)); }
 
@@ -104,28 +106,7 @@ SIMAPI CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t bytesize, unsigned i
     SIM_GATED(mem_alloc_managed(dptr, bytesize, flags));
 }
 
-/* Stream-ordered pool memory: work is synchronous, so "ordered" is "now". */
-static CUresult mem_alloc_async(CUdeviceptr *dptr, size_t size, CUstream stream)
-{
-    CUresult rc = sim_stream_check(stream);
-    return rc != CUDA_SUCCESS ? rc : mem_alloc(dptr, size, SIM_ALLOC_POOL);
-}
-SIMAPI CUresult cuMemAllocAsync(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
-{
-    SIM_GATED(mem_alloc_async(dptr, bytesize, hStream));
-}
-SIMAPI CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstream hStream)
-{
-    SIM_GATED(mem_alloc_async(dptr, bytesize, hStream));
-}
-
-static CUresult mem_free_async(CUdeviceptr dptr, CUstream stream)
-{
-    CUresult rc = sim_stream_check(stream);
-    return rc != CUDA_SUCCESS ? rc : mem_free(dptr);
-}
-SIMAPI CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream) { SIM_GATED(mem_free_async(dptr, hStream)); }
-SIMAPI CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) { SIM_GATED(mem_free_async(dptr, hStream)); }
+/* Stream-ordered pool memory (cuMemAllocAsync, cuMemFreeAsync, pools): pool.c. */
 
 /* ---- pointer attributes ---- */
 

@@ -11,15 +11,18 @@
  *   memory.c      VA arena, physical allocations (memfds), mappings, host registrations,
  *                 and saving/re-creating physical memory for checkpoint/restore
  *   api_device.c  devices and contexts
- *   api_memory.c  memory entry points (plain, VMM, pools, IPC, host, pointer attributes)
+ *   api_memory.c  memory entry points (plain, VMM, IPC, host, pointer attributes)
  *   api_exec.c    copies, memsets, streams, events, modules, builtin kernels
+ *   order.c       the stream-ordering model: what work is ordered after what (vector clocks)
+ *   pool.c        stream-ordered memory pools (cuMemAllocAsync, cuMemPoolCreate, ...)
  *   ckpt.c        the checkpoint state machine, its control socket, and the controller side
  *   procaddr.c    cuGetProcAddress over a static table of our own entry points
  *   errors.c      cuGetErrorString / cuGetErrorName
  *
  * Lock order (never take an earlier lock while holding a later one):
- *   ctx lock (api_device.c) -> exec lock (api_exec.c) -> memory rwlock -> accounting lock
- *   -> the runtime dir's flock. The gate's mutex is only ever held on its own.
+ *   ctx lock (api_device.c) -> exec lock (api_exec.c) -> pool lock (pool.c) -> order lock (order.c)
+ *   -> memory rwlock -> accounting lock -> the runtime dir's flock. The gate's mutex is only ever
+ *   held on its own.
  */
 #ifndef SIMCUDA_H
 #define SIMCUDA_H
@@ -214,6 +217,41 @@ CUresult sim_mem_restore(void);
 void sim_exec_drop_ctx(struct sim_ctx *ctx);
 /* NULL, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD or a live stream; else CUDA_ERROR_INVALID_HANDLE. */
 CUresult sim_stream_check(CUstream s);
+
+/* ---- order.c: what CUDA promises about the order of work across streams ---- */
+
+#define SIM_ORDER_MAX 256   /* streams whose order is told apart (ids of forgotten ones are reused) */
+struct sim_clock { uint64_t c[SIM_ORDER_MAX]; };   /* per stream id: the last position ordered before */
+struct sim_pos { int id; uint64_t seq; };           /* one piece of work: its stream's id and position */
+
+/* Work enqueued on s: returns its position. */
+struct sim_pos sim_order_op(CUstream s);
+/* cuEventRecord: an op on s whose clock the event keeps. */
+void sim_order_record(struct sim_clock *ev, CUstream s);
+/* cuStreamWaitEvent: later work on s is ordered after what ev recorded. */
+void sim_order_wait(CUstream s, const struct sim_clock *ev);
+/* later work on s is ordered after p (what the driver's own stream-ordered allocator inserts) */
+void sim_order_wait_pos(CUstream s, struct sim_pos p);
+/* The host saw s's work (or an event's, or everything) complete. */
+void sim_order_sync_stream(CUstream s);
+void sim_order_sync_clock(const struct sim_clock *ev);
+void sim_order_sync_all(void);
+bool sim_order_done(const struct sim_clock *ev);
+bool sim_order_pos_done(struct sim_pos p);
+/* How the next work on s is ordered after p (0: it is not): on the same stream, through events
+ * waited on, or because the host saw p complete. */
+enum { SIM_ORDER_SAME_STREAM = 1, SIM_ORDER_EVENTS = 2, SIM_ORDER_COMPLETE = 4 };
+int sim_order_relation(CUstream s, struct sim_pos p);
+void sim_order_forget(CUstream s);
+
+/* ---- pool.c: stream-ordered memory pools ---- */
+
+/* cuMemFree of memory a pool handed out: true (and *rc set) if it was a pool's. */
+bool sim_pool_free_sync(CUdeviceptr p, CUresult *rc);
+/* A synchronize completed: pools above their release threshold give back what they may. */
+void sim_pool_after_sync(void);
+/* Every pool of a context's device that is going away forgets what it held. */
+void sim_pool_drop_ctx(struct sim_ctx *ctx);
 
 /* ---- ckpt.c ---- */
 

@@ -44,6 +44,7 @@ typedef struct sim_stream *CUstream;
 typedef struct sim_event *CUevent;
 typedef struct sim_module *CUmodule;
 typedef struct sim_func *CUfunction;
+typedef struct sim_pool *CUmemoryPool;
 typedef void (*CUhostFn)(void *userData);
 
 typedef struct CUuuid_st { char bytes[16]; } CUuuid;
@@ -72,6 +73,18 @@ typedef struct CUmemAccessDesc_st {
     int flags; /* CUmemAccess_flags */
 } CUmemAccessDesc;
 
+typedef struct CUmemPoolProps_st {
+    int allocType;   /* CUmemAllocationType */
+    int handleTypes; /* CUmemAllocationHandleType bitmask */
+    CUmemLocation location;
+    void *win32SecurityAttributes;
+    size_t maxSize;
+    unsigned short usage;
+    unsigned char reserved[54];
+} CUmemPoolProps;
+
+typedef struct CUmemPoolPtrExportData_st { unsigned char reserved[64]; } CUmemPoolPtrExportData;
+
 typedef struct CUcheckpointLockArgs_st {
     unsigned int timeoutMs; /* 0: wait for ever */
     unsigned int reserved0;
@@ -94,6 +107,8 @@ typedef struct CUcheckpointUnlockArgs_st { cuuint64_t reserved[8]; } CUcheckpoin
 _Static_assert(sizeof(CUmemLocation) == 8, "CUmemLocation layout");
 _Static_assert(sizeof(CUmemAllocationProp) == 32, "CUmemAllocationProp layout");
 _Static_assert(sizeof(CUmemAccessDesc) == 12, "CUmemAccessDesc layout");
+_Static_assert(sizeof(CUmemPoolProps) == 88, "CUmemPoolProps layout");
+_Static_assert(sizeof(CUmemPoolPtrExportData) == 64, "CUmemPoolPtrExportData layout");
 _Static_assert(sizeof(CUcheckpointLockArgs) == 64, "CUcheckpointLockArgs layout");
 _Static_assert(sizeof(CUcheckpointCheckpointArgs) == 64, "CUcheckpointCheckpointArgs layout");
 _Static_assert(sizeof(CUcheckpointRestoreArgs) == 64, "CUcheckpointRestoreArgs layout");
@@ -146,6 +161,29 @@ enum {
     CU_MEM_ACCESS_FLAGS_PROT_READWRITE = 3,
     CU_MEM_ALLOC_GRANULARITY_MINIMUM = 0,
     CU_MEM_ALLOC_GRANULARITY_RECOMMENDED = 1,
+};
+
+enum {
+    CU_MEMPOOL_ATTR_REUSE_FOLLOW_EVENT_DEPENDENCIES = 1,
+    CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC = 2,
+    CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES = 3,
+    CU_MEMPOOL_ATTR_RELEASE_THRESHOLD = 4,
+    CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT = 5,
+    CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH = 6,
+    CU_MEMPOOL_ATTR_USED_MEM_CURRENT = 7,
+    CU_MEMPOOL_ATTR_USED_MEM_HIGH = 8,
+};
+
+enum {
+    CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT = 0,
+    CU_GRAPH_MEM_ATTR_USED_MEM_HIGH = 1,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT = 2,
+    CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH = 3,
+};
+
+enum {
+    CU_STREAM_CAPTURE_STATUS_NONE = 0,
+    CU_STREAM_CAPTURE_STATUS_ACTIVE = 1,
 };
 
 enum {
@@ -282,6 +320,26 @@ SIMAPI CUresult cuMemAllocAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUstrea
 SIMAPI CUresult cuMemFreeAsync(CUdeviceptr dptr, CUstream hStream);
 SIMAPI CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream);
 SIMAPI CUresult cuPointerGetAttribute(void *data, CUpointer_attribute attribute, CUdeviceptr ptr);
+
+/* device memory: stream-ordered pools */
+SIMAPI CUresult cuMemAllocFromPoolAsync(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream);
+SIMAPI CUresult cuMemAllocFromPoolAsync_ptsz(CUdeviceptr *dptr, size_t bytesize, CUmemoryPool pool, CUstream hStream);
+SIMAPI CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props);
+SIMAPI CUresult cuMemPoolDestroy(CUmemoryPool pool);
+SIMAPI CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *value);
+SIMAPI CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value);
+SIMAPI CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t minBytesToKeep);
+SIMAPI CUresult cuMemPoolSetAccess(CUmemoryPool pool, const CUmemAccessDesc *map, size_t count);
+SIMAPI CUresult cuMemPoolGetAccess(int *flags, CUmemoryPool memPool, CUmemLocation *location);
+SIMAPI CUresult cuMemPoolExportToShareableHandle(void *handle_out, CUmemoryPool pool, CUmemAllocationHandleType handleType,
+                                                 unsigned long long flags);
+SIMAPI CUresult cuMemPoolExportPointer(CUmemPoolPtrExportData *shareData_out, CUdeviceptr ptr);
+SIMAPI CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *pool_out, CUdevice dev);
+SIMAPI CUresult cuDeviceGetMemPool(CUmemoryPool *pool, CUdevice dev);
+SIMAPI CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool);
+/* graph memory: simcuda has no graphs, so none is ever held; trimming succeeds with nothing to do */
+SIMAPI CUresult cuDeviceGraphMemTrim(CUdevice device);
+SIMAPI CUresult cuDeviceGetGraphMemAttribute(CUdevice device, int attr, void *value);
 SIMAPI CUresult cuIpcGetMemHandle(CUipcMemHandle *pHandle, CUdeviceptr dptr);
 SIMAPI CUresult cuIpcOpenMemHandle(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags);
 SIMAPI CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *pdptr, CUipcMemHandle handle, unsigned int Flags);
@@ -378,6 +436,11 @@ SIMAPI CUresult cuEventCreate(CUevent *phEvent, unsigned int Flags);
 SIMAPI CUresult cuEventRecord(CUevent hEvent, CUstream hStream);
 SIMAPI CUresult cuEventRecord_ptsz(CUevent hEvent, CUstream hStream);
 SIMAPI CUresult cuEventSynchronize(CUevent hEvent);
+SIMAPI CUresult cuEventQuery(CUevent hEvent);
+SIMAPI CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int Flags);
+SIMAPI CUresult cuStreamWaitEvent_ptsz(CUstream hStream, CUevent hEvent, unsigned int Flags);
+SIMAPI CUresult cuStreamIsCapturing(CUstream hStream, int *captureStatus);
+SIMAPI CUresult cuStreamIsCapturing_ptsz(CUstream hStream, int *captureStatus);
 SIMAPI CUresult cuEventDestroy(CUevent hEvent);
 SIMAPI CUresult cuEventDestroy_v2(CUevent hEvent);
 SIMAPI CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd);
@@ -413,5 +476,9 @@ SIMAPI CUresult simcudaDeviceNode(int phys, char *buf, size_t len);
 SIMAPI CUresult simcudaProcessMemUsed(int pid, size_t *used);
 /* One process's bytes on physical device `device` (NVML's per-process usage on a real GPU). */
 SIMAPI CUresult simcudaProcessDeviceMemUsed(int pid, int device, size_t *used);
+/* The stream-ordering model (order.c): the position of the last work enqueued on a stream, and
+ * whether the next work on a stream is ordered after a position (1), not (0), or a bad stream (-1). */
+SIMAPI CUresult simcudaStreamPosition(CUstream s, unsigned long long *id, unsigned long long *seq);
+SIMAPI int simcudaStreamOrdered(CUstream s, unsigned long long id, unsigned long long seq);
 
 #endif /* SIMCUDA_API_H */

@@ -1316,6 +1316,140 @@ static void test_multidev(void)
     child_finish(&c);
 }
 
+
+/* ---- stream-ordered pools and the stream-ordering model ---- */
+
+static uint64_t pool_attr(CUmemoryPool p, int attr)
+{
+    uint64_t v = 0;
+    CU(cuMemPoolGetAttribute(p, attr, &v));
+    return v;
+}
+
+static void test_pools(void)
+{
+    init_primary();
+    CUdevice dev = 0;
+    CUstream s1, s2;
+    CU(cuStreamCreate(&s1, 0));
+    CU(cuStreamCreate(&s2, 0));
+    CUmemoryPool dflt, cur;
+    CU(cuDeviceGetDefaultMemPool(&dflt, dev));
+    CU(cuDeviceGetMemPool(&cur, dev));
+    CHECK(dflt == cur, "the current pool starts as the default one");
+    size_t base = proc_used(getpid());
+
+    /* same stream: a freed block is reused at once */
+    CUdeviceptr a, b, c;
+    CU(cuMemAllocAsync(&a, 3 * MiB, s1));
+    CHECK(pool_attr(dflt, CU_MEMPOOL_ATTR_USED_MEM_CURRENT) == 4 * MiB, "used counts the rounded block");
+    CU(cuMemFreeAsync(a, s1));
+    CHECK(pool_attr(dflt, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) == 4 * MiB, "a freed block stays reserved");
+    CU(cuMemAllocAsync(&b, 3 * MiB, s1));
+    CHECK(b == a, "same-stream reuse");
+    /* another stream, no order and no internal dependencies allowed: a different block */
+    CU(cuMemFreeAsync(b, s1));
+    int off = 0, on = 1;
+    CU(cuMemPoolSetAttribute(dflt, CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, &off));
+    unsigned long long id, seq;
+    CU(simcudaStreamPosition(s1, &id, &seq));
+    CHECK(simcudaStreamOrdered(s2, id, seq) == 0, "s2 is not ordered after s1's free yet");
+    CU(cuMemAllocAsync(&c, 3 * MiB, s2));
+    CHECK(c != a, "no cross-stream reuse without order");
+    CU(cuMemFreeAsync(c, s2));
+    /* an event orders the free before s2: reuse, and the model says so */
+    CUevent ev;
+    CU(cuEventCreate(&ev, CU_EVENT_DISABLE_TIMING));
+    CU(cuEventRecord(ev, s1));
+    EXPECT_RC(cuEventQuery(ev), CUDA_ERROR_NOT_READY);
+    CU(cuStreamWaitEvent(s2, ev, 0));
+    CHECK(simcudaStreamOrdered(s2, id, seq) == 1, "waiting on the event orders s2 after the free");
+    CUdeviceptr d;
+    CU(cuMemAllocAsync(&d, 3 * MiB, s2));
+    CHECK(d == a || d == c, "reuse after an event");
+    /* internal dependencies: the pool makes the stream wait */
+    CUstream s3;
+    CU(cuStreamCreate(&s3, 0));
+    CU(cuMemFreeAsync(d, s2));
+    CU(simcudaStreamPosition(s2, &id, &seq));
+    CU(cuMemPoolSetAttribute(dflt, CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES, &on));
+    CUdeviceptr e;
+    CU(cuMemAllocAsync(&e, 3 * MiB, s3));
+    CHECK(e == d, "reuse through an internal dependency");
+    CHECK(simcudaStreamOrdered(s3, id, seq) == 1, "and the stream was made to wait for the free");
+    CU(cuMemFreeAsync(e, s3));
+
+    /* a synchronize gives back what is above the release threshold (0 by default) */
+    CHECK(pool_attr(dflt, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) == 8 * MiB, "two blocks reserved");
+    CU(cuStreamSynchronize(s1));
+    /* the block last freed on s1 (if the pool took the other one for d) goes; those freed on s2/s3 wait */
+    CHECK(pool_attr(dflt, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) == (d == c ? 4 : 8) * MiB,
+          "only frees seen complete are released");
+    CU(cuCtxSynchronize());
+    EXPECT_RC(cuEventQuery(ev), CUDA_SUCCESS);
+    CHECK(pool_attr(dflt, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) == 0, "released at the synchronize");
+    CHECK(proc_used(getpid()) == base, "and given back to the device");
+    CHECK(pool_attr(dflt, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) == 8 * MiB, "high watermark kept");
+    uint64_t zero = 0, big = 64 * MiB;
+    CU(cuMemPoolSetAttribute(dflt, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH, &zero));
+    CHECK(pool_attr(dflt, CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) == 0, "watermark reset to current");
+    EXPECT_RC(cuMemPoolSetAttribute(dflt, CU_MEMPOOL_ATTR_USED_MEM_CURRENT, &zero), CUDA_ERROR_INVALID_VALUE);
+
+    /* a threshold keeps memory; TrimTo releases it */
+    CU(cuMemPoolSetAttribute(dflt, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &big));
+    CU(cuMemAllocAsync(&a, 6 * MiB, s1));
+    CU(cuMemFreeAsync(a, s1));
+    CU(cuStreamSynchronize(s1));
+    CHECK(pool_attr(dflt, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) == 6 * MiB, "kept under the threshold");
+    CU(cuMemPoolTrimTo(dflt, 0));
+    CHECK(pool_attr(dflt, CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT) == 0, "trimmed");
+    CU(cuMemPoolSetAttribute(dflt, CU_MEMPOOL_ATTR_RELEASE_THRESHOLD, &zero));
+
+    /* explicit pools: props, current pool, access, IPC export only with a handle type */
+    CUmemPoolProps props = {.allocType = CU_MEM_ALLOCATION_TYPE_PINNED, .location = {CU_MEM_LOCATION_TYPE_DEVICE, 0}};
+    CUmemoryPool plain, ipc;
+    CU(cuMemPoolCreate(&plain, &props));
+    props.handleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+    CU(cuMemPoolCreate(&ipc, &props));
+    props.location.id = 7;
+    EXPECT_RC(cuMemPoolCreate(&cur, &props), CUDA_ERROR_INVALID_DEVICE);
+    CU(cuDeviceSetMemPool(dev, plain));
+    CU(cuMemAllocAsync(&a, MiB, s1));
+    CHECK(pool_attr(plain, CU_MEMPOOL_ATTR_USED_MEM_CURRENT) == 2 * MiB, "cuMemAllocAsync uses the current pool");
+    CU(cuMemAllocFromPoolAsync(&b, MiB, ipc, s1));
+    int fd = -1;
+    EXPECT_RC(cuMemPoolExportToShareableHandle(&fd, plain, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0), CUDA_ERROR_INVALID_VALUE);
+    CU(cuMemPoolExportToShareableHandle(&fd, ipc, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    CHECK(fd >= 0, "an fd");
+    close(fd);
+    CUmemPoolPtrExportData data;
+    CU(cuMemPoolExportPointer(&data, b));
+    EXPECT_RC(cuMemPoolExportPointer(&data, a), CUDA_ERROR_INVALID_VALUE);
+    CUmemAccessDesc own_ro = {{CU_MEM_LOCATION_TYPE_DEVICE, 0}, CU_MEM_ACCESS_FLAGS_PROT_READ};
+    EXPECT_RC(cuMemPoolSetAccess(plain, &own_ro, 1), CUDA_ERROR_INVALID_VALUE);
+    int flags = 0;
+    CUmemLocation loc = {CU_MEM_LOCATION_TYPE_DEVICE, 0};
+    CU(cuMemPoolGetAccess(&flags, plain, &loc));
+    CHECK(flags == CU_MEM_ACCESS_FLAGS_PROT_READWRITE, "its own device reads and writes");
+    EXPECT_RC(cuMemPoolDestroy(dflt), CUDA_ERROR_INVALID_VALUE);
+    CU(cuMemFreeAsync(a, s1));
+    CU(cuMemFree_v2(b));   /* pool memory may be freed synchronously too */
+    CU(cuMemPoolDestroy(plain));
+    CU(cuMemPoolDestroy(ipc));
+    CU(cuDeviceGetMemPool(&cur, dev));
+    CHECK(cur == dflt, "destroying the current pool makes the default current again");
+    CU(cuCtxSynchronize());
+    CHECK(proc_used(getpid()) == base, "everything given back");
+    uint64_t graph = 1;
+    CU(cuDeviceGetGraphMemAttribute(dev, CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &graph));
+    CHECK(graph == 0, "no graph memory on simcuda");
+    CU(cuDeviceGraphMemTrim(dev));
+    CU(cuEventDestroy_v2(ev));
+    CU(cuStreamDestroy_v2(s1));
+    CU(cuStreamDestroy_v2(s2));
+    CU(cuStreamDestroy_v2(s3));
+}
+
 static void run(const char *name, void (*fn)(void))
 {
     double t0 = now_ms();
@@ -1363,6 +1497,7 @@ int main(int argc, char **argv)
     run("VMM", test_vmm);
     run("cuGetProcAddress", test_procaddr);
     run("kernels, events, streams", test_kernels);
+    run("stream-ordered pools", test_pools);
     run("accounting across processes", test_accounting);
     run("fd sharing across processes", test_shared_across_processes);
     run("not a CUDA process", test_not_a_cuda_process);
