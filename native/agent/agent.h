@@ -7,6 +7,9 @@
  *   g_op (channel.c, one checkpoint or restore at a time)
  *     -> g_ready_mu (dataplane.c, image data arriving during a restore)
  *     -> reg_lock (registry.c, the registry)
+ *   g_mu (pool.c, the stream-ordered pools) -> reg_lock; it is taken inside the gate (or by the
+ *     checkpoint itself, before the driver holds the process), so no thread waits on a locked driver
+ *     while holding it
  *   g_staging_mu (dataplane.c, staging preparation) -> S.mu (staging.c), and -> B.mu (bounce.c)
  * and each of these is held only on its own: g_dp_mu (dataplane.c, what status reports of the data
  * plane), the gate's mutex (gate.c), g_clients_mu (channel.c), a deadline job's mutex (dataplane.c).
@@ -90,6 +93,14 @@ struct gpucr_driver {
     CUresult (*cuDeviceGetCount)(int *);
     CUresult (*cuDevicePrimaryCtxRetain)(CUcontext *, CUdevice);
     CUresult (*cuDevicePrimaryCtxRelease_v2)(CUdevice);
+    /* stream-ordered allocation (pool.c) */
+    CUresult (*cuStreamWaitEvent)(CUstream, CUevent, unsigned);
+    CUresult (*cuEventQuery)(CUevent);
+    CUresult (*cuStreamIsCapturing)(CUstream, int *);
+    CUresult (*cuDeviceGetMemPool)(CUmemoryPool *, CUdevice);
+    CUresult (*cuDeviceGetDefaultMemPool)(CUmemoryPool *, CUdevice);
+    CUresult (*cuDeviceGraphMemTrim)(CUdevice);
+    CUresult (*cuDeviceGetGraphMemAttribute)(CUdevice, int, void *);
     int (*simcudaIsSimulated)(void);     /* present only in simcuda, the test double */
 };
 extern struct gpucr_driver gpucr_drv;

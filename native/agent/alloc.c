@@ -5,6 +5,7 @@
  * recorded so the data plane can move that memory too. */
 #include <stdlib.h>
 #include <string.h>
+#include "pool.h"
 #include "registry.h"
 #include "settings.h"
 
@@ -100,7 +101,7 @@ static CUresult alloc_vmm(CUdeviceptr *dptr, size_t size)
     return CUDA_SUCCESS;
 }
 
-static void note_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, size_t size)
+void note_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, size_t size)
 {
     CUcontext ctx = NULL;
     CUdevice dev = -1;
@@ -116,7 +117,7 @@ static void note_native(struct hmap *map, size_t *bytes, long *count, CUdevicept
 
 /* Forget a native allocation before the driver frees it (once freed, another thread's allocation may
  * get its address and be recorded under it); its record, NULL if `map` had none. */
-static void *take_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr)
+void *take_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr)
 {
     reg_lock();
     void *v = hmap_del(map, ptr);
@@ -126,7 +127,7 @@ static void *take_native(struct hmap *map, size_t *bytes, long *count, CUdevicep
 }
 
 /* The driver did not free it after all: it is the application's still. */
-static void keep_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, void *v)
+void keep_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, void *v)
 {
     reg_lock();
     if (reg_put(map, ptr, v, "a plain allocation") == 0) { *bytes += reg_native_size(v); (*count)++; }
@@ -213,11 +214,12 @@ GPUCR_EXPORT CUresult cuMemFree_v2(CUdeviceptr dptr)
     gpucr_init();
     if (!REAL(cuMemFree_v2)) return CUDA_ERROR_NOT_SUPPORTED;
     gpucr_gate_enter();
+    CUresult rc;
+    if (pool_free_sync(dptr, &rc)) { gpucr_gate_leave(); return rc; }   /* stream-ordered memory freed plainly */
     reg_lock();
     struct phys *p = dptr ? hmap_get(&g_reg.conv_by_va, dptr) : NULL;
     CUcontext own = p ? p->ctx : NULL;
     reg_unlock();
-    CUresult rc;
     if (p) {
         /* cuMemFree waits for work using the memory; unmapping under running work is undefined.
          * The wait is done without the registry lock: status and other threads go on meanwhile. */
@@ -248,37 +250,7 @@ GPUCR_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned
     return rc;
 }
 
-/* Stream-ordered pool memory stays with the driver, whose checkpoint moves it. */
-#define POOL_ALLOC(sym, params, args)                                                              \
-    GPUCR_EXPORT CUresult sym params                                                               \
-    {                                                                                              \
-        gpucr_init();                                                                              \
-        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                           \
-        gpucr_gate_enter();                                                                        \
-        CUresult rc = REAL(sym) args;                                                              \
-        if (rc == CUDA_SUCCESS) note_native(&g_reg.pool_by_va, &g_reg.pool_bytes, &g_reg.pool_count, *dptr, size); \
-        gpucr_gate_leave();                                                                        \
-        return rc;                                                                                 \
-    }
-POOL_ALLOC(cuMemAllocAsync, (CUdeviceptr *dptr, size_t size, CUstream st), (dptr, size, st))
-POOL_ALLOC(cuMemAllocAsync_ptsz, (CUdeviceptr *dptr, size_t size, CUstream st), (dptr, size, st))
-POOL_ALLOC(cuMemAllocFromPoolAsync, (CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream st), (dptr, size, pool, st))
-POOL_ALLOC(cuMemAllocFromPoolAsync_ptsz, (CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream st), (dptr, size, pool, st))
-
-#define POOL_FREE(sym)                                                                             \
-    GPUCR_EXPORT CUresult sym(CUdeviceptr dptr, CUstream st)                                       \
-    {                                                                                              \
-        gpucr_init();                                                                              \
-        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                           \
-        gpucr_gate_enter();                                                                        \
-        void *v = take_native(&g_reg.pool_by_va, &g_reg.pool_bytes, &g_reg.pool_count, dptr);      \
-        CUresult rc = REAL(sym)(dptr, st);                                                         \
-        if (rc != CUDA_SUCCESS && v) keep_native(&g_reg.pool_by_va, &g_reg.pool_bytes, &g_reg.pool_count, dptr, v); \
-        gpucr_gate_leave();                                                                        \
-        return rc;                                                                                 \
-    }
-POOL_FREE(cuMemFreeAsync)
-POOL_FREE(cuMemFreeAsync_ptsz)
+/* Stream-ordered allocation (cuMemAllocAsync and the pools) is served by pool.c. */
 
 GPUCR_EXPORT CUresult cuIpcGetMemHandle(void *handle, CUdeviceptr dptr)
 {

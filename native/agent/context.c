@@ -8,6 +8,7 @@
 #include "registry.h"
 #include "bounce.h"
 #include "dataplane.h"
+#include "pool.h"
 #include "staging.h"
 
 #define CU_POINTER_ATTRIBUTE_CONTEXT 1
@@ -22,6 +23,7 @@ static void before_end(CUcontext ctx)
     gpucr_use_ctx(ctx);
     /* as the driver does: no work may still use what is freed */
     if ((rc = gpucr_drv.cuCtxSynchronize()) != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuCtxSynchronize (context %p, ending)", (void *)ctx);
+    pool_forget_ctx(ctx);   /* its pools' memory first: pool.c keeps its own records of it */
     /* the addresses of its converted allocations, taken under the lock; given back without it */
     reg_lock();
     size_t n = 0, k = 0;

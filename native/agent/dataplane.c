@@ -11,6 +11,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include "pool.h"
 #include "bounce.h"
 #include "dataplane.h"
 #include "registry.h"
@@ -323,6 +324,7 @@ void dp_preflight(char *why, size_t len)
         snprintf(why, len, "the process shares %ld VMM allocations with other processes through handles other than POSIX "
                  "file descriptors, which gpucr cannot relink", shared);
     reg_unlock();
+    if (!why[0]) pool_refusal(why, len);
 }
 
 /* ---- restore from an image: the controller fills staging while re-mapping and copying run; it
@@ -577,6 +579,7 @@ int dp_quiesce(int timeout_ms, char *err, size_t errlen)
             seterr(err, errlen, "synchronising the device failed: %s; checkpoint refused", serr);
         return -1;
     }
+    pool_trim_for_checkpoint();   /* free pool blocks go back now: only memory in use is moved */
     if (saved) gpucr_use_ctx(saved);
     g_dp.pending = t;
     DP_SET(g_dp.quiesced = true);

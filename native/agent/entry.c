@@ -107,6 +107,8 @@ static void do_init(void)
     D(cuGetErrorString); D(cuGetErrorName); D(cuDeviceGetAttribute); D(cuDeviceGetUuid);
     D(cuPointerGetAttribute); D(cuDevicePrimaryCtxGetState); D(cuDevicePrimaryCtxRetain);
     D(cuEventCreate); D(cuEventRecord); D(cuEventSynchronize); D(cuDeviceGetCount);
+    D(cuStreamWaitEvent); D(cuEventQuery); D(cuStreamIsCapturing); D(cuDeviceGetMemPool);
+    D(cuDeviceGetDefaultMemPool); D(cuDeviceGraphMemTrim); D(cuDeviceGetGraphMemAttribute);
 #undef D
     /* versioned names the resolver knows by their base name */
     gpucr_drv.cuMemGetInfo_v2 = drv_sym("cuMemGetInfo");

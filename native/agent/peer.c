@@ -17,11 +17,11 @@ static CUresult set_peer_access(CUcontext owner, CUdevice dev, bool on)
     if (reg_peer_set(owner, dev, on)) first = CUDA_ERROR_OUT_OF_MEMORY;
     size_t n = 0, k = 0;
     for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if (p->kind == PHYS_CONVERTED && p->ctx == owner)
+        if (p->kind == PHYS_CONVERTED && p->ctx == owner && !p->pool_seg)
             for (struct mapping *m = p->maps; m; m = m->next) n++;
     struct { CUdeviceptr va; size_t size; } *maps = n ? malloc(sizeof *maps * n) : NULL;
     for (struct phys *p = g_reg.all; p && maps; p = p->next_all)
-        if (p->kind == PHYS_CONVERTED && p->ctx == owner)
+        if (p->kind == PHYS_CONVERTED && p->ctx == owner && !p->pool_seg)
             for (struct mapping *m = p->maps; m; m = m->next) { maps[k].va = m->va; maps[k].size = m->size; k++; }
     reg_unlock();
     if (n && !maps) return CUDA_ERROR_OUT_OF_MEMORY;

@@ -47,6 +47,7 @@ struct phys {
     bool share_unknown;         /* shared in a way the agent cannot name (a handle type other than a POSIX fd) */
     struct mapping *maps;
     CUdeviceptr resv_va;        /* PHYS_CONVERTED: the VA reservation the agent owns */
+    bool pool_seg;              /* PHYS_CONVERTED: a segment of a stream-ordered pool (pool.c), not a plain allocation */
     size_t resv_size, user_size;
     /* checkpoint bookkeeping */
     bool released;              /* physical memory given back, data in staging */
@@ -118,6 +119,11 @@ struct phys *reg_phys_containing(CUdeviceptr ptr);
 /* Give back the plain allocation at va the agent made VMM: unmap, release, free its addresses, forget
  * it (alloc.c; registry NOT locked, the gate entered, its context current). */
 CUresult alloc_free_converted(CUdeviceptr va);
+/* Memory the driver keeps (alloc.c; registry NOT locked): record it, forget it before the driver frees
+ * it (its record, NULL if `map` had none), or record it again when the driver did not free it. */
+void note_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, size_t size);
+void *take_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr);
+void keep_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, void *v);
 /* Whether the data plane moves this allocation itself (else the driver's checkpoint does). */
 bool reg_phys_movable(const struct phys *p);
 void reg_reset_after_fork(void);

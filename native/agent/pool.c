@@ -1,0 +1,881 @@
+/* Stream-ordered allocation (cuMemAllocAsync, cuMemAllocFromPoolAsync, cuMemFreeAsync) served by the
+ * agent from VMM memory it owns, so the data plane moves it at link speed and restores it at the same
+ * addresses, instead of the driver's checkpoint (~2 GB/s).
+ *
+ * The application keeps the driver's pool handles (default pools, cuMemPoolCreate): the agent keeps a
+ * shadow of each pool it serves, keyed by that handle, with its own blocks. CUDA's semantics kept:
+ *   - a block freed on a stream is reused by that stream at once; another stream gets it only when the
+ *     free is ordered before it: the free is known complete (a synchronize or an event query saw it),
+ *     or the agent records an event on the freeing stream and makes the new stream wait on it (CUDA's
+ *     REUSE_ALLOW_INTERNAL_DEPENDENCIES; with that attribute off, only complete frees are reused);
+ *   - at a synchronize (stream, event, context), a pool holding more than its release threshold gives
+ *     back free memory whose frees completed; cuMemPoolTrimTo likewise down to its argument;
+ *   - the used/reserved attributes and their high watermarks are the agent's (plus the driver's own);
+ *   - cuMemPoolSetAccess grants peers access to every block, present and future;
+ *   - cuMemPoolCreate's props: a device pool with no handle type is served; a pool with handle types
+ *     (IPC) or another location stays the driver's, and says so in `gpucr status`.
+ * Left to the driver and reported: allocations during stream capture (they become graph memory, whose
+ * addresses the graph owns), IPC-capable pools, pools the agent did not see created (imported).
+ * A pool exported or imported for IPC makes a checkpoint refuse up front (pool_refusal).
+ *
+ * Layout: sizes up to 1 MiB are power-of-two slots (from 512 B) in slabs of one VMM granule; larger
+ * ones get a segment of their own, rounded to the granule. A segment is one piece of VMM memory in the
+ * registry (PHYS_CONVERTED, pool_seg), so the data plane moves it like any converted allocation.
+ *
+ * Lock order: gate -> g_mu (this file) -> registry lock. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "pool.h"
+#include "registry.h"
+
+#define MIN_SHIFT 9                       /* 512 B: the smallest slot */
+#define MAX_SMALL_SHIFT 20                /* 1 MiB: the largest slot; larger sizes get a segment */
+#define NSMALL (MAX_SMALL_SHIFT - MIN_SHIFT + 1)
+#define LARGE NSMALL                      /* the free list of whole segments */
+#define SCAN_LIMIT 64                     /* free blocks looked at per allocation */
+
+enum { HANDLE_POSIX_FD = 1 };
+
+struct sstate;
+
+struct slot {
+    struct slot *prev, *next;             /* in its pool's free list while free */
+    struct seg *seg;
+    CUdeviceptr va;
+    size_t size;
+    bool free;
+    struct sstate *st;                    /* the stream it was freed on */
+    uint64_t epoch;                       /* ... and that stream's free count then */
+};
+
+struct seg {
+    struct seg *next;
+    struct apool *pool;
+    struct phys *phys;
+    CUcontext ctx;
+    CUdeviceptr va;
+    size_t size;
+    int cls;                              /* < NSMALL: a slab of that class; LARGE: one block */
+    int nslots, nlive;
+    struct slot slots[];
+};
+
+/* A stream the application freed pool memory on. */
+struct sstate {
+    uint64_t key;                         /* the stream (per-thread default streams: the thread) */
+    CUstream handle;                      /* what to hand the driver for it */
+    CUcontext ctx;                        /* where its event lives */
+    bool eager;                           /* a per-thread stream: record at every free (no other thread can later) */
+    bool dead;                            /* destroyed: its event was recorded last thing */
+    uint64_t epoch, done, ev_epoch;       /* frees so far; frees known complete; frees before the event */
+    CUevent ev;
+};
+
+struct apool {
+    struct apool *next;
+    CUmemoryPool handle;
+    int dev;
+    const char *native;                   /* NULL: the agent serves it; else why the driver keeps it */
+    bool ipc;                             /* created with handle types (IPC-capable) */
+    size_t max_size;                      /* 0: no limit */
+    int internal_deps;                    /* CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES */
+    uint64_t threshold;
+    uint64_t used, reserved, used_high, reserved_high;
+    int nacc;
+    CUmemAccessDesc acc[MAX_ACCESS];      /* peers granted by cuMemPoolSetAccess */
+    struct slot free_head[NSMALL + 1];    /* sentinels of the free lists */
+    struct seg *segs;
+};
+
+static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct apool *g_pools;
+static struct hmap g_live;                /* va -> slot handed out */
+static struct hmap g_streams;             /* key -> sstate */
+static struct hmap g_native_reason;       /* va -> reason of stream-ordered memory the driver keeps (1 ipc, 2 other) */
+static struct pool_stats g_stats;
+static size_t g_gran;
+
+static size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
+
+/* ---- streams ---- */
+
+static uint64_t stream_key(CUstream h, bool pt)
+{
+    if (h == CU_STREAM_PER_THREAD || (!h && pt)) return (uint64_t)pthread_self() | 3;   /* tagged: no handle ends in 3 */
+    if (!h || h == CU_STREAM_LEGACY) return 1;
+    return (uint64_t)(uintptr_t)h;
+}
+
+static CUstream stream_handle(CUstream h, bool pt)
+{
+    return (!h && pt) ? CU_STREAM_PER_THREAD : h;
+}
+
+static struct sstate *sstate_get(CUstream h, bool pt)
+{
+    uint64_t key = stream_key(h, pt);
+    struct sstate *st = hmap_get(&g_streams, key);
+    if (st) return st;
+    st = calloc(1, sizeof *st);
+    if (!st) return NULL;
+    st->key = key;
+    st->handle = stream_handle(h, pt);
+    st->eager = (key & 3) == 3;
+    gpucr_drv.cuCtxGetCurrent(&st->ctx);
+    if (hmap_put(&g_streams, key, st)) { free(st); return NULL; }
+    return st;
+}
+
+/* Record the stream's event now: it follows every free enqueued on it so far. */
+static bool sstate_record(struct sstate *st)
+{
+    if (!st->ev && gpucr_drv.cuEventCreate(&st->ev, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) { st->ev = NULL; return false; }
+    if (gpucr_drv.cuEventRecord(st->ev, st->handle) != CUDA_SUCCESS) return false;
+    st->ev_epoch = st->epoch;
+    return true;
+}
+
+/* Has the free at `epoch` on st completed? Asks the event (cheap) when that could tell. */
+static bool free_complete(struct sstate *st, uint64_t epoch)
+{
+    if (epoch <= st->done) return true;
+    if (st->ev && st->ev_epoch >= epoch && gpucr_drv.cuEventQuery(st->ev) == CUDA_SUCCESS) st->done = st->ev_epoch;
+    return epoch <= st->done;
+}
+
+/* May a block freed at (st, epoch) be handed to work on stream `to`? Either it already may, or the
+ * agent makes `to` wait for the free (when the pool allows internal dependencies). */
+static bool order_after_free(struct apool *pl, struct sstate *st, uint64_t epoch, uint64_t to_key, CUstream to,
+                             CUcontext cur)
+{
+    if (st->key == to_key || free_complete(st, epoch)) return true;
+    if (!pl->internal_deps || st->ctx != cur) return false;
+    if (st->ev_epoch < epoch && (st->dead || !sstate_record(st))) return false;
+    if (gpucr_drv.cuStreamWaitEvent(to, st->ev, 0) != CUDA_SUCCESS) return false;
+    g_stats.cross_stream_waits++;
+    return true;
+}
+
+/* The host saw work complete: everything freed on streams `key` (0: every stream of ctx) is reusable. */
+static void mark_done(uint64_t key, CUcontext ctx)
+{
+    uint64_t k;
+    void *v;
+    for (size_t i = 0; (i = hmap_next(&g_streams, i, &k, &v)) < g_streams.cap; i++) {
+        struct sstate *st = v;
+        if (key ? st->key == key : st->ctx == ctx) st->done = st->epoch;
+    }
+}
+
+/* ---- pools ---- */
+
+static struct apool *apool_new(CUmemoryPool h, int dev, const char *native)
+{
+    struct apool *pl = calloc(1, sizeof *pl);
+    if (!pl) return NULL;
+    pl->handle = h;
+    pl->dev = dev;
+    pl->native = native;
+    pl->internal_deps = 1;
+    for (int c = 0; c <= NSMALL; c++) pl->free_head[c].next = pl->free_head[c].prev = &pl->free_head[c];
+    pl->next = g_pools;
+    g_pools = pl;
+    if (native) g_stats.pools_native++; else g_stats.pools_served++;
+    return pl;
+}
+
+/* The shadow of pool h: made on first sight for a device's default pool; any other pool not seen
+ * created (an imported one) is the driver's. g_mu held. */
+static struct apool *apool_get(CUmemoryPool h)
+{
+    for (struct apool *pl = g_pools; pl; pl = pl->next)
+        if (pl->handle == h) return pl;
+    int n = 0;
+    if (gpucr_drv.cuDeviceGetCount) gpucr_drv.cuDeviceGetCount(&n);
+    for (int d = 0; d < n; d++) {
+        CUmemoryPool dflt = NULL;
+        if (gpucr_drv.cuDeviceGetDefaultMemPool && gpucr_drv.cuDeviceGetDefaultMemPool(&dflt, d) == CUDA_SUCCESS && dflt == h)
+            return apool_new(h, d, NULL);
+    }
+    return apool_new(h, -1, "a pool gpucr did not see created (imported from another process)");
+}
+
+static void list_push(struct slot *head, struct slot *s)
+{
+    s->next = head->next; s->prev = head;
+    head->next->prev = s; head->next = s;
+}
+
+static void list_unlink(struct slot *s)
+{
+    s->prev->next = s->next; s->next->prev = s->prev;
+    s->prev = s->next = NULL;
+}
+
+static int size_class(size_t size)
+{
+    if (size > (1u << MAX_SMALL_SHIFT)) return LARGE;
+    int c = 0;
+    while (((size_t)1 << (MIN_SHIFT + c)) < size) c++;
+    return c;
+}
+
+static void note_high(struct apool *pl)
+{
+    if (pl->used > pl->used_high) pl->used_high = pl->used;
+    if (pl->reserved > pl->reserved_high) pl->reserved_high = pl->reserved;
+}
+
+/* A new segment of pool memory: VMM reserve + create + map, access for the pool's device and its
+ * peers, recorded in the registry so the data plane moves it. g_mu held. */
+static struct seg *seg_new(struct apool *pl, int cls, size_t size, CUcontext ctx)
+{
+    if (pl->max_size && pl->reserved + size > pl->max_size) return NULL;
+    CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED, .location = {CU_MEM_LOCATION_TYPE_DEVICE, pl->dev}};
+    int nslots = cls == LARGE ? 1 : (int)(size >> (MIN_SHIFT + cls));
+    struct seg *sg = calloc(1, sizeof *sg + sizeof(struct slot) * (size_t)nslots);
+    if (!sg) return NULL;
+    CUdeviceptr va = 0;
+    CUmemGenericAllocationHandle h = 0;
+    CUmemAccessDesc acc[MAX_ACCESS] = {{{CU_MEM_LOCATION_TYPE_DEVICE, pl->dev}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE}};
+    int nacc = 1;
+    for (int i = 0; i < pl->nacc && nacc < MAX_ACCESS; i++)
+        if (pl->acc[i].location.id != pl->dev) acc[nacc++] = pl->acc[i];   /* its own device is there already */
+    if (gpucr_drv.cuMemAddressReserve(&va, size, g_gran, 0, 0) != CUDA_SUCCESS) { free(sg); return NULL; }
+    CUresult rc = REAL(cuMemCreate)(&h, size, &prop, 0);
+    if (rc == CUDA_SUCCESS) {
+        rc = REAL(cuMemMap)(va, size, 0, h, 0);
+        if (rc == CUDA_SUCCESS && (rc = REAL(cuMemSetAccess)(va, size, acc, (size_t)nacc)) != CUDA_SUCCESS)
+            REAL(cuMemUnmap)(va, size);
+        if (rc != CUDA_SUCCESS) REAL(cuMemRelease)(h);
+    }
+    struct phys *p = NULL;
+    if (rc == CUDA_SUCCESS) {
+        reg_lock();
+        p = reg_phys_new(PHYS_CONVERTED, h, size, &prop, ctx);
+        struct mapping *m = p ? reg_map_add(p, va, size, 0) : NULL;
+        if (m) {
+            reg_map_merge_access(m, acc, (size_t)nacc);
+            p->resv_va = va; p->resv_size = size; p->user_size = size;
+            p->pool_seg = true;
+        } else if (p) {
+            reg_phys_free(p);
+            p = NULL;
+        }
+        reg_unlock();
+        if (!p) { REAL(cuMemUnmap)(va, size); REAL(cuMemRelease)(h); }
+    }
+    if (!p) { gpucr_drv.cuMemAddressFree(va, size); free(sg); return NULL; }
+    sg->pool = pl; sg->phys = p; sg->ctx = ctx; sg->va = va; sg->size = size; sg->cls = cls; sg->nslots = nslots;
+    size_t each = cls == LARGE ? size : (size_t)1 << (MIN_SHIFT + cls);
+    for (int i = 0; i < nslots; i++) {
+        struct slot *s = &sg->slots[i];
+        s->seg = sg; s->va = va + each * (size_t)i; s->size = each; s->free = true;
+        if (i) list_push(&pl->free_head[cls], s);   /* slot 0 goes to the caller */
+    }
+    sg->next = pl->segs;
+    pl->segs = sg;
+    pl->reserved += size;
+    return sg;
+}
+
+/* Give a segment with nothing in use back to the device. g_mu held. */
+static void seg_release(struct seg *sg)
+{
+    struct apool *pl = sg->pool;
+    for (int i = 0; i < sg->nslots; i++)
+        if (sg->slots[i].prev) list_unlink(&sg->slots[i]);
+    for (struct seg **l = &pl->segs; *l; l = &(*l)->next)
+        if (*l == sg) { *l = sg->next; break; }
+    reg_lock();
+    if (alloc_free_converted(sg->phys) != CUDA_SUCCESS) gpucr_warn("giving back %zu bytes of pool memory failed", sg->size);
+    reg_unlock();
+    pl->reserved -= sg->size;
+    g_stats.segments_released++;
+    free(sg);
+}
+
+/* May the segment go: nothing in use and every free complete (or `all_done`: the device was synchronised). */
+static bool seg_idle(struct seg *sg, bool all_done)
+{
+    if (sg->nlive) return false;
+    for (int i = 0; i < sg->nslots && !all_done; i++)
+        if (sg->slots[i].st && !free_complete(sg->slots[i].st, sg->slots[i].epoch)) return false;
+    return true;
+}
+
+/* Release idle segments until the pool holds at most `keep` bytes. g_mu held. */
+static void pool_shrink(struct apool *pl, uint64_t keep, bool all_done)
+{
+    for (struct seg *sg = pl->segs, *next; sg && pl->reserved > keep; sg = next) {
+        next = sg->next;
+        if (seg_idle(sg, all_done)) seg_release(sg);
+    }
+}
+
+/* Take a free slot of class cls for stream `to`, ordered after its free. g_mu held. */
+static struct slot *take_free(struct apool *pl, int cls, size_t need, struct sstate *to_st, CUstream to, CUcontext cur)
+{
+    struct slot *head = &pl->free_head[cls];
+    int seen = 0;
+    /* first pass: blocks freed on this stream, or whose free completed; then any the stream may wait for */
+    for (int pass = 0; pass < 2; pass++) {
+        seen = 0;
+        for (struct slot *s = head->next; s != head && seen < SCAN_LIMIT; s = s->next, seen++) {
+            if (s->seg->ctx != cur) continue;
+            if (cls == LARGE && (s->size < need || s->size > 2 * need)) continue;
+            if (s->st) {
+                bool ready = s->st == to_st || free_complete(s->st, s->epoch);
+                if (!ready && (pass == 0 || !order_after_free(pl, s->st, s->epoch, to_st->key, to, cur))) continue;
+            }
+            list_unlink(s);
+            return s;
+        }
+    }
+    return NULL;
+}
+
+static CUresult serve(struct apool *pl, CUdeviceptr *dptr, size_t size, CUstream h, bool pt, CUcontext ctx)
+{
+    int cls = size_class(size);
+    size_t need = cls == LARGE ? round_up(size, g_gran) : (size_t)1 << (MIN_SHIFT + cls);
+    struct sstate *st = sstate_get(h, pt);
+    if (!st) return CUDA_ERROR_OUT_OF_MEMORY;
+    struct slot *s = take_free(pl, cls, need, st, stream_handle(h, pt), ctx);
+    if (!s) {
+        struct seg *sg = seg_new(pl, cls, cls == LARGE ? need : g_gran, ctx);
+        if (!sg && pl->reserved) {   /* out of memory: give back what the pool holds free, and try once more */
+            pool_shrink(pl, 0, false);
+            sg = seg_new(pl, cls, cls == LARGE ? need : g_gran, ctx);
+        }
+        if (!sg) return CUDA_ERROR_OUT_OF_MEMORY;
+        s = &sg->slots[0];
+    }
+    s->free = false;
+    s->st = NULL;
+    s->seg->nlive++;
+    pl->used += s->size;
+    note_high(pl);
+    if (hmap_put(&g_live, s->va, s)) {   /* cannot remember it: give it back at once */
+        s->free = true; s->seg->nlive--; pl->used -= s->size;
+        list_push(&pl->free_head[cls], s);
+        return CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    *dptr = s->va;
+    return CUDA_SUCCESS;
+}
+
+/* Stream-ordered memory the driver keeps: recorded with why. */
+static void note_driver_alloc(CUdeviceptr va, size_t size, struct apool *pl)
+{
+    note_native(&g_reg.pool_by_va, &g_reg.pool_bytes, &g_reg.pool_count, va, size);
+    hmap_put(&g_native_reason, va, (void *)(uintptr_t)(pl && pl->ipc ? 1 : 2));
+}
+
+static bool capturing(CUstream h, bool pt)
+{
+    int status = CU_STREAM_CAPTURE_STATUS_NONE;
+    return gpucr_drv.cuStreamIsCapturing && gpucr_drv.cuStreamIsCapturing(stream_handle(h, pt), &status) == CUDA_SUCCESS &&
+           status != CU_STREAM_CAPTURE_STATUS_NONE;
+}
+
+typedef CUresult (*real_alloc_fn)(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
+
+/* Both allocation entry points. pool NULL: the current pool of the current device (cuMemAllocAsync). */
+static CUresult alloc_async(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream h, bool pt,
+                            CUresult (*real_plain)(CUdeviceptr *, size_t, CUstream), real_alloc_fn real_pool)
+{
+    if (!dptr || !size || capturing(h, pt)) {
+        /* bad arguments are the driver's to answer; during capture the graph owns the memory (its
+         * aliasing and addresses), so it stays the driver's: graph memory, reported as such */
+        CUresult rc = pool ? real_pool(dptr, size, pool, h) : real_plain(dptr, size, h);
+        if (rc == CUDA_SUCCESS && size) { pthread_mutex_lock(&g_mu); g_stats.captured_allocs++; pthread_mutex_unlock(&g_mu); }
+        return rc;
+    }
+    CUcontext ctx = NULL;
+    CUdevice dev = 0;
+    if (!pool && (gpucr_drv.cuCtxGetDevice(&dev) != CUDA_SUCCESS || !gpucr_drv.cuDeviceGetMemPool ||
+                  gpucr_drv.cuDeviceGetMemPool(&pool, dev) != CUDA_SUCCESS))
+        return real_plain(dptr, size, h);
+    gpucr_drv.cuCtxGetCurrent(&ctx);
+    pthread_mutex_lock(&g_mu);
+    g_stats.alloc_calls++;
+    if (!g_gran) {
+        CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED, .location = {CU_MEM_LOCATION_TYPE_DEVICE, 0}};
+        if (gpucr_drv.cuMemGetAllocationGranularity(&g_gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS) g_gran = 0;
+    }
+    struct apool *pl = apool_get(pool);
+    CUresult rc = CUDA_ERROR_NOT_SUPPORTED;
+    if (pl && !pl->native && g_gran && ctx) rc = serve(pl, dptr, size, h, pt, ctx);
+    pthread_mutex_unlock(&g_mu);
+    if (rc != CUDA_ERROR_NOT_SUPPORTED) return rc;
+    rc = real_pool ? real_pool(dptr, size, pool, h) : real_plain(dptr, size, h);
+    if (rc == CUDA_SUCCESS) {
+        pthread_mutex_lock(&g_mu);
+        note_driver_alloc(*dptr, size, pl);
+        pthread_mutex_unlock(&g_mu);
+    }
+    return rc;
+}
+
+/* Hand a slot back to its pool's free list, freed at (st, epoch). g_mu held. */
+static void slot_free(struct slot *s, struct sstate *st)
+{
+    struct seg *sg = s->seg;
+    hmap_del(&g_live, s->va);
+    s->free = true;
+    s->st = st;
+    s->epoch = st ? st->epoch : 0;
+    sg->nlive--;
+    sg->pool->used -= s->size;
+    list_push(&sg->pool->free_head[sg->cls], s);
+}
+
+static CUresult free_async(CUdeviceptr va, CUstream h, bool pt, CUresult (*real)(CUdeviceptr, CUstream))
+{
+    pthread_mutex_lock(&g_mu);
+    struct slot *s = va ? hmap_get(&g_live, va) : NULL;
+    CUresult rc = CUDA_SUCCESS;
+    if (s) {
+        struct sstate *st = sstate_get(h, pt);
+        if (!st) {
+            rc = CUDA_ERROR_OUT_OF_MEMORY;
+        } else {
+            st->epoch++;
+            if (st->eager) sstate_record(st);
+            slot_free(s, st);
+        }
+    }
+    pthread_mutex_unlock(&g_mu);
+    if (s) return rc;
+    rc = real(va, h);
+    if (rc == CUDA_SUCCESS) {
+        pthread_mutex_lock(&g_mu);
+        hmap_del(&g_native_reason, va);
+        pthread_mutex_unlock(&g_mu);
+        forget_native(&g_reg.pool_by_va, &g_reg.pool_bytes, &g_reg.pool_count, va);
+    }
+    return rc;
+}
+
+bool pool_free_sync(CUdeviceptr va, CUresult *rc)
+{
+    pthread_mutex_lock(&g_mu);
+    struct slot *s = va ? hmap_get(&g_live, va) : NULL;
+    if (s) {
+        /* cuMemFree waits for the work that may use the memory: then it is free for every stream */
+        CUcontext cur = NULL;
+        gpucr_drv.cuCtxGetCurrent(&cur);
+        if (cur != s->seg->ctx) gpucr_drv.cuCtxSetCurrent(s->seg->ctx);
+        *rc = gpucr_drv.cuCtxSynchronize();
+        if (cur != s->seg->ctx) gpucr_drv.cuCtxSetCurrent(cur);
+        if (*rc == CUDA_SUCCESS) slot_free(s, NULL);
+    }
+    pthread_mutex_unlock(&g_mu);
+    return s != NULL;
+}
+
+/* Pools above their release threshold give back what they may (the host just saw work complete). */
+static void after_sync(uint64_t key, bool whole_ctx)
+{
+    CUcontext cur = NULL;
+    if (whole_ctx) gpucr_drv.cuCtxGetCurrent(&cur);
+    gpucr_gate_enter();
+    pthread_mutex_lock(&g_mu);
+    if (key || whole_ctx) mark_done(key, cur);
+    for (struct apool *pl = g_pools; pl; pl = pl->next)
+        if (!pl->native && pl->reserved > pl->threshold) pool_shrink(pl, pl->threshold, false);
+    pthread_mutex_unlock(&g_mu);
+    gpucr_gate_leave();
+}
+
+static bool any_served(void)
+{
+    return __atomic_load_n(&g_stats.pools_served, __ATOMIC_RELAXED) != 0;
+}
+
+/* ---- entry points ---- */
+
+#define ALLOC_PLAIN(sym, pt, poolsym)                                                                   \
+    GPUCR_EXPORT CUresult sym(CUdeviceptr *dptr, size_t size, CUstream st)                              \
+    {                                                                                                   \
+        gpucr_init();                                                                                   \
+        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                                \
+        gpucr_gate_enter();                                                                             \
+        CUresult rc = alloc_async(dptr, size, NULL, st, pt, REAL(sym), REAL(poolsym));                  \
+        gpucr_gate_leave();                                                                             \
+        return rc;                                                                                      \
+    }
+ALLOC_PLAIN(cuMemAllocAsync, false, cuMemAllocFromPoolAsync)
+ALLOC_PLAIN(cuMemAllocAsync_ptsz, true, cuMemAllocFromPoolAsync_ptsz)
+
+#define ALLOC_POOL(sym, pt, plainsym)                                                                   \
+    GPUCR_EXPORT CUresult sym(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream st)           \
+    {                                                                                                   \
+        gpucr_init();                                                                                   \
+        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                                \
+        gpucr_gate_enter();                                                                             \
+        CUresult rc = pool ? alloc_async(dptr, size, pool, st, pt, REAL(plainsym), REAL(sym))           \
+                           : REAL(sym)(dptr, size, pool, st);                                           \
+        gpucr_gate_leave();                                                                             \
+        return rc;                                                                                      \
+    }
+ALLOC_POOL(cuMemAllocFromPoolAsync, false, cuMemAllocAsync)
+ALLOC_POOL(cuMemAllocFromPoolAsync_ptsz, true, cuMemAllocAsync_ptsz)
+
+#define FREE_ASYNC(sym, pt)                                                                             \
+    GPUCR_EXPORT CUresult sym(CUdeviceptr dptr, CUstream st)                                            \
+    {                                                                                                   \
+        gpucr_init();                                                                                   \
+        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                                \
+        gpucr_gate_enter();                                                                             \
+        CUresult rc = free_async(dptr, st, pt, REAL(sym));                                              \
+        gpucr_gate_leave();                                                                             \
+        return rc;                                                                                      \
+    }
+FREE_ASYNC(cuMemFreeAsync, false)
+FREE_ASYNC(cuMemFreeAsync_ptsz, true)
+
+GPUCR_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props)
+{
+    gpucr_init();
+    if (!REAL(cuMemPoolCreate)) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = REAL(cuMemPoolCreate)(pool, props);
+    if (rc != CUDA_SUCCESS) return rc;
+    const char *native = NULL;
+    if (props->handleTypes)
+        native = "an IPC-capable pool (cuMemPoolCreate with handle types): its memory must stay exportable by the driver";
+    else if (props->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
+        native = "a pool of host memory";
+    else if (props->usage)
+        native = "a pool with special usage flags";
+    pthread_mutex_lock(&g_mu);
+    struct apool *pl = apool_new(*pool, props->location.id, native);
+    if (pl) { pl->ipc = props->handleTypes != 0; pl->max_size = props->maxSize; }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+GPUCR_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
+{
+    gpucr_init();
+    if (!REAL(cuMemPoolDestroy)) return CUDA_ERROR_NOT_SUPPORTED;
+    gpucr_gate_enter();
+    CUresult rc = REAL(cuMemPoolDestroy)(pool);
+    if (rc == CUDA_SUCCESS) {
+        /* as on CUDA: what is free goes now; blocks still in use go back when freed (their segments
+         * stay in the shadow, which is forgotten only once empty) */
+        pthread_mutex_lock(&g_mu);
+        for (struct apool *pl = g_pools; pl; pl = pl->next)
+            if (pl->handle == pool && !pl->native) pool_shrink(pl, 0, false);
+        pthread_mutex_unlock(&g_mu);
+    }
+    gpucr_gate_leave();
+    return rc;
+}
+
+static struct apool *served_pool(CUmemoryPool h)
+{
+    struct apool *pl = apool_get(h);
+    return pl && !pl->native ? pl : NULL;
+}
+
+GPUCR_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *value)
+{
+    gpucr_init();
+    if (!REAL(cuMemPoolSetAttribute)) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = REAL(cuMemPoolSetAttribute)(pool, attr, value);   /* the driver checks the value */
+    if (rc != CUDA_SUCCESS) return rc;
+    pthread_mutex_lock(&g_mu);
+    struct apool *pl = served_pool(pool);
+    if (pl && attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) pl->threshold = *(uint64_t *)value;
+    else if (pl && attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES) pl->internal_deps = *(int *)value != 0;
+    else if (pl && attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) pl->reserved_high = pl->reserved;
+    else if (pl && attr == CU_MEMPOOL_ATTR_USED_MEM_HIGH) pl->used_high = pl->used;
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+GPUCR_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value)
+{
+    gpucr_init();
+    if (!REAL(cuMemPoolGetAttribute)) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = REAL(cuMemPoolGetAttribute)(pool, attr, value);
+    if (rc != CUDA_SUCCESS || attr < CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT || attr > CU_MEMPOOL_ATTR_USED_MEM_HIGH) return rc;
+    /* the driver's figure (what it holds itself) plus the agent's */
+    pthread_mutex_lock(&g_mu);
+    struct apool *pl = served_pool(pool);
+    if (pl) {
+        uint64_t mine = attr == CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT ? pl->reserved
+                      : attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH  ? pl->reserved_high
+                      : attr == CU_MEMPOOL_ATTR_USED_MEM_CURRENT   ? pl->used
+                                                                   : pl->used_high;
+        *(uint64_t *)value += mine;
+    }
+    pthread_mutex_unlock(&g_mu);
+    return rc;
+}
+
+GPUCR_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
+{
+    gpucr_init();
+    if (!REAL(cuMemPoolTrimTo)) return CUDA_ERROR_NOT_SUPPORTED;
+    gpucr_gate_enter();
+    CUresult rc = REAL(cuMemPoolTrimTo)(pool, keep);
+    if (rc == CUDA_SUCCESS) {
+        pthread_mutex_lock(&g_mu);
+        struct apool *pl = served_pool(pool);
+        if (pl) pool_shrink(pl, keep, false);
+        pthread_mutex_unlock(&g_mu);
+    }
+    gpucr_gate_leave();
+    return rc;
+}
+
+GPUCR_EXPORT CUresult cuMemPoolSetAccess(CUmemoryPool pool, const CUmemAccessDesc *map, size_t count)
+{
+    gpucr_init();
+    if (!REAL(cuMemPoolSetAccess)) return CUDA_ERROR_NOT_SUPPORTED;
+    gpucr_gate_enter();
+    CUresult rc = REAL(cuMemPoolSetAccess)(pool, map, count);   /* the driver validates the descriptors */
+    pthread_mutex_lock(&g_mu);
+    struct apool *pl = rc == CUDA_SUCCESS ? served_pool(pool) : NULL;
+    if (pl) {
+        /* remembered for later segments, applied to every present one (and so kept by a restore) */
+        struct mapping tmp = {.ndesc = pl->nacc};
+        memcpy(tmp.desc, pl->acc, sizeof pl->acc);
+        reg_map_merge_access(&tmp, map, count);
+        pl->nacc = tmp.ndesc;
+        memcpy(pl->acc, tmp.desc, sizeof pl->acc);
+        reg_lock();
+        for (struct seg *sg = pl->segs; sg && rc == CUDA_SUCCESS; sg = sg->next) {
+            rc = REAL(cuMemSetAccess)(sg->va, sg->size, map, count);
+            if (rc == CUDA_SUCCESS && sg->phys->maps) reg_map_merge_access(sg->phys->maps, map, count);
+        }
+        reg_unlock();
+    }
+    pthread_mutex_unlock(&g_mu);
+    gpucr_gate_leave();
+    return rc;
+}
+
+/* Pools shared with other processes: the driver's IPC; counted, so a checkpoint refuses up front. */
+static void count_ipc(bool import)
+{
+    pthread_mutex_lock(&g_mu);
+    if (import) g_stats.ipc_imports++; else g_stats.ipc_exports++;
+    pthread_mutex_unlock(&g_mu);
+}
+
+GPUCR_EXPORT CUresult cuMemPoolExportToShareableHandle(void *out, CUmemoryPool pool, int type, unsigned long long flags)
+{
+    gpucr_init();
+    if (!REAL(cuMemPoolExportToShareableHandle)) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = REAL(cuMemPoolExportToShareableHandle)(out, pool, type, flags);
+    if (rc == CUDA_SUCCESS) count_ipc(false);
+    return rc;
+}
+
+GPUCR_EXPORT CUresult cuMemPoolExportPointer(CUmemPoolPtrExportData *out, CUdeviceptr ptr)
+{
+    gpucr_init();
+    if (!REAL(cuMemPoolExportPointer)) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = REAL(cuMemPoolExportPointer)(out, ptr);
+    if (rc == CUDA_SUCCESS) count_ipc(false);
+    return rc;
+}
+
+GPUCR_EXPORT CUresult cuMemPoolImportFromShareableHandle(CUmemoryPool *pool, void *handle, int type, unsigned long long flags)
+{
+    gpucr_init();
+    if (!REAL(cuMemPoolImportFromShareableHandle)) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = REAL(cuMemPoolImportFromShareableHandle)(pool, handle, type, flags);
+    if (rc == CUDA_SUCCESS) {
+        count_ipc(true);
+        pthread_mutex_lock(&g_mu);
+        struct apool *pl = apool_get(*pool);   /* not seen created: the driver's */
+        if (pl) pl->ipc = true;
+        pthread_mutex_unlock(&g_mu);
+    }
+    return rc;
+}
+
+GPUCR_EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *ptr, CUmemoryPool pool, CUmemPoolPtrExportData *data)
+{
+    gpucr_init();
+    if (!REAL(cuMemPoolImportPointer)) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = REAL(cuMemPoolImportPointer)(ptr, pool, data);
+    if (rc == CUDA_SUCCESS) count_ipc(true);
+    return rc;
+}
+
+/* Synchronize points: the host sees work complete, and (as CUDA does) pools above their release
+ * threshold give memory back. */
+#define STREAM_SYNC(sym, pt)                                                                            \
+    GPUCR_EXPORT CUresult sym(CUstream st)                                                              \
+    {                                                                                                   \
+        gpucr_init();                                                                                   \
+        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                                \
+        CUresult rc = REAL(sym)(st);                                                                    \
+        if (rc == CUDA_SUCCESS && any_served()) after_sync(stream_key(st, pt), false);                  \
+        return rc;                                                                                      \
+    }
+STREAM_SYNC(cuStreamSynchronize, false)
+STREAM_SYNC(cuStreamSynchronize_ptsz, true)
+
+GPUCR_EXPORT CUresult cuCtxSynchronize(void)
+{
+    gpucr_init();
+    if (!REAL(cuCtxSynchronize)) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = REAL(cuCtxSynchronize)();
+    if (rc == CUDA_SUCCESS && any_served()) after_sync(0, true);
+    return rc;
+}
+
+GPUCR_EXPORT CUresult cuEventSynchronize(CUevent ev)
+{
+    gpucr_init();
+    if (!REAL(cuEventSynchronize)) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = REAL(cuEventSynchronize)(ev);
+    if (rc == CUDA_SUCCESS && any_served()) after_sync(0, false);   /* which frees completed: the events say */
+    return rc;
+}
+
+/* A stream that goes: record its event last thing, so blocks freed on it stay ordered; a new stream
+ * that gets the same handle starts afresh. */
+#define STREAM_DESTROY(sym)                                                                             \
+    GPUCR_EXPORT CUresult sym(CUstream st)                                                              \
+    {                                                                                                   \
+        gpucr_init();                                                                                   \
+        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                                \
+        pthread_mutex_lock(&g_mu);                                                                      \
+        struct sstate *s = st ? hmap_get(&g_streams, stream_key(st, false)) : NULL;                     \
+        if (s) {                                                                                        \
+            if (s->ev_epoch < s->epoch && !sstate_record(s)) {                                          \
+                gpucr_drv.cuStreamSynchronize(st);   /* no event: wait, so its frees are complete */    \
+                s->done = s->epoch;                                                                     \
+            }                                                                                           \
+            s->dead = true;                                                                             \
+            hmap_del(&g_streams, s->key);                                                               \
+        }                                                                                               \
+        pthread_mutex_unlock(&g_mu);                                                                    \
+        return REAL(sym)(st);                                                                           \
+    }
+STREAM_DESTROY(cuStreamDestroy)
+STREAM_DESTROY(cuStreamDestroy_v2)
+
+/* ---- the rest of the agent ---- */
+
+void pool_forget_ctx(CUcontext ctx)
+{
+    pthread_mutex_lock(&g_mu);
+    for (struct apool *pl = g_pools; pl; pl = pl->next)
+        for (struct seg *sg = pl->segs, *next; sg; sg = next) {
+            next = sg->next;
+            if (sg->ctx != ctx) continue;
+            for (int i = 0; i < sg->nslots; i++)
+                if (!sg->slots[i].free) { hmap_del(&g_live, sg->slots[i].va); pl->used -= sg->slots[i].size; }
+            sg->nlive = 0;
+            seg_release(sg);
+        }
+    uint64_t k;
+    void *v;
+    for (size_t i = 0; (i = hmap_next(&g_streams, i, &k, &v)) < g_streams.cap; i++)
+        if (((struct sstate *)v)->ctx == ctx) { ((struct sstate *)v)->dead = true; hmap_del(&g_streams, k); }
+    pthread_mutex_unlock(&g_mu);
+}
+
+static unsigned long long graph_bytes_now(void)
+{
+    unsigned long long total = 0;
+    reg_lock();
+    int devs[16], n = 0;
+    for (int i = 0; i < g_reg.nctx; i++) {
+        int k = 0;
+        while (k < n && devs[k] != g_reg.ctx_dev[i]) k++;
+        if (k == n && g_reg.ctx_dev[i] >= 0) devs[n++] = g_reg.ctx_dev[i];
+    }
+    reg_unlock();
+    for (int i = 0; i < n && gpucr_drv.cuDeviceGetGraphMemAttribute; i++) {
+        cuuint64_t v = 0;
+        if (gpucr_drv.cuDeviceGetGraphMemAttribute(devs[i], CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &v) == CUDA_SUCCESS)
+            total += v;
+    }
+    return total;
+}
+
+void pool_trim_for_checkpoint(void)
+{
+    pthread_mutex_lock(&g_mu);
+    uint64_t k;
+    void *v;
+    for (size_t i = 0; (i = hmap_next(&g_streams, i, &k, &v)) < g_streams.cap; i++)
+        ((struct sstate *)v)->done = ((struct sstate *)v)->epoch;   /* every context was synchronised */
+    for (struct apool *pl = g_pools; pl; pl = pl->next) {
+        if (!pl->native) pool_shrink(pl, 0, true);
+        else if (REAL(cuMemPoolTrimTo)) REAL(cuMemPoolTrimTo)(pl->handle, 0);   /* the driver's: less for it to move */
+    }
+    pthread_mutex_unlock(&g_mu);
+    /* graph memory the driver holds for graphs not running now goes back before its checkpoint */
+    reg_lock();
+    int devs[16], n = 0;
+    for (int i = 0; i < g_reg.nctx && n < 16; i++) devs[n++] = g_reg.ctx_dev[i];
+    reg_unlock();
+    for (int i = 0; i < n && gpucr_drv.cuDeviceGraphMemTrim; i++)
+        if (devs[i] >= 0) gpucr_drv.cuDeviceGraphMemTrim(devs[i]);
+    unsigned long long g = graph_bytes_now();
+    pthread_mutex_lock(&g_mu);
+    g_stats.graph_bytes = g;
+    pthread_mutex_unlock(&g_mu);
+}
+
+bool pool_refusal(char *why, size_t len)
+{
+    pthread_mutex_lock(&g_mu);
+    long ex = g_stats.ipc_exports, im = g_stats.ipc_imports;
+    pthread_mutex_unlock(&g_mu);
+    if (!ex && !im) return false;
+    snprintf(why, len, "the process shares stream-ordered memory pools with other processes (cuMemPoolExportToShareableHandle / "
+             "cuMemPoolExportPointer: %ld, cuMemPoolImportFromShareableHandle / cuMemPoolImportPointer: %ld), which gpucr "
+             "cannot relink; share memory through VMM POSIX-fd handles (cuMemExportToShareableHandle) instead", ex, im);
+    return true;
+}
+
+void pool_get_stats(struct pool_stats *out, bool running)
+{
+    unsigned long long g = running ? graph_bytes_now() : 0;
+    pthread_mutex_lock(&g_mu);
+    if (running) g_stats.graph_bytes = g;
+    *out = g_stats;
+    out->served_used = out->served_reserved = 0;
+    for (struct apool *pl = g_pools; pl; pl = pl->next)
+        if (!pl->native) { out->served_used += pl->used; out->served_reserved += pl->reserved; }
+    out->ipc_pool_bytes = out->other_native_bytes = 0;
+    out->ipc_pool_allocs = out->other_native_allocs = 0;
+    uint64_t k;
+    void *v;
+    reg_lock();
+    for (size_t i = 0; (i = hmap_next(&g_native_reason, i, &k, &v)) < g_native_reason.cap; i++) {
+        void *rec = hmap_get(&g_reg.pool_by_va, k);
+        if (!rec) { hmap_del(&g_native_reason, k); continue; }   /* its context ended */
+        if ((uintptr_t)v == 1) { out->ipc_pool_bytes += reg_native_size(rec); out->ipc_pool_allocs++; }
+        else { out->other_native_bytes += reg_native_size(rec); out->other_native_allocs++; }
+    }
+    reg_unlock();
+    pthread_mutex_unlock(&g_mu);
+}
+
+/* The child of fork() has none of its parent's CUDA state: forget it all (leaked on purpose). */
+void pool_reset_after_fork(void)
+{
+    pthread_mutex_init(&g_mu, NULL);
+    g_pools = NULL;
+    memset(&g_live, 0, sizeof g_live);
+    memset(&g_streams, 0, sizeof g_streams);
+    memset(&g_native_reason, 0, sizeof g_native_reason);
+    memset(&g_stats, 0, sizeof g_stats);
+}
+
+__attribute__((constructor)) static void pool_init(void) { pthread_atfork(NULL, NULL, pool_reset_after_fork); }

@@ -1,0 +1,212 @@
+"""A driver-API application that allocates with CUDA's stream-ordered allocator (ctypes, like a C++
+program using cudaMallocAsync): buffers from the default pool on several streams and from an
+explicit pool (cuMemPoolCreate), filled with known bytes.
+
+Commands:
+  digest                      sha256 of every buffer, and their addresses
+  work V                      add V to every 32-bit word of every buffer (on its stream), then synchronise
+  churn N                     N alloc/free pairs on each stream (sizes 512 B .. 4 MiB), buffers untouched
+  reuse-same                  alloc, free, alloc on one stream: the same block? (CUDA: at once)
+  reuse-cross [internal 0|1]  alloc + free on stream 0, then alloc on stream 1: the same block, and
+                              (simcuda) whether stream 1 is then ordered after the free
+  reuse-after-sync            the same, once stream 0 was synchronised (the free is complete)
+  attrs                       used/reserved (current, high) and release threshold of both pools
+  threshold BYTES             the release threshold of the default pool
+  trim BYTES                  cuMemPoolTrimTo(default pool, BYTES)
+  sync                        cuCtxSynchronize
+  ipc-pool MIB                a pool with POSIX-fd handles, MIB allocated from it and the pool exported
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import hashlib
+
+from .driver_app import (SIM, Loc, _sig, check, cuCtxSetCurrent, cuCtxSynchronize, cuDevicePrimaryCtxRetain, cuInit,
+                         cuMemcpyDtoH, parse_size)
+from .protocol import serve
+
+u64, sz, vp = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
+ATTR = {"reserved": 5, "reserved_high": 6, "used": 7, "used_high": 8, "threshold": 4}
+
+
+class PoolProps(ctypes.Structure):   # CUmemPoolProps (88 bytes)
+    _fields_ = [("allocType", ctypes.c_int), ("handleTypes", ctypes.c_int), ("loc", Loc), ("win32", vp),
+                ("maxSize", sz), ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 54)]
+
+
+cuStreamCreate = _sig("cuStreamCreate", ctypes.POINTER(vp), ctypes.c_uint)
+cuStreamSynchronize = _sig("cuStreamSynchronize", vp)
+cuMemAllocAsync = _sig("cuMemAllocAsync", ctypes.POINTER(u64), sz, vp)
+cuMemAllocFromPoolAsync = _sig("cuMemAllocFromPoolAsync", ctypes.POINTER(u64), sz, vp, vp)
+cuMemFreeAsync = _sig("cuMemFreeAsync", u64, vp)
+cuMemcpyHtoDAsync = _sig("cuMemcpyHtoDAsync_v2", u64, vp, sz, vp)
+cuMemPoolCreate = _sig("cuMemPoolCreate", ctypes.POINTER(vp), ctypes.POINTER(PoolProps))
+cuMemPoolGetAttribute = _sig("cuMemPoolGetAttribute", vp, ctypes.c_int, vp)
+cuMemPoolSetAttribute = _sig("cuMemPoolSetAttribute", vp, ctypes.c_int, vp)
+cuMemPoolTrimTo = _sig("cuMemPoolTrimTo", vp, sz)
+cuMemPoolExportToShareableHandle = _sig("cuMemPoolExportToShareableHandle", vp, vp, ctypes.c_int, u64)
+cuDeviceGetDefaultMemPool = _sig("cuDeviceGetDefaultMemPool", ctypes.POINTER(vp), ctypes.c_int)
+if SIM:   # simcuda's stream-ordering model (a test double's introspection, not CUDA)
+    simcudaStreamPosition = _sig("simcudaStreamPosition", vp, ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(ctypes.c_ulonglong))
+    simcudaStreamOrdered = _sig("simcudaStreamOrdered", vp, ctypes.c_ulonglong, ctypes.c_ulonglong)
+
+
+class App:
+    def __init__(self, sizes: list[int], pool_sizes: list[int], nstreams: int, seed: int) -> None:
+        check(cuInit(0), "cuInit")
+        self.ctx = vp()
+        check(cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), 0), "ctx")
+        check(cuCtxSetCurrent(self.ctx), "set ctx")
+        self.streams = []
+        for _ in range(max(2, nstreams)):
+            s = vp()
+            check(cuStreamCreate(ctypes.byref(s), 1), "stream")
+            self.streams.append(s)
+        self.default = vp()
+        check(cuDeviceGetDefaultMemPool(ctypes.byref(self.default), 0), "default pool")
+        self.pool = vp()
+        props = PoolProps(allocType=1, handleTypes=0, loc=Loc(1, 0))
+        check(cuMemPoolCreate(ctypes.byref(self.pool), ctypes.byref(props)), "cuMemPoolCreate")
+        # the pools keep what they reserve between synchronises (as PyTorch sets its pool)
+        self._set(self.default, ATTR["threshold"], 1 << 62)
+        self.bufs: list[tuple[int, int, vp]] = []   # (pointer, bytes, stream)
+        for i, n in enumerate(sizes):
+            self.bufs.append((self._alloc(n, self.streams[i % len(self.streams)]), n, self.streams[i % len(self.streams)]))
+        for i, n in enumerate(pool_sizes):
+            s = self.streams[i % len(self.streams)]
+            self.bufs.append((self._alloc(n, s, self.pool), n, s))
+        for i, (p, n, s) in enumerate(self.bufs):
+            data = hashlib.shake_256((seed + i).to_bytes(8, "little")).digest(min(n, 1 << 16))
+            block = ctypes.create_string_buffer((data * (n // len(data) + 1))[:n], n)
+            check(cuMemcpyHtoDAsync(p, block, n, s), "fill")
+            check(cuStreamSynchronize(s), "sync")   # the host buffer must outlive the copy
+        self.ipc_pools: list[vp] = []
+
+    def _alloc(self, n: int, s: vp, pool: vp | None = None) -> int:
+        p = u64()
+        if pool is None:
+            check(cuMemAllocAsync(ctypes.byref(p), n, s), f"cuMemAllocAsync({n})")
+        else:
+            check(cuMemAllocFromPoolAsync(ctypes.byref(p), n, pool, s), f"cuMemAllocFromPoolAsync({n})")
+        return p.value
+
+    def _get(self, pool: vp, attr: int) -> int:
+        v = u64()
+        check(cuMemPoolGetAttribute(pool, attr, ctypes.byref(v)), "cuMemPoolGetAttribute")
+        return v.value
+
+    def _set(self, pool: vp, attr: int, value: int, size=u64) -> None:
+        v = size(value)
+        check(cuMemPoolSetAttribute(pool, attr, ctypes.byref(v)), "cuMemPoolSetAttribute")
+
+    def _position(self, s: vp) -> tuple[int, int]:
+        i, q = ctypes.c_ulonglong(), ctypes.c_ulonglong()
+        check(simcudaStreamPosition(s, ctypes.byref(i), ctypes.byref(q)), "position")
+        return i.value, q.value
+
+    def digest(self) -> dict:
+        h = hashlib.sha256()
+        for p, n, _ in self.bufs:
+            buf = ctypes.create_string_buffer(n)
+            check(cuMemcpyDtoH(buf, p, n), "read back")
+            h.update(buf.raw)
+        return {"digest": h.hexdigest(), "ptrs": [p for p, _, _ in self.bufs]}
+
+    def work(self, v: int) -> None:
+        for p, n, s in self.bufs:
+            arr = (ctypes.c_uint32 * (n // 4))()
+            check(cuStreamSynchronize(s), "sync")
+            check(cuMemcpyDtoH(arr, p, n // 4 * 4), "read")
+            for i in range(len(arr)):
+                arr[i] = (arr[i] + v) & 0xFFFFFFFF
+            check(cuMemcpyHtoDAsync(p, arr, n // 4 * 4, s), "write")
+            check(cuStreamSynchronize(s), "sync")
+
+    def churn(self, n: int) -> None:
+        sizes = [512, 4096, 65536, 1 << 20, 3 << 20, 4 << 20]
+        for k in range(n):
+            for i, s in enumerate(self.streams):
+                p = self._alloc(sizes[(k + i) % len(sizes)], s)
+                check(cuMemFreeAsync(p, s), "free")
+
+    def reuse_cross(self, internal: int | None, sync_first: bool) -> dict:
+        s0, s1 = self.streams[0], self.streams[1]
+        if internal is not None:
+            self._set(self.default, 3, internal, ctypes.c_int)
+        a = self._alloc(3 << 20, s0)
+        # work on stream 0 that uses the block, then its free: stream 1 may have it only after both
+        src = ctypes.create_string_buffer(b"\x5a" * (3 << 20), 3 << 20)
+        check(cuMemcpyHtoDAsync(a, src, 3 << 20, s0), "write")
+        check(cuMemFreeAsync(a, s0), "free")
+        pos = self._position(s0) if SIM else None
+        if sync_first:
+            check(cuStreamSynchronize(s0), "sync")
+        b = self._alloc(3 << 20, s1)
+        ordered = bool(simcudaStreamOrdered(s1, *pos)) if SIM else None
+        check(cuMemFreeAsync(b, s1), "free")
+        check(cuCtxSynchronize(), "sync")
+        if internal is not None:
+            self._set(self.default, 3, 1, ctypes.c_int)
+        return {"same": a == b, "ordered": ordered}
+
+    def handle(self, words: list[str]) -> dict:
+        cmd = words[0]
+        if cmd == "digest":
+            return self.digest()
+        if cmd == "work":
+            self.work(int(words[1]))
+            return {"ok": True}
+        if cmd == "churn":
+            self.churn(int(words[1]))
+            return {"ok": True}
+        if cmd == "reuse-same":
+            s = self.streams[0]
+            a = self._alloc(1 << 20, s)
+            check(cuMemFreeAsync(a, s), "free")
+            b = self._alloc(1 << 20, s)
+            check(cuMemFreeAsync(b, s), "free")
+            return {"same": a == b}
+        if cmd == "reuse-cross":
+            return self.reuse_cross(int(words[1]) if len(words) > 1 else None, False)
+        if cmd == "reuse-after-sync":
+            return self.reuse_cross(0, True)
+        if cmd == "attrs":
+            return {name: {k: self._get(pool, a) for k, a in ATTR.items()}
+                    for name, pool in (("default", self.default), ("explicit", self.pool))}
+        if cmd == "threshold":
+            self._set(self.default, ATTR["threshold"], parse_size(words[1]))
+            return {"ok": True}
+        if cmd == "trim":
+            check(cuMemPoolTrimTo(self.default, parse_size(words[1])), "cuMemPoolTrimTo")
+            return {"ok": True}
+        if cmd == "sync":
+            check(cuCtxSynchronize(), "sync")
+            return {"ok": True}
+        if cmd == "ipc-pool":
+            pool = vp()
+            props = PoolProps(allocType=1, handleTypes=1, loc=Loc(1, 0))
+            check(cuMemPoolCreate(ctypes.byref(pool), ctypes.byref(props)), "cuMemPoolCreate (POSIX fd)")
+            p = self._alloc(int(words[1]) << 20, self.streams[0], pool)
+            fd = ctypes.c_int(-1)
+            check(cuMemPoolExportToShareableHandle(ctypes.byref(fd), pool, 1, 0), "export pool")
+            self.ipc_pools.append(pool)
+            return {"ptr": p, "fd": fd.value}
+        raise ValueError(f"unknown command {cmd!r}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="8M,3M,64K,1000", help="default-pool buffers, comma-separated (K/M/G suffixes)")
+    ap.add_argument("--pool-sizes", default="6M,100K", help="explicit-pool buffers")
+    ap.add_argument("--streams", type=int, default=3)
+    ap.add_argument("--seed", type=int, default=1)
+    a = ap.parse_args()
+    sizes = [parse_size(s) for s in a.sizes.split(",") if s]
+    pool_sizes = [parse_size(s) for s in a.pool_sizes.split(",") if s]
+    app = App(sizes, pool_sizes, a.streams, a.seed)
+    serve(app.handle, {"simulated": SIM})
+
+
+if __name__ == "__main__":
+    main()
