@@ -33,12 +33,13 @@ def _private_dirs(tmp_path_factory, monkeypatch, request):
 
 
 @pytest.fixture
-def sim_app():
-    """Start driver_app on simcuda; every app started is stopped at the end."""
+def sim_workload():
+    """Start gpucr.workloads.<module> on simcuda (agent=False: without gpucr's agent); every one started
+    is stopped at the end."""
     apps: list[Workload] = []
 
-    def start(*args: str, env: dict[str, str] | None = None) -> Workload:
-        w = Workload("driver_app", *args, simulate=True, env=env)
+    def start(module: str, *args: str, env: dict[str, str] | None = None, agent: bool = True) -> Workload:
+        w = Workload(module, *args, simulate=True, env=env, agent=agent)
         apps.append(w)
         return w
 
@@ -47,6 +48,12 @@ def sim_app():
         if w.proc.poll() is None:
             w.proc.kill()
         w.proc.wait()
+
+
+@pytest.fixture
+def sim_app(sim_workload):
+    """Start driver_app on simcuda."""
+    return lambda *args, env=None: sim_workload("driver_app", *args, env=env)
 
 
 def gpucr_cli(*args: str, env: dict[str, str] | None = None, user: int | None = None, timeout: float = 120) -> subprocess.CompletedProcess:

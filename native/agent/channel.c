@@ -19,6 +19,7 @@
 #include <unistd.h>
 #include "bounce.h"
 #include "dataplane.h"
+#include "pool.h"
 #include "registry.h"
 #include "settings.h"
 #include "staging.h"
@@ -197,6 +198,8 @@ static void reply_status(struct jb *j)
     jb_int(j, "steps", (long long)psteps);
     jb_end(j);
     jb_int(j, "generation", st.generation);
+    struct pool_stats ps;
+    pool_get_stats(&ps, st.state == AGENT_RUNNING);   /* before the registry lock: pool.c takes its own first */
     reg_lock();
     long n = 0, conv = 0, app = 0, kept = 0;
     size_t moved = 0, left = 0;
@@ -221,7 +224,7 @@ static void reply_status(struct jb *j)
     jb_int(j, "managed_bytes", (long long)g_reg.managed_bytes);
     jb_int(j, "ipc_exports", g_reg.ipc_exports);
     jb_end(j);
-    jb_int(j, "bytes_left_to_driver", (long long)(left + g_reg.native_bytes + g_reg.pool_bytes));
+    coverage_json(j, &ps);
     devices_json(j);
     reg_unlock();
     struct staging_info si;

@@ -281,17 +281,27 @@ static struct seg *seg_new(struct apool *pl, int cls, size_t size, CUcontext ctx
     return sg;
 }
 
-/* Give a segment with nothing in use back to the device. g_mu held. */
-static void seg_release(struct seg *sg)
+/* Give a segment with nothing in use back to the device (in its own context: the caller may be the
+ * agent's channel thread, which has none). g_mu held. On failure the segment stays as it was, unless
+ * its context is ending (`ending`: context.c then frees what is left of it). */
+static void seg_release(struct seg *sg, bool ending)
 {
     struct apool *pl = sg->pool;
+    CUcontext cur = NULL;
+    gpucr_drv.cuCtxGetCurrent(&cur);
+    if (cur != sg->ctx) gpucr_drv.cuCtxSetCurrent(sg->ctx);
+    reg_lock();
+    CUresult rc = alloc_free_converted(sg->phys);
+    reg_unlock();
+    if (cur != sg->ctx) gpucr_drv.cuCtxSetCurrent(cur);
+    if (rc != CUDA_SUCCESS && !ending) {
+        gpucr_warn("giving back %zu bytes of pool memory failed: %s (kept)", sg->size, gpucr_cu_errstr(rc));
+        return;
+    }
     for (int i = 0; i < sg->nslots; i++)
         if (sg->slots[i].prev) list_unlink(&sg->slots[i]);
     for (struct seg **l = &pl->segs; *l; l = &(*l)->next)
         if (*l == sg) { *l = sg->next; break; }
-    reg_lock();
-    if (alloc_free_converted(sg->phys) != CUDA_SUCCESS) gpucr_warn("giving back %zu bytes of pool memory failed", sg->size);
-    reg_unlock();
     pl->reserved -= sg->size;
     g_stats.segments_released++;
     free(sg);
@@ -311,7 +321,7 @@ static void pool_shrink(struct apool *pl, uint64_t keep, bool all_done)
 {
     for (struct seg *sg = pl->segs, *next; sg && pl->reserved > keep; sg = next) {
         next = sg->next;
-        if (seg_idle(sg, all_done)) seg_release(sg);
+        if (seg_idle(sg, all_done)) seg_release(sg, false);
     }
 }
 
@@ -778,7 +788,7 @@ void pool_forget_ctx(CUcontext ctx)
             for (int i = 0; i < sg->nslots; i++)
                 if (!sg->slots[i].free) { hmap_del(&g_live, sg->slots[i].va); pl->used -= sg->slots[i].size; }
             sg->nlive = 0;
-            seg_release(sg);
+            seg_release(sg, true);
         }
     uint64_t k;
     void *v;

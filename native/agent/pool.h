@@ -29,4 +29,6 @@ struct pool_stats {
 /* running: the process runs, so the driver may be asked (graph memory); else the last value read. */
 void pool_get_stats(struct pool_stats *st, bool running);
 void pool_reset_after_fork(void);
+/* The status answer's "coverage" and "bytes_left_to_driver" (coverage.c; registry locked). */
+void coverage_json(struct jb *j, const struct pool_stats *ps);
 #endif

@@ -385,6 +385,7 @@ def _data_out_done(m: _Member, out: dict[str, Any]) -> None:
     r["agent_ms"] = {k: cyc[k] for k in ("staging", "gate", "sync", "copy_out", "release")}
     r["bytes_moved"] = cyc["bytes_out"]
     r["bytes_left_to_driver"] = out["bytes_left_to_driver"]
+    r["coverage"] = out.get("coverage")
     r["generation"] = out["generation"]
     m.status = out
     _test_kill_point("after-data-out")

@@ -15,6 +15,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from . import coverage
 from .errors import GpucrError
 from .imagefs import ImageDir
 
@@ -53,6 +54,7 @@ def build(*, pid: int, start_time: int, generation: int, level: str, gpus: list[
                 "left_to_driver": al.get("native", 0) + al.get("pool", 0) + al.get("vmm_left_to_driver", 0),
                 "left_to_driver_bytes": status.get("bytes_left_to_driver", 0),
             },
+            "coverage": coverage.manifest_entry(status.get("coverage")),
             "domains": domains,
             "unknown": unknown,
             "data": allocations,

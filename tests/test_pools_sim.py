@@ -1,0 +1,151 @@
+"""Stream-ordered allocation (cuMemAllocAsync, explicit pools) on simcuda: served by gpucr's agent from
+VMM it owns, so its data plane moves it and restores it at the same addresses, with CUDA's reuse
+order, release threshold, TrimTo and attributes kept (checked against simcuda's own pools and its
+stream-ordering model); pools shared for IPC refused before anything is touched; coverage reported."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import gpucr
+from gpucr.driver import ProcessState, gpu_memory
+
+from conftest import gpucr_cli, sim_driver
+
+MiB = 1 << 20
+
+
+@pytest.fixture
+def pool_app(sim_workload):
+    return lambda *args, agent=True: sim_workload("pool_app", *args, agent=agent)
+
+
+def used() -> int:
+    return gpu_memory(sim_driver()).used
+
+
+def test_cycles_byte_exact_same_pointers_all_moved_by_gpucr(pool_app):
+    idle = used()
+    app = pool_app("--sizes", "8M,3M,64K,1000,40M", "--pool-sizes", "6M,100K", "--streams", "4")
+    running = used()
+    cov = gpucr.status(app.pid)["coverage"]
+    assert cov["bytes_left_to_driver"] == 0, cov
+    assert cov["stream_ordered"]["pools_served"] == 2 and cov["stream_ordered"]["pools_left_to_driver"] == 0
+    # 8M + 4M (3M rounded) + 40M + two 2 MiB slabs (64K, 1000, 100K) + 6M (explicit pool)
+    assert cov["bytes_moved_by_gpucr"] >= (8 + 4 + 40 + 6) * MiB
+    for i in range(4):
+        app.ask(f"work {i + 1}")
+        before = app.ask("digest")
+        ck = gpucr.checkpoint(app.pid, level="full" if i % 2 == 0 else "data", timeout=20)
+        assert ck["bytes_left_to_driver"] == 0 and ck["bytes_moved"] == cov["bytes_moved_by_gpucr"]
+        if i % 2 == 0:
+            assert used() == idle, "stream-ordered memory given back: the card at simcuda's floor"
+        gpucr.restore(app.pid, timeout=20)
+        assert app.ask("digest") == before, f"cycle {i}: same bytes at the same addresses"
+        assert used() == running
+    # the pools go on working on the restored memory
+    app.ask("churn 20")
+    app.ask("work 7")
+    assert gpucr.status(app.pid)["coverage"]["bytes_left_to_driver"] == 0
+
+
+def test_free_blocks_are_trimmed_so_only_memory_in_use_moves(pool_app):
+    app = pool_app("--sizes", "4M", "--pool-sizes", "", "--streams", "3")
+    app.ask("churn 30")   # freed blocks stay reserved: the app set its release threshold to "keep all"
+    so = gpucr.status(app.pid)["coverage"]["stream_ordered"]
+    assert so["reserved_bytes"] > so["used_bytes"] + 8 * MiB, so
+    before = app.ask("digest")
+    ck = gpucr.checkpoint(app.pid, timeout=20)
+    assert ck["bytes_moved"] == 4 * MiB, "only the block in use was moved"
+    gpucr.restore(app.pid, timeout=20)
+    assert app.ask("digest") == before
+    attrs = app.ask("attrs")["default"]
+    assert attrs["reserved"] == attrs["used"] == 4 * MiB, attrs
+    assert gpucr.status(app.pid)["coverage"]["stream_ordered"]["segments_released"] > 0
+
+
+REUSE = ["reuse-same", "sync", "trim 0", "reuse-cross", "sync", "trim 0", "reuse-cross 0", "reuse-after-sync"]
+
+
+def test_reuse_order_matches_the_drivers_pools(pool_app):
+    """Same stream: reused at once. Another stream: only once the free is ordered before it (simcuda's
+    stream-ordering model says whether it is): through an event the agent records and waits on, or
+    because a synchronize saw the free complete; with internal dependencies off and the free not
+    complete, a different block. The driver's own pools (no agent) answer the same."""
+    with_agent = pool_app("--streams", "2")
+    answers = [with_agent.ask(c) for c in REUSE]
+    plain = pool_app("--streams", "2", agent=False)
+    assert [plain.ask(c) for c in REUSE] == answers
+    same, cross, no_deps, after_sync = answers[0], answers[3], answers[6], answers[7]
+    assert same["same"]
+    assert cross == {"same": True, "ordered": True}, "handed over only after a wait on the free"
+    assert no_deps == {"same": False, "ordered": False}, "no order, no internal dependencies: another block"
+    assert after_sync == {"same": True, "ordered": True}
+    assert gpucr.status(with_agent.pid)["coverage"]["stream_ordered"]["cross_stream_waits"] >= 1
+
+
+def test_threshold_trim_and_attributes_are_truthful(pool_app):
+    app = pool_app("--sizes", "8M", "--pool-sizes", "6M", "--streams", "3")
+
+    def attrs_match_status() -> dict:
+        a = app.ask("attrs")
+        so = gpucr.status(app.pid)["coverage"]["stream_ordered"]
+        assert a["default"]["reserved"] + a["explicit"]["reserved"] == so["reserved_bytes"]
+        assert a["default"]["used"] + a["explicit"]["used"] == so["used_bytes"]
+        return a["default"]
+
+    d = attrs_match_status()
+    assert d["used"] == 8 * MiB and d["reserved"] == 8 * MiB
+    app.ask("churn 10")
+    app.ask("sync")
+    d = attrs_match_status()
+    assert d["reserved"] > d["used"] == 8 * MiB, "a threshold above what is free keeps it at a synchronize"
+    assert d["reserved_high"] >= d["reserved"] and d["used_high"] > d["used"]
+    app.ask("trim 10M")
+    d = attrs_match_status()
+    assert d["used"] <= d["reserved"] <= max(10 * MiB, d["used"]), "TrimTo keeps at most what it was asked to"
+    app.ask("churn 10")
+    app.ask("threshold 0")
+    app.ask("sync")
+    d = attrs_match_status()
+    assert d["reserved"] == d["used"] == 8 * MiB, "threshold 0: everything free goes at the next synchronize"
+    assert d["threshold"] == 0
+
+
+def test_ipc_pool_is_refused_up_front_and_the_target_untouched(pool_app):
+    app = pool_app("--sizes", "4M", "--pool-sizes", "")
+    out = app.ask("ipc-pool 4")
+    assert out["fd"] >= 0
+    st = gpucr.status(app.pid)
+    left = {e["kind"]: e for e in st["coverage"]["left_to_driver"]}
+    assert left["IPC pool"]["bytes"] == 4 * MiB and "handle types" in left["IPC pool"]["reason"]
+    assert st["coverage"]["stream_ordered"]["ipc_exports"] == 1
+    before, mem = app.ask("digest"), used()
+    r = gpucr_cli("checkpoint", str(app.pid))
+    assert r.returncode != 0
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "cuMemPoolExportToShareableHandle" in lines[0] and "refused" in lines[0], r.stderr
+    st = gpucr.status(app.pid)
+    assert st["state"] == "running" and not st["gate_closed"] and st["generation"] == 0
+    assert st["staging_bytes"] == 0, "nothing was prepared either"
+    assert sim_driver().state(app.pid) == ProcessState.RUNNING
+    assert app.ask("digest") == before and used() == mem
+    app.ask("churn 3")   # and it runs on
+
+
+def test_coverage_in_status_checkpoint_and_manifest(sim_app, tmp_path):
+    app = sim_app("--sizes", "8M,100K")   # 100 KB stays a plain driver allocation (below a granule)
+    r = gpucr_cli("status", str(app.pid))
+    assert r.returncode == 0
+    assert "coverage" in r.stdout and "small allocations: 0.1 MiB in 1" in r.stdout, r.stdout
+    assert "not counted  module globals" in r.stdout
+    img = tmp_path / "img"
+    r = gpucr_cli("checkpoint", "--image", str(img), str(app.pid))
+    assert r.returncode == 0 and "left to the driver (small allocations 0.1 MiB)" in r.stdout, r.stdout
+    cov = json.loads((img / "manifest.json").read_text())["processes"][0]["coverage"]
+    assert cov["reported"] and cov["bytes_moved_by_gpucr"] == 8 * MiB and cov["bytes_left_to_driver"] == 100 << 10
+    assert [e["kind"] for e in cov["left_to_driver"]] == ["small allocations"]
+    r = gpucr_cli("inspect", str(img))
+    assert "(small allocations 0.1 MiB)" in r.stdout, r.stdout
+    gpucr.restore(app.pid, image=str(img))
