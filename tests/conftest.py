@@ -74,6 +74,21 @@ def nvidia_gpu() -> bool:
     return _nvml_memory(0) is not None
 
 
+def nvcc_build(source: Path, prebuilt_env: str, out_dir: Path) -> str:
+    """A GPU test's C++ program: the build named by $prebuilt_env (made elsewhere from the same source),
+    else built here with nvcc for the H200 (sm_90); skips the test when neither is at hand."""
+    import shutil
+    prebuilt = os.environ.get(prebuilt_env)
+    if prebuilt:
+        return str(Path(prebuilt).resolve())
+    nvcc = shutil.which("nvcc") or next((p for p in ["/usr/local/cuda/bin/nvcc"] if Path(p).exists()), None)
+    if nvcc is None:
+        pytest.skip(f"needs nvcc to build {source.name} (or {prebuilt_env}=path of a build of it)")
+    out = out_dir / source.stem
+    subprocess.run([nvcc, "-O2", "-arch=sm_90", "-o", str(out), str(source)], check=True)
+    return str(out)
+
+
 gpu = pytest.mark.skipif(not nvidia_gpu(), reason="needs an NVIDIA GPU: NVML (libnvidia-ml.so.1) reports none")
 
 

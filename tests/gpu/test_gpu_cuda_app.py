@@ -4,9 +4,6 @@ gives the card back to within 16 MiB of idle and brings back every byte at the s
 the graph captured before the first checkpoint still replays after the last restore."""
 from __future__ import annotations
 
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -15,7 +12,7 @@ import gpucr
 from gpucr.driver import driver_for, gpu_memory
 from gpucr.workloads.runner import Workload
 
-from conftest import gpu
+from conftest import gpu, nvcc_build
 
 pytestmark = [gpu, pytest.mark.gpu]
 SOURCE = Path(__file__).parent / "apps" / "cuda_app.cu"
@@ -24,15 +21,7 @@ MiB = 1 << 20
 
 @pytest.fixture(scope="module")
 def cuda_app(tmp_path_factory) -> str:
-    prebuilt = os.environ.get("GPUCR_CUDA_APP")   # built elsewhere from the same source (no nvcc here)
-    if prebuilt:
-        return str(Path(prebuilt).resolve())
-    nvcc = shutil.which("nvcc") or next((p for p in ["/usr/local/cuda/bin/nvcc"] if Path(p).exists()), None)
-    if nvcc is None:
-        pytest.skip("needs nvcc to build tests/gpu/apps/cuda_app.cu (or GPUCR_CUDA_APP=path of a build of it)")
-    out = tmp_path_factory.mktemp("cuda_app") / "cuda_app"
-    subprocess.run([nvcc, "-O2", "-arch=sm_90", "-o", str(out), str(SOURCE)], check=True)
-    return str(out)
+    return nvcc_build(SOURCE, "GPUCR_CUDA_APP", tmp_path_factory.mktemp("cuda_app"))
 
 
 def used() -> int:

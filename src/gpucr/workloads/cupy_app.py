@@ -1,4 +1,5 @@
-"""A CuPy application holding --gib GiB of random data (CuPy's memory pool over cudaMalloc).
+"""A CuPy application holding --gib GiB of random data (CuPy's memory pool over cudaMalloc, or with
+--async-pool CuPy's MemoryAsyncPool over cudaMallocAsync, the stream-ordered allocator).
 
 Commands: digest | compute | work | loop start | loop stop | quit
 """
@@ -78,8 +79,11 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gib", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--async-pool", action="store_true", help="allocate through cupy.cuda.MemoryAsyncPool")
     a = ap.parse_args()
-    serve(App(a.gib, a.seed).handle, {"framework": "cupy", "cupy": cp.__version__})
+    if a.async_pool:   # before the first allocation: every array then comes from cudaMallocAsync
+        cp.cuda.set_allocator(cp.cuda.MemoryAsyncPool().malloc)
+    serve(App(a.gib, a.seed).handle, {"framework": "cupy", "cupy": cp.__version__, "async_pool": a.async_pool})
 
 
 if __name__ == "__main__":

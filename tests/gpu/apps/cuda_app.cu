@@ -15,29 +15,7 @@
 #include <vector>
 #include <cuda_runtime.h>
 
-#define CHECK(x) do { cudaError_t e_ = (x); if (e_ != cudaSuccess) { \
-    printf("{\"error\": \"%s: %s\"}\n", #x, cudaGetErrorString(e_)); fflush(stdout); exit(1); } } while (0)
-
-__global__ void fill(unsigned *p, size_t n, unsigned seed)
-{
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        p[i] = (unsigned)(i * 2654435761u) ^ seed;
-}
-
-__global__ void add(unsigned *p, size_t n, unsigned v)
-{
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        p[i] += v;
-}
-
-// position-sensitive: sum of word * (index % 1000003 + 1), wrapping in 64 bits
-__global__ void checksum(const unsigned *p, size_t n, unsigned long long *out)
-{
-    unsigned long long s = 0;
-    for (size_t i = blockIdx.x * (size_t)blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x)
-        s += (unsigned long long)p[i] * (i % 1000003 + 1);
-    atomicAdd(out, s);
-}
+#include "kernels.cuh"
 
 struct Buf { unsigned *p; size_t bytes; };
 
@@ -88,11 +66,7 @@ int main()
             CHECK(cudaMemcpyAsync(sums, dev, sizeof *sums * bufs.size(), cudaMemcpyDeviceToHost, s));
             CHECK(cudaStreamSynchronize(s));
             CHECK(cudaFree(dev));
-            printf("{\"digest\": [");
-            for (size_t i = 0; i < bufs.size(); i++) printf("%s%llu", i ? ", " : "", sums[i]);
-            printf("], \"ptrs\": [");
-            for (size_t i = 0; i < bufs.size(); i++) printf("%s%llu", i ? ", " : "", (unsigned long long)(uintptr_t)bufs[i].p);
-            printf("]}\n");
+            print_digest(sums, bufs);
         } else if (cmd.rfind("work", 0) == 0) {
             for (auto &b : bufs) add<<<256, 256, 0, s>>>(b.p, b.bytes / 4, 3u);
             for (auto &b : bufs) add<<<256, 256, 0, s>>>(b.p, b.bytes / 4, ~2u);   // - 3
