@@ -17,7 +17,8 @@ import pytest
 
 import gpucr
 from gpucr.driver import driver_for, gpu_memory
-from gpucr.workloads.runner import Workload, descendants
+from gpucr.jobs import children_of
+from gpucr.workloads.runner import Workload
 
 from conftest import gpu, nvcc_build
 
@@ -110,7 +111,7 @@ def test_cpp_malloc_async_and_graph_memory_nodes_ten_cycles_mid_loop(pool_app_ex
 def test_stream_ordered_stress_clean_under_compute_sanitizer(pool_app_exe):
     argv = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", pool_app_exe]
     with Workload("pool_app", argv=argv, ready_timeout=300) as app:
-        pid = next(p for p in descendants(app.pid) if os.path.realpath(f"/proc/{p}/exe") == pool_app_exe)
+        pid = next(p for p in children_of(app.pid) if os.path.realpath(f"/proc/{p}/exe") == pool_app_exe)
         assert app.ask("churn 200", timeout=300) == {"ok": True}
         before = app.ask("digest")
         gpucr.checkpoint(pid, timeout=120)
