@@ -85,6 +85,26 @@ def test_reuse_order_matches_the_drivers_pools(pool_app):
     assert gpucr.status(with_agent.pid)["coverage"]["stream_ordered"]["cross_stream_waits"] >= 1
 
 
+def test_threads_churning_across_streams_through_checkpoints(pool_app):
+    """Threads allocate, write, check and free blocks handed from stream to stream while checkpoints land
+    mid-loop: every block holds what its owner wrote, before, across and after the cycles."""
+    app = pool_app("--sizes", "8M,64K", "--pool-sizes", "2M")
+    before = app.ask("digest")
+    app.ask("loop start 4")
+    rounds = []
+    for i in range(3):
+        ck = gpucr.checkpoint(app.pid, level="full" if i % 2 == 0 else "data", timeout=20)
+        assert ck["bytes_left_to_driver"] == 0
+        gpucr.restore(app.pid, timeout=20)
+        rounds.append(gpucr.status(app.pid)["coverage"]["stream_ordered"]["allocations"])
+    stop = app.ask("loop stop")
+    assert stop["error"] is None and stop["rounds"] > 0, stop
+    assert rounds == sorted(rounds) and rounds[-1] > rounds[0], "the threads went on between the cycles"
+    assert app.ask("digest") == before
+    so = gpucr.status(app.pid)["coverage"]["stream_ordered"]
+    assert so["cross_stream_waits"] > 0, "blocks freed on one stream were handed to others after a wait"
+
+
 def test_threshold_trim_and_attributes_are_truthful(pool_app):
     app = pool_app("--sizes", "8M", "--pool-sizes", "6M", "--streams", "3")
 

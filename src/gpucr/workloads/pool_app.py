@@ -15,12 +15,16 @@ Commands:
   trim BYTES                  cuMemPoolTrimTo(default pool, BYTES)
   sync                        cuCtxSynchronize
   ipc-pool MIB                a pool with POSIX-fd handles, MIB allocated from it and the pool exported
+  loop start THREADS          threads that each, on a stream of their own, allocate, write, read back and
+  loop stop                   check, and free blocks handed on to the next thread's stream, until stopped
+                              (a checkpoint lands mid-loop); stop answers the rounds and the first error
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
 import hashlib
+import threading
 
 from .driver_app import (SIM, Loc, _sig, check, cuCtxSetCurrent, cuCtxSynchronize, cuDevicePrimaryCtxRetain, cuInit,
                          cuMemcpyDtoH, parse_size)
@@ -40,6 +44,10 @@ cuStreamSynchronize = _sig("cuStreamSynchronize", vp)
 cuMemAllocAsync = _sig("cuMemAllocAsync", ctypes.POINTER(u64), sz, vp)
 cuMemAllocFromPoolAsync = _sig("cuMemAllocFromPoolAsync", ctypes.POINTER(u64), sz, vp, vp)
 cuMemFreeAsync = _sig("cuMemFreeAsync", u64, vp)
+cuEventCreate = _sig("cuEventCreate", ctypes.POINTER(vp), ctypes.c_uint)
+cuEventRecord = _sig("cuEventRecord", vp, vp)
+cuEventDestroy = _sig("cuEventDestroy_v2", vp)
+cuStreamWaitEvent = _sig("cuStreamWaitEvent", vp, vp, ctypes.c_uint)
 cuMemcpyHtoDAsync = _sig("cuMemcpyHtoDAsync_v2", u64, vp, sz, vp)
 cuMemPoolCreate = _sig("cuMemPoolCreate", ctypes.POINTER(vp), ctypes.POINTER(PoolProps))
 cuMemPoolGetAttribute = _sig("cuMemPoolGetAttribute", vp, ctypes.c_int, vp)
@@ -82,6 +90,10 @@ class App:
             check(cuMemcpyHtoDAsync(p, block, n, s), "fill")
             check(cuStreamSynchronize(s), "sync")   # the host buffer must outlive the copy
         self.ipc_pools: list[vp] = []
+        self.loop_stop = threading.Event()
+        self.loop_threads: list[threading.Thread] = []
+        self.loop_rounds = 0
+        self.loop_error: str | None = None
 
     def _alloc(self, n: int, s: vp, pool: vp | None = None) -> int:
         p = u64()
@@ -150,6 +162,35 @@ class App:
             self._set(self.default, 3, 1, ctypes.c_int)
         return {"same": a == b, "ordered": ordered}
 
+    def _churn_thread(self, k: int, n: int) -> None:
+        """Stream k allocates, writes and checks a block, then hands its free to stream k+1 (which waits
+        on an event for the work): blocks move between streams while others allocate."""
+        try:
+            check(cuCtxSetCurrent(self.ctx), "set ctx")
+            mine, nxt = self.loop_streams[k], self.loop_streams[(k + 1) % n]
+            ev = vp()
+            check(cuEventCreate(ctypes.byref(ev), 2), "event")
+            sizes = [4096, 300 << 10, 1 << 20, 3 << 20]
+            r = 0
+            while not self.loop_stop.is_set():
+                size = sizes[(r + k) % len(sizes)]
+                p = self._alloc(size, mine)
+                pattern = bytes([(r * 7 + k) & 0xFF]) * size
+                src, back = ctypes.create_string_buffer(pattern, size), ctypes.create_string_buffer(size)
+                check(cuMemcpyHtoDAsync(p, src, size, mine), "write")
+                check(cuStreamSynchronize(mine), "sync")
+                check(cuMemcpyDtoH(back, p, size), "read")
+                if back.raw != pattern:
+                    raise RuntimeError(f"thread {k} round {r}: block {p:#x} does not hold what was written")
+                check(cuEventRecord(ev, mine), "record")
+                check(cuStreamWaitEvent(nxt, ev, 0), "wait")
+                check(cuMemFreeAsync(p, nxt), "free on the next stream")
+                r += 1
+                self.loop_rounds += 1
+            check(cuEventDestroy(ev), "event destroy")
+        except Exception as exc:
+            self.loop_error = self.loop_error or f"{type(exc).__name__}: {exc}"
+
     def handle(self, words: list[str]) -> dict:
         cmd = words[0]
         if cmd == "digest":
@@ -183,6 +224,24 @@ class App:
         if cmd == "sync":
             check(cuCtxSynchronize(), "sync")
             return {"ok": True}
+        if cmd == "loop" and words[1] == "start":
+            n = int(words[2]) if len(words) > 2 else 3
+            self.loop_stop.clear()
+            self.loop_streams = []
+            for _ in range(n):
+                s = vp()
+                check(cuStreamCreate(ctypes.byref(s), 1), "stream")
+                self.loop_streams.append(s)
+            self.loop_threads = [threading.Thread(target=self._churn_thread, args=(k, n), daemon=True) for k in range(n)]
+            for t in self.loop_threads:
+                t.start()
+            return {"started": n}
+        if cmd == "loop" and words[1] == "stop":
+            self.loop_stop.set()
+            for t in self.loop_threads:
+                t.join()
+            check(cuCtxSynchronize(), "sync")
+            return {"rounds": self.loop_rounds, "error": self.loop_error}
         if cmd == "ipc-pool":
             pool = vp()
             props = PoolProps(allocType=1, handleTypes=1, loc=Loc(1, 0))
