@@ -445,10 +445,17 @@ static void slot_free(struct slot *s, struct sstate *st)
 
 static CUresult free_async(CUdeviceptr va, CUstream h, bool pt, CUresult (*real)(CUdeviceptr, CUstream))
 {
+    bool captured = capturing(h, pt);
     pthread_mutex_lock(&g_mu);
     struct slot *s = va ? hmap_get(&g_live, va) : NULL;
     CUresult rc = CUDA_SUCCESS;
-    if (s) {
+    if (s && captured) {
+        /* freed inside a graph being captured: CUDA frees it when the graph runs, and work captured
+         * before the free may still use it then; the agent cannot see that moment, so the block is
+         * never handed out again (kept, and still moved by gpucr) */
+        hmap_del(&g_live, va);
+        g_stats.captured_frees++;
+    } else if (s) {
         struct sstate *st = sstate_get(h, pt);
         if (!st) {
             rc = CUDA_ERROR_OUT_OF_MEMORY;
@@ -734,6 +741,22 @@ GPUCR_EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *ptr, CUmemoryPool pool
     }
 STREAM_SYNC(cuStreamSynchronize, false)
 STREAM_SYNC(cuStreamSynchronize_ptsz, true)
+
+/* CUDA 13's form names the context; NULL is the current one */
+GPUCR_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx)
+{
+    gpucr_init();
+    if (!REAL(cuCtxSynchronize_v2)) return CUDA_ERROR_NOT_SUPPORTED;
+    CUresult rc = REAL(cuCtxSynchronize_v2)(ctx);
+    if (rc == CUDA_SUCCESS && any_served()) {
+        CUcontext cur = NULL;
+        gpucr_drv.cuCtxGetCurrent(&cur);
+        if (ctx && ctx != cur) gpucr_drv.cuCtxSetCurrent(ctx);
+        after_sync(0, true);
+        if (ctx && ctx != cur) gpucr_drv.cuCtxSetCurrent(cur);
+    }
+    return rc;
+}
 
 GPUCR_EXPORT CUresult cuCtxSynchronize(void)
 {
