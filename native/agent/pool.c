@@ -820,22 +820,32 @@ void pool_forget_ctx(CUcontext ctx)
     pthread_mutex_unlock(&g_mu);
 }
 
-static unsigned long long graph_bytes_now(void)
+/* Graph memory the driver holds, on every device the process uses: trimmed first when `trim` (what
+ * no graph holds goes back). Asked in one context of each device, made current here: the caller may
+ * be the agent's channel thread, which has none. */
+static unsigned long long graph_memory(bool trim)
 {
-    unsigned long long total = 0;
     reg_lock();
+    CUcontext ctxs[16];
     int devs[16], n = 0;
-    for (int i = 0; i < g_reg.nctx; i++) {
+    for (int i = 0; i < g_reg.nctx && n < 16; i++) {
         int k = 0;
         while (k < n && devs[k] != g_reg.ctx_dev[i]) k++;
-        if (k == n && g_reg.ctx_dev[i] >= 0) devs[n++] = g_reg.ctx_dev[i];
+        if (k == n && g_reg.ctx_dev[i] >= 0) { devs[n] = g_reg.ctx_dev[i]; ctxs[n++] = g_reg.ctxs[i]; }
     }
     reg_unlock();
-    for (int i = 0; i < n && gpucr_drv.cuDeviceGetGraphMemAttribute; i++) {
+    unsigned long long total = 0;
+    CUcontext cur = NULL;
+    gpucr_drv.cuCtxGetCurrent(&cur);
+    for (int i = 0; i < n; i++) {
+        gpucr_drv.cuCtxSetCurrent(ctxs[i]);
+        if (trim && gpucr_drv.cuDeviceGraphMemTrim) gpucr_drv.cuDeviceGraphMemTrim(devs[i]);
         cuuint64_t v = 0;
-        if (gpucr_drv.cuDeviceGetGraphMemAttribute(devs[i], CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &v) == CUDA_SUCCESS)
+        if (gpucr_drv.cuDeviceGetGraphMemAttribute &&
+            gpucr_drv.cuDeviceGetGraphMemAttribute(devs[i], CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &v) == CUDA_SUCCESS)
             total += v;
     }
+    if (n) gpucr_drv.cuCtxSetCurrent(cur);
     return total;
 }
 
@@ -852,13 +862,7 @@ void pool_trim_for_checkpoint(void)
     }
     pthread_mutex_unlock(&g_mu);
     /* graph memory the driver holds for graphs not running now goes back before its checkpoint */
-    reg_lock();
-    int devs[16], n = 0;
-    for (int i = 0; i < g_reg.nctx && n < 16; i++) devs[n++] = g_reg.ctx_dev[i];
-    reg_unlock();
-    for (int i = 0; i < n && gpucr_drv.cuDeviceGraphMemTrim; i++)
-        if (devs[i] >= 0) gpucr_drv.cuDeviceGraphMemTrim(devs[i]);
-    unsigned long long g = graph_bytes_now();
+    unsigned long long g = graph_memory(true);
     pthread_mutex_lock(&g_mu);
     g_stats.graph_bytes = g;
     pthread_mutex_unlock(&g_mu);
@@ -878,7 +882,7 @@ bool pool_refusal(char *why, size_t len)
 
 void pool_get_stats(struct pool_stats *out, bool running)
 {
-    unsigned long long g = running ? graph_bytes_now() : 0;
+    unsigned long long g = running ? graph_memory(false) : 0;
     pthread_mutex_lock(&g_mu);
     if (running) g_stats.graph_bytes = g;
     *out = g_stats;
