@@ -133,6 +133,20 @@ def test_threshold_trim_and_attributes_are_truthful(pool_app):
     assert d["threshold"] == 0
 
 
+def test_pool_access_for_a_peer_is_granted_and_kept_by_a_restore(pool_app, monkeypatch):
+    monkeypatch.setenv("SIMCUDA_DEVICES", "2")
+    app = pool_app("--sizes", "4M", "--pool-sizes", "")
+    assert app.ask("peer-write 1 5")["rc"] != 0, "device 1 may not touch device 0's pool memory by default"
+    app.ask("peer-access 1 on")
+    assert app.ask("peer-write 1 5") == {"rc": 0, "word": 5}
+    for level in ("full", "data"):
+        gpucr.checkpoint(app.pid, level=level, timeout=20)
+        gpucr.restore(app.pid, timeout=20)
+        assert app.ask("peer-write 1 6") == {"rc": 0, "word": 6}, f"access kept by a {level} restore"
+    app.ask("peer-access 1 off")
+    assert app.ask("peer-write 1 7")["rc"] != 0
+
+
 def test_ipc_pool_is_refused_up_front_and_the_target_untouched(pool_app):
     app = pool_app("--sizes", "4M", "--pool-sizes", "")
     out = app.ask("ipc-pool 4")

@@ -15,6 +15,9 @@ Commands:
   trim BYTES                  cuMemPoolTrimTo(default pool, BYTES)
   sync                        cuCtxSynchronize
   ipc-pool MIB                a pool with POSIX-fd handles, MIB allocated from it and the pool exported
+  peer-access D on|off        cuMemPoolSetAccess of the default pool for device D
+  peer-write D V              from device D's context, memset the first buffer to V: the CUDA error (0: it
+                              could) and, when it could, the first word as device 0 reads it back
   loop start THREADS          threads that each, on a stream of their own, allocate, write, read back and
   loop stop                   check, and free blocks handed on to the next thread's stream, until stopped
                               (a checkpoint lands mid-loop); stop answers the rounds and the first error
@@ -26,8 +29,8 @@ import ctypes
 import hashlib
 import threading
 
-from .driver_app import (SIM, Loc, _sig, check, cuCtxSetCurrent, cuCtxSynchronize, cuDevicePrimaryCtxRetain, cuInit,
-                         cuMemcpyDtoH, parse_size)
+from .driver_app import (SIM, Access, Loc, _sig, check, cuCtxSetCurrent, cuCtxSynchronize, cuDevicePrimaryCtxRetain,
+                         cuInit, cuMemcpyDtoH, cuMemsetD32, parse_size)
 from .protocol import serve
 
 u64, sz, vp = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
@@ -53,6 +56,7 @@ cuMemPoolCreate = _sig("cuMemPoolCreate", ctypes.POINTER(vp), ctypes.POINTER(Poo
 cuMemPoolGetAttribute = _sig("cuMemPoolGetAttribute", vp, ctypes.c_int, vp)
 cuMemPoolSetAttribute = _sig("cuMemPoolSetAttribute", vp, ctypes.c_int, vp)
 cuMemPoolTrimTo = _sig("cuMemPoolTrimTo", vp, sz)
+cuMemPoolSetAccess = _sig("cuMemPoolSetAccess", vp, ctypes.POINTER(Access), sz)
 cuMemPoolExportToShareableHandle = _sig("cuMemPoolExportToShareableHandle", vp, vp, ctypes.c_int, u64)
 cuDeviceGetDefaultMemPool = _sig("cuDeviceGetDefaultMemPool", ctypes.POINTER(vp), ctypes.c_int)
 if SIM:   # simcuda's stream-ordering model (a test double's introspection, not CUDA)
@@ -242,6 +246,21 @@ class App:
                 t.join()
             check(cuCtxSynchronize(), "sync")
             return {"rounds": self.loop_rounds, "error": self.loop_error}
+        if cmd == "peer-access":
+            acc = Access(loc=Loc(1, int(words[1])), flags=3 if words[2] == "on" else 0)
+            check(cuMemPoolSetAccess(self.default, ctypes.byref(acc), 1), "cuMemPoolSetAccess")
+            return {"ok": True}
+        if cmd == "peer-write":
+            peer = vp()
+            check(cuDevicePrimaryCtxRetain(ctypes.byref(peer), int(words[1])), "peer ctx")
+            p, n, _ = self.bufs[0]
+            check(cuCtxSetCurrent(peer), "set peer ctx")
+            rc = cuMemsetD32(p, int(words[2]), n // 4)
+            check(cuCtxSetCurrent(self.ctx), "set ctx")
+            word = ctypes.c_uint32()
+            if rc == 0:
+                check(cuMemcpyDtoH(ctypes.byref(word), p, 4), "read")
+            return {"rc": rc, "word": word.value if rc == 0 else None}
         if cmd == "ipc-pool":
             pool = vp()
             props = PoolProps(allocType=1, handleTypes=1, loc=Loc(1, 0))
