@@ -559,8 +559,9 @@ GPUCR_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *
 {
     gpucr_init();
     if (!REAL(cuMemPoolCreate)) return CUDA_ERROR_NOT_SUPPORTED;
+    gpucr_gate_enter();   /* never hold the pools' lock where the driver may hold the process */
     CUresult rc = REAL(cuMemPoolCreate)(pool, props);
-    if (rc != CUDA_SUCCESS) return rc;
+    if (rc != CUDA_SUCCESS) { gpucr_gate_leave(); return rc; }
     const char *native = NULL;
     if (props->handleTypes)
         native = "an IPC-capable pool (cuMemPoolCreate with handle types): its memory must stay exportable by the driver";
@@ -572,6 +573,7 @@ GPUCR_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *
     struct apool *pl = apool_new(*pool, props->location.id, native);
     if (pl) { pl->ipc = props->handleTypes != 0; pl->max_size = props->maxSize; }
     pthread_mutex_unlock(&g_mu);
+    gpucr_gate_leave();
     return rc;
 }
 
@@ -603,8 +605,9 @@ GPUCR_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *v
 {
     gpucr_init();
     if (!REAL(cuMemPoolSetAttribute)) return CUDA_ERROR_NOT_SUPPORTED;
+    gpucr_gate_enter();   /* never hold the pools' lock where the driver may hold the process */
     CUresult rc = REAL(cuMemPoolSetAttribute)(pool, attr, value);   /* the driver checks the value */
-    if (rc != CUDA_SUCCESS) return rc;
+    if (rc != CUDA_SUCCESS) { gpucr_gate_leave(); return rc; }
     pthread_mutex_lock(&g_mu);
     struct apool *pl = served_pool(pool);
     if (pl && attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) pl->threshold = *(uint64_t *)value;
@@ -612,6 +615,7 @@ GPUCR_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *v
     else if (pl && attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) pl->reserved_high = pl->reserved;
     else if (pl && attr == CU_MEMPOOL_ATTR_USED_MEM_HIGH) pl->used_high = pl->used;
     pthread_mutex_unlock(&g_mu);
+    gpucr_gate_leave();
     return rc;
 }
 
@@ -619,8 +623,9 @@ GPUCR_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *v
 {
     gpucr_init();
     if (!REAL(cuMemPoolGetAttribute)) return CUDA_ERROR_NOT_SUPPORTED;
+    gpucr_gate_enter();   /* never hold the pools' lock where the driver may hold the process */
     CUresult rc = REAL(cuMemPoolGetAttribute)(pool, attr, value);
-    if (rc != CUDA_SUCCESS || attr < CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT || attr > CU_MEMPOOL_ATTR_USED_MEM_HIGH) return rc;
+    if (rc != CUDA_SUCCESS || attr < CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT || attr > CU_MEMPOOL_ATTR_USED_MEM_HIGH) { gpucr_gate_leave(); return rc; }
     /* the driver's figure (what it holds itself) plus the agent's */
     pthread_mutex_lock(&g_mu);
     struct apool *pl = served_pool(pool);
@@ -632,6 +637,7 @@ GPUCR_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *v
         *(uint64_t *)value += mine;
     }
     pthread_mutex_unlock(&g_mu);
+    gpucr_gate_leave();
     return rc;
 }
 
@@ -690,8 +696,10 @@ GPUCR_EXPORT CUresult cuMemPoolExportToShareableHandle(void *out, CUmemoryPool p
 {
     gpucr_init();
     if (!REAL(cuMemPoolExportToShareableHandle)) return CUDA_ERROR_NOT_SUPPORTED;
+    gpucr_gate_enter();   /* never hold the pools' lock where the driver may hold the process */
     CUresult rc = REAL(cuMemPoolExportToShareableHandle)(out, pool, type, flags);
     if (rc == CUDA_SUCCESS) count_ipc(false);
+    gpucr_gate_leave();
     return rc;
 }
 
@@ -699,8 +707,10 @@ GPUCR_EXPORT CUresult cuMemPoolExportPointer(CUmemPoolPtrExportData *out, CUdevi
 {
     gpucr_init();
     if (!REAL(cuMemPoolExportPointer)) return CUDA_ERROR_NOT_SUPPORTED;
+    gpucr_gate_enter();   /* never hold the pools' lock where the driver may hold the process */
     CUresult rc = REAL(cuMemPoolExportPointer)(out, ptr);
     if (rc == CUDA_SUCCESS) count_ipc(false);
+    gpucr_gate_leave();
     return rc;
 }
 
@@ -708,6 +718,7 @@ GPUCR_EXPORT CUresult cuMemPoolImportFromShareableHandle(CUmemoryPool *pool, voi
 {
     gpucr_init();
     if (!REAL(cuMemPoolImportFromShareableHandle)) return CUDA_ERROR_NOT_SUPPORTED;
+    gpucr_gate_enter();   /* never hold the pools' lock where the driver may hold the process */
     CUresult rc = REAL(cuMemPoolImportFromShareableHandle)(pool, handle, type, flags);
     if (rc == CUDA_SUCCESS) {
         count_ipc(true);
@@ -716,6 +727,7 @@ GPUCR_EXPORT CUresult cuMemPoolImportFromShareableHandle(CUmemoryPool *pool, voi
         if (pl) pl->ipc = true;
         pthread_mutex_unlock(&g_mu);
     }
+    gpucr_gate_leave();
     return rc;
 }
 
@@ -723,8 +735,10 @@ GPUCR_EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *ptr, CUmemoryPool pool
 {
     gpucr_init();
     if (!REAL(cuMemPoolImportPointer)) return CUDA_ERROR_NOT_SUPPORTED;
+    gpucr_gate_enter();   /* never hold the pools' lock where the driver may hold the process */
     CUresult rc = REAL(cuMemPoolImportPointer)(ptr, pool, data);
     if (rc == CUDA_SUCCESS) count_ipc(true);
+    gpucr_gate_leave();
     return rc;
 }
 
@@ -783,6 +797,7 @@ GPUCR_EXPORT CUresult cuEventSynchronize(CUevent ev)
     {                                                                                                   \
         gpucr_init();                                                                                   \
         if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                                \
+        gpucr_gate_enter();                                                                             \
         pthread_mutex_lock(&g_mu);                                                                      \
         struct sstate *s = st ? hmap_get(&g_streams, stream_key(st, false)) : NULL;                     \
         if (s) {                                                                                        \
@@ -794,7 +809,9 @@ GPUCR_EXPORT CUresult cuEventSynchronize(CUevent ev)
             hmap_del(&g_streams, s->key);                                                               \
         }                                                                                               \
         pthread_mutex_unlock(&g_mu);                                                                    \
-        return REAL(sym)(st);                                                                           \
+        CUresult rc = REAL(sym)(st);                                                                    \
+        gpucr_gate_leave();                                                                             \
+        return rc;                                                                                      \
     }
 STREAM_DESTROY(cuStreamDestroy)
 STREAM_DESTROY(cuStreamDestroy_v2)
