@@ -95,6 +95,8 @@ def test_threads_churning_across_streams_through_checkpoints(pool_app):
     for i in range(3):
         ck = gpucr.checkpoint(app.pid, level="full" if i % 2 == 0 else "data", timeout=20)
         assert ck["bytes_left_to_driver"] == 0
+        # the threads wait at the gate, holding nothing a status answer needs
+        assert gpucr.status(app.pid)["state"] == "checkpointed"
         gpucr.restore(app.pid, timeout=20)
         rounds.append(gpucr.status(app.pid)["coverage"]["stream_ordered"]["allocations"])
     stop = app.ask("loop stop")
