@@ -852,6 +852,7 @@ static unsigned long long graph_memory(bool trim)
     }
     reg_unlock();
     unsigned long long total = 0;
+    if (!n || !gpucr_drv.cuCtxGetCurrent) return 0;   /* no context yet (the driver may not even be resolved) */
     CUcontext cur = NULL;
     gpucr_drv.cuCtxGetCurrent(&cur);
     for (int i = 0; i < n; i++) {
@@ -862,7 +863,7 @@ static unsigned long long graph_memory(bool trim)
             gpucr_drv.cuDeviceGetGraphMemAttribute(devs[i], CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &v) == CUDA_SUCCESS)
             total += v;
     }
-    if (n) gpucr_drv.cuCtxSetCurrent(cur);
+    gpucr_drv.cuCtxSetCurrent(cur);
     return total;
 }
 
