@@ -152,7 +152,9 @@ static bool order_after_free(struct apool *pl, struct sstate *st, uint64_t epoch
 {
     if (st->key == to_key || free_complete(st, epoch)) return true;
     if (!pl->internal_deps || st->ctx != cur) return false;
-    if (st->ev_epoch < epoch && (st->dead || !sstate_record(st))) return false;
+    /* a per-thread stream is recorded only by its own thread (at each free): if that failed, no other
+     * thread can record on it, and a stream that is gone cannot be recorded on at all */
+    if (st->ev_epoch < epoch && (st->dead || st->eager || !sstate_record(st))) return false;
     if (gpucr_drv.cuStreamWaitEvent(to, st->ev, 0) != CUDA_SUCCESS) return false;
     g_stats.cross_stream_waits++;
     return true;
