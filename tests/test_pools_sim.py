@@ -65,23 +65,26 @@ def test_free_blocks_are_trimmed_so_only_memory_in_use_moves(pool_app):
     assert gpucr.status(app.pid)["coverage"]["stream_ordered"]["segments_released"] > 0
 
 
-REUSE = ["reuse-same", "sync", "trim 0", "reuse-cross", "sync", "trim 0", "reuse-cross 0", "reuse-after-sync"]
+REUSE = ["reuse-same", "sync", "trim 0", "reuse-cross", "sync", "trim 0", "reuse-cross 0", "reuse-after-sync",
+         "sync", "trim 0", "reuse-per-thread"]
 
 
 def test_reuse_order_matches_the_drivers_pools(pool_app):
     """Same stream: reused at once. Another stream: only once the free is ordered before it (simcuda's
     stream-ordering model says whether it is): through an event the agent records and waits on, or
     because a synchronize saw the free complete; with internal dependencies off and the free not
-    complete, a different block. The driver's own pools (no agent) answer the same."""
+    complete, a different block; the same between two threads' per-thread default streams. The
+    driver's own pools (no agent) answer the same."""
     with_agent = pool_app("--streams", "2")
     answers = [with_agent.ask(c) for c in REUSE]
     plain = pool_app("--streams", "2", agent=False)
     assert [plain.ask(c) for c in REUSE] == answers
-    same, cross, no_deps, after_sync = answers[0], answers[3], answers[6], answers[7]
+    same, cross, no_deps, after_sync, per_thread = answers[0], answers[3], answers[6], answers[7], answers[10]
     assert same["same"]
     assert cross == {"same": True, "ordered": True}, "handed over only after a wait on the free"
     assert no_deps == {"same": False, "ordered": False}, "no order, no internal dependencies: another block"
     assert after_sync == {"same": True, "ordered": True}
+    assert per_thread == {"same": True, "ordered": True}, "another thread's per-thread stream: handed over after a wait"
     assert gpucr.status(with_agent.pid)["coverage"]["stream_ordered"]["cross_stream_waits"] >= 1
 
 

@@ -10,6 +10,9 @@ Commands:
   reuse-cross [internal 0|1]  alloc + free on stream 0, then alloc on stream 1: the same block, and
                               (simcuda) whether stream 1 is then ordered after the free
   reuse-after-sync            the same, once stream 0 was synchronised (the free is complete)
+  reuse-per-thread            a thread allocates, writes and frees on its per-thread default stream
+                              (the _ptsz entry points, stream NULL); then this thread allocates on its own:
+                              the same block, and (simcuda) whether its stream is ordered after that free
   attrs                       used/reserved (current, high) and release threshold of both pools
   threshold BYTES             the release threshold of the default pool
   trim BYTES                  cuMemPoolTrimTo(default pool, BYTES)
@@ -47,6 +50,10 @@ cuStreamSynchronize = _sig("cuStreamSynchronize", vp)
 cuMemAllocAsync = _sig("cuMemAllocAsync", ctypes.POINTER(u64), sz, vp)
 cuMemAllocFromPoolAsync = _sig("cuMemAllocFromPoolAsync", ctypes.POINTER(u64), sz, vp, vp)
 cuMemFreeAsync = _sig("cuMemFreeAsync", u64, vp)
+cuMemAllocAsync_ptsz = _sig("cuMemAllocAsync_ptsz", ctypes.POINTER(u64), sz, vp)
+cuMemFreeAsync_ptsz = _sig("cuMemFreeAsync_ptsz", u64, vp)
+cuMemcpyHtoDAsync_ptsz = _sig("cuMemcpyHtoDAsync_v2_ptsz", u64, vp, sz, vp)
+PER_THREAD = vp(2)   # CU_STREAM_PER_THREAD
 cuEventCreate = _sig("cuEventCreate", ctypes.POINTER(vp), ctypes.c_uint)
 cuEventRecord = _sig("cuEventRecord", vp, vp)
 cuEventDestroy = _sig("cuEventDestroy_v2", vp)
@@ -195,6 +202,27 @@ class App:
         except Exception as exc:
             self.loop_error = self.loop_error or f"{type(exc).__name__}: {exc}"
 
+    def reuse_per_thread(self) -> dict:
+        n, out = 3 << 20, {}
+
+        def other() -> None:
+            check(cuCtxSetCurrent(self.ctx), "set ctx")
+            p = u64()
+            check(cuMemAllocAsync_ptsz(ctypes.byref(p), n, None), "alloc (per-thread stream)")
+            src = ctypes.create_string_buffer(b"\x33" * n, n)
+            check(cuMemcpyHtoDAsync_ptsz(p.value, src, n, None), "write (per-thread stream)")
+            check(cuMemFreeAsync_ptsz(p.value, None), "free (per-thread stream)")
+            out["a"], out["pos"] = p.value, self._position(PER_THREAD) if SIM else None
+        t = threading.Thread(target=other)
+        t.start()
+        t.join()
+        q = u64()
+        check(cuMemAllocAsync_ptsz(ctypes.byref(q), n, None), "alloc (this thread's per-thread stream)")
+        ordered = bool(simcudaStreamOrdered(PER_THREAD, *out["pos"])) if SIM else None
+        check(cuMemFreeAsync_ptsz(q.value, None), "free")
+        check(cuCtxSynchronize(), "sync")
+        return {"same": q.value == out["a"], "ordered": ordered}
+
     def handle(self, words: list[str]) -> dict:
         cmd = words[0]
         if cmd == "digest":
@@ -216,6 +244,8 @@ class App:
             return self.reuse_cross(int(words[1]) if len(words) > 1 else None, False)
         if cmd == "reuse-after-sync":
             return self.reuse_cross(0, True)
+        if cmd == "reuse-per-thread":
+            return self.reuse_per_thread()
         if cmd == "attrs":
             return {name: {k: self._get(pool, a) for k, a in ATTR.items()}
                     for name, pool in (("default", self.default), ("explicit", self.pool))}
