@@ -29,16 +29,16 @@ def test_cycles_byte_exact_same_pointers_all_moved_by_gpucr(pool_app):
     idle = used()
     app = pool_app("--sizes", "8M,3M,64K,1000,40M", "--pool-sizes", "6M,100K", "--streams", "4")
     running = used()
-    cov = gpucr.status(app.pid)["coverage"]
-    assert cov["bytes_left_to_driver"] == 0, cov
-    assert cov["stream_ordered"]["pools_served"] == 2 and cov["stream_ordered"]["pools_left_to_driver"] == 0
+    cov = gpucr.status(app.pid).coverage
+    assert cov.bytes_left_to_driver == 0, cov
+    assert cov.stream_ordered.pools_served == 2 and cov.stream_ordered.pools_left_to_driver == 0
     # 8M + 4M (3M rounded) + 40M + two 2 MiB slabs (64K, 1000, 100K) + 6M (explicit pool)
-    assert cov["bytes_moved_by_gpucr"] >= (8 + 4 + 40 + 6) * MiB
+    assert cov.bytes_moved_by_gpucr >= (8 + 4 + 40 + 6) * MiB
     for i in range(4):
         app.ask(f"work {i + 1}")
         before = app.ask("digest")
         ck = gpucr.checkpoint(app.pid, level="full" if i % 2 == 0 else "data", timeout=20)
-        assert ck["bytes_left_to_driver"] == 0 and ck["bytes_moved"] == cov["bytes_moved_by_gpucr"]
+        assert ck.bytes_left_to_driver == 0 and ck.bytes_moved == cov.bytes_moved_by_gpucr
         if i % 2 == 0:
             assert used() == idle, "stream-ordered memory given back: the card at simcuda's floor"
         gpucr.restore(app.pid, timeout=20)
@@ -47,22 +47,22 @@ def test_cycles_byte_exact_same_pointers_all_moved_by_gpucr(pool_app):
     # the pools go on working on the restored memory
     app.ask("churn 20")
     app.ask("work 7")
-    assert gpucr.status(app.pid)["coverage"]["bytes_left_to_driver"] == 0
+    assert gpucr.status(app.pid).coverage.bytes_left_to_driver == 0
 
 
 def test_free_blocks_are_trimmed_so_only_memory_in_use_moves(pool_app):
     app = pool_app("--sizes", "4M", "--pool-sizes", "", "--streams", "3")
     app.ask("churn 30")   # freed blocks stay reserved: the app set its release threshold to "keep all"
-    so = gpucr.status(app.pid)["coverage"]["stream_ordered"]
-    assert so["reserved_bytes"] > so["used_bytes"] + 8 * MiB, so
+    so = gpucr.status(app.pid).coverage.stream_ordered
+    assert so.reserved_bytes > so.used_bytes + 8 * MiB, so
     before = app.ask("digest")
     ck = gpucr.checkpoint(app.pid, timeout=20)
-    assert ck["bytes_moved"] == 4 * MiB, "only the block in use was moved"
+    assert ck.bytes_moved == 4 * MiB, "only the block in use was moved"
     gpucr.restore(app.pid, timeout=20)
     assert app.ask("digest") == before
     attrs = app.ask("attrs")["default"]
     assert attrs["reserved"] == attrs["used"] == 4 * MiB, attrs
-    assert gpucr.status(app.pid)["coverage"]["stream_ordered"]["segments_released"] > 0
+    assert gpucr.status(app.pid).coverage.stream_ordered.segments_released > 0
 
 
 REUSE = ["reuse-same", "sync", "trim 0", "reuse-cross", "sync", "trim 0", "reuse-cross 0", "reuse-after-sync",
@@ -85,7 +85,7 @@ def test_reuse_order_matches_the_drivers_pools(pool_app):
     assert no_deps == {"same": False, "ordered": False}, "no order, no internal dependencies: another block"
     assert after_sync == {"same": True, "ordered": True}
     assert per_thread == {"same": True, "ordered": True}, "another thread's per-thread stream: handed over after a wait"
-    assert gpucr.status(with_agent.pid)["coverage"]["stream_ordered"]["cross_stream_waits"] >= 1
+    assert gpucr.status(with_agent.pid).coverage.stream_ordered.cross_stream_waits >= 1
 
 
 def test_threads_churning_across_streams_through_checkpoints(pool_app):
@@ -97,17 +97,17 @@ def test_threads_churning_across_streams_through_checkpoints(pool_app):
     rounds = []
     for i in range(3):
         ck = gpucr.checkpoint(app.pid, level="full" if i % 2 == 0 else "data", timeout=20)
-        assert ck["bytes_left_to_driver"] == 0
+        assert ck.bytes_left_to_driver == 0
         # the threads wait at the gate, holding nothing a status answer needs
-        assert gpucr.status(app.pid)["state"] == "checkpointed"
+        assert gpucr.status(app.pid).state == "checkpointed"
         gpucr.restore(app.pid, timeout=20)
-        rounds.append(gpucr.status(app.pid)["coverage"]["stream_ordered"]["allocations"])
+        rounds.append(gpucr.status(app.pid).coverage.stream_ordered.allocations)
     stop = app.ask("loop stop")
     assert stop["error"] is None and stop["rounds"] > 0, stop
     assert rounds == sorted(rounds) and rounds[-1] > rounds[0], "the threads went on between the cycles"
     assert app.ask("digest") == before
-    so = gpucr.status(app.pid)["coverage"]["stream_ordered"]
-    assert so["cross_stream_waits"] > 0, "blocks freed on one stream were handed to others after a wait"
+    so = gpucr.status(app.pid).coverage.stream_ordered
+    assert so.cross_stream_waits > 0, "blocks freed on one stream were handed to others after a wait"
 
 
 def test_threshold_trim_and_attributes_are_truthful(pool_app):
@@ -115,9 +115,9 @@ def test_threshold_trim_and_attributes_are_truthful(pool_app):
 
     def attrs_match_status() -> dict:
         a = app.ask("attrs")
-        so = gpucr.status(app.pid)["coverage"]["stream_ordered"]
-        assert a["default"]["reserved"] + a["explicit"]["reserved"] == so["reserved_bytes"]
-        assert a["default"]["used"] + a["explicit"]["used"] == so["used_bytes"]
+        so = gpucr.status(app.pid).coverage.stream_ordered
+        assert a["default"]["reserved"] + a["explicit"]["reserved"] == so.reserved_bytes
+        assert a["default"]["used"] + a["explicit"]["used"] == so.used_bytes
         return a["default"]
 
     d = attrs_match_status()
@@ -157,17 +157,17 @@ def test_ipc_pool_is_refused_up_front_and_the_target_untouched(pool_app):
     out = app.ask("ipc-pool 4")
     assert out["fd"] >= 0
     st = gpucr.status(app.pid)
-    left = {e["kind"]: e for e in st["coverage"]["left_to_driver"]}
-    assert left["IPC pool"]["bytes"] == 4 * MiB and "handle types" in left["IPC pool"]["reason"]
-    assert st["coverage"]["stream_ordered"]["ipc_exports"] == 1
+    left = {e.kind: e for e in st.coverage.left_to_driver}
+    assert left["IPC pool"].bytes == 4 * MiB and "handle types" in left["IPC pool"].reason
+    assert st.coverage.stream_ordered.ipc_exports == 1
     before, mem = app.ask("digest"), used()
     r = gpucr_cli("checkpoint", str(app.pid))
     assert r.returncode != 0
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and "cuMemPoolExportToShareableHandle" in lines[0] and "refused" in lines[0], r.stderr
     st = gpucr.status(app.pid)
-    assert st["state"] == "running" and not st["gate_closed"] and st["generation"] == 0
-    assert st["staging_bytes"] == 0, "nothing was prepared either"
+    assert st.state == "running" and not st.gate_closed and st.generation == 0
+    assert st.staging_bytes == 0, "nothing was prepared either"
     assert sim_driver().state(app.pid) == ProcessState.RUNNING
     assert app.ask("digest") == before and used() == mem
     app.ask("churn 3")   # and it runs on

@@ -8,7 +8,7 @@ import os
 import sys
 from typing import Any, Callable, NoReturn
 
-from . import __version__, gpus, paths
+from . import __version__, coverage, gpus, paths
 from .levels import LEVELS
 from .server import route
 from .errors import GpucrError
@@ -175,7 +175,8 @@ def cmd_checkpoint(a: argparse.Namespace) -> int:
         return 0
     for r in result.processes:
         print(f"process {r.pid}: checkpointed (level {r.level}); {_mib(r.bytes_moved)} moved by gpucr, "
-              f"{_mib(r.bytes_left_to_driver)} left to the driver; {_fmt_phases(r.phases_s)}")
+              f"{_mib(r.bytes_left_to_driver)} left to the driver"
+              f"{coverage.left_summary(r.coverage.left_to_driver if r.coverage else [])}; {_fmt_phases(r.phases_s)}")
         if r.gpus:
             print(f"  memory       {_fmt_gpus(r.gpus)}")
         if r.image is not None:
@@ -219,6 +220,7 @@ def _status_lines(st: ProcessStatus) -> list[str]:
              f"({al.converted} converted, {al.app_vmm} application VMM)",
              f"  driver path  {_mib(st.bytes_left_to_driver)} left to the driver's checkpoint "
              f"({al.native} small, {al.pool} pool, {al.vmm_left_to_driver} partial VMM)",
+             *coverage.status_lines(st.coverage),
              f"  staging      {_mib(st.staging_bytes)} in {st.staging_segments} segments "
              f"({st.staging_kind}, {_mib(st.staging_pinned_bytes)} pinned"
              f"{', prepared ahead' if st.staging_ahead else ''}{bounce})",
@@ -330,7 +332,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         chunks = sum(len(a["chunks"]) for a in p["data"])
         print(f"  process {p['pid']} (start time {p['start_time']}), checkpoint {p['generation']}")
         print(f"    moved by gpucr  {al['moved_by_gpucr']} allocations, {_mib(al['bytes'])}, {chunks} chunks ({zero} zero)")
-        print(f"    left to driver  {al['left_to_driver']} allocations, {_mib(al['left_to_driver_bytes'])}")
+        print(f"    left to driver  {al['left_to_driver']} allocations, {_mib(al['left_to_driver_bytes'])}"
+              f"{coverage.left_summary(coverage.manifest_left(p.get('coverage')))}")
         print("    domains         " + ", ".join(f"{k}: {v}" for k, v in p["domains"].items()))
         print(f"    unknown         {'; '.join(p['unknown']) or 'nothing'}")
     if "image" in m:

@@ -71,6 +71,42 @@ class LeftOut:
         return f"process {self.pid} ({self.cmd[:60] or '?'}) left out: {self.reason}"
 
 
+# ---- coverage: which bytes gpucr moves, and which it leaves to the driver's checkpoint, and why ----
+
+@dataclass
+class LeftToDriver:
+    """One kind of memory left to the driver's own checkpoint (correct, but ~2 GB/s)."""
+    kind: str                         # small allocations | IPC pool | other stream-ordered pool | graph memory nodes | ...
+    bytes: int
+    count: int | None                 # allocations of this kind, where they are counted one by one
+    reason: str                       # why gpucr leaves it to the driver
+
+
+@dataclass
+class StreamOrdered:
+    """Stream-ordered allocation (cuMemAllocAsync, memory pools) as the agent serves it."""
+    pools_served: int                 # pools whose memory the agent serves (and gpucr moves)
+    pools_left_to_driver: int         # pools left to the driver (IPC-capable, imported, host)
+    used_bytes: int                   # in use in the pools the agent serves
+    reserved_bytes: int               # held by them (used, and free blocks kept for reuse)
+    allocations: int                  # stream-ordered allocations made since the start
+    cross_stream_waits: int           # blocks handed to another stream after making it wait for their free
+    segments_released: int            # pieces of pool memory given back (threshold, TrimTo, before a checkpoint)
+    captured_allocations: int         # allocations during stream capture: graph memory, the driver's
+    captured_frees_kept: int          # gpucr's blocks freed inside a capture: kept, never handed out again
+    ipc_exports: int                  # pools or pool pointers exported to other processes (a checkpoint refuses)
+    ipc_imports: int
+
+
+@dataclass
+class Coverage:
+    bytes_moved_by_gpucr: int
+    bytes_left_to_driver: int
+    left_to_driver: list[LeftToDriver]
+    not_counted: str                  # what neither count holds (module globals, the context's own memory)
+    stream_ordered: StreamOrdered
+
+
 @dataclass
 class ProcessCheckpoint:
     pid: int
@@ -84,6 +120,7 @@ class ProcessCheckpoint:
     gpus: list[GpuMemoryChange]
     image: ImageTransfer | None
     warnings: list[str]
+    coverage: Coverage | None = None  # what went which way, by kind (null from an agent that does not say)
 
 
 @dataclass
@@ -191,6 +228,7 @@ class ProcessStatus:
     refusal: str | None               # why a checkpoint would be refused now
     shared: list[SharedMemory]
     certificate: dict[str, Any] | None  # while checkpointed: what the checkpoint covers (a manifest, see inspect)
+    coverage: Coverage | None = None  # the bytes gpucr moves and those left to the driver, by kind with reasons
 
 
 @dataclass

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import gpus
+from . import coverage, gpus
 from .results import (Allocations, GpuMemoryChange, GpuStatus, ImageTransfer, LastCycle, ProcessCheckpoint,
                       ProcessRestore, ProcessStatus, SharedMemory)
 
@@ -44,7 +44,7 @@ def checkpoint(r: dict[str, Any], changes: list[GpuMemoryChange]) -> ProcessChec
                              bytes_moved=r["bytes_moved"], bytes_left_to_driver=r["bytes_left_to_driver"],
                              phases_s=dict(r["phases_s"]), agent_phases_s=_seconds(r.get("agent_ms", {})),
                              gpus=changes, image=image(im, im["dir"], im["id"]) if im else None,
-                             warnings=list(r.get("warnings", [])))
+                             warnings=list(r.get("warnings", [])), coverage=coverage.from_agent(r.get("coverage")))
 
 
 def restore(r: dict[str, Any], changes: list[GpuMemoryChange], moved: dict[str, str],
@@ -90,4 +90,4 @@ def process_status(st: dict[str, Any], now: dict[str, gpus.Usage]) -> ProcessSta
         shared=[SharedMemory(role=s["role"], key=s.get("key", 0), bytes=s["bytes"], unlinked=bool(s.get("unlinked")),
                              open_fds=s.get("open_fds", 0), owner=s.get("owner") or None)
                 for s in st.get("shared", [])],
-        certificate=st.get("certificate"))
+        certificate=st.get("certificate"), coverage=coverage.from_agent(st.get("coverage")))

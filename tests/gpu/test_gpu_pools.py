@@ -18,6 +18,7 @@ import pytest
 import gpucr
 from gpucr.driver import driver_for, gpu_memory
 from gpucr.jobs import children_of
+from gpucr.results import ProcessStatus
 from gpucr.workloads.runner import Workload
 
 from conftest import gpu, nvcc_build
@@ -33,10 +34,10 @@ def used() -> int:
     return gpu_memory(driver_for("libcuda.so.1")).used
 
 
-def moved_share(st: dict) -> float:
-    cov = st["coverage"]
-    total = cov["bytes_moved_by_gpucr"] + cov["bytes_left_to_driver"]
-    return cov["bytes_moved_by_gpucr"] / total if total else 0.0
+def moved_share(st: ProcessStatus) -> float:
+    cov = st.coverage
+    total = cov.bytes_moved_by_gpucr + cov.bytes_left_to_driver
+    return cov.bytes_moved_by_gpucr / total if total else 0.0
 
 
 def cycle(app: Workload, pid: int, idle: int, name: str, i: int, compute: bool = True) -> tuple[float, float]:
@@ -44,7 +45,7 @@ def cycle(app: Workload, pid: int, idle: int, name: str, i: int, compute: bool =
     before = app.ask("digest")
     result = app.ask("compute") if compute else None
     st = gpucr.status(pid)
-    assert moved_share(st) >= 0.99, f"{name} cycle {i}: only {moved_share(st):.2%} moved by gpucr: {st['coverage']}"
+    assert moved_share(st) >= 0.99, f"{name} cycle {i}: only {moved_share(st):.2%} moved by gpucr: {st.coverage}"
     ck = gpucr.checkpoint(pid, level="full", timeout=120)
     during = used()
     assert during - idle <= SLACK, f"{name} cycle {i}: {(during - idle) / MiB:.0f} MiB above idle while checkpointed"
@@ -54,7 +55,7 @@ def cycle(app: Workload, pid: int, idle: int, name: str, i: int, compute: bool =
     assert after["ptrs"] == before["ptrs"], f"{name} cycle {i}: addresses moved"
     if compute:
         assert app.ask("compute") == result, f"{name} cycle {i}: computation differs"
-    return sum(ck["phases_s"].values()), sum(rs["phases_s"].values())
+    return sum(ck.phases_s.values()), sum(rs.phases_s.values())
 
 
 def timed_cycles(module: str, args: list[str], env: dict, n: int, name: str) -> tuple[float, float]:
@@ -96,8 +97,8 @@ def test_cpp_malloc_async_and_graph_memory_nodes_ten_cycles_mid_loop(pool_app_ex
     with Workload("pool_app", argv=[pool_app_exe]) as app:
         assert app.ask("graph 10") == {"replayed": 10, "ok": True}
         assert app.ask("churn 20") == {"ok": True}
-        so = gpucr.status(app.pid)["coverage"]["stream_ordered"]
-        assert so["pools_served"] == 2 and so["captured_allocations"] >= 1, so
+        so = gpucr.status(app.pid).coverage.stream_ordered
+        assert so.pools_served == 2 and so.captured_allocations >= 1, so
         app.ask("loop start")   # graph replays and cross-stream churn go on while each checkpoint lands
         for i in range(CYCLES):
             cycle(app, app.pid, idle, "cpp-pools", i, compute=False)
