@@ -255,6 +255,7 @@ static struct seg *seg_new(struct apool *pl, int cls, size_t size, CUcontext ctx
     }
     struct phys *p = NULL;
     if (rc == CUDA_SUCCESS) {
+        reg_learn_ctx(ctx);   /* asks the driver: before the registry lock */
         reg_lock();
         p = reg_phys_new(PHYS_CONVERTED, h, size, &prop, ctx);
         struct mapping *m = p ? reg_map_add(p, va, size, 0) : NULL;
@@ -293,8 +294,23 @@ static void seg_release(struct seg *sg, bool ending)
     gpucr_drv.cuCtxGetCurrent(&cur);
     if (cur != sg->ctx) gpucr_drv.cuCtxSetCurrent(sg->ctx);
     reg_lock();
-    CUresult rc = alloc_free_converted(sg->phys);
+    CUmemGenericAllocationHandle real = sg->phys->real;
     reg_unlock();
+    /* no driver call under the registry lock (registry.h): unmap, forget the record, then give the
+     * memory and the addresses back (forgotten first: once the addresses are free, another thread's
+     * allocation may get them) */
+    CUresult rc = REAL(cuMemUnmap)(sg->va, sg->size);
+    if (rc == CUDA_SUCCESS || ending) {
+        reg_lock();
+        reg_phys_free(sg->phys);
+        reg_unlock();
+    }
+    if (rc == CUDA_SUCCESS) {
+        CUresult r2 = REAL(cuMemRelease)(real);
+        if (r2 != CUDA_SUCCESS) gpucr_cu_warn(r2, "cuMemRelease of %zu bytes of pool memory", sg->size);
+        if ((r2 = gpucr_drv.cuMemAddressFree(sg->va, sg->size)) != CUDA_SUCCESS)
+            gpucr_cu_warn(r2, "cuMemAddressFree of %zu bytes of pool memory", sg->size);
+    }
     if (cur != sg->ctx) gpucr_drv.cuCtxSetCurrent(cur);
     if (rc != CUDA_SUCCESS && !ending) {
         gpucr_warn("giving back %zu bytes of pool memory failed: %s (kept)", sg->size, gpucr_cu_errstr(rc));
@@ -469,12 +485,14 @@ static CUresult free_async(CUdeviceptr va, CUstream h, bool pt, CUresult (*real)
     }
     pthread_mutex_unlock(&g_mu);
     if (s) return rc;
+    /* forgotten before the driver frees it: once freed, another thread may get the address */
+    void *rec = take_native(&g_reg.pool_by_va, &g_reg.pool_bytes, &g_reg.pool_count, va);
     rc = real(va, h);
+    if (rc != CUDA_SUCCESS && rec) keep_native(&g_reg.pool_by_va, &g_reg.pool_bytes, &g_reg.pool_count, va, rec);
     if (rc == CUDA_SUCCESS) {
         pthread_mutex_lock(&g_mu);
         hmap_del(&g_native_reason, va);
         pthread_mutex_unlock(&g_mu);
-        forget_native(&g_reg.pool_by_va, &g_reg.pool_bytes, &g_reg.pool_count, va);
     }
     return rc;
 }
@@ -674,12 +692,12 @@ GPUCR_EXPORT CUresult cuMemPoolSetAccess(CUmemoryPool pool, const CUmemAccessDes
         reg_map_merge_access(&tmp, map, count);
         pl->nacc = tmp.ndesc;
         memcpy(pl->acc, tmp.desc, sizeof pl->acc);
-        reg_lock();
         for (struct seg *sg = pl->segs; sg && rc == CUDA_SUCCESS; sg = sg->next) {
-            rc = REAL(cuMemSetAccess)(sg->va, sg->size, map, count);
+            rc = REAL(cuMemSetAccess)(sg->va, sg->size, map, count);   /* no driver call under the registry lock */
+            reg_lock();
             if (rc == CUDA_SUCCESS && sg->phys->maps) reg_map_merge_access(sg->phys->maps, map, count);
+            reg_unlock();
         }
-        reg_unlock();
     }
     pthread_mutex_unlock(&g_mu);
     gpucr_gate_leave();
@@ -849,8 +867,8 @@ static unsigned long long graph_memory(bool trim)
     int devs[16], n = 0;
     for (int i = 0; i < g_reg.nctx && n < 16; i++) {
         int k = 0;
-        while (k < n && devs[k] != g_reg.ctx_dev[i]) k++;
-        if (k == n && g_reg.ctx_dev[i] >= 0) { devs[n] = g_reg.ctx_dev[i]; ctxs[n++] = g_reg.ctxs[i]; }
+        while (k < n && devs[k] != g_reg.ctxs[i].dev) k++;
+        if (k == n && g_reg.ctxs[i].dev >= 0) { devs[n] = g_reg.ctxs[i].dev; ctxs[n++] = g_reg.ctxs[i].ctx; }
     }
     reg_unlock();
     unsigned long long total = 0;
