@@ -4,7 +4,10 @@
  *     fill it, read it back (a checkpoint may fall between the two) and free it;
  *   - a VMM thread creates, maps, queries, retains and releases its own VMM memory;
  *   - an IPC thread asks for a legacy IPC handle of VMM memory (refused, but it reads the registry);
- *   - status threads ask the agent's control channel for its status, as a monitor would.
+ *   - status threads ask the agent's control channel for its status, as a monitor would;
+ *   - stream-ordered threads allocate with cuMemAllocAsync on a stream of their own, fill, check and
+ *     free on the next thread's stream, synchronise (the pool's release threshold then applies) and
+ *     trim the pool now and then: the agent's pools under the same cycles.
  * One buffer per alloc thread is kept for the whole run. It prints READY; on "stop" it stops
  * the threads, checks every kept buffer and prints "OK <allocations>" or "BAD <why>". */
 #define _GNU_SOURCE
@@ -50,10 +53,19 @@ CUresult cuMemSetAccess(CUdeviceptr, size_t, const CUmemAccessDesc *, size_t);
 CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *, CUmemGenericAllocationHandle);
 CUresult cuMemRetainAllocationHandle(CUmemGenericAllocationHandle *, void *);
 CUresult cuIpcGetMemHandle(void *, CUdeviceptr);
+typedef void *CUstream, *CUmemoryPool;
+CUresult cuStreamCreate(CUstream *, unsigned);
+CUresult cuStreamSynchronize(CUstream);
+CUresult cuMemAllocAsync(CUdeviceptr *, size_t, CUstream);
+CUresult cuMemFreeAsync(CUdeviceptr, CUstream);
+CUresult cuMemsetD8Async(CUdeviceptr, unsigned char, size_t, CUstream);
+CUresult cuDeviceGetDefaultMemPool(CUmemoryPool *, int);
+CUresult cuMemPoolTrimTo(CUmemoryPool, size_t);
 
 #define MiB ((size_t)1 << 20)
 #define ALLOC_THREADS 6
 #define STATUS_THREADS 2
+#define ASYNC_THREADS 3
 
 static CUcontext g_ctx;
 static atomic_bool g_stop;
@@ -61,6 +73,7 @@ static atomic_long g_allocs, g_statuses;
 static char g_bad[256];
 static pthread_mutex_t g_bad_mu = PTHREAD_MUTEX_INITIALIZER;
 static CUdeviceptr g_kept[ALLOC_THREADS];
+static CUstream g_streams[ASYNC_THREADS];
 
 static void bad(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 static void bad(const char *fmt, ...)
@@ -130,6 +143,31 @@ static void *vmm_thread(void *arg)
     return NULL;
 }
 
+static void *async_thread(void *arg)
+{
+    int id = (int)(long)arg;
+    static const size_t sizes[] = {512, 64 << 10, 1 * MiB, 3 * MiB};
+    CUstream mine = g_streams[id], next = g_streams[(id + 1) % ASYNC_THREADS];
+    CUmemoryPool pool = NULL;
+    cuCtxSetCurrent(g_ctx);
+    cuDeviceGetDefaultMemPool(&pool, 0);
+    for (unsigned i = 0; !atomic_load(&g_stop); i++) {
+        size_t n = sizes[(i + (unsigned)id) % 4];
+        unsigned char tag = (unsigned char)(i * 5 + (unsigned)id);
+        CUdeviceptr p = 0;
+        CUresult rc = cuMemAllocAsync(&p, n, mine);
+        if (rc) { bad("cuMemAllocAsync(%zu): %d", n, rc); break; }
+        if ((rc = cuMemsetD8Async(p, tag, n, mine)) || (rc = cuStreamSynchronize(mine))) bad("memset on the stream: %d", rc);
+        else if (!holds(p, n, tag)) bad("%zu stream-ordered bytes at 0x%llx lost their data", n, p);
+        /* freed on the next thread's stream: whoever gets it next must be ordered after the free */
+        if ((rc = cuMemFreeAsync(p, next))) bad("cuMemFreeAsync of %zu bytes at 0x%llx: %d", n, p, rc);
+        if (i % 16 == 15 && (rc = cuStreamSynchronize(next))) bad("cuStreamSynchronize: %d", rc);
+        if (i % 64 == 63 && (rc = cuMemPoolTrimTo(pool, 0))) bad("cuMemPoolTrimTo: %d", rc);
+        atomic_fetch_add(&g_allocs, 1);
+    }
+    return NULL;
+}
+
 static void *ipc_thread(void *arg)
 {
     (void)arg;
@@ -181,8 +219,11 @@ int main(void)
             printf("BAD kept buffer %d\n", i);
             return 1;
         }
-    pthread_t th[ALLOC_THREADS + STATUS_THREADS + 2];
+    for (int i = 0; i < ASYNC_THREADS; i++)
+        if (cuStreamCreate(&g_streams[i], 1)) { printf("BAD stream\n"); return 1; }
+    pthread_t th[ALLOC_THREADS + STATUS_THREADS + ASYNC_THREADS + 2];
     int n = 0;
+    for (long i = 0; i < ASYNC_THREADS; i++) pthread_create(&th[n++], NULL, async_thread, (void *)i);
     for (long i = 0; i < ALLOC_THREADS; i++) pthread_create(&th[n++], NULL, alloc_thread, (void *)i);
     pthread_create(&th[n++], NULL, vmm_thread, NULL);
     pthread_create(&th[n++], NULL, ipc_thread, NULL);
