@@ -6,6 +6,9 @@
  * publishes. That is what makes "checkpoint gives the memory back" observable from outside,
  * and what lets a restore fail for lack of memory.
  *
+ * Exported memory whose maker let it go while fds elsewhere keep it alive is in no process's file:
+ * objects.c adds it (and frees what nobody holds) wherever usage is read.
+ *
  * Usage is per physical device: a process's ordinal i is physical device i until a restore
  * with GPU pairs moves it onto another one (usage.phys), and what it charged moves along.
  *
@@ -127,6 +130,7 @@ static void read_usage(const char *dir, pid_t skip, size_t sums[SIM_MAX_DEVICES]
         read_mem_file(dirfd(d), e->d_name, sums);
     }
     closedir(d);
+    sim_obj_usage(dir, sums); /* memory that only others' exported fds keep alive */
 }
 
 /* ---- this process's usage ---- */

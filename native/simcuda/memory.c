@@ -5,7 +5,9 @@
  * device pointer keeps its value across checkpoint/restore exactly as on a real GPU, and
  * copies are plain memcpy once the range has been validated. The VMM model is the driver's:
  *   reservation  a VA range handed out from the arena (first fit, 2 MiB granules)
- *   physical     a memfd of whole granules, named by a small handle id never reused
+ *   physical     a memfd of whole granules, named by a small handle id never reused; memory made
+ *                with the POSIX-fd handle type is an object of objects.c instead, which lives
+ *                while any process holds a handle or an exported fd of it, as on the driver
  *   mapping      physical memory mmap'ed MAP_SHARED|MAP_FIXED into a reservation, PROT_NONE
  *                until cuMemSetAccess, so code that forgets SetAccess faults as on a GPU.
  *                Access is kept per device; the host view is the union of all devices' access.
@@ -40,8 +42,11 @@ struct sim_phys {
     struct sim_phys *next;
     CUmemGenericAllocationHandle id;
     size_t size; /* whole granules */
-    int fd;      /* memfd; -1 while checkpointed */
+    int fd;      /* memfd or object data; -1 while checkpointed */
     int device;
+    uint64_t obj;  /* objects.c's id when exportable as a POSIX fd (0: a private memfd) */
+    int obj_phys;  /* the physical GPU the object is on */
+    bool imported; /* from another handle's export: the driver will not export it again */
     CUmemAllocationProp prop;
     unsigned handle_refs; /* create/import: 1; +1 per retain; -1 per release */
     unsigned map_count;
@@ -465,6 +470,29 @@ static int memfd_for(int device, size_t size)
     return fd;
 }
 
+/* Gives ph (device, size, prop set) its backing: an object when it may be exported as a POSIX fd. */
+static bool phys_back(struct sim_phys *ph)
+{
+    if (ph->prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR && !ph->imported) {
+        ph->obj_phys = sim_acct_physical(ph->device);
+        ph->fd = sim_obj_create(ph->obj_phys, ph->size, &ph->obj);
+    } else {
+        ph->fd = memfd_for(ph->device, ph->size);
+    }
+    return ph->fd >= 0;
+}
+
+/* Lets go of ph's backing: an object others still hold stays alive (and counted) without us. */
+static void phys_unback(struct sim_phys *ph)
+{
+    if (ph->fd >= 0)
+        close(ph->fd);
+    ph->fd = -1;
+    if (ph->obj)
+        sim_obj_drop(ph->obj, ph->obj_phys, ph->charged > 0);
+    ph->obj = 0;
+}
+
 /* Charges and creates physical memory; the caller links it in under the write lock. */
 static CUresult phys_new(size_t size, const CUmemAllocationProp *prop, struct sim_phys **out)
 {
@@ -473,13 +501,13 @@ static CUresult phys_new(size_t size, const CUmemAllocationProp *prop, struct si
     if (rc != CUDA_SUCCESS)
         return rc;
     struct sim_phys *ph = calloc(1, sizeof(*ph));
-    int fd = ph ? memfd_for(dev, size) : -1;
-    if (fd < 0) {
+    if (ph)
+        *ph = (struct sim_phys){.size = size, .fd = -1, .device = dev, .prop = *prop, .handle_refs = 1, .charged = size};
+    if (!ph || !phys_back(ph)) {
         free(ph);
         sim_acct_uncharge(dev, size);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
-    *ph = (struct sim_phys){.size = size, .fd = fd, .device = dev, .prop = *prop, .handle_refs = 1, .charged = size};
     *out = ph;
     return CUDA_SUCCESS;
 }
@@ -494,8 +522,7 @@ static void phys_link_locked(struct sim_phys *ph)
 /* Frees physical memory that is not (or no longer) in the list. */
 static void phys_destroy(struct sim_phys *ph)
 {
-    if (ph->fd >= 0)
-        close(ph->fd);
+    phys_unback(ph);
     if (ph->saved)
         munmap(ph->saved, ph->size);
     free(ph->runs);
@@ -706,29 +733,19 @@ CUresult sim_vmm_get_prop(CUmemAllocationProp *prop, CUmemGenericAllocationHandl
 
 /* As on the driver, an exported fd is a new open of the control file (<rundir>/nvidiactl, as
  * /dev/nvidiactl): every export, of any allocation and in any process, has the same st_dev/st_ino,
- * so fstat cannot tell two apart (measured on the H200: reference/fdident_probe.py). What it names
- * rides in the open file description itself, which SCM_RIGHTS and dup share: its file offset holds
- * the exporter's pid and the fd number of its memfd. Unlike the driver, the export does not keep
- * the memory alive by itself: an import must happen while the exporter still holds it. */
-#define EXPORT_FD_BITS 18
-
+ * so fstat cannot tell two apart (measured on the H200: reference/fdident_probe.py). It holds the
+ * memory's object (objects.c) alive until its last dup is closed, in whatever process. An imported
+ * handle cannot be exported again (measured: the driver says invalid argument). */
 CUresult sim_vmm_export_fd(int *fd, CUmemGenericAllocationHandle h)
 {
     sim_mem_rdlock();
     struct sim_phys *ph = phys_by_handle(h);
     CUresult rc = CUDA_ERROR_INVALID_VALUE;
-    if (ph && (ph->prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) && ph->fd >= 0 &&
-        ph->fd < (1 << EXPORT_FD_BITS)) {
-        int ctl = sim_acct_open_ctl();
-        off_t where = (off_t)getpid() << EXPORT_FD_BITS | ph->fd;
-        if (ctl >= 0 && lseek(ctl, where, SEEK_SET) == where) {
-            *fd = ctl;
-            rc = CUDA_SUCCESS;
-        } else {
-            if (ctl >= 0)
-                close(ctl);
-            rc = CUDA_ERROR_OUT_OF_MEMORY;
-        }
+    if (ph && ph->obj && !ph->imported) {
+        int e = sim_obj_export(ph->obj);
+        if (e >= 0)
+            *fd = e;
+        rc = e >= 0 ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
     }
     sim_mem_unlock();
     return rc;
@@ -750,56 +767,33 @@ CUresult sim_vmm_export_fabric(void *out, CUmemGenericAllocationHandle h)
     return rc;
 }
 
-/* The exporter's memfd that an exported fd names, opened anew here (-1: not an export, or gone). */
-static int open_exported_memfd(int fd)
-{
-    struct stat st, ctl;
-    int probe = sim_acct_open_ctl();
-    bool is_ctl = probe >= 0 && fstat(probe, &ctl) == 0 && fstat(fd, &st) == 0 && st.st_dev == ctl.st_dev &&
-                  st.st_ino == ctl.st_ino;
-    if (probe >= 0)
-        close(probe);
-    off_t where = is_ctl ? lseek(fd, 0, SEEK_CUR) : -1;
-    if (where <= 0)
-        return -1;
-    char path[64];
-    snprintf(path, sizeof(path), "/proc/%ld/fd/%ld", (long)(where >> EXPORT_FD_BITS),
-             (long)(where & ((1 << EXPORT_FD_BITS) - 1)));
-    return open(path, O_RDWR | O_CLOEXEC);
-}
-
 CUresult sim_vmm_import_fd(CUmemGenericAllocationHandle *h, int fd)
 {
-    /* Accept only a memfd simcuda made (possibly in another process): its name carries the
-     * device, and its size is whole granules. */
-    char link[64], target[128];
+    /* Only an fd simcuda exported (possibly in another process) of memory still alive; its GPU must
+     * be one this process sees. */
     struct stat st;
-    int dev;
-    int own = open_exported_memfd(fd);
+    int phys, dev;
+    uint64_t id = sim_obj_of_fd(fd);
+    int own = id ? sim_obj_open(id, &phys) : -1;
     if (own < 0)
         return CUDA_ERROR_INVALID_VALUE;
-    snprintf(link, sizeof(link), "/proc/self/fd/%d", own);
-    ssize_t n = readlink(link, target, sizeof(target) - 1);
-    if (n < 0 || fstat(own, &st) != 0) {
+    if ((dev = sim_acct_ordinal(phys)) < 0 || fstat(own, &st) != 0 || st.st_size <= 0 || st.st_size % SIM_GRANULE) {
         close(own);
+        sim_obj_drop(id, phys, false);
         return CUDA_ERROR_INVALID_VALUE;
     }
-    target[n] = '\0';
-    if (sscanf(target, "/memfd:simcuda:dev=%d", &dev) != 1 || (dev = sim_acct_ordinal(dev)) < 0 ||
-        st.st_size <= 0 || st.st_size % SIM_GRANULE != 0) {
-        close(own);
-        return CUDA_ERROR_INVALID_VALUE;
-    }
-
     struct sim_phys *ph = calloc(1, sizeof(*ph));
     if (!ph) {
         close(own);
+        sim_obj_drop(id, phys, false);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
     CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
                                 .requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
                                 .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = dev}};
-    *ph = (struct sim_phys){.size = (size_t)st.st_size, .fd = own, .device = dev, .prop = prop, .handle_refs = 1};
+    /* charged 0: the maker pays while it holds the memory, then the object itself (objects.c) */
+    *ph = (struct sim_phys){.size = (size_t)st.st_size, .fd = own, .device = dev, .prop = prop, .handle_refs = 1,
+                            .obj = id, .obj_phys = phys, .imported = true};
     wrlock();
     phys_link_locked(ph);
     *h = ph->id;
@@ -1092,9 +1086,10 @@ CUresult sim_mem_checkpoint(size_t charged[SIM_MAX_DEVICES])
     /* Then give the "device" memory back: the addresses stay reserved, inaccessible. */
     for (size_t i = 0; i < mem.nmaps; i++)
         reserve_fixed(mem.maps[i]->va, mem.maps[i]->size);
+    /* Memory others still hold through exported fds stays on the GPU without us (objects.c);
+     * memory only they hold is not ours any more and is neither copied nor refused. */
     for (struct sim_phys *ph = mem.phys; ph; ph = ph->next) {
-        close(ph->fd);
-        ph->fd = -1;
+        phys_unback(ph);
         charged[ph->device] += ph->charged;
     }
     mem.checkpointed = true;
@@ -1116,20 +1111,19 @@ unsigned sim_mem_checkpointed_bytes(size_t need[SIM_MAX_DEVICES])
 
 static bool phys_refill(struct sim_phys *ph)
 {
-    int fd = memfd_for(ph->device, ph->size);
-    if (fd < 0)
+    if (!phys_back(ph))
         return false;
+    int fd = ph->fd;
     for (size_t r = 0; r < ph->nruns; r++) {
         for (size_t o = ph->runs[r].off, end = o + ph->runs[r].len; o < end;) {
             ssize_t n = pwrite(fd, (char *)ph->saved + o, end - o, (off_t)o);
             if (n <= 0) {
-                close(fd);
+                phys_unback(ph);
                 return false;
             }
             o += (size_t)n;
         }
     }
-    ph->fd = fd;
     return true;
 }
 
@@ -1161,10 +1155,7 @@ CUresult sim_mem_restore(void)
         for (size_t i = 0; i < mapped; i++)
             reserve_fixed(mem.maps[i]->va, mem.maps[i]->size);
         for (struct sim_phys *q = mem.phys; q; q = q->next)
-            if (q->fd >= 0) {
-                close(q->fd);
-                q->fd = -1;
-            }
+            phys_unback(q);
     } else {
         for (struct sim_phys *q = mem.phys; q; q = q->next)
             phys_drop_saved(q);

@@ -200,6 +200,22 @@ CUresult sim_host_free(void *p);
 CUresult sim_host_register(void *p, size_t size, unsigned flags, struct sim_ctx *ctx);
 CUresult sim_host_unregister(void *p);
 
+/* ---- exportable memory's lifetime across processes (objects.c) ---- */
+/* A new object of size bytes on physical GPU phys, held by this process: its data fd (-1: failed). */
+int sim_obj_create(int phys, size_t size, uint64_t *id);
+/* Object id's data, opened and held by this process (the caller holds an fd of it); -1: gone. */
+int sim_obj_open(uint64_t id, int *phys);
+/* This process lets go of object id: freed when nobody else holds it; else, if this process made it
+ * (owner), it counts on its GPU by itself from now on. */
+void sim_obj_drop(uint64_t id, int phys, bool owner);
+/* A new exported fd of object id (an open of nvidiactl holding it); -1: failed. */
+int sim_obj_export(uint64_t id);
+/* The object an exported fd names; 0: not an export. */
+uint64_t sim_obj_of_fd(int fd);
+/* Adds the bytes of objects kept alive only by others' fds to sums[] (by physical GPU), freeing
+ * every object nobody holds any more. */
+void sim_obj_usage(const char *rundir, size_t sums[SIM_MAX_DEVICES]);
+
 /* Checkpoint support, called by the control thread while the gate is closed. Accounting is
  * left to the caller. sim_mem_checkpoint copies every physical allocation into private host
  * memory and frees it (mappings become PROT_NONE reservations at the same addresses);

@@ -19,6 +19,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <time.h>
@@ -286,6 +287,50 @@ static int role_importer(int fd, uint32_t expect)
     return 0;
 }
 
+/* exporter <socket fd>: makes exportable memory, fills it, hands its exported fd to the parent over
+ * the socket (SCM_RIGHTS), then unmaps and releases it and closes its own fd: only the parent's fd
+ * keeps the memory alive. Then answers PING until EXIT. */
+#define KEPT_BYTES (2 * GRAN)
+
+/* Maps all of handle h (bytes long) at new addresses with protection prot. */
+static CUdeviceptr map_handle(CUmemGenericAllocationHandle h, size_t bytes, int prot)
+{
+    CUdeviceptr va;
+    CU(cuMemAddressReserve(&va, bytes, 0, 0, 0));
+    CU(cuMemMap(va, bytes, 0, h, 0));
+    CU(set_access(va, bytes, prot));
+    return va;
+}
+
+static int role_exporter(int sock)
+{
+    init_primary();
+    CUmemGenericAllocationHandle h;
+    int fd;
+    CU(cuMemCreate(&h, KEPT_BYTES, &vmm_prop_fd, 0));
+    CUdeviceptr va = map_handle(h, KEPT_BYTES, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+    CU(cuMemsetD32_v2(va, 0x5eed5eed, KEPT_BYTES / 4));
+    CU(cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    char one = 'f', ctl[CMSG_SPACE(sizeof(int))] = {0};
+    struct iovec iov = {&one, 1};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl, .msg_controllen = sizeof(ctl)};
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+    *cm = (struct cmsghdr){.cmsg_len = CMSG_LEN(sizeof(int)), .cmsg_level = SOL_SOCKET, .cmsg_type = SCM_RIGHTS};
+    memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+    CHECK(sendmsg(sock, &msg, 0) == 1, "sendmsg: %s", strerror(errno));
+    close(sock);
+    CU(cuMemUnmap(va, KEPT_BYTES));
+    CU(cuMemRelease(h));
+    CU(cuMemAddressFree(va, KEPT_BYTES));
+    close(fd);
+    printf("READY\n");
+    while (next_command()) {
+        CU(cuCtxSynchronize());
+        printf("OK\n");
+    }
+    return 0;
+}
+
 /* ckpt-target: device memory of every kind, a thread that keeps calling the API, and a
  * VERIFY that checks every byte and protection after a restore. */
 #define TGT_A_BYTES (8 * MiB)  /* cuMemAlloc */
@@ -538,6 +583,8 @@ static int child_main(int argc, char **argv)
         return role_importer(atoi(argv[2]), (uint32_t)strtoul(argv[3], NULL, 0));
     if (strcmp(role, "target") == 0)
         return role_target();
+    if (strcmp(role, "exporter") == 0 && argc >= 3)
+        return role_exporter(atoi(argv[2]));
     if (strcmp(role, "multidev") == 0)
         return role_multidev();
     if (strcmp(role, "interposed") == 0) {
@@ -1139,6 +1186,121 @@ static void test_shared_across_processes(void)
     CU(cuMemAddressFree(va, GRAN));
 }
 
+/* Maps handle h (bytes long) and reads its last word. */
+static uint32_t read_last(CUmemGenericAllocationHandle h, size_t bytes)
+{
+    uint32_t r;
+    CUdeviceptr va = map_handle(h, bytes, CU_MEM_ACCESS_FLAGS_PROT_READ);
+    CU(cuMemcpyDtoH_v2(&r, va + bytes - 4, 4));
+    CU(cuMemUnmap(va, bytes));
+    CU(cuMemAddressFree(va, bytes));
+    return r;
+}
+
+/* An exported fd keeps memory alive as the driver does: after the exporter's release, through any
+ * dup, in any process (one with no CUDA too); it is freed when the last handle and the last fd are
+ * gone, and accounting says so at once. An imported handle cannot be exported again. */
+static void test_exported_lifetime(void)
+{
+    size_t dev0 = device_used(), free0 = free_mem(), mine0 = proc_used(getpid());
+    CUmemGenericAllocationHandle h, hi;
+    int fd, fd2;
+    CU(cuMemCreate(&h, GRAN, &vmm_prop_fd, 0));
+    CUdeviceptr va = map_handle(h, GRAN, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+    CU(cuMemsetD32_v2(va, 0xa11ce, GRAN / 4));
+    CU(cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    CHECK(proc_used(getpid()) == mine0 + GRAN, "the maker is charged while it holds the handle");
+    CU(cuMemUnmap(va, GRAN));
+    CU(cuMemRelease(h));
+    CU(cuMemAddressFree(va, GRAN));
+    CHECK(proc_used(getpid()) == mine0, "released: no longer this process's (%zu)", proc_used(getpid()));
+    CHECK(device_used() == dev0 + GRAN, "an open fd keeps the memory on the device (%zu)", device_used());
+    CHECK(free_mem() == free0 - GRAN, "cuMemGetInfo counts it");
+
+    /* a dup holds it as well as the original; importing after the release still works */
+    fd2 = dup(fd);
+    close(fd);
+    CU(cuMemImportFromShareableHandle(&hi, (void *)(intptr_t)fd2, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+    CHECK(read_last(hi, GRAN) == 0xa11ce, "imported after the exporter's release: the bytes are there");
+    EXPECT_RC(cuMemExportToShareableHandle(&fd, hi, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0),
+              CUDA_ERROR_INVALID_VALUE); /* an imported handle cannot be exported again */
+    close(fd2);
+    CHECK(device_used() == dev0 + GRAN, "the imported handle still holds it");
+    CU(cuMemRelease(hi));
+    CHECK(device_used() == dev0 && free_mem() == free0, "last handle and last fd gone: freed (%zu)", device_used());
+    EXPECT_RC(cuMemImportFromShareableHandle(&hi, (void *)(intptr_t)fd2, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR),
+              CUDA_ERROR_INVALID_VALUE);
+
+    /* a process with no CUDA at all holds it; it is freed when that process goes */
+    CU(cuMemCreate(&h, GRAN, &vmm_prop_fd, 0));
+    CU(cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    int go[2];
+    CHECK(pipe(go) == 0, "pipe");
+    pid_t keeper = fork();
+    CHECK(keeper >= 0, "fork");
+    if (keeper == 0) { /* holds the inherited fd until the pipe closes */
+        char b;
+        close(go[1]);
+        while (read(go[0], &b, 1) > 0)
+            ;
+        _exit(0);
+    }
+    close(go[0]);
+    close(fd);
+    CU(cuMemRelease(h));
+    CHECK(device_used() == dev0 + GRAN, "kept by another process's fd (%zu)", device_used());
+    close(go[1]);
+    CHECK(waitpid(keeper, NULL, 0) == keeper, "waitpid");
+    CHECK(device_used() == dev0 && free_mem() == free0, "the keeper exited: freed (%zu)", device_used());
+
+    /* memory never exported goes at its release, as before */
+    CU(cuMemCreate(&h, GRAN, &vmm_prop_fd, 0));
+    CU(cuMemRelease(h));
+    CHECK(device_used() == dev0, "unexported: freed at release");
+}
+
+/* The driver's checkpoint of a process whose exported memory only another process's fd keeps: that
+ * memory stays on the device through the checkpoint, is neither refused nor copied, and its bytes
+ * are there for the fd's holder afterwards. */
+static void test_checkpoint_with_kept_memory(void)
+{
+    size_t dev0 = device_used();
+    int sv[2];
+    CHECK(socketpair(AF_UNIX, SOCK_STREAM, 0, sv) == 0, "socketpair");
+    char arg[16], buf[64], one;
+    snprintf(arg, sizeof(arg), "%d", sv[1]);
+    struct child c = spawn("exporter", arg, NULL, NULL);
+    close(sv[1]);
+    char cbuf[CMSG_SPACE(sizeof(int))];
+    struct iovec iov = {&one, 1};
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cbuf, .msg_controllen = sizeof(cbuf)};
+    CHECK(recvmsg(sv[0], &msg, 0) == 1 && CMSG_FIRSTHDR(&msg), "no fd from the exporter");
+    int fd;
+    memcpy(&fd, CMSG_DATA(CMSG_FIRSTHDR(&msg)), sizeof(int));
+    close(sv[0]);
+    child_recv(&c, buf, sizeof(buf));
+    CHECK(strcmp(buf, "READY") == 0, "%s", buf);
+    CHECK(proc_used(c.pid) == CTX_BYTES, "released memory is not the exporter's (%zu)", proc_used(c.pid));
+    CHECK(device_used() == dev0 + CTX_BYTES + KEPT_BYTES, "kept by our fd (%zu)", device_used());
+
+    CU(cuCheckpointProcessLock(c.pid, NULL));
+    CU(cuCheckpointProcessCheckpoint(c.pid, NULL));
+    CHECK(proc_used(c.pid) == 0, "checkpointed exporter holds nothing");
+    CHECK(device_used() == dev0 + KEPT_BYTES, "the kept memory stayed on the device (%zu)", device_used());
+    CU(cuCheckpointProcessRestore(c.pid, NULL));
+    CU(cuCheckpointProcessUnlock(c.pid, NULL));
+    child_ok(&c, "PING");
+    CHECK(device_used() == dev0 + CTX_BYTES + KEPT_BYTES, "restored: nothing added (%zu)", device_used());
+
+    CUmemGenericAllocationHandle h;
+    CU(cuMemImportFromShareableHandle(&h, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+    close(fd);
+    CHECK(read_last(h, KEPT_BYTES) == 0x5eed5eed, "the kept bytes are intact");
+    CU(cuMemRelease(h));
+    CHECK(device_used() == dev0 + CTX_BYTES, "last holder gone: freed (%zu)", device_used());
+    child_finish(&c);
+}
+
 static struct child spawn_target(CUdeviceptr *a, CUdeviceptr *b, const char *env)
 {
     struct child c = spawn("target", NULL, NULL, env);
@@ -1155,7 +1317,8 @@ static void counts(struct child *c, long *count, long *fails)
     CHECK(sscanf(buf, "%ld %ld", count, fails) == 2, "%s", buf);
 }
 
-/* Whether the target's mapping at va is backed by a simcuda memfd right now. */
+/* Whether the target's mapping at va is backed by simcuda memory right now (a memfd, or an exportable
+ * allocation's object). */
 static bool mapped_to_memfd(pid_t pid, CUdeviceptr va)
 {
     char path[64], l[512];
@@ -1166,7 +1329,7 @@ static bool mapped_to_memfd(pid_t pid, CUdeviceptr va)
     while (fgets(l, sizeof(l), f)) {
         unsigned long lo, hi;
         if (sscanf(l, "%lx-%lx", &lo, &hi) == 2 && va >= lo && va < hi)
-            found = strstr(l, "memfd:simcuda") != NULL;
+            found = strstr(l, "memfd:simcuda") != NULL || strstr(l, "/obj/") != NULL;
     }
     fclose(f);
     return found;
@@ -1500,6 +1663,8 @@ int main(int argc, char **argv)
     run("stream-ordered pools", test_pools);
     run("accounting across processes", test_accounting);
     run("fd sharing across processes", test_shared_across_processes);
+    run("exported memory's lifetime", test_exported_lifetime);
+    run("checkpoint with memory kept by an fd", test_checkpoint_with_kept_memory);
     run("not a CUDA process", test_not_a_cuda_process);
     run("checkpoint cycle", test_checkpoint_cycle);
     run("lock timeout", test_lock_timeout);
