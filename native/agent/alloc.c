@@ -3,8 +3,10 @@
  * memory and re-create it at the same address. Smaller ones stay native (the driver's checkpoint
  * moves them) because each VMM allocation costs a whole granule. The application's own VMM calls are
  * recorded so the data plane can move that memory too. */
+#include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "pool.h"
 #include "registry.h"
 #include "settings.h"
@@ -23,6 +25,32 @@ static void device_prop(CUmemAllocationProp *prop, CUdevice dev)
     prop->type = CU_MEM_ALLOCATION_TYPE_PINNED;
     prop->location.type = CU_MEM_LOCATION_TYPE_DEVICE;
     prop->location.id = dev;
+}
+
+/* Whether the agent keeps an fd of memory with these properties: device memory (host-located memory
+ * is not GPU data) that can be exported as a POSIX fd. */
+bool alloc_keeps_fd(const CUmemAllocationProp *prop)
+{
+    return prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && (prop->requestedHandleTypes & HANDLE_POSIX_FD);
+}
+
+/* Device memory is made exportable as a POSIX fd where its device can (so a gpucr server can be
+ * handed it); true when the agent added the type the application did not ask for. */
+bool alloc_make_exportable(CUmemAllocationProp *prop)
+{
+    enum { ATTR_POSIX_FD_SUPPORTED = 103 };   /* CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED */
+    static _Atomic signed char supported[64];   /* per device: 0 unknown, 1 yes, -1 no */
+    int dev = prop->location.id;
+    if (prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || (prop->requestedHandleTypes & HANDLE_POSIX_FD) ||
+        dev < 0 || dev >= 64 || !gpucr_drv.cuDeviceGetAttribute)
+        return false;
+    if (!supported[dev]) {
+        int v = 0;
+        supported[dev] = gpucr_drv.cuDeviceGetAttribute(&v, ATTR_POSIX_FD_SUPPORTED, dev) == CUDA_SUCCESS && v ? 1 : -1;
+    }
+    if (supported[dev] < 0) return false;
+    prop->requestedHandleTypes |= HANDLE_POSIX_FD;
+    return true;
 }
 
 static void free_addresses(CUdeviceptr va, size_t size)
@@ -50,6 +78,7 @@ static CUresult alloc_vmm(CUdeviceptr *dptr, size_t size)
     if (gpucr_drv.cuCtxGetDevice(&dev) != CUDA_SUCCESS) return CUDA_ERROR_NOT_SUPPORTED;
     CUmemAllocationProp prop;
     device_prop(&prop, dev);
+    alloc_make_exportable(&prop);
     size_t gran = 0;
     if (gpucr_drv.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || !gran)
         return CUDA_ERROR_NOT_SUPPORTED;
@@ -83,6 +112,7 @@ static CUresult alloc_vmm(CUdeviceptr *dptr, size_t size)
         return CUDA_ERROR_NOT_SUPPORTED;
     }
     reg_learn_ctx(ctx);
+    int own = alloc_keeps_fd(&prop) ? share_export_own(h) : -1;
     reg_lock();
     struct phys *p = reg_phys_new(PHYS_CONVERTED, h, rsize, &prop, ctx);
     struct mapping *m = p ? reg_map_add(p, va, rsize, 0) : NULL;
@@ -91,6 +121,8 @@ static CUresult alloc_vmm(CUdeviceptr *dptr, size_t size)
         reg_map_merge_access(m, acc, (size_t)nacc);
         p->resv_va = va; p->resv_size = rsize; p->user_size = size;
     }
+    if (p) share_adopt_own(p, own, alloc_keeps_fd(&prop));
+    else if (own >= 0) close(own);
     if (!ok && p) reg_phys_free(p);   /* not recorded: given back, the application is told no */
     reg_unlock();
     if (!ok) {
@@ -291,14 +323,29 @@ GPUCR_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, 
     gpucr_init();
     if (!REAL(cuMemCreate)) return CUDA_ERROR_NOT_SUPPORTED;
     gpucr_gate_enter();
+    CUmemAllocationProp mine;
+    bool added = false;
+    if (prop) {
+        mine = *prop;
+        added = alloc_make_exportable(&mine);
+        prop = &mine;
+    }
     CUresult rc = REAL(cuMemCreate)(h, size, prop, flags);
     if (rc == CUDA_SUCCESS) {
         CUcontext ctx = NULL;
         gpucr_drv.cuCtxGetCurrent(&ctx);
         reg_learn_ctx(ctx);
+        bool keep = alloc_keeps_fd(prop);
+        int own = keep ? share_export_own(*h) : -1;
         reg_lock();
         struct phys *p = reg_phys_new(PHYS_APP_VMM, *h, size, prop, ctx);
-        if (p) *h = p->app_handle;
+        if (p) {
+            *h = p->app_handle;
+            p->fd_type_added = added;
+            share_adopt_own(p, own, keep);
+        } else if (own >= 0) {
+            close(own);
+        }
         reg_unlock();
     }
     gpucr_gate_leave();
@@ -319,8 +366,13 @@ GPUCR_EXPORT CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandl
         struct phys *p = reg_phys_new(PHYS_IMPORTED, *h, 0, NULL, ctx);
         if (p) {
             *h = p->app_handle;
-            if (type == HANDLE_POSIX_FD) share_keep_fd(p, (int)(intptr_t)shareable);
-            else p->share_unknown = true;
+            if (type == HANDLE_POSIX_FD) {
+                share_keep_fd(p, (int)(intptr_t)shareable);
+                /* the driver will not export an imported handle again: this dup answers the application's export */
+                share_adopt_own(p, fcntl((int)(intptr_t)shareable, F_DUPFD_CLOEXEC, 3), true);
+            } else {
+                p->share_unknown = true;
+            }
             if (type == HANDLE_FABRIC) g_reg.fabric_shares++;
         }
         reg_unlock();
@@ -430,7 +482,17 @@ GPUCR_EXPORT CUresult cuMemExportToShareableHandle(void *out, CUmemGenericAlloca
 {
     gpucr_init();
     if (!REAL(cuMemExportToShareableHandle)) return CUDA_ERROR_NOT_SUPPORTED;
-    CUresult rc = REAL(cuMemExportToShareableHandle)(out, to_real(h), type, flags);
+    /* the agent's own fd answers it when there is one: it is the memory's, and it also serves memory
+     * this process imported (which the driver would refuse to export again) */
+    int dup = -1;
+    if (type == HANDLE_POSIX_FD && out) {
+        reg_lock();
+        struct phys *p = hmap_get(&g_reg.by_app_handle, h);
+        dup = p ? share_dup_own(p) : -1;
+        reg_unlock();
+    }
+    CUresult rc = dup >= 0 ? CUDA_SUCCESS : REAL(cuMemExportToShareableHandle)(out, to_real(h), type, flags);
+    if (dup >= 0) *(int *)out = dup;
     if (rc == CUDA_SUCCESS) {
         reg_lock();
         struct phys *p = hmap_get(&g_reg.by_app_handle, h);
@@ -453,7 +515,15 @@ GPUCR_EXPORT CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp
 {
     gpucr_init();
     if (!REAL(cuMemGetAllocationPropertiesFromHandle)) return CUDA_ERROR_NOT_SUPPORTED;
-    return REAL(cuMemGetAllocationPropertiesFromHandle)(prop, to_real(h));
+    CUresult rc = REAL(cuMemGetAllocationPropertiesFromHandle)(prop, to_real(h));
+    if (rc == CUDA_SUCCESS && prop) {
+        /* what the application asked for, not the handle type the agent added */
+        reg_lock();
+        struct phys *p = hmap_get(&g_reg.by_app_handle, h);
+        if (p && p->fd_type_added) prop->requestedHandleTypes &= ~HANDLE_POSIX_FD;
+        reg_unlock();
+    }
+    return rc;
 }
 
 /* Multicast objects (NCCL's NVLS) bind memory of several GPUs into one address: neither the driver's

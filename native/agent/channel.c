@@ -223,6 +223,7 @@ static void reply_status(struct jb *j)
     jb_int(j, "managed", g_reg.managed_count);
     jb_int(j, "managed_bytes", (long long)g_reg.managed_bytes);
     jb_int(j, "ipc_exports", g_reg.ipc_exports);
+    jb_int(j, "not_exportable", g_reg.unexportable);
     jb_end(j);
     coverage_json(j, &ps);
     devices_json(j);
@@ -388,6 +389,12 @@ static void handle(const char *req, struct jb *j, struct client *c)
         long long from = arg_ll(req, "from", 0, INT32_MAX);
         if (from < 0) reply_error(j, "shared takes from=INDEX");
         else dp_shared_fds(j, (int)from, c->fds, &c->nfds, STAGING_MAX_SEGS);
+    }
+    else if (!strcmp(verb, "memory")) {
+        /* every managed allocation with a dup of the agent's fd of it, for a gpucr server to import */
+        long long from = arg_ll(req, "from", 0, INT32_MAX);
+        if (from < 0) reply_error(j, "memory takes from=INDEX");
+        else { dp_memory_fds(j, (int)from, c->fds, &c->nfds, STAGING_MAX_SEGS); c->close_sent = c->nfds > 0; }
     }
     else if (!strcmp(verb, "contexts")) {   /* the controller asks only while the driver does not hold the process */
         jb_bool(j, "ok", true);

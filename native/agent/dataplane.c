@@ -3,6 +3,7 @@
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
@@ -452,8 +453,11 @@ static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_id
             }
             continue;
         }
+        bool keep = alloc_keeps_fd(&p->prop);
+        int own = keep ? share_export_own(h) : -1;   /* the new memory's fd, as at its first allocation */
         reg_lock();
         reg_set_real(p, h);
+        share_adopt_own(p, own, keep);
         int refs = p->app_refs;
         p->released = false;
         reg_unlock();
@@ -892,6 +896,58 @@ int dp_shared_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds)
     return 0;
 }
 
+static const char *kind_name(const struct phys *p)
+{
+    if (p->pool_seg) return "pool";
+    return p->kind == PHYS_CONVERTED ? "converted" : p->kind == PHYS_APP_VMM ? "app_vmm" : "imported";
+}
+
+/* The device ordinal of the context p was made in (-1: none known). Registry locked. */
+static int device_of(const struct phys *p)
+{
+    for (int i = 0; i < g_reg.nctx; i++)
+        if (g_reg.ctxs[i].ctx == p->ctx) return g_reg.ctxs[i].dev;
+    return -1;
+}
+
+int dp_memory_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds)
+{
+    *nfds = 0;
+    jb_bool(j, "ok", true);
+    jb_arr(j, "memory");
+    reg_lock();
+    int k = 0, next = -1;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        if (k++ < from) continue;
+        if (*nfds >= maxfds) { next = k - 1; break; }
+        /* a dup, sent and then closed: a free on another thread meanwhile cannot make it another file */
+        int fd = share_dup_own(p);
+        jb_sub(j, NULL);
+        jb_int(j, "index", k - 1);
+        jb_str(j, "kind", kind_name(p));
+        jb_int(j, "bytes", (long long)p->size);
+        jb_int(j, "device", device_of(p));
+        jb_bool(j, "released", p->released);
+        jb_bool(j, "not_exportable", p->own_fd_missing);
+        jb_arr(j, "maps");
+        for (const struct mapping *m = p->maps; m; m = m->next) {
+            jb_sub(j, NULL);
+            jb_int(j, "va", (long long)m->va);
+            jb_int(j, "bytes", (long long)m->size);
+            jb_int(j, "offset", (long long)m->offset);
+            jb_end(j);
+        }
+        jb_arr_end(j);
+        jb_int(j, "fd_index", fd >= 0 ? *nfds : -1);
+        jb_end(j);
+        if (fd >= 0) fds[(*nfds)++] = fd;
+    }
+    reg_unlock();
+    jb_arr_end(j);
+    jb_int(j, "next", next);
+    return 0;
+}
+
 void dp_shared_json(struct jb *j)
 {
     jb_arr(j, "shared");
@@ -1006,6 +1062,7 @@ int dp_relink(unsigned long long key, int fd, char *err, size_t errlen)
         }
         reg_lock();
         share_keep_fd(p, fd);
+        share_adopt_own(p, fcntl(fd, F_DUPFD_CLOEXEC, 3), true);
         reg_unlock();
         linked(p, h);
         done++;
@@ -1029,6 +1086,7 @@ int dp_orphan(unsigned long long key, size_t *bytes, char *err, size_t errlen)
         CUresult rc = gpucr_drv.cuCtxGetDevice(&dev);
         CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
                                     .location = {CU_MEM_LOCATION_TYPE_DEVICE, dev}};
+        alloc_make_exportable(&prop);
         CUmemGenericAllocationHandle h = 0;
         if (rc == CUDA_SUCCESS) rc = REAL(cuMemCreate)(&h, p->size, &prop, 0);
         if (rc == CUDA_SUCCESS && (rc = map_all(p, h)) != CUDA_SUCCESS) release_handle(h, 1, p);
@@ -1037,10 +1095,12 @@ int dp_orphan(unsigned long long key, size_t *bytes, char *err, size_t errlen)
             seterr(err, errlen, "replacing shared memory whose exporter is gone failed: %s", gpucr_cu_errstr(rc));
             return -1;
         }
+        int own = alloc_keeps_fd(&prop) ? share_export_own(h) : -1;
         reg_lock();
         p->kind = PHYS_APP_VMM;   /* it is this process's own memory now */
         p->prop = prop;
         p->share_key = 0;
+        share_adopt_own(p, own, alloc_keeps_fd(&prop));
         reg_unlock();
         linked(p, h);
         *bytes += p->size;

@@ -53,6 +53,9 @@ int dp_stage(char *err, size_t errlen);
 /* Shared memory (POSIX fds): list it; re-export after a restore; relink an importer; open the gate. */
 void dp_shared_json(struct jb *j);
 int dp_shared_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds);
+/* For a gpucr server: every device allocation the agent manages from the n-th on, with its mappings
+ * and a dup of the agent's own fd of it (closed once sent); at most maxfds fds, the rest later. */
+int dp_memory_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds);
 int dp_bind(unsigned sid, unsigned long long key, long owner, unsigned long long owner_start, char *err, size_t errlen);
 int dp_export(unsigned long long key, int *fd_out, struct jb *j, char *err, size_t errlen);
 int dp_relink(unsigned long long key, int fd, char *err, size_t errlen);

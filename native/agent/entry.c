@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "agent.h"
+#include "registry.h"
 
 /* Prototypes of the hand-written wrappers, so the table can point at them. */
 #define E(kind, sym, base, ver, pt, params, args) GPUCR_EXPORT CUresult sym params;
@@ -117,6 +118,7 @@ static void do_init(void)
     gpucr_drv.cuEventDestroy_v2 = drv_sym("cuEventDestroy");
     gpucr_drv.cuDevicePrimaryCtxRelease_v2 = drv_sym("cuDevicePrimaryCtxRelease");
     gpucr_drv.simcudaIsSimulated = gpucr_real_dlsym(g_libcuda, "simcudaIsSimulated");
+    share_raise_nofile();
     __atomic_store_n(&g_loaded, true, __ATOMIC_RELEASE);
     gpucr_log("driver %s loaded, %d entry points resolved", g_libcuda_path, ENTRY_COUNT);
 }

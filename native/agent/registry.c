@@ -157,6 +157,7 @@ struct phys *reg_phys_new(enum phys_kind kind, CUmemGenericAllocationHandle real
     struct phys *p = calloc(1, sizeof *p);
     if (!p) { reg_lost("out of host memory recording an allocation of %zu bytes", size); return NULL; }
     p->kind = kind;
+    p->own_fd = -1;
     p->size = size;
     if (prop) p->prop = *prop;
     p->ctx = ctx;
@@ -184,6 +185,7 @@ void reg_set_real(struct phys *p, CUmemGenericAllocationHandle real)
 
 void reg_phys_free(struct phys *p)
 {
+    if (p->own_fd_missing) g_reg.unexportable--;
     share_close_fds(p);   /* an open fd would keep the memory on the GPU */
     while (p->maps) reg_map_remove(p->maps);
     reg_set_real(p, 0);
@@ -296,7 +298,7 @@ void reg_reset_after_fork(void)
     for (size_t i = 0; i < sizeof maps / sizeof maps[0]; i++) memset(maps[i], 0, sizeof *maps[i]);
     g_reg.native_bytes = g_reg.pool_bytes = g_reg.managed_bytes = 0;
     g_reg.native_count = g_reg.pool_count = g_reg.managed_count = g_reg.ipc_exports = 0;
-    g_reg.multicast_objects = g_reg.fabric_shares = 0;
+    g_reg.multicast_objects = g_reg.fabric_shares = g_reg.unexportable = 0;
     /* the arrays are the parent's too (leaked, as the records are): start afresh */
     g_reg.ctxs = NULL; g_reg.nctx = g_reg.ctx_cap = 0;
     g_reg.peers = NULL; g_reg.npeers = g_reg.peer_cap = 0;

@@ -45,6 +45,11 @@ struct phys {
     int share_ndups;
     int share_open_at_release;  /* the application's fds of it still open when it was released */
     bool share_unknown;         /* shared in a way the agent cannot name (a handle type other than a POSIX fd) */
+    /* The agent's own POSIX fd of the memory (share.c): -1 when it has none (not exportable, host
+     * memory, released for a checkpoint, or no fd could be had: then own_fd_missing). */
+    int own_fd;
+    bool own_fd_missing;
+    bool fd_type_added;         /* the agent added the POSIX-fd handle type the application did not ask for */
     struct mapping *maps;
     CUdeviceptr resv_va;        /* PHYS_CONVERTED: the VA reservation the agent owns */
     bool pool_seg;              /* PHYS_CONVERTED: a segment of a stream-ordered pool (pool.c), not a plain allocation */
@@ -65,6 +70,7 @@ struct registry {
     long native_count, pool_count, managed_count, ipc_exports;
     long multicast_objects;     /* cuMulticastCreate (NCCL's NVLS): no checkpoint covers them */
     long fabric_shares;         /* memory exported or imported as a fabric handle */
+    long unexportable;          /* allocations the agent has no fd of for want of one (RLIMIT_NOFILE) */
     /* the contexts the application uses, each with its device ordinal and UUID (grown as needed) */
     struct ctx_rec { CUcontext ctx; int dev; unsigned char uuid[16]; } *ctxs;
     int nctx, ctx_cap;
@@ -124,6 +130,10 @@ CUresult alloc_free_converted(CUdeviceptr va);
 void note_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, size_t size);
 void *take_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr);
 void keep_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, void *v);
+/* Whether the agent keeps an fd of memory with these properties (device memory exportable as a POSIX
+ * fd), and making device memory so where its device can (true: the agent added the type). alloc.c. */
+bool alloc_keeps_fd(const CUmemAllocationProp *prop);
+bool alloc_make_exportable(CUmemAllocationProp *prop);
 /* Whether the data plane moves this allocation itself (else the driver's checkpoint does). */
 bool reg_phys_movable(const struct phys *p);
 void reg_reset_after_fork(void);
@@ -139,4 +149,14 @@ void share_close_fds(struct phys *p);
 int share_open_fds(const struct phys *p);
 /* p's memory is being released: count the application's fds of it, then close the agent's own. */
 void share_release(struct phys *p);
+/* The process uses CUDA, so the agent will keep an fd per allocation: soft RLIMIT_NOFILE to the hard one. */
+void share_raise_nofile(void);
+/* The agent's own fd of memory it manages: an export of `real` (registry NOT locked: asks the
+ * driver), or -1 when none can be had (said once, naming RLIMIT_NOFILE). */
+int share_export_own(CUmemGenericAllocationHandle real);
+/* Give p its own fd (fd from share_export_own, or a dup of an imported one; -1: counted as not
+ * exportable). Registry locked. */
+void share_adopt_own(struct phys *p, int fd, bool wanted);
+/* A new fd of p's memory for the application (a dup of the agent's own), or -1 when it has none. */
+int share_dup_own(const struct phys *p);
 #endif

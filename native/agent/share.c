@@ -8,14 +8,26 @@
  * out, since an open fd keeps the memory on the GPU), and a controller that gathers these from the
  * processes of a checkpoint tells which importer holds which exporter's memory by comparing
  * descriptions (share_same_file). It then gives each importer the exporter's key, which names the
- * memory for the relink after a restore. */
+ * memory for the relink after a restore.
+ *
+ * Besides, the agent keeps one fd of its own of every device allocation it manages (own_fd), so a
+ * gpucr server can be handed the memory: alloc.c makes it exportable, and since an imported handle
+ * cannot be exported again (measured on the driver), the application's own export is answered with
+ * a dup of this fd. An open fd keeps the memory on the GPU, so it is closed with the memory's last
+ * handle, at a checkpoint's release and in a fork child (share_close_fds), and every fd is CLOEXEC.
+ * Thousands of allocations (expandable segments) mean thousands of fds: once the process uses CUDA,
+ * the soft RLIMIT_NOFILE is raised to the hard one. The agent leaves the last sixteenth of the table
+ * (64 fds at least) to the application and the driver: past that an allocation works on without an
+ * fd of the agent's, which is said once and counted (status: not exportable). */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <stdatomic.h>
 #include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 #include "registry.h"
@@ -74,14 +86,79 @@ void share_close_fds(struct phys *p)
 {
     for (int i = 0; i < p->share_ndups; i++) close(p->share_dups[i]);
     p->share_ndups = 0;
+    if (p->own_fd >= 0) close(p->own_fd);
+    p->own_fd = -1;
 }
 
 static bool is_our_dup(int fd)
 {
-    for (struct phys *p = g_reg.all; p; p = p->next_all)
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        if (p->own_fd == fd) return true;
         for (int i = 0; i < p->share_ndups; i++)
             if (p->share_dups[i] == fd) return true;
+    }
     return false;
+}
+
+void share_raise_nofile(void)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur >= rl.rlim_max) return;
+    unsigned long long was = (unsigned long long)rl.rlim_cur;
+    rl.rlim_cur = rl.rlim_max;
+    if (setrlimit(RLIMIT_NOFILE, &rl) == 0)
+        gpucr_log("raised the soft RLIMIT_NOFILE from %llu to its hard limit %llu: the agent keeps an fd of every "
+                  "GPU allocation", was, (unsigned long long)rl.rlim_max);
+}
+
+/* Whether fd sits in the last part of the table the agent leaves to others (fds are handed out
+ * lowest first, so a high number means the table is nearly full). */
+static bool in_reserve(int fd)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return false;
+    unsigned long long lim = (unsigned long long)rl.rlim_cur, reserve = lim / 16 < 64 ? 64 : lim / 16;
+    return (unsigned long long)fd + reserve >= lim;
+}
+
+int share_export_own(CUmemGenericAllocationHandle real)
+{
+    int fd = -1;
+    CUresult rc = REAL(cuMemExportToShareableHandle)(&fd, real, 1 /* POSIX fd */, 0);
+    bool full = rc == CUDA_SUCCESS ? in_reserve(fd) : errno == EMFILE;
+    if (rc == CUDA_SUCCESS && !full) {
+        /* close-on-exec whatever the driver gave: an exec'd child must not hold the GPU memory */
+        fcntl(fd, F_SETFD, FD_CLOEXEC);
+        return fd;
+    }
+    if (rc == CUDA_SUCCESS) close(fd);
+    static atomic_bool said;
+    if (!atomic_exchange(&said, true)) {
+        struct rlimit rl = {0};
+        getrlimit(RLIMIT_NOFILE, &rl);
+        if (full)
+            gpucr_warn("too few file descriptors left for GPU memory (RLIMIT_NOFILE soft %llu, hard %llu): allocations "
+                       "go on working, but those the agent holds no fd of cannot be handed to the gpucr server "
+                       "(gpucr status counts them as not exportable); raise the hard limit (ulimit -Hn) before "
+                       "starting the application", (unsigned long long)rl.rlim_cur, (unsigned long long)rl.rlim_max);
+        else
+            gpucr_cu_warn(rc, "exporting GPU memory as a POSIX fd (it cannot be handed to the gpucr server)");
+    }
+    return -1;
+}
+
+void share_adopt_own(struct phys *p, int fd, bool wanted)
+{
+    if (p->own_fd >= 0) close(p->own_fd);
+    p->own_fd = fd;
+    bool missing = wanted && fd < 0;
+    if (missing != p->own_fd_missing) g_reg.unexportable += missing ? 1 : -1;
+    p->own_fd_missing = missing;
+}
+
+int share_dup_own(const struct phys *p)
+{
+    return p->own_fd >= 0 ? fcntl(p->own_fd, F_DUPFD_CLOEXEC, 3) : -1;
 }
 
 int share_open_fds(const struct phys *p)
@@ -104,7 +181,6 @@ int share_open_fds(const struct phys *p)
 
 void share_release(struct phys *p)
 {
-    if (!p->share_ndups) return;
-    p->share_open_at_release = share_open_fds(p);
-    share_close_fds(p);
+    if (p->share_ndups) p->share_open_at_release = share_open_fds(p);
+    share_close_fds(p);   /* the agent's own fd too: parked, it would keep the memory on the GPU */
 }

@@ -42,7 +42,7 @@ struct sim_phys {
     struct sim_phys *next;
     CUmemGenericAllocationHandle id;
     size_t size; /* whole granules */
-    int fd;      /* memfd or object data; -1 while checkpointed */
+    int fd;      /* memfd; -1 while checkpointed, and for an object (opened only while used: phys_fd) */
     int device;
     uint64_t obj;  /* objects.c's id when exportable as a POSIX fd (0: a private memfd) */
     int obj_phys;  /* the physical GPU the object is on */
@@ -57,6 +57,20 @@ struct sim_phys {
 };
 
 struct sim_alloc;
+
+/* An fd of ph's memory for one use (close it with phys_fd_done): a memfd stays open, an object's
+ * data is opened anew. -1: gone. */
+static int phys_fd(const struct sim_phys *ph)
+{
+    return ph->obj ? sim_obj_data(ph->obj, ph->obj_phys) : ph->fd;
+}
+
+static void phys_fd_done(const struct sim_phys *ph, int fd)
+{
+    if (ph->obj && fd >= 0)
+        close(fd);
+}
+
 
 struct sim_resv {
     struct sim_resv *next;
@@ -354,8 +368,12 @@ static CUresult map_insert_locked(uintptr_t va, size_t size, size_t offset, stru
     *m = (struct sim_map){.va = va, .size = size, .offset = offset, .phys = ph, .owner = owner, .ctx = ctx};
     for (size_t g = 0; owner && g < ngran; g++)
         map_access(m, g)[ctx->device] = CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
-    if (mmap((void *)va, size, owner ? PROT_READ | PROT_WRITE : PROT_NONE, MAP_SHARED | MAP_FIXED, ph->fd,
-             (off_t)offset) == MAP_FAILED) {
+    int fd = phys_fd(ph);
+    void *got = fd < 0 ? MAP_FAILED
+                       : mmap((void *)va, size, owner ? PROT_READ | PROT_WRITE : PROT_NONE, MAP_SHARED | MAP_FIXED, fd,
+                              (off_t)offset);
+    phys_fd_done(ph, fd);
+    if (got == MAP_FAILED) {
         free(m);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
@@ -473,13 +491,13 @@ static int memfd_for(int device, size_t size)
 /* Gives ph (device, size, prop set) its backing: an object when it may be exported as a POSIX fd. */
 static bool phys_back(struct sim_phys *ph)
 {
-    if (ph->prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR && !ph->imported) {
-        ph->obj_phys = sim_acct_physical(ph->device);
-        ph->fd = sim_obj_create(ph->obj_phys, ph->size, &ph->obj);
-    } else {
-        ph->fd = memfd_for(ph->device, ph->size);
-    }
-    return ph->fd >= 0;
+    if (!(ph->prop.requestedHandleTypes & CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR) || ph->imported)
+        return (ph->fd = memfd_for(ph->device, ph->size)) >= 0;
+    ph->obj_phys = sim_acct_physical(ph->device);
+    int fd = sim_obj_create(ph->obj_phys, ph->size, &ph->obj);
+    if (fd >= 0)
+        close(fd); /* a handle costs no fd on the driver: thousands of them must not run out of fds */
+    return fd >= 0;
 }
 
 /* Lets go of ph's backing: an object others still hold stays alive (and counted) without us. */
@@ -792,7 +810,8 @@ CUresult sim_vmm_import_fd(CUmemGenericAllocationHandle *h, int fd)
                                 .requestedHandleTypes = CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
                                 .location = {.type = CU_MEM_LOCATION_TYPE_DEVICE, .id = dev}};
     /* charged 0: the maker pays while it holds the memory, then the object itself (objects.c) */
-    *ph = (struct sim_phys){.size = (size_t)st.st_size, .fd = own, .device = dev, .prop = prop, .handle_refs = 1,
+    close(own); /* opened again when used (phys_fd) */
+    *ph = (struct sim_phys){.size = (size_t)st.st_size, .fd = -1, .device = dev, .prop = prop, .handle_refs = 1,
                             .obj = id, .obj_phys = phys, .imported = true};
     wrlock();
     phys_link_locked(ph);
@@ -1016,19 +1035,22 @@ CUresult sim_host_unregister(void *p)
 /* Records the data regions of ph's memfd and copies them into ph->saved. */
 static bool phys_save(struct sim_phys *ph)
 {
-    void *buf = mmap(NULL, ph->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-    if (buf == MAP_FAILED)
+    int fd = phys_fd(ph);
+    void *buf = fd < 0 ? MAP_FAILED : mmap(NULL, ph->size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (buf == MAP_FAILED) {
+        phys_fd_done(ph, fd);
         return false;
+    }
     size_t cap = 0;
     for (off_t off = 0; off < (off_t)ph->size;) {
-        off_t data = lseek(ph->fd, off, SEEK_DATA), hole;
+        off_t data = lseek(fd, off, SEEK_DATA), hole;
         if (data < 0 && errno == ENXIO)
             break; /* only holes from here on */
         if (data < 0) { /* no SEEK_DATA support: treat the rest as data */
             data = off;
             hole = (off_t)ph->size;
         } else {
-            hole = lseek(ph->fd, data, SEEK_HOLE);
+            hole = lseek(fd, data, SEEK_HOLE);
             if (hole < 0 || hole > (off_t)ph->size)
                 hole = (off_t)ph->size;
         }
@@ -1041,7 +1063,7 @@ static bool phys_save(struct sim_phys *ph)
         }
         ph->runs[ph->nruns++] = (struct sim_run){(size_t)data, (size_t)(hole - data)};
         for (off_t o = data; o < hole;) {
-            ssize_t n = pread(ph->fd, (char *)buf + o, (size_t)(hole - o), o);
+            ssize_t n = pread(fd, (char *)buf + o, (size_t)(hole - o), o);
             if (n <= 0)
                 goto fail;
             o += n;
@@ -1049,8 +1071,10 @@ static bool phys_save(struct sim_phys *ph)
         off = hole;
     }
     ph->saved = buf;
+    phys_fd_done(ph, fd);
     return true;
 fail:
+    phys_fd_done(ph, fd);
     munmap(buf, ph->size);
     free(ph->runs);
     ph->runs = NULL;
@@ -1113,18 +1137,19 @@ static bool phys_refill(struct sim_phys *ph)
 {
     if (!phys_back(ph))
         return false;
-    int fd = ph->fd;
-    for (size_t r = 0; r < ph->nruns; r++) {
-        for (size_t o = ph->runs[r].off, end = o + ph->runs[r].len; o < end;) {
+    int fd = phys_fd(ph);
+    bool ok = fd >= 0;
+    for (size_t r = 0; ok && r < ph->nruns; r++) {
+        for (size_t o = ph->runs[r].off, end = o + ph->runs[r].len; ok && o < end;) {
             ssize_t n = pwrite(fd, (char *)ph->saved + o, end - o, (off_t)o);
-            if (n <= 0) {
-                phys_unback(ph);
-                return false;
-            }
-            o += (size_t)n;
+            ok = n > 0;
+            o += ok ? (size_t)n : 0;
         }
     }
-    return true;
+    phys_fd_done(ph, fd);
+    if (!ok)
+        phys_unback(ph);
+    return ok;
 }
 
 CUresult sim_mem_restore(void)
@@ -1142,8 +1167,10 @@ CUresult sim_mem_restore(void)
     size_t mapped = 0;
     while (rc == CUDA_SUCCESS && mapped < mem.nmaps) {
         struct sim_map *m = mem.maps[mapped];
-        if (mmap((void *)m->va, m->size, PROT_NONE, MAP_SHARED | MAP_FIXED, m->phys->fd, (off_t)m->offset) ==
-            MAP_FAILED) {
+        int fd = phys_fd(m->phys);
+        void *got = fd < 0 ? MAP_FAILED : mmap((void *)m->va, m->size, PROT_NONE, MAP_SHARED | MAP_FIXED, fd, (off_t)m->offset);
+        phys_fd_done(m->phys, fd);
+        if (got == MAP_FAILED) {
             rc = CUDA_ERROR_OUT_OF_MEMORY;
         } else {
             map_apply_prot(m, 0, m->size / SIM_GRANULE);

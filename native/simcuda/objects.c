@@ -134,6 +134,18 @@ int sim_obj_create(int phys, size_t size, uint64_t *id)
     return fd;
 }
 
+int sim_obj_data(uint64_t id, int phys)
+{
+    char name[48];
+    int dfd = obj_dir(), fd = -1;
+    snprintf(name, sizeof(name), "%" PRIx64 ".%d", id, phys);
+    if (dfd >= 0) {
+        fd = openat(dfd, name, O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+        close(dfd);
+    }
+    return fd;
+}
+
 int sim_obj_open(uint64_t id, int *phys)
 {
     int dfd = obj_dir(), fd = -1;

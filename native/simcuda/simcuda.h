@@ -203,6 +203,8 @@ CUresult sim_host_unregister(void *p);
 /* ---- exportable memory's lifetime across processes (objects.c) ---- */
 /* A new object of size bytes on physical GPU phys, held by this process: its data fd (-1: failed). */
 int sim_obj_create(int phys, size_t size, uint64_t *id);
+/* Object id's data on physical GPU phys, opened for one use (it holds nothing); -1: gone. */
+int sim_obj_data(uint64_t id, int phys);
 /* Object id's data, opened and held by this process (the caller holds an fd of it); -1: gone. */
 int sim_obj_open(uint64_t id, int *phys);
 /* This process lets go of object id: freed when nobody else holds it; else, if this process made it

@@ -230,6 +230,9 @@ def _status_lines(st: ProcessStatus) -> list[str]:
                             f"GPU used {_mib(g.gpu_used_bytes)} of {_mib(g.gpu_total_bytes)}")
     if st.bounce_problem:
         lines.append(f"  ring         none: {st.bounce_problem} (copies go through pageable memory)")
+    if al.not_exportable:
+        lines.append(f"  exportable   {al.not_exportable} allocations are not: no file descriptor was left for them "
+                     "(RLIMIT_NOFILE; raise 'ulimit -n' before starting the application)")
     cyc = st.last_cycle
     if cyc.gate_s or cyc.copy_out_s or cyc.data_in_s:
         steps = ("staging", "gate", "sync", "copy_out", "release", "data_in")

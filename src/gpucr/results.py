@@ -169,6 +169,7 @@ class Allocations:
     managed: int
     managed_bytes: int
     ipc_exports: int
+    not_exportable: int = 0           # tracked allocations the agent holds no fd of (RLIMIT_NOFILE ran out)
 
 
 @dataclass

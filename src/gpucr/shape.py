@@ -69,7 +69,8 @@ def process_status(st: dict[str, Any], now: dict[str, gpus.Usage]) -> ProcessSta
                                   process_bytes=u.process if u else None, gpu_used_bytes=u.used if u else None,
                                   gpu_total_bytes=u.total if u else None))
     counts = ("tracked", "tracked_bytes", "converted", "app_vmm", "vmm_left_to_driver", "vmm_left_to_driver_bytes",
-              "native", "native_bytes", "pool", "pool_bytes", "managed", "managed_bytes", "ipc_exports")
+              "native", "native_bytes", "pool", "pool_bytes", "managed", "managed_bytes", "ipc_exports",
+              "not_exportable")
     times = ("staging", "gate", "sync", "copy_out", "release", "data_in", "pin_wait")
     return ProcessStatus(
         pid=st["pid"], state=st["state"], level=st.get("level"), driver_state=st.get("driver_state"),

@@ -10,7 +10,11 @@ several GPUs: device D BYTES [vmm] (a buffer on device D, plain or the applicati
 peer on|off (device 1 gets or loses peer access to device 0's plain allocations) | peer-add I
 (device 1 adds 0 to buffer I in a kernel: simcuda only) | uuids (each device's UUID, as this process sees it),
 and contexts: ctx-keep N BYTES (N more contexts, each with a buffer of BYTES, kept) | ctx-temp BYTES (a
-context of its own, BYTES and a small buffer allocated in it, then destroyed) | reset (cuDevicePrimaryCtxReset, as cudaDeviceReset; then every buffer made again)
+context of its own, BYTES and a small buffer allocated in it, then destroyed) | reset (cuDevicePrimaryCtxReset, as cudaDeviceReset; then every buffer made again),
+and exports: vmm-export MIB (its own VMM made without any handle type, then exported as a POSIX fd) |
+export-shared I (export the handle of shared buffer I again: one this process imported too) | meminfo
+(cuMemGetInfo) | many N BYTES (N more plain allocations, unfilled) | free-many | buffers (each buffer's
+address, size and sha256)
 """
 from __future__ import annotations
 
@@ -73,6 +77,7 @@ cuMemAllocManaged = _sig("cuMemAllocManaged", ctypes.POINTER(u64), sz, ctypes.c_
 cuIpcGetMemHandle = _sig("cuIpcGetMemHandle", ctypes.c_char_p, u64)
 cuMemExportToShareableHandle = _sig("cuMemExportToShareableHandle", vp, u64, ctypes.c_int, u64)
 cuMemImportFromShareableHandle = _sig("cuMemImportFromShareableHandle", ctypes.POINTER(u64), vp, ctypes.c_int)
+cuMemGetInfo = _sig("cuMemGetInfo_v2", ctypes.POINTER(sz), ctypes.POINTER(sz))
 
 
 class MulticastProp(ctypes.Structure):
@@ -99,6 +104,8 @@ class App:
         check(cuCtxSetCurrent(self.ctx), "set ctx")
         self.bufs: list[tuple[int, int]] = []   # (device pointer, bytes)
         self.shared: list[tuple[int, int]] = []  # buffers shared with other processes (share / import), in order
+        self.handles: dict[int, int] = {}         # a shared buffer's address -> the handle this process holds of it
+        self.many: list[int] = []                 # allocations made by "many"
         self.ctxs = {0: self.ctx}                 # device ordinal -> its primary context
         self.buf_dev: dict[int, int] = {}         # device pointer -> device, for buffers not on device 0
         for i, n in enumerate(sizes):
@@ -159,6 +166,11 @@ class App:
         acc = Access(loc=Loc(1, 0), flags=3)
         check(cuMemSetAccess(va.value, n, ctypes.byref(acc), 1), "access")
         return va.value, h.value
+
+    def _export(self, va: int) -> dict:
+        fd = ctypes.c_int(-1)
+        rc = cuMemExportToShareableHandle(ctypes.byref(fd), self.handles[va], 1, 0)
+        return {"rc": rc, "fd": fd.value, "va": va, "index": next(i for i, (v, _) in enumerate(self.shared) if v == va)}
 
     def _fill(self, p: int, n: int, seed: int) -> None:
         data = hashlib.shake_256(seed.to_bytes(8, "little")).digest(min(n, 1 << 16))
@@ -320,6 +332,7 @@ class App:
             check(cuMemExportToShareableHandle(ctypes.byref(fd), h, 1, 0), "export")
             self.shared.append((va, n))
             self.bufs.append((va, n))
+            self.handles[va] = h
             return {"fd": fd.value, "va": va, "index": len(self.shared) - 1}
         if cmd == "import":   # import shared memory from another process's fd (pidfd:PID:FD) and map it
             n = int(words[2]) << 20
@@ -334,6 +347,7 @@ class App:
             check(cuMemSetAccess(va.value, n, ctypes.byref(acc), 1), "access")
             self.shared.append((va.value, n))
             self.bufs.append((va.value, n))
+            self.handles[va.value] = h.value
             return {"va": va.value, "index": len(self.shared) - 1}
         if cmd == "multicast":   # a multicast object for one device (NCCL's NVLS makes them): no checkpoint covers it
             prop = MulticastProp(1, 2 << 20, 1, 0)
@@ -428,6 +442,37 @@ class App:
                 check(cuDeviceGetUuid(u, d), "uuid")
                 out.append(uuid_text(u.raw))
             return {"uuids": out}
+        if cmd == "vmm-export":
+            n = int(words[1]) << 20
+            va, h = self._vmm_one(n, handle_types=0)
+            self._fill(va, n, 77)
+            self.shared.append((va, n))
+            self.bufs.append((va, n))
+            self.handles[va] = h
+            return self._export(va)
+        if cmd == "export-shared":
+            return self._export(self.shared[int(words[1])][0])
+        if cmd == "meminfo":
+            free, total = sz(), sz()
+            check(cuMemGetInfo(ctypes.byref(free), ctypes.byref(total)), "meminfo")
+            return {"free": free.value, "total": total.value}
+        if cmd == "many":
+            n, size = int(words[1]), int(words[2])
+            for _ in range(n):
+                self.many.append(self._alloc(size))
+            return {"count": len(self.many)}
+        if cmd == "free-many":
+            for p in self.many:
+                check(cuMemFree(p), "free")
+            self.many.clear()
+            return {"count": 0}
+        if cmd == "buffers":
+            out = []
+            for p, n in self.bufs:
+                buf = ctypes.create_string_buffer(n)
+                check(cuMemcpyDtoH(buf, p, n), "read")
+                out.append({"va": p, "bytes": n, "sha256": hashlib.sha256(buf.raw).hexdigest()})
+            return {"buffers": out}
         if cmd == "free":
             p, _ = self.bufs.pop(int(words[1]))
             check(cuMemFree(p), "free")

@@ -1,0 +1,73 @@
+"""The GPU memory of a process, handed to the server as file descriptors.
+
+The agent makes every device allocation it manages exportable as a POSIX fd and keeps one fd of each
+(docs/server.md). Asked `memory`, it answers with each allocation (kind, size, device, where it is
+mapped) and a dup of its fd over SCM_RIGHTS, so the server can import the memory into its own context
+and copy it while the driver checkpoints the process. The fds received here keep that memory on the
+GPU while they are open: the caller closes them (close_all) as soon as it is done with them.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from ..errors import GpucrError
+
+
+@dataclass
+class Mapping:
+    va: int
+    bytes: int
+    offset: int
+
+
+@dataclass
+class Managed:
+    """One allocation the agent manages, as it reports it, with our fd of it (None: it has none)."""
+    index: int
+    kind: str                   # converted (cuMemAlloc) | pool (a stream-ordered pool segment) | app_vmm | imported
+    bytes: int
+    device: int                 # the ordinal of its context's GPU in that process (-1: unknown)
+    released: bool              # its physical memory is given back (a checkpoint holds its data)
+    not_exportable: bool        # no fd could be had for it (RLIMIT_NOFILE)
+    maps: list[Mapping] = field(default_factory=list)
+    fd: int | None = None
+
+
+def _entry(e: dict[str, Any], fds: list[int]) -> Managed:
+    idx = e["fd_index"]
+    return Managed(int(e["index"]), str(e["kind"]), int(e["bytes"]), int(e["device"]), bool(e["released"]),
+                   bool(e["not_exportable"]),
+                   [Mapping(int(m["va"]), int(m["bytes"]), int(m["offset"])) for m in e["maps"]],
+                   fds[idx] if 0 <= idx < len(fds) else None)
+
+
+def gather(agent: Any) -> list[Managed]:
+    """Every allocation a process's agent manages, with our own fd of each (the caller closes them)."""
+    out: list[Managed] = []
+    start = 0
+    while start >= 0:
+        reply, fds = agent.call_with_fds("memory", timeout=10.0, **{"from": start})
+        try:
+            got = [_entry(e, fds) for e in reply["memory"]]
+            start = int(reply.get("next", -1))
+        except (KeyError, TypeError, ValueError) as exc:
+            close_all(out)
+            for fd in fds:
+                os.close(fd)
+            raise GpucrError(f"process {agent.pid} sent a malformed list of its GPU memory") from exc
+        out.extend(got)
+        used = {m.fd for m in got}
+        for fd in fds:
+            if fd not in used:
+                os.close(fd)
+    return out
+
+
+def close_all(objs: Iterable[Managed]) -> None:
+    """Close our fds: until then they keep the memory on the GPU, even once the process frees it."""
+    for o in objs:
+        if o.fd is not None:
+            os.close(o.fd)
+            o.fd = None
