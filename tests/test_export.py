@@ -82,6 +82,15 @@ def test_free_gives_gpu_memory_back_at_once_even_with_a_fork_child(sim_app):
     assert used() == start, "the agent's fd was closed with the free: nothing stays on the GPU"
     assert app.ask("meminfo")["free"] == info0["free"], "cuMemGetInfo tells the application so"
     assert ctl_fds(app.pid) == fds0
+    app.ask(f"ctx-temp {32 * MiB}")   # a context's end frees what was made in it: the agent's fd goes too
+    assert used() == start and ctl_fds(app.pid) == fds0
+
+
+def test_stream_ordered_pool_segments_are_handed_over_too(sim_workload):
+    app = sim_workload("pool_app", "--sizes", "8M,3M", "--pool-sizes", "6M", "--streams", "2")
+    got = import_in_controller(app.pid, {})
+    kinds = [m["kind"] for m in got["memory"]]
+    assert "pool" in kinds and all(m["fd"] for m in got["memory"]), got["memory"]
 
 
 def test_fork_child_holds_none_of_the_agents_fds(sim_app):

@@ -3,7 +3,9 @@ imports every fd through simcuda in its own process, maps it, and prints one JSO
 of the process, its address -> the sha256 of its first BYTES bytes (BYTES from argv: {"va": bytes}),
 read here through the import; plus what the agent said of each allocation.
 
-    python import_memory.py PID '{"<va>": <bytes>, ...}'
+    python import_memory.py PID '{"<va>": <bytes>, ...}' [LIBCUDA]
+
+LIBCUDA defaults to simcuda's; GPU tests pass the real driver's (libcuda.so.1).
 """
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def main() -> None:
     pid, want = int(sys.argv[1]), {int(k): v for k, v in json.loads(sys.argv[2]).items()}
     with targets.resolve(pid).connect() as agent:
         got = memory.gather(agent)
-    cu = ctypes.CDLL(str(paths.simcuda_dir() / "libcuda.so.1"))
+    cu = ctypes.CDLL(sys.argv[3] if len(sys.argv) > 3 else str(paths.simcuda_dir() / "libcuda.so.1"))
     check(cu.cuInit(0), "cuInit")
     ctx = vp()
     check(cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0), "ctx")

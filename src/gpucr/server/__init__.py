@@ -1,6 +1,7 @@
 """`gpucr serve`: a per-user server that acts as the controller, so a checkpoint or restore asked by the
 CLI or the Python API does not pay for a fresh interpreter, imports and cuInit each time.
 
+memory.py  the GPU memory a process hands over as fds (docs/server.md)
 wire.py    where its socket lives, how a request and its answer travel, who may connect
 daemon.py  the server itself: accepts, checks the peer, runs the coordinator for it
 client.py  finding, starting, stopping and asking a server
