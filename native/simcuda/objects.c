@@ -67,12 +67,43 @@ static bool unheld(int probe_fd, uint64_t id)
     return set_lock(probe_fd, id, F_WRLCK, true);
 }
 
+/* How many handles this process holds of each object: locks of one description merge, so the byte
+ * is locked at the first and unlocked at the last (a process may import what it exported). */
+struct held {
+    struct held *next;
+    uint64_t id;
+    unsigned count;
+};
+static struct held *helds;
+
 static bool hold(uint64_t id, short type)
 {
     pthread_mutex_lock(&obj_mu);
-    if (hold_fd < 0)
-        hold_fd = sim_acct_open_ctl();
-    bool ok = hold_fd >= 0 && set_lock(hold_fd, id, type, false);
+    struct held **l = &helds;
+    while (*l && (*l)->id != id)
+        l = &(*l)->next;
+    struct held *h = *l;
+    bool ok = true;
+    if (type == F_UNLCK) {
+        if (h && --h->count == 0) {
+            *l = h->next;
+            free(h);
+            ok = set_lock(hold_fd, id, F_UNLCK, false);
+        }
+    } else if (h) {
+        h->count++;
+    } else {
+        if (hold_fd < 0)
+            hold_fd = sim_acct_open_ctl();
+        h = hold_fd >= 0 ? calloc(1, sizeof(*h)) : NULL;
+        ok = h && set_lock(hold_fd, id, F_RDLCK, false);
+        if (ok) {
+            *h = (struct held){.next = helds, .id = id, .count = 1};
+            helds = h;
+        } else {
+            free(h);
+        }
+    }
     pthread_mutex_unlock(&obj_mu);
     return ok;
 }

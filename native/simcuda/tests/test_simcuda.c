@@ -1253,6 +1253,21 @@ static void test_exported_lifetime(void)
     CHECK(waitpid(keeper, NULL, 0) == keeper, "waitpid");
     CHECK(device_used() == dev0 && free_mem() == free0, "the keeper exited: freed (%zu)", device_used());
 
+    /* a process that imports what it exported holds it twice: releasing one handle keeps it */
+    CU(cuMemCreate(&h, GRAN, &vmm_prop_fd, 0));
+    va = map_handle(h, GRAN, CU_MEM_ACCESS_FLAGS_PROT_READWRITE);
+    CU(cuMemsetD32_v2(va, 0xb0b, GRAN / 4));
+    CU(cuMemExportToShareableHandle(&fd, h, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0));
+    CU(cuMemImportFromShareableHandle(&hi, (void *)(intptr_t)fd, CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR));
+    close(fd);
+    CU(cuMemUnmap(va, GRAN));
+    CU(cuMemAddressFree(va, GRAN));
+    CU(cuMemRelease(h));
+    CHECK(device_used() == dev0 + GRAN, "the imported handle holds it (%zu)", device_used());
+    CHECK(read_last(hi, GRAN) == 0xb0b, "and its bytes");
+    CU(cuMemRelease(hi));
+    CHECK(device_used() == dev0, "both handles gone: freed (%zu)", device_used());
+
     /* memory never exported goes at its release, as before */
     CU(cuMemCreate(&h, GRAN, &vmm_prop_fd, 0));
     CU(cuMemRelease(h));
