@@ -4,6 +4,7 @@ checks of its flags and its own environment, and the README held to the table. A
 what the controller reads from an application's callback channel (item 10)."""
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import socket
@@ -76,6 +77,12 @@ BAD = [
     ("GPUCR_NATIVE_ALLOC", "2"),
     ("GPUCR_MIN_VMM_BYTES", "2M"),
     ("GPUCR_GROUP", "g" * 128),        # was: cut to 127 bytes, silently
+    ("GPUCR_HOST_BUDGET", "64GB"),
+    ("GPUCR_HOST_BUDGET", "0"),
+    ("GPUCR_HOST_BUDGET", "101%"),
+    ("GPUCR_HOST_BUDGET", "-1G"),
+    ("GPUCR_HOST_BUDGET", "99999999999T"),   # overflows 64 bits
+    ("GPUCR_HOST_BUDGET", "1.5G"),
 ]
 
 
@@ -95,6 +102,8 @@ def test_agent_is_quiet_about_good_settings_and_when_disabled():
             "GPUCR_STAGING_POLICY": "drop", "GPUCR_PIN_THREADS": "16", "GPUCR_STAGING_SEGMENT_MIB": "2",
             "GPUCR_LOG": "0", "GPUCR_MIN_VMM_BYTES": "4096", "GPUCR_GROUP": "g" * 127, "GPUCR_STAGING_AHEAD": ""}
     assert agent_stderr(good) == []
+    for budget in ("64G", "50%", "100%", "1048576", "3T", "512M", "4K"):
+        assert agent_stderr({"GPUCR_HOST_BUDGET": budget}) == [], budget
     assert agent_stderr({"GPUCR_AGENT_DISABLE": "1", "GPUCR_BOUNCE_MIB": "abc"}) == []
 
 
@@ -152,6 +161,8 @@ BAD_ARGS = [
     (["run", "--staging-policy", "junk", "--", "true"], "--staging-policy"),
     (["run", "--group", "g" * 128, "--", "true"], "--group"),
     (["run", "--group", "", "--", "true"], "--group"),
+    (["run", "--host-budget", "64GB", "--", "true"], "--host-budget"),
+    (["run", "--host-budget", "0%", "--", "true"], "--host-budget"),
     (["checkpoint", "--group", "g" * 128], "--group"),
     (["checkpoint", "--timeout", "soon", "1"], "--timeout"),
     (["checkpoint", "--level", "most", "1"], "--level"),
@@ -182,6 +193,21 @@ def test_cli_limits_are_the_agents():
     assert (cli.BOUNCE_MIB_MIN, cli.BOUNCE_MIB_MAX) == (s["GPUCR_BOUNCE_MIB"].lo, s["GPUCR_BOUNCE_MIB"].hi)
     assert cli.GROUP_MAX_BYTES == s["GPUCR_GROUP"].hi
     assert "|".join((*cli.STAGING_KINDS, "file:DIR")) == s["GPUCR_STAGING"].accepted
+
+
+BUDGETS = ["64G", "50%", "100%", "1", "4K", "3T", "16777215T", "16777216T", "0", "0%", "101%", "64GB", "1.5G",
+           "-1G", " 64G", "64g", "G", "%"]
+
+
+def test_cli_and_agent_read_a_budget_alike():
+    """`gpucr run --host-budget` takes exactly the GPUCR_HOST_BUDGET values the agent takes."""
+    for v in BUDGETS:
+        try:
+            cli.host_budget(v)
+            taken = True
+        except argparse.ArgumentTypeError:
+            taken = False
+        assert taken == (agent_stderr({"GPUCR_HOST_BUDGET": v}) == []), v
 
 
 @pytest.mark.parametrize("name", cli.CONTROLLER_FLAGS)

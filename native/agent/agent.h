@@ -135,6 +135,9 @@ long gpucr_env_long(const char *name, long dflt);
 void gpucr_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void gpucr_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
+/* ---- the control channel (channel.c) ---- */
+const char *gpucr_runtime_dir(void);
+
 /* ---- contexts (context.c) ---- */
 int gpucr_contexts_held(void);
 

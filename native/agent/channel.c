@@ -17,6 +17,7 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
+#include "admit.h"
 #include "bounce.h"
 #include "dataplane.h"
 #include "pool.h"
@@ -33,6 +34,9 @@
 #define ACTED_TIMEOUT_S 3600       /* a controller's connection between its steps (driver lock, checkpoint) */
 
 static char g_dir[256], g_sock[300];
+
+/* agent.h: the private runtime dir, once the channel is up (NULL before or without it). */
+const char *gpucr_runtime_dir(void) { return g_sock[0] ? g_dir : NULL; }
 static ino_t g_sock_ino;           /* what we bound: at exit only that is removed */
 static char g_group[128];   /* GPUCR_GROUP, read once at start: the application may change its environment later */
 static int g_listen = -1;
@@ -238,6 +242,7 @@ static void reply_status(struct jb *j)
     jb_int(j, "staging_segments", si.segments);
     jb_str(j, "staging", si.kind);
     jb_bool(j, "staging_ahead", si.ahead);
+    admit_status_json(j, si.memory_bytes);
     jb_sub(j, "last_cycle_ms");
     jb_dbl(j, "staging", st.last.staging);
     jb_dbl(j, "gate", st.last.gate);

@@ -215,7 +215,7 @@ struct deadline_job {
     bool done;
     int (*fn)(struct deadline_job *);
     int rc;
-    char err[256];
+    char err[512];              /* an admission refusal names a cgroup path, the limits and the way out */
     size_t *sizes;              /* staging job: the allocations to place */
     int nsizes;
     CUcontext ctx;              /* staging job: context to register with */

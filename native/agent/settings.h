@@ -19,4 +19,7 @@ bool gpucr_setting_on(enum gpucr_setting id);
 const char *gpucr_setting_str(enum gpucr_setting id);
 /* Read and check every setting (once; each accessor does it on first use too). */
 void gpucr_settings_load(void);
+/* GPUCR_HOST_BUDGET's form: bytes, a size with K, M, G or T (binary), or 1% to 100% (of MemTotal;
+ * *pct set, *bytes 0). Strict: no sign, no spaces, one suffix at most. */
+bool gpucr_parse_budget(const char *v, unsigned long long *bytes, int *pct);
 #endif

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <unistd.h>
+#include "admit.h"
 #include "bounce.h"
 #include "registry.h"
 #include "settings.h"
@@ -54,17 +55,8 @@ static void unregister(const struct seg *g)
     if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuMemHostUnregister (a %zu MiB staging segment)", g->cap >> 20);
 }
 
-static size_t meminfo(const char *key)
-{
-    FILE *f = fopen("/proc/meminfo", "r");
-    if (!f) return 0;
-    char line[256];
-    size_t v = 0, klen = strlen(key);
-    while (fgets(line, sizeof line, f))
-        if (!strncmp(line, key, klen) && line[klen] == ':') { v = strtoull(line + klen + 1, NULL, 10); break; }
-    fclose(f);
-    return v;
-}
+/* KiB, as /proc/meminfo says */
+static size_t meminfo(const char *key) { return host_meminfo_kib(key); }
 
 struct touch { char *base; size_t len, page; };
 static void *touch_range(void *arg)
@@ -237,13 +229,26 @@ static void release_if_oversized_locked(size_t need)
     stop_pinners_locked();
     for (int i = 0; i < S.n; i++) seg_free(&S.segs[i]);
     S.n = 0;
+    admit_record(0);
 }
 
-/* Whether the host can give `need` more bytes of staging of the kind asked for; err says why not. */
+/* Bytes of staging in host memory (file:DIR staging is on a filesystem: not the budget's). */
+static size_t memory_locked(void)
+{
+    size_t b = 0;
+    for (int i = 0; i < S.n; i++) if (S.segs[i].kind != K_FILE) b += S.segs[i].cap;
+    return b;
+}
+
+/* Admission, before anything is touched: whether the host can give `need` more bytes of staging of
+ * the kind asked for, checked in this order: the user's budget and the memory cgroup (admit.c), the
+ * free hugepages or the machine's available memory. On yes, the growth is reserved in the shared
+ * ledger (admit_record settles it); on no, err has one line naming the limit and what to do. */
 static bool room_for(size_t need, char *err, size_t errlen)
 {
     const char *dir;
     enum kind k = wanted_kind(need, &dir);
+    if (k == K_FILE) return true;   /* on a filesystem: neither the budget's nor host memory's */
     size_t avail = k == K_HUGETLB ? meminfo("HugePages_Free") * HUGE_PAGE : meminfo("MemAvailable") * 1024;
     if (k == K_HUGETLB && need > avail) {
         snprintf(err, errlen, "not enough free hugepages for staging: need %zu MiB, %zu MiB free; reserve them with "
@@ -251,12 +256,13 @@ static bool room_for(size_t need, char *err, size_t errlen)
                  meminfo("HugePages_Total") + (need - avail) / HUGE_PAGE);
         return false;
     }
-    if (k != K_FILE && need > avail) {
+    if (k == K_SHM && need > avail) {
         snprintf(err, errlen, "not enough host memory for staging: need %zu MiB more, %zu MiB available; free host "
-                 "memory (or use GPUCR_STAGING=file:DIR) and retry", need >> 20, avail >> 20);
+                 "memory and retry " ADMIT_ON_DISK, need >> 20, avail >> 20);
         return false;
     }
-    return true;
+    /* hugepages are not charged to the memory cgroup (its hugetlb controller holds them) */
+    return admit_reserve(memory_locked(), need, k == K_SHM, err, errlen) == 0;
 }
 
 /* staging_fit; `shrink`: also give staging back first if it is oversized (release_if_oversized_locked). */
@@ -284,6 +290,7 @@ static int fit(const size_t *sizes, int n, bool shrink, char *err, size_t errlen
         if (rc == 0) S.n++;
         missing = shortfall_locked(sizes, n, &largest);
     }
+    admit_record(memory_locked());   /* what was made, in place of what was reserved */
     pthread_mutex_unlock(&S.mu);
     return rc;
 }
@@ -422,6 +429,7 @@ void *staging_take(size_t size)
     if (!p && S.n < STAGING_MAX_SEGS) {
         if (seg_create(&S.segs[S.n], next_seg_size_locked(size, size), err, sizeof err) == 0) {
             S.n++;
+            admit_record(memory_locked());
             p = take_locked(size);
         } else {
             gpucr_warn("%s", err);
@@ -444,6 +452,7 @@ void staging_drop(void)
     stop_pinners_locked();   /* they use the segments */
     for (int i = 0; i < S.n; i++) seg_free(&S.segs[i]);
     S.n = 0;
+    admit_record(0);
     pthread_mutex_unlock(&S.mu);
 }
 
@@ -474,6 +483,7 @@ void staging_get_info(struct staging_info *out)
     *out = (struct staging_info){.segments = S.n, .kind = S.n ? KIND_NAME[S.segs[S.n - 1].kind] : "none", .ahead = S.ahead};
     for (int i = 0; i < S.n; i++) {
         out->bytes += S.segs[i].cap;
+        if (S.segs[i].kind != K_FILE) out->memory_bytes += S.segs[i].cap;
         if (S.segs[i].pinned) out->pinned_bytes += S.segs[i].cap;
     }
     pthread_mutex_unlock(&S.mu);

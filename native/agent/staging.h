@@ -12,6 +12,7 @@
 
 struct staging_info {
     size_t bytes, pinned_bytes;
+    size_t memory_bytes;        /* of them, in host memory (hugetlbfs or shm; not file:DIR): the budget's */
     int segments;
     const char *kind;           /* of the newest segment: "hugetlbfs", "shm", "file" or "none" */
     bool ahead;                 /* prepared in the background as allocations grow */

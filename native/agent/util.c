@@ -72,7 +72,7 @@ void gpucr_warn(const char *fmt, ...)
 
 /* ---- settings (settings.def) ---- */
 
-enum setting_kind { SK_BOOL, SK_INT, SK_INT_OR_0, SK_ENUM, SK_STAGING, SK_TEXT, SK_PATH };
+enum setting_kind { SK_BOOL, SK_INT, SK_INT_OR_0, SK_ENUM, SK_STAGING, SK_BUDGET, SK_TEXT, SK_PATH };
 
 static const struct setting_def {
     const char *name;
@@ -98,6 +98,29 @@ static bool parse_decimal(const char *v, long long *out)
     long long x = strtoll(v, &end, 10);
     if (errno || *end) return false;
     *out = x;
+    return true;
+}
+
+bool gpucr_parse_budget(const char *v, unsigned long long *bytes, int *pct)
+{
+    *bytes = 0;
+    *pct = 0;
+    if (!v || !isdigit((unsigned char)v[0])) return false;
+    char *end;
+    errno = 0;
+    unsigned long long x = strtoull(v, &end, 10);
+    if (errno) return false;
+    if (end[0] == '%' && !end[1]) {
+        if (x < 1 || x > 100) return false;
+        *pct = (int)x;
+        return true;
+    }
+    static const char units[] = "KMGT";
+    const char *u = *end ? strchr(units, *end) : NULL;
+    if (*end && (!u || end[1])) return false;
+    int shift = u ? 10 * (int)(u - units + 1) : 0;
+    if (x == 0 || (shift && x > (~0ULL >> shift))) return false;
+    *bytes = x << shift;
     return true;
 }
 
@@ -128,6 +151,11 @@ static bool setting_valid(const struct setting_def *d, const char *v, long long 
         return one_of(v, d->accepted);
     case SK_STAGING:
         return one_of(v, "auto|hugetlbfs|shm") || (!strncmp(v, "file:", 5) && v[5]);
+    case SK_BUDGET: {
+        unsigned long long b;
+        int pct;
+        return gpucr_parse_budget(v, &b, &pct);
+    }
     case SK_TEXT:
         return strlen(v) <= (size_t)d->max;
     case SK_PATH:

@@ -5,6 +5,7 @@ import argparse
 import json
 import math
 import os
+import re
 import sys
 from typing import Any, Callable, NoReturn
 
@@ -53,6 +54,19 @@ def _bounce_mib(v: str) -> int:
         return int(v)
     raise argparse.ArgumentTypeError(f"'{v}' is not 0 (no ring, all of staging pinned) or a size in MiB from "
                                      f"{BOUNCE_MIB_MIN} to {BOUNCE_MIB_MAX}")
+
+
+_BUDGET = re.compile(r"(?:([1-9][0-9]*)%|([1-9][0-9]*)([KMGT]?))")
+
+
+def host_budget(v: str) -> str:
+    """--host-budget: the agent's GPUCR_HOST_BUDGET form (util.c gpucr_parse_budget; tests/test_settings.py
+    holds the two to each other): bytes, a size with K, M, G or T (binary), or 1% to 100% of MemTotal."""
+    m = _BUDGET.fullmatch(v)
+    if m and (int(m[2]) << 10 * "_KMGT".index(m[3] or "_") < 1 << 64 if m[2] else 1 <= int(m[1]) <= 100):
+        return v
+    raise argparse.ArgumentTypeError(f"'{v}' is not a host-memory budget: give bytes, a size with K, M, G or T "
+                                     "(e.g. 64G), or 1% to 100% of MemTotal (e.g. 50%)")
 
 
 def _group_name(v: str) -> str:
@@ -120,6 +134,8 @@ def cmd_run(a: argparse.Namespace) -> int:
         env["GPUCR_BOUNCE_MIB"] = str(a.bounce)
     if a.group:
         env["GPUCR_GROUP"] = a.group
+    if a.host_budget:
+        env["GPUCR_HOST_BUDGET"] = a.host_budget
     if route.server_wanted():
         from .server import client
         problem = client.ensure_running(a.simulate)
@@ -206,6 +222,17 @@ def cmd_restore(a: argparse.Namespace) -> int:
     return 0
 
 
+def _host_memory_line(st: ProcessStatus) -> str:
+    """The limits staging is admitted under: the user's budget (shared by all processes) and the cgroup."""
+    budget = (f"budget {_mib(st.host_budget_bytes)}, {_mib(st.host_budget_used_bytes)} of it used by all processes "
+              "under gpucr" if st.host_budget_bytes else
+              f"no budget (GPUCR_HOST_BUDGET), {_mib(st.host_budget_used_bytes)} staged by all processes under gpucr")
+    cg = st.memory_cgroup
+    cgroup = (f"; cgroup {cg.path} {cg.limit_file} {_mib(cg.limit_bytes)}, {_mib(cg.current_bytes)} used"
+              if cg else "; no memory cgroup limit")
+    return f"  host memory  {budget}{cgroup}"
+
+
 def _status_lines(st: ProcessStatus) -> list[str]:
     al = st.allocations
     state = st.state + (f" (level {st.level})" if st.level else "")
@@ -224,6 +251,7 @@ def _status_lines(st: ProcessStatus) -> list[str]:
              f"  staging      {_mib(st.staging_bytes)} in {st.staging_segments} segments "
              f"({st.staging_kind}, {_mib(st.staging_pinned_bytes)} pinned"
              f"{', prepared ahead' if st.staging_ahead else ''}{bounce})",
+             _host_memory_line(st),
              f"  checkpoints  {st.generation} completed"]
     for i, g in enumerate(st.gpus):
         lines.insert(2 + i, f"  gpu          device {g.ordinal} {g.uuid}: this process {_mib(g.process_bytes)}, "
@@ -270,13 +298,20 @@ def cmd_ps(a: argparse.Namespace, command: str = "ps") -> int:
         for u in rows.unreachable:
             print(f"process {u.pid}: unreachable: {u.error}")
         return 0
-    print(f"{'PID':>8}  {'STATE':<14} {'LEVEL':<5} {'GROUP':<10} {'TRACKED':>12} {'DRIVER':>12}  COMMAND")
+    print(f"{'PID':>8}  {'STATE':<14} {'LEVEL':<5} {'GROUP':<10} {'TRACKED':>12} {'DRIVER':>12} {'STAGING':>12}  "
+          "COMMAND")
     for st in rows.processes:
         state = st.state if st.cuda else "no-cuda"
         print(f"{st.pid:>8}  {state:<14} {st.level or '-':<5} {(st.group or '-')[:10]:<10} "
-              f"{_mib(st.allocations.tracked_bytes):>12} {_mib(st.bytes_left_to_driver):>12}  {st.cmd[:60]}")
+              f"{_mib(st.allocations.tracked_bytes):>12} {_mib(st.bytes_left_to_driver):>12} "
+              f"{_mib(st.staging_bytes):>12}  {st.cmd[:60]}")
     for u in rows.unreachable:
-        print(f"{u.pid:>8}  {'unreachable':<14} {'-':<5} {'-':<10} {'-':>12} {'-':>12}  {u.error[:60]}")
+        print(f"{u.pid:>8}  {'unreachable':<14} {'-':<5} {'-':<10} {'-':>12} {'-':>12} {'-':>12}  {u.error[:60]}")
+    budgets = {st.host_budget_bytes for st in rows.processes if st.host_budget_bytes}
+    if rows.processes:
+        used = max(st.host_budget_used_bytes for st in rows.processes)
+        print(f"host staging: {_mib(used)} held by all processes under gpucr; budget "
+              f"{', '.join(_mib(b) for b in sorted(budgets)) if budgets else 'none (GPUCR_HOST_BUDGET)'}")
     return 0
 
 
@@ -378,6 +413,9 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--bounce", type=_bounce_mib, metavar="MIB", help="the most the pinned ring that copies go through "
                    f"may take (staging stays unpinned; default 1024, sized to the data up to it; {BOUNCE_MIB_MIN} to "
                    f"{BOUNCE_MIB_MAX}); 0: no ring, all of staging pinned instead")
+    r.add_argument("--host-budget", metavar="SIZE", type=host_budget, help="the most host memory the staging of all "
+                   "your processes under gpucr may hold together: a size (64G) or a share of MemTotal (50%%); a "
+                   "checkpoint that would pass it is refused before anything is touched (GPUCR_HOST_BUDGET)")
     r.add_argument("--group", metavar="NAME", type=_group_name, help="make the process a member of a group, checkpointed "
                    f"and restored together with 'gpucr checkpoint --group NAME' (up to {GROUP_MAX_BYTES} bytes)")
     r.add_argument("--no-server", action="store_true", help="do not start the gpucr server (checkpoints of this "

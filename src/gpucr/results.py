@@ -199,6 +199,14 @@ class SharedMemory:
 
 
 @dataclass
+class MemoryCgroup:
+    path: str                         # the cgroup whose memory limit binds (least room), as under /sys/fs/cgroup
+    limit_file: str                   # memory.max | memory.high | memory.limit_in_bytes (cgroup v1)
+    limit_bytes: int
+    current_bytes: int
+
+
+@dataclass
 class ProcessStatus:
     pid: int
     state: str                        # running | checkpointed
@@ -230,6 +238,9 @@ class ProcessStatus:
     shared: list[SharedMemory]
     certificate: dict[str, Any] | None  # while checkpointed: what the checkpoint covers (a manifest, see inspect)
     coverage: Coverage | None = None  # the bytes gpucr moves and those left to the driver, by kind with reasons
+    host_budget_bytes: int | None = None  # GPUCR_HOST_BUDGET as this process enforces it; None: no budget
+    host_budget_used_bytes: int = 0   # staging in host memory held by all of this user's processes under gpucr
+    memory_cgroup: MemoryCgroup | None = None  # the memory cgroup limit staging is charged to; None: no limit
 
 
 @dataclass

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from . import coverage, gpus
-from .results import (Allocations, GpuMemoryChange, GpuStatus, ImageTransfer, LastCycle, ProcessCheckpoint,
+from .results import (Allocations, GpuMemoryChange, GpuStatus, ImageTransfer, LastCycle, MemoryCgroup, ProcessCheckpoint,
                       ProcessRestore, ProcessStatus, SharedMemory)
 
 MS = 1e-3   # the agent times in milliseconds; results say seconds
@@ -91,4 +91,6 @@ def process_status(st: dict[str, Any], now: dict[str, gpus.Usage]) -> ProcessSta
         shared=[SharedMemory(role=s["role"], key=s.get("key", 0), bytes=s["bytes"], unlinked=bool(s.get("unlinked")),
                              open_fds=s.get("open_fds", 0), owner=s.get("owner") or None)
                 for s in st.get("shared", [])],
-        certificate=st.get("certificate"), coverage=coverage.from_agent(st.get("coverage")))
+        certificate=st.get("certificate"), coverage=coverage.from_agent(st.get("coverage")),
+        host_budget_bytes=st.get("host_budget_bytes") or None, host_budget_used_bytes=st.get("host_budget_used_bytes", 0),
+        memory_cgroup=MemoryCgroup(**st["memory_cgroup"]) if st.get("memory_cgroup") else None)

@@ -1,0 +1,278 @@
+#define _GNU_SOURCE
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include "admit.h"
+#include "agent.h"
+#include "settings.h"
+
+/* ---- the shared ledger: <runtime dir>/staging/<pid>, "<start time> <bytes>" ----
+ * Why a ledger and not the controller summing staging_bytes over the agents: staging grows without
+ * any controller (GPUCR_STAGING_AHEAD), and two checkpoints started at once would each see room for
+ * themselves. The ledger is checked and written under one flock, so a growth is admitted against
+ * what all others hold or have reserved. A SIGKILLed process leaves its entry behind: an entry
+ * counts only while a process with that pid and start time lives (a reused pid does not). */
+
+#define MIB(x) ((unsigned long long)(x) >> 20)
+
+static char g_ledger[300];   /* the ledger dir; "" when there is no runtime dir (the channel is off) */
+
+static const char *ledger_dir(void)
+{
+    if (g_ledger[0]) return g_ledger;
+    const char *rd = gpucr_runtime_dir();
+    if (!rd || !rd[0]) return NULL;
+    char d[sizeof g_ledger];
+    snprintf(d, sizeof d, "%s/staging", rd);
+    if (mkdir(d, 0700) != 0 && errno != EEXIST) return NULL;
+    struct stat st;
+    /* the runtime dir is private (channel.c); its child must be ours too, a directory and not a link */
+    if (lstat(d, &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != getuid()) return NULL;
+    memcpy(g_ledger, d, sizeof g_ledger);
+    return g_ledger;
+}
+
+/* Field 22 of /proc/PID/stat: with the pid, it names one process for the life of the machine. */
+static unsigned long long start_time(int pid)
+{
+    char path[64], buf[1024];
+    snprintf(path, sizeof path, "/proc/%d/stat", pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = 0;
+    char *p = strrchr(buf, ')');   /* the command name may hold spaces and parentheses */
+    if (!p) return 0;
+    for (int field = 2; field < 22 && p; field++) p = strchr(p + 1, ' ');
+    return p ? strtoull(p + 1, NULL, 10) : 0;
+}
+
+static int lock_ledger(const char *dir)
+{
+    char path[sizeof g_ledger + 16];
+    snprintf(path, sizeof path, "%s/.lock", dir);
+    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    if (fd >= 0 && flock(fd, LOCK_EX) != 0) { close(fd); fd = -1; }
+    return fd;
+}
+
+static void unlock_ledger(int fd)
+{
+    if (fd >= 0) close(fd);   /* closing drops the flock */
+}
+
+/* Bytes of the entries of live processes other than this one; stale entries are removed. */
+static unsigned long long others_locked(const char *dir)
+{
+    unsigned long long sum = 0;
+    DIR *d = opendir(dir);
+    for (struct dirent *e; d && (e = readdir(d));) {
+        char *end;
+        long pid = strtol(e->d_name, &end, 10);
+        if (*end || pid <= 0 || pid == getpid()) continue;
+        char path[sizeof g_ledger + 32];
+        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
+        unsigned long long born = 0, bytes = 0;
+        FILE *f = fopen(path, "r");
+        int got = f ? fscanf(f, "%llu %llu", &born, &bytes) : 0;
+        if (f) fclose(f);
+        if (got == 2 && born && start_time((int)pid) == born) sum += bytes;
+        else if (got == 2) unlink(path);   /* its process is gone */
+    }
+    if (d) closedir(d);
+    return sum;
+}
+
+static void write_entry_locked(const char *dir, size_t held)
+{
+    char path[sizeof g_ledger + 32], tmp[sizeof path + 8];
+    snprintf(path, sizeof path, "%s/%d", dir, (int)getpid());
+    if (!held) { unlink(path); return; }
+    snprintf(tmp, sizeof tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
+    if (!f) return;
+    fprintf(f, "%llu %zu\n", start_time(getpid()), held);
+    if (fclose(f) == 0) rename(tmp, path);   /* readers see the old entry or the new, never half */
+    else unlink(tmp);
+}
+
+size_t host_meminfo_kib(const char *key)
+{
+    FILE *f = fopen("/proc/meminfo", "r");
+    if (!f) return 0;
+    char line[256];
+    size_t v = 0, klen = strlen(key);
+    while (fgets(line, sizeof line, f))
+        if (!strncmp(line, key, klen) && line[klen] == ':') { v = strtoull(line + klen + 1, NULL, 10); break; }
+    fclose(f);
+    return v;
+}
+
+unsigned long long admit_budget_bytes(void)
+{
+    unsigned long long bytes = 0;
+    int pct = 0;
+    if (!gpucr_parse_budget(gpucr_setting_str(SET_HOST_BUDGET), &bytes, &pct)) return 0;
+    return pct ? host_meminfo_kib("MemTotal") * 1024ULL / 100 * (unsigned long long)pct : bytes;
+}
+
+/* ---- the memory cgroup ---- */
+
+/* GPUCR_TEST_CGROUP_ROOT: the test suite's stand-in for "/", to read fake /proc and /sys files. */
+static const char *root(void) { return gpucr_setting_str(SET_TEST_CGROUP_ROOT); }
+
+/* A cgroup file's number; false for "max", a missing file or anything else. */
+static bool read_limit(const char *dir, const char *file, unsigned long long *v)
+{
+    char path[512], buf[64];
+    snprintf(path, sizeof path, "%s/%s", dir, file);
+    FILE *f = fopen(path, "r");
+    if (!f) return false;
+    bool ok = fgets(buf, sizeof buf, f) != NULL;
+    fclose(f);
+    char *end;
+    if (!ok || buf[0] < '0' || buf[0] > '9') return false;
+    *v = strtoull(buf, &end, 10);
+    return *end == '\n' || *end == 0;
+}
+
+/* The least room (limit - current) among the limits of dir and its ancestors up to top. */
+static void walk_up(const char *top, const char *rel, const char *const *files, unsigned long long none_above,
+                    const char *current_file, struct cgroup_room *out)
+{
+    char dir[512];
+    snprintf(dir, sizeof dir, "%s%s", top, rel);
+    size_t toplen = strlen(top);
+    unsigned long long best = ~0ULL;
+    for (;;) {
+        size_t n = strlen(dir);
+        while (n > toplen && dir[n - 1] == '/') dir[--n] = 0;   /* "top/" is top */
+        unsigned long long cur = 0;
+        for (int i = 0; files[i]; i++) {
+            unsigned long long lim;
+            if (!read_limit(dir, files[i], &lim) || lim >= none_above) continue;
+            if (!read_limit(dir, current_file, &cur)) cur = 0;
+            unsigned long long room = lim > cur ? lim - cur : 0;
+            if (room < best) {
+                best = room;
+                *out = (struct cgroup_room){.found = true, .file = files[i], .limit = lim, .current = cur};
+                snprintf(out->path, sizeof out->path, "%s", dir + strlen(root()));
+            }
+        }
+        char *slash = strrchr(dir, '/');
+        if (n <= toplen || !slash || (size_t)(slash - dir) < toplen) break;
+        *slash = 0;
+    }
+}
+
+void admit_cgroup_room(struct cgroup_room *out)
+{
+    *out = (struct cgroup_room){0};
+    char path[512], line[512], v2[256] = "", v1[256] = "";
+    bool has_v2 = false, has_v1 = false;
+    snprintf(path, sizeof path, "%s/proc/self/cgroup", root());
+    FILE *f = fopen(path, "r");
+    if (!f) return;
+    /* "0::/path" is v2; "N:a,memory,b:/path" is v1's memory controller */
+    while (fgets(line, sizeof line, f)) {
+        line[strcspn(line, "\n")] = 0;
+        char *c1 = strchr(line, ':'), *c2 = c1 ? strchr(c1 + 1, ':') : NULL;
+        if (!c2) continue;
+        *c1 = *c2 = 0;
+        const char *ctrls = c1 + 1, *rel = c2 + 1;
+        if (!strcmp(line, "0") && !*ctrls) { snprintf(v2, sizeof v2, "%s", rel); has_v2 = true; }
+        for (const char *w = ctrls; *w;) {
+            size_t len = strcspn(w, ",");
+            if (len == 6 && !strncmp(w, "memory", 6)) { snprintf(v1, sizeof v1, "%s", rel); has_v1 = true; }
+            w += len + (w[len] == ',');
+        }
+    }
+    fclose(f);
+    char top[512];
+    if (has_v1) {   /* a v1 memory controller wins: then the v2 hierarchy holds no memory controller */
+        static const char *const files[] = {"memory.limit_in_bytes", NULL};
+        snprintf(top, sizeof top, "%s/sys/fs/cgroup/memory", root());
+        walk_up(top, v1, files, 1ULL << 62, "memory.usage_in_bytes", out);   /* v1 says "none" with ~2^63 */
+        return;
+    }
+    if (has_v2) {
+        static const char *const files[] = {"memory.max", "memory.high", NULL};
+        snprintf(top, sizeof top, "%s/sys/fs/cgroup", root());
+        struct stat st;
+        char unified[600];
+        snprintf(unified, sizeof unified, "%s/unified", top);   /* hybrid hosts mount v2 there */
+        if (stat(unified, &st) == 0 && S_ISDIR(st.st_mode)) snprintf(top, sizeof top, "%.500s", unified);
+        walk_up(top, v2, files, ~0ULL, "memory.current", out);
+    }
+}
+
+/* ---- admission ---- */
+
+int admit_reserve(size_t held, size_t need, bool charged, char *err, size_t errlen)
+{
+    unsigned long long budget = admit_budget_bytes();
+    const char *dir = ledger_dir();
+    int lk = dir ? lock_ledger(dir) : -1;
+    unsigned long long others = lk >= 0 ? others_locked(dir) : 0;
+    int rc = 0;
+    if (budget && others + held + need > budget) {
+        unsigned long long used = others + held, avail = budget > used ? budget - used : 0;
+        snprintf(err, errlen, "host-memory budget: staging needs %llu MiB more, %llu MiB left of %llu MiB (other "
+                 "processes hold %llu MiB); raise GPUCR_HOST_BUDGET, free staging elsewhere (restore "
+                 "--drop-staging) " ADMIT_ON_DISK, MIB(need), MIB(avail), MIB(budget),
+                 MIB(others));
+        rc = -1;
+    }
+    struct cgroup_room cg;
+    if (charged) admit_cgroup_room(&cg);
+    unsigned long long cg_avail = charged && cg.found && cg.limit > cg.current ? cg.limit - cg.current : 0;
+    if (rc == 0 && charged && cg.found && need > cg_avail) {
+        unsigned long long avail = cg_avail;
+        snprintf(err, errlen, "memory cgroup %s: staging needs %llu MiB more, %llu MiB left (%s %llu MiB, current "
+                 "%llu MiB; staging is charged to it); raise the limit, free memory in it " ADMIT_ON_DISK, cg.path,
+                 MIB(need), MIB(avail), cg.file, MIB(cg.limit), MIB(cg.current));
+        rc = -1;
+    }
+    if (rc == 0 && lk >= 0) write_entry_locked(dir, held + need);
+    unlock_ledger(lk);
+    return rc;
+}
+
+void admit_record(size_t held)
+{
+    const char *dir = ledger_dir();
+    int lk = dir ? lock_ledger(dir) : -1;
+    if (lk >= 0) write_entry_locked(dir, held);
+    unlock_ledger(lk);
+}
+
+static unsigned long long admit_used_bytes(void)
+{
+    const char *dir = ledger_dir();
+    int lk = dir ? lock_ledger(dir) : -1;
+    unsigned long long sum = lk >= 0 ? others_locked(dir) : 0;
+    unlock_ledger(lk);
+    return sum;
+}
+
+void admit_status_json(struct jb *j, size_t held)
+{
+    jb_int(j, "host_budget_bytes", (long long)admit_budget_bytes());
+    jb_int(j, "host_budget_used_bytes", (long long)(admit_used_bytes() + held));
+    struct cgroup_room cg;
+    admit_cgroup_room(&cg);
+    if (!cg.found) return;
+    jb_sub(j, "memory_cgroup");
+    jb_str(j, "path", cg.path);
+    jb_str(j, "limit_file", cg.file);
+    jb_int(j, "limit_bytes", (long long)cg.limit);
+    jb_int(j, "current_bytes", (long long)cg.current);
+    jb_end(j);
+}
