@@ -275,9 +275,11 @@ static int fit(const size_t *sizes, int n, bool shrink, char *err, size_t errlen
     size_t largest = 0, missing = shortfall_locked(sizes, n, &largest);
     int rc = 0;
     /* the whole shortfall is checked first: a refusal must come before anything is touched */
+    bool reserved = false;
     if (missing) {
         size_t first = next_seg_size_locked(missing, largest), all = round_up(missing, HUGE_PAGE);
         if (!room_for(first > all ? first : all, err, errlen)) rc = -1;
+        else reserved = true;
     }
     /* each new segment holds at least the largest allocation still without a place, so every round places one */
     while (rc == 0 && missing) {
@@ -290,7 +292,7 @@ static int fit(const size_t *sizes, int n, bool shrink, char *err, size_t errlen
         if (rc == 0) S.n++;
         missing = shortfall_locked(sizes, n, &largest);
     }
-    admit_record(memory_locked());   /* what was made, in place of what was reserved */
+    if (reserved) admit_record(memory_locked());   /* what was made, in place of what was reserved */
     pthread_mutex_unlock(&S.mu);
     return rc;
 }
