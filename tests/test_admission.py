@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import gpucr
+from gpucr import paths
 from gpucr import results as R
 from gpucr.cli import _mib
 
@@ -64,14 +65,47 @@ def test_the_budget_is_shared_by_the_processes_of_the_user(sim_app):
     gpucr.restore(second.pid)
 
 
+def _ledger() -> list[str]:
+    return sorted(p.name for p in paths.runtime_dir().iterdir() if p.name.endswith(".staging"))
+
+
 def test_a_killed_process_staging_no_longer_counts(sim_app):
     first = sim_app("--sizes", "48M", env=_env(GPUCR_HOST_BUDGET="80M"))
     second = sim_app("--sizes", "48M", env=_env(GPUCR_HOST_BUDGET="80M"))
     gpucr.checkpoint(first.pid)
+    assert [n.split("-")[0] for n in _ledger()] == [str(first.pid)]
     first.proc.kill()
     first.proc.wait()
-    gpucr.checkpoint(second.pid)   # the dead process's ledger entry is stale: not counted
-    gpucr.restore(second.pid)
+    gpucr.checkpoint(second.pid)   # the dead process's entry holds no flock: stale, not counted, removed
+    assert [n.split("-")[0] for n in _ledger()] == [str(second.pid)]
+    gpucr.restore(second.pid, drop_staging=True)
+    assert _ledger() == [], "staging given back: the entry goes with it"
+
+
+def test_ps_removes_a_killed_process_ledger_entry(sim_app):
+    app = sim_app("--sizes", "16M", env=_env())
+    gpucr.checkpoint(app.pid)
+    assert len(_ledger()) == 1
+    app.proc.kill()
+    app.proc.wait()
+    assert gpucr.ps().processes == [] and _ledger() == []
+
+
+def test_a_fork_child_does_not_keep_the_parent_entry_alive(sim_app):
+    """The entry's flock is the process's life sign: a fork child (a DataLoader worker) must not hold it."""
+    import signal
+    app = sim_app("--sizes", "16M", env=_env())
+    gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid)   # staging kept: the entry stays
+    child = app.ask("fork 30")["child"]
+    try:
+        app.proc.kill()
+        app.proc.wait()
+        assert os.path.exists(f"/proc/{child}"), "the child outlives its parent"
+        gpucr.ps()
+        assert _ledger() == [], "the parent's entry is stale although its fork child lives"
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 def test_status_and_ps_show_the_budget_and_what_is_used(sim_app):

@@ -12,53 +12,34 @@
 #include "agent.h"
 #include "settings.h"
 
-/* ---- the shared ledger: <runtime dir>/staging/<pid>, "<start time> <bytes>" ----
+/* ---- the shared ledger: <runtime dir>/<pid>-<pid ns>.staging, the bytes a process's staging holds ----
  * Why a ledger and not the controller summing staging_bytes over the agents: staging grows without
  * any controller (GPUCR_STAGING_AHEAD), and two checkpoints started at once would each see room for
- * themselves. The ledger is checked and written under one flock, so a growth is admitted against
- * what all others hold or have reserved. A SIGKILLed process leaves its entry behind: an entry
- * counts only while a process with that pid and start time lives (a reused pid does not). */
+ * themselves. Admission reads and writes the ledger under one flock (of the runtime dir itself), so a
+ * growth is admitted against what all others hold or have reserved. An entry counts while its
+ * process lives: the process holds a shared flock on its entry for as long as the entry exists, so a
+ * SIGKILLed process's entry is found stale by the first exclusive flock that succeeds, whatever the
+ * pid namespace, and a reused pid cannot inherit it. */
 
 #define MIB(x) ((unsigned long long)(x) >> 20)
+#define ENTRY_SUFFIX ".staging"
 
-static char g_ledger[300];   /* the ledger dir; "" when there is no runtime dir (the channel is off) */
+static int g_entry = -1;          /* this process's entry, shared flock held; -1: none */
+static char g_entry_name[64];
 
-static const char *ledger_dir(void)
+static const char *entry_name(void)
 {
-    if (g_ledger[0]) return g_ledger;
-    const char *rd = gpucr_runtime_dir();
-    if (!rd || !rd[0]) return NULL;
-    char d[sizeof g_ledger];
-    snprintf(d, sizeof d, "%s/staging", rd);
-    if (mkdir(d, 0700) != 0 && errno != EEXIST) return NULL;
-    struct stat st;
-    /* the runtime dir is private (channel.c); its child must be ours too, a directory and not a link */
-    if (lstat(d, &st) != 0 || !S_ISDIR(st.st_mode) || st.st_uid != getuid()) return NULL;
-    memcpy(g_ledger, d, sizeof g_ledger);
-    return g_ledger;
+    struct stat ns;
+    unsigned long long pidns = stat("/proc/self/ns/pid", &ns) == 0 ? (unsigned long long)ns.st_ino : 0;
+    snprintf(g_entry_name, sizeof g_entry_name, "%d-%llu" ENTRY_SUFFIX, (int)getpid(), pidns);
+    return g_entry_name;
 }
 
-/* Field 22 of /proc/PID/stat: with the pid, it names one process for the life of the machine. */
-static unsigned long long start_time(int pid)
+/* The runtime dir, opened and flocked: admission is one at a time across the user's processes. */
+static int lock_ledger(void)
 {
-    char path[64], buf[1024];
-    snprintf(path, sizeof path, "/proc/%d/stat", pid);
-    FILE *f = fopen(path, "r");
-    if (!f) return 0;
-    size_t n = fread(buf, 1, sizeof buf - 1, f);
-    fclose(f);
-    buf[n] = 0;
-    char *p = strrchr(buf, ')');   /* the command name may hold spaces and parentheses */
-    if (!p) return 0;
-    for (int field = 2; field < 22 && p; field++) p = strchr(p + 1, ' ');
-    return p ? strtoull(p + 1, NULL, 10) : 0;
-}
-
-static int lock_ledger(const char *dir)
-{
-    char path[sizeof g_ledger + 16];
-    snprintf(path, sizeof path, "%s/.lock", dir);
-    int fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+    const char *dir = gpucr_runtime_dir();   /* private (channel.c); NULL without a control channel */
+    int fd = dir ? open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC) : -1;
     if (fd >= 0 && flock(fd, LOCK_EX) != 0) { close(fd); fd = -1; }
     return fd;
 }
@@ -68,39 +49,61 @@ static void unlock_ledger(int fd)
     if (fd >= 0) close(fd);   /* closing drops the flock */
 }
 
+static bool is_entry(const char *name)
+{
+    size_t n = strlen(name), k = strlen(ENTRY_SUFFIX);
+    return n > k && !strcmp(name + n - k, ENTRY_SUFFIX) && name[0] != '.';
+}
+
 /* Bytes of the entries of live processes other than this one; stale entries are removed. */
-static unsigned long long others_locked(const char *dir)
+static unsigned long long others_locked(int dirfd)
 {
     unsigned long long sum = 0;
-    DIR *d = opendir(dir);
+    int dup_fd = dup(dirfd);
+    DIR *d = dup_fd >= 0 ? fdopendir(dup_fd) : NULL;
+    if (!d && dup_fd >= 0) close(dup_fd);
+    const char *mine = entry_name();
     for (struct dirent *e; d && (e = readdir(d));) {
-        char *end;
-        long pid = strtol(e->d_name, &end, 10);
-        if (*end || pid <= 0 || pid == getpid()) continue;
-        char path[sizeof g_ledger + 32];
-        snprintf(path, sizeof path, "%s/%s", dir, e->d_name);
-        unsigned long long born = 0, bytes = 0;
-        FILE *f = fopen(path, "r");
-        int got = f ? fscanf(f, "%llu %llu", &born, &bytes) : 0;
-        if (f) fclose(f);
-        if (got == 2 && born && start_time((int)pid) == born) sum += bytes;
-        else if (got == 2) unlink(path);   /* its process is gone */
+        if (!is_entry(e->d_name) || !strcmp(e->d_name, mine)) continue;
+        int fd = openat(dirfd, e->d_name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
+        if (fd < 0) continue;
+        if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
+            unlinkat(dirfd, e->d_name, 0);   /* no process holds it: its owner is gone */
+        } else {
+            char buf[32] = "";
+            ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
+            if (n > 0) sum += strtoull(buf, NULL, 10);
+        }
+        close(fd);
     }
     if (d) closedir(d);
     return sum;
 }
 
-static void write_entry_locked(const char *dir, size_t held)
+static void write_entry_locked(int dirfd, size_t held)
 {
-    char path[sizeof g_ledger + 32], tmp[sizeof path + 8];
-    snprintf(path, sizeof path, "%s/%d", dir, (int)getpid());
-    if (!held) { unlink(path); return; }
-    snprintf(tmp, sizeof tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "w");
-    if (!f) return;
-    fprintf(f, "%llu %zu\n", start_time(getpid()), held);
-    if (fclose(f) == 0) rename(tmp, path);   /* readers see the old entry or the new, never half */
-    else unlink(tmp);
+    const char *name = entry_name();
+    if (!held) {
+        if (g_entry >= 0) { unlinkat(dirfd, name, 0); close(g_entry); g_entry = -1; }
+        return;
+    }
+    if (g_entry < 0) {
+        g_entry = openat(dirfd, name, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
+        if (g_entry >= 0 && flock(g_entry, LOCK_SH) != 0) { close(g_entry); g_entry = -1; }
+        if (g_entry < 0) { gpucr_warn("cannot record staging in the runtime dir: %s", strerror(errno)); return; }
+    }
+    char buf[32];
+    int n = snprintf(buf, sizeof buf, "%zu\n", held);
+    /* readers read under the same lock: never half of it */
+    if (ftruncate(g_entry, 0) != 0 || pwrite(g_entry, buf, (size_t)n, 0) != n)
+        gpucr_warn("cannot record staging in the runtime dir: %s", strerror(errno));
+}
+
+void admit_reset_after_fork(void)
+{
+    /* the entry is the parent's: the child must not keep its flock alive (nor remove it) */
+    if (g_entry >= 0) close(g_entry);
+    g_entry = -1;
 }
 
 size_t host_meminfo_kib(const char *key)
@@ -218,9 +221,8 @@ void admit_cgroup_room(struct cgroup_room *out)
 int admit_reserve(size_t held, size_t need, bool charged, char *err, size_t errlen)
 {
     unsigned long long budget = admit_budget_bytes();
-    const char *dir = ledger_dir();
-    int lk = dir ? lock_ledger(dir) : -1;
-    unsigned long long others = lk >= 0 ? others_locked(dir) : 0;
+    int lk = lock_ledger();
+    unsigned long long others = lk >= 0 ? others_locked(lk) : 0;
     int rc = 0;
     if (budget && others + held + need > budget) {
         unsigned long long used = others + held, avail = budget > used ? budget - used : 0;
@@ -240,24 +242,22 @@ int admit_reserve(size_t held, size_t need, bool charged, char *err, size_t errl
                  MIB(need), MIB(avail), cg.file, MIB(cg.limit), MIB(cg.current));
         rc = -1;
     }
-    if (rc == 0 && lk >= 0) write_entry_locked(dir, held + need);
+    if (rc == 0 && lk >= 0) write_entry_locked(lk, held + need);
     unlock_ledger(lk);
     return rc;
 }
 
 void admit_record(size_t held)
 {
-    const char *dir = ledger_dir();
-    int lk = dir ? lock_ledger(dir) : -1;
-    if (lk >= 0) write_entry_locked(dir, held);
+    int lk = lock_ledger();
+    if (lk >= 0) write_entry_locked(lk, held);
     unlock_ledger(lk);
 }
 
 static unsigned long long admit_used_bytes(void)
 {
-    const char *dir = ledger_dir();
-    int lk = dir ? lock_ledger(dir) : -1;
-    unsigned long long sum = lk >= 0 ? others_locked(dir) : 0;
+    int lk = lock_ledger();
+    unsigned long long sum = lk >= 0 ? others_locked(lk) : 0;
     unlock_ledger(lk);
     return sum;
 }

@@ -32,6 +32,8 @@ unsigned long long admit_budget_bytes(void);
 int admit_reserve(size_t held, size_t need, bool charged, char *err, size_t errlen);
 /* What this process's staging holds now (after it grew, shrank or was dropped). */
 void admit_record(size_t held);
+/* In a fork child: let go of the parent's ledger entry. */
+void admit_reset_after_fork(void);
 /* Status: host_budget_bytes, host_budget_used_bytes (every live process of this user under gpucr,
  * this one's `held` included) and the memory cgroup. */
 void admit_status_json(struct jb *j, size_t held);

@@ -559,4 +559,5 @@ void staging_reset_after_fork(void)
     for (int i = 0; i < S.n; i++) close(S.segs[i].fd);
     S.n = 0;
     S.ahead = false;
+    admit_reset_after_fork();
 }

@@ -8,6 +8,7 @@ to validate: nothing in it is a path to open or a library to load.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import pwd
 import socket
@@ -199,6 +200,26 @@ def _own_live_pid(name: str) -> bool:
     return paths.parse_socket_name(name) is None and head.isdigit() and os.path.exists(f"/proc/{head}")
 
 
+STAGING_ENTRY = ".staging"   # native/agent/admit.c: a process's entry in the host-memory budget's ledger
+
+
+def _reap_staging_entry(path: Path) -> None:
+    """Remove a ledger entry whose process is gone: a live one holds a shared flock on it for as long
+    as it exists (the agent reaps these too, at each admission; this keeps `ps` leaving nothing behind)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        return   # held: its process lives
+    else:
+        path.unlink(missing_ok=True)
+    finally:
+        os.close(fd)
+
+
 def list_sockets() -> list[tuple[int, Path]]:
     """(pid, socket) of every live process under gpucr in this user's verified runtime dirs, pid as this
     controller's namespace sees it; sockets nothing listens on any more are removed (only in those dirs)."""
@@ -221,6 +242,8 @@ def list_sockets() -> list[tuple[int, Path]]:
                     pid = others.get((ino, nspid))
             if pid is not None:
                 found.append((pid, rdir / name))
+            elif name.endswith(STAGING_ENTRY):
+                _reap_staging_entry(rdir / name)
             elif name.endswith(".sock") and not _own_live_pid(name) and _listener_gone(rdir / name):
                 try:
                     (rdir / name).unlink()   # left by a process that was killed (agent or app-join socket)
