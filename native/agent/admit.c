@@ -2,6 +2,7 @@
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -24,21 +25,24 @@
 #define MIB(x) ((unsigned long long)(x) >> 20)
 #define ENTRY_SUFFIX ".staging"
 
+/* The flock orders processes; within one, this mutex orders threads (and guards g_entry) the way
+ * the sanitizers and readers can see. */
+static pthread_mutex_t g_ledger_mu = PTHREAD_MUTEX_INITIALIZER;
 static int g_entry = -1;          /* this process's entry, shared flock held; -1: none */
-static char g_entry_name[64];
 
-static const char *entry_name(void)
+static void entry_name(char *out, size_t len)
 {
     struct stat ns;
     unsigned long long pidns = stat("/proc/self/ns/pid", &ns) == 0 ? (unsigned long long)ns.st_ino : 0;
-    snprintf(g_entry_name, sizeof g_entry_name, "%d-%llu" ENTRY_SUFFIX, (int)getpid(), pidns);
-    return g_entry_name;
+    snprintf(out, len, "%d-%llu" ENTRY_SUFFIX, (int)getpid(), pidns);
 }
 
-/* The runtime dir, opened and flocked: admission is one at a time across the user's processes. */
+/* The runtime dir, opened and flocked: admission is one at a time across the user's processes.
+ * -1 without a control channel (no runtime dir): then only this process's staging is known. */
 static int lock_ledger(void)
 {
-    const char *dir = gpucr_runtime_dir();   /* private (channel.c); NULL without a control channel */
+    pthread_mutex_lock(&g_ledger_mu);
+    const char *dir = gpucr_runtime_dir();   /* private (channel.c) */
     int fd = dir ? open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC) : -1;
     if (fd >= 0 && flock(fd, LOCK_EX) != 0) { close(fd); fd = -1; }
     return fd;
@@ -47,6 +51,7 @@ static int lock_ledger(void)
 static void unlock_ledger(int fd)
 {
     if (fd >= 0) close(fd);   /* closing drops the flock */
+    pthread_mutex_unlock(&g_ledger_mu);
 }
 
 static bool is_entry(const char *name)
@@ -62,7 +67,8 @@ static unsigned long long others_locked(int dirfd)
     int dup_fd = dup(dirfd);
     DIR *d = dup_fd >= 0 ? fdopendir(dup_fd) : NULL;
     if (!d && dup_fd >= 0) close(dup_fd);
-    const char *mine = entry_name();
+    char mine[64];
+    entry_name(mine, sizeof mine);
     for (struct dirent *e; d && (e = readdir(d));) {
         if (!is_entry(e->d_name) || !strcmp(e->d_name, mine)) continue;
         int fd = openat(dirfd, e->d_name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
@@ -82,7 +88,8 @@ static unsigned long long others_locked(int dirfd)
 
 static void write_entry_locked(int dirfd, size_t held)
 {
-    const char *name = entry_name();
+    char name[64];
+    entry_name(name, sizeof name);
     if (!held) {
         if (g_entry >= 0) { unlinkat(dirfd, name, 0); close(g_entry); g_entry = -1; }
         return;
@@ -102,6 +109,7 @@ static void write_entry_locked(int dirfd, size_t held)
 void admit_reset_after_fork(void)
 {
     /* the entry is the parent's: the child must not keep its flock alive (nor remove it) */
+    g_ledger_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
     if (g_entry >= 0) close(g_entry);
     g_entry = -1;
 }

@@ -10,7 +10,8 @@
  *   g_mu (pool.c, the stream-ordered pools) -> reg_lock; it is taken inside the gate (or by the
  *     checkpoint itself, before the driver holds the process), so no thread waits on a locked driver
  *     while holding it
- *   g_staging_mu (dataplane.c, staging preparation) -> S.mu (staging.c), and -> B.mu (bounce.c)
+ *   g_staging_mu (dataplane.c, staging preparation) -> S.mu (staging.c) -> g_ledger_mu (admit.c, the
+ *     budget's ledger, with the runtime dir's flock that it stands for within this process), and -> B.mu (bounce.c)
  * and each of these is held only on its own: g_dp_mu (dataplane.c, what status reports of the data
  * plane), the gate's mutex (gate.c), g_clients_mu (channel.c), a deadline job's mutex (dataplane.c).
  * Rules that keep it so:

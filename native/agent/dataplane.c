@@ -570,7 +570,7 @@ int dp_quiesce(int timeout_ms, char *err, size_t errlen)
     if (!sj) { gpucr_gate_open(); seterr(err, errlen, "out of host memory"); return -1; }
     sj->ctxs = reg_contexts(&sj->nctx);
     int late = job_run(sj, deadline), src_rc = sj->rc;
-    char serr[256];
+    char serr[sizeof sj->err];
     snprintf(serr, sizeof serr, "%s", sj->err);
     job_put(sj);
     t.sync = ms_since(t0);
