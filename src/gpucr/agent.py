@@ -8,13 +8,20 @@ import struct
 import threading
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Protocol, TypeVar
 
 from .errors import GpucrError
 
 MAX_REPLY = 64 << 20
 PROTOCOL = 3            # what the agent says in hello's "protocol"; native/agent/channel.c sends the same
 WATCH_EVERY_S = 0.25    # how often a watched call looks at the process while it waits
+
+
+class HoldsFd(Protocol):
+    fd: int | None      # a file descriptor received from an agent, ours to close (None: none or closed)
+
+
+T = TypeVar("T", bound=HoldsFd)
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -75,6 +82,28 @@ class AgentClient:
     def call_with_fds(self, verb: str, timeout: float = 30.0, **args: int) -> tuple[dict[str, Any], list[int]]:
         """Like call, for answers that carry file descriptors (the staging segments); the caller closes them."""
         return self._call(verb, timeout, True, args)
+
+    def call_paged_with_fds(self, verb: str, key: str, entry: Callable[[Any, list[int]], T], what: str,
+                            timeout: float = 10.0) -> list[T]:
+        """A listing the agent sends in pages (`from=N`; `next` is -1 after the last page), each page with
+        the fds of its entries; `entry` makes one entry of an answer's `key` list, taking its fd from the
+        page's. fds no entry took are closed here, and on a malformed answer every one received so far;
+        the entries keep theirs (the caller closes them: close_held)."""
+        out: list[T] = []
+        start = 0
+        while start >= 0:
+            reply, fds = self.call_with_fds(verb, timeout=timeout, **{"from": start})
+            try:
+                got = [entry(e, fds) for e in reply[key]]
+                start = int(reply.get("next", -1))
+            except (KeyError, TypeError, ValueError) as exc:
+                close_held(out)
+                _close_all(fds)
+                raise GpucrError(f"process {self.pid} sent a malformed {what}") from exc
+            out.extend(got)
+            used = {o.fd for o in got}
+            _close_all([fd for fd in fds if fd not in used])
+        return out
 
     def call_sending_fds(self, verb: str, send: list[int], timeout: float = 30.0, **args: int) -> dict[str, Any]:
         """Like call, with file descriptors attached to the request (shared memory to relink)."""
@@ -145,3 +174,11 @@ class AgentClient:
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
+
+
+def close_held(objs: Iterable[HoldsFd]) -> None:
+    """Close the fds these entries hold (while open, an fd of GPU memory keeps that memory on the GPU)."""
+    for o in objs:
+        if o.fd is not None:
+            os.close(o.fd)
+            o.fd = None

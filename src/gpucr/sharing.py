@@ -20,10 +20,11 @@ import fcntl
 import os
 import platform
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 from . import gpus
 from . import target as targets
+from .agent import close_held
 from .driver import Driver
 from .errors import GpucrError
 
@@ -64,34 +65,15 @@ class Shared:
 
 
 def gather(pid: int, agent: Any) -> list[Shared]:
-    """Every shared allocation of one process, with our copy of its fd (the caller closes them)."""
-    out: list[Shared] = []
-    start = 0
-    while start >= 0:
-        reply, fds = agent.call_with_fds("shared", timeout=10.0, **{"from": start})
-        try:
-            for e in reply["shared"]:
-                idx = e["fd_index"]
-                out.append(Shared(pid, e["sid"], e["role"], e["key"], e["bytes"],
-                                  fds[idx] if 0 <= idx < len(fds) else None, e.get("owner", 0)))
-        except (KeyError, TypeError) as exc:
-            close_all(out)
-            for fd in fds:
-                os.close(fd)
-            raise GpucrError(f"process {pid} sent a malformed list of shared memory") from exc
-        used = {o.fd for o in out}
-        for fd in fds:
-            if fd not in used:
-                os.close(fd)
-        start = reply.get("next", -1)
-    return out
+    """Every shared allocation of one process, with our copy of its fd (the caller closes them: close_all)."""
+    def entry(e: dict[str, Any], fds: list[int]) -> Shared:
+        idx = e["fd_index"]
+        return Shared(pid, e["sid"], e["role"], e["key"], e["bytes"], fds[idx] if 0 <= idx < len(fds) else None,
+                      e.get("owner", 0))
+    return agent.call_paged_with_fds("shared", "shared", entry, "list of shared memory")
 
 
-def close_all(objs: Iterable[Shared]) -> None:
-    for o in objs:
-        if o.fd is not None:
-            os.close(o.fd)
-            o.fd = None
+close_all = close_held
 
 
 def _exporter_of(imp: Shared, exporters: list[Shared]) -> Shared | None:

@@ -8,11 +8,10 @@ GPU while they are open: the caller closes them (close_all) as soon as it is don
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any
 
-from ..errors import GpucrError
+from ..agent import close_held
 
 
 @dataclass
@@ -44,30 +43,8 @@ def _entry(e: dict[str, Any], fds: list[int]) -> Managed:
 
 
 def gather(agent: Any) -> list[Managed]:
-    """Every allocation a process's agent manages, with our own fd of each (the caller closes them)."""
-    out: list[Managed] = []
-    start = 0
-    while start >= 0:
-        reply, fds = agent.call_with_fds("memory", timeout=10.0, **{"from": start})
-        try:
-            got = [_entry(e, fds) for e in reply["memory"]]
-            start = int(reply.get("next", -1))
-        except (KeyError, TypeError, ValueError) as exc:
-            close_all(out)
-            for fd in fds:
-                os.close(fd)
-            raise GpucrError(f"process {agent.pid} sent a malformed list of its GPU memory") from exc
-        out.extend(got)
-        used = {m.fd for m in got}
-        for fd in fds:
-            if fd not in used:
-                os.close(fd)
-    return out
+    """Every allocation a process's agent manages, with our own fd of each (the caller closes them: close_all)."""
+    return agent.call_paged_with_fds("memory", "memory", _entry, "list of its GPU memory")
 
 
-def close_all(objs: Iterable[Managed]) -> None:
-    """Close our fds: until then they keep the memory on the GPU, even once the process frees it."""
-    for o in objs:
-        if o.fd is not None:
-            os.close(o.fd)
-            o.fd = None
+close_all = close_held   # until closed, our fds keep the memory on the GPU, even once the process frees it
