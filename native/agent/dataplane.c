@@ -902,14 +902,6 @@ static const char *kind_name(const struct phys *p)
     return p->kind == PHYS_CONVERTED ? "converted" : p->kind == PHYS_APP_VMM ? "app_vmm" : "imported";
 }
 
-/* The device ordinal of the context p was made in (-1: none known). Registry locked. */
-static int device_of(const struct phys *p)
-{
-    for (int i = 0; i < g_reg.nctx; i++)
-        if (g_reg.ctxs[i].ctx == p->ctx) return g_reg.ctxs[i].dev;
-    return -1;
-}
-
 int dp_memory_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds)
 {
     *nfds = 0;
@@ -926,7 +918,7 @@ int dp_memory_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds)
         jb_int(j, "index", k - 1);
         jb_str(j, "kind", kind_name(p));
         jb_int(j, "bytes", (long long)p->size);
-        jb_int(j, "device", device_of(p));
+        jb_int(j, "device", reg_ctx_device(p->ctx));   /* the GPU of the context it was made in */
         jb_bool(j, "released", p->released);
         jb_bool(j, "not_exportable", p->own_fd_missing);
         jb_arr(j, "maps");

@@ -65,6 +65,12 @@ static void query_device(struct ctx_rec *r)
         gpucr_cu_warn(rc, "cuDeviceGetUuid (device %d)", dev);
 }
 
+int reg_ctx_device(CUcontext ctx)
+{
+    int i = ctx_index(ctx);
+    return i < 0 ? -1 : g_reg.ctxs[i].dev;
+}
+
 void reg_learn_ctx(CUcontext ctx)
 {
     if (!ctx) return;

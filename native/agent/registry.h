@@ -102,6 +102,8 @@ void reg_refresh_devices(void);
 /* A context ends: forget it; memory recorded in it moves to another live context of its device, or
  * to none until the process makes one (the data plane leaves such memory to the driver). */
 void reg_forget_ctx(CUcontext ctx);
+/* The device ordinal of a context as last learnt (-1: not known). Registry locked. */
+int reg_ctx_device(CUcontext ctx);
 /* Forget the plain, pool and managed allocations `gone` says the driver no longer has. */
 void reg_forget_natives(bool (*gone)(CUdeviceptr));
 /* A plain allocation's record: its size, and the device it is on (for per-GPU accounting). */
