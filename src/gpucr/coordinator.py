@@ -778,7 +778,8 @@ def _data_in_all(members: list[_Member], timeout: float, drop_staging: bool, pha
         raise live[0] from live[0].cause
     # one that died meanwhile (a rank killed mid-checkpoint) is no more: the others go on, and what they
     # imported from it is replaced (_orphans)
-    restoring = [m for m in restoring if not _ended(m.pid)]
+    if drop_ended:
+        restoring = [m for m in restoring if not _ended(m.pid)]
     shared_before = {m.pid: list(m.status.get("shared", [])) for m in restoring}
     _relink(restoring, shared_before, sources if sources is not None else members)
     _orphans(restoring, shared_before)
