@@ -476,7 +476,7 @@ def _roll_back(members: list[_Member]) -> None:
     """Undo a partial checkpoint of these processes, last step first; never raises."""
     _run_all(members, _roll_back_driver)   # it never raises
     _run_all(members, _abort_held)   # it never raises
-    back = [m for m in members if m.data_out and not _ended(m.pid)]
+    back = [m for m in members if m.data_out and not targets.process_ended(m.pid)]
     for m in back:
         m.status = {**m.status, "state": "checkpointed"}
     try:
@@ -519,7 +519,7 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
         except PhaseError as exc:
             _roll_back(members)
             if len(members) > 1:
-                alive = [m for m in members if not _ended(m.pid)]
+                alive = [m for m in members if not targets.process_ended(m.pid)]
                 lost = "".join(f"; process {m.pid}: {w}" for m in alive for w in m.result.get("warnings", []))
                 ended = [str(m.pid) for m in members if m not in alive]
                 who = (f"all {len(members)} processes run on" if not ended else
@@ -779,7 +779,7 @@ def _data_in_all(members: list[_Member], timeout: float, drop_staging: bool, pha
     # one that died meanwhile (a rank killed mid-checkpoint) is no more: the others go on, and what they
     # imported from it is replaced (_orphans)
     if drop_ended:
-        restoring = [m for m in restoring if not _ended(m.pid)]
+        restoring = [m for m in restoring if not targets.process_ended(m.pid)]
     shared_before = {m.pid: list(m.status.get("shared", [])) for m in restoring}
     _relink(restoring, shared_before, sources if sources is not None else members)
     _orphans(restoring, shared_before)
@@ -798,14 +798,14 @@ def _relink(restoring: list[_Member], shared_before: dict[int, list[dict[str, An
                 owners[o["key"]] = o.get("owner", 0)
     if not wanted:
         return
-    by_key = {o["key"]: m for m in sources if not _ended(m.pid)
+    by_key = {o["key"]: m for m in sources if not targets.process_ended(m.pid)
               for o in m.status.get("shared", []) if o["role"] == "exporter"}
     outside: dict[int, Any] = {}
     try:
         for key, importers in wanted.items():
             exp_pid, exp = (by_key[key].pid, by_key[key].agent) if key in by_key else (owners[key], None)
             if exp is None:   # an exporter running outside this restore (it never stopped): ask it directly
-                if not exp_pid or _ended(exp_pid):
+                if not exp_pid or targets.process_ended(exp_pid):
                     continue  # gone: _orphans deals with it
                 try:
                     if exp_pid not in outside:
@@ -831,20 +831,11 @@ def _relink(restoring: list[_Member], shared_before: dict[int, list[dict[str, An
             agent.close()
 
 
-def _ended(pid: int, start_time: int | None = None) -> bool:
-    """Whether a process has ended: gone, a zombie, or another process under its pid (start time)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return fields[0] in ("Z", "X") or (start_time is not None and int(fields[19]) != start_time)
-    except (OSError, ValueError, IndexError):
-        return True
-
-
 def _ends_soon(pid: int, within_s: float = 1.0) -> bool:
     """Whether a process whose agent just failed has ended or ends within a moment: a SIGKILLed
     process closes its sockets a little before it becomes a zombie."""
     deadline = time.monotonic() + within_s
-    while not _ended(pid):
+    while not targets.process_ended(pid):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.02)
@@ -853,7 +844,7 @@ def _ends_soon(pid: int, within_s: float = 1.0) -> bool:
 
 def _owner_gone(o: dict[str, Any]) -> bool:
     """Whether the exporter an importer was bound to has ended (pid and start time name it)."""
-    return bool(o.get("owner")) and _ended(o["owner"], o.get("owner_start"))
+    return bool(o.get("owner")) and targets.process_ended(o["owner"], o.get("owner_start"))
 
 
 def _orphans(restoring: list[_Member], shared_before: dict[int, list[dict[str, Any]]]) -> None:

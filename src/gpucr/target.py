@@ -50,6 +50,15 @@ def _stat_fields(pid: int) -> list[str]:
     return text[text.rindex(")") + 2:].split()
 
 
+def process_ended(pid: int, start_time: int | None = None) -> bool:
+    """Whether a process has ended: gone, a zombie, or another process under its pid (start time)."""
+    try:
+        fields = _stat_fields(pid)
+        return fields[0] in ("Z", "X") or (start_time is not None and int(fields[19]) != start_time)
+    except (OSError, ValueError, IndexError):
+        return True
+
+
 def process_start_time(pid: int) -> int:
     return int(_stat_fields(pid)[19])
 

@@ -18,7 +18,7 @@ from typing import Any
 from .. import paths
 from ..agent import peer_credentials
 from ..errors import GpucrError
-from ..target import check_not_stopped
+from ..target import check_not_stopped, process_ended
 from . import wire
 
 AUTO_IDLE_EXIT_S = 60.0   # a server `gpucr run` started goes away this long after the last process under gpucr
@@ -244,17 +244,7 @@ def stop(simulated: bool, wait_s: float = 30.0) -> int | None:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    try:   # a zombie (a server this very process started and has not reaped) has stopped
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except (OSError, IndexError):
-        return False
+    return not process_ended(pid)   # a zombie (a server this very process started, not reaped) has stopped
 
 
 __all__ = ["Connection", "ServerDied", "Unavailable", "connect", "ensure_running", "info", "start", "stop",

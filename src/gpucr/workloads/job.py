@@ -19,6 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
+from ..target import process_ended
 from .ranks import merge
 from .runner import Workload, kill_tree
 
@@ -96,15 +97,7 @@ class Job:
 
     def alive(self) -> dict[int, bool]:
         """Which of the ranks' processes still exist (a dead rank of a torchrun job is not our child)."""
-        out = {}
-        for pid in self.pids:
-            try:
-                os.kill(pid, 0)
-                with open(f"/proc/{pid}/stat") as f:
-                    out[pid] = f.read().rsplit(")", 1)[1].split()[0] != "Z"
-            except (ProcessLookupError, FileNotFoundError):
-                out[pid] = False
-        return out
+        return {pid: not process_ended(pid) for pid in self.pids}
 
     def close(self, graceful: bool = True, timeout: float = 60.0) -> list[int | None]:
         """Ask every process to quit (graceful), then kill whatever is left: the ranks, the launcher
