@@ -863,9 +863,12 @@ void pool_forget_ctx(CUcontext ctx)
     pthread_mutex_unlock(&g_mu);
 }
 
-/* Graph memory the driver holds, on every device the process uses: trimmed first when `trim` (what
- * no graph holds goes back). Asked in one context of each device, made current here: the caller may
- * be the agent's channel thread, which has none. */
+/* Graph memory the driver holds, on every device the process uses. With `trim` (gate closed, every
+ * context synchronised): what no graph holds goes back first, and what the graph allocator still
+ * reserves after that is what the driver's checkpoint moves. Without it (the process runs): only the
+ * memory graphs use now, since what they merely cache is trimmed before a checkpoint (on the H200 a
+ * graph that frees its scratch inside the graph kept it reserved between launches: 32 MiB). Asked in
+ * one context of each device, made current here: the caller may be the agent's channel thread. */
 static unsigned long long graph_memory(bool trim)
 {
     reg_lock();
@@ -886,7 +889,8 @@ static unsigned long long graph_memory(bool trim)
         if (trim && gpucr_drv.cuDeviceGraphMemTrim) gpucr_drv.cuDeviceGraphMemTrim(devs[i]);
         cuuint64_t v = 0;
         if (gpucr_drv.cuDeviceGetGraphMemAttribute &&
-            gpucr_drv.cuDeviceGetGraphMemAttribute(devs[i], CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT, &v) == CUDA_SUCCESS)
+            gpucr_drv.cuDeviceGetGraphMemAttribute(devs[i], trim ? CU_GRAPH_MEM_ATTR_RESERVED_MEM_CURRENT
+                                                                  : CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT, &v) == CUDA_SUCCESS)
             total += v;
     }
     gpucr_drv.cuCtxSetCurrent(cur);

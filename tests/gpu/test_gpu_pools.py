@@ -18,7 +18,7 @@ import pytest
 import gpucr
 from gpucr.driver import driver_for, gpu_memory
 from gpucr.jobs import children_of
-from gpucr.results import ProcessStatus
+from gpucr.results import ProcessCheckpoint, ProcessStatus
 from gpucr.workloads.runner import Workload
 
 from conftest import gpu, nvcc_build
@@ -34,7 +34,7 @@ def used() -> int:
     return gpu_memory(driver_for("libcuda.so.1")).used
 
 
-def moved_share(st: ProcessStatus) -> float:
+def moved_share(st: ProcessStatus | ProcessCheckpoint) -> float:
     cov = st.coverage
     total = cov.bytes_moved_by_gpucr + cov.bytes_left_to_driver
     return cov.bytes_moved_by_gpucr / total if total else 0.0
@@ -44,9 +44,11 @@ def cycle(app: Workload, pid: int, idle: int, name: str, i: int, compute: bool =
     """One checked cycle; returns its checkpoint and restore seconds."""
     before = app.ask("digest")
     result = app.ask("compute") if compute else None
-    st = gpucr.status(pid)
-    assert moved_share(st) >= 0.99, f"{name} cycle {i}: only {moved_share(st):.2%} moved by gpucr: {st.coverage}"
+    st = gpucr.status(pid)   # while it runs: an estimate (graph memory that is only cached is trimmed later)
     ck = gpucr.checkpoint(pid, level="full", timeout=120)
+    # what the checkpoint left to the driver, after the graph allocator and the driver's pools were trimmed
+    assert moved_share(ck) >= 0.99, (f"{name} cycle {i}: only {moved_share(ck):.2%} moved by gpucr "
+                                      f"({moved_share(st):.2%} estimated while running): {ck.coverage}")
     during = used()
     assert during - idle <= SLACK, f"{name} cycle {i}: {(during - idle) / MiB:.0f} MiB above idle while checkpointed"
     rs = gpucr.restore(pid, timeout=120)
@@ -109,8 +111,9 @@ def test_cpp_malloc_async_and_graph_memory_nodes_ten_cycles_mid_loop(pool_app_ex
 
 
 @pytest.mark.skipif(shutil.which("compute-sanitizer") is None, reason="needs compute-sanitizer")
-def test_stream_ordered_stress_clean_under_compute_sanitizer(pool_app_exe):
-    argv = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", pool_app_exe]
+def test_stream_ordered_stress_clean_under_compute_sanitizer(pool_app_exe, tmp_path):
+    log = tmp_path / "sanitizer.log"   # its report goes there: the program's stdout is its protocol
+    argv = ["compute-sanitizer", "--tool", "memcheck", "--error-exitcode", "9", "--log-file", str(log), pool_app_exe]
     with Workload("pool_app", argv=argv, ready_timeout=300) as app:
         pid = next(p for p in children_of(app.pid) if os.path.realpath(f"/proc/{p}/exe") == pool_app_exe)
         assert app.ask("churn 200", timeout=300) == {"ok": True}
@@ -120,4 +123,6 @@ def test_stream_ordered_stress_clean_under_compute_sanitizer(pool_app_exe):
         assert app.ask("digest") == before
         assert app.ask("churn 200", timeout=300) == {"ok": True}
         assert app.ask("graph 50") == {"replayed": 50, "ok": True}
-    assert app.proc.returncode == 0, "compute-sanitizer found errors (exit 9) or the program failed"
+    report = log.read_text()
+    assert app.proc.returncode == 0, f"compute-sanitizer found errors (exit 9) or the program failed:\n{report[-4000:]}"
+    assert "ERROR SUMMARY: 0 errors" in report, report[-4000:]
