@@ -27,9 +27,16 @@ def _private_dirs(tmp_path_factory, monkeypatch, request):
     monkeypatch.setenv("GPUCR_RUNTIME_DIR", str(rt))
     monkeypatch.setenv("SIMCUDA_DIR", str(sim))
     monkeypatch.setenv("SIMCUDA_TOTAL_MEM", str(4 << 30))
-    if "gpu" not in Path(str(request.node.path)).parent.parts[-1:]:
+    gpu_test = "gpu" in Path(str(request.node.path)).parent.parts[-1:]
+    if not gpu_test:
         monkeypatch.setenv("GPUCR_SIMULATE", "1")
+    # GPUCR_TEST_VIA_SERVER=1 (scripts/gpu-check VIA_SERVER=1): every GPU test's checkpoints and restores go
+    # through a gpucr server of its own, its data plane copying (test_gpu_server starts its own servers)
+    via = gpu_test and os.environ.get("GPUCR_TEST_VIA_SERVER") == "1" and request.node.path.name != "test_gpu_server.py"
+    srv = RunningServer(False) if via else None
     yield
+    if srv is not None:
+        srv.stop()
 
 
 @pytest.fixture
@@ -220,6 +227,17 @@ def server():
     s = RunningServer(True)
     yield s
     s.stop()
+
+
+def server_gpu_bytes() -> int:
+    """GPU memory the running gpucr server holds itself (its data plane's context), counted apart when a test
+    asks for the card within a few MiB of idle while a process is parked (issue 13); 0 when none runs."""
+    from gpucr.server import route
+    info = route.server_info()
+    if info is None:
+        return 0
+    assert info["gpu_bytes"] is not None, f"the server's own GPU memory is not measurable here: {info}"
+    return info["gpu_bytes"]
 
 
 def bring_back_on_the_gpu(pid: int, cli) -> None:

@@ -25,6 +25,9 @@ from gpucr.workloads.runner import Workload
 from conftest import RunningServer, cycle_concurrently, gpucr_cli, sim_driver
 
 
+SIM_CONTEXT_BYTES = 64 << 20   # what simcuda charges for a context (SIMCUDA_CTX_BYTES' default)
+
+
 def one_line_error(r: subprocess.CompletedProcess, *words: str) -> str:
     assert r.returncode != 0, r.stdout
     lines = r.stderr.strip().splitlines()
@@ -69,11 +72,16 @@ def test_cli_and_api_requests_go_through_the_server(server, sim_app):
     ps = gpucr_cli("ps")
     assert ps.returncode == 0 and server.requests() == n + 8
     assert f"server: pid {server.pid} [simcuda]" in ps.stdout
-    assert "GPU memory it holds (apart from the processes): 0 MiB on 1 GPU" in ps.stdout, ps.stdout
+    # the server's own: the context its data plane copied in, shown apart from the processes
+    info = server.info()
+    assert len(info["contexts"]) == 1 and info["pinned_staging_bytes"] >= 44 << 20, info
+    assert (f"GPU memory it holds (apart from the processes): {info['gpu_bytes'] >> 20} MiB on 1 GPU "
+            "(its data-plane context on 1;") in ps.stdout, ps.stdout
     assert str(app.pid) in ps.stdout
-    # measured per process: the app holds its memory, the server, which makes no context, none
+    # measured per process: the app holds its memory, the server its context (simcuda's: 64 MiB) and
+    # nothing of the app's
     assert process_gpu_memory(sim_driver(), app.pid, 0) >= 44 << 20
-    assert server.info()["gpu_bytes"] == 0
+    assert info["gpu_bytes"] == SIM_CONTEXT_BYTES
 
 
 def test_no_server_flag_and_setting_act_in_process(server, sim_app):
@@ -120,12 +128,117 @@ def test_image_dirs_travel_as_absolute_paths(server, sim_app, tmp_path):
     assert app.ask("digest") == before
 
 
+# ---- the server's data plane: it copies the data while the driver takes the control state ----
+
+def test_the_server_copies_the_data_while_the_driver_checkpoints(server, sim_app):
+    """Through the server, the agent hands its memory over (released, its fds kept) and the server copies
+    it into the process's staging side by side with the driver's checkpoint; at restore the server makes
+    and fills new memory while the driver restores, and the agent maps it at the old addresses. Every byte
+    back, same addresses, the process holds nothing while checkpointed, and the cycle repeats."""
+    app = sim_app("--sizes", "32M,4M,6M", "--vmm-mib", "8")
+    before = app.ask("digest")
+    for i in range(3):
+        ck = gpucr.checkpoint(app.pid)
+        assert {"handover", "data_out", "driver_lock", "control_out"} <= set(ck.phases_s), ck.phases_s
+        assert ck.bytes_moved == 50 << 20, ck
+        st = gpucr.status(app.pid)
+        assert st.state == "checkpointed" and st.staged and st.checkpoint_phase == "", st
+        assert process_gpu_memory(sim_driver(), app.pid, 0) == 0   # its memory left the GPU with the fds
+        rs = gpucr.restore(app.pid)
+        assert {"control_in", "data_in", "adopt", "finish"} <= set(rs.phases_s), rs.phases_s
+        assert rs.bytes_moved == 50 << 20 and rs.agent_phases_s.get("data_in", 0) < 1.0, rs
+        after = app.ask("digest")
+        assert after == before, f"cycle {i}: bytes or addresses differ"
+        app.ask("work 1")   # the next computation runs on the adopted memory
+        before = app.ask("digest")
+    # the adopted memory is the agent's again: exported to a controller, released at the next checkpoint
+    st = gpucr.status(app.pid)
+    assert st.allocations.not_exportable == 0 and st.coverage.bytes_moved_by_gpucr == 50 << 20
+
+
+def test_level_data_goes_through_the_server(server, sim_app):
+    """--level data: the same hand-over and adoption, with no driver step; the context stays."""
+    app = sim_app("--sizes", "16M,16M")
+    before = app.ask("digest")
+    ck = gpucr.checkpoint(app.pid, level="data")
+    assert "handover" in ck.phases_s and "control_out" not in ck.phases_s, ck.phases_s
+    assert sim_driver().state(app.pid) == ProcessState.RUNNING
+    rs = gpucr.restore(app.pid)
+    assert "adopt" in rs.phases_s and rs.bytes_moved == 32 << 20
+    assert app.ask("digest") == before
+
+
+def test_a_process_the_server_cannot_take_goes_the_agents_way(server, sim_app, tmp_path):
+    """An image checkpoint (the agent writes staging to disk) is copied by the agent as in-process, and a
+    restore of it through the server still puts every byte back; the next cycle goes through the server."""
+    app = sim_app("--sizes", "16M")
+    before = app.ask("digest")
+    ck = gpucr.checkpoint(app.pid, image=tmp_path / "img")
+    assert "handover" not in ck.phases_s, ck.phases_s
+    gpucr.restore(app.pid, image=tmp_path / "img")
+    assert app.ask("digest") == before
+    assert "handover" in gpucr.checkpoint(app.pid).phases_s
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before
+
+
+def test_server_that_gives_back_its_context_holds_nothing_between_cycles(sim_app):
+    """`gpucr serve --give-back-context`: after each checkpoint and restore the server's context is gone
+    (nothing of it on the GPU, no staging pinned), and the cycles are still right."""
+    s = RunningServer(True, "--give-back-context")
+    try:
+        app = sim_app("--sizes", "16M,4M")
+        before = app.ask("digest")
+        for _ in range(2):
+            assert "handover" in gpucr.checkpoint(app.pid).phases_s
+            info = s.info()
+            assert info["contexts"] == [] and info["pinned_staging_bytes"] == 0 and info["gpu_bytes"] == 0, info
+            gpucr.restore(app.pid)
+            assert s.info()["gpu_bytes"] == 0
+            assert app.ask("digest") == before
+    finally:
+        s.stop()
+
+
+def test_the_data_plane_refuses_a_layout_outside_the_staging(tmp_path):
+    """The process is not trusted: a layout that would have the server copy past its staging file, or a
+    staging fd that is not a plain file of the size said, is refused before any copy."""
+    from gpucr.server.memory import Managed
+    from gpucr.server.mover import Mover
+    mover = Mover(sim_driver())
+    seg = tmp_path / "seg"
+    seg.write_bytes(b"\0" * (4 << 20))
+    fd = os.open(seg, os.O_RDWR)
+    mem = [Managed(0, "converted", 2 << 20, 0, True, False, [], None, "GPU-x", True, True)]
+    try:
+        for bad in ({"index": 0, "bytes": 2 << 20, "segment": 0, "offset": 3 << 20},
+                    {"index": 0, "bytes": 2 << 20, "segment": 1, "offset": 0},
+                    {"index": 0, "bytes": -1, "segment": 0, "offset": 0}):
+            layout = {"segments": [{"index": 0, "bytes": 4 << 20}], "allocations": [bad]}
+            with pytest.raises(gpucr.GpucrError, match="outside its staging"):
+                mover.copy_out(1, layout, [fd], mem)
+        with pytest.raises(gpucr.GpucrError, match="not a file of"):
+            mover.copy_out(2, {"segments": [{"index": 0, "bytes": 8 << 20}], "allocations": []}, [fd], mem)
+        r, w = os.pipe()
+        with pytest.raises(gpucr.GpucrError, match="not a file of"):
+            mover.fill(3, {"segments": [{"index": 0, "bytes": 4096}], "allocations": []}, [r], mem)
+        os.close(r)
+        os.close(w)
+    finally:
+        os.close(fd)
+        mover.close()
+
+
 # ---- the server killed: the app loses nothing, in-process still works ----
 
 @pytest.mark.parametrize("point,after", [
-    ("after-data-out", "running"),             # the agent's lease rolls it back by itself
+    # the server's data plane: the agent hands over (releases, keeping its fds), then the server copies
+    # while the driver locks and checkpoints the process, then the agent lets go of its fds (data out)
+    ("after-handover", "running"),             # the agent's lease takes the memory back by itself
+    ("during-server-copy", "running"),         # ... with the copy half done: nothing left the GPU
     ("after-driver-lock", "restorable"),       # the driver holds it: a restore finishes the job
     ("after-driver-checkpoint", "restorable"),
+    ("after-data-out", "restorable"),          # copied, the driver holds it: a restore brings it back
 ])
 def test_server_killed_during_checkpoint(server, sim_app, point, after):
     """A server SIGKILLed at each phase of a checkpoint: the client says so in one line, the process runs

@@ -161,8 +161,7 @@ static void devices_json(struct jb *j)
         if (k < i) continue;   /* a second context on the same device */
         const unsigned char *u = g_reg.ctxs[i].uuid;
         char uuid[48];
-        snprintf(uuid, sizeof uuid, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
-                 u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+        reg_uuid_text(u, uuid);
         size_t bytes = 0;
         for (struct phys *p = g_reg.all; p; p = p->next_all)
             if (p->kind != PHYS_IMPORTED && p->prop.location.id == dev) bytes += p->size;
@@ -186,7 +185,7 @@ static void reply_status(struct jb *j)
     jb_bool(j, "simulated", simulated_driver());
     jb_str(j, "state", st.state == AGENT_RUNNING ? "running" : "checkpointed");
     /* between the phases of a checkpoint of several processes: still (gate closed), nothing released */
-    jb_str(j, "checkpoint_phase", st.copied ? "copied" : st.quiesced ? "quiesced" : "");
+    jb_str(j, "checkpoint_phase", st.handed ? "handed" : st.copied ? "copied" : st.quiesced ? "quiesced" : "");
     jb_str(j, "group", g_group);
     jb_bool(j, "staged", st.staged);
     /* a checkpoint, restore or roll-back is running now (trylock probes without waiting) */
@@ -287,6 +286,9 @@ static int arg_int(const char *req, const char *key, int dflt)
 
 #define reply_error jb_error
 
+/* fds a request may carry: one for a relink, a batch of new memory for adopt */
+#define MAX_IN_FDS 64
+
 /* One connection. A checkpoint asked for with lease=1 belongs to its connection until the
  * controller says "commit": if the connection ends first (the controller died), the agent rolls
  * the process back to running by itself. */
@@ -296,7 +298,7 @@ struct client {
     int fds[STAGING_MAX_SEGS];  /* to send with the answer (SCM_RIGHTS) */
     int nfds;
     bool close_sent;            /* the fds sent are ours to close afterwards (a re-export) */
-    int in[4];                  /* received with the request (SCM_RIGHTS) */
+    int in[MAX_IN_FDS];         /* received with the request (SCM_RIGHTS) */
     int nin;
     bool acted;                 /* it asked for a change (handle_op): a controller, never evicted as idle */
     int slot;                   /* its place in g_slots while it holds it */
@@ -333,6 +335,19 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
         /* staging ready, gate closed, device still: the first phase of a checkpoint of several processes */
         rc = dp_quiesce(timeout_ms, err, sizeof err);
         if (rc == 0 && lease) c->lease = true;
+    } else if (!strcmp(verb, "handover")) {
+        /* the gpucr server copies the data (docs/server.md); under a lease like a checkpoint */
+        rc = dp_handover(timeout_ms, err, sizeof err);
+        if (rc == 0 && lease) c->lease = true;
+    } else if (!strcmp(verb, "handed_done")) {
+        rc = dp_handed_done(err, sizeof err);
+    } else if (!strcmp(verb, "adopt")) {
+        long long from = arg_ll(req, "from", -1, INT32_MAX);
+        int adopted = 0;
+        rc = from < 0 ? (snprintf(err, sizeof err, "adopt takes from=INDEX and the new memory's fds"), -1)
+                      : dp_adopt((int)from, c->in, c->nin, &adopted, err, sizeof err);
+        if (rc == 0) { jb_bool(j, "ok", true); jb_int(j, "adopted", adopted); }
+        status_after = false;
     } else if (!strcmp(verb, "release")) {
         rc = dp_release(err, sizeof err);
     } else if (!strcmp(verb, "abort")) {
@@ -430,7 +445,8 @@ static void handle(const char *req, struct jb *j, struct client *c)
     else if (!strcmp(verb, "checkpoint") || !strcmp(verb, "quiesce") || !strcmp(verb, "release") ||
              !strcmp(verb, "abort") || !strcmp(verb, "restore") || !strcmp(verb, "layout") ||
              !strcmp(verb, "drop") || !strcmp(verb, "stage") || !strcmp(verb, "export") ||
-             !strcmp(verb, "relink") || !strcmp(verb, "orphan") || !strcmp(verb, "resume"))
+             !strcmp(verb, "relink") || !strcmp(verb, "orphan") || !strcmp(verb, "resume") ||
+             !strcmp(verb, "handover") || !strcmp(verb, "handed_done") || !strcmp(verb, "adopt"))
         handle_op(verb, req, j, c);
     else reply_error(j, "unknown request verb");
 }
@@ -495,7 +511,11 @@ static void roll_back_abandoned(void)
     struct dp_status st;
     dp_get_status(&st);
     char aerr[200];
-    if (st.quiesced || st.copied) {   /* nothing was released yet: reopening the gate undoes it */
+    if (st.handed) {   /* the memory is still on the GPU, held by the agent's fds: mapped again */
+        if (dp_abort(aerr, sizeof aerr) == 0)
+            gpucr_warn("the controller went away while the gpucr server copied the data: taken back, the application runs on");
+        else gpucr_warn("taking back the memory handed to the gpucr server failed: %s", aerr);
+    } else if (st.quiesced || st.copied) {   /* nothing was released yet: reopening the gate undoes it */
         if (dp_abort(aerr, sizeof aerr) == 0)
             gpucr_warn("the controller went away during a checkpoint: aborted, the application runs on");
     } else if (st.state == AGENT_CHECKPOINTED && st.staged) {
@@ -575,8 +595,8 @@ static void *serve_client(void *arg)
     size_t have = 0;
     if (!req) goto out;
     for (;;) {
-        /* requests may carry file descriptors (relink): keep the first few, close any others */
-        char ctl[CMSG_SPACE(sizeof(int) * 4)];
+        /* requests may carry file descriptors (relink, adopt): keep up to MAX_IN_FDS, close any others */
+        char ctl[CMSG_SPACE(sizeof(int) * MAX_IN_FDS)];
         struct iovec iov = {req + have, MAX_REQUEST - have};
         struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl, .msg_controllen = sizeof ctl};
         ssize_t n = recvmsg(c.fd, &mh, MSG_CMSG_CLOEXEC);
@@ -586,7 +606,7 @@ static void *serve_client(void *arg)
             int nfd = (int)((cm->cmsg_len - CMSG_LEN(0)) / sizeof(int));
             int *got = (int *)CMSG_DATA(cm);
             for (int i = 0; i < nfd; i++) {
-                if (c.nin < 4) c.in[c.nin++] = got[i];
+                if (c.nin < MAX_IN_FDS) c.in[c.nin++] = got[i];
                 else close(got[i]);
             }
         }

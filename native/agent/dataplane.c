@@ -37,6 +37,8 @@ static struct {
      * no process gives memory back before every process sharing it is still and copied: */
     bool quiesced;              /* staging ready, gate closed, device synchronised; nothing copied */
     bool copied;                /* data copied out too; nothing released (the gate stays closed) */
+    bool handed;                /* released, the data handed to a gpucr server that copies it: the agent's own
+                                 * fds keep the memory on the GPU until it says the copy is done (dp_handover) */
     struct phase_times pending; /* the phases done so far of a checkpoint in progress */
 } g_dp;
 /* The data plane runs in one thread at a time (channel.c's g_op), which reads g_dp freely; what
@@ -432,6 +434,27 @@ static CUresult map_all(const struct phys *p, CUmemGenericAllocationHandle h)
     return CUDA_SUCCESS;
 }
 
+/* p's memory is back at its addresses as handle h, with `own` the agent's fd of it: recorded, and the
+ * application holds as many references to the handle as before the checkpoint, no more and no fewer. */
+static void back_in_place(struct phys *p, CUmemGenericAllocationHandle h, int own, bool fd_wanted)
+{
+    reg_lock();
+    reg_set_real(p, h);
+    share_adopt_own(p, own, fd_wanted);
+    int refs = p->app_refs;
+    p->released = false;
+    reg_unlock();
+    if (p->kind != PHYS_APP_VMM) return;
+    if (refs == 0) release_handle(h, 1, p);
+    for (int i = 1; i < refs; i++) {
+        CUmemGenericAllocationHandle again;
+        CUresult rrc = REAL(cuMemRetainAllocationHandle)(&again, (void *)(uintptr_t)p->maps->va);
+        if (rrc != CUDA_SUCCESS)
+            gpucr_cu_warn(rrc, "cuMemRetainAllocationHandle (the application's reference %d of 0x%llx)", i + 1,
+                          (unsigned long long)p->maps->va);
+    }
+}
+
 /* Re-create, map and set access for every released allocation, then copy its data back; with a
  * ready_idle_ns, each copy first waits until the controller says that allocation's data is in
  * staging (so re-mapping and copying overlap the reading of an image), for at most that long without
@@ -454,24 +477,7 @@ static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_id
             continue;
         }
         bool keep = alloc_keeps_fd(&p->prop);
-        int own = keep ? share_export_own(h) : -1;   /* the new memory's fd, as at its first allocation */
-        reg_lock();
-        reg_set_real(p, h);
-        share_adopt_own(p, own, keep);
-        int refs = p->app_refs;
-        p->released = false;
-        reg_unlock();
-        /* the handle references the application held before the checkpoint, no more and no fewer */
-        if (p->kind == PHYS_APP_VMM) {
-            if (refs == 0) release_handle(h, 1, p);
-            for (int i = 1; i < refs; i++) {
-                CUmemGenericAllocationHandle again;
-                CUresult rrc = REAL(cuMemRetainAllocationHandle)(&again, (void *)(uintptr_t)p->maps->va);
-                if (rrc != CUDA_SUCCESS)
-                    gpucr_cu_warn(rrc, "cuMemRetainAllocationHandle (the application's reference %d of 0x%llx)", i + 1,
-                                  (unsigned long long)p->maps->va);
-            }
-        }
+        back_in_place(p, h, keep ? share_export_own(h) : -1, keep);   /* the new memory's fd, as at its first allocation */
         progress(0);
         if (ready_idle_ns && first == CUDA_SUCCESS && wait_ready(p, ready_idle_ns, err, errlen) != CUDA_SUCCESS) {
             first = CUDA_ERROR_NOT_READY;
@@ -491,7 +497,7 @@ static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_id
 }
 
 /* Give back the physical memory of an allocation whose data is in staging. */
-static CUresult release_one(struct phys *p)
+static CUresult release_one(struct phys *p, bool keep_own_fd)
 {
     gpucr_use_ctx(p->ctx);
     for (struct mapping *m = p->maps; m; m = m->next) {
@@ -507,7 +513,9 @@ static CUresult release_one(struct phys *p)
         }
     }
     reg_lock();
-    share_release(p);   /* the agent's own fds of shared memory would keep it on the GPU */
+    /* the agent's own fds would keep the memory on the GPU; a handover keeps its own fd on purpose, until
+     * the server has the data (dp_handover) */
+    if (!keep_own_fd) share_release(p);
     int refs = p->kind == PHYS_CONVERTED ? 1 : p->app_refs;
     CUmemGenericAllocationHandle real = p->real;
     reg_set_real(p, 0);
@@ -590,9 +598,12 @@ int dp_quiesce(int timeout_ms, char *err, size_t errlen)
     return 0;
 }
 
+static int take_back(char *err, size_t errlen);
+
 /* Undo a quiesce or a copy that was not released: nothing left the device, so reopening the gate is all. */
 int dp_abort(char *err, size_t errlen)
 {
+    if (g_dp.handed) return take_back(err, errlen);   /* the memory is still on the GPU, held by the agent's fds */
     if (!g_dp.quiesced && !g_dp.copied) { seterr(err, errlen, "no checkpoint in progress to abort"); return -1; }
     DP_SET(g_dp.quiesced = g_dp.copied = false);
     staging_rewind();
@@ -670,7 +681,7 @@ int dp_release(char *err, size_t errlen)
     int turn = 0;
     int64_t t0 = gpucr_now_ns();
     for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
-        if (reg_phys_movable(p) || (p->kind == PHYS_IMPORTED && p->maps)) rc = release_one(p);
+        if (reg_phys_movable(p) || (p->kind == PHYS_IMPORTED && p->maps)) rc = release_one(p, false);
     t.release = ms_since(t0);
     if (rc != CUDA_SUCCESS) {
         char e2[256] = "";
@@ -729,7 +740,7 @@ int dp_restore(int timeout_ms, bool drop_staging, bool wait, bool open_gate, cha
     if (rc != CUDA_SUCCESS) {
         /* stay checkpointed: give back what was re-created, the data is still in staging */
         for (struct phys *p = g_reg.all; p; p = p->next_all)
-            if (!p->released && reg_phys_movable(p)) release_one(p);
+            if (!p->released && reg_phys_movable(p)) release_one(p, false);
         /* staging filled from an image only in part must never be restored from: the image stays the source */
         char e2[100];
         if (wait) dp_drop_staged(e2, sizeof e2);
@@ -752,6 +763,7 @@ int dp_restore(int timeout_ms, bool drop_staging, bool wait, bool open_gate, cha
 void dp_get_status(struct dp_status *out)
 {
     pthread_mutex_lock(&g_dp_mu);
+    out->handed = g_dp.handed;
     out->staged = g_dp.staged;
     out->state = g_dp.state;
     out->quiesced = g_dp.quiesced;
@@ -775,11 +787,152 @@ void dp_reset_after_fork(void)
     g_requester = -1;
 }
 
+/* ---- the data handed to a gpucr server (docs/server.md): it copies the memory itself, through the
+ * agent's fds, while the driver checkpoints the process, and at restore it makes and fills new memory
+ * whose fds the agent maps at the old addresses (dp_adopt). The agent's own fd of each allocation keeps
+ * the memory on the GPU until the server says its copy is in staging (dp_handed_done): a server that
+ * dies before leaves nothing lost, the agent takes the memory back (dp_take_back). ---- */
+
+/* Memory the server can make again as it was: plain device memory with the agent's fd of it. */
+static bool handable(const struct phys *p)
+{
+    const CUmemAllocationProp *pr = &p->prop;
+    return p->own_fd >= 0 && !p->share_sid && pr->type == CU_MEM_ALLOCATION_TYPE_PINNED &&
+           pr->location.type == CU_MEM_LOCATION_TYPE_DEVICE && !pr->allocFlags.compressionType &&
+           !pr->allocFlags.gpuDirectRDMACapable && !pr->allocFlags.usage;
+}
+
+int dp_handover(int timeout_ms, char *err, size_t errlen)
+{
+    if (g_dp.copied) { seterr(err, errlen, "the data is copied already: release it or abort"); return -1; }
+    /* checked before anything is touched: what the server cannot take goes the in-process way */
+    reg_lock();
+    long no = 0, shared = 0;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        if (p->share_sid) shared++;
+        else if (reg_phys_movable(p) && !handable(p)) no++;
+    }
+    reg_unlock();
+    if (no || shared) {
+        seterr(err, errlen, "not every allocation can be handed to the gpucr server (%ld without an fd of the agent's or "
+               "not plain device memory, %ld shared with other processes)", no, shared);
+        return -1;
+    }
+    if (!g_dp.quiesced && dp_quiesce(timeout_ms, err, errlen)) return -1;
+    DP_SET(g_dp.quiesced = false);
+    struct phase_times t = g_dp.pending;
+    CUcontext saved = NULL;
+    if (gpucr_drv.cuCtxGetCurrent) gpucr_drv.cuCtxGetCurrent(&saved);
+    staging_rewind();
+    size_t need = 0;
+    CUresult rc = CUDA_SUCCESS;
+    for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all) {
+        if (!reg_phys_movable(p)) continue;
+        void *at = staging_take(p->size);
+        reg_lock();
+        p->staging = at;
+        reg_unlock();
+        need += p->size;
+        if (!at) rc = CUDA_ERROR_OUT_OF_MEMORY;
+    }
+    int64_t t0 = gpucr_now_ns();
+    for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
+        if (reg_phys_movable(p)) rc = release_one(p, true);
+    t.release = ms_since(t0);
+    t.copy_out = 0;
+    t.bytes_out = need;
+    if (rc != CUDA_SUCCESS) {
+        char e2[256] = "";
+        take_back(e2, sizeof e2);
+        if (saved) gpucr_use_ctx(saved);
+        seterr(err, errlen, "handing the memory to the gpucr server failed: %s; the application runs on%s%s",
+               gpucr_cu_errstr(rc), e2[0] ? " (" : "", e2);
+        return -1;
+    }
+    if (saved) gpucr_use_ctx(saved);
+    DP_SET(g_dp.pending = t, g_dp.handed = true, g_dp.state = AGENT_CHECKPOINTED, g_dp.staged = false);
+    return 0;
+}
+
+/* Every released allocation mapped again from the agent's own fd of it (the memory never left the GPU),
+ * the gate opened: the handover undone. Those whose memory cannot be had back stay released and are said. */
+static int take_back(char *err, size_t errlen)
+{
+    CUresult first = CUDA_SUCCESS;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        if (!p->released || p->kind == PHYS_IMPORTED || p->own_fd < 0) continue;
+        gpucr_use_ctx(p->ctx);
+        CUmemGenericAllocationHandle h = 0;
+        CUresult rc = REAL(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)p->own_fd, 1);
+        if (rc == CUDA_SUCCESS && (rc = map_all(p, h)) != CUDA_SUCCESS) release_handle(h, 1, p);
+        if (rc != CUDA_SUCCESS) {
+            if (first == CUDA_SUCCESS)
+                seterr(err, errlen, "taking back %zu MiB at 0x%llx failed: %s", p->size >> 20,
+                       (unsigned long long)(p->maps ? p->maps->va : 0), gpucr_cu_errstr(rc));
+            first = rc;
+            continue;
+        }
+        back_in_place(p, h, p->own_fd, true);   /* the same fd: the same memory */
+    }
+    if (first != CUDA_SUCCESS) return -1;
+    staging_rewind();
+    DP_SET(g_dp.handed = false, g_dp.state = AGENT_RUNNING);
+    gpucr_gate_open();
+    return 0;
+}
+
+/* The server's copy is in staging: the agent's fds let go, so the memory leaves the GPU once the
+ * server has let go too. */
+int dp_handed_done(char *err, size_t errlen)
+{
+    if (!g_dp.handed) { seterr(err, errlen, "the process's data is not handed to a server"); return -1; }
+    reg_lock();
+    for (struct phys *p = g_reg.all; p; p = p->next_all)
+        if (p->released && p->kind != PHYS_IMPORTED) share_adopt_own(p, -1, false);
+    reg_unlock();
+    struct phase_times t = g_dp.pending;
+    DP_SET(g_dp.handed = false, g_dp.staged = true, g_dp.last = t, g_dp.generation++);
+    gpucr_log("checkpointed %llu bytes through the gpucr server: gate %.1f ms, sync %.1f ms, release %.1f ms",
+              (unsigned long long)t.bytes_out, t.gate, t.sync, t.release);
+    return 0;
+}
+
+/* At restore, after the driver's: the server made and filled new memory for the released allocations
+ * from index `from` on, in order, one fd each; each is mapped at its old addresses with its old access,
+ * and the fd kept as the agent's own (an imported handle cannot be exported again). */
+int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t errlen)
+{
+    *adopted = 0;
+    if (g_dp.state != AGENT_CHECKPOINTED || !g_dp.staged) {
+        seterr(err, errlen, g_dp.state != AGENT_CHECKPOINTED ? "the process is not checkpointed" : "the data is not staged");
+        return -1;
+    }
+    int k = 0, i = 0;
+    for (struct phys *p = g_reg.all; p && i < nfds; p = p->next_all, k++) {
+        if (k < from || !p->released || p->kind == PHYS_IMPORTED) continue;
+        gpucr_use_ctx(p->ctx);
+        CUmemGenericAllocationHandle h = 0;
+        CUresult rc = REAL(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)fds[i], 1);
+        if (rc == CUDA_SUCCESS && (rc = map_all(p, h)) != CUDA_SUCCESS) release_handle(h, 1, p);
+        if (rc != CUDA_SUCCESS) {
+            seterr(err, errlen, "mapping the server's memory at 0x%llx (%zu MiB) failed: %s; the process stays checkpointed",
+                   (unsigned long long)(p->maps ? p->maps->va : 0), p->size >> 20, gpucr_cu_errstr(rc));
+            return -1;
+        }
+        back_in_place(p, h, fcntl(fds[i], F_DUPFD_CLOEXEC, 3), alloc_keeps_fd(&p->prop));
+        i++;
+        (*adopted)++;
+        progress(p->size);
+    }
+    if (i < nfds) { seterr(err, errlen, "%d fds more than released allocations from index %d on", nfds - i, from); return -1; }
+    return 0;
+}
+
 /* ---- handing the staged data to the controller (images) ---- */
 
 int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t errlen)
 {
-    if (g_dp.state != AGENT_CHECKPOINTED || !g_dp.staged) {
+    if (g_dp.state != AGENT_CHECKPOINTED || !(g_dp.staged || g_dp.handed)) {
         seterr(err, errlen, g_dp.state != AGENT_CHECKPOINTED ? "the process is not checkpointed" : "the data is not staged");
         return -1;
     }
@@ -799,12 +952,15 @@ int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t e
     jb_arr_end(j);
     jb_arr(j, "allocations");
     reg_lock();
+    int index = -1;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        index++;
         if (!p->released) continue;
         int seg = -1;
         size_t off = 0;
         if (!p->staging || staging_locate(p->staging, &seg, &off)) continue;
         jb_sub(j, NULL);
+        jb_int(j, "index", index);   /* as the memory verb numbers it */
         jb_int(j, "va", (long long)full_mapping_va(p));
         jb_int(j, "bytes", (long long)p->size);
         jb_str(j, "kind", p->kind == PHYS_CONVERTED ? "converted" : "app_vmm");
@@ -919,8 +1075,14 @@ int dp_memory_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds)
         jb_str(j, "kind", kind_name(p));
         jb_int(j, "bytes", (long long)p->size);
         jb_int(j, "device", reg_ctx_device(p->ctx));   /* the GPU of the context it was made in */
+        char uuid[48];
+        reg_ctx_uuid(p->ctx, uuid);
+        jb_str(j, "uuid", uuid);   /* the same GPU for a process that numbers them otherwise (a server) */
         jb_bool(j, "released", p->released);
         jb_bool(j, "not_exportable", p->own_fd_missing);
+        /* whether a server can take it at a handover (the rest is not moved, or makes handover refuse) */
+        jb_bool(j, "movable", reg_phys_movable(p));
+        jb_bool(j, "handable", handable(p));
         jb_arr(j, "maps");
         for (const struct mapping *m = p->maps; m; m = m->next) {
             jb_sub(j, NULL);

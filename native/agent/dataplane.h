@@ -15,6 +15,7 @@ struct dp_status {
     enum agent_state state;
     bool staged;
     bool quiesced, copied;      /* a checkpoint of several processes is between its phases */
+    bool handed;                /* released, its data being copied by a gpucr server (dp_handover) */
     long generation;            /* completed checkpoints */
     struct phase_times last;
 };
@@ -61,6 +62,13 @@ int dp_export(unsigned long long key, int *fd_out, struct jb *j, char *err, size
 int dp_relink(unsigned long long key, int fd, char *err, size_t errlen);
 int dp_orphan(unsigned long long key, size_t *bytes, char *err, size_t errlen);
 int dp_resume(char *err, size_t errlen);
+/* The gpucr server's data plane (docs/server.md): quiesce if need be and release every movable allocation,
+ * keeping the agent's own fd of each so the memory stays on the GPU for the server to copy; refused,
+ * nothing touched, when any allocation cannot be handed over. dp_handed_done: the server's copy is in
+ * staging, the fds let go. dp_abort takes a handed process back. dp_adopt maps the server's new memory. */
+int dp_handover(int timeout_ms, char *err, size_t errlen);
+int dp_handed_done(char *err, size_t errlen);
+int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t errlen);
 /* A context ends (context.c): drop the copy streams made in it. */
 void dp_forget_context(CUcontext ctx);
 #endif

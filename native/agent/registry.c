@@ -71,6 +71,19 @@ int reg_ctx_device(CUcontext ctx)
     return i < 0 ? -1 : g_reg.ctxs[i].dev;
 }
 
+void reg_uuid_text(const unsigned char u[16], char out[48])
+{
+    snprintf(out, 48, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+             u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
+}
+
+void reg_ctx_uuid(CUcontext ctx, char out[48])
+{
+    int i = ctx_index(ctx);
+    if (i < 0) out[0] = 0;
+    else reg_uuid_text(g_reg.ctxs[i].uuid, out);
+}
+
 void reg_learn_ctx(CUcontext ctx)
 {
     if (!ctx) return;

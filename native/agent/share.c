@@ -149,7 +149,7 @@ int share_export_own(CUmemGenericAllocationHandle real)
 
 void share_adopt_own(struct phys *p, int fd, bool wanted)
 {
-    if (p->own_fd >= 0) close(p->own_fd);
+    if (p->own_fd >= 0 && p->own_fd != fd) close(p->own_fd);   /* the same fd kept (a take-back) stays open */
     p->own_fd = fd;
     bool missing = wanted && fd < 0;
     if (missing != p->own_fd_missing) g_reg.unexportable += missing ? 1 : -1;

@@ -323,9 +323,12 @@ def _server_line() -> str:
     if info is None:
         return "server: not running (checkpoints run in-process)"
     held = "unknown (no per-process count here)" if info["gpu_bytes"] is None else _mib(info["gpu_bytes"])
+    ctx = info.get("contexts") or []
     return (f"server: pid {info['pid']}{' [simcuda]' if info['simulated'] else ''}, up {info['up_s']:.0f} s, "
             f"{info['requests']} requests; GPU memory it holds (apart from the processes): {held} "
-            f"on {len(info['gpus'])} GPU{'s' if len(info['gpus']) != 1 else ''}")
+            f"on {len(info['gpus'])} GPU{'s' if len(info['gpus']) != 1 else ''} "
+            f"({f'its data-plane context on {len(ctx)}' if ctx else 'no context'}; "
+            f"{_mib(info.get('pinned_staging_bytes', 0))} of staging pinned)")
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
@@ -341,7 +344,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         else:
             print(_server_line() if info else "server: not running")
         return 0 if info else 3
-    return daemon.main(a.idle_exit)
+    return daemon.main(a.idle_exit, data_plane=not a.no_data_plane, keep_context=not a.give_back_context)
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -471,6 +474,11 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--simulate", action="store_true", help="serve on simcuda, the simulated driver (test double)")
     sv.add_argument("--idle-exit", type=_seconds, metavar="SECONDS", help="exit after SECONDS with no process under "
                     "gpucr and no request (default: run until stopped)")
+    sv.add_argument("--no-data-plane", action="store_true", help="let each process's agent copy its data, as "
+                    "in-process, instead of the server (slower: through the agent's bounce ring, after the data is out)")
+    sv.add_argument("--give-back-context", action="store_true", help="give back the server's GPU context and unpin "
+                    "the staging after each checkpoint and restore, so the card holds nothing of the server's between "
+                    "cycles (each cycle then pins the staging again; default: kept, for fast restores)")
     sv.add_argument("--stop", action="store_true", help="stop the running server")
     sv.add_argument("--status", action="store_true", help="say whether a server runs, its pid and what it holds "
                     "(exit status 3 when none runs)")

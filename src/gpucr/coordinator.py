@@ -13,12 +13,13 @@ from __future__ import annotations
 import math
 import os
 import signal
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from . import gpus, manifest, sharing, shape
 from . import imagefs
@@ -31,6 +32,13 @@ from .results import (SCHEMA_VERSION, CheckpointResult, ProcessCheckpoint, Proce
                       StatusResult, Unreachable)
 
 from .levels import LEVELS   # noqa: E402,F401 (coordinator.LEVELS, as before)
+from .server import memory as server_memory
+from .server.memory import Managed
+
+if TYPE_CHECKING:
+    from .server.mover import Mover
+
+ADOPT_BATCH = 64            # fds per adopt request (the agent takes at most 64 with one request)
 
 
 def _driver(t: targets.Target) -> Driver:
@@ -234,6 +242,7 @@ class _Member:
     gpus: list[dict[str, Any]] = field(default_factory=list)    # the GPUs it uses (gpus.process_gpus)
     gpu_moves: dict[str, str] = field(default_factory=dict)   # restore: {old UUID: new UUID} for the driver
     gpu_before: dict[str, gpus.Usage] = field(default_factory=dict)   # its GPUs' memory before it all began
+    server_bytes_in: int = 0      # restore: bytes the gpucr server put back itself (its data plane)
 
     def uuids(self) -> list[str]:
         """The GPUs it is on, and those a restore moves it to."""
@@ -354,9 +363,12 @@ def _quiesce(m: _Member, timeout: float) -> None:
     m.held = True
 
 
-def _data_out(m: _Member, timeout: float, level: str, hold: bool = False) -> None:
+def _data_out(m: _Member, timeout: float, level: str, hold: bool = False, mover: Mover | None = None) -> None:
     """Copy the data out and (unless `hold`: several processes release only once all are copied)
-    give the memory back."""
+    give the memory back. With a mover (inside the gpucr server), the server copies the data while the
+    driver checkpoints the process, when every allocation can be handed to it."""
+    if mover is not None and not hold and _data_out_by_server(m, timeout, level, mover):
+        return
     _test_kill_target(m.pid, "data-out")
     if not hold:
         m.data_out_t0 = time.perf_counter()
@@ -372,15 +384,73 @@ def _data_out(m: _Member, timeout: float, level: str, hold: bool = False) -> Non
     _data_out_done(m, out)
 
 
+def _handable(m: _Member, memory: list[Managed]) -> bool:
+    """Whether the server can take all of the process's data: nothing shared with other processes (that
+    is relinked by the agents), an fd of every allocation it moves, and plain device memory."""
+    return not m.status.get("shared") and m.image_dir is None and all(e.handable for e in memory if e.movable)
+
+
+def _data_out_by_server(m: _Member, timeout: float, level: str, mover: Mover) -> bool:
+    """The server's checkpoint (docs/server.md): the agent releases the memory but keeps an fd of each
+    allocation; the server copies it into the process's staging while the driver checkpoints the process
+    (level full). False, with nothing touched, when the process has memory the server cannot take."""
+    memory = server_memory.gather(m.agent)   # our dups: valid through the handover, the same memory
+    try:
+        if not _handable(m, memory):
+            return False
+        _test_kill_target(m.pid, "data-out")
+        m.data_out_t0 = time.perf_counter()
+        t0 = time.perf_counter()
+        # lease=1: should this controller die before handed_done, the agent takes its memory back itself
+        _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1)
+        m.held = True   # "abort" maps the memory again from the agent's fds: nothing left the GPU
+        m.result["phases_s"]["handover"] = time.perf_counter() - t0
+        _test_kill_point("after-handover")
+        layout, seg_fds = m.agent.call_with_fds("layout", timeout=60.0)
+        try:
+            copied: list[Any] = []
+
+            def copy() -> None:
+                try:
+                    copied.append(mover.copy_out(m.pid, layout, seg_fds, memory))
+                except GpucrError as exc:
+                    copied.append(exc)
+            worker = threading.Thread(target=copy, name="gpucr-server-copy-out")
+            worker.start()
+            try:
+                _test_kill_point("during-server-copy")
+                if level == "full":   # the control state, at the same time
+                    _driver_lock(m, timeout)
+                    _driver_checkpoint(m)
+            finally:
+                worker.join()
+        finally:
+            for fd in seg_fds:
+                os.close(fd)
+    finally:
+        server_memory.close_all(memory)
+    if isinstance(copied[0], GpucrError):
+        raise copied[0]
+    st = copied[0]
+    m.result["phases_s"]["data_out"] = st.seconds
+    if st.pin_s:
+        m.result["phases_s"]["server_pin"] = st.pin_s
+    out = m.agent.call("handed_done", timeout=60.0)
+    m.held = False
+    _data_out_done(m, out, record_time=False)
+    return True
+
+
 def _release(m: _Member) -> None:
     """Last phase of a checkpoint of several processes: every one is copied, so memory may go."""
     _data_out_done(m, m.agent.call("release", timeout=120.0))
 
 
-def _data_out_done(m: _Member, out: dict[str, Any]) -> None:
+def _data_out_done(m: _Member, out: dict[str, Any], record_time: bool = True) -> None:
     m.data_out, m.held = True, False
     r = m.result
-    r["phases_s"]["data_out"] = time.perf_counter() - m.data_out_t0
+    if record_time:
+        r["phases_s"]["data_out"] = time.perf_counter() - m.data_out_t0
     cyc = out["last_cycle_ms"]
     r["agent_ms"] = {k: cyc[k] for k in ("staging", "gate", "sync", "copy_out", "release")}
     r["bytes_moved"] = cyc["bytes_out"]
@@ -489,8 +559,9 @@ def _roll_back(members: list[_Member]) -> None:
 
 
 def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
-                    images: dict[int, str | Path] | None = None) -> CheckpointResult:
-    """Checkpoint several processes together, all or nothing (see the module's doc)."""
+                    images: dict[int, str | Path] | None = None, mover: Mover | None = None) -> CheckpointResult:
+    """Checkpoint several processes together, all or nothing (see the module's doc). `mover`: the gpucr
+    server's data plane, which copies the data of a lone process while the driver takes its control state."""
     if level not in LEVELS:
         raise GpucrError(f"unknown level '{level}': use one of {', '.join(LEVELS)}")
     _check_request(pids, timeout)
@@ -512,10 +583,10 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
                 _each("data out", members, lambda m: _data_out(m, timeout, level, hold=True))
                 _each("release", members, _release)
             else:
-                _each("data out", members, lambda m: _data_out(m, timeout, level))
-            if level == "full":
-                _each("driver lock", members, lambda m: _driver_lock(m, timeout))
-                _each("driver checkpoint", members, _driver_checkpoint)
+                _each("data out", members, lambda m: _data_out(m, timeout, level, mover=mover))
+            if level == "full":   # (the server's data out took the control state already, side by side)
+                _each("driver lock", [m for m in members if not m.checkpointed], lambda m: _driver_lock(m, timeout))
+                _each("driver checkpoint", [m for m in members if not m.checkpointed], _driver_checkpoint)
         except PhaseError as exc:
             _roll_back(members)
             if len(members) > 1:
@@ -605,7 +676,7 @@ def _vet_for_restore(pid: int, image_dir: Path | None, force: bool, gpu_map: dic
         m.result["manifest_entry"] = manifest.check_restore(man, pid=pid, start_time=t.start_time,
                                                             generation=st["generation"], gpus=_restored_on(m, machine),
                                                             force=force)
-    elif st["state"] == "checkpointed" and not st.get("staged", True):
+    elif st["state"] == "checkpointed" and not st.get("staged", True) and st.get("checkpoint_phase") != "handed":
         m.close()
         raise GpucrError(f"process {pid}'s data was written to an image and is no longer in host memory: "
                          f"restore it with 'gpucr restore --image DIR {pid}'")
@@ -667,6 +738,62 @@ def _driver_restore(m: _Member) -> None:
     m.checkpointed, m.locked = False, m.drv.state(m.pid) == ProcessState.LOCKED
 
 
+def _note(line: str) -> None:
+    """What went less well than it could, but was made good (the server's log, or the CLI's stderr)."""
+    print(f"gpucr: note: {line}", file=sys.stderr, flush=True)
+
+
+def _server_restorable(m: _Member) -> bool:
+    st = m.status
+    return (st.get("state") == "checkpointed" and bool(st.get("staged")) and not st.get("shared") and not m.gpu_moves
+            and m.image_dir is None)
+
+
+def _restore_with_server(m: _Member, timeout: float, mover: Mover) -> None:
+    """The server makes new memory and fills it from the process's staging while the driver restores the
+    process; once the driver lets go, the agent maps that memory at the old addresses (adopt). Whatever
+    the server could not put back, the agent's own restore from staging brings back next (_data_in)."""
+    layout, seg_fds = m.agent.call_with_fds("layout", timeout=60.0)
+    memory = server_memory.gather(m.agent)
+    made: list[Any] = []
+    try:
+        def fill() -> None:
+            try:
+                made.append(mover.fill(m.pid, layout, seg_fds, memory))
+            except GpucrError as exc:
+                made.append(exc)
+        worker = threading.Thread(target=fill, name="gpucr-server-fill")
+        worker.start()
+        try:
+            _driver_restore(m)
+            _driver_unlock(m, timeout)
+        finally:
+            worker.join()
+    finally:
+        for fd in seg_fds:
+            os.close(fd)
+        server_memory.close_all(memory)
+    if isinstance(made[0], GpucrError):
+        _note(f"process {m.pid}: {made[0]}; its agent's own restore from staging brings it back")
+        return
+    st, fds = made[0]
+    t0 = time.perf_counter()
+    try:
+        if m.status.get("state") == "checkpointed":
+            for k in range(0, len(fds), ADOPT_BATCH):
+                batch = fds[k:k + ADOPT_BATCH]
+                m.agent.call_sending_fds("adopt", [fd for _, fd in batch], timeout=60.0, **{"from": batch[0][0]})
+                taken = {i for i, _ in batch}
+                m.server_bytes_in += sum(int(a["bytes"]) for a in layout["allocations"] if int(a["index"]) in taken)
+    except GpucrError as exc:   # the agent's own restore brings back what was not adopted
+        _note(f"process {m.pid}: {exc}; its agent's own restore from staging brings the rest back")
+    finally:
+        for _, fd in fds:
+            os.close(fd)
+    m.result["phases_s"]["data_in"] = st.seconds
+    m.result["phases_s"]["adopt"] = time.perf_counter() - t0
+
+
 def _driver_unlock(m: _Member, timeout: float) -> None:
     if not m.locked:
         return
@@ -690,8 +817,9 @@ def _data_in(m: _Member, timeout: float, drop_staging: bool) -> None:
     t0 = time.perf_counter()
     out = _watched_call(m, "restore", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000),
                         drop_staging=int(drop_staging), open_gate=0)
-    m.result["phases_s"]["data_in"] = time.perf_counter() - t0
-    m.result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
+    # after the server's restore, the agent only finishes (and brings back what was not adopted)
+    m.result["phases_s"]["finish" if m.server_bytes_in else "data_in"] = time.perf_counter() - t0
+    m.result["bytes_moved"] = m.server_bytes_in + out["last_cycle_ms"]["bytes_in"]
     m.result["agent_ms"] = {"data_in": out["last_cycle_ms"]["data_in"], "pin_wait": out["last_cycle_ms"]["pin_wait"]}
 
 
@@ -878,9 +1006,10 @@ def _check_sharing(members: list[_Member]) -> None:
 
 def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,
                  images: dict[int, str | Path] | None = None, force: bool = False,
-                 gpu_map: dict[str, str] | None = None) -> RestoreResult:
+                 gpu_map: dict[str, str] | None = None, mover: Mover | None = None) -> RestoreResult:
     """Restore several processes together; each that can be is brought back (see the module's doc).
-    `gpu_map` {old UUID: new UUID}, as --map takes them, moves them to other GPUs of this machine."""
+    `gpu_map` {old UUID: new UUID}, as --map takes them, moves them to other GPUs of this machine.
+    `mover`: the gpucr server's data plane, which fills a lone process's memory while the driver restores it."""
     _check_request(pids, timeout)
     images = images or {}
     gpu_map = gpus.check_map(gpu_map or {})
@@ -897,8 +1026,11 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
         def phase(name: str, fn) -> None:
             for f in _phase_failures(name, [m for m in members if m.pid not in failed], fn):
                 failed[f.pid] = f
-        phase("driver restore", _driver_restore)
-        phase("driver unlock", lambda m: _driver_unlock(m, timeout))
+        if mover is not None and len(members) == 1 and _server_restorable(members[0]):
+            phase("restore", lambda m: _restore_with_server(m, timeout, mover))
+        else:
+            phase("driver restore", _driver_restore)
+            phase("driver unlock", lambda m: _driver_unlock(m, timeout))
         live = [m for m in members if m.pid not in failed]
         try:
             _data_in_all(live, timeout, drop_staging, "data in")

@@ -142,6 +142,145 @@ class Driver:
         self._check(self._cu.cuCheckpointProcessUnlock(target_pid, ctypes.byref(_Args8())), f"driver unlock of process {target_pid}")
 
 
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _AllocFlags(ctypes.Structure):
+    _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
+                ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
+
+
+class _AllocProp(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("requestedHandleTypes", ctypes.c_int), ("location", _MemLocation),
+                ("win32HandleMetaData", ctypes.c_void_p), ("allocFlags", _AllocFlags)]
+
+
+class _AccessDesc(ctypes.Structure):
+    _fields_ = [("location", _MemLocation), ("flags", ctypes.c_int)]
+
+
+POSIX_FD = 1           # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+_DEVICE, _PINNED, _READ_WRITE = 1, 1, 3
+_STREAM_NON_BLOCKING = 1
+_HOST_REGISTER_PORTABLE = 1
+
+
+class Vmm:
+    """The VMM and copy half of the driver API, for the gpucr server's data plane (gpucr.server.mover): one
+    context per GPU it serves, memory imported from and exported to other processes as POSIX fds, copies
+    between it and pinned host memory. Each call raises DriverError on failure."""
+
+    def __init__(self, drv: Driver) -> None:
+        self.drv = drv
+        cu = drv._cu
+        u64, sz, p, i = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_int
+        pu64 = ctypes.POINTER(u64)
+        for name, args in (("cuDeviceGetCount", (ctypes.POINTER(i),)), ("cuDeviceGet", (ctypes.POINTER(i), i)),
+                           ("cuDeviceGetUuid", (ctypes.c_char_p, i)),
+                           ("cuDevicePrimaryCtxRetain", (ctypes.POINTER(p), i)), ("cuDevicePrimaryCtxRelease", (i,)),
+                           ("cuCtxSetCurrent", (p,)),
+                           ("cuMemAddressReserve", (pu64, sz, sz, u64, u64)), ("cuMemAddressFree", (u64, sz)),
+                           ("cuMemCreate", (pu64, sz, ctypes.POINTER(_AllocProp), u64)), ("cuMemRelease", (u64,)),
+                           ("cuMemMap", (u64, sz, sz, u64, u64)), ("cuMemUnmap", (u64, sz)),
+                           ("cuMemSetAccess", (u64, sz, ctypes.POINTER(_AccessDesc), sz)),
+                           ("cuMemExportToShareableHandle", (p, u64, i, u64)),
+                           ("cuMemImportFromShareableHandle", (pu64, p, i)),
+                           ("cuMemHostRegister_v2", (p, sz, ctypes.c_uint)), ("cuMemHostUnregister", (p,)),
+                           ("cuMemcpyDtoHAsync_v2", (p, u64, sz, p)), ("cuMemcpyHtoDAsync_v2", (u64, p, sz, p)),
+                           ("cuStreamCreate", (ctypes.POINTER(p), ctypes.c_uint)), ("cuStreamSynchronize", (p,))):
+            _sig(cu, name, *args)
+        self._cu = cu
+
+    def _ok(self, rc: int, what: str) -> None:
+        self.drv._check(rc, what)
+
+    def device_by_uuid(self) -> dict[str, int]:
+        """{UUID as NVML writes it: ordinal} of every GPU this process sees."""
+        n = ctypes.c_int()
+        self._ok(self._cu.cuDeviceGetCount(ctypes.byref(n)), "cuDeviceGetCount")
+        out = {}
+        for k in range(n.value):
+            dev, raw = ctypes.c_int(), ctypes.create_string_buffer(16)
+            self._ok(self._cu.cuDeviceGet(ctypes.byref(dev), k), "cuDeviceGet")
+            self._ok(self._cu.cuDeviceGetUuid(raw, dev.value), "cuDeviceGetUuid")
+            out[uuid_text(raw.raw)] = dev.value
+        return out
+
+    def retain_context(self, dev: int) -> int:
+        c = ctypes.c_void_p()
+        self._ok(self._cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev), f"retaining a context on GPU {dev}")
+        return c.value or 0
+
+    def release_context(self, dev: int) -> None:
+        self._ok(self._cu.cuDevicePrimaryCtxRelease(dev), f"releasing the context on GPU {dev}")
+
+    def use(self, ctx: int) -> None:
+        self._ok(self._cu.cuCtxSetCurrent(ctypes.c_void_p(ctx)), "cuCtxSetCurrent")
+
+    def stream(self) -> int:
+        s = ctypes.c_void_p()
+        self._ok(self._cu.cuStreamCreate(ctypes.byref(s), _STREAM_NON_BLOCKING), "cuStreamCreate")
+        return s.value or 0
+
+    def sync(self, stream: int) -> None:
+        self._ok(self._cu.cuStreamSynchronize(ctypes.c_void_p(stream)), "cuStreamSynchronize")
+
+    def import_fd(self, fd: int) -> int:
+        h = ctypes.c_uint64()
+        self._ok(self._cu.cuMemImportFromShareableHandle(ctypes.byref(h), ctypes.c_void_p(fd), POSIX_FD),
+                 "importing GPU memory from its fd")
+        return h.value
+
+    def export_fd(self, handle: int) -> int:
+        fd = ctypes.c_int(-1)
+        self._ok(self._cu.cuMemExportToShareableHandle(ctypes.byref(fd), handle, POSIX_FD, 0), "exporting GPU memory as an fd")
+        return fd.value
+
+    def create(self, size: int, dev: int) -> int:
+        prop = _AllocProp(type=_PINNED, requestedHandleTypes=POSIX_FD, location=_MemLocation(_DEVICE, dev))
+        h = ctypes.c_uint64()
+        self._ok(self._cu.cuMemCreate(ctypes.byref(h), size, ctypes.byref(prop), 0), f"making {size >> 20} MiB on GPU {dev}")
+        return h.value
+
+    def release(self, handle: int) -> None:
+        self._ok(self._cu.cuMemRelease(handle), "cuMemRelease")
+
+    def map(self, handle: int, size: int, dev: int) -> int:
+        """A fresh address range with the memory mapped read-write for `dev`."""
+        va = ctypes.c_uint64()
+        self._ok(self._cu.cuMemAddressReserve(ctypes.byref(va), size, 0, 0, 0), "cuMemAddressReserve")
+        try:
+            self._ok(self._cu.cuMemMap(va.value, size, 0, handle, 0), "cuMemMap")
+        except DriverError:
+            self._cu.cuMemAddressFree(va.value, size)
+            raise
+        acc = _AccessDesc(location=_MemLocation(_DEVICE, dev), flags=_READ_WRITE)
+        rc = self._cu.cuMemSetAccess(va.value, size, ctypes.byref(acc), 1)
+        if rc:
+            self.unmap(va.value, size)
+            self._ok(rc, "cuMemSetAccess")
+        return va.value
+
+    def unmap(self, va: int, size: int) -> None:
+        self._ok(self._cu.cuMemUnmap(va, size), "cuMemUnmap")
+        self._ok(self._cu.cuMemAddressFree(va, size), "cuMemAddressFree")
+
+    def pin(self, addr: int, size: int) -> None:
+        # portable: pinned for every context of this process, whichever GPU a copy runs on
+        self._ok(self._cu.cuMemHostRegister_v2(ctypes.c_void_p(addr), size, _HOST_REGISTER_PORTABLE),
+                 f"pinning {size >> 20} MiB of staging")
+
+    def unpin(self, addr: int) -> None:
+        self._ok(self._cu.cuMemHostUnregister(ctypes.c_void_p(addr)), "cuMemHostUnregister")
+
+    def d2h(self, host: int, va: int, size: int, stream: int) -> None:
+        self._ok(self._cu.cuMemcpyDtoHAsync_v2(ctypes.c_void_p(host), va, size, ctypes.c_void_p(stream)), "copying out")
+
+    def h2d(self, va: int, host: int, size: int, stream: int) -> None:
+        self._ok(self._cu.cuMemcpyHtoDAsync_v2(va, ctypes.c_void_p(host), size, ctypes.c_void_p(stream)), "copying in")
+
+
 _drivers: dict[str, Driver] = {}
 _drivers_lock = threading.Lock()
 

@@ -283,25 +283,11 @@ class CliMethod(Method):
     def __init__(self, server: bool, simulate: bool, timeout: float = STEP_TIMEOUT_S) -> None:
         self.name = "gpucr-cli-server" if server else "gpucr-cli"
         self.server, self.simulate, self.timeout = server, simulate, timeout
-        self.proc: subprocess.Popen | None = None
-
-    def _ensure_server(self) -> None:
-        from ..server import client
-        if self.proc is not None and self.proc.poll() is None:
-            return
-        if client.info(self.simulate) is not None:
-            raise GpucrError("a gpucr server already runs: stop it ('gpucr serve --stop') so the bench knows what it measures")
-        self.proc = subprocess.Popen([sys.executable, "-m", "gpucr.cli", "serve"] + (["--simulate"] if self.simulate else []),
-                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-        deadline = time.monotonic() + 120
-        while client.info(self.simulate) is None:
-            if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise GpucrError(f"gpucr serve did not start: {self.proc.stderr.read().decode().strip() if self.proc.stderr else ''}")
-            time.sleep(0.05)
+        self._srv = _BenchServer(simulate)
 
     def _cli(self, verb: str, pids: list[int]) -> dict[str, Any]:
         if self.server:
-            self._ensure_server()
+            self._srv.ensure()
         argv = [sys.executable, "-m", "gpucr.cli", verb, "--json", "--timeout", str(self.timeout)]
         argv += (["--simulate"] if self.simulate else []) + ([] if self.server else ["--no-server"]) + [str(p) for p in pids]
         r = subprocess.run(argv, capture_output=True, text=True)
@@ -318,10 +304,78 @@ class CliMethod(Method):
         return self._cli("restore", pids)
 
     def close(self) -> None:
+        self._srv.close()
+
+
+class _BenchServer:
+    """A `gpucr serve` started for one method of the bench and stopped after it (one already running is
+    refused: the bench must know what it measures)."""
+
+    def __init__(self, simulate: bool, *flags: str) -> None:
+        self.simulate, self.flags = simulate, flags
+        self.proc: subprocess.Popen | None = None
+
+    def ensure(self) -> None:
+        from ..server import client
+        if self.proc is not None and self.proc.poll() is None:
+            return
+        if client.info(self.simulate) is not None:
+            raise GpucrError("a gpucr server already runs: stop it ('gpucr serve --stop') so the bench knows what it measures")
+        argv = [sys.executable, "-m", "gpucr.cli", "serve", *self.flags] + (["--simulate"] if self.simulate else [])
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 120
+        while client.info(self.simulate) is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise GpucrError(f"gpucr serve did not start: {self.proc.stderr.read().decode().strip() if self.proc.stderr else ''}")
+            time.sleep(0.05)
+
+    def info(self) -> dict[str, Any] | None:
+        from ..server import client
+        return client.info(self.simulate)
+
+    def close(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=60)
         self.proc = None
+
+
+class ServerMethod(Method):
+    """gpucr through its server (`gpucr serve`, started for this method): the server's data plane copies
+    the data while the driver takes the control state, side by side (docs/server.md). Its first cycle,
+    which pins the staging in the server, is timed apart (`first_cycle`), not among the samples."""
+    under_agent = True
+    splits = True
+
+    def __init__(self, level: str, simulate: bool, timeout: float = STEP_TIMEOUT_S) -> None:
+        self.level, self.timeout = level, timeout
+        self.name = f"gpucr-server-{level}"
+        self._srv = _BenchServer(simulate)
+        self.first_cycle: dict[str, Any] | None = None
+
+    def _api(self):
+        from ..server import route
+        if route.server_wanted() is False:
+            raise GpucrError(f"{self.name} needs the server: unset GPUCR_NO_SERVER")
+        self._srv.ensure()
+        return route
+
+    def checkpoint(self, pids: list[int]) -> dict[str, Any]:
+        route = self._api()
+        if self.first_cycle is None:
+            t0 = time.perf_counter()
+            ck = combine(route.checkpoint_many(pids, level=self.level, timeout=WARMUP_TIMEOUT_S).processes)
+            t1 = time.perf_counter()
+            rs = combine(route.restore_many(pids, timeout=WARMUP_TIMEOUT_S).processes)
+            self.first_cycle = {"checkpoint_s": t1 - t0, "restore_s": time.perf_counter() - t1, "checkpoint": ck,
+                                "restore": rs}
+        return combine(route.checkpoint_many(pids, level=self.level, timeout=self.timeout).processes)
+
+    def restore(self, pids: list[int]) -> dict[str, Any]:
+        return combine(self._api().restore_many(pids, timeout=self.timeout).processes)
+
+    def close(self) -> None:
+        self._srv.close()
 
 
 @contextlib.contextmanager
@@ -338,7 +392,7 @@ def _env(key: str, value: str):
 
 
 METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data", "gpucr-full-pinned", "gpucr-full-unpinned",
-           "driver-nop2p", "gpucr-cli", "gpucr-cli-server")
+           "driver-nop2p", "gpucr-cli", "gpucr-cli-server", "gpucr-server-full", "gpucr-server-data")
 DEFAULT_METHODS = METHODS[:5]
 JOB_METHODS = ("ceiling", "driver", "driver-nop2p", "gpucr-full", "gpucr-data")   # the default for multi-GPU jobs
 
@@ -358,6 +412,8 @@ def make(name: str, drv: Driver, simulate: bool, deadline: float = 600.0) -> Met
         return GpucrMethod("full", unpin=True)
     if name in ("gpucr-cli", "gpucr-cli-server"):
         return CliMethod(name.endswith("-server"), simulate)
+    if name in ("gpucr-server-full", "gpucr-server-data"):
+        return ServerMethod(name.rsplit("-", 1)[1], simulate)
     raise GpucrError(f"unknown method '{name}': use some of {', '.join(METHODS)}")
 
 

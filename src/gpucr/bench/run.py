@@ -258,6 +258,8 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
             try:
                 for i in range(repeat):
                     ck, rs, used_ck = M.timed_cycle(m, w.pids, used)
+                    if i == repeat - 1:
+                        m.close()   # what it started (a server) goes before the next method runs
                     row = M.metrics(m, ck, rs, proc["footprint_bytes"], ceiling)
                     row.update(M.per_gpu(row, m, proc["bytes_per_gpu"]))
                     row["gpu_held_checkpointed_bytes"] = _diff(used_ck, idle)
@@ -278,7 +280,8 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
                 continue
             checks = [s["correct"] for s in samples] + ([warmup["correct"]] if warmup else [])
             out[m.name] = {"process": proc, "warmup": warmup, "samples": samples, "median": M.medians(samples),
-                           "outcome": "ok", "correct": all(all(c.values()) for c in checks), "error": None}
+                           "outcome": "ok", "correct": all(all(c.values()) for c in checks), "error": None,
+                           "first_cycle": getattr(m, "first_cycle", None)}
             saved()
         ok_exit = True
     finally:

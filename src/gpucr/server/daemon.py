@@ -28,6 +28,7 @@ from ..driver import controller_driver, controller_simulated
 from ..errors import GpucrError
 from ..results import to_json
 from . import wire
+from .mover import Mover
 
 ACCEPT_TICK_S = 0.5
 REFUSED_READ_S = 2.0   # how long a refused peer's request is waited for, to answer it with why
@@ -73,8 +74,15 @@ class _EnvGate:
 
 
 class Server:
-    def __init__(self, idle_exit_s: float | None = None) -> None:
+    def __init__(self, idle_exit_s: float | None = None, data_plane: bool = True, keep_context: bool = True) -> None:
+        """data_plane: the server copies a process's data itself (gpucr.server.mover), else the agent does, as
+        in-process; keep_context: its context per GPU and pinned staging stay between cycles (fast restores),
+        else they are given back after each request (the card holds nothing of the server's between cycles,
+        and the next cycle pins the staging again)."""
         self.simulated = controller_simulated()
+        self.use_data_plane, self.keep_context = data_plane, keep_context
+        self._mover: Mover | None = None
+        self._mover_lock = threading.Lock()
         self.idle_exit_s = idle_exit_s
         self.started = time.time()
         self.requests = 0
@@ -230,19 +238,39 @@ class Server:
         except GpucrError as exc:
             return {"ok": False, "error": str(exc), "code": exc.code}
         finally:
+            if op in ("checkpoint", "restore"):
+                self.after_request()
             with self.lock:
                 self.in_flight -= op != "hello"
                 self.last_activity = time.monotonic()
+
+    def data_plane(self) -> Mover | None:
+        """The data plane, made at first use (its contexts only when it first copies), None when off."""
+        if not self.use_data_plane:
+            return None
+        with self._mover_lock:
+            if self._mover is None:
+                self._mover = Mover(controller_driver())
+            self._mover.forget_ended(lambda pid: not targets.process_ended(pid))
+            return self._mover
+
+    def after_request(self) -> None:
+        if self._mover is not None and not self.keep_context:
+            self._mover.close()
 
     def info(self) -> dict[str, Any]:
         """What `gpucr serve --status`, `gpucr ps` and `status` show of the server."""
         drv = controller_driver()
         machine = gpus.machine_gpus(drv)
-        # measured, not assumed: it initialises the driver and makes no context, so 0 is expected
+        # measured, not assumed: its contexts (the data plane's, one per GPU it copied on) and nothing else
         held = gpus.usage(drv, os.getpid(), [g.uuid for g in machine], machine)
         with self.lock:
             busy, served = self.in_flight, self.requests
+        mover = self._mover
         return {"server": "gpucr", "protocol": wire.PROTOCOL, "code": wire.code_identity(), "pid": os.getpid(),
+                "data_plane": self.use_data_plane, "keep_context": self.keep_context,
+                "contexts": mover.context_uuids() if mover else [],
+                "pinned_staging_bytes": mover.pinned_bytes() if mover else 0,
                 "simulated": self.simulated, "socket": str(self.path),
                 "log": str(self.dir / wire.log_name(self.simulated)), "up_s": round(time.time() - self.started, 1),
                 "requests": served, "in_flight": busy, "driver_version": drv.version(), "idle_exit_s": self.idle_exit_s,
@@ -278,17 +306,18 @@ def _pids(args: dict[str, Any]) -> list[int]:
     return [_pid(p) for p in args["pids"]]
 
 
-def _checkpoint(_s: Server, a: dict[str, Any]) -> Run:
+def _checkpoint(s: Server, a: dict[str, Any]) -> Run:
     pids, level, timeout, images = _pids(a), str(a["level"]), float(a["timeout"]), _images(a)
-    return lambda: to_json(coordinator.checkpoint_many(pids, level=level, timeout=timeout, images=images))
+    return lambda: to_json(coordinator.checkpoint_many(pids, level=level, timeout=timeout, images=images,
+                                                       mover=s.data_plane()))
 
 
-def _restore(_s: Server, a: dict[str, Any]) -> Run:
+def _restore(s: Server, a: dict[str, Any]) -> Run:
     pids, timeout, images = _pids(a), float(a["timeout"]), _images(a)
     drop, force = bool(a["drop_staging"]), bool(a["force"])
     gpu_map = {str(k): str(v) for k, v in (a.get("gpu_map") or {}).items()}
     return lambda: to_json(coordinator.restore_many(pids, timeout=timeout, drop_staging=drop, images=images, force=force,
-                                                    gpu_map=gpu_map))
+                                                    gpu_map=gpu_map, mover=s.data_plane()))
 
 
 def _status(_s: Server, a: dict[str, Any]) -> Run:
@@ -349,11 +378,11 @@ def log(line: str) -> None:
     print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} gpucr serve [{os.getpid()}]: {line}", file=sys.stderr, flush=True)
 
 
-def main(idle_exit_s: float | None = None) -> int:
+def main(idle_exit_s: float | None = None, data_plane: bool = True, keep_context: bool = True) -> int:
     """Run the server in the foreground until `gpucr serve --stop`, SIGTERM or SIGINT (or, with
     `idle_exit_s`, that long with no process under gpucr and no request)."""
     controller_driver()   # cuInit once, here: a server that cannot reach its driver does not start
-    srv = Server(idle_exit_s)
+    srv = Server(idle_exit_s, data_plane, keep_context)
     srv.bind()
     signal.signal(signal.SIGTERM, lambda *_: srv.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: srv.stopping.set())
@@ -362,5 +391,7 @@ def main(idle_exit_s: float | None = None) -> int:
         srv.serve()
     finally:
         srv.close()
+        if srv._mover is not None:
+            srv._mover.close()
     log("stopped")
     return 0

@@ -32,6 +32,9 @@ class Managed:
     not_exportable: bool        # no fd could be had for it (RLIMIT_NOFILE)
     maps: list[Mapping] = field(default_factory=list)
     fd: int | None = None
+    uuid: str = ""              # its GPU's UUID ("" unknown): the same GPU in a process that numbers GPUs otherwise
+    movable: bool = False       # its data is moved by gpucr at a checkpoint
+    handable: bool = False      # ... and a gpucr server can take it (plain device memory with the agent's fd)
 
 
 def _entry(e: dict[str, Any], fds: list[int]) -> Managed:
@@ -39,7 +42,8 @@ def _entry(e: dict[str, Any], fds: list[int]) -> Managed:
     return Managed(int(e["index"]), str(e["kind"]), int(e["bytes"]), int(e["device"]), bool(e["released"]),
                    bool(e["not_exportable"]),
                    [Mapping(int(m["va"]), int(m["bytes"]), int(m["offset"])) for m in e["maps"]],
-                   fds[idx] if 0 <= idx < len(fds) else None)
+                   fds[idx] if 0 <= idx < len(fds) else None, str(e.get("uuid", "")), bool(e.get("movable")),
+                   bool(e.get("handable")))
 
 
 def gather(agent: Any) -> list[Managed]:

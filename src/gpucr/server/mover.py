@@ -1,0 +1,239 @@
+"""The gpucr server's data plane: it moves a process's GPU memory itself, at the link's speed, while the
+driver checkpoints or restores the process's control state (docs/server.md).
+
+Checkpoint: the agent releases its memory but keeps an fd of each allocation, which keeps the memory on
+the GPU; the server imports those fds into its own context, maps them, and copies them straight into the
+process's staging (the agent's files, mapped here and pinned once in the server's context), while the
+driver checkpoints the process, which then holds no pinned memory and no data of its own. Restore: the
+server makes new memory of the same sizes on the same GPUs, fills it from staging while the driver
+restores the process, and exports each as an fd that the agent maps at the old addresses.
+
+The staging stays the agent's: a server that dies leaves it with the process, so nothing is lost, and
+a restore can always fall back to the agent's own copy from it.
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import stat
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ..driver import Driver, DriverError, Vmm
+from ..errors import GpucrError
+from .memory import Managed
+
+CHUNK = 64 << 20        # copies queued in pieces, round-robin over the streams, so the copy engines stay busy
+STREAMS = 4
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_PROT_RW, _MAP_SHARED, _MAP_FAILED = 0x1 | 0x2, 0x01, ctypes.c_void_p(-1).value
+
+
+@dataclass
+class _Segment:
+    """One staging segment of a process, mapped here and pinned in the server's context."""
+    ident: tuple[int, int, int]   # (st_dev, st_ino, bytes): the same file as last time, or not
+    addr: int
+    bytes: int
+
+
+@dataclass
+class Stats:
+    bytes: int = 0
+    seconds: float = 0.0
+    pin_s: float = 0.0            # pinning staging not pinned here before (the first cycle of a process)
+    allocations: int = 0
+
+
+class Mover:
+    """One per server: a context per GPU it copies on (kept: restores need no new one), and each
+    process's staging mapped and pinned once. One copy at a time: the link is the limit anyway."""
+
+    def __init__(self, drv: Driver) -> None:
+        self.vmm = Vmm(drv)
+        self._lock = threading.Lock()
+        self._ordinals: dict[str, int] | None = None
+        self._ctx: dict[int, tuple[int, list[int]]] = {}      # ordinal -> (context, streams)
+        self._staging: dict[int, dict[int, _Segment]] = {}    # pid -> segment index -> segment
+
+    # ---- what it holds ----
+    def context_uuids(self) -> list[str]:
+        """The GPUs on which the server holds a context now."""
+        by_ordinal = {o: u for u, o in (self._ordinals or {}).items()}
+        return sorted(by_ordinal.get(d, str(d)) for d in self._ctx)
+
+    def pinned_bytes(self) -> int:
+        return sum(s.bytes for segs in self._staging.values() for s in segs.values())
+
+    def forget(self, pid: int) -> None:
+        """Unpin and unmap a process's staging (it ended, or its staging changed)."""
+        with self._lock:
+            self._forget(pid)
+
+    def forget_ended(self, alive) -> None:
+        with self._lock:
+            for pid in [p for p in self._staging if not alive(p)]:
+                self._forget(pid)
+
+    def close(self) -> None:
+        with self._lock:
+            for pid in list(self._staging):
+                self._forget(pid)
+            for dev in list(self._ctx):
+                try:
+                    self.vmm.release_context(dev)
+                except DriverError:
+                    pass
+            self._ctx.clear()
+
+    # ---- the two directions ----
+    def copy_out(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed]) -> Stats:
+        """Every allocation of `layout` (the agent's, after a handover) copied from the GPU into its place in
+        staging, through our fds of the memory (memory, by index). Raises GpucrError; nothing here changes the
+        process, which the agent takes back on failure."""
+        with self._lock:
+            return self._move(pid, layout, seg_fds, memory, out=True)[0]
+
+    def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed]) -> tuple[Stats, list[tuple[int, int]]]:
+        """New memory for every allocation of `layout`, on its GPU, filled from staging; returns [(index, fd)]
+        in index order (the caller hands the fds to the agent, then closes them)."""
+        with self._lock:
+            return self._move(pid, layout, seg_fds, memory, out=False)
+
+    # ---- inside ----
+    def _move(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
+              out: bool) -> tuple[Stats, list[tuple[int, int]]]:
+        st = Stats()
+        t0 = time.perf_counter()
+        hosts = self._map_staging(pid, layout, seg_fds, st)
+        sizes = {i: s.bytes for i, s in self._staging[pid].items()}
+        by_index = {m.index: m for m in memory}
+        mapped: list[tuple[int, int, int]] = []   # (handle, va, bytes) to unmap and release afterwards
+        made: list[tuple[int, int]] = []          # (index, handle) of new memory (fill)
+        used: set[int] = set()
+        turn = 0
+        try:
+            for a in sorted(layout["allocations"], key=lambda a: int(a["index"])):
+                idx, size, seg, off = int(a["index"]), int(a["bytes"]), int(a["segment"]), int(a["offset"])
+                if seg not in hosts or size <= 0 or off < 0 or off + size > sizes[seg]:
+                    raise GpucrError(f"the process's layout puts allocation {idx} outside its staging")
+                m = by_index.get(idx)
+                if m is None or (out and m.fd is None):
+                    raise GpucrError(f"the process did not hand over its allocation {idx} ({size >> 20} MiB)")
+                dev = self._device(m)
+                ctx, streams = self._context(dev)
+                self.vmm.use(ctx)
+                used.add(dev)
+                if out:
+                    h = self.vmm.import_fd(m.fd)
+                else:
+                    h = self.vmm.create(size, dev)
+                    made.append((idx, h))
+                va = self.vmm.map(h, size, dev)
+                mapped.append((h, va, size))
+                host = hosts[seg] + off
+                for off in range(0, size, CHUNK):
+                    n = min(CHUNK, size - off)
+                    s = streams[turn % len(streams)]
+                    turn += 1
+                    (self.vmm.d2h(host + off, va + off, n, s) if out else self.vmm.h2d(va + off, host + off, n, s))
+                st.bytes += size
+                st.allocations += 1
+            for dev in used:
+                ctx, streams = self._ctx[dev]
+                self.vmm.use(ctx)
+                for s in streams:
+                    self.vmm.sync(s)
+            fds = [(idx, self.vmm.export_fd(h)) for idx, h in made]
+        except (DriverError, GpucrError) as exc:
+            self._undo(mapped, made, out)
+            raise GpucrError(f"the gpucr server's copy {'out' if out else 'in'} failed: {exc}") from exc
+        self._undo(mapped, made, out)   # our mappings go; the fds (theirs or ours) keep the memory
+        st.seconds = time.perf_counter() - t0
+        return st, fds
+
+    def _undo(self, mapped: list[tuple[int, int, int]], made: list[tuple[int, int]], out: bool) -> None:
+        for h, va, size in mapped:
+            try:
+                self.vmm.unmap(va, size)
+            except DriverError:
+                pass
+            if out:
+                self._release_quiet(h)
+        for _idx, h in made:
+            self._release_quiet(h)
+
+    def _release_quiet(self, h: int) -> None:
+        try:
+            self.vmm.release(h)
+        except DriverError:
+            pass
+
+    def _device(self, m: Managed) -> int:
+        if self._ordinals is None:
+            self._ordinals = self.vmm.device_by_uuid()
+        if m.uuid in self._ordinals:
+            return self._ordinals[m.uuid]
+        raise GpucrError(f"the process's GPU {m.uuid or '(unknown)'} is not one the gpucr server sees")
+
+    def _context(self, dev: int) -> tuple[int, list[int]]:
+        if dev not in self._ctx:
+            ctx = self.vmm.retain_context(dev)
+            self.vmm.use(ctx)
+            self._ctx[dev] = (ctx, [self.vmm.stream() for _ in range(STREAMS)])
+        return self._ctx[dev]
+
+    def _map_staging(self, pid: int, layout: dict[str, Any], seg_fds: list[int], st: Stats) -> dict[int, int]:
+        """Each segment's address here, mapped and pinned once for as long as it is the same file."""
+        segs = self._staging.setdefault(pid, {})
+        out: dict[int, int] = {}
+        for seg in layout["segments"]:
+            i, size = int(seg["index"]), int(seg["bytes"])
+            if not 0 <= i < len(seg_fds):
+                raise GpucrError(f"the process's staging segment {i} came without its file")
+            fs = os.fstat(seg_fds[i])
+            # the process is not trusted: only a plain file as long as it says, or copies could run past it
+            if not stat.S_ISREG(fs.st_mode) or size <= 0 or fs.st_size < size:
+                raise GpucrError(f"the process's staging segment {i} is not a file of {size} bytes; checkpointed "
+                                 "in-process instead")
+            ident = (fs.st_dev, fs.st_ino, size)
+            have = segs.get(i)
+            if have is not None and have.ident == ident:
+                out[i] = have.addr
+                continue
+            if have is not None:
+                self._drop_segment(have)
+                del segs[i]
+            addr = _libc.mmap(None, size, _PROT_RW, _MAP_SHARED, seg_fds[i], 0)
+            if addr in (None, _MAP_FAILED):
+                raise GpucrError(f"mapping the process's staging ({size >> 20} MiB) failed: {os.strerror(ctypes.get_errno())}")
+            t0 = time.perf_counter()
+            if not self._ctx:
+                self._context(0)
+            self.vmm.use(next(iter(self._ctx.values()))[0])
+            try:
+                self.vmm.pin(addr, size)
+            except DriverError as exc:
+                _libc.munmap(addr, size)
+                raise GpucrError(f"pinning the process's staging failed: {exc}") from exc
+            st.pin_s += time.perf_counter() - t0
+            segs[i] = _Segment(ident, addr, size)
+            out[i] = addr
+        return out
+
+    def _drop_segment(self, s: _Segment) -> None:
+        try:
+            self.vmm.unpin(s.addr)
+        except DriverError:
+            pass
+        _libc.munmap(s.addr, s.bytes)
+
+    def _forget(self, pid: int) -> None:
+        for s in self._staging.pop(pid, {}).values():
+            self._drop_segment(s)
