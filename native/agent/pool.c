@@ -17,7 +17,7 @@
  * Left to the driver and reported: allocations during stream capture (they become graph memory, whose
  * addresses the graph owns), IPC-capable pools, pools the agent did not see created (imported). A free
  * during capture of a block the agent served goes to the driver too: CUDA takes only graph allocations
- * there, so the application gets the driver's own answer (an error that invalidates the capture).
+ * there, so the application gets the driver's own answer (CUDA_ERROR_INVALID_VALUE on an H200).
  * A pool the application destroys leaves status at once; its blocks still in use go back once freed.
  * A pool exported or imported for IPC makes a checkpoint refuse up front (pool_refusal).
  *
@@ -488,8 +488,8 @@ static CUresult free_async(CUdeviceptr va, CUstream h, bool pt, CUresult (*real)
 {
     /* during capture a free becomes a free node, which CUDA takes only for a graph allocation: the
      * agent's blocks never are one (allocations during capture are the driver's), so such a free goes
-     * to the driver, which answers it as CUDA does (an error that invalidates the capture); the
-     * block stays the application's */
+     * to the driver, which answers it as CUDA does (CUDA_ERROR_INVALID_VALUE, the capture going on);
+     * the block stays the application's */
     bool captured = capturing(h, pt);
     pthread_mutex_lock(&g_mu);
     struct slot *s = va && !captured ? hmap_get(&g_live, va) : NULL;

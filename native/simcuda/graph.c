@@ -2,7 +2,8 @@
  * Stream capture and graph memory nodes, as far as stream-ordered memory needs them: CUDA turns a
  * cuMemAllocAsync on a capturing stream into an allocation node (the graph owns the address) and a
  * cuMemFreeAsync into a free node, which "must be passed the address of a graph allocation": freeing
- * anything else during capture is CUDA_ERROR_INVALID_VALUE and invalidates the capture.
+ * anything else during capture is CUDA_ERROR_INVALID_VALUE, and the capture goes on (measured on an
+ * H200, driver 580, for a pool block and for a VMM mapping alike).
  *
  * Modelled: capture on a stream simcuda made (not a per-thread one), one stream per capture (no fork/join through events; other work enqueued on a
  * capturing stream still runs at once, as all simcuda work does), graphs holding memory nodes only
@@ -21,7 +22,6 @@
 struct sim_graph {
     struct sim_graph *next;
     CUstream capturing;       /* the stream capturing into it; NULL once the capture ended */
-    bool invalidated;
 };
 
 struct galloc {
@@ -67,15 +67,14 @@ static void release(struct galloc **link)
     free(a);
 }
 
-/* gm.mu held: a graph goes. Its allocations freed in it are cached (all of them, when `discard`: the
- * capture failed, so the graph never existed); the others are the application's to free. */
-static void graph_drop(struct sim_graph *g, bool discard)
+/* gm.mu held: a graph goes. Its allocations freed in it are cached; the others are the application's
+ * to free. */
+static void graph_drop(struct sim_graph *g)
 {
     for (struct galloc **l = &gm.allocs; *l;) {
         struct galloc *a = *l;
         if (a->graph != g) { l = &a->next; continue; }
         a->graph = NULL;
-        if (discard) { release(l); continue; }
         if (a->freed_in_graph) unuse(a);
         l = &a->next;
     }
@@ -88,8 +87,7 @@ int sim_graph_capture_status(CUstream s)
 {
     pthread_mutex_lock(&gm.mu);
     struct sim_graph *g = capture_of(s);
-    int st = !g ? CU_STREAM_CAPTURE_STATUS_NONE : g->invalidated ? CU_STREAM_CAPTURE_STATUS_INVALIDATED
-                                                                 : CU_STREAM_CAPTURE_STATUS_ACTIVE;
+    int st = g ? CU_STREAM_CAPTURE_STATUS_ACTIVE : CU_STREAM_CAPTURE_STATUS_NONE;
     pthread_mutex_unlock(&gm.mu);
     return st;
 }
@@ -101,8 +99,7 @@ bool sim_graph_alloc(CUdeviceptr *va, size_t size, CUstream s, struct sim_ctx *c
     if (g) {
         struct galloc *a = calloc(1, sizeof *a);
         size_t need = sim_round_up(size, SIM_GRANULE);
-        *rc = g->invalidated ? CUDA_ERROR_STREAM_CAPTURE_INVALIDATED
-            : a ? sim_alloc(&a->va, need, SIM_ALLOC_POOL, ctx) : CUDA_ERROR_OUT_OF_MEMORY;
+        *rc = a ? sim_alloc(&a->va, need, SIM_ALLOC_POOL, ctx) : CUDA_ERROR_OUT_OF_MEMORY;
         if (*rc != CUDA_SUCCESS) {
             free(a);
         } else {
@@ -129,13 +126,8 @@ bool sim_graph_free(CUdeviceptr va, CUstream s, bool on_stream, CUresult *rc)
     while (a && !(a->va == va && a->in_use && !a->freed_in_graph)) a = a->next;
     bool handled = g || a;
     if (g) {
-        /* a free node: only of an allocation this graph made (CUDA: INVALID_VALUE otherwise, and
-         * the capture is invalidated) */
-        *rc = g->invalidated ? CUDA_ERROR_STREAM_CAPTURE_INVALIDATED : CUDA_SUCCESS;
-        if (*rc == CUDA_SUCCESS && (!a || a->graph != g)) {
-            g->invalidated = true;
-            *rc = CUDA_ERROR_INVALID_VALUE;
-        }
+        /* a free node: only of an allocation this graph made (else INVALID_VALUE; the capture goes on) */
+        *rc = a && a->graph == g ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
         if (*rc == CUDA_SUCCESS) a->freed_in_graph = true;
     } else if (a) {
         /* graph memory freed outside its graph: cached for graphs (a graph still holding it may not) */
@@ -194,9 +186,6 @@ static CUresult end_capture(CUstream s, CUgraph *out)
     *out = NULL;
     if (!g) {
         rc = CUDA_ERROR_ILLEGAL_STATE;
-    } else if (g->invalidated) {
-        graph_drop(g, true);
-        rc = CUDA_ERROR_STREAM_CAPTURE_INVALIDATED;
     } else {
         g->capturing = NULL;
         *out = g;
@@ -212,7 +201,7 @@ static CUresult graph_destroy(CUgraph g)
     pthread_mutex_lock(&gm.mu);
     struct sim_graph *q = gm.graphs;
     while (q && !(q == g && !q->capturing)) q = q->next;
-    if (q) graph_drop(q, false);
+    if (q) graph_drop(q);
     pthread_mutex_unlock(&gm.mu);
     return q ? CUDA_SUCCESS : CUDA_ERROR_INVALID_VALUE;
 }

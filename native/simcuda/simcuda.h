@@ -275,8 +275,8 @@ void sim_pool_drop_ctx(struct sim_ctx *ctx);
 
 /* cuMemAllocAsync on s: true (and *rc, *va set) if s is capturing, so the allocation is a graph's. */
 bool sim_graph_alloc(CUdeviceptr *va, size_t size, CUstream s, struct sim_ctx *ctx, CUresult *rc);
-/* cuMemFreeAsync on s (NULL from cuMemFree): true (and *rc set) if s is capturing (then only a graph
- * allocation of that capture may be freed) or va is graph memory freed outside its graph. */
+/* cuMemFreeAsync on s (on_stream false: cuMemFree): true (and *rc set) if s is capturing (then only a
+ * graph allocation of that capture may be freed) or va is graph memory freed outside its graph. */
 bool sim_graph_free(CUdeviceptr va, CUstream s, bool on_stream, CUresult *rc);
 /* The capture status of s (CU_STREAM_CAPTURE_STATUS_*). */
 int sim_graph_capture_status(CUstream s);

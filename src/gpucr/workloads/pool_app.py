@@ -197,7 +197,7 @@ class App:
 
     def capture_free(self) -> dict:
         """Free a buffer allocated outside any capture while stream 0 captures: CUDA refuses it (a free
-        node takes only a graph allocation) and invalidates the capture; the buffer stays the app's."""
+        node takes only a graph allocation), the capture goes on; the buffer stays the app's."""
         s, status, graph = self.streams[0], ctypes.c_int(-1), vp()
         check(cuStreamBeginCapture(s, CAPTURE_RELAXED), "cuStreamBeginCapture")
         free_rc = cuMemFreeAsync(self.bufs[0][0], s)
