@@ -101,6 +101,7 @@ static struct hmap g_live;                /* va -> slot handed out */
 static struct hmap g_streams;             /* key -> sstate */
 static struct hmap g_native_reason;       /* va -> reason of stream-ordered memory the driver keeps (1 ipc, 2 other) */
 static struct pool_stats g_stats;
+static long g_dying;                      /* served pools destroyed, not yet forgotten (their blocks in use) */
 static size_t g_gran;
 
 static size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
@@ -361,7 +362,11 @@ static void forget_destroyed(void)
 {
     for (struct apool **l = &g_pools; *l;) {
         struct apool *pl = *l;
-        if (pl->destroyed && !pl->segs) { *l = pl->next; free(pl); }
+        if (pl->destroyed && !pl->segs) {
+            if (!pl->native) __atomic_sub_fetch(&g_dying, 1, __ATOMIC_RELAXED);
+            *l = pl->next;
+            free(pl);
+        }
         else l = &pl->next;
     }
 }
@@ -552,7 +557,8 @@ static void after_sync(uint64_t key, bool whole_ctx)
 
 static bool any_served(void)
 {
-    return __atomic_load_n(&g_stats.pools_served, __ATOMIC_RELAXED) != 0;
+    /* a destroyed pool's blocks still go back at a synchronize */
+    return __atomic_load_n(&g_stats.pools_served, __ATOMIC_RELAXED) != 0 || __atomic_load_n(&g_dying, __ATOMIC_RELAXED) != 0;
 }
 
 /* ---- entry points ---- */
@@ -635,7 +641,7 @@ GPUCR_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
             pl->destroyed = true;
             pl->threshold = 0;
             if (pl->native) g_stats.pools_native--;
-            else { g_stats.pools_served--; pool_shrink(pl, 0, false); }
+            else { g_stats.pools_served--; __atomic_add_fetch(&g_dying, 1, __ATOMIC_RELAXED); pool_shrink(pl, 0, false); }
         }
         forget_destroyed();
         pthread_mutex_unlock(&g_mu);
@@ -987,6 +993,7 @@ void pool_reset_after_fork(void)
     memset(&g_streams, 0, sizeof g_streams);
     memset(&g_native_reason, 0, sizeof g_native_reason);
     memset(&g_stats, 0, sizeof g_stats);
+    g_dying = 0;
 }
 
 __attribute__((constructor)) static void pool_init(void) { pthread_atfork(NULL, NULL, pool_reset_after_fork); }
