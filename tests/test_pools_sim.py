@@ -188,3 +188,78 @@ def test_coverage_in_status_checkpoint_and_manifest(sim_app, tmp_path):
     r = gpucr_cli("inspect", str(img))
     assert "(small allocations 0.1 MiB)" in r.stdout, r.stdout
     gpucr.restore(app.pid, image=str(img))
+
+
+def test_free_during_capture_is_answered_as_by_the_driver(pool_app):
+    """CUDA turns a free during stream capture into a free node, which takes only a graph allocation:
+    freeing a block the agent served (allocated outside any capture) is the driver's error (the H200
+    says INVALID_VALUE, the capture going on), with gpucr as without it; the block stays the
+    application's, holds its bytes and is moved by gpucr."""
+    app = pool_app("--sizes", "4M,64K", "--pool-sizes", "")
+    plain = pool_app("--sizes", "4M,64K", "--pool-sizes", "", agent=False)
+    answer = app.ask("capture-free")
+    assert answer == plain.ask("capture-free")
+    assert answer == {"free_rc": 1, "status": 1, "end_rc": 0}, "INVALID_VALUE, the capture goes on"
+    cov = gpucr.status(app.pid).coverage
+    assert cov.stream_ordered.used_bytes == 4 * MiB + (64 << 10), "the block is still in use"
+    app.ask("work 3")
+    before = app.ask("digest")
+    ck = gpucr.checkpoint(app.pid, timeout=20)
+    assert ck.bytes_left_to_driver == 0
+    gpucr.restore(app.pid, timeout=20)
+    assert app.ask("digest") == before
+    app.ask("churn 5")   # the pools go on, the block among the live ones
+
+
+def test_destroyed_pool_leaves_status_and_its_blocks_go_back_once_freed(pool_app):
+    app = pool_app("--sizes", "4M", "--pool-sizes", "6M,100K")
+    so = gpucr.status(app.pid).coverage.stream_ordered
+    assert so.pools_served == 2 and so.reserved_bytes == (4 + 6 + 2) * MiB, so
+    app.ask("pool-destroy")
+    so = gpucr.status(app.pid).coverage.stream_ordered
+    assert so.pools_served == 1, "a destroyed pool is no longer listed"
+    assert so.used_bytes == 4 * MiB + 6 * MiB + 128 * 1024, "its blocks in use stay the application's"
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid, timeout=20)   # they are still moved by gpucr
+    gpucr.restore(app.pid, timeout=20)
+    assert app.ask("digest") == before
+    app.ask("pool-free")
+    app.ask("sync")
+    so = gpucr.status(app.pid).coverage.stream_ordered
+    assert so.used_bytes == so.reserved_bytes == 4 * MiB, "freed: the destroyed pool's memory went back"
+    assert gpucr.checkpoint(app.pid, timeout=20).bytes_moved == 4 * MiB
+    gpucr.restore(app.pid, timeout=20)
+
+
+def test_opportunistic_reuse_follows_the_pool_attribute(pool_app):
+    """With REUSE_ALLOW_OPPORTUNISTIC and internal dependencies off, a block freed on another stream is
+    not reused even once its free completed (CUDA, and simcuda's pools); with it on, it is."""
+    with_agent = pool_app("--streams", "2")
+    plain = pool_app("--streams", "2", agent=False)
+    for opp, same in (("0", False), ("1", True)):
+        answer = with_agent.ask(f"reuse-after-sync {opp}")
+        assert answer == plain.ask(f"reuse-after-sync {opp}")
+        assert answer["same"] is same, (opp, answer)
+
+
+def test_graph_memory_and_driver_pools_are_reported_and_trimmed_before_a_checkpoint(pool_app):
+    """Graph memory nodes (allocations during stream capture) stay the driver's: status reports what
+    graphs hold (USED_MEM_CURRENT), and before a checkpoint the gate-closed quiesce trims the rest
+    (cuDeviceGraphMemTrim) and the driver's own pools (cuMemPoolTrimTo(pool, 0))."""
+    app = pool_app("--sizes", "4M", "--pool-sizes", "")
+    app.ask("graph 6M 8M")   # 6 MiB the graph left allocated, 8 MiB it freed: cached
+    assert app.ask("graph-mem") == {"used": 6 * MiB, "used_high": 14 * MiB, "reserved": 14 * MiB,
+                                    "reserved_high": 14 * MiB}
+    app.ask("usage-pool 2")   # a pool with usage flags: the driver's, 2 MiB kept reserved
+    assert app.ask("usage-attrs") == {"used": 0, "reserved": 2 * MiB}
+    cov = gpucr.status(app.pid).coverage
+    left = {e.kind: e.bytes for e in cov.left_to_driver}
+    assert left == {"graph memory nodes": 6 * MiB}, left
+    assert cov.stream_ordered.captured_allocations == 2 and cov.stream_ordered.pools_left_to_driver == 1
+    before = app.ask("digest")
+    ck = gpucr.checkpoint(app.pid, timeout=20)
+    assert ck.bytes_left_to_driver == 6 * MiB and ck.bytes_moved == 4 * MiB
+    gpucr.restore(app.pid, timeout=20)
+    assert app.ask("digest") == before
+    assert app.ask("graph-mem")["reserved"] == 6 * MiB, "what no graph held was trimmed"
+    assert app.ask("usage-attrs") == {"used": 0, "reserved": 0}, "the driver's pool was trimmed to 0"

@@ -53,7 +53,6 @@ void coverage_json(struct jb *j, const struct pool_stats *ps)
     jb_int(j, "cross_stream_waits", (long long)ps->cross_stream_waits);
     jb_int(j, "segments_released", (long long)ps->segments_released);
     jb_int(j, "captured_allocations", ps->captured_allocs);
-    jb_int(j, "captured_frees_kept", ps->captured_frees);
     jb_int(j, "ipc_exports", ps->ipc_exports);
     jb_int(j, "ipc_imports", ps->ipc_imports);
     jb_end(j);

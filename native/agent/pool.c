@@ -15,7 +15,10 @@
  *   - cuMemPoolCreate's props: a device pool with no handle type is served; a pool with handle types
  *     (IPC) or another location stays the driver's, and says so in `gpucr status`.
  * Left to the driver and reported: allocations during stream capture (they become graph memory, whose
- * addresses the graph owns), IPC-capable pools, pools the agent did not see created (imported).
+ * addresses the graph owns), IPC-capable pools, pools the agent did not see created (imported). A free
+ * during capture of a block the agent served goes to the driver too: CUDA takes only graph allocations
+ * there, so the application gets the driver's own answer (CUDA_ERROR_INVALID_VALUE on an H200).
+ * A pool the application destroys leaves status at once; its blocks still in use go back once freed.
  * A pool exported or imported for IPC makes a checkpoint refuse up front (pool_refusal).
  *
  * Layout: sizes up to 1 MiB are power-of-two slots (from 512 B) in slabs of one VMM granule; larger
@@ -81,7 +84,9 @@ struct apool {
     const char *native;                   /* NULL: the agent serves it; else why the driver keeps it */
     bool ipc;                             /* created with handle types (IPC-capable) */
     size_t max_size;                      /* 0: no limit */
+    bool destroyed;                       /* cuMemPoolDestroy: forgotten once its last segment is gone */
     int internal_deps;                    /* CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES */
+    int opportunistic;                    /* CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC */
     uint64_t threshold;
     uint64_t used, reserved, used_high, reserved_high;
     int nacc;
@@ -96,6 +101,7 @@ static struct hmap g_live;                /* va -> slot handed out */
 static struct hmap g_streams;             /* key -> sstate */
 static struct hmap g_native_reason;       /* va -> reason of stream-ordered memory the driver keeps (1 ipc, 2 other) */
 static struct pool_stats g_stats;
+static long g_dying;                      /* served pools destroyed, not yet forgotten (their blocks in use) */
 static size_t g_gran;
 
 static size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
@@ -151,7 +157,7 @@ static bool free_complete(struct sstate *st, uint64_t epoch)
 static bool order_after_free(struct apool *pl, struct sstate *st, uint64_t epoch, uint64_t to_key, CUstream to,
                              CUcontext cur)
 {
-    if (st->key == to_key || free_complete(st, epoch)) return true;
+    if (st->key == to_key || (pl->opportunistic && free_complete(st, epoch))) return true;
     if (!pl->internal_deps || st->ctx != cur) return false;
     /* a per-thread stream is recorded only by its own thread (at each free): if that failed, no other
      * thread can record on it, and a stream that is gone cannot be recorded on at all */
@@ -181,7 +187,7 @@ static struct apool *apool_new(CUmemoryPool h, int dev, const char *native)
     pl->handle = h;
     pl->dev = dev;
     pl->native = native;
-    pl->internal_deps = 1;
+    pl->internal_deps = pl->opportunistic = 1;
     for (int c = 0; c <= NSMALL; c++) pl->free_head[c].next = pl->free_head[c].prev = &pl->free_head[c];
     pl->next = g_pools;
     g_pools = pl;
@@ -190,11 +196,12 @@ static struct apool *apool_new(CUmemoryPool h, int dev, const char *native)
 }
 
 /* The shadow of pool h: made on first sight for a device's default pool; any other pool not seen
- * created (an imported one) is the driver's. g_mu held. */
+ * created (an imported one) is the driver's. A destroyed pool's shadow is never found: the driver
+ * may hand its handle to a new pool. g_mu held. */
 static struct apool *apool_get(CUmemoryPool h)
 {
     for (struct apool *pl = g_pools; pl; pl = pl->next)
-        if (pl->handle == h) return pl;
+        if (pl->handle == h && !pl->destroyed) return pl;
     int n = 0;
     if (gpucr_drv.cuDeviceGetCount) gpucr_drv.cuDeviceGetCount(&n);
     for (int d = 0; d < n; d++) {
@@ -349,6 +356,21 @@ static void pool_shrink(struct apool *pl, uint64_t keep, bool all_done)
     }
 }
 
+/* Forget the shadows of destroyed pools with nothing left (as CUDA releases such a pool once its last
+ * allocation is freed and that free completed). g_mu held. */
+static void forget_destroyed(void)
+{
+    for (struct apool **l = &g_pools; *l;) {
+        struct apool *pl = *l;
+        if (pl->destroyed && !pl->segs) {
+            if (!pl->native) __atomic_sub_fetch(&g_dying, 1, __ATOMIC_RELAXED);
+            *l = pl->next;
+            free(pl);
+        }
+        else l = &pl->next;
+    }
+}
+
 /* Take a free slot of class cls for stream `to`, ordered after its free. g_mu held. */
 static struct slot *take_free(struct apool *pl, int cls, size_t need, struct sstate *to_st, CUstream to, CUcontext cur)
 {
@@ -361,7 +383,7 @@ static struct slot *take_free(struct apool *pl, int cls, size_t need, struct sst
             if (s->seg->ctx != cur) continue;
             if (cls == LARGE && (s->size < need || s->size > 2 * need)) continue;
             if (s->st) {
-                bool ready = s->st == to_st || free_complete(s->st, s->epoch);
+                bool ready = s->st == to_st || (pl->opportunistic && free_complete(s->st, s->epoch));
                 if (!ready && (pass == 0 || !order_after_free(pl, s->st, s->epoch, to_st->key, to, cur))) continue;
             }
             list_unlink(s);
@@ -469,17 +491,15 @@ static void slot_free(struct slot *s, struct sstate *st)
 
 static CUresult free_async(CUdeviceptr va, CUstream h, bool pt, CUresult (*real)(CUdeviceptr, CUstream))
 {
+    /* during capture a free becomes a free node, which CUDA takes only for a graph allocation: the
+     * agent's blocks never are one (allocations during capture are the driver's), so such a free goes
+     * to the driver, which answers it as CUDA does (CUDA_ERROR_INVALID_VALUE, the capture going on);
+     * the block stays the application's */
     bool captured = capturing(h, pt);
     pthread_mutex_lock(&g_mu);
-    struct slot *s = va ? hmap_get(&g_live, va) : NULL;
+    struct slot *s = va && !captured ? hmap_get(&g_live, va) : NULL;
     CUresult rc = CUDA_SUCCESS;
-    if (s && captured) {
-        /* freed inside a graph being captured: CUDA frees it when the graph runs, and work captured
-         * before the free may still use it then; the agent cannot see that moment, so the block is
-         * never handed out again (kept, and still moved by gpucr) */
-        hmap_del(&g_live, va);
-        g_stats.captured_frees++;
-    } else if (s) {
+    if (s) {
         struct sstate *st = sstate_get(h, pt);
         if (!st) {
             rc = CUDA_ERROR_OUT_OF_MEMORY;
@@ -530,13 +550,15 @@ static void after_sync(uint64_t key, bool whole_ctx)
     if (key || whole_ctx) mark_done(key, cur);
     for (struct apool *pl = g_pools; pl; pl = pl->next)
         if (!pl->native && pl->reserved > pl->threshold) pool_shrink(pl, pl->threshold, false);
+    forget_destroyed();
     pthread_mutex_unlock(&g_mu);
     gpucr_gate_leave();
 }
 
 static bool any_served(void)
 {
-    return __atomic_load_n(&g_stats.pools_served, __ATOMIC_RELAXED) != 0;
+    /* a destroyed pool's blocks still go back at a synchronize */
+    return __atomic_load_n(&g_stats.pools_served, __ATOMIC_RELAXED) != 0 || __atomic_load_n(&g_dying, __ATOMIC_RELAXED) != 0;
 }
 
 /* ---- entry points ---- */
@@ -610,11 +632,18 @@ GPUCR_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
     gpucr_gate_enter();
     CUresult rc = REAL(cuMemPoolDestroy)(pool);
     if (rc == CUDA_SUCCESS) {
-        /* as on CUDA: what is free goes now; blocks still in use go back when freed (their segments
-         * stay in the shadow, which is forgotten only once empty) */
+        /* as on CUDA: the pool is gone for the application (and from status) at once; what is free
+         * goes now, blocks still in use go back once freed and their frees seen complete (a threshold
+         * of 0 gives them back at the next synchronize); the shadow is forgotten once empty */
         pthread_mutex_lock(&g_mu);
-        for (struct apool *pl = g_pools; pl; pl = pl->next)
-            if (pl->handle == pool && !pl->native) pool_shrink(pl, 0, false);
+        for (struct apool *pl = g_pools; pl; pl = pl->next) {
+            if (pl->handle != pool || pl->destroyed) continue;
+            pl->destroyed = true;
+            pl->threshold = 0;
+            if (pl->native) g_stats.pools_native--;
+            else { g_stats.pools_served--; __atomic_add_fetch(&g_dying, 1, __ATOMIC_RELAXED); pool_shrink(pl, 0, false); }
+        }
+        forget_destroyed();
         pthread_mutex_unlock(&g_mu);
     }
     gpucr_gate_leave();
@@ -638,6 +667,7 @@ GPUCR_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *v
     struct apool *pl = served_pool(pool);
     if (pl && attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) pl->threshold = *(uint64_t *)value;
     else if (pl && attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES) pl->internal_deps = *(int *)value != 0;
+    else if (pl && attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC) pl->opportunistic = *(int *)value != 0;
     else if (pl && attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) pl->reserved_high = pl->reserved;
     else if (pl && attr == CU_MEMPOOL_ATTR_USED_MEM_HIGH) pl->used_high = pl->used;
     pthread_mutex_unlock(&g_mu);
@@ -856,6 +886,7 @@ void pool_forget_ctx(CUcontext ctx)
             sg->nlive = 0;
             seg_release(sg, true);
         }
+    forget_destroyed();
     uint64_t k;
     void *v;
     for (size_t i = 0; (i = hmap_next(&g_streams, i, &k, &v)) < g_streams.cap; i++)
@@ -906,8 +937,9 @@ void pool_trim_for_checkpoint(void)
         ((struct sstate *)v)->done = ((struct sstate *)v)->epoch;   /* every context was synchronised */
     for (struct apool *pl = g_pools; pl; pl = pl->next) {
         if (!pl->native) pool_shrink(pl, 0, true);
-        else if (REAL(cuMemPoolTrimTo)) REAL(cuMemPoolTrimTo)(pl->handle, 0);   /* the driver's: less for it to move */
+        else if (!pl->destroyed && REAL(cuMemPoolTrimTo)) REAL(cuMemPoolTrimTo)(pl->handle, 0);   /* the driver's: less for it to move */
     }
+    forget_destroyed();
     pthread_mutex_unlock(&g_mu);
     /* graph memory the driver holds for graphs not running now goes back before its checkpoint */
     unsigned long long g = graph_memory(true);
@@ -961,6 +993,7 @@ void pool_reset_after_fork(void)
     memset(&g_streams, 0, sizeof g_streams);
     memset(&g_native_reason, 0, sizeof g_native_reason);
     memset(&g_stats, 0, sizeof g_stats);
+    g_dying = 0;
 }
 
 __attribute__((constructor)) static void pool_init(void) { pthread_atfork(NULL, NULL, pool_reset_after_fork); }

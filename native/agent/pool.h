@@ -24,7 +24,6 @@ struct pool_stats {
     long ipc_exports, ipc_imports;
     unsigned long long graph_bytes;             /* graph memory nodes (the driver's own), as last read */
     long captured_allocs;                       /* cuMemAllocAsync during stream capture: graph memory */
-    long captured_frees;                        /* gpucr's blocks freed inside a capture: kept, never reused */
     unsigned long long alloc_calls, cross_stream_waits, segments_released;
 };
 /* running: the process runs, so the driver may be asked (graph memory); else the last value read. */

@@ -98,6 +98,7 @@ static void ctx_drop_resources(struct sim_ctx *c)
 {
     sim_exec_drop_ctx(c);
     sim_pool_drop_ctx(c);
+    sim_graph_drop_ctx(c);
     sim_mem_drop_ctx(c);
 }
 

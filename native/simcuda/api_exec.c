@@ -509,11 +509,10 @@ SIMAPI CUresult cuStreamSynchronize_ptsz(CUstream hStream) { SIM_GATED(stream_sy
 SIMAPI CUresult cuStreamQuery(CUstream hStream) { SIM_GATED(stream_query(hStream)); }
 SIMAPI CUresult cuStreamQuery_ptsz(CUstream hStream) { SIM_GATED(stream_query(hStream)); }
 
-/* Nothing is ever captured into a graph: simcuda has no graphs. */
 static CUresult stream_is_capturing(CUstream s, int *status)
 {
     CUresult rc = status ? sim_stream_check(s) : CUDA_ERROR_INVALID_VALUE;
-    if (rc == CUDA_SUCCESS) *status = CU_STREAM_CAPTURE_STATUS_NONE;
+    if (rc == CUDA_SUCCESS) *status = sim_graph_capture_status(s);
     return rc;
 }
 SIMAPI CUresult cuStreamIsCapturing(CUstream hStream, int *captureStatus) { SIM_GATED(stream_is_capturing(hStream, captureStatus)); }

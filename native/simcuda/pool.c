@@ -108,6 +108,7 @@ static CUresult alloc_from(CUdeviceptr *dptr, size_t size, struct sim_pool *p, C
     if (!dptr || size == 0 || size > SIZE_MAX - SIM_GRANULE) return CUDA_ERROR_INVALID_VALUE;
     if ((rc = sim_stream_check(s)) != CUDA_SUCCESS) return rc;
     size_t need = sim_round_up(size, SIM_GRANULE);
+    if (sim_graph_alloc(dptr, size, s, c, &rc)) return rc;   /* capturing: an allocation node */
     pthread_mutex_lock(&pl.mu);
     if (!pool_known(p)) { pthread_mutex_unlock(&pl.mu); return CUDA_ERROR_INVALID_VALUE; }
     /* the smallest free block that fits (at most twice the size) and whose free this stream may
@@ -200,6 +201,7 @@ static CUresult free_async(CUdeviceptr va, CUstream s)
     CUresult rc = sim_ctx_current(&c);
     if (rc != CUDA_SUCCESS) return rc;
     if ((rc = sim_stream_check(s)) != CUDA_SUCCESS) return rc;
+    if (sim_graph_free(va, s, true, &rc)) return rc;   /* a free node, or graph memory freed outside it */
     pthread_mutex_lock(&pl.mu);
     struct sim_pool *p = NULL;
     struct pblock *b = find_block(va, &p, NULL);
@@ -218,6 +220,7 @@ SIMAPI CUresult cuMemFreeAsync_ptsz(CUdeviceptr dptr, CUstream hStream) { SIM_GA
 
 bool sim_pool_free_sync(CUdeviceptr va, CUresult *rc)
 {
+    if (sim_graph_free(va, NULL, false, rc)) return true;   /* graph memory: cached for graphs */
     pthread_mutex_lock(&pl.mu);
     struct sim_pool *p = NULL;
     struct pblock **link = NULL;
@@ -475,19 +478,3 @@ static CUresult device_set_pool(CUdevice dev, CUmemoryPool p)
     return rc;
 }
 SIMAPI CUresult cuDeviceSetMemPool(CUdevice dev, CUmemoryPool pool) { SIM_GATED(device_set_pool(dev, pool)); }
-
-/* ---- graph memory: simcuda has no graphs, so there is never any to trim or report ---- */
-
-static CUresult graph_mem_trim(CUdevice dev) { return sim_device_check(dev); }
-SIMAPI CUresult cuDeviceGraphMemTrim(CUdevice device) { SIM_GATED(graph_mem_trim(device)); }
-
-static CUresult graph_mem_attr(CUdevice dev, int attr, void *value)
-{
-    CUresult rc = sim_device_check(dev);
-    if (rc != CUDA_SUCCESS) return rc;
-    if (!value || attr < CU_GRAPH_MEM_ATTR_USED_MEM_CURRENT || attr > CU_GRAPH_MEM_ATTR_RESERVED_MEM_HIGH)
-        return CUDA_ERROR_INVALID_VALUE;
-    *(uint64_t *)value = 0;
-    return CUDA_SUCCESS;
-}
-SIMAPI CUresult cuDeviceGetGraphMemAttribute(CUdevice device, int attr, void *value) { SIM_GATED(graph_mem_attr(device, attr, value)); }

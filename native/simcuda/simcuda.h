@@ -271,6 +271,18 @@ void sim_pool_after_sync(void);
 /* Every pool of a context's device that is going away forgets what it held. */
 void sim_pool_drop_ctx(struct sim_ctx *ctx);
 
+/* ---- graph.c: stream capture and graph memory nodes ---- */
+
+/* cuMemAllocAsync on s: true (and *rc, *va set) if s is capturing, so the allocation is a graph's. */
+bool sim_graph_alloc(CUdeviceptr *va, size_t size, CUstream s, struct sim_ctx *ctx, CUresult *rc);
+/* cuMemFreeAsync on s (on_stream false: cuMemFree): true (and *rc set) if s is capturing (then only a
+ * graph allocation of that capture may be freed) or va is graph memory freed outside its graph. */
+bool sim_graph_free(CUdeviceptr va, CUstream s, bool on_stream, CUresult *rc);
+/* The capture status of s (CU_STREAM_CAPTURE_STATUS_*). */
+int sim_graph_capture_status(CUstream s);
+/* A context that is going away: forget its graph memory (memory.c frees it). */
+void sim_graph_drop_ctx(struct sim_ctx *ctx);
+
 /* ---- ckpt.c ---- */
 
 /* Starts the control thread serving <rundir>/<pid>.ctl. */

@@ -45,6 +45,7 @@ typedef struct sim_event *CUevent;
 typedef struct sim_module *CUmodule;
 typedef struct sim_func *CUfunction;
 typedef struct sim_pool *CUmemoryPool;
+typedef struct sim_graph *CUgraph;
 typedef void (*CUhostFn)(void *userData);
 
 typedef struct CUuuid_st { char bytes[16]; } CUuuid;
@@ -139,6 +140,7 @@ enum {
     CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED = 713,
     CUDA_ERROR_NOT_PERMITTED = 800,
     CUDA_ERROR_NOT_SUPPORTED = 801,
+    CUDA_ERROR_STREAM_CAPTURE_UNSUPPORTED = 900,
     CUDA_ERROR_TIMEOUT = 909,
     CUDA_ERROR_UNKNOWN = 999,
 };
@@ -184,6 +186,7 @@ enum {
 enum {
     CU_STREAM_CAPTURE_STATUS_NONE = 0,
     CU_STREAM_CAPTURE_STATUS_ACTIVE = 1,
+    CU_STREAM_CAPTURE_MODE_RELAXED = 2,
 };
 
 enum {
@@ -441,6 +444,11 @@ SIMAPI CUresult cuStreamWaitEvent(CUstream hStream, CUevent hEvent, unsigned int
 SIMAPI CUresult cuStreamWaitEvent_ptsz(CUstream hStream, CUevent hEvent, unsigned int Flags);
 SIMAPI CUresult cuStreamIsCapturing(CUstream hStream, int *captureStatus);
 SIMAPI CUresult cuStreamIsCapturing_ptsz(CUstream hStream, int *captureStatus);
+SIMAPI CUresult cuStreamBeginCapture_v2(CUstream hStream, int mode);
+SIMAPI CUresult cuStreamBeginCapture_v2_ptsz(CUstream hStream, int mode);
+SIMAPI CUresult cuStreamEndCapture(CUstream hStream, CUgraph *phGraph);
+SIMAPI CUresult cuStreamEndCapture_ptsz(CUstream hStream, CUgraph *phGraph);
+SIMAPI CUresult cuGraphDestroy(CUgraph hGraph);
 SIMAPI CUresult cuEventDestroy(CUevent hEvent);
 SIMAPI CUresult cuEventDestroy_v2(CUevent hEvent);
 SIMAPI CUresult cuEventElapsedTime(float *pMilliseconds, CUevent hStart, CUevent hEnd);

@@ -93,7 +93,6 @@ class StreamOrdered:
     cross_stream_waits: int           # blocks handed to another stream after making it wait for their free
     segments_released: int            # pieces of pool memory given back (threshold, TrimTo, before a checkpoint)
     captured_allocations: int         # allocations during stream capture: graph memory, the driver's
-    captured_frees_kept: int          # gpucr's blocks freed inside a capture: kept, never handed out again
     ipc_exports: int                  # pools or pool pointers exported to other processes (a checkpoint refuses)
     ipc_imports: int
 

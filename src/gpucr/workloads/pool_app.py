@@ -9,7 +9,8 @@ Commands:
   reuse-same                  alloc, free, alloc on one stream: the same block? (CUDA: at once)
   reuse-cross [internal 0|1]  alloc + free on stream 0, then alloc on stream 1: the same block, and
                               (simcuda) whether stream 1 is then ordered after the free
-  reuse-after-sync            the same, once stream 0 was synchronised (the free is complete)
+  reuse-after-sync [opp 0|1]  the same, once stream 0 was synchronised (the free is complete), with
+                              internal dependencies off (and REUSE_ALLOW_OPPORTUNISTIC as given, default 1)
   reuse-per-thread            a thread allocates, writes and frees on its per-thread default stream
                               (the _ptsz entry points, stream NULL); then this thread allocates on its own:
                               the same block, and (simcuda) whether its stream is ordered after that free
@@ -21,6 +22,15 @@ Commands:
   peer-access D on|off        cuMemPoolSetAccess of the default pool for device D
   peer-write D V              from device D's context, memset the first buffer to V: the CUDA error (0: it
                               could) and, when it could, the first word as device 0 reads it back
+  capture-free                during a stream capture, free the first buffer (CUDA: only a graph allocation
+                              may be freed there): the free's error, the capture status, EndCapture's error
+  graph KEEP CACHED           capture an allocation of KEEP bytes the graph does not free and one of CACHED
+                              it frees, then destroy the graph (KEEP stays the application's)
+  graph-mem                   device 0's graph memory: used and reserved (current, high)
+  pool-destroy                cuMemPoolDestroy of the explicit pool (its buffers still in use)
+  pool-free                   free the explicit pool's buffers (on their streams)
+  usage-pool MIB              a pool with usage flags (the driver's): MIB allocated and freed, kept reserved
+  usage-attrs                 that pool's used/reserved
   loop start THREADS          threads that each, on a stream of their own, allocate, write, read back and
   loop stop                   check, and free blocks handed on to the next thread's stream, until stopped
                               (a checkpoint lands mid-loop); stop answers the rounds and the first error
@@ -66,6 +76,14 @@ cuMemPoolTrimTo = _sig("cuMemPoolTrimTo", vp, sz)
 cuMemPoolSetAccess = _sig("cuMemPoolSetAccess", vp, ctypes.POINTER(Access), sz)
 cuMemPoolExportToShareableHandle = _sig("cuMemPoolExportToShareableHandle", vp, vp, ctypes.c_int, u64)
 cuDeviceGetDefaultMemPool = _sig("cuDeviceGetDefaultMemPool", ctypes.POINTER(vp), ctypes.c_int)
+cuMemPoolDestroy = _sig("cuMemPoolDestroy", vp)
+cuStreamBeginCapture = _sig("cuStreamBeginCapture_v2", vp, ctypes.c_int)
+cuStreamEndCapture = _sig("cuStreamEndCapture", vp, ctypes.POINTER(vp))
+cuStreamIsCapturing = _sig("cuStreamIsCapturing", vp, ctypes.POINTER(ctypes.c_int))
+cuGraphDestroy = _sig("cuGraphDestroy", vp)
+cuDeviceGetGraphMemAttribute = _sig("cuDeviceGetGraphMemAttribute", ctypes.c_int, ctypes.c_int, vp)
+GRAPH_ATTR = {"used": 0, "used_high": 1, "reserved": 2, "reserved_high": 3}
+CAPTURE_RELAXED = 2
 if SIM:   # simcuda's stream-ordering model (a test double's introspection, not CUDA)
     simcudaStreamPosition = _sig("simcudaStreamPosition", vp, ctypes.POINTER(ctypes.c_ulonglong), ctypes.POINTER(ctypes.c_ulonglong))
     simcudaStreamOrdered = _sig("simcudaStreamOrdered", vp, ctypes.c_ulonglong, ctypes.c_ulonglong)
@@ -100,6 +118,8 @@ class App:
             block = ctypes.create_string_buffer((data * (n // len(data) + 1))[:n], n)
             check(cuMemcpyHtoDAsync(p, block, n, s), "fill")
             check(cuStreamSynchronize(s), "sync")   # the host buffer must outlive the copy
+        self.npool = len(pool_sizes)   # the last buffers are the explicit pool's
+        self.usage_pool = vp()
         self.ipc_pools: list[vp] = []
         self.loop_stop = threading.Event()
         self.loop_threads: list[threading.Thread] = []
@@ -153,10 +173,11 @@ class App:
                 p = self._alloc(sizes[(k + i) % len(sizes)], s)
                 check(cuMemFreeAsync(p, s), "free")
 
-    def reuse_cross(self, internal: int | None, sync_first: bool) -> dict:
+    def reuse_cross(self, internal: int | None, sync_first: bool, opportunistic: int = 1) -> dict:
         s0, s1 = self.streams[0], self.streams[1]
         if internal is not None:
             self._set(self.default, 3, internal, ctypes.c_int)
+        self._set(self.default, 2, opportunistic, ctypes.c_int)
         a = self._alloc(3 << 20, s0)
         # work on stream 0 that uses the block, then its free: stream 1 may have it only after both
         src = ctypes.create_string_buffer(b"\x5a" * (3 << 20), 3 << 20)
@@ -171,7 +192,32 @@ class App:
         check(cuCtxSynchronize(), "sync")
         if internal is not None:
             self._set(self.default, 3, 1, ctypes.c_int)
+        self._set(self.default, 2, 1, ctypes.c_int)
         return {"same": a == b, "ordered": ordered}
+
+    def capture_free(self) -> dict:
+        """Free a buffer allocated outside any capture while stream 0 captures: CUDA refuses it (a free
+        node takes only a graph allocation), the capture goes on; the buffer stays the app's."""
+        s, status, graph = self.streams[0], ctypes.c_int(-1), vp()
+        check(cuStreamBeginCapture(s, CAPTURE_RELAXED), "cuStreamBeginCapture")
+        free_rc = cuMemFreeAsync(self.bufs[0][0], s)
+        check(cuStreamIsCapturing(s, ctypes.byref(status)), "cuStreamIsCapturing")
+        end_rc = cuStreamEndCapture(s, ctypes.byref(graph))
+        if graph.value:
+            check(cuGraphDestroy(graph), "cuGraphDestroy")
+        return {"free_rc": free_rc, "status": status.value, "end_rc": end_rc}
+
+    def graph(self, keep: int, cached: int) -> dict:
+        """Graph memory nodes by stream capture: one allocation the graph leaves allocated (the app's
+        after the graph is gone), one it frees (cached for graphs once the graph is destroyed)."""
+        s, graph, a, b = self.streams[1], vp(), u64(), u64()
+        check(cuStreamBeginCapture(s, CAPTURE_RELAXED), "cuStreamBeginCapture")
+        check(cuMemAllocAsync(ctypes.byref(a), keep, s), "cuMemAllocAsync (captured)")
+        check(cuMemAllocAsync(ctypes.byref(b), cached, s), "cuMemAllocAsync (captured)")
+        check(cuMemFreeAsync(b, s), "cuMemFreeAsync (captured)")
+        check(cuStreamEndCapture(s, ctypes.byref(graph)), "cuStreamEndCapture")
+        check(cuGraphDestroy(graph), "cuGraphDestroy")
+        return {"kept": a.value}
 
     def _churn_thread(self, k: int, n: int) -> None:
         """Stream k allocates, writes and checks a block, then hands its free to stream k+1 (which waits
@@ -243,7 +289,37 @@ class App:
         if cmd == "reuse-cross":
             return self.reuse_cross(int(words[1]) if len(words) > 1 else None, False)
         if cmd == "reuse-after-sync":
-            return self.reuse_cross(0, True)
+            return self.reuse_cross(0, True, int(words[1]) if len(words) > 1 else 1)
+        if cmd == "capture-free":
+            return self.capture_free()
+        if cmd == "graph":
+            return self.graph(parse_size(words[1]), parse_size(words[2]))
+        if cmd == "graph-mem":
+            out = {}
+            for k, a in GRAPH_ATTR.items():
+                v = u64()
+                check(cuDeviceGetGraphMemAttribute(0, a, ctypes.byref(v)), "cuDeviceGetGraphMemAttribute")
+                out[k] = v.value
+            return out
+        if cmd == "pool-destroy":
+            check(cuMemPoolDestroy(self.pool), "cuMemPoolDestroy")
+            return {"ok": True}
+        if cmd == "pool-free":
+            kept = self.bufs[:len(self.bufs) - self.npool]
+            for p, _, s in self.bufs[len(kept):]:
+                check(cuMemFreeAsync(p, s), "free")
+            self.bufs, self.npool = kept, 0
+            return {"ok": True}
+        if cmd == "usage-pool":
+            props = PoolProps(allocType=1, handleTypes=0, loc=Loc(1, 0), usage=2)   # HW_DECOMPRESS
+            check(cuMemPoolCreate(ctypes.byref(self.usage_pool), ctypes.byref(props)), "cuMemPoolCreate (usage)")
+            self._set(self.usage_pool, ATTR["threshold"], 1 << 62)
+            p = self._alloc(int(words[1]) << 20, self.streams[0], self.usage_pool)
+            check(cuMemFreeAsync(p, self.streams[0]), "free")
+            check(cuCtxSynchronize(), "sync")
+            return {"ok": True}
+        if cmd == "usage-attrs":
+            return {k: self._get(self.usage_pool, ATTR[k]) for k in ("used", "reserved")}
         if cmd == "reuse-per-thread":
             return self.reuse_per_thread()
         if cmd == "attrs":
