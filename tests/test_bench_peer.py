@@ -56,7 +56,7 @@ def test_simulated_run_records_the_skip_and_its_reason(tmp_path):
     assert res["workloads"]["raw:0.05"]["versus_peer"] == {}
 
 
-@pytest.mark.skipif(HAVE_TMS, reason="torch_memory_saver is importable here")
+@pytest.mark.skipif(HAVE_TMS, reason="needs a host where torch_memory_saver cannot be imported")
 def test_without_the_package_the_reason_is_the_import_error():
     m = M.TmsMethod(simulate=False)
     reason = m.unavailable(M.parse_workload("raw:30", 0.5))
