@@ -25,7 +25,7 @@ from ..driver import Driver
 from ..errors import GpucrError
 from ..results import ProcessCheckpoint, ProcessRestore
 from ..workloads.llm_app import MODELS
-from ..workloads import runner
+from ..workloads import runner, tms_app
 from ..workloads.job import Job
 
 GENERATE_TOKENS = 32
@@ -90,11 +90,11 @@ def plain_env(simulate: bool) -> dict[str, str]:
     return runner.plain_env(simulate)
 
 
-def start(spec: Spec, under_agent: bool, simulate: bool, agent_env: dict[str, str] | None = None,
-          job_env: dict[str, str] | None = None) -> Job:
-    """The workload's process(es) as one Job (one process for the single-GPU workloads)."""
-    env = {**(NCCL_ENV if spec.nccl else {}), **os.environ, **(agent_env or {}), **(job_env or {})}
-    return Job(spec.module, list(spec.args), launch=spec.launch, world=spec.world, env=env, agent=under_agent,
+def start(spec: Spec, method: "Method", simulate: bool) -> Job:
+    """The workload's process(es) for `method`, as one Job (one process for the single-GPU workloads)."""
+    module, args, own_env = method.workload(spec)
+    env = {**(NCCL_ENV if spec.nccl else {}), **os.environ, **method.agent_env, **method.job_env, **own_env}
+    return Job(module, args, launch=spec.launch, world=spec.world, env=env, agent=method.under_agent,
                simulate=simulate)
 
 
@@ -157,6 +157,24 @@ class Method:
     splits = False         # whether data and control are timed apart
     agent_env: dict[str, str] = {}   # settings the agent reads at start: such methods get a process of their own
     job_env: dict[str, str] = {}     # settings of the job itself (NCCL's): the same
+    own_job = False        # a workload process of its own kind (the peer's): never shared
+    in_app = False         # the application moves its data itself, timed inside it (the peer)
+
+    def unavailable(self, spec: Spec) -> str | None:
+        """Why this method cannot run on `spec` here (it is then reported as skipped), or None."""
+        return None
+
+    def workload(self, spec: Spec) -> tuple[str, list[str], dict[str, str]]:
+        """The workload process this method acts on: module of gpucr.workloads, its arguments and
+        environment of its own."""
+        return spec.module, list(spec.args), {}
+
+    def bind(self, job: Job) -> None:
+        """The job just started for this method; one that talks to the application itself keeps it."""
+
+    def warmup(self) -> "Method | None":
+        """The untimed first cycle, reported apart, that prepares what later cycles reuse."""
+        return None
 
     def checkpoint(self, pids: list[int]) -> dict[str, Any]:
         raise NotImplementedError
@@ -259,6 +277,9 @@ class GpucrMethod(Method):
         self.unpin = unpin
         self.agent_env = {"GPUCR_BOUNCE_MIB": "0"} if pinned or unpin else {}
 
+    def warmup(self) -> Method:
+        return agent_warmup()
+
     def checkpoint(self, pids: list[int]) -> dict[str, Any]:
         if self.unpin:
             with _env("GPUCR_UNPIN_FOR_DRIVER", "1"):
@@ -284,6 +305,9 @@ class CliMethod(Method):
         self.name = "gpucr-cli-server" if server else "gpucr-cli"
         self.server, self.simulate, self.timeout = server, simulate, timeout
         self._srv = _BenchServer(simulate)
+
+    def warmup(self) -> Method:
+        return agent_warmup()
 
     def _cli(self, verb: str, pids: list[int]) -> dict[str, Any]:
         if self.server:
@@ -340,10 +364,77 @@ class _BenchServer:
         self.proc = None
 
 
+def agent_warmup() -> GpucrMethod:
+    """The first checkpoint of a process under the agent prepares (faults in and pins) its staging."""
+    return GpucrMethod("full", timeout=WARMUP_TIMEOUT_S)
+
+
+class TmsMethod(Method):
+    """torch_memory_saver, the peer: a workload process of its own (gpucr.workloads.tms_app, started
+    with the package's hook library preloaded) whose raw buffer, or weights and KV cache, are in one
+    region with CPU backup kept between cycles; pause and resume are asked of the application over
+    its protocol and timed inside it (app_out_s / app_in_s, on which its GB/s are computed) and from
+    here (checkpoint_s / restore_s, the request's round trip as well)."""
+    name = "torch-memory-saver"
+    own_job = True
+    in_app = True
+
+    def __init__(self, simulate: bool) -> None:
+        self.simulate = simulate
+        self.job: Job | None = None
+        self.probed: dict[str, str] | str | None = None   # the probe's answer, or why it failed
+
+    def unavailable(self, spec: Spec) -> str | None:
+        if self.simulate:
+            return "needs torch and torch_memory_saver on a real GPU"
+        if spec.module not in tms_app.APPS:
+            return "runs on the single-GPU workloads only (raw:GIB and the LLM servers)"
+        probed = self.probe()
+        return probed if isinstance(probed, str) else None
+
+    def probe(self) -> dict[str, str] | str:
+        """Once a run: the hook library to preload (asked of a child, which imports torch), or why
+        torch_memory_saver cannot run here."""
+        if self.probed is None:
+            r = subprocess.run([sys.executable, "-m", "gpucr.workloads.tms_app", "--probe"], capture_output=True,
+                               text=True, env=plain_env(self.simulate), timeout=600)
+            if r.returncode == 0:
+                self.probed = json.loads(r.stdout.strip().splitlines()[-1])
+            else:
+                said = (r.stderr.strip().splitlines() or [f"exit {r.returncode}"])[-1]
+                self.probed = f"torch_memory_saver cannot be used here ({said})"
+        return self.probed
+
+    def workload(self, spec: Spec) -> tuple[str, list[str], dict[str, str]]:
+        probed = self.probe()
+        if isinstance(probed, str):
+            raise GpucrError(probed)
+        preload = ":".join(p for p in (probed["preload"], os.environ.get("LD_PRELOAD")) if p)
+        return "tms_app", [spec.module, *spec.args], {"LD_PRELOAD": preload}
+
+    def bind(self, job: Job) -> None:
+        self.job = job
+
+    def warmup(self) -> Method:
+        return self     # the first pause pins the CPU backup, which later ones reuse
+
+    def _ask(self, verb: str, step: str) -> dict[str, Any]:
+        if self.job is None:
+            raise GpucrError(f"{self.name}: no workload process to ask")
+        a = self.job.ask(verb)
+        return {"steps_s": {step: a["seconds"]}, "bytes_moved": a["bytes"]}
+
+    def checkpoint(self, pids: list[int]) -> dict[str, Any]:
+        return self._ask("tms_pause", "pause")
+
+    def restore(self, pids: list[int]) -> dict[str, Any]:
+        return self._ask("tms_resume", "resume")
+
+
 class ServerMethod(Method):
     """gpucr through its server (`gpucr serve`, started for this method): the server's data plane copies
     the data while the driver takes the control state, side by side (docs/server.md). Its first cycle,
-    which pins the staging in the server, is timed apart (`first_cycle`), not among the samples."""
+    which pins the staging in the server, is its warm-up, reported apart."""
     under_agent = True
     splits = True
 
@@ -351,7 +442,9 @@ class ServerMethod(Method):
         self.level, self.timeout = level, timeout
         self.name = f"gpucr-server-{level}"
         self._srv = _BenchServer(simulate)
-        self.first_cycle: dict[str, Any] | None = None
+
+    def warmup(self) -> Method:
+        return self   # its first cycle pins the process's staging in the server: later ones reuse it
 
     def _api(self):
         from ..server import route
@@ -361,18 +454,10 @@ class ServerMethod(Method):
         return route
 
     def checkpoint(self, pids: list[int]) -> dict[str, Any]:
-        route = self._api()
-        if self.first_cycle is None:
-            t0 = time.perf_counter()
-            ck = combine(route.checkpoint_many(pids, level=self.level, timeout=WARMUP_TIMEOUT_S).processes)
-            t1 = time.perf_counter()
-            rs = combine(route.restore_many(pids, timeout=WARMUP_TIMEOUT_S).processes)
-            self.first_cycle = {"checkpoint_s": t1 - t0, "restore_s": time.perf_counter() - t1, "checkpoint": ck,
-                                "restore": rs}
-        return combine(route.checkpoint_many(pids, level=self.level, timeout=self.timeout).processes)
+        return combine(self._api().checkpoint_many(pids, level=self.level, timeout=WARMUP_TIMEOUT_S).processes)
 
     def restore(self, pids: list[int]) -> dict[str, Any]:
-        return combine(self._api().restore_many(pids, timeout=self.timeout).processes)
+        return combine(self._api().restore_many(pids, timeout=WARMUP_TIMEOUT_S).processes)
 
     def close(self) -> None:
         self._srv.close()
@@ -392,7 +477,7 @@ def _env(key: str, value: str):
 
 
 METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data", "gpucr-full-pinned", "gpucr-full-unpinned",
-           "driver-nop2p", "gpucr-cli", "gpucr-cli-server", "gpucr-server-full", "gpucr-server-data")
+           "driver-nop2p", "gpucr-cli", "gpucr-cli-server", "torch-memory-saver", "gpucr-server-full", "gpucr-server-data")
 DEFAULT_METHODS = METHODS[:5]
 JOB_METHODS = ("ceiling", "driver", "driver-nop2p", "gpucr-full", "gpucr-data")   # the default for multi-GPU jobs
 
@@ -414,6 +499,8 @@ def make(name: str, drv: Driver, simulate: bool, deadline: float = 600.0) -> Met
         return CliMethod(name.endswith("-server"), simulate)
     if name in ("gpucr-server-full", "gpucr-server-data"):
         return ServerMethod(name.rsplit("-", 1)[1], simulate)
+    if name == "torch-memory-saver":
+        return TmsMethod(simulate)
     raise GpucrError(f"unknown method '{name}': use some of {', '.join(METHODS)}")
 
 
@@ -442,22 +529,27 @@ def metrics(method: Method, ck: dict, rs: dict, footprint: int | None, ceiling: 
 
     gpucr splits data (agent) from control (driver); the driver's own checkpoint does both in one
     step, so its time is driver_out_s / driver_in_s and the bytes it moved are the process's whole
-    GPU footprint (as nvidia-smi counts it)."""
+    GPU footprint (as nvidia-smi counts it); the peer pauses its region inside the application, so
+    its time is app_out_s / app_in_s and its bytes the region's."""
     cs, rsteps = ck["steps_s"], rs["steps_s"]
-    row: dict[str, Any] = {"checkpoint_s": ck["wall_s"], "restore_s": rs["wall_s"]}
-    if method.splits:
+    row: dict[str, Any] = {"checkpoint_s": ck["wall_s"], "restore_s": rs["wall_s"],
+                           **dict.fromkeys(("gate_sync_s", "data_out_s", "control_out_s", "control_in_s", "data_in_s",
+                                            "driver_out_s", "driver_in_s", "app_out_s", "app_in_s"))}
+    if method.in_app:
+        row.update(app_out_s=cs["pause"], app_in_s=rsteps["resume"], bytes_out=ck["bytes_moved"],
+                   bytes_in=rs["bytes_moved"], bytes_left_to_driver=None)
+        out_s, in_s = row["app_out_s"], row["app_in_s"]
+    elif method.splits:
         am = ck["agent_ms"]
         row.update(gate_sync_s=(am["gate"] + am["sync"]) / 1000, data_out_s=cs["data_out"],
                    control_out_s=(cs["driver_lock"] + cs["control_out"]) if "control_out" in cs else None,
                    control_in_s=(rsteps["control_in"] + rsteps.get("driver_unlock", 0.0)) if "control_in" in rsteps else None,
-                   data_in_s=rsteps["data_in"], driver_out_s=None, driver_in_s=None,
-                   bytes_out=ck["bytes_moved"], bytes_in=rs["bytes_moved"],
+                   data_in_s=rsteps["data_in"], bytes_out=ck["bytes_moved"], bytes_in=rs["bytes_moved"],
                    bytes_left_to_driver=ck["bytes_left_to_driver"], agent_ms=am,
                    pin_wait_s=rs.get("agent_ms", {}).get("pin_wait", 0.0) / 1000)
         out_s, in_s = row["data_out_s"], row["data_in_s"]
     else:
-        row.update(gate_sync_s=None, data_out_s=None, control_out_s=None, control_in_s=None, data_in_s=None,
-                   driver_out_s=cs["lock"] + cs["checkpoint"], driver_in_s=rsteps["restore"] + rsteps["unlock"],
+        row.update(driver_out_s=cs["lock"] + cs["checkpoint"], driver_in_s=rsteps["restore"] + rsteps["unlock"],
                    bytes_out=footprint, bytes_in=footprint, bytes_left_to_driver=footprint)
         out_s, in_s = row["driver_out_s"], row["driver_in_s"]
     row["steps_s"] = {"checkpoint": cs, "restore": rsteps}
@@ -471,8 +563,8 @@ def metrics(method: Method, ck: dict, rs: dict, footprint: int | None, ceiling: 
 def per_gpu(row: dict[str, Any], method: Method, bytes_per_gpu: dict[str, int]) -> dict[str, Any]:
     """Each GPU's bytes over the job's data time (its ranks move their data at once), and the
     slowest GPU's rate, which bounds the job."""
-    out_s = row["data_out_s"] if method.splits else row["driver_out_s"]
-    in_s = row["data_in_s"] if method.splits else row["driver_in_s"]
+    kind = "app" if method.in_app else "data" if method.splits else "driver"
+    out_s, in_s = row[f"{kind}_out_s"], row[f"{kind}_in_s"]
     out = {"bytes_per_gpu": bytes_per_gpu,
            "gbps_out_per_gpu": {u: _gbps(b, out_s) for u, b in bytes_per_gpu.items()},
            "gbps_in_per_gpu": {u: _gbps(b, in_s) for u, b in bytes_per_gpu.items()}}
@@ -483,7 +575,7 @@ def per_gpu(row: dict[str, Any], method: Method, bytes_per_gpu: dict[str, int]) 
 
 
 SUMMARY_KEYS = ("gate_sync_s", "data_out_s", "control_out_s", "control_in_s", "data_in_s", "driver_out_s",
-                "driver_in_s", "checkpoint_s", "restore_s", "bytes_out", "bytes_in", "gbps_out", "gbps_in",
+                "driver_in_s", "app_out_s", "app_in_s", "checkpoint_s", "restore_s", "bytes_out", "bytes_in", "gbps_out", "gbps_in",
                 "ceiling_share_out", "ceiling_share_in", "gpu_held_checkpointed_bytes", "gbps_out_slowest_gpu",
                 "gbps_in_slowest_gpu")
 

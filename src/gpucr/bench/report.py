@@ -16,10 +16,11 @@ from typing import Any
 GiB = 1 << 30
 
 # chart segments: (median key, label, colour); a checkpoint bar stacks the *_out keys, a restore bar the *_in keys
+PEER_LABEL, PEER_COLOUR = "pause / resume in the app (torch_memory_saver)", "#2ca02c"
 OUT_PARTS = (("data_out_s", "data (gpucr agent)", "#1f77b4"), ("control_out_s", "control (driver)", "#ff7f0e"),
-             ("driver_out_s", "driver: data + control", "#7f7f7f"))
+             ("driver_out_s", "driver: data + control", "#7f7f7f"), ("app_out_s", PEER_LABEL, PEER_COLOUR))
 IN_PARTS = (("data_in_s", "data (gpucr agent)", "#1f77b4"), ("control_in_s", "control (driver)", "#ff7f0e"),
-            ("driver_in_s", "driver: data + control", "#7f7f7f"))
+            ("driver_in_s", "driver: data + control", "#7f7f7f"), ("app_in_s", PEER_LABEL, PEER_COLOUR))
 REST = ("other (coordinator's own time)", "#d9d9d9")
 
 
@@ -78,15 +79,25 @@ def markdown(res: dict[str, Any]) -> str:
                 lines.append(f"| {wname} | {mname} | {said}: {m['error'][:80]} |" + " |" * 11)
                 continue
             d = m["median"]
+            data_out, data_in = _either(d, "data_out_s", "app_out_s"), _either(d, "data_in_s", "app_in_s")
             lines.append(" | ".join([
                 f"| {wname}", mname, _s(d["checkpoint_s"]), _s(d["restore_s"]), _s(d["gate_sync_s"]),
-                _s(d["data_out_s"]), _s(d["control_out_s"]), _s(d["control_in_s"]), _s(d["data_in_s"]),
+                _s(data_out), _s(d["control_out_s"]), _s(d["control_in_s"]), _s(data_in),
                 _gib(d["bytes_out"]), _rate(d["gbps_out"], d["ceiling_share_out"]),
                 _rate(d["gbps_in"], d["ceiling_share_in"]), _gib(d["gpu_held_checkpointed_bytes"]),
                 "yes" if m.get("correct") else "**NO**"]) + " |")
     lines += jobs_table(res)
     sp = [f"{w}: {k.replace('_vs_', ' vs ')} checkpoint {v['checkpoint']:.1f}x, restore {v['restore']:.1f}x faster"
           for w, wr in res.get("workloads", {}).items() for k, v in (wr.get("speedups") or {}).items()]
+    sp += [f"{w}: gpucr-data GB/s {v['out']:.2f}x (out) / {v['in']:.2f}x (in) torch-memory-saver's"
+           for w, wr in res.get("workloads", {}).items() for k, v in (wr.get("versus_peer") or {}).items()
+           if k == "gpucr-data_gbps_over_peer"]
+    sp += [f"{w}: gpucr-full checkpoint / restore time {v['checkpoint']:.2f}x / {v['restore']:.2f}x "
+           f"torch-memory-saver's pause / resume"
+           for w, wr in res.get("workloads", {}).items() for k, v in (wr.get("versus_peer") or {}).items()
+           if k == "gpucr-full_time_over_peer"]
+    sp += [f"{w}: {mn} skipped: {m['skipped']}" for w, wr in res.get("workloads", {}).items()
+           for mn, m in wr.get("methods", {}).items() if m.get("skipped") and m["skipped"] != "not an NCCL job"]
     if sp:
         lines += [""] + [f"- {s}" for s in sp]
     lines += ["", "driver / driver-fresh: the driver's own checkpoint (data and control in one step; its bytes are "
@@ -95,8 +106,17 @@ def markdown(res: dict[str, Any]) -> str:
               "context stays; ablations, when run: gpucr-full-pinned, the ring off and all of staging pinned; "
               "gpucr-full-unpinned, pinned staging unpinned for the driver's checkpoint and pinned again during the "
               "restore's copies; gpucr-cli / gpucr-cli-server: a fresh `gpucr checkpoint|restore` per step, in-process "
-              "(--no-server: an interpreter and cuInit each time) or through `gpucr serve`."]
+              "(--no-server: an interpreter and cuInit each time) or through `gpucr serve`; torch-memory-saver, the "
+              "peer: its own process, whose data (raw buffer, or weights and KV cache) is in a torch_memory_saver "
+              "region with CPU backup kept, paused and resumed by the app when asked: its data out / in s are the "
+              "pause / resume timed inside the app (its GB/s are on them and the region's bytes), its checkpoint / "
+              "restore s the same asked from the bench, round trip included."]
     return "\n".join(lines)
+
+
+def _either(d: dict[str, Any], key: str, other: str) -> float | None:
+    """d[key], else d[other] (the peer's in-app times stand in the data columns); older files lack other."""
+    return d[key] if d.get(key) is not None else d.get(other)
 
 
 def _per_gpu(rates: dict[str, float | None] | None) -> str:

@@ -12,8 +12,11 @@ torch and transformers are imported where they are used, so MODELS can be read w
 from __future__ import annotations
 
 import argparse
+import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
+
+from . import Place
 
 if TYPE_CHECKING:
     import torch
@@ -136,7 +139,9 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 class App:
-    def __init__(self, name: str, gpu_util: float, seed: int) -> None:
+    def __init__(self, name: str, gpu_util: float, seed: int, place: Place = contextlib.nullcontext) -> None:
+        """place: where the weights and the KV cache are allocated (tms_app: a torch_memory_saver
+        region); the warm-up generation's activations and workspaces stay outside it."""
         import torch
 
         from ..driver import _nvml_memory
@@ -145,7 +150,8 @@ class App:
         torch.manual_seed(seed)
         self.name = name
         self.cfg = build_config(name)
-        self.model = build_model(self.cfg, "cuda")
+        with place():
+            self.model = build_model(self.cfg, "cuda")
         self.prompt = fixed_prompt(self.cfg.vocab_size, "cuda")
         # a short generation first: cuBLAS handles, workspaces and kernels come lazily and are
         # part of what a serving process holds before vLLM sizes its KV cache
@@ -156,7 +162,8 @@ class App:
         total = torch.cuda.mem_get_info()[1]
         # what this process holds now: context, cuBLAS workspace, weights (as NVML counts it, when it answers)
         held = after.used - before.used if before and after else torch.cuda.memory_reserved()
-        self.kv = self._kv_cache(int(gpu_util * total) - held)
+        with place():
+            self.kv = self._kv_cache(int(gpu_util * total) - held)
         torch.cuda.synchronize()
         self.weights = list(self.model.parameters())
         # a few weights for the digest: first (embedding), one in the middle, last
@@ -199,18 +206,25 @@ class App:
         raise ValueError(f"unknown command {cmd}")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python3 -m gpucr.workloads.llm_app")
     ap.add_argument("model", choices=sorted(MODELS))
     ap.add_argument("--gpu-util", type=float, default=0.5, help="share of the card this server may hold (vLLM's meaning)")
     ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
-    app = App(a.model, a.gpu_util, a.seed)
-    import transformers
+    return ap
 
+
+def build(a: argparse.Namespace, place: Place = contextlib.nullcontext) -> tuple[Callable[[list[str]], dict], dict]:
+    """The server's protocol handler and its ready line; place as App takes it."""
+    app = App(a.model, a.gpu_util, a.seed, place)
+    import transformers
+    return app.handle, {"framework": "torch", "torch": app.torch.__version__,
+                        "transformers": transformers.__version__, **app.info()}
+
+
+def main() -> None:
     from .protocol import serve
-    serve(app.handle, {"framework": "torch", "torch": app.torch.__version__,
-                       "transformers": transformers.__version__, **app.info()})
+    serve(*build(parser().parse_args()))
 
 
 if __name__ == "__main__":

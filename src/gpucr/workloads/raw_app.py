@@ -11,6 +11,9 @@ from __future__ import annotations
 import argparse
 import ctypes
 import importlib.util
+from typing import Callable
+
+from . import Place
 
 
 def simulated() -> bool:
@@ -51,15 +54,25 @@ class DriverRaw:
         return {"data_bytes": sum(n for _, n in self.app.bufs), "reserved_bytes": None, "framework": "driver-api"}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python3 -m gpucr.workloads.raw_app")
     ap.add_argument("--gib", type=float, default=8.0)
     ap.add_argument("--seed", type=int, default=3)
-    a = ap.parse_args()
+    return ap
+
+
+def build(a: argparse.Namespace, place: Place | None = None) -> tuple[Callable[[list[str]], dict], dict]:
+    """The app's protocol handler and its ready line. place: where its buffer is allocated (a
+    torch_memory_saver region, by tms_app); that needs the torch buffer, whatever the driver."""
     nbytes = int(a.gib * (1 << 30)) // 4 * 4
     sim = simulated()
-    use_torch = not sim and importlib.util.find_spec("torch") is not None
-    app = TorchRaw(nbytes, a.seed) if use_torch else DriverRaw(nbytes, a.seed)
+    if place is not None:
+        with place():
+            app: TorchRaw | DriverRaw = TorchRaw(nbytes, a.seed)
+    elif not sim and importlib.util.find_spec("torch") is not None:
+        app = TorchRaw(nbytes, a.seed)
+    else:
+        app = DriverRaw(nbytes, a.seed)
 
     def handle(words: list[str]) -> dict:
         if words[0] == "digest":
@@ -67,9 +80,12 @@ def main() -> None:
         if words[0] == "info":
             return app.info()
         raise ValueError(f"unknown command {words[0]}")
+    return handle, {"simulated": sim, **app.info()}
 
+
+def main() -> None:
     from .protocol import serve
-    serve(handle, {"simulated": sim, **app.info()})
+    serve(*build(parser().parse_args()))
 
 
 if __name__ == "__main__":
