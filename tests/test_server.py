@@ -562,3 +562,19 @@ def test_the_server_leaks_nothing_across_cycles(server, sim_app):
     assert (fds1, threads1) == (fds0, threads0)
     assert rss1 - rss0 < 8 << 10, f"the server grew by {(rss1 - rss0) >> 10} MiB over 20 cycles"
     assert app.ask("digest") == before and server.requests() >= 62
+
+
+def test_stream_ordered_pools_through_the_server(server, sim_workload):
+    """Pool memory the agent serves goes through the server's data plane too. Freed blocks are given back
+    at the handover (the pools are trimmed), so the memory is listed again after it: the server copies
+    each allocation from its own fd, never another's (found on the H200 as a failed cuMemMap)."""
+    app = sim_workload("pool_app")
+    app.ask("churn 30")   # freed blocks: trimmed away at the handover
+    before = app.ask("digest")
+    for _ in range(3):
+        ck = gpucr.checkpoint(app.pid)
+        assert "handover" in ck.phases_s, ck.phases_s
+        gpucr.restore(app.pid)
+        assert app.ask("digest") == before
+        app.ask("churn 10")
+        before = app.ask("digest")

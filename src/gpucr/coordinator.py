@@ -394,18 +394,21 @@ def _data_out_by_server(m: _Member, timeout: float, level: str, mover: Mover) ->
     """The server's checkpoint (docs/server.md): the agent releases the memory but keeps an fd of each
     allocation; the server copies it into the process's staging while the driver checkpoints the process
     (level full). False, with nothing touched, when the process has memory the server cannot take."""
-    memory = server_memory.gather(m.agent)   # our dups: valid through the handover, the same memory
+    before = server_memory.gather(m.agent)
+    server_memory.close_all(before)
+    if not _handable(m, before):
+        return False
+    _test_kill_target(m.pid, "data-out")
+    m.data_out_t0 = time.perf_counter()
+    t0 = time.perf_counter()
+    # lease=1: should this controller die before handed_done, the agent takes its memory back itself
+    _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1)
+    m.held = True   # "abort" maps the memory again from the agent's fds: nothing left the GPU
+    m.result["phases_s"]["handover"] = time.perf_counter() - t0
+    _test_kill_point("after-handover")
+    # listed again now: the handover trims pools first, so the list (and its numbering) is the layout's
+    memory = server_memory.gather(m.agent)
     try:
-        if not _handable(m, memory):
-            return False
-        _test_kill_target(m.pid, "data-out")
-        m.data_out_t0 = time.perf_counter()
-        t0 = time.perf_counter()
-        # lease=1: should this controller die before handed_done, the agent takes its memory back itself
-        _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1)
-        m.held = True   # "abort" maps the memory again from the agent's fds: nothing left the GPU
-        m.result["phases_s"]["handover"] = time.perf_counter() - t0
-        _test_kill_point("after-handover")
         layout, seg_fds = m.agent.call_with_fds("layout", timeout=60.0)
         try:
             copied: list[Any] = []
@@ -808,6 +811,11 @@ def _driver_unlock(m: _Member, timeout: float) -> None:
 
 
 def _data_in(m: _Member, timeout: float, drop_staging: bool) -> None:
+    if m.status.get("checkpoint_phase") == "handed":
+        # the server died before its copy was in staging, and the driver held the process, so the agent
+        # could not take its memory back then (on the driver, its calls fail while checkpointed): now it can
+        m.status = m.agent.call("abort", timeout=120.0)
+        return
     if m.status["state"] != "checkpointed":
         return
     entry = m.result.pop("manifest_entry", None)

@@ -61,8 +61,12 @@ def test_cycles_through_the_server_give_the_card_back(gpu_server):
             r = cli("checkpoint", "--json", str(app.pid))
             assert r.returncode == 0, r.stderr
             assert "handover" in json.loads(r.stdout)["processes"][0]["phases_s"], r.stdout
-            now, own = used(), server_bytes(gpu_server)
-            assert now - own - idle <= SLACK, f"{(now - idle) >> 20} MiB above idle, the server's own {own >> 20} MiB"
+            now, info = used(), gpu_server.info()
+            own, pinned = info["gpu_bytes"], info["pinned_staging_bytes"]
+            # NVML counts the server's context; the GPU also maps the staging it keeps pinned (measured on
+            # the H200: 33 MiB for 4.3 GiB pinned, 0.75 %), which no per-process count shows
+            assert now - own - idle <= SLACK + pinned // 100, \
+                f"{(now - idle) >> 20} MiB above idle, the server's context {own >> 20} MiB, {pinned >> 20} MiB pinned"
             assert cli("restore", str(app.pid)).returncode == 0
             assert app.ask("digest") == before
         assert gpu_server.requests() == n + 6
