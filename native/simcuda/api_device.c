@@ -411,7 +411,10 @@ static CUresult ctx_set_current(CUcontext ctx)
     tls.stack[tls.depth - 1] = ctx; /* replaces the top of the stack */
     return CUDA_SUCCESS;
 }
-SIMAPI CUresult cuCtxSetCurrent(CUcontext ctx) { SIM_GATED(ctx_set_current(ctx)); }
+/* Setting and reading the calling thread's context touch no GPU state: not behind the checkpoint lock
+ * (NVIDIA: the lock holds the calls that launch work, manage resources or change GPU state; on the H200
+ * an agent thread set its context while the process was checkpointed and reached the next call). */
+SIMAPI CUresult cuCtxSetCurrent(CUcontext ctx) { return sim_is_ready() ? ctx_set_current(ctx) : CUDA_ERROR_NOT_INITIALIZED; }
 
 static CUresult ctx_get_current(CUcontext *pctx)
 {
@@ -420,7 +423,7 @@ static CUresult ctx_get_current(CUcontext *pctx)
     *pctx = tls.depth ? tls.stack[tls.depth - 1] : NULL;
     return CUDA_SUCCESS;
 }
-SIMAPI CUresult cuCtxGetCurrent(CUcontext *pctx) { SIM_GATED(ctx_get_current(pctx)); }
+SIMAPI CUresult cuCtxGetCurrent(CUcontext *pctx) { return sim_is_ready() ? ctx_get_current(pctx) : CUDA_ERROR_NOT_INITIALIZED; }
 
 static CUresult ctx_push_current(CUcontext ctx)
 {

@@ -457,6 +457,11 @@ static CUresult mem_import(CUmemGenericAllocationHandle *handle, void *os_handle
 SIMAPI CUresult cuMemImportFromShareableHandle(CUmemGenericAllocationHandle *handle, void *osHandle,
                                                CUmemAllocationHandleType shHandleType)
 {
+    /* Measured on the H200 (driver 580): while its process is checkpointed, an import fails at once with
+     * CUDA_ERROR_OPERATING_SYSTEM instead of waiting at the lock as other calls do (a thread of the
+     * process importing its own exported fd then); after restore and unlock it works again. */
+    if (sim_ckpt_checkpointed())
+        return CUDA_ERROR_OPERATING_SYSTEM;
     SIM_GATED(mem_import(handle, osHandle, shHandleType));
 }
 

@@ -56,13 +56,18 @@ struct sim_ctl_rep {
 /* ---- target side ---- */
 
 static struct {
-    CUprocessState state; /* only the control thread reads or writes it */
+    CUprocessState state; /* only the control thread writes it; sim_ckpt_checkpointed reads it atomically */
     pid_t tid;
     int listen_fd;
     bool fail_restore;
     bool fail_lock;
     char path[PATH_MAX];
 } ck = {.listen_fd = -1};
+
+bool sim_ckpt_checkpointed(void)
+{
+    return __atomic_load_n(&ck.state, __ATOMIC_ACQUIRE) == CU_PROCESS_STATE_CHECKPOINTED;
+}
 
 static CUresult do_checkpoint(void)
 {
@@ -159,14 +164,14 @@ static CUresult handle(const struct sim_ctl_req *req)
         }
         if (!sim_gate_close(req->timeout_ms))
             return CUDA_ERROR_TIMEOUT;
-        ck.state = CU_PROCESS_STATE_LOCKED;
+        __atomic_store_n(&ck.state, CU_PROCESS_STATE_LOCKED, __ATOMIC_RELEASE);
         return CUDA_SUCCESS;
     case OP_CHECKPOINT: {
         if (ck.state != CU_PROCESS_STATE_LOCKED)
             return CUDA_ERROR_ILLEGAL_STATE;
         CUresult rc = do_checkpoint();
         if (rc == CUDA_SUCCESS)
-            ck.state = CU_PROCESS_STATE_CHECKPOINTED;
+            __atomic_store_n(&ck.state, CU_PROCESS_STATE_CHECKPOINTED, __ATOMIC_RELEASE);
         return rc;
     }
     case OP_RESTORE: {
@@ -174,14 +179,14 @@ static CUresult handle(const struct sim_ctl_req *req)
             return CUDA_ERROR_ILLEGAL_STATE;
         CUresult rc = do_restore(req);
         if (rc == CUDA_SUCCESS)
-            ck.state = CU_PROCESS_STATE_LOCKED;
+            __atomic_store_n(&ck.state, CU_PROCESS_STATE_LOCKED, __ATOMIC_RELEASE);
         return rc;
     }
     case OP_UNLOCK:
         if (ck.state != CU_PROCESS_STATE_LOCKED)
             return CUDA_ERROR_ILLEGAL_STATE;
         sim_gate_open();
-        ck.state = CU_PROCESS_STATE_RUNNING;
+        __atomic_store_n(&ck.state, CU_PROCESS_STATE_RUNNING, __ATOMIC_RELEASE);
         return CUDA_SUCCESS;
     default:
         return CUDA_ERROR_INVALID_VALUE;

@@ -70,6 +70,8 @@ bool sim_fault_injected(const char *entry);
 CUresult sim_gate_enter(void);
 void sim_gate_exit(void);
 bool sim_gate_close(unsigned timeout_ms); /* false: timed out, gate reopened */
+/* The process is checkpointed by a controller (not only locked). */
+bool sim_ckpt_checkpointed(void);
 void sim_gate_open(void);
 
 /* Runs an entry point's body inside the gate: blocks while the process is locked. */
