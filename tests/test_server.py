@@ -578,3 +578,29 @@ def test_stream_ordered_pools_through_the_server(server, sim_workload):
         assert app.ask("digest") == before
         app.ask("churn 10")
         before = app.ask("digest")
+
+
+def test_the_server_pins_staging_prepared_ahead(server, sim_app):
+    """With staging prepared ahead by the agent (`gpucr run --staging-ahead`), the server maps and pins it
+    while the process runs, so the first checkpoint through the server pins nothing (issue 13: the first
+    checkpoint as fast as the rest); it says so in its log and in `pinned_staging_bytes`."""
+    app = sim_app("--sizes", "32M,8M", env=dict(os.environ, GPUCR_STAGING_AHEAD="1"))
+    before = app.ask("digest")
+    wait_for(lambda: server.info()["pinned_staging_bytes"] >= 40 << 20, what="the server to pin the staging ahead")
+    ck = gpucr.checkpoint(app.pid)
+    assert "handover" in ck.phases_s and "server_pin" not in ck.phases_s, ck.phases_s
+    assert ck.agent_phases_s["staging"] < 0.5, ck.agent_phases_s
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before
+    assert "of its checkpoint" in server.log.read_text()
+
+
+def test_a_checkpoint_without_staging_ahead_pins_in_the_server_first(server, sim_app):
+    """Without staging ahead, the first checkpoint through the server pins the staging then (reported as
+    server_pin) and the next one pins nothing: the cost the option above moves out of the checkpoint."""
+    app = sim_app("--sizes", "32M")
+    first = gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid)
+    second = gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid)
+    assert "server_pin" in first.phases_s and "server_pin" not in second.phases_s, (first.phases_s, second.phases_s)

@@ -932,8 +932,9 @@ int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t
 
 int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t errlen)
 {
-    if (g_dp.state != AGENT_CHECKPOINTED || !(g_dp.staged || g_dp.handed)) {
-        seterr(err, errlen, g_dp.state != AGENT_CHECKPOINTED ? "the process is not checkpointed" : "the data is not staged");
+    /* while it runs: the segments prepared so far (a gpucr server pins them ahead), with no allocations */
+    if (g_dp.state == AGENT_CHECKPOINTED && !(g_dp.staged || g_dp.handed)) {
+        seterr(err, errlen, "the data is not staged");
         return -1;
     }
     size_t sizes[STAGING_MAX_SEGS];

@@ -31,6 +31,7 @@ from . import wire
 from .mover import Mover
 
 ACCEPT_TICK_S = 0.5
+PIN_AHEAD_EVERY_S = 1.0   # how often staging prepared ahead by the processes is looked for (and pinned here)
 REFUSED_READ_S = 2.0   # how long a refused peer's request is waited for, to answer it with why
 
 
@@ -254,6 +255,35 @@ class Server:
             self._mover.forget_ended(lambda pid: not targets.process_ended(pid))
             return self._mover
 
+    def pin_ahead_loop(self) -> None:
+        """While the server keeps its context: every PIN_AHEAD_EVERY_S, pin the staging that processes under
+        gpucr prepared ahead (`gpucr run --staging-ahead`), so a first checkpoint through the server is as fast
+        as the later ones. A process that is busy, not under CUDA yet, or checkpointed is left for next time."""
+        while not self.stopping.wait(PIN_AHEAD_EVERY_S):
+            mover = self.data_plane()
+            if mover is None or not self.keep_context:
+                return
+            for pid, _sock in targets.list_sockets():
+                try:
+                    self._pin_ahead_one(mover, pid)
+                except GpucrError:
+                    continue
+
+    def _pin_ahead_one(self, mover: Mover, pid: int) -> None:
+        t = targets.resolve(pid)
+        with t.connect() as agent:
+            st = agent.call("status", timeout=5.0)
+            if st.get("state") != "running" or st.get("busy") or not st.get("cuda") or not st.get("staging_segments"):
+                return
+            layout, fds = agent.call_with_fds("layout", timeout=10.0)
+        try:
+            got = mover.pin_ahead(pid, layout, fds)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        if got:
+            log(f"pinned {got >> 20} MiB of process {pid}'s staging ahead of its checkpoint")
+
     def after_request(self) -> None:
         if self._mover is not None and not self.keep_context:
             self._mover.close()
@@ -387,6 +417,8 @@ def main(idle_exit_s: float | None = None, data_plane: bool = True, keep_context
     signal.signal(signal.SIGTERM, lambda *_: srv.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: srv.stopping.set())
     log(f"serving uid {os.getuid()} on {srv.path} ({'simcuda' if srv.simulated else 'the system CUDA driver'})")
+    if data_plane and keep_context:
+        threading.Thread(target=srv.pin_ahead_loop, daemon=True, name="gpucr-pin-ahead").start()
     try:
         srv.serve()
     finally:

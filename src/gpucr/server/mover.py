@@ -106,6 +106,14 @@ class Mover:
         with self._lock:
             return self._move(pid, layout, seg_fds, memory, out=False)
 
+    def pin_ahead(self, pid: int, layout: dict[str, Any], seg_fds: list[int]) -> int:
+        """Map and pin the staging a running process prepared ahead (`gpucr run --staging-ahead`), so its
+        first checkpoint through the server pins nothing; returns the bytes newly pinned."""
+        with self._lock:
+            st = Stats()
+            self._map_staging(pid, layout, seg_fds, st, keep_others=True)
+            return sum(int(g["bytes"]) for g in layout["segments"]) if st.pin_s else 0
+
     # ---- inside ----
     def _move(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
               out: bool) -> tuple[Stats, list[tuple[int, int]]]:
@@ -189,9 +197,14 @@ class Mover:
             self._ctx[dev] = (ctx, [self.vmm.stream() for _ in range(STREAMS)])
         return self._ctx[dev]
 
-    def _map_staging(self, pid: int, layout: dict[str, Any], seg_fds: list[int], st: Stats) -> dict[int, int]:
-        """Each segment's address here, mapped and pinned once for as long as it is the same file."""
+    def _map_staging(self, pid: int, layout: dict[str, Any], seg_fds: list[int], st: Stats,
+                     keep_others: bool = False) -> dict[int, int]:
+        """Each segment's address here, mapped and pinned once for as long as it is the same file; segments the
+        process no longer has are let go (unless `keep_others`: a look ahead may see only part of them)."""
         segs = self._staging.setdefault(pid, {})
+        if not keep_others:
+            for i in [i for i in segs if i not in {int(g["index"]) for g in layout["segments"]}]:
+                self._drop_segment(segs.pop(i))
         out: dict[int, int] = {}
         for seg in layout["segments"]:
             i, size = int(seg["index"]), int(seg["bytes"])
