@@ -201,8 +201,9 @@ def test_server_that_gives_back_its_context_holds_nothing_between_cycles(sim_app
 
 
 def test_the_data_plane_refuses_a_layout_outside_the_staging(tmp_path):
-    """The process is not trusted: a layout that would have the server copy past its staging file, or a
-    staging fd that is not a plain file of the size said, is refused before any copy."""
+    """The process is not trusted: a layout that would have the server copy past its staging file, a restore
+    of anything but what the server took from it, or a staging fd that is not a plain file of the size said,
+    is refused before any copy (and the staging pinned is no more than the GPU memory really imported)."""
     from gpucr.server.memory import Managed
     from gpucr.server.mover import Mover
     mover = Mover(sim_driver())
@@ -217,11 +218,16 @@ def test_the_data_plane_refuses_a_layout_outside_the_staging(tmp_path):
             layout = {"segments": [{"index": 0, "bytes": 4 << 20}], "allocations": [bad]}
             with pytest.raises(gpucr.GpucrError, match="outside its staging"):
                 mover.copy_out(1, layout, [fd], mem)
+        # at a restore, only what the server took from that process at its checkpoint is made and filled
+        ok = {"segments": [{"index": 0, "bytes": 4 << 20}],
+              "allocations": [{"index": 0, "bytes": 2 << 20, "segment": 0, "offset": 0}]}
+        with pytest.raises(gpucr.GpucrError, match="not what the server took"):
+            mover.fill(4, ok, [fd], mem)
         with pytest.raises(gpucr.GpucrError, match="not a file of"):
-            mover.copy_out(2, {"segments": [{"index": 0, "bytes": 8 << 20}], "allocations": []}, [fd], mem)
+            mover.pin_ahead(2, {"segments": [{"index": 0, "bytes": 8 << 20}], "allocations": []}, [fd])
         r, w = os.pipe()
         with pytest.raises(gpucr.GpucrError, match="not a file of"):
-            mover.fill(3, {"segments": [{"index": 0, "bytes": 4096}], "allocations": []}, [r], mem)
+            mover.pin_ahead(3, {"segments": [{"index": 0, "bytes": 4096}], "allocations": []}, [r])
         os.close(r)
         os.close(w)
     finally:

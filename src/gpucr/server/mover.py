@@ -19,12 +19,13 @@ import stat
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable
 
 from ..driver import Driver, DriverError, Vmm
 from ..errors import GpucrError
 from .memory import Managed
 
+PAGE = 4096
 CHUNK = 64 << 20        # copies queued in pieces, round-robin over the streams, so the copy engines stay busy
 STREAMS = 4
 
@@ -38,7 +39,7 @@ _PROT_RW, _MAP_SHARED, _MAP_FAILED = 0x1 | 0x2, 0x01, ctypes.c_void_p(-1).value
 @dataclass
 class _Segment:
     """One staging segment of a process, mapped here and pinned in the server's context."""
-    ident: tuple[int, int, int]   # (st_dev, st_ino, bytes): the same file as last time, or not
+    ident: tuple[int, int]        # (st_dev, st_ino): the same file as last time, or not
     addr: int
     bytes: int
 
@@ -61,6 +62,7 @@ class Mover:
         self._ordinals: dict[str, int] | None = None
         self._ctx: dict[int, tuple[int, list[int]]] = {}      # ordinal -> (context, streams)
         self._staging: dict[int, dict[int, _Segment]] = {}    # pid -> segment index -> segment
+        self._taken: dict[int, list[tuple[int, int, int, int]]] = {}   # pid -> what its last copy out took
 
     # ---- what it holds ----
     def context_uuids(self) -> list[str]:
@@ -111,7 +113,7 @@ class Mover:
         first checkpoint through the server pins nothing; returns the bytes newly pinned."""
         with self._lock:
             st = Stats()
-            self._map_staging(pid, layout, seg_fds, st, keep_others=True)
+            self._map_staging(pid, layout, seg_fds, st, [int(g["index"]) for g in layout["segments"]])
             return sum(int(g["bytes"]) for g in layout["segments"]) if st.pin_s else 0
 
     # ---- inside ----
@@ -119,23 +121,30 @@ class Mover:
               out: bool) -> tuple[Stats, list[tuple[int, int]]]:
         st = Stats()
         t0 = time.perf_counter()
-        hosts = self._map_staging(pid, layout, seg_fds, st)
-        sizes = {i: s.bytes for i, s in self._staging[pid].items()}
+        # the process is not trusted: every allocation inside a segment it has, of a positive size; and at a
+        # restore, exactly what the server took from it at its checkpoint (else the agent's own restore runs)
+        declared = {int(g["index"]): int(g["bytes"]) for g in layout["segments"]}
+        plan = sorted((int(a["index"]), int(a["bytes"]), int(a["segment"]), int(a["offset"])) for a in layout["allocations"])
+        for idx, size, seg, off in plan:
+            if seg not in declared or size <= 0 or off < 0 or off + size > declared[seg]:
+                raise GpucrError(f"the process's layout puts allocation {idx} outside its staging")
+        if not out and self._taken.get(pid) != plan:
+            raise GpucrError("the process's layout is not what the server took from it at its checkpoint")
         by_index = {m.index: m for m in memory}
         mapped: list[tuple[int, int, int]] = []   # (handle, va, bytes) to unmap and release afterwards
         made: list[tuple[int, int]] = []          # (index, handle) of new memory (fill)
+        placed: list[tuple[int, int, int, int, int]] = []   # (size, seg, off, va, dev)
         used: set[int] = set()
         turn = 0
         try:
-            for a in sorted(layout["allocations"], key=lambda a: int(a["index"])):
-                idx, size, seg, off = int(a["index"]), int(a["bytes"]), int(a["segment"]), int(a["offset"])
-                if seg not in hosts or size <= 0 or off < 0 or off + size > sizes[seg]:
-                    raise GpucrError(f"the process's layout puts allocation {idx} outside its staging")
+            # the GPU side first: importing and mapping checks each size against the real memory, so the
+            # staging pinned next is no more than the process has on the GPU
+            for idx, size, seg, off in plan:
                 m = by_index.get(idx)
                 if m is None or (out and m.fd is None):
                     raise GpucrError(f"the process did not hand over its allocation {idx} ({size >> 20} MiB)")
                 dev = self._device(m)
-                ctx, streams = self._context(dev)
+                ctx, _streams = self._context(dev)
                 self.vmm.use(ctx)
                 used.add(dev)
                 if out:
@@ -145,12 +154,21 @@ class Mover:
                     made.append((idx, h))
                 va = self.vmm.map(h, size, dev)
                 mapped.append((h, va, size))
+                placed.append((size, seg, off, va, dev))
+            reach: dict[int, int] = {}
+            for size, seg, off, _va, _dev in placed:
+                reach[seg] = max(reach.get(seg, 0), off + size)
+            hosts = self._map_staging(pid, {"segments": [{"index": i, "bytes": min(-(-n // PAGE) * PAGE, declared[i])}
+                                                         for i, n in reach.items()]}, seg_fds, st, declared)
+            for size, seg, off, va, dev in placed:
+                ctx, streams = self._ctx[dev]
+                self.vmm.use(ctx)
                 host = hosts[seg] + off
-                for off in range(0, size, CHUNK):
-                    n = min(CHUNK, size - off)
+                for k in range(0, size, CHUNK):
+                    n = min(CHUNK, size - k)
                     s = streams[turn % len(streams)]
                     turn += 1
-                    (self.vmm.d2h(host + off, va + off, n, s) if out else self.vmm.h2d(va + off, host + off, n, s))
+                    (self.vmm.d2h(host + k, va + k, n, s) if out else self.vmm.h2d(va + k, host + k, n, s))
                 st.bytes += size
                 st.allocations += 1
             for dev in used:
@@ -163,6 +181,8 @@ class Mover:
             self._undo(mapped, made, out)
             raise GpucrError(f"the gpucr server's copy {'out' if out else 'in'} failed: {exc}") from exc
         self._undo(mapped, made, out)   # our mappings go; the fds (theirs or ours) keep the memory
+        if out:
+            self._taken[pid] = plan
         st.seconds = time.perf_counter() - t0
         return st, fds
 
@@ -198,13 +218,13 @@ class Mover:
         return self._ctx[dev]
 
     def _map_staging(self, pid: int, layout: dict[str, Any], seg_fds: list[int], st: Stats,
-                     keep_others: bool = False) -> dict[int, int]:
-        """Each segment's address here, mapped and pinned once for as long as it is the same file; segments the
-        process no longer has are let go (unless `keep_others`: a look ahead may see only part of them)."""
+                     present: Iterable[int]) -> dict[int, int]:
+        """Each segment of `layout` mapped here and pinned, at least as far as it says, once for as long as it
+        is the same file; cached segments not `present` in the process any more are let go."""
         segs = self._staging.setdefault(pid, {})
-        if not keep_others:
-            for i in [i for i in segs if i not in {int(g["index"]) for g in layout["segments"]}]:
-                self._drop_segment(segs.pop(i))
+        keep = set(present)
+        for i in [i for i in segs if i not in keep]:
+            self._drop_segment(segs.pop(i))
         out: dict[int, int] = {}
         for seg in layout["segments"]:
             i, size = int(seg["index"]), int(seg["bytes"])
@@ -215,9 +235,9 @@ class Mover:
             if not stat.S_ISREG(fs.st_mode) or size <= 0 or fs.st_size < size:
                 raise GpucrError(f"the process's staging segment {i} is not a file of {size} bytes; checkpointed "
                                  "in-process instead")
-            ident = (fs.st_dev, fs.st_ino, size)
+            ident = (fs.st_dev, fs.st_ino)
             have = segs.get(i)
-            if have is not None and have.ident == ident:
+            if have is not None and have.ident == ident and have.bytes >= size:
                 out[i] = have.addr
                 continue
             if have is not None:
@@ -248,5 +268,6 @@ class Mover:
         _libc.munmap(s.addr, s.bytes)
 
     def _forget(self, pid: int) -> None:
+        self._taken.pop(pid, None)
         for s in self._staging.pop(pid, {}).values():
             self._drop_segment(s)
