@@ -442,10 +442,15 @@ def test_gpucr_run_starts_a_detached_server_that_serves_it(tmp_path):
         log = Path(info["log"])
         assert stat.S_IMODE(os.lstat(log).st_mode) == 0o600 and "serving uid" in log.read_text()
         assert info["idle_exit_s"] == client.AUTO_IDLE_EXIT_S
+        # with the server, staging is prepared ahead and pinned by the server: the first checkpoint pins nothing
+        wait_for(lambda: gpucr.status(app.pid).staging_ahead and client.info(True)["pinned_staging_bytes"] >= 16 << 20,
+                 what="staging prepared ahead and pinned by the server")
         before = app.ask("digest")
-        assert gpucr_cli("checkpoint", str(app.pid)).returncode == 0
+        r = gpucr_cli("checkpoint", "--json", str(app.pid))
+        assert r.returncode == 0, r.stderr
+        assert "server_pin" not in json.loads(r.stdout)["processes"][0]["phases_s"], r.stdout
         assert gpucr_cli("restore", str(app.pid)).returncode == 0
-        assert client.info(True)["requests"] == 2
+        assert client.info(True)["requests"] >= 2
         assert app.ask("digest") == before
         r = gpucr_cli("serve", "--simulate", "--stop")
         assert r.returncode == 0 and f"(pid {info['pid']}) stopped" in r.stdout
@@ -457,6 +462,7 @@ def test_gpucr_run_starts_a_detached_server_that_serves_it(tmp_path):
 
 
 def test_gpucr_run_no_server_starts_none(tmp_path):
+    """--no-server: no server, and staging is not prepared ahead (nothing would pin it ahead)."""
     argv = [sys.executable, "-m", "gpucr.cli", "run", "--simulate", "--no-server", "--", sys.executable, "-m",
             "gpucr.workloads.driver_app", "--sizes", "4M"]
     app = Workload("driver_app", argv=argv, agent=False, simulate=True)
@@ -464,6 +470,19 @@ def test_gpucr_run_no_server_starts_none(tmp_path):
         time.sleep(1.0)
         assert client.info(True) is None
         assert not (paths.runtime_dir() / wire.socket_name(True)).exists()
+        assert not gpucr.status(app.pid).staging_ahead
+    finally:
+        app.close()
+
+
+def test_gpucr_run_no_staging_ahead_with_a_server(server):
+    """--no-staging-ahead: the server runs, staging waits for the first checkpoint."""
+    argv = [sys.executable, "-m", "gpucr.cli", "run", "--simulate", "--no-staging-ahead", "--", sys.executable, "-m",
+            "gpucr.workloads.driver_app", "--sizes", "4M"]
+    app = Workload("driver_app", argv=argv, agent=False, simulate=True)
+    try:
+        st = gpucr.status(app.pid)
+        assert not st.staging_ahead and st.staging_bytes == 0, st
     finally:
         app.close()
 

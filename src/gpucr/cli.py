@@ -126,8 +126,6 @@ def cmd_run(a: argparse.Namespace) -> int:
     env = paths.run_env(simulate=a.simulate)
     if a.staging:
         env["GPUCR_STAGING"] = a.staging
-    if a.staging_ahead:
-        env["GPUCR_STAGING_AHEAD"] = "1"
     if a.staging_policy:
         env["GPUCR_STAGING_POLICY"] = a.staging_policy
     if a.bounce is not None:
@@ -136,11 +134,20 @@ def cmd_run(a: argparse.Namespace) -> int:
         env["GPUCR_GROUP"] = a.group
     if a.host_budget:
         env["GPUCR_HOST_BUDGET"] = a.host_budget
+    server_up = False
     if route.server_wanted():
         from .server import client
         problem = client.ensure_running(a.simulate)
         if problem:
             route.note(problem)
+        server_up = not problem
+    # with a server, staging is prepared ahead by default and the server pins it as it grows: the first
+    # checkpoint is then as fast as the later ones (issue 13); the host memory is held from the start
+    ahead = a.staging_ahead if a.staging_ahead is not None else (server_up and "GPUCR_STAGING_AHEAD" not in os.environ)
+    if ahead:
+        env["GPUCR_STAGING_AHEAD"] = "1"
+    elif a.staging_ahead is False:
+        env["GPUCR_STAGING_AHEAD"] = "0"
     if a.simulate:
         print("gpucr: running on simcuda, the simulated driver (a test double; no GPU is used)", file=sys.stderr)
     try:
@@ -279,6 +286,7 @@ def cmd_status(a: argparse.Namespace) -> int:
         _print_json(to_json(StatusResult(SCHEMA_VERSION, "status", [st])))
     else:
         print("\n".join(_status_lines(st)))
+        print(_server_line())   # what the server holds, apart from the process (its context, pinned staging)
     return 0
 
 
@@ -409,8 +417,12 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--simulate", action="store_true", help="use simcuda, the simulated driver (test double), instead of a GPU")
     r.add_argument("--staging", metavar="KIND", type=_staging_kind, help="host staging: auto (hugetlbfs when hugepages "
                    "are free, else shared memory; the default), hugetlbfs, shm, or file:DIR (an existing directory)")
-    r.add_argument("--staging-ahead", action="store_true",
-                   help="prepare staging in the background as allocations grow, so a checkpoint finds it ready")
+    r.add_argument("--staging-ahead", dest="staging_ahead", action="store_true", default=None,
+                   help="prepare staging in the background as allocations grow, so a checkpoint finds it ready "
+                        "(the default when the gpucr server runs, which then pins it ahead too)")
+    r.add_argument("--no-staging-ahead", dest="staging_ahead", action="store_false",
+                   help="prepare staging only at the first checkpoint (less host memory held while the process runs; "
+                        "that checkpoint is slower)")
     r.add_argument("--staging-policy", choices=("keep", "drop"),
                    help="after a restore, keep staging for the next cycle (default) or give it back")
     r.add_argument("--bounce", type=_bounce_mib, metavar="MIB", help="the most the pinned ring that copies go through "
