@@ -629,3 +629,28 @@ def test_a_checkpoint_without_staging_ahead_pins_in_the_server_first(server, sim
     second = gpucr.checkpoint(app.pid)
     gpucr.restore(app.pid)
     assert "server_pin" in first.phases_s and "server_pin" not in second.phases_s, (first.phases_s, second.phases_s)
+
+
+def test_a_new_server_takes_up_what_a_killed_one_held(sim_app):
+    """Staging is the process's own files, so a server SIGKILLed between cycles loses nothing: a new server
+    pins the same staging ahead again and the next cycle through it is right (issue 13, item 5)."""
+    first = RunningServer(True)
+    app = sim_app("--sizes", "24M", env=dict(os.environ, GPUCR_STAGING_AHEAD="1"))
+    before = app.ask("digest")
+    try:
+        wait_for(lambda: first.info()["pinned_staging_bytes"] >= 24 << 20, what="the first server to pin ahead")
+        gpucr.checkpoint(app.pid)
+        gpucr.restore(app.pid)
+        first.proc.kill()
+        first.proc.wait(timeout=30)
+        second = RunningServer(True)
+        try:
+            wait_for(lambda: second.info()["pinned_staging_bytes"] >= 24 << 20, what="the new server to pin ahead")
+            ck = gpucr.checkpoint(app.pid)
+            assert "handover" in ck.phases_s and "server_pin" not in ck.phases_s, ck.phases_s
+            gpucr.restore(app.pid)
+            assert app.ask("digest") == before
+        finally:
+            second.stop()
+    finally:
+        first.stop()
