@@ -207,6 +207,7 @@ def test_the_data_plane_refuses_a_layout_outside_the_staging(tmp_path):
     from gpucr.server.memory import Managed
     from gpucr.server.mover import Mover
     mover = Mover(sim_driver())
+    sim_uuid = next(iter(mover.vmm.device_by_uuid()))
     seg = tmp_path / "seg"
     seg.write_bytes(b"\0" * (4 << 20))
     fd = os.open(seg, os.O_RDWR)
@@ -224,10 +225,10 @@ def test_the_data_plane_refuses_a_layout_outside_the_staging(tmp_path):
         with pytest.raises(gpucr.GpucrError, match="not what the server took"):
             mover.fill(4, ok, [fd], mem)
         with pytest.raises(gpucr.GpucrError, match="not a file of"):
-            mover.pin_ahead(2, {"segments": [{"index": 0, "bytes": 8 << 20}], "allocations": []}, [fd])
+            mover.pin_ahead(2, {"segments": [{"index": 0, "bytes": 8 << 20}], "allocations": []}, [fd], sim_uuid)
         r, w = os.pipe()
         with pytest.raises(gpucr.GpucrError, match="not a file of"):
-            mover.pin_ahead(3, {"segments": [{"index": 0, "bytes": 4096}], "allocations": []}, [r])
+            mover.pin_ahead(3, {"segments": [{"index": 0, "bytes": 4096}], "allocations": []}, [r], sim_uuid)
         os.close(r)
         os.close(w)
     finally:

@@ -273,11 +273,13 @@ class Server:
         t = targets.resolve(pid)
         with t.connect() as agent:
             st = agent.call("status", timeout=5.0)
-            if st.get("state") != "running" or st.get("busy") or not st.get("cuda") or not st.get("staging_segments"):
+            devices = st.get("devices") or []
+            if (st.get("state") != "running" or st.get("busy") or not st.get("cuda") or not st.get("staging_segments")
+                    or not devices):
                 return
             layout, fds = agent.call_with_fds("layout", timeout=10.0)
         try:
-            got = mover.pin_ahead(pid, layout, fds)
+            got = mover.pin_ahead(pid, layout, fds, str(devices[0].get("uuid", "")))
         finally:
             for fd in fds:
                 os.close(fd)

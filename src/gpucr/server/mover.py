@@ -108,11 +108,17 @@ class Mover:
         with self._lock:
             return self._move(pid, layout, seg_fds, memory, out=False)
 
-    def pin_ahead(self, pid: int, layout: dict[str, Any], seg_fds: list[int]) -> int:
+    def pin_ahead(self, pid: int, layout: dict[str, Any], seg_fds: list[int], uuid: str) -> int:
         """Map and pin the staging a running process prepared ahead (`gpucr run --staging-ahead`), so its
-        first checkpoint through the server pins nothing; returns the bytes newly pinned."""
+        first checkpoint through the server pins nothing; returns the bytes newly pinned. `uuid`: a GPU the
+        process uses (the server's context there pins it)."""
         with self._lock:
             st = Stats()
+            if self._ordinals is None:
+                self._ordinals = self.vmm.device_by_uuid()
+            if uuid not in self._ordinals:
+                raise GpucrError(f"the process's GPU {uuid or '(unknown)'} is not one the gpucr server sees")
+            self.vmm.use(self._context(self._ordinals[uuid])[0])
             self._map_staging(pid, layout, seg_fds, st, [int(g["index"]) for g in layout["segments"]])
             return sum(int(g["bytes"]) for g in layout["segments"]) if st.pin_s else 0
 
@@ -136,9 +142,33 @@ class Mover:
         placed: list[tuple[int, int, int, int, int]] = []   # (size, seg, off, va, dev)
         used: set[int] = set()
         turn = 0
+
+        def staging() -> dict[int, int]:
+            if plan and plan[0][0] in by_index:   # pinned in a context on the process's GPU (portable: for all)
+                self.vmm.use(self._context(self._device(by_index[plan[0][0]]))[0])
+            reach: dict[int, int] = {}
+            for _idx, size, seg, off in plan:
+                reach[seg] = max(reach.get(seg, 0), off + size)
+            return self._map_staging(pid, {"segments": [{"index": i, "bytes": min(-(-n // PAGE) * PAGE, declared[i])}
+                                                        for i, n in reach.items()]}, seg_fds, st, declared)
+
+        def queue(hosts: dict[int, int], size: int, seg: int, off: int, va: int, dev: int) -> None:
+            nonlocal turn
+            ctx, streams = self._ctx[dev]
+            self.vmm.use(ctx)
+            host = hosts[seg] + off
+            for k in range(0, size, CHUNK):
+                n = min(CHUNK, size - k)
+                s = streams[turn % len(streams)]
+                turn += 1
+                (self.vmm.d2h(host + k, va + k, n, s) if out else self.vmm.h2d(va + k, host + k, n, s))
+            st.bytes += size
+            st.allocations += 1
+
         try:
-            # the GPU side first: importing and mapping checks each size against the real memory, so the
-            # staging pinned next is no more than the process has on the GPU
+            # a fill: the staging first (what the server took at the checkpoint, whose sizes the driver checked
+            # then), and each allocation's copies queued as soon as it is made, overlapping the making of the next
+            hosts = staging() if not out else None
             for idx, size, seg, off in plan:
                 m = by_index.get(idx)
                 if m is None or (out and m.fd is None):
@@ -155,22 +185,14 @@ class Mover:
                 va = self.vmm.map(h, size, dev)
                 mapped.append((h, va, size))
                 placed.append((size, seg, off, va, dev))
-            reach: dict[int, int] = {}
-            for size, seg, off, _va, _dev in placed:
-                reach[seg] = max(reach.get(seg, 0), off + size)
-            hosts = self._map_staging(pid, {"segments": [{"index": i, "bytes": min(-(-n // PAGE) * PAGE, declared[i])}
-                                                         for i, n in reach.items()]}, seg_fds, st, declared)
-            for size, seg, off, va, dev in placed:
-                ctx, streams = self._ctx[dev]
-                self.vmm.use(ctx)
-                host = hosts[seg] + off
-                for k in range(0, size, CHUNK):
-                    n = min(CHUNK, size - k)
-                    s = streams[turn % len(streams)]
-                    turn += 1
-                    (self.vmm.d2h(host + k, va + k, n, s) if out else self.vmm.h2d(va + k, host + k, n, s))
-                st.bytes += size
-                st.allocations += 1
+                if hosts is not None:
+                    queue(hosts, size, seg, off, va, dev)
+            if hosts is None:
+                # a copy out: every import is mapped first, the driver checking each size against the real
+                # memory, so the staging pinned next is no more than the process has on the GPU
+                hosts = staging()
+                for size, seg, off, va, dev in placed:
+                    queue(hosts, size, seg, off, va, dev)
             for dev in used:
                 ctx, streams = self._ctx[dev]
                 self.vmm.use(ctx)
@@ -247,11 +269,8 @@ class Mover:
             if addr in (None, _MAP_FAILED):
                 raise GpucrError(f"mapping the process's staging ({size >> 20} MiB) failed: {os.strerror(ctypes.get_errno())}")
             t0 = time.perf_counter()
-            if not self._ctx:
-                self._context(0)
-            self.vmm.use(next(iter(self._ctx.values()))[0])
             try:
-                self.vmm.pin(addr, size)
+                self.vmm.pin(addr, size)   # in the current context (the caller's: one on the process's GPU)
             except DriverError as exc:
                 _libc.munmap(addr, size)
                 raise GpucrError(f"pinning the process's staging failed: {exc}") from exc
