@@ -106,8 +106,9 @@ def test_threads_churning_across_streams_through_checkpoints(pool_app):
     assert stop["error"] is None and stop["rounds"] > 0, stop
     assert rounds == sorted(rounds) and rounds[-1] > rounds[0], "the threads went on between the cycles"
     assert app.ask("digest") == before
-    so = gpucr.status(app.pid).coverage.stream_ordered
-    assert so.cross_stream_waits > 0, "blocks freed on one stream were handed to others after a wait"
+    # (whether a block crosses streams before its free is known complete depends on the threads' timing, so
+    # the wait that orders such a crossing is asserted where it is made to happen: test_reuse_order_matches_the_drivers_pools'
+    # cross_stream_waits; asserting it here failed about 1 run in 7 under load)
 
 
 def test_threshold_trim_and_attributes_are_truthful(pool_app):
