@@ -366,3 +366,26 @@ def test_rank_answers_merge_with_every_error_named():
     m = merge([{"tokens": [1], "rank": 0}, {"error": "RuntimeError: boom", "rank": 1}])
     assert m["tokens"] == [1] and len(m["ranks"]) == 2 and m["error"] == "rank 1: RuntimeError: boom"
     assert "error" not in merge([{"a": 1}, {"a": 1, "error": None}])
+
+
+def test_server_methods_time_the_first_checkpoint_after_staging_ahead(tmp_path):
+    """gpucr-server-full-ahead: its process prepares staging ahead and the bench's server pins it; the
+    first checkpoint waits for that (prepared_ahead_s, not timed) and is its warm-up, with nothing pinned in
+    it; gpucr-server-data's own first cycle (the server pinning) is reported apart from its samples."""
+    (tmp_path / "rt").mkdir(mode=0o700)
+    (tmp_path / "sim").mkdir(mode=0o700)
+    env = dict(os.environ, GPUCR_RUNTIME_DIR=str(tmp_path / "rt"), SIMCUDA_DIR=str(tmp_path / "sim"),
+               SIMCUDA_TOTAL_MEM=str(4 << 30))
+    out = tmp_path / "r.json"
+    r = gpucr_cli("bench", "--simulate", "--workloads", "raw:0.05", "--repeat", "1", "--methods",
+                  "gpucr-server-full-ahead,gpucr-full,gpucr-server-data", "--out", str(out),
+                  "--chart", str(tmp_path / "r.png"), env=env, timeout=180)
+    assert r.returncode == 0, r.stderr
+    ms = next(iter(json.loads(out.read_text())["workloads"].values()))["methods"]
+    ahead = ms["gpucr-server-full-ahead"]
+    assert ahead["correct"] and ahead["prepared_ahead_s"] is not None, ahead
+    steps = ahead["warmup"]["checkpoint"]["steps_s"]
+    assert "handover" in steps and "server_pin" not in steps, steps
+    data = ms["gpucr-server-data"]
+    assert data["correct"] and data["first_cycle"]["checkpoint_s"] > 0, data
+    assert "handover" in data["samples"][0]["steps_s"]["checkpoint"], data["samples"][0]["steps_s"]

@@ -109,6 +109,8 @@ def markdown(res: dict[str, Any]) -> str:
               "(--no-server: an interpreter and cuInit each time) or through `gpucr serve`; gpucr-server-full / "
               "gpucr-server-data: through `gpucr serve`, whose data plane copies the data (straight into the pinned "
               "staging) while the driver takes the control state, side by side (control s overlap data s); "
+              "gpucr-server-full-ahead: the same with staging prepared and pinned ahead as the process starts "
+              "(`gpucr run` with a server), its warm-up being the first checkpoint, after that is done; "
               "torch-memory-saver, the "
               "peer: its own process, whose data (raw buffer, or weights and KV cache) is in a torch_memory_saver "
               "region with CPU backup kept, paused and resumed by the app when asked: its data out / in s are the "

@@ -258,6 +258,7 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
         wm = group[0].warmup()
         if wm is not None:
             _say(f"{spec.name}: warm-up cycle by {wm.name} (it prepares its host memory once; reported apart)")
+            wm.before_first(w.pids)
             ck, rs, _ = M.timed_cycle(wm, w.pids, used)
             staging_ms = ck.get("agent_ms", {}).get("staging")
             warmup = {"checkpoint_s": ck["wall_s"], "restore_s": rs["wall_s"], "staging_ms": staging_ms,
@@ -271,6 +272,7 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
             first = None
             try:
                 if k > 0 and m.warmup() is m:   # its own first cycle (the server pins the staging): apart
+                    m.before_first(w.pids)
                     ck, rs, _ = M.timed_cycle(m, w.pids, used)
                     first = {"checkpoint_s": ck["wall_s"], "restore_s": rs["wall_s"]}
                     _say(f"{spec.name} {m.name}: its first cycle (reported apart): checkpoint {ck['wall_s']:.3f} s, "
@@ -300,7 +302,7 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
             checks = [s["correct"] for s in samples] + ([warmup["correct"]] if warmup else [])
             out[m.name] = {"process": proc, "warmup": warmup, "samples": samples, "median": M.medians(samples),
                            "outcome": "ok", "correct": all(all(c.values()) for c in checks), "error": None,
-                           "first_cycle": first}
+                           "first_cycle": first, "prepared_ahead_s": getattr(m, "prepared_ahead_s", None)}
             saved()
         ok_exit = True
     finally:
