@@ -655,3 +655,15 @@ def test_a_new_server_takes_up_what_a_killed_one_held(sim_app):
             second.stop()
     finally:
         first.stop()
+
+
+def test_staging_given_back_is_let_go_by_the_server_too(server, sim_app):
+    """`gpucr restore --drop-staging` gives the host memory back: the server unmaps and unpins its view of
+    that staging too (a mapping kept there would keep the memory)."""
+    app = sim_app("--sizes", "16M")
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    assert server.info()["pinned_staging_bytes"] >= 16 << 20
+    gpucr.restore(app.pid, drop_staging=True)
+    assert server.info()["pinned_staging_bytes"] == 0
+    assert gpucr.status(app.pid).staging_bytes == 0 and app.ask("digest") == before

@@ -274,8 +274,10 @@ class Server:
         with t.connect() as agent:
             st = agent.call("status", timeout=5.0)
             devices = st.get("devices") or []
-            if (st.get("state") != "running" or st.get("busy") or not st.get("cuda") or not st.get("staging_segments")
-                    or not devices):
+            if st.get("state") == "running" and not st.get("staging_segments"):
+                mover.forget(pid)   # it gave its staging back (drop policy): our mapping would keep it
+                return
+            if st.get("state") != "running" or st.get("busy") or not st.get("cuda") or not devices:
                 return
             layout, fds = agent.call_with_fds("layout", timeout=10.0)
         try:
@@ -285,6 +287,12 @@ class Server:
                 os.close(fd)
         if got:
             log(f"pinned {got >> 20} MiB of process {pid}'s staging ahead of its checkpoint")
+
+    def let_go(self, pids: list[int]) -> None:
+        """Unpin and unmap these processes' staging (they gave it back: a mapping here would keep it)."""
+        if self._mover is not None:
+            for pid in pids:
+                self._mover.forget(pid)
 
     def after_request(self) -> None:
         if self._mover is not None and not self.keep_context:
@@ -340,16 +348,28 @@ def _pids(args: dict[str, Any]) -> list[int]:
 
 def _checkpoint(s: Server, a: dict[str, Any]) -> Run:
     pids, level, timeout, images = _pids(a), str(a["level"]), float(a["timeout"]), _images(a)
-    return lambda: to_json(coordinator.checkpoint_many(pids, level=level, timeout=timeout, images=images,
+
+    def run() -> Any:
+        try:
+            return to_json(coordinator.checkpoint_many(pids, level=level, timeout=timeout, images=images,
                                                        mover=s.data_plane()))
+        finally:
+            s.let_go(list(images or {}))   # an image's staging is given back: our mapping would keep it
+    return run
 
 
 def _restore(s: Server, a: dict[str, Any]) -> Run:
     pids, timeout, images = _pids(a), float(a["timeout"]), _images(a)
     drop, force = bool(a["drop_staging"]), bool(a["force"])
     gpu_map = {str(k): str(v) for k, v in (a.get("gpu_map") or {}).items()}
-    return lambda: to_json(coordinator.restore_many(pids, timeout=timeout, drop_staging=drop, images=images, force=force,
-                                                    gpu_map=gpu_map, mover=s.data_plane()))
+
+    def run() -> Any:
+        try:
+            return to_json(coordinator.restore_many(pids, timeout=timeout, drop_staging=drop, images=images,
+                                                    force=force, gpu_map=gpu_map, mover=s.data_plane()))
+        finally:
+            s.let_go(pids if drop else [])   # --drop-staging gives the host memory back: ours too
+    return run
 
 
 def _status(_s: Server, a: dict[str, Any]) -> Run:
