@@ -1,5 +1,6 @@
 """`gpucr demo`: run a workload, checkpoint it, show the GPU memory given back, restore it, and
-check that every byte, every address and the next computation are what they were."""
+check that every byte, every address and the next computation are what they were; then the same
+through `gpucr serve`, whose data plane copies the data while the driver checkpoints."""
 from __future__ import annotations
 
 import importlib.util
@@ -25,6 +26,34 @@ def gpu_present() -> bool:
 def _used(drv: Driver) -> int | None:
     m = gpu_memory(drv)
     return m.used if m else None
+
+
+def _through_the_server(app: Workload, simulated: bool, say) -> dict[str, Any] | None:
+    """The same cycle through `gpucr serve`, whose data plane copies the data while the driver checkpoints
+    (docs/server.md): started for the demo when none runs, and stopped after. None when it cannot start."""
+    from .server import client, route
+    if not route.server_wanted():
+        return None
+    ours = client.info(simulated) is None
+    problem = client.ensure_running(simulated)
+    if problem:
+        say(f"  (not through the server: {problem})")
+        return None
+    try:
+        before = app.ask("digest")
+        out: dict[str, Any] = {}
+        for name in ("first", "second"):   # the first pins the staging in the server
+            ck = route.checkpoint(app.pid, level="full")
+            rs = route.restore(app.pid)
+            out[name] = {"checkpoint": to_json(ck), "restore": to_json(rs)}
+        say("  through gpucr serve (it copies the data while the driver checkpoints): second cycle "
+            + ", ".join(f"{k} {v:.3f} s" for k, v in ck.phases_s.items()) + "; "
+            + ", ".join(f"{k} {v:.3f} s" for k, v in rs.phases_s.items()))
+        out["identical"] = app.ask("digest") == before
+        return out
+    finally:
+        if ours:
+            client.stop(simulated)
 
 
 def main(simulate: bool = False, as_json: bool = False) -> int:
@@ -66,9 +95,14 @@ def main(simulate: bool = False, as_json: bool = False) -> int:
             result_after = result_before = {"digest_after_work": app.ask("digest")["digest"] == before["digest"]}
         say(f"  restored: GPU memory used {fig['gpu_used_restored_bytes'] / 2**20:,.0f} MiB; "
             + ", ".join(f"{k} {v:.3f} s" for k, v in rs.phases_s.items()))
+        served = _through_the_server(app, not real, say)
+        if served is not None:
+            fig["through_server"] = served
     checks = {"bytes_identical": before["digest"] == after["digest"],
               "addresses_identical": before["ptrs"] == after["ptrs"],
               "next_computation_identical": result_before == result_after}
+    if served is not None:
+        checks["through_server_identical"] = served.pop("identical")
     fig["checks"] = checks
     ok = all(checks.values())
     for k, v in checks.items():
