@@ -157,8 +157,8 @@ class Server:
                 if exc.errno in (errno.EINTR, errno.ECONNABORTED):
                     continue
                 raise
-            with self.lock:
-                self.last_activity = time.monotonic()
+            # (activity is a request answered, not a connection: `targets.list_sockets`, which the pin-ahead
+            # loop runs every second, probes this very socket, and would keep an idle server up for ever)
             threading.Thread(target=self._connection, args=(conn,), daemon=True, name="gpucr-serve").start()
 
     def _idle_long_enough(self) -> bool:
