@@ -455,6 +455,15 @@ static void back_in_place(struct phys *p, CUmemGenericAllocationHandle h, int ow
     }
 }
 
+/* Memory handed over as a POSIX fd, imported and mapped at every mapping of p with its access; all or
+ * nothing (*h is the new handle). */
+static CUresult import_at(const struct phys *p, int fd, CUmemGenericAllocationHandle *h)
+{
+    CUresult rc = REAL(cuMemImportFromShareableHandle)(h, (void *)(intptr_t)fd, 1);
+    if (rc == CUDA_SUCCESS && (rc = map_all(p, *h)) != CUDA_SUCCESS) release_handle(*h, 1, p);
+    return rc;
+}
+
 /* Re-create, map and set access for every released allocation, then copy its data back; with a
  * ready_idle_ns, each copy first waits until the controller says that allocation's data is in
  * staging (so re-mapping and copying overlap the reading of an image), for at most that long without
@@ -611,6 +620,22 @@ int dp_abort(char *err, size_t errlen)
     return 0;
 }
 
+/* Each movable allocation's place in staging, from its start (made ready by dp_quiesce); *need: their bytes. */
+static CUresult place_in_staging(size_t *need)
+{
+    staging_rewind();
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        if (!reg_phys_movable(p)) continue;
+        void *at = staging_take(p->size);
+        reg_lock();
+        p->staging = at;
+        reg_unlock();
+        if (!at) return CUDA_ERROR_OUT_OF_MEMORY;
+        *need += p->size;
+    }
+    return CUDA_SUCCESS;
+}
+
 int dp_checkpoint(int timeout_ms, bool unpin, bool hold, char *err, size_t errlen)
 {
     if (g_dp.copied) { seterr(err, errlen, "the data is copied already: release it or abort"); return -1; }
@@ -619,25 +644,12 @@ int dp_checkpoint(int timeout_ms, bool unpin, bool hold, char *err, size_t errle
     struct phase_times t = g_dp.pending;
     CUcontext saved = NULL;
     if (gpucr_drv.cuCtxGetCurrent) gpucr_drv.cuCtxGetCurrent(&saved);
-    size_t need = 0;
-    for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if (reg_phys_movable(p)) need += p->size;
-    CUresult rc;
-
     /* No record is added or freed now (those wrappers are behind the gate); status and the ungated
      * wrappers still read and touch records, so each change made here is made under reg_lock. */
     int64_t t0 = gpucr_now_ns();
     int turn = 0;
-    rc = CUDA_SUCCESS;
-    staging_rewind();
-    for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all) {
-        if (!reg_phys_movable(p)) continue;
-        void *at = staging_take(p->size);
-        reg_lock();
-        p->staging = at;
-        reg_unlock();
-        if (!at) rc = CUDA_ERROR_OUT_OF_MEMORY;
-    }
+    size_t need = 0;
+    CUresult rc = place_in_staging(&need);
     /* Segment by segment; with unpin, each segment is unpinned while the next one's copies run (the
      * driver's checkpoint then has no pinned host memory of ours to handle). */
     int nseg = staging_count();
@@ -823,18 +835,8 @@ int dp_handover(int timeout_ms, char *err, size_t errlen)
     struct phase_times t = g_dp.pending;
     CUcontext saved = NULL;
     if (gpucr_drv.cuCtxGetCurrent) gpucr_drv.cuCtxGetCurrent(&saved);
-    staging_rewind();
     size_t need = 0;
-    CUresult rc = CUDA_SUCCESS;
-    for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all) {
-        if (!reg_phys_movable(p)) continue;
-        void *at = staging_take(p->size);
-        reg_lock();
-        p->staging = at;
-        reg_unlock();
-        need += p->size;
-        if (!at) rc = CUDA_ERROR_OUT_OF_MEMORY;
-    }
+    CUresult rc = place_in_staging(&need);
     int64_t t0 = gpucr_now_ns();
     for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
         if (reg_phys_movable(p)) rc = release_one(p, true);
@@ -863,8 +865,7 @@ static int take_back(char *err, size_t errlen)
         if (!p->released || p->kind == PHYS_IMPORTED || p->own_fd < 0) continue;
         gpucr_use_ctx(p->ctx);
         CUmemGenericAllocationHandle h = 0;
-        CUresult rc = REAL(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)p->own_fd, 1);
-        if (rc == CUDA_SUCCESS && (rc = map_all(p, h)) != CUDA_SUCCESS) release_handle(h, 1, p);
+        CUresult rc = import_at(p, p->own_fd, &h);
         if (rc != CUDA_SUCCESS) {
             if (first == CUDA_SUCCESS)
                 seterr(err, errlen, "taking back %zu MiB at 0x%llx failed: %s", p->size >> 20,
@@ -912,8 +913,7 @@ int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t
         if (k < from || !p->released || p->kind == PHYS_IMPORTED) continue;
         gpucr_use_ctx(p->ctx);
         CUmemGenericAllocationHandle h = 0;
-        CUresult rc = REAL(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)fds[i], 1);
-        if (rc == CUDA_SUCCESS && (rc = map_all(p, h)) != CUDA_SUCCESS) release_handle(h, 1, p);
+        CUresult rc = import_at(p, fds[i], &h);
         if (rc != CUDA_SUCCESS) {
             seterr(err, errlen, "mapping the server's memory at 0x%llx (%zu MiB) failed: %s; the process stays checkpointed",
                    (unsigned long long)(p->maps ? p->maps->va : 0), p->size >> 20, gpucr_cu_errstr(rc));
@@ -1024,32 +1024,51 @@ int dp_stage(char *err, size_t errlen)
 
 /* ---- memory shared with other processes through POSIX fds (share.c says how it is named) ---- */
 
-/* The shared allocations from the n-th on, with the agent's fd of each that still has one (for a
- * controller to compare with other processes'; at most maxfds fds, the rest on a later call). */
-int dp_shared_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds)
+/* One page of a listing of the allocations `listed` picks (all when NULL), from the from-th of them on,
+ * with at most maxfds fds: `entry` writes one allocation's fields and gives the fd to send with it (-1:
+ * none); "fd_index", the closing "next" (-1 after the last page) and the registry lock are the pager's. */
+static void fd_page(struct jb *j, const char *key, int from, int *fds, int *nfds, int maxfds,
+                    bool (*listed)(const struct phys *), int (*entry)(struct jb *, const struct phys *, int index))
 {
     *nfds = 0;
     jb_bool(j, "ok", true);
-    jb_arr(j, "shared");
+    jb_arr(j, key);
     reg_lock();
     int k = 0, next = -1;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (!p->share_sid) continue;
+        if (listed && !listed(p)) continue;
         if (k++ < from) continue;
         if (*nfds >= maxfds) { next = k - 1; break; }
         jb_sub(j, NULL);
-        jb_int(j, "sid", p->share_sid);
-        jb_str(j, "role", p->kind == PHYS_IMPORTED ? "importer" : "exporter");
-        jb_int(j, "key", (long long)p->share_key);
-        if (p->kind == PHYS_IMPORTED) jb_int(j, "owner", p->share_owner_pid);
-        jb_int(j, "bytes", (long long)p->size);
-        jb_int(j, "fd_index", p->share_ndups ? *nfds : -1);
+        int fd = entry(j, p, k - 1);
+        jb_int(j, "fd_index", fd >= 0 ? *nfds : -1);
         jb_end(j);
-        if (p->share_ndups) fds[(*nfds)++] = p->share_dups[0];
+        if (fd >= 0) fds[(*nfds)++] = fd;
     }
     reg_unlock();
     jb_arr_end(j);
     jb_int(j, "next", next);
+}
+
+static bool is_shared(const struct phys *p) { return p->share_sid != 0; }
+
+/* a shared allocation, with the agent's own dup of its fd when it still has one (never ours to close) */
+static int shared_entry(struct jb *j, const struct phys *p, int index)
+{
+    (void)index;
+    jb_int(j, "sid", p->share_sid);
+    jb_str(j, "role", p->kind == PHYS_IMPORTED ? "importer" : "exporter");
+    jb_int(j, "key", (long long)p->share_key);
+    if (p->kind == PHYS_IMPORTED) jb_int(j, "owner", p->share_owner_pid);
+    jb_int(j, "bytes", (long long)p->size);
+    return p->share_ndups ? p->share_dups[0] : -1;
+}
+
+/* The shared allocations from the n-th on, with the agent's fd of each that still has one (for a
+ * controller to compare with other processes'; at most maxfds fds, the rest on a later call). */
+int dp_shared_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds)
+{
+    fd_page(j, "shared", from, fds, nfds, maxfds, is_shared, shared_entry);
     return 0;
 }
 
@@ -1059,47 +1078,38 @@ static const char *kind_name(const struct phys *p)
     return p->kind == PHYS_CONVERTED ? "converted" : p->kind == PHYS_APP_VMM ? "app_vmm" : "imported";
 }
 
+/* a managed allocation, with a dup of the agent's fd of it, sent and then closed: a free on another
+ * thread meanwhile cannot make it another file */
+static int memory_entry(struct jb *j, const struct phys *p, int index)
+{
+    int fd = share_dup_own(p);
+    jb_int(j, "index", index);
+    jb_str(j, "kind", kind_name(p));
+    jb_int(j, "bytes", (long long)p->size);
+    jb_int(j, "device", reg_ctx_device(p->ctx));   /* the GPU of the context it was made in */
+    char uuid[48];
+    reg_ctx_uuid(p->ctx, uuid);
+    jb_str(j, "uuid", uuid);   /* the same GPU for a process that numbers them otherwise (a server) */
+    jb_bool(j, "released", p->released);
+    jb_bool(j, "not_exportable", p->own_fd_missing);
+    /* whether a server can take it at a handover (the rest is not moved, or makes handover refuse) */
+    jb_bool(j, "movable", reg_phys_movable(p));
+    jb_bool(j, "handable", handable(p));
+    jb_arr(j, "maps");
+    for (const struct mapping *m = p->maps; m; m = m->next) {
+        jb_sub(j, NULL);
+        jb_int(j, "va", (long long)m->va);
+        jb_int(j, "bytes", (long long)m->size);
+        jb_int(j, "offset", (long long)m->offset);
+        jb_end(j);
+    }
+    jb_arr_end(j);
+    return fd;
+}
+
 int dp_memory_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds)
 {
-    *nfds = 0;
-    jb_bool(j, "ok", true);
-    jb_arr(j, "memory");
-    reg_lock();
-    int k = 0, next = -1;
-    for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (k++ < from) continue;
-        if (*nfds >= maxfds) { next = k - 1; break; }
-        /* a dup, sent and then closed: a free on another thread meanwhile cannot make it another file */
-        int fd = share_dup_own(p);
-        jb_sub(j, NULL);
-        jb_int(j, "index", k - 1);
-        jb_str(j, "kind", kind_name(p));
-        jb_int(j, "bytes", (long long)p->size);
-        jb_int(j, "device", reg_ctx_device(p->ctx));   /* the GPU of the context it was made in */
-        char uuid[48];
-        reg_ctx_uuid(p->ctx, uuid);
-        jb_str(j, "uuid", uuid);   /* the same GPU for a process that numbers them otherwise (a server) */
-        jb_bool(j, "released", p->released);
-        jb_bool(j, "not_exportable", p->own_fd_missing);
-        /* whether a server can take it at a handover (the rest is not moved, or makes handover refuse) */
-        jb_bool(j, "movable", reg_phys_movable(p));
-        jb_bool(j, "handable", handable(p));
-        jb_arr(j, "maps");
-        for (const struct mapping *m = p->maps; m; m = m->next) {
-            jb_sub(j, NULL);
-            jb_int(j, "va", (long long)m->va);
-            jb_int(j, "bytes", (long long)m->size);
-            jb_int(j, "offset", (long long)m->offset);
-            jb_end(j);
-        }
-        jb_arr_end(j);
-        jb_int(j, "fd_index", fd >= 0 ? *nfds : -1);
-        jb_end(j);
-        if (fd >= 0) fds[(*nfds)++] = fd;
-    }
-    reg_unlock();
-    jb_arr_end(j);
-    jb_int(j, "next", next);
+    fd_page(j, "memory", from, fds, nfds, maxfds, NULL, memory_entry);
     return 0;
 }
 
@@ -1209,8 +1219,7 @@ int dp_relink(unsigned long long key, int fd, char *err, size_t errlen)
         if (!unlinked_import(p, key)) continue;
         gpucr_use_ctx(p->ctx);
         CUmemGenericAllocationHandle h = 0;
-        CUresult rc = REAL(cuMemImportFromShareableHandle)(&h, (void *)(intptr_t)fd, 1);
-        if (rc == CUDA_SUCCESS && (rc = map_all(p, h)) != CUDA_SUCCESS) release_handle(h, 1, p);
+        CUresult rc = import_at(p, fd, &h);
         if (rc != CUDA_SUCCESS) {
             seterr(err, errlen, "relinking shared memory failed: %s", gpucr_cu_errstr(rc));
             return -1;

@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 import os
 import signal
-import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
 
 from . import gpus, manifest, sharing, shape
 from . import imagefs
@@ -27,7 +27,7 @@ from . import target as targets
 from .app import AppChannel
 from .driver import (CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, SIMULATE_ENV, Driver, DriverError, ProcessState,
                      controller_driver)
-from .errors import GpucrError
+from .errors import GpucrError, note
 from .results import (SCHEMA_VERSION, CheckpointResult, ProcessCheckpoint, ProcessRestore, ProcessStatus, RestoreResult,
                       StatusResult, Unreachable)
 
@@ -38,6 +38,7 @@ from .server.memory import Managed
 if TYPE_CHECKING:
     from .server.mover import Mover
 
+T = TypeVar("T")
 ADOPT_BATCH = 64            # fds per adopt request (the agent takes at most 64 with one request)
 
 
@@ -400,48 +401,64 @@ def _data_out_by_server(m: _Member, timeout: float, level: str, mover: Mover) ->
         return False
     _test_kill_target(m.pid, "data-out")
     m.data_out_t0 = time.perf_counter()
-    t0 = time.perf_counter()
     # lease=1: should this controller die before handed_done, the agent takes its memory back itself
     _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1)
     m.held = True   # "abort" maps the memory again from the agent's fds: nothing left the GPU
-    m.result["phases_s"]["handover"] = time.perf_counter() - t0
+    m.result["phases_s"]["handover"] = time.perf_counter() - m.data_out_t0
     _test_kill_point("after-handover")
-    # listed again now: the handover trims pools first, so the list (and its numbering) is the layout's
+
+    def driver_steps() -> None:
+        _test_kill_point("during-server-copy")
+        if level == "full":   # the control state, at the same time
+            _driver_lock(m, timeout)
+            _driver_checkpoint(m)
+    # listed now, after the handover: it trims pools first, so the list (and its numbering) is the layout's
+    with _server_inputs(m) as (layout, seg_fds, memory):
+        st = _beside(lambda: mover.copy_out(m.pid, layout, seg_fds, memory), "gpucr-server-copy-out", driver_steps)
+    if isinstance(st, GpucrError):
+        raise st
+    out = m.agent.call("handed_done", timeout=60.0)
+    m.held = False
+    _data_out_done(m, out)
+    m.result["phases_s"]["data_out"] = st.seconds   # the server's copy (the handover has its own phase)
+    if st.pin_s:
+        m.result["phases_s"]["server_pin"] = st.pin_s
+    return True
+
+
+@contextmanager
+def _server_inputs(m: _Member) -> Iterator[tuple[dict[str, Any], list[int], list[Managed]]]:
+    """The process's staging layout with its files, and its memory with our fds of it, for the server's
+    data plane; every fd closed afterwards (ours of the memory keep it on the GPU while open)."""
     memory = server_memory.gather(m.agent)
     try:
         layout, seg_fds = m.agent.call_with_fds("layout", timeout=60.0)
         try:
-            copied: list[Any] = []
-
-            def copy() -> None:
-                try:
-                    copied.append(mover.copy_out(m.pid, layout, seg_fds, memory))
-                except GpucrError as exc:
-                    copied.append(exc)
-            worker = threading.Thread(target=copy, name="gpucr-server-copy-out")
-            worker.start()
-            try:
-                _test_kill_point("during-server-copy")
-                if level == "full":   # the control state, at the same time
-                    _driver_lock(m, timeout)
-                    _driver_checkpoint(m)
-            finally:
-                worker.join()
+            yield layout, seg_fds, memory
         finally:
             for fd in seg_fds:
                 os.close(fd)
     finally:
         server_memory.close_all(memory)
-    if isinstance(copied[0], GpucrError):
-        raise copied[0]
-    st = copied[0]
-    m.result["phases_s"]["data_out"] = st.seconds
-    if st.pin_s:
-        m.result["phases_s"]["server_pin"] = st.pin_s
-    out = m.agent.call("handed_done", timeout=60.0)
-    m.held = False
-    _data_out_done(m, out, record_time=False)
-    return True
+
+
+def _beside(work: Callable[[], T], name: str, here: Callable[[], None]) -> T | GpucrError:
+    """`work` (the server's copies) in a thread of its own while `here` (the driver's steps) runs in this
+    one: work's result, or the GpucrError it raised, once it has ended (what `here` raises goes up then)."""
+    out: list[Any] = []
+
+    def run() -> None:
+        try:
+            out.append(work())
+        except GpucrError as exc:
+            out.append(exc)
+    worker = threading.Thread(target=run, name=name)
+    worker.start()
+    try:
+        here()
+    finally:
+        worker.join()
+    return out[0]
 
 
 def _release(m: _Member) -> None:
@@ -449,11 +466,10 @@ def _release(m: _Member) -> None:
     _data_out_done(m, m.agent.call("release", timeout=120.0))
 
 
-def _data_out_done(m: _Member, out: dict[str, Any], record_time: bool = True) -> None:
+def _data_out_done(m: _Member, out: dict[str, Any]) -> None:
     m.data_out, m.held = True, False
     r = m.result
-    if record_time:
-        r["phases_s"]["data_out"] = time.perf_counter() - m.data_out_t0
+    r["phases_s"]["data_out"] = time.perf_counter() - m.data_out_t0
     cyc = out["last_cycle_ms"]
     r["agent_ms"] = {k: cyc[k] for k in ("staging", "gate", "sync", "copy_out", "release")}
     r["bytes_moved"] = cyc["bytes_out"]
@@ -741,11 +757,6 @@ def _driver_restore(m: _Member) -> None:
     m.checkpointed, m.locked = False, m.drv.state(m.pid) == ProcessState.LOCKED
 
 
-def _note(line: str) -> None:
-    """What went less well than it could, but was made good (the server's log, or the CLI's stderr)."""
-    print(f"gpucr: note: {line}", file=sys.stderr, flush=True)
-
-
 def _server_restorable(m: _Member) -> bool:
     st = m.status
     return (st.get("state") == "checkpointed" and bool(st.get("staged")) and not st.get("shared") and not m.gpu_moves
@@ -756,30 +767,15 @@ def _restore_with_server(m: _Member, timeout: float, mover: Mover) -> None:
     """The server makes new memory and fills it from the process's staging while the driver restores the
     process; once the driver lets go, the agent maps that memory at the old addresses (adopt). Whatever
     the server could not put back, the agent's own restore from staging brings back next (_data_in)."""
-    layout, seg_fds = m.agent.call_with_fds("layout", timeout=60.0)
-    memory = server_memory.gather(m.agent)
-    made: list[Any] = []
-    try:
-        def fill() -> None:
-            try:
-                made.append(mover.fill(m.pid, layout, seg_fds, memory))
-            except GpucrError as exc:
-                made.append(exc)
-        worker = threading.Thread(target=fill, name="gpucr-server-fill")
-        worker.start()
-        try:
-            _driver_restore(m)
-            _driver_unlock(m, timeout)
-        finally:
-            worker.join()
-    finally:
-        for fd in seg_fds:
-            os.close(fd)
-        server_memory.close_all(memory)
-    if isinstance(made[0], GpucrError):
-        _note(f"process {m.pid}: {made[0]}; its agent's own restore from staging brings it back")
+    def driver_steps() -> None:
+        _driver_restore(m)
+        _driver_unlock(m, timeout)
+    with _server_inputs(m) as (layout, seg_fds, memory):
+        made = _beside(lambda: mover.fill(m.pid, layout, seg_fds, memory), "gpucr-server-fill", driver_steps)
+    if isinstance(made, GpucrError):
+        note(f"process {m.pid}: {made}; its agent's own restore from staging brings it back")
         return
-    st, fds = made[0]
+    st, fds = made
     t0 = time.perf_counter()
     try:
         if m.status.get("state") == "checkpointed":
@@ -789,7 +785,7 @@ def _restore_with_server(m: _Member, timeout: float, mover: Mover) -> None:
                 taken = {i for i, _ in batch}
                 m.server_bytes_in += sum(int(a["bytes"]) for a in layout["allocations"] if int(a["index"]) in taken)
     except GpucrError as exc:   # the agent's own restore brings back what was not adopted
-        _note(f"process {m.pid}: {exc}; its agent's own restore from staging brings the rest back")
+        note(f"process {m.pid}: {exc}; its agent's own restore from staging brings the rest back")
     finally:
         for _, fd in fds:
             os.close(fd)

@@ -114,11 +114,7 @@ class Mover:
         process uses (the server's context there pins it)."""
         with self._lock:
             st = Stats()
-            if self._ordinals is None:
-                self._ordinals = self.vmm.device_by_uuid()
-            if uuid not in self._ordinals:
-                raise GpucrError(f"the process's GPU {uuid or '(unknown)'} is not one the gpucr server sees")
-            self.vmm.use(self._context(self._ordinals[uuid])[0])
+            self.vmm.use(self._context(self._ordinal(uuid))[0])
             self._map_staging(pid, layout, seg_fds, st, [int(g["index"]) for g in layout["segments"]])
             return sum(int(g["bytes"]) for g in layout["segments"]) if st.pin_s else 0
 
@@ -145,7 +141,7 @@ class Mover:
 
         def staging() -> dict[int, int]:
             if plan and plan[0][0] in by_index:   # pinned in a context on the process's GPU (portable: for all)
-                self.vmm.use(self._context(self._device(by_index[plan[0][0]]))[0])
+                self.vmm.use(self._context(self._ordinal(by_index[plan[0][0]].uuid))[0])
             reach: dict[int, int] = {}
             for _idx, size, seg, off in plan:
                 reach[seg] = max(reach.get(seg, 0), off + size)
@@ -173,7 +169,7 @@ class Mover:
                 m = by_index.get(idx)
                 if m is None or (out and m.fd is None):
                     raise GpucrError(f"the process did not hand over its allocation {idx} ({size >> 20} MiB)")
-                dev = self._device(m)
+                dev = self._ordinal(m.uuid)
                 ctx, _streams = self._context(dev)
                 self.vmm.use(ctx)
                 used.add(dev)
@@ -225,12 +221,13 @@ class Mover:
         except DriverError:
             pass
 
-    def _device(self, m: Managed) -> int:
+    def _ordinal(self, uuid: str) -> int:
+        """This server's number for the GPU a process names by UUID (it may number its GPUs otherwise)."""
         if self._ordinals is None:
             self._ordinals = self.vmm.device_by_uuid()
-        if m.uuid in self._ordinals:
-            return self._ordinals[m.uuid]
-        raise GpucrError(f"the process's GPU {m.uuid or '(unknown)'} is not one the gpucr server sees")
+        if uuid in self._ordinals:
+            return self._ordinals[uuid]
+        raise GpucrError(f"the process's GPU {uuid or '(unknown)'} is not one the gpucr server sees")
 
     def _context(self, dev: int) -> tuple[int, list[int]]:
         if dev not in self._ctx:

@@ -10,12 +10,11 @@ simply asked again in-process.
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 from typing import Any, TypeVar
 
 from ..driver import controller_simulated
-from ..errors import GpucrError
+from ..errors import GpucrError, note
 from ..results import (CheckpointResult, ProcessCheckpoint, ProcessRestore, ProcessStatus, RestoreResult,
                        StatusResult, Stuck, from_json)
 from . import client, wire
@@ -28,10 +27,6 @@ T = TypeVar("T")
 
 def server_wanted() -> bool:
     return os.environ.get(NO_SERVER_ENV, "") != "1"
-
-
-def note(line: str) -> None:
-    print(f"gpucr: note: {line}", file=sys.stderr, flush=True)
 
 
 def _ask(op: str, args: dict[str, Any]) -> tuple[bool, Any]:
