@@ -18,7 +18,7 @@ import pytest
 
 import gpucr
 from gpucr import paths
-from gpucr.driver import ProcessState, process_gpu_memory
+from gpucr.driver import ProcessState, gpu_memory, process_gpu_memory
 from gpucr.server import client, wire
 from gpucr.workloads.runner import Workload
 
@@ -667,3 +667,20 @@ def test_staging_given_back_is_let_go_by_the_server_too(server, sim_app):
     gpucr.restore(app.pid, drop_staging=True)
     assert server.info()["pinned_staging_bytes"] == 0
     assert gpucr.status(app.pid).staging_bytes == 0 and app.ask("digest") == before
+
+
+def test_a_failed_driver_restore_leaves_no_memory_of_the_servers_behind(server, sim_app):
+    """The server fills new memory while the driver restores; when the driver's restore fails, the new
+    memory's fds are closed (they would keep it on the GPU for ever), the process stays checkpointed, and a
+    second restore brings every byte back."""
+    app = sim_app("--sizes", "32M", env=dict(os.environ, SIMCUDA_FAIL_RESTORE="1"))
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    parked = gpu_memory(sim_driver()).used
+    with pytest.raises(gpucr.GpucrError):
+        gpucr.restore(app.pid)
+    assert gpucr.status(app.pid).state == "checkpointed"
+    used = gpu_memory(sim_driver()).used
+    assert used == parked, f"{(used - parked) >> 20} MiB more on the GPU after the failed restore"
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before

@@ -442,9 +442,11 @@ def _server_inputs(m: _Member) -> Iterator[tuple[dict[str, Any], list[int], list
         server_memory.close_all(memory)
 
 
-def _beside(work: Callable[[], T], name: str, here: Callable[[], None]) -> T | GpucrError:
+def _beside(work: Callable[[], T], name: str, here: Callable[[], None],
+            undo: Callable[[T], None] = lambda _r: None) -> T | GpucrError:
     """`work` (the server's copies) in a thread of its own while `here` (the driver's steps) runs in this
-    one: work's result, or the GpucrError it raised, once it has ended (what `here` raises goes up then)."""
+    one: work's result, or the GpucrError it raised, once it has ended. What `here` raises goes up then,
+    after `undo` of work's result (what it made would otherwise be left behind)."""
     out: list[Any] = []
 
     def run() -> None:
@@ -456,8 +458,12 @@ def _beside(work: Callable[[], T], name: str, here: Callable[[], None]) -> T | G
     worker.start()
     try:
         here()
-    finally:
+    except BaseException:
         worker.join()
+        if out and not isinstance(out[0], GpucrError):
+            undo(out[0])
+        raise
+    worker.join()
     return out[0]
 
 
@@ -771,7 +777,9 @@ def _restore_with_server(m: _Member, timeout: float, mover: Mover) -> None:
         _driver_restore(m)
         _driver_unlock(m, timeout)
     with _server_inputs(m) as (layout, seg_fds, memory):
-        made = _beside(lambda: mover.fill(m.pid, layout, seg_fds, memory), "gpucr-server-fill", driver_steps)
+        # the new memory's fds keep it on the GPU: closed when the driver's restore fails
+        made = _beside(lambda: mover.fill(m.pid, layout, seg_fds, memory), "gpucr-server-fill", driver_steps,
+                       undo=lambda r: [os.close(fd) for _, fd in r[1]])
     if isinstance(made, GpucrError):
         note(f"process {m.pid}: {made}; its agent's own restore from staging brings it back")
         return
