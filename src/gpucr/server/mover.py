@@ -136,7 +136,6 @@ class Mover:
         mapped: list[tuple[int, int, int]] = []   # (handle, va, bytes) to unmap and release afterwards
         made: list[tuple[int, int]] = []          # (index, handle) of new memory (fill)
         placed: list[tuple[int, int, int, int, int]] = []   # (size, seg, off, va, dev)
-        used: set[int] = set()
         turn = 0
 
         def staging() -> dict[int, int]:
@@ -172,7 +171,6 @@ class Mover:
                 dev = self._ordinal(m.uuid)
                 ctx, _streams = self._context(dev)
                 self.vmm.use(ctx)
-                used.add(dev)
                 if out:
                     h = self.vmm.import_fd(m.fd)
                 else:
@@ -189,7 +187,7 @@ class Mover:
                 hosts = staging()
                 for size, seg, off, va, dev in placed:
                     queue(hosts, size, seg, off, va, dev)
-            for dev in used:
+            for dev in {p[4] for p in placed}:
                 ctx, streams = self._ctx[dev]
                 self.vmm.use(ctx)
                 for s in streams:
