@@ -135,6 +135,7 @@ class Mover:
         by_index = {m.index: m for m in memory}
         mapped: list[tuple[int, int, int]] = []   # (handle, va, bytes) to unmap and release afterwards
         made: list[tuple[int, int]] = []          # (index, handle) of new memory (fill)
+        fds: list[tuple[int, int]] = []           # (index, fd) of it, exported once all is filled
         placed: list[tuple[int, int, int, int, int]] = []   # (size, seg, off, va, dev)
         turn = 0
 
@@ -192,8 +193,11 @@ class Mover:
                 self.vmm.use(ctx)
                 for s in streams:
                     self.vmm.sync(s)
-            fds = [(idx, self.vmm.export_fd(h)) for idx, h in made]
+            for idx, h in made:
+                fds.append((idx, self.vmm.export_fd(h)))
         except (DriverError, GpucrError) as exc:
+            for _idx, fd in fds:
+                os.close(fd)   # exported before one failed: they would keep that memory on the GPU
             self._undo(mapped, made, out)
             raise GpucrError(f"the gpucr server's copy {'out' if out else 'in'} failed: {exc}") from exc
         self._undo(mapped, made, out)   # our mappings go; the fds (theirs or ours) keep the memory
