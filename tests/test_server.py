@@ -684,3 +684,23 @@ def test_a_failed_driver_restore_leaves_no_memory_of_the_servers_behind(server, 
     assert used == parked, f"{(used - parked) >> 20} MiB more on the GPU after the failed restore"
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
+
+
+def test_a_failed_export_in_the_servers_fill_leaves_nothing_behind(sim_app, monkeypatch):
+    """The server's fill exports each new allocation as an fd once all are filled; when one export fails,
+    those already exported are closed (each would keep its memory on the GPU), and the agent's own restore
+    from staging brings every byte back."""
+    app = sim_app("--sizes", "16M,16M,16M")
+    before = app.ask("digest")
+    running = gpu_memory(sim_driver()).used
+    monkeypatch.setenv("SIMCUDA_FAIL_CALL", "cuMemExportToShareableHandle:2")   # the server's, not the app's
+    s = RunningServer(True)
+    try:
+        assert "handover" in gpucr.checkpoint(app.pid).phases_s
+        rs = gpucr.restore(app.pid)
+        assert "adopt" not in rs.phases_s, rs.phases_s   # the agent's own restore did it
+        assert app.ask("digest") == before
+        used = gpu_memory(sim_driver()).used - SIM_CONTEXT_BYTES   # the server's context set apart
+        assert used == running, f"{(used - running) >> 20} MiB more on the GPU than before the cycle"
+    finally:
+        s.stop()

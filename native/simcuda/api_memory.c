@@ -405,6 +405,8 @@ SIMAPI CUresult cuMemGetAllocationPropertiesFromHandle(CUmemAllocationProp *prop
 static CUresult mem_export(void *shareable, CUmemGenericAllocationHandle handle, CUmemAllocationHandleType type,
                            unsigned long long flags)
 {
+    if (sim_fault_injected("cuMemExportToShareableHandle"))
+        return CUDA_ERROR_UNKNOWN;
     struct sim_ctx *c;
     CUresult rc = sim_ctx_current(&c);
     if (rc != CUDA_SUCCESS)
