@@ -129,8 +129,19 @@ def test_restore_refused_without_room_then_succeeds(sim_app, monkeypatch):
     assert app.ask("digest") == before
 
 
+def open_files(pid: int) -> list[str]:
+    """What the process's fds point at; an fd closed while they are listed (the agent's connection of the
+    status just asked) is left out."""
+    out = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            out.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            pass
+    return out
+
+
 def test_staging_file_backend_and_drop_policy(sim_app, tmp_path):
-    import os
     sdir = tmp_path / "staging"
     sdir.mkdir()
     env = dict(os.environ, GPUCR_STAGING=f"file:{sdir}")
@@ -141,13 +152,13 @@ def test_staging_file_backend_and_drop_policy(sim_app, tmp_path):
     assert st.staging_kind == "file" and st.staging_bytes >= 20 * MiB and st.staging_segments >= 1
     # the files are unlinked once open (a killed process leaves nothing behind), yet live in DIR's filesystem
     assert list(sdir.iterdir()) == []
-    fds = [os.readlink(f"/proc/{app.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{app.pid}/fd")]
+    fds = open_files(app.pid)
     assert any(str(sdir) in f and "(deleted)" in f for f in fds)
     gpucr.restore(app.pid, drop_staging=True)
     assert app.ask("digest") == before
     st = gpucr.status(app.pid)
     assert st.staging_bytes == 0
-    fds = [os.readlink(f"/proc/{app.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{app.pid}/fd")]
+    fds = open_files(app.pid)
     assert not any(str(sdir) in f for f in fds)
 
 
