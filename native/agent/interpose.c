@@ -45,8 +45,12 @@ static void *dlsym_next_after(const void *caller, const char *name)
     Dl_info info;
     struct link_map *lm = NULL;
     if (!dladdr1(caller, &info, (void **)&lm, RTLD_DL_LINKMAP) || !lm) return gpucr_real_dlsym(RTLD_NEXT, name);
+    /* dlmopen in the base namespace, not dlopen: a tool preloaded beside us may wrap dlopen and resolve
+     * that very wrapper through this dlsym, so a dlopen here recursed without end (tests/apps/tool_hooks.c)
+     * or would spin in a tool's guard. NOLOAD: it only hands out loaded objects, readied
+     * for lookup (a link_map itself is not: an initial dependency has no search list of its own). */
     for (struct link_map *l = lm->l_next; l; l = l->l_next) {
-        void *h = dlopen(l->l_name && *l->l_name ? l->l_name : NULL, RTLD_LAZY | RTLD_NOLOAD);
+        void *h = dlmopen(LM_ID_BASE, l->l_name && *l->l_name ? l->l_name : NULL, RTLD_LAZY | RTLD_NOLOAD);
         if (!h) continue;
         void *p = gpucr_real_dlsym(h, name);
         dlclose(h);
