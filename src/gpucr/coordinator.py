@@ -36,7 +36,7 @@ from .server import memory as server_memory
 from .server.memory import Managed
 
 if TYPE_CHECKING:
-    from .server.mover import Mover
+    from .server.mover import Mover, Stats as ServerStats
 
 T = TypeVar("T")
 ADOPT_BATCH = 64            # fds per adopt request (the agent takes at most 64 with one request)
@@ -421,9 +421,17 @@ def _data_out_by_server(m: _Member, timeout: float, level: str, mover: Mover) ->
     m.held = False
     _data_out_done(m, out)
     m.result["phases_s"]["data_out"] = st.seconds   # the server's copy (the handover has its own phase)
+    _server_phases(m, st)
+    return True
+
+
+def _server_phases(m: _Member, st: ServerStats) -> None:
+    """What the server's copy cost besides the copy itself, when it did: pinning staging it had not pinned
+    yet, and waiting for the data plane (another process's copy, or pinning ahead)."""
     if st.pin_s:
         m.result["phases_s"]["server_pin"] = st.pin_s
-    return True
+    if st.wait_s >= 0.001:
+        m.result["phases_s"]["server_wait"] = st.wait_s
 
 
 @contextmanager
@@ -798,6 +806,7 @@ def _restore_with_server(m: _Member, timeout: float, mover: Mover) -> None:
         for _, fd in fds:
             os.close(fd)
     m.result["phases_s"]["data_in"] = st.seconds
+    _server_phases(m, st)
     m.result["phases_s"]["adopt"] = time.perf_counter() - t0
 
 
