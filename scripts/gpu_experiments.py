@@ -9,6 +9,10 @@
    rate the restore's pin-ahead threads must keep ahead of the copies with.
 4. How fast CPU threads copy between host buffers (memcpy, 1-16 threads): what the bounce ring
    (GPUCR_BOUNCE_MIB) needs to keep up with the 55 GB/s copy engine.
+5. fill-rate: how the gpucr server's copies between pinned staging and VMM memory of its own depend on
+   streams, piece size and whether the memory is made (cuMemCreate + map) inside the timed fill, for
+   one large allocation and for many small ones: why the fill ran at 90 % of the link when the copy
+   out ran at 99 %.
 
 Prints one JSON object per line; writes them to $OUT/experiments.jsonl too.
 """
@@ -147,6 +151,76 @@ def memcpy_rate(gib: int = 8) -> None:
     dst.close()
 
 
+def fill_rate(gib: int = int(os.environ.get("EXP_FILL_GIB", "16"))) -> None:
+    from gpucr.driver import Vmm, controller_driver
+    vmm = Vmm(controller_driver())
+    ctx = vmm.retain_context(0)
+    vmm.use(ctx)
+    streams = [vmm.stream() for _ in range(4)]
+    n = gib << 30
+    fd = os.memfd_create("gpucr-fill", 0)
+    os.ftruncate(fd, n)
+    m = mmap.mmap(fd, n)
+    buf = ctypes.c_char.from_buffer(m)
+    host = ctypes.addressof(buf)
+    ctypes.memset(host, 7, n)
+    t0 = time.perf_counter()
+    vmm.pin(host, n)
+    pin_s = time.perf_counter() - t0
+    mib = 1 << 20
+    layouts = {f"one-{g}-gib": [g << 30] for g in (1, 2, 4, 8, 16) if g <= gib}
+    # like llm_app's llama3-8b: a KV tensor per layer (~1.8 GiB each) and the weights in many blocks
+    layouts["llm-like"] = [1792 * mib] * ((gib << 30) * 7 // 8 // (1792 * mib)) + [20 * mib] * ((gib << 30) // 8 // (20 * mib))
+
+    def run(sizes: list[int], out: bool, nstreams: int, piece: int, make: str) -> dict:
+        """make: before (not timed), first (all made, then all copies: timed), interleaved (each made, then
+        its copies queued, as the server's fill did)."""
+        made: list[tuple[int, int, int]] = []
+        t0 = time.perf_counter()
+        if make in ("before", "first"):
+            made = [(h, vmm.map(h, z, 0), z) for z in sizes for h in [vmm.create(z, 0)]]
+        make_s = time.perf_counter() - t0
+        if make == "before":
+            t0 = time.perf_counter()
+        off, turn = 0, 0
+        for i, z in enumerate(sizes):
+            if make == "interleaved":
+                t1 = time.perf_counter()
+                h = vmm.create(z, 0)
+                made.append((h, vmm.map(h, z, 0), z))
+                make_s += time.perf_counter() - t1
+            va = made[i][1]
+            step = piece or z
+            for k in range(0, z, step):
+                c = min(step, z - k)
+                s = streams[turn % nstreams]
+                turn += 1
+                (vmm.d2h(host + off + k, va + k, c, s) if out else vmm.h2d(va + k, host + off + k, c, s))
+            off += z
+        for s in streams:
+            vmm.sync(s)
+        dt = time.perf_counter() - t0
+        for h, va, z in made:
+            vmm.unmap(va, z)
+            vmm.release(h)
+        return {"gbps": round(sum(sizes) / dt / 1e9, 2), "s": round(dt, 4), "make_s": round(make_s, 4)}
+
+    for name, sizes in layouts.items():
+        rows = []
+        for out in (True, False):
+            for nstreams, piece in ((4, 64 << 20), (1, 0), (4, 256 << 20)):
+                for make in (("before",) if out else ("before", "first", "interleaved")):
+                    r = [run(sizes, out, nstreams, piece, make) for _ in range(3)]
+                    rows.append({"dir": "out" if out else "in", "streams": nstreams, "piece_mib": piece >> 20,
+                                 "make": make, "median_gbps": statistics.median(x["gbps"] for x in r),
+                                 "make_s": statistics.median(x["make_s"] for x in r)})
+        emit(experiment="fill-rate", layout=name, allocations=len(sizes), bytes=sum(sizes), pin_s=pin_s, rows=rows)
+    vmm.unpin(host)
+    del buf
+    m.close()
+    os.close(fd)
+
+
 def dd(path: Path, gib: int) -> dict:
     out = {}
     w = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={gib * 16}", "oflag=direct", "conv=fsync"],
@@ -212,6 +286,8 @@ if __name__ == "__main__":
             pin_rate()
         elif w == "memcpy-rate":
             memcpy_rate()
+        elif w == "fill-rate":
+            fill_rate()
         elif w == "image":
             d = Path(os.environ.get("EXP_IMAGE_DIR", "/var/tmp/gpucr-exp"))
             d.mkdir(parents=True, exist_ok=True)
