@@ -268,6 +268,83 @@ def test_pinning_ahead_pins_outside_the_data_plane_and_only_what_is_missing(tmp_
         mover.close()
 
 
+# ---- routes through an idle NVLink neighbour (issue 13, item 3) ----
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """Two simulated GPUs for the server, the apps and this controller (joined by NVLink unless told)."""
+    monkeypatch.setenv("SIMCUDA_DEVICES", "2")
+
+
+def test_copies_go_through_an_idle_nvlink_neighbour_too(two_gpus, sim_app):
+    """With GPU 1 idle and joined to GPU 0 by NVLink, the server moves about half of a GPU-0 process's data
+    through GPU 1 (host <-> GPU 1 over its own link, GPU 1 <-> GPU 0 over NVLink), both ways, every byte back;
+    the results say how much went through it, and the server holds nothing on GPU 1 but its context after."""
+    srv = RunningServer(True)
+    try:
+        app = sim_app("--sizes", "256M,8M", "--vmm-mib", "64")
+        before = app.ask("digest")
+        ck = gpucr.checkpoint(app.pid)
+        rs = gpucr.restore(app.pid)
+        assert app.ask("digest") == before
+        gpu1 = app.ask("uuids")["uuids"][1]
+        assert set(ck.routes) == {gpu1} and set(rs.routes) == {gpu1}, (ck.routes, rs.routes)
+        for r, moved in ((ck.routes, ck.bytes_moved), (rs.routes, rs.bytes_moved)):
+            assert 0.3 * moved <= r[gpu1] <= 0.7 * moved, (r, moved)
+        assert not ck.warnings, ck.warnings
+        assert process_gpu_memory(sim_driver(), srv.pid, 1) == SIM_CONTEXT_BYTES, "the lane's slots were freed"
+        second = gpucr.checkpoint(app.pid)
+        gpucr.restore(app.pid)
+        assert app.ask("digest") == before and second.routes == ck.routes
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("why", ["not-joined", "busy", "no-routes"])
+def test_no_route_through_a_neighbour_that_is_busy_not_joined_or_refused(two_gpus, sim_app, monkeypatch, why):
+    """No route through GPU 1 when NVLink does not join it to GPU 0 (SIMCUDA_NVLINK=none, as NVML would say),
+    when another process works on it, or with `gpucr serve --no-routes`: everything goes straight, byte-exact."""
+    if why == "not-joined":
+        monkeypatch.setenv("SIMCUDA_NVLINK", "none")
+    srv = RunningServer(True, *(["--no-routes"] if why == "no-routes" else []))
+    try:
+        if why == "busy":
+            other = sim_app()
+            other.ask("device 1 4M")
+        app = sim_app("--sizes", "128M")
+        before = app.ask("digest")
+        ck = gpucr.checkpoint(app.pid)
+        rs = gpucr.restore(app.pid)
+        assert app.ask("digest") == before
+        assert ck.routes == {} and rs.routes == {}, (ck.routes, rs.routes)
+        assert ck.bytes_moved >= 128 << 20
+        assert srv.info()["routes"] is (why != "no-routes")
+    finally:
+        srv.stop()
+
+
+def test_a_route_given_up_mid_copy_when_its_gpu_gets_busy(two_gpus, sim_app, monkeypatch):
+    """A process appearing on the neighbour in the middle of a copy (fault injection: it looks busy from its
+    third look on): the route is given up at once, the rest goes straight, every byte comes back, and the
+    checkpoint says so in a warning; the server gives its context there back within a second or two."""
+    monkeypatch.setenv("GPUCR_TEST_ROUTE_BUSY_AFTER", "3")
+    srv = RunningServer(True)
+    try:
+        app = sim_app("--sizes", "512M")
+        before = app.ask("digest")
+        gpu1 = app.ask("uuids")["uuids"][1]
+        ck = gpucr.checkpoint(app.pid)
+        assert 0 < ck.routes.get(gpu1, 0) <= 3 * (64 << 20), ck.routes
+        assert any("given up mid-copy" in w and gpu1 in w for w in ck.warnings), ck.warnings
+        rs = gpucr.restore(app.pid)
+        assert rs.routes == {}, "busy from then on: no route"
+        assert app.ask("digest") == before
+        wait_for(lambda: process_gpu_memory(sim_driver(), srv.pid, 1) == 0, what="the server to leave GPU 1")
+        assert "whose link it lent" in srv.log.read_text()
+    finally:
+        srv.stop()
+
+
 # ---- the server killed: the app loses nothing, in-process still works ----
 
 @pytest.mark.parametrize("point,after", [

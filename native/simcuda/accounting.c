@@ -394,3 +394,62 @@ SIMAPI CUresult simcudaProcessDeviceMemUsed(int pid, int device, size_t *used)
         *used = sums[device];
     return rc;
 }
+
+/* The processes that hold memory or a context on physical device `phys`: NVML's compute processes on a
+ * real GPU. Up to *n pids go into pids; *n is set to how many there are. */
+SIMAPI CUresult simcudaDeviceProcesses(int phys, int *pids, int *n)
+{
+    if (!n || *n < 0 || (*n > 0 && !pids) || phys < 0 || phys >= SIM_MAX_DEVICES)
+        return CUDA_ERROR_INVALID_VALUE;
+    char dir[PATH_MAX];
+    CUresult rc = sim_rundir(dir, sizeof(dir));
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    int room = *n, found = 0;
+    DIR *d = opendir(dir);
+    if (d) {
+        struct dirent *e;
+        while ((e = readdir(d)) != NULL) {
+            pid_t pid;
+            size_t sums[SIM_MAX_DEVICES] = {0};
+            if (!parse_pid(e->d_name, &pid) || (kill(pid, 0) != 0 && errno == ESRCH))
+                continue;
+            if (read_mem_file(dirfd(d), e->d_name, sums) && sums[phys] > 0) {
+                if (found < room)
+                    pids[found] = pid;
+                found++;
+            }
+        }
+        closedir(d);
+    }
+    *n = found;
+    return CUDA_SUCCESS;
+}
+
+/* Whether physical devices a and b are joined by NVLink (NVML's P2P status, NVLink index, on a real
+ * machine). SIMCUDA_NVLINK lists the joined pairs, "0-1,2-3", or says "none"; unset, every pair of
+ * devices is joined, as on the two-GPU H200 host. */
+SIMAPI CUresult simcudaDevicesNvlinked(int a, int b, int *joined)
+{
+    struct sim_config cfg;
+    sim_config_load(&cfg);
+    if (!joined || a < 0 || b < 0 || a >= cfg.ndevices || b >= cfg.ndevices)
+        return CUDA_ERROR_INVALID_VALUE;
+    const char *links = getenv("SIMCUDA_NVLINK");
+    *joined = 0;
+    if (a == b)
+        return CUDA_SUCCESS;
+    if (!links || !*links) {
+        *joined = 1;
+        return CUDA_SUCCESS;
+    }
+    for (const char *p = links; *p;) {
+        int x, y, used = 0;
+        if (sscanf(p, "%d-%d%n", &x, &y, &used) == 2 && ((x == a && y == b) || (x == b && y == a)))
+            *joined = 1;
+        p += used ? used : 1;
+        while (*p == ',' || *p == ' ')
+            p++;
+    }
+    return CUDA_SUCCESS;
+}

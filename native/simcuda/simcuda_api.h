@@ -484,6 +484,10 @@ SIMAPI CUresult simcudaDeviceNode(int phys, char *buf, size_t len);
 SIMAPI CUresult simcudaProcessMemUsed(int pid, size_t *used);
 /* One process's bytes on physical device `device` (NVML's per-process usage on a real GPU). */
 SIMAPI CUresult simcudaProcessDeviceMemUsed(int pid, int device, size_t *used);
+/* The pids holding memory or a context on physical device `phys` (NVML's compute processes); and whether
+ * two physical devices are joined by NVLink (SIMCUDA_NVLINK: "0-1,2-3" or "none"; unset: all pairs). */
+SIMAPI CUresult simcudaDeviceProcesses(int phys, int *pids, int *n);
+SIMAPI CUresult simcudaDevicesNvlinked(int a, int b, int *joined);
 /* The stream-ordering model (order.c): the position of the last work enqueued on a stream, and
  * whether the next work on a stream is ordered after a position (1), not (0), or a bad stream (-1). */
 SIMAPI CUresult simcudaStreamPosition(CUstream s, unsigned long long *id, unsigned long long *seq);

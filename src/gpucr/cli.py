@@ -352,7 +352,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         else:
             print(_server_line() if info else "server: not running")
         return 0 if info else 3
-    return daemon.main(a.idle_exit, data_plane=not a.no_data_plane, keep_context=not a.give_back_context)
+    return daemon.main(a.idle_exit, data_plane=not a.no_data_plane, keep_context=not a.give_back_context,
+                       routes=not a.no_routes)
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -491,6 +492,8 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--give-back-context", action="store_true", help="give back the server's GPU context and unpin "
                     "the staging after each checkpoint and restore, so the card holds nothing of the server's between "
                     "cycles (each cycle then pins the staging again; default: kept, for fast restores)")
+    sv.add_argument("--no-routes", action="store_true", help="copy only over each process's own GPU's host link "
+                    "(default: also through idle GPUs joined to it by NVLink, over their host links too)")
     sv.add_argument("--stop", action="store_true", help="stop the running server")
     sv.add_argument("--status", action="store_true", help="say whether a server runs, its pid and what it holds "
                     "(exit status 3 when none runs)")

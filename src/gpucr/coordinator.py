@@ -432,6 +432,11 @@ def _server_phases(m: _Member, st: ServerStats) -> None:
         m.result["phases_s"]["server_pin"] = st.pin_s
     if st.wait_s >= 0.001:
         m.result["phases_s"]["server_wait"] = st.wait_s
+    if st.routes:
+        m.result["routes"] = dict(st.routes)
+    for uuid in st.dropped:
+        m.result.setdefault("warnings", []).append(f"the route through GPU {uuid} was given up mid-copy: a process "
+                                                   "started on it (the rest went straight)")
 
 
 @contextmanager
@@ -526,7 +531,7 @@ def _commit(m: _Member, level: str) -> None:
         m.app = None
     m.result["state"] = "checkpointed"
     m.result["level"] = level
-    m.result["warnings"] = _warnings(m)
+    m.result["warnings"] = m.result.get("warnings", []) + _warnings(m)
     if m.image_dir is not None:
         m.result["image"] = _write_image(m, level, epoch)
 

@@ -11,6 +11,7 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterable
 
 from .errors import GpucrError
 
@@ -163,6 +164,7 @@ class _AccessDesc(ctypes.Structure):
 POSIX_FD = 1           # CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
 _DEVICE, _PINNED, _READ_WRITE = 1, 1, 3
 _STREAM_NON_BLOCKING = 1
+_EVENT_DISABLE_TIMING = 2
 _HOST_REGISTER_PORTABLE = 1
 
 
@@ -188,7 +190,11 @@ class Vmm:
                            ("cuMemImportFromShareableHandle", (pu64, p, i)),
                            ("cuMemHostRegister_v2", (p, sz, ctypes.c_uint)), ("cuMemHostUnregister", (p,)),
                            ("cuMemcpyDtoHAsync_v2", (p, u64, sz, p)), ("cuMemcpyHtoDAsync_v2", (u64, p, sz, p)),
-                           ("cuStreamCreate", (ctypes.POINTER(p), ctypes.c_uint)), ("cuStreamSynchronize", (p,))):
+                           ("cuStreamCreate", (ctypes.POINTER(p), ctypes.c_uint)), ("cuStreamSynchronize", (p,)),
+                           ("cuMemAlloc_v2", (pu64, sz)), ("cuMemFree_v2", (u64,)), ("cuMemcpyAsync", (u64, u64, sz, p)),
+                           ("cuDeviceCanAccessPeer", (ctypes.POINTER(i), i, i)),
+                           ("cuEventCreate", (ctypes.POINTER(p), ctypes.c_uint)), ("cuEventRecord", (p, p)),
+                           ("cuEventSynchronize", (p,)), ("cuEventDestroy_v2", (p,))):
             _sig(cu, name, *args)
         self._cu = cu
 
@@ -246,8 +252,9 @@ class Vmm:
     def release(self, handle: int) -> None:
         self._ok(self._cu.cuMemRelease(handle), "cuMemRelease")
 
-    def map(self, handle: int, size: int, dev: int) -> int:
-        """A fresh address range with the memory mapped read-write for `dev`."""
+    def map(self, handle: int, size: int, dev: int, also: Iterable[int] = ()) -> int:
+        """A fresh address range with the memory mapped read-write for `dev` (and the GPUs `also`, whose
+        copy engines then reach it over their link: the server's routes through a neighbour GPU)."""
         va = ctypes.c_uint64()
         self._ok(self._cu.cuMemAddressReserve(ctypes.byref(va), size, 0, 0, 0), "cuMemAddressReserve")
         try:
@@ -255,8 +262,9 @@ class Vmm:
         except DriverError:
             self._cu.cuMemAddressFree(va.value, size)
             raise
-        acc = _AccessDesc(location=_MemLocation(_DEVICE, dev), flags=_READ_WRITE)
-        rc = self._cu.cuMemSetAccess(va.value, size, ctypes.byref(acc), 1)
+        devs = [dev, *also]
+        acc = (_AccessDesc * len(devs))(*[_AccessDesc(location=_MemLocation(_DEVICE, d), flags=_READ_WRITE) for d in devs])
+        rc = self._cu.cuMemSetAccess(va.value, size, acc, len(devs))
         if rc:
             self.unmap(va.value, size)
             self._ok(rc, "cuMemSetAccess")
@@ -279,6 +287,38 @@ class Vmm:
 
     def h2d(self, va: int, host: int, size: int, stream: int) -> None:
         self._ok(self._cu.cuMemcpyHtoDAsync_v2(va, ctypes.c_void_p(host), size, ctypes.c_void_p(stream)), "copying in")
+
+    def d2d(self, dst: int, src: int, size: int, stream: int) -> None:
+        """GPU to GPU, either side on any GPU whose copy engine the stream's can reach (unified addressing)."""
+        self._ok(self._cu.cuMemcpyAsync(dst, src, size, ctypes.c_void_p(stream)), "copying between GPUs")
+
+    def alloc(self, size: int) -> int:
+        """Plain device memory in the current context (the server's bounce slots on a neighbour GPU)."""
+        p = ctypes.c_uint64()
+        self._ok(self._cu.cuMemAlloc_v2(ctypes.byref(p), size), f"allocating {size >> 20} MiB")
+        return p.value
+
+    def free(self, ptr: int) -> None:
+        self._ok(self._cu.cuMemFree_v2(ptr), "cuMemFree")
+
+    def can_access_peer(self, dev: int, peer: int) -> bool:
+        yes = ctypes.c_int(0)
+        self._ok(self._cu.cuDeviceCanAccessPeer(ctypes.byref(yes), dev, peer), "cuDeviceCanAccessPeer")
+        return yes.value == 1
+
+    def event(self) -> int:
+        e = ctypes.c_void_p()
+        self._ok(self._cu.cuEventCreate(ctypes.byref(e), _EVENT_DISABLE_TIMING), "cuEventCreate")
+        return e.value or 0
+
+    def record(self, event: int, stream: int) -> None:
+        self._ok(self._cu.cuEventRecord(ctypes.c_void_p(event), ctypes.c_void_p(stream)), "cuEventRecord")
+
+    def wait_event(self, event: int) -> None:
+        self._ok(self._cu.cuEventSynchronize(ctypes.c_void_p(event)), "cuEventSynchronize")
+
+    def destroy_event(self, event: int) -> None:
+        self._ok(self._cu.cuEventDestroy_v2(ctypes.c_void_p(event)), "cuEventDestroy")
 
 
 _drivers: dict[str, Driver] = {}
@@ -343,6 +383,43 @@ def process_gpu_memory(driver: Driver, pid: int, device: int = 0, uuid: str | No
     return _nvml_process_memory(pid, device, uuid)
 
 
+def gpu_processes(driver: Driver, device: int, uuid: str | None = None) -> list[int] | None:
+    """The processes with a CUDA context or memory on one GPU, as nvidia-smi lists its compute processes
+    (NVML; simcuda's accounting when simulated, `device` then its physical number); None when it cannot be
+    read. NVML lists host pids: in a container with its own pid namespace they are not this one's."""
+    if driver.simulated:
+        fn = driver._cu.simcudaDeviceProcesses
+        fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int), ctypes.POINTER(ctypes.c_int)]
+        for room in (64, 4096):
+            pids, n = (ctypes.c_int * room)(), ctypes.c_int(room)
+            if fn(device, pids, ctypes.byref(n)) != 0:
+                return None
+            if n.value <= room:
+                return list(pids[:n.value])
+        return None
+    infos = _nvml_compute_processes(device, uuid)
+    return None if infos is None else sorted({int(i.pid) for i in infos})
+
+
+NVML_P2P_CAPS_INDEX_NVLINK, NVML_P2P_STATUS_OK = 2, 0
+
+
+def nvlinked(driver: Driver, a: tuple[int, str | None], b: tuple[int, str | None]) -> bool:
+    """Whether two GPUs, each (ordinal, UUID), are joined by NVLink: NVML's P2P status over NVLink
+    (simcuda's SIMCUDA_NVLINK when simulated); False when it cannot be read."""
+    if driver.simulated:
+        joined = ctypes.c_int(0)
+        fn = driver._cu.simcudaDevicesNvlinked
+        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+        return fn(a[0], b[0], ctypes.byref(joined)) == 0 and joined.value == 1
+    ha, hb = _nvml_handle(*a), _nvml_handle(*b)
+    if ha is None or hb is None:
+        return False
+    status = ctypes.c_int(-1)
+    rc = _nvml.nvmlDeviceGetP2PStatus(ha, hb, NVML_P2P_CAPS_INDEX_NVLINK, ctypes.byref(status))
+    return rc == 0 and status.value == NVML_P2P_STATUS_OK
+
+
 class _NvmlProcessInfo(ctypes.Structure):   # nvmlProcessInfo_t (v2 and v3 of the call share it)
     _fields_ = [("pid", ctypes.c_uint), ("usedGpuMemory", ctypes.c_ulonglong), ("gpuInstanceId", ctypes.c_uint),
                 ("computeInstanceId", ctypes.c_uint)]
@@ -352,7 +429,7 @@ NVML_ERROR_INSUFFICIENT_SIZE = 7
 NVML_VALUE_NOT_AVAILABLE = 2**64 - 1
 
 
-def _nvml_process_memory(pid: int, device: int, uuid: str | None) -> int | None:
+def _nvml_compute_processes(device: int, uuid: str | None) -> list[_NvmlProcessInfo] | None:
     handle = _nvml_handle(device, uuid)
     if handle is None:
         return None
@@ -368,9 +445,14 @@ def _nvml_process_memory(pid: int, device: int, uuid: str | None) -> int | None:
             break
         infos = (_NvmlProcessInfo * (count.value + 8))()
         count = ctypes.c_uint(len(infos))
-    if rc != 0:
+    return list(infos[:count.value]) if rc == 0 else None
+
+
+def _nvml_process_memory(pid: int, device: int, uuid: str | None) -> int | None:
+    infos = _nvml_compute_processes(device, uuid)
+    if infos is None:
         return None
-    used = [i.usedGpuMemory for i in infos[:count.value] if i.pid == pid]
+    used = [i.usedGpuMemory for i in infos if i.pid == pid]
     if any(u == NVML_VALUE_NOT_AVAILABLE for u in used):
         return None
     return sum(used)

@@ -120,6 +120,7 @@ class ProcessCheckpoint:
     image: ImageTransfer | None
     warnings: list[str]
     coverage: Coverage | None = None  # what went which way, by kind (null from an agent that does not say)
+    routes: dict[str, int] = field(default_factory=dict)   # bytes the server moved through each neighbour GPU
 
 
 @dataclass
@@ -133,6 +134,7 @@ class ProcessRestore:
     moved: dict[str, str]             # {old UUID: new UUID} for each GPU it was moved off (restore --map)
     image: ImageTransfer | None
     warnings: list[str]
+    routes: dict[str, int] = field(default_factory=dict)   # bytes the server moved through each neighbour GPU
 
 
 @dataclass

@@ -44,7 +44,8 @@ def checkpoint(r: dict[str, Any], changes: list[GpuMemoryChange]) -> ProcessChec
                              bytes_moved=r["bytes_moved"], bytes_left_to_driver=r["bytes_left_to_driver"],
                              phases_s=dict(r["phases_s"]), agent_phases_s=_seconds(r.get("agent_ms", {})),
                              gpus=changes, image=image(im, im["dir"], im["id"]) if im else None,
-                             warnings=list(r.get("warnings", [])), coverage=coverage.from_agent(r.get("coverage")))
+                             warnings=list(r.get("warnings", [])), coverage=coverage.from_agent(r.get("coverage")),
+                             routes=dict(r.get("routes", {})))
 
 
 def restore(r: dict[str, Any], changes: list[GpuMemoryChange], moved: dict[str, str],
@@ -53,7 +54,7 @@ def restore(r: dict[str, Any], changes: list[GpuMemoryChange], moved: dict[str, 
                           phases_s=dict(r["phases_s"]), agent_phases_s=_seconds(r.get("agent_ms", {})),
                           gpus=changes, moved={o: n for o, n in moved.items() if o != n},
                           image=image(r.get("image"), image_dir or "", r.get("image_id")),
-                          warnings=list(r.get("warnings", [])))
+                          warnings=list(r.get("warnings", [])), routes=dict(r.get("routes", {})))
 
 
 def process_status(st: dict[str, Any], now: dict[str, gpus.Usage]) -> ProcessStatus:

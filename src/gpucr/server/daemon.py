@@ -75,13 +75,15 @@ class _EnvGate:
 
 
 class Server:
-    def __init__(self, idle_exit_s: float | None = None, data_plane: bool = True, keep_context: bool = True) -> None:
+    def __init__(self, idle_exit_s: float | None = None, data_plane: bool = True, keep_context: bool = True,
+                 routes: bool = True) -> None:
         """data_plane: the server copies a process's data itself (gpucr.server.mover), else the agent does, as
         in-process; keep_context: its context per GPU and pinned staging stay between cycles (fast restores),
         else they are given back after each request (the card holds nothing of the server's between cycles,
-        and the next cycle pins the staging again)."""
+        and the next cycle pins the staging again); routes: the copies also go through idle NVLink
+        neighbours of the process's GPU (gpucr.server.links)."""
         self.simulated = controller_simulated()
-        self.use_data_plane, self.keep_context = data_plane, keep_context
+        self.use_data_plane, self.keep_context, self.routes = data_plane, keep_context, routes
         self._mover: Mover | None = None
         self._mover_lock = threading.Lock()
         self.idle_exit_s = idle_exit_s
@@ -251,7 +253,7 @@ class Server:
             return None
         with self._mover_lock:
             if self._mover is None:
-                self._mover = Mover(controller_driver())
+                self._mover = Mover(controller_driver(), routes=self.routes)
             self._mover.forget_ended(lambda pid: not targets.process_ended(pid))
             return self._mover
 
@@ -263,6 +265,8 @@ class Server:
             mover = self.data_plane()
             if mover is None or not self.keep_context:
                 return
+            for uuid in mover.let_go_busy_neighbours():
+                log(f"gave back the context on GPU {uuid}, whose link it lent: a process now uses that GPU")
             for pid, _sock in targets.list_sockets():
                 try:
                     self._pin_ahead_one(mover, pid)
@@ -308,7 +312,7 @@ class Server:
             busy, served = self.in_flight, self.requests
         mover = self._mover
         return {"server": "gpucr", "protocol": wire.PROTOCOL, "code": wire.code_identity(), "pid": os.getpid(),
-                "data_plane": self.use_data_plane, "keep_context": self.keep_context,
+                "data_plane": self.use_data_plane, "keep_context": self.keep_context, "routes": self.routes,
                 "contexts": mover.context_uuids() if mover else [],
                 "pinned_staging_bytes": mover.pinned_bytes() if mover else 0,
                 "simulated": self.simulated, "socket": str(self.path),
@@ -430,11 +434,12 @@ def log(line: str) -> None:
     print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} gpucr serve [{os.getpid()}]: {line}", file=sys.stderr, flush=True)
 
 
-def main(idle_exit_s: float | None = None, data_plane: bool = True, keep_context: bool = True) -> int:
+def main(idle_exit_s: float | None = None, data_plane: bool = True, keep_context: bool = True,
+         routes: bool = True) -> int:
     """Run the server in the foreground until `gpucr serve --stop`, SIGTERM or SIGINT (or, with
     `idle_exit_s`, that long with no process under gpucr and no request)."""
     controller_driver()   # cuInit once, here: a server that cannot reach its driver does not start
-    srv = Server(idle_exit_s, data_plane, keep_context)
+    srv = Server(idle_exit_s, data_plane, keep_context, routes)
     srv.bind()
     signal.signal(signal.SIGTERM, lambda *_: srv.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: srv.stopping.set())

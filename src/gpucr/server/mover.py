@@ -18,16 +18,18 @@ import os
 import stat
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from ..driver import Driver, DriverError, Vmm
 from ..errors import GpucrError
+from .links import Links, Neighbour
 from .memory import Managed
 
 PAGE = 4096
 CHUNK = 64 << 20        # copies queued in pieces, round-robin over the streams, so the copy engines stay busy
 STREAMS = 4
+SLOTS = 4               # pieces in flight through one neighbour GPU (its memory: SLOTS x CHUNK while a copy runs)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -45,20 +47,37 @@ class _Segment:
 
 
 @dataclass
+class _Lane:
+    """A route through one neighbour GPU for one copy: its slots (device memory there), a stream and an
+    event per slot."""
+    nb: Neighbour
+    ctx: int = 0
+    streams: list[int] = field(default_factory=list)
+    slots: list[int] = field(default_factory=list)
+    events: list[int] = field(default_factory=list)
+    busy: list[bool] = field(default_factory=list)
+    turn: int = 0
+
+
+@dataclass
 class Stats:
     bytes: int = 0
     seconds: float = 0.0
     pin_s: float = 0.0            # pinning staging not pinned here before (the first cycle of a process)
     wait_s: float = 0.0           # waiting for the data plane (another copy, or pinning ahead, holding it)
     allocations: int = 0
+    routes: dict[str, int] = field(default_factory=dict)   # bytes moved through each neighbour GPU, by UUID
+    dropped: list[str] = field(default_factory=list)       # neighbours given up mid-copy (a process appeared)
 
 
 class Mover:
     """One per server: a context per GPU it copies on (kept: restores need no new one), and each
     process's staging mapped and pinned once. One copy at a time: the link is the limit anyway."""
 
-    def __init__(self, drv: Driver) -> None:
+    def __init__(self, drv: Driver, routes: bool = True) -> None:
         self.vmm = Vmm(drv)
+        self.links = Links(drv, self.vmm, enabled=routes)
+        self._neighbours: set[int] = set()   # GPUs on which the server holds a context only to lend their link
         self._lock = threading.Lock()
         self._ordinals: dict[str, int] | None = None
         self._ctx: dict[int, tuple[int, list[int]]] = {}      # ordinal -> (context, streams)
@@ -94,6 +113,7 @@ class Mover:
                 except DriverError:
                     pass
             self._ctx.clear()
+            self._neighbours.clear()
 
     # ---- the two directions ----
     def copy_out(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed]) -> Stats:
@@ -172,6 +192,12 @@ class Mover:
         fds: list[tuple[int, int]] = []           # (index, fd) of it, exported once all is filled
         placed: list[tuple[int, int, int, int, int]] = []   # (size, seg, off, va, dev)
         turn = 0
+        # routes through idle NVLink neighbours of the process's GPUs, chosen before anything is mapped (each
+        # mapping must let the neighbours' copy engines reach it); every share-th piece goes straight
+        devs = {self._ordinal(by_index[i].uuid) for i, *_ in plan if i in by_index}
+        uuids = {o: u for u, o in (self._ordinals or {}).items()}
+        lanes = {d: [_Lane(nb) for nb in self.links.neighbours(d, uuids, devs)] for d in devs}
+        via: list[tuple[int, int, int, int]] = []   # (dev, host, va, bytes) pieces for the neighbours
 
         def staging() -> dict[int, int]:
             if plan and plan[0][0] in by_index:   # pinned in a context on the process's GPU (portable: for all)
@@ -187,11 +213,14 @@ class Mover:
             ctx, streams = self._ctx[dev]
             self.vmm.use(ctx)
             host = hosts[seg] + off
+            share = 1 + len(lanes.get(dev, []))
             for k in range(0, size, CHUNK):
                 n = min(CHUNK, size - k)
-                s = streams[turn % len(streams)]
                 turn += 1
-                (self.vmm.d2h(host + k, va + k, n, s) if out else self.vmm.h2d(va + k, host + k, n, s))
+                if turn % share:
+                    via.append((dev, host + k, va + k, n))
+                else:
+                    self._direct(streams[turn % len(streams)], host + k, va + k, n, out)
             st.bytes += size
             st.allocations += 1
 
@@ -211,7 +240,7 @@ class Mover:
                 else:
                     h = self.vmm.create(size, dev)
                     made.append((idx, h))
-                va = self.vmm.map(h, size, dev)
+                va = self.vmm.map(h, size, dev, also=[lane.nb.dev for lane in lanes.get(dev, [])])
                 mapped.append((h, va, size))
                 placed.append((size, seg, off, va, dev))
                 if hosts is not None:
@@ -222,6 +251,7 @@ class Mover:
                 hosts = staging()
                 for size, seg, off, va, dev in placed:
                     queue(hosts, size, seg, off, va, dev)
+            self._through_neighbours(lanes, via, out, st)
             for dev in {p[4] for p in placed}:
                 ctx, streams = self._ctx[dev]
                 self.vmm.use(ctx)
@@ -232,13 +262,138 @@ class Mover:
         except (DriverError, GpucrError) as exc:
             for _idx, fd in fds:
                 os.close(fd)   # exported before one failed: they would keep that memory on the GPU
+            self._quiet_sync(lanes, placed)   # nothing may still copy into what is unmapped next
             self._undo(mapped, made, out)
             raise GpucrError(f"the gpucr server's copy {'out' if out else 'in'} failed: {exc}") from exc
+        finally:
+            for lane in [x for ls in lanes.values() for x in ls]:
+                self._close_lane(lane)
         self._undo(mapped, made, out)   # our mappings go; the fds (theirs or ours) keep the memory
         if out:
             self._taken[pid] = plan
         st.seconds = time.perf_counter() - t0
         return st, fds
+
+    # ---- the pieces' routes ----
+    def _direct(self, stream: int, host: int, va: int, n: int, out: bool) -> None:
+        (self.vmm.d2h(host, va, n, stream) if out else self.vmm.h2d(va, host, n, stream))
+
+    def _through_neighbours(self, lanes: dict[int, list[_Lane]], via: list[tuple[int, int, int, int]], out: bool,
+                            st: Stats) -> None:
+        """The pieces for the neighbours, each through its lane: the neighbour's copy engine moves it between
+        the host and one of the lane's slots (its own memory) and between the slot and the process's GPU over
+        NVLink, both on the slot's stream. A slot is used again once its last piece is done, so at most
+        SLOTS pieces are in flight and a lane given up leaves little behind; it is given up when a process
+        appears on its GPU, and its pieces, and any a lane could not take, go straight."""
+        todo: dict[int, list[tuple[int, int, int]]] = {}
+        for dev, host, va, n in via:
+            todo.setdefault(dev, []).append((host, va, n))
+        for dev, pieces in todo.items():
+            active = [lane for lane in lanes[dev] if self._open_lane(lane)]
+            left: list[tuple[int, int, int]] = []
+            for j, piece in enumerate(pieces):
+                lane = active[j % len(active)] if active else None
+                if lane is not None and not self.links.idle(lane.nb):
+                    st.dropped.append(lane.nb.uuid)
+                    active.remove(lane)
+                    lane = active[j % len(active)] if active else None
+                if lane is None:
+                    left.append(piece)
+                    continue
+                self._lane_piece(lane, *piece, out)
+                st.routes[lane.nb.uuid] = st.routes.get(lane.nb.uuid, 0) + piece[2]
+            if left:
+                ctx, streams = self._ctx[dev]
+                self.vmm.use(ctx)
+                for k, (host, va, n) in enumerate(left):
+                    self._direct(streams[k % len(streams)], host, va, n, out)
+        for lane in [x for ls in lanes.values() for x in ls if x.slots]:
+            self.vmm.use(lane.ctx)
+            for s in lane.streams:
+                self.vmm.sync(s)
+
+    def _open_lane(self, lane: _Lane) -> bool:
+        """The lane's context, streams, slots and events on its neighbour; False (nothing kept) when the
+        neighbour cannot give them (no memory left there, say)."""
+        try:
+            lane.ctx, lane.streams = self._context(lane.nb.dev)
+            self.vmm.use(lane.ctx)
+            while len(lane.slots) < SLOTS:
+                lane.slots.append(self.vmm.alloc(CHUNK))
+                lane.events.append(self.vmm.event())
+                lane.busy.append(False)
+            self._neighbours.add(lane.nb.dev)
+            return True
+        except DriverError:
+            self._close_lane(lane)
+            return False
+
+    def _lane_piece(self, lane: _Lane, host: int, va: int, n: int, out: bool) -> None:
+        k = lane.turn % SLOTS
+        lane.turn += 1
+        self.vmm.use(lane.ctx)
+        if lane.busy[k]:
+            self.vmm.wait_event(lane.events[k])
+        slot, s = lane.slots[k], lane.streams[k % len(lane.streams)]
+        if out:
+            self.vmm.d2d(slot, va, n, s)
+            self.vmm.d2h(host, slot, n, s)
+        else:
+            self.vmm.h2d(slot, host, n, s)
+            self.vmm.d2d(va, slot, n, s)
+        self.vmm.record(lane.events[k], s)
+        lane.busy[k] = True
+
+    def _close_lane(self, lane: _Lane) -> None:
+        if lane.ctx:
+            try:
+                self.vmm.use(lane.ctx)
+                for s in lane.streams:
+                    self.vmm.sync(s)
+            except DriverError:
+                pass
+        for slot in lane.slots:
+            try:
+                self.vmm.free(slot)
+            except DriverError:
+                pass
+        for ev in lane.events:
+            try:
+                self.vmm.destroy_event(ev)
+            except DriverError:
+                pass
+        lane.slots, lane.events, lane.busy = [], [], []
+
+    def _quiet_sync(self, lanes: dict[int, list[_Lane]], placed: list[tuple[int, int, int, int, int]]) -> None:
+        """Every copy queued so far done, errors aside: the memory it touches is unmapped next."""
+        ctxs = [self._ctx[d] for d in {p[4] for p in placed} if d in self._ctx]
+        ctxs += [(lane.ctx, lane.streams) for ls in lanes.values() for lane in ls if lane.ctx]
+        for ctx, streams in ctxs:
+            try:
+                self.vmm.use(ctx)
+                for s in streams:
+                    self.vmm.sync(s)
+            except DriverError:
+                pass
+
+    def let_go_busy_neighbours(self) -> list[str]:
+        """Release the server's context on each neighbour GPU a process now uses (it lent its link while it
+        was idle; the context, ~0.5 GiB on an H200, must not stay where someone else now works). Returns
+        their UUIDs."""
+        gone = []
+        with self._lock:
+            uuids = {o: u for u, o in (self._ordinals or {}).items()}
+            for dev in sorted(self._neighbours):
+                nb = Neighbour(dev, uuids.get(dev, ""))
+                if dev in self._ctx and not self.links.idle(nb):
+                    try:
+                        self.vmm.release_context(dev)
+                    except DriverError:
+                        pass
+                    del self._ctx[dev]
+                    self._neighbours.discard(dev)
+                    gone.append(nb.uuid)
+        return gone
 
     def _undo(self, mapped: list[tuple[int, int, int]], made: list[tuple[int, int]], out: bool) -> None:
         for h, va, size in mapped:
