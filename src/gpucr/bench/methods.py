@@ -253,14 +253,17 @@ def combine(results: list[ProcessCheckpoint] | list[ProcessRestore]) -> dict[str
     gpucr-bench/1, keeps the agent's times in milliseconds.)"""
     steps: dict[str, float] = {}
     agent_ms: dict[str, float] = {}
+    routes: dict[str, int] = {}
     for r in results:
         for k, v in r.phases_s.items():
             steps[k] = max(steps.get(k, 0.0), v)
         for k, v in r.agent_phases_s.items():
             agent_ms[k] = max(agent_ms.get(k, 0.0), v * 1000)
+        for k, v in r.routes.items():
+            routes[k] = routes.get(k, 0) + v
     return {"steps_s": steps, "agent_ms": agent_ms, "bytes_moved": sum(r.bytes_moved for r in results),
             "bytes_left_to_driver": sum(getattr(r, "bytes_left_to_driver", 0) for r in results),
-            "warnings": [w for r in results for w in r.warnings]}
+            "warnings": [w for r in results for w in r.warnings], "routes": routes}
 
 
 class GpucrMethod(Method):
@@ -582,6 +585,8 @@ def metrics(method: Method, ck: dict, rs: dict, footprint: int | None, ceiling: 
                    bytes_out=footprint, bytes_in=footprint, bytes_left_to_driver=footprint)
         out_s, in_s = row["driver_out_s"], row["driver_in_s"]
     row["steps_s"] = {"checkpoint": cs, "restore": rsteps}
+    if ck.get("routes") or rs.get("routes"):   # bytes through each NVLink neighbour's link (the server's routes)
+        row["routes_bytes"] = {"checkpoint": ck.get("routes", {}), "restore": rs.get("routes", {})}
     row["gbps_out"], row["gbps_in"] = _gbps(row["bytes_out"], out_s), _gbps(row["bytes_in"], in_s)
     c = ceiling or {}
     row["ceiling_share_out"] = _ratio(row["gbps_out"], c.get("d2h_gbps"))
