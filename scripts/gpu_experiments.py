@@ -12,7 +12,7 @@
 5. fill-rate: how the gpucr server's copies between pinned staging and VMM memory of its own depend on
    streams, piece size and whether the memory is made (cuMemCreate + map) inside the timed fill, for
    one large allocation and for many small ones: why the fill ran at 90 % of the link when the copy
-   out ran at 99 %.
+   out ran at 99 %; and the same memory made without the POSIX-fd handle type.
 
 Prints one JSON object per line; writes them to $OUT/experiments.jsonl too.
 """
@@ -172,13 +172,14 @@ def fill_rate(gib: int = int(os.environ.get("EXP_FILL_GIB", "16"))) -> None:
     # like llm_app's llama3-8b: a KV tensor per layer (~1.8 GiB each) and the weights in many blocks
     layouts["llm-like"] = [1792 * mib] * ((gib << 30) * 7 // 8 // (1792 * mib)) + [20 * mib] * ((gib << 30) // 8 // (20 * mib))
 
-    def run(sizes: list[int], out: bool, nstreams: int, piece: int, make: str) -> dict:
+    def run(sizes: list[int], out: bool, nstreams: int, piece: int, make: str, exportable: bool = True) -> dict:
         """make: before (not timed), first (all made, then all copies: timed), interleaved (each made, then
-        its copies queued, as the server's fill did)."""
+        its copies queued, as the server's fill did); exportable: made with the POSIX-fd handle type (the
+        data plane's) or with none (torch_memory_saver's)."""
         made: list[tuple[int, int, int]] = []
         t0 = time.perf_counter()
         if make in ("before", "first"):
-            made = [(h, vmm.map(h, z, 0), z) for z in sizes for h in [vmm.create(z, 0)]]
+            made = [(h, vmm.map(h, z, 0), z) for z in sizes for h in [vmm.create(z, 0, exportable)]]
         make_s = time.perf_counter() - t0
         if make == "before":
             t0 = time.perf_counter()
@@ -186,7 +187,7 @@ def fill_rate(gib: int = int(os.environ.get("EXP_FILL_GIB", "16"))) -> None:
         for i, z in enumerate(sizes):
             if make == "interleaved":
                 t1 = time.perf_counter()
-                h = vmm.create(z, 0)
+                h = vmm.create(z, 0, exportable)
                 made.append((h, vmm.map(h, z, 0), z))
                 make_s += time.perf_counter() - t1
             va = made[i][1]
@@ -214,6 +215,30 @@ def fill_rate(gib: int = int(os.environ.get("EXP_FILL_GIB", "16"))) -> None:
                     rows.append({"dir": "out" if out else "in", "streams": nstreams, "piece_mib": piece >> 20,
                                  "make": make, "median_gbps": statistics.median(x["gbps"] for x in r),
                                  "make_s": statistics.median(x["make_s"] for x in r)})
+        # the same bytes in cuMemAlloc memory (the bench ceiling's kind), allocation by allocation
+        for out in (True, False):
+            ptrs = [vmm.alloc(z) for z in sizes]
+            samples = []
+            for _ in range(3):
+                t1, off = time.perf_counter(), 0
+                for k, (ptr, z) in enumerate(zip(ptrs, sizes)):
+                    for j in range(0, z, 64 << 20):
+                        c = min(64 << 20, z - j)
+                        s = streams[(k + j // (64 << 20)) % 4]
+                        (vmm.d2h(host + off + j, ptr + j, c, s) if out else vmm.h2d(ptr + j, host + off + j, c, s))
+                    off += z
+                for s in streams:
+                    vmm.sync(s)
+                samples.append(sum(sizes) / (time.perf_counter() - t1) / 1e9)
+            for ptr in ptrs:
+                vmm.free(ptr)
+            rows.append({"dir": "out" if out else "in", "streams": 4, "piece_mib": 64, "make": "cuMemAlloc",
+                         "median_gbps": round(statistics.median(samples), 2)})
+        # the same memory made without an exportable handle type: is the type what slows the copy in?
+        for out in (True, False):
+            r = [run(sizes, out, 4, 64 << 20, "before", exportable=False) for _ in range(3)]
+            rows.append({"dir": "out" if out else "in", "streams": 4, "piece_mib": 64, "make": "before",
+                         "exportable": False, "median_gbps": statistics.median(x["gbps"] for x in r)})
         emit(experiment="fill-rate", layout=name, allocations=len(sizes), bytes=sum(sizes), pin_s=pin_s, rows=rows)
     vmm.unpin(host)
     del buf

@@ -243,8 +243,10 @@ class Vmm:
         self._ok(self._cu.cuMemExportToShareableHandle(ctypes.byref(fd), handle, POSIX_FD, 0), "exporting GPU memory as an fd")
         return fd.value
 
-    def create(self, size: int, dev: int) -> int:
-        prop = _AllocProp(type=_PINNED, requestedHandleTypes=POSIX_FD, location=_MemLocation(_DEVICE, dev))
+    def create(self, size: int, dev: int, exportable: bool = True) -> int:
+        """New device memory; exportable: with the POSIX-fd handle type (the data plane's), else none."""
+        prop = _AllocProp(type=_PINNED, requestedHandleTypes=POSIX_FD if exportable else 0,
+                          location=_MemLocation(_DEVICE, dev))
         h = ctypes.c_uint64()
         self._ok(self._cu.cuMemCreate(ctypes.byref(h), size, ctypes.byref(prop), 0), f"making {size >> 20} MiB on GPU {dev}")
         return h.value
