@@ -345,6 +345,33 @@ def test_a_route_given_up_mid_copy_when_its_gpu_gets_busy(two_gpus, sim_app, mon
         srv.stop()
 
 
+@pytest.mark.parametrize("op,point", [("checkpoint", "during-server-copy"), ("checkpoint", "after-data-out"),
+                                      ("restore", "after-driver-restore")])
+def test_server_killed_while_copying_through_a_neighbour(two_gpus, sim_app, op, point):
+    """A server SIGKILLed while its copies also go through GPU 1 loses nothing either: the process runs on or
+    is restorable in-process with every byte, and nothing of the server's stays on GPU 1."""
+    srv = RunningServer(True)
+    try:
+        app = sim_app("--sizes", "256M")
+        before = app.ask("digest")
+        if op == "restore":
+            assert gpucr.checkpoint(app.pid).routes, "the route was taken"
+        r = gpucr_cli(op, str(app.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT=point))
+        one_line_error(r, f"died during '{op}'")
+        assert srv.proc.wait(timeout=30) == -signal.SIGKILL
+        if point == "during-server-copy":   # the driver had not checkpointed it: the agent rolls back
+            wait_for(lambda: gpucr.status(app.pid).state == "running" and not gpucr.status(app.pid).busy,
+                     what="the agent's roll-back")
+        else:
+            r = gpucr_cli("restore", str(app.pid))
+            assert r.returncode == 0, r.stderr
+        assert gpucr.status(app.pid).state == "running"
+        assert app.ask("digest") == before
+        assert gpu_memory(sim_driver(), 1).used == 0, "nothing on GPU 1: the app is not there, the server is gone"
+    finally:
+        srv.stop()
+
+
 # ---- the server killed: the app loses nothing, in-process still works ----
 
 @pytest.mark.parametrize("point,after", [
