@@ -345,6 +345,34 @@ def test_a_route_given_up_mid_copy_when_its_gpu_gets_busy(two_gpus, sim_app, mon
         srv.stop()
 
 
+@pytest.mark.parametrize("call", ["cuMemAlloc_v2:1", "cuMemcpyAsync:2"])
+def test_a_neighbour_that_fails_costs_no_byte(two_gpus, sim_app, monkeypatch, call):
+    """The neighbour cannot give memory for its slots (its first cuMemAlloc fails): no route, all straight.
+    A copy through it fails mid-way (its second GPU-to-GPU copy, in the routing thread): the checkpoint fails
+    in one error, the process runs on with every byte and nothing on GPU 1, and the next checkpoint works."""
+    app = sim_app("--sizes", "256M")
+    before = app.ask("digest")
+    monkeypatch.setenv("SIMCUDA_FAIL_CALL", call)   # the server's, not the app's (started before)
+    srv = RunningServer(True)
+    try:
+        if call.startswith("cuMemAlloc"):
+            ck = gpucr.checkpoint(app.pid)
+            assert ck.routes == {} and ck.bytes_moved >= 256 << 20, ck
+        else:
+            with pytest.raises(gpucr.GpucrError, match="copying between GPUs failed"):
+                gpucr.checkpoint(app.pid)
+            wait_for(lambda: gpucr.status(app.pid).state == "running" and not gpucr.status(app.pid).busy,
+                     what="the roll-back")
+            assert app.ask("digest") == before
+            assert gpu_memory(sim_driver(), 1).used == SIM_CONTEXT_BYTES, "the server's context, no slot"
+            ck = gpucr.checkpoint(app.pid)
+            assert ck.routes, "the fault fired once: the route works again"
+        gpucr.restore(app.pid)
+        assert app.ask("digest") == before
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("op,point", [("checkpoint", "during-server-copy"), ("checkpoint", "after-data-out"),
                                       ("restore", "after-driver-restore")])
 def test_server_killed_while_copying_through_a_neighbour(two_gpus, sim_app, op, point):

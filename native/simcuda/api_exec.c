@@ -301,6 +301,8 @@ SIMAPI CUresult cuMemcpy_ptds(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount
 
 SIMAPI CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream)
 {
+    if (sim_fault_injected("cuMemcpyAsync"))
+        return CUDA_ERROR_UNKNOWN;
     SIM_GATED(copy(U(dst), SIDE_ANY, U(src), SIDE_ANY, ByteCount, hStream));
 }
 SIMAPI CUresult cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream)

@@ -43,7 +43,12 @@ static CUresult mem_alloc(CUdeviceptr *dptr, size_t size, enum sim_alloc_kind ki
         return CUDA_ERROR_INVALID_VALUE;
     return sim_alloc(dptr, size, kind, c);
 }
-SIMAPI CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize) { SIM_GATED(mem_alloc(dptr, bytesize, SIM_ALLOC_PLAIN)); }
+SIMAPI CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t bytesize)
+{
+    if (sim_fault_injected("cuMemAlloc_v2"))
+        return CUDA_ERROR_UNKNOWN;
+    SIM_GATED(mem_alloc(dptr, bytesize, SIM_ALLOC_PLAIN));
+}
 
 static CUresult mem_alloc_pitch(CUdeviceptr *dptr, size_t *pitch, size_t width, size_t height, unsigned elem)
 {

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import queue
 import stat
 import threading
 import time
@@ -44,6 +45,30 @@ class _Segment:
     ident: tuple[int, int]        # (st_dev, st_ino): the same file as last time, or not
     addr: int
     bytes: int
+
+
+class _Worker:
+    """A thread running fn; join() re-raises what it raised (quiet=True: swallows it, on a path already failing)."""
+
+    def __init__(self, fn) -> None:
+        self._failure: list[BaseException] = []
+        self._joined = False
+
+        def run() -> None:
+            try:
+                fn()
+            except BaseException as exc:   # handed to the joining thread
+                self._failure.append(exc)
+        self._thread = threading.Thread(target=run, name="gpucr-server-routes", daemon=True)
+        self._thread.start()
+
+    def join(self, quiet: bool = False) -> None:
+        if self._joined:
+            return
+        self._thread.join()
+        self._joined = True
+        if self._failure and not quiet:
+            raise self._failure[0]
 
 
 @dataclass
@@ -196,8 +221,12 @@ class Mover:
         # mapping must let the neighbours' copy engines reach it); every share-th piece goes straight
         devs = {self._ordinal(by_index[i].uuid) for i, *_ in plan if i in by_index}
         uuids = {o: u for u, o in (self._ordinals or {}).items()}
-        lanes = {d: [_Lane(nb) for nb in self.links.neighbours(d, uuids, devs)] for d in devs}
-        via: list[tuple[int, int, int, int]] = []   # (dev, host, va, bytes) pieces for the neighbours
+        lanes = {d: [lane for nb in self.links.neighbours(d, uuids, devs) for lane in [_Lane(nb)] if self._open_lane(lane)]
+                 for d in devs}
+        # the neighbours' pieces, (dev, host, va, bytes), go to a thread that paces them through the lanes, so
+        # they start with the first allocation made (a fill) instead of after the last
+        feed: queue.SimpleQueue | None = queue.SimpleQueue() if any(lanes.values()) else None
+        routing = _Worker(lambda: self._through_neighbours(lanes, iter(feed.get, None), out, st)) if feed else None
 
         def staging() -> dict[int, int]:
             if plan and plan[0][0] in by_index:   # pinned in a context on the process's GPU (portable: for all)
@@ -208,7 +237,7 @@ class Mover:
             return self._map_staging(pid, {"segments": [{"index": i, "bytes": min(-(-n // PAGE) * PAGE, declared[i])}
                                                         for i, n in reach.items()]}, seg_fds, st, declared)
 
-        def queue(hosts: dict[int, int], size: int, seg: int, off: int, va: int, dev: int) -> None:
+        def enqueue(hosts: dict[int, int], size: int, seg: int, off: int, va: int, dev: int) -> None:
             nonlocal turn
             ctx, streams = self._ctx[dev]
             self.vmm.use(ctx)
@@ -218,7 +247,7 @@ class Mover:
                 n = min(CHUNK, size - k)
                 turn += 1
                 if turn % share:
-                    via.append((dev, host + k, va + k, n))
+                    feed.put((dev, host + k, va + k, n))
                 else:
                     self._direct(streams[turn % len(streams)], host + k, va + k, n, out)
             st.bytes += size
@@ -244,14 +273,16 @@ class Mover:
                 mapped.append((h, va, size))
                 placed.append((size, seg, off, va, dev))
                 if hosts is not None:
-                    queue(hosts, size, seg, off, va, dev)
+                    enqueue(hosts, size, seg, off, va, dev)
             if hosts is None:
                 # a copy out: every import is mapped first, the driver checking each size against the real
                 # memory, so the staging pinned next is no more than the process has on the GPU
                 hosts = staging()
                 for size, seg, off, va, dev in placed:
-                    queue(hosts, size, seg, off, va, dev)
-            self._through_neighbours(lanes, via, out, st)
+                    enqueue(hosts, size, seg, off, va, dev)
+            if routing is not None:
+                feed.put(None)
+                routing.join()   # raises what it raised
             for dev in {p[4] for p in placed}:
                 ctx, streams = self._ctx[dev]
                 self.vmm.use(ctx)
@@ -262,10 +293,16 @@ class Mover:
         except (DriverError, GpucrError) as exc:
             for _idx, fd in fds:
                 os.close(fd)   # exported before one failed: they would keep that memory on the GPU
+            if routing is not None:
+                feed.put(None)
+                routing.join(quiet=True)
             self._quiet_sync(lanes, placed)   # nothing may still copy into what is unmapped next
             self._undo(mapped, made, out)
             raise GpucrError(f"the gpucr server's copy {'out' if out else 'in'} failed: {exc}") from exc
         finally:
+            if routing is not None:   # never left running over slots freed next
+                feed.put(None)
+                routing.join(quiet=True)
             for lane in [x for ls in lanes.values() for x in ls]:
                 self._close_lane(lane)
         self._undo(mapped, made, out)   # our mappings go; the fds (theirs or ours) keep the memory
@@ -278,35 +315,30 @@ class Mover:
     def _direct(self, stream: int, host: int, va: int, n: int, out: bool) -> None:
         (self.vmm.d2h(host, va, n, stream) if out else self.vmm.h2d(va, host, n, stream))
 
-    def _through_neighbours(self, lanes: dict[int, list[_Lane]], via: list[tuple[int, int, int, int]], out: bool,
-                            st: Stats) -> None:
-        """The pieces for the neighbours, each through its lane: the neighbour's copy engine moves it between
+    def _through_neighbours(self, lanes: dict[int, list[_Lane]], pieces: Iterable[tuple[int, int, int, int]],
+                            out: bool, st: Stats) -> None:
+        """The pieces for the neighbours, each through a lane: the neighbour's copy engine moves it between
         the host and one of the lane's slots (its own memory) and between the slot and the process's GPU over
         NVLink, both on the slot's stream. A slot is used again once its last piece is done, so at most
         SLOTS pieces are in flight and a lane given up leaves little behind; it is given up when a process
-        appears on its GPU, and its pieces, and any a lane could not take, go straight."""
-        todo: dict[int, list[tuple[int, int, int]]] = {}
-        for dev, host, va, n in via:
-            todo.setdefault(dev, []).append((host, va, n))
-        for dev, pieces in todo.items():
-            active = [lane for lane in lanes[dev] if self._open_lane(lane)]
-            left: list[tuple[int, int, int]] = []
-            for j, piece in enumerate(pieces):
-                lane = active[j % len(active)] if active else None
-                if lane is not None and not self.links.idle(lane.nb):
-                    st.dropped.append(lane.nb.uuid)
-                    active.remove(lane)
-                    lane = active[j % len(active)] if active else None
-                if lane is None:
-                    left.append(piece)
-                    continue
-                self._lane_piece(lane, *piece, out)
-                st.routes[lane.nb.uuid] = st.routes.get(lane.nb.uuid, 0) + piece[2]
-            if left:
+        appears on its GPU, and its pieces, and any no lane can take, go straight."""
+        active = {d: list(ls) for d, ls in lanes.items()}
+        turn: dict[int, int] = {}
+        for dev, host, va, n in pieces:
+            ls = active.get(dev, [])
+            j = turn[dev] = turn.get(dev, -1) + 1
+            lane = ls[j % len(ls)] if ls else None
+            if lane is not None and not self.links.idle(lane.nb):
+                st.dropped.append(lane.nb.uuid)
+                ls.remove(lane)
+                lane = ls[j % len(ls)] if ls else None
+            if lane is None:
                 ctx, streams = self._ctx[dev]
                 self.vmm.use(ctx)
-                for k, (host, va, n) in enumerate(left):
-                    self._direct(streams[k % len(streams)], host, va, n, out)
+                self._direct(streams[j % len(streams)], host, va, n, out)
+                continue
+            self._lane_piece(lane, host, va, n, out)
+            st.routes[lane.nb.uuid] = st.routes.get(lane.nb.uuid, 0) + n
         for lane in [x for ls in lanes.values() for x in ls if x.slots]:
             self.vmm.use(lane.ctx)
             for s in lane.streams:
