@@ -389,3 +389,25 @@ def test_server_methods_time_the_first_checkpoint_after_staging_ahead(tmp_path):
     data = ms["gpucr-server-data"]
     assert data["correct"] and data["first_cycle"]["checkpoint_s"] > 0, data
     assert "handover" in data["samples"][0]["steps_s"]["checkpoint"], data["samples"][0]["steps_s"]
+
+
+def test_server_methods_show_the_route_through_an_idle_neighbour(tmp_path):
+    """On two GPUs joined by NVLink, gpucr-server-full also moves data through the idle one (routes_bytes in
+    each sample, both ways) and gpucr-server-full-one-link (`gpucr serve --no-routes`) does not, in one run."""
+    (tmp_path / "rt").mkdir(mode=0o700)
+    (tmp_path / "sim").mkdir(mode=0o700)
+    env = dict(os.environ, GPUCR_RUNTIME_DIR=str(tmp_path / "rt"), SIMCUDA_DIR=str(tmp_path / "sim"),
+               SIMCUDA_TOTAL_MEM=str(4 << 30), SIMCUDA_DEVICES="2")
+    out = tmp_path / "r.json"
+    r = gpucr_cli("bench", "--simulate", "--workloads", "raw:0.2", "--repeat", "1", "--methods",
+                  "gpucr-server-full,gpucr-server-full-one-link", "--out", str(out), "--chart", str(tmp_path / "r.png"),
+                  env=env, timeout=180)
+    assert r.returncode == 0, r.stderr
+    ms = next(iter(json.loads(out.read_text())["workloads"].values()))["methods"]
+    routed, straight = ms["gpucr-server-full"], ms["gpucr-server-full-one-link"]
+    assert routed["correct"] and straight["correct"], (routed, straight)
+    rb = routed["samples"][0]["routes_bytes"]
+    assert len(rb["checkpoint"]) == 1 and len(rb["restore"]) == 1, rb
+    assert 0 < next(iter(rb["checkpoint"].values())) < routed["samples"][0]["bytes_out"], rb
+    assert "routes_bytes" not in straight["samples"][0], straight["samples"][0]
+    assert "one-link" in r.stdout

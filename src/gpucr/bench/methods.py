@@ -444,10 +444,13 @@ class ServerMethod(Method):
     under_agent = True
     splits = True
 
-    def __init__(self, level: str, simulate: bool, timeout: float = STEP_TIMEOUT_S, ahead: bool = False) -> None:
+    def __init__(self, level: str, simulate: bool, timeout: float = STEP_TIMEOUT_S, ahead: bool = False,
+                 routes: bool = True) -> None:
         self.level, self.timeout, self.ahead = level, timeout, ahead
-        self.name = f"gpucr-server-{level}" + ("-ahead" if ahead else "")
-        self._srv = _BenchServer(simulate)
+        self.name = f"gpucr-server-{level}" + ("-ahead" if ahead else "") + ("" if routes else "-one-link")
+        # routes off: only the process's own GPU's host link, to set beside the routes through idle NVLink
+        # neighbours on a machine that has them (on one GPU both are the same)
+        self._srv = _BenchServer(simulate, *([] if routes else ["--no-routes"]))
         # ahead: staging prepared by the agent as the process starts and pinned by the server meanwhile, as
         # `gpucr run` does with a server; the first checkpoint waits until both are done (prepared_ahead_s)
         # and is then the one to compare with the later ones (issue 13: within 1.2x)
@@ -507,7 +510,7 @@ def _env(key: str, value: str):
 
 METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data", "gpucr-full-pinned", "gpucr-full-unpinned",
            "driver-nop2p", "gpucr-cli", "gpucr-cli-server", "torch-memory-saver", "gpucr-server-full", "gpucr-server-data",
-           "gpucr-server-full-ahead")
+           "gpucr-server-full-ahead", "gpucr-server-full-one-link")
 DEFAULT_METHODS = METHODS[:5]
 JOB_METHODS = ("ceiling", "driver", "driver-nop2p", "gpucr-full", "gpucr-data")   # the default for multi-GPU jobs
 
@@ -531,6 +534,8 @@ def make(name: str, drv: Driver, simulate: bool, deadline: float = 600.0) -> Met
         return ServerMethod(name.rsplit("-", 1)[1], simulate)
     if name == "gpucr-server-full-ahead":
         return ServerMethod("full", simulate, ahead=True)
+    if name == "gpucr-server-full-one-link":
+        return ServerMethod("full", simulate, routes=False)
     if name == "torch-memory-saver":
         return TmsMethod(simulate)
     raise GpucrError(f"unknown method '{name}': use some of {', '.join(METHODS)}")

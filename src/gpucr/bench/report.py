@@ -111,6 +111,8 @@ def markdown(res: dict[str, Any]) -> str:
               "staging) while the driver takes the control state, side by side (control s overlap data s); "
               "gpucr-server-full-ahead: the same with staging prepared and pinned ahead as the process starts "
               "(`gpucr run` with a server), its warm-up being the first checkpoint, after that is done; "
+              "gpucr-server-full-one-link: the same with `gpucr serve --no-routes`, over the process's own GPU's host "
+              "link only (gpucr-server-full also goes through idle GPUs joined to it by NVLink: routes_bytes); "
               "torch-memory-saver, the "
               "peer: its own process, whose data (raw buffer, or weights and KV cache) is in a torch_memory_saver "
               "region with CPU backup kept, paused and resumed by the app when asked: its data out / in s are the "

@@ -245,8 +245,8 @@ class Mover:
             share = 1 + len(lanes.get(dev, []))
             for k in range(0, size, CHUNK):
                 n = min(CHUNK, size - k)
-                turn += 1
-                if turn % share:
+                route, turn = turn % share, turn + 1
+                if route:
                     feed.put((dev, host + k, va + k, n))
                 else:
                     self._direct(streams[turn % len(streams)], host + k, va + k, n, out)
