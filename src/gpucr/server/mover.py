@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import queue
 import stat
 import threading
 import time
@@ -24,13 +23,13 @@ from typing import Any, Iterable
 
 from ..driver import Driver, DriverError, Vmm
 from ..errors import GpucrError
+from .lanes import Routing
 from .links import Links, Neighbour
 from .memory import Managed
 
 PAGE = 4096
 CHUNK = 64 << 20        # copies queued in pieces, round-robin over the streams, so the copy engines stay busy
 STREAMS = 4
-SLOTS = 4               # pieces in flight through one neighbour GPU (its memory: SLOTS x CHUNK while a copy runs)
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -45,43 +44,6 @@ class _Segment:
     ident: tuple[int, int]        # (st_dev, st_ino): the same file as last time, or not
     addr: int
     bytes: int
-
-
-class _Worker:
-    """A thread running fn; join() re-raises what it raised (quiet=True: swallows it, on a path already failing)."""
-
-    def __init__(self, fn) -> None:
-        self._failure: list[BaseException] = []
-        self._joined = False
-
-        def run() -> None:
-            try:
-                fn()
-            except BaseException as exc:   # handed to the joining thread
-                self._failure.append(exc)
-        self._thread = threading.Thread(target=run, name="gpucr-server-routes", daemon=True)
-        self._thread.start()
-
-    def join(self, quiet: bool = False) -> None:
-        if self._joined:
-            return
-        self._thread.join()
-        self._joined = True
-        if self._failure and not quiet:
-            raise self._failure[0]
-
-
-@dataclass
-class _Lane:
-    """A route through one neighbour GPU for one copy: its slots (device memory there), a stream and an
-    event per slot."""
-    nb: Neighbour
-    ctx: int = 0
-    streams: list[int] = field(default_factory=list)
-    slots: list[int] = field(default_factory=list)
-    events: list[int] = field(default_factory=list)
-    busy: list[bool] = field(default_factory=list)
-    turn: int = 0
 
 
 @dataclass
@@ -217,16 +179,12 @@ class Mover:
         fds: list[tuple[int, int]] = []           # (index, fd) of it, exported once all is filled
         placed: list[tuple[int, int, int, int, int]] = []   # (size, seg, off, va, dev)
         turn = 0
-        # routes through idle NVLink neighbours of the process's GPUs, chosen before anything is mapped (each
-        # mapping must let the neighbours' copy engines reach it); every share-th piece goes straight
+        # routes through idle NVLink neighbours of the process's GPUs (lanes.py), chosen before anything is
+        # mapped: each mapping must let the neighbours' copy engines reach it
         devs = {self._ordinal(by_index[i].uuid) for i, *_ in plan if i in by_index}
-        uuids = {o: u for u, o in (self._ordinals or {}).items()}
-        lanes = {d: [lane for nb in self.links.neighbours(d, uuids, devs) for lane in [_Lane(nb)] if self._open_lane(lane)]
-                 for d in devs}
-        # the neighbours' pieces, (dev, host, va, bytes), go to a thread that paces them through the lanes, so
-        # they start with the first allocation made (a fill) instead of after the last
-        feed: queue.SimpleQueue | None = queue.SimpleQueue() if any(lanes.values()) else None
-        routing = _Worker(lambda: self._through_neighbours(lanes, iter(feed.get, None), out, st)) if feed else None
+        routing = Routing(self.vmm, self.links, self._context, devs, {o: u for u, o in (self._ordinals or {}).items()},
+                          out, CHUNK, st.routes, st.dropped)
+        self._neighbours.update(routing.used())
 
         def staging() -> dict[int, int]:
             if plan and plan[0][0] in by_index:   # pinned in a context on the process's GPU (portable: for all)
@@ -242,14 +200,15 @@ class Mover:
             ctx, streams = self._ctx[dev]
             self.vmm.use(ctx)
             host = hosts[seg] + off
-            share = 1 + len(lanes.get(dev, []))
+            share = routing.share(dev)
             for k in range(0, size, CHUNK):
                 n = min(CHUNK, size - k)
                 route, turn = turn % share, turn + 1
                 if route:
-                    feed.put((dev, host + k, va + k, n))
+                    routing.put(dev, host + k, va + k, n)
                 else:
-                    self._direct(streams[turn % len(streams)], host + k, va + k, n, out)
+                    s = streams[turn % len(streams)]
+                    (self.vmm.d2h(host + k, va + k, n, s) if out else self.vmm.h2d(va + k, host + k, n, s))
             st.bytes += size
             st.allocations += 1
 
@@ -269,7 +228,7 @@ class Mover:
                 else:
                     h = self.vmm.create(size, dev)
                     made.append((idx, h))
-                va = self.vmm.map(h, size, dev, also=[lane.nb.dev for lane in lanes.get(dev, [])])
+                va = self.vmm.map(h, size, dev, also=routing.access(dev))
                 mapped.append((h, va, size))
                 placed.append((size, seg, off, va, dev))
                 if hosts is not None:
@@ -280,9 +239,7 @@ class Mover:
                 hosts = staging()
                 for size, seg, off, va, dev in placed:
                     enqueue(hosts, size, seg, off, va, dev)
-            if routing is not None:
-                feed.put(None)
-                routing.join()   # raises what it raised
+            routing.finish()   # raises what its thread raised
             for dev in {p[4] for p in placed}:
                 ctx, streams = self._ctx[dev]
                 self.vmm.use(ctx)
@@ -293,114 +250,21 @@ class Mover:
         except (DriverError, GpucrError) as exc:
             for _idx, fd in fds:
                 os.close(fd)   # exported before one failed: they would keep that memory on the GPU
-            if routing is not None:
-                feed.put(None)
-                routing.join(quiet=True)
-            self._quiet_sync(lanes, placed)   # nothing may still copy into what is unmapped next
+            routing.close()
+            self._quiet_sync(placed)   # nothing may still copy into what is unmapped next
             self._undo(mapped, made, out)
             raise GpucrError(f"the gpucr server's copy {'out' if out else 'in'} failed: {exc}") from exc
         finally:
-            if routing is not None:   # never left running over slots freed next
-                feed.put(None)
-                routing.join(quiet=True)
-            for lane in [x for ls in lanes.values() for x in ls]:
-                self._close_lane(lane)
+            routing.close()
         self._undo(mapped, made, out)   # our mappings go; the fds (theirs or ours) keep the memory
         if out:
             self._taken[pid] = plan
         st.seconds = time.perf_counter() - t0
         return st, fds
 
-    # ---- the pieces' routes ----
-    def _direct(self, stream: int, host: int, va: int, n: int, out: bool) -> None:
-        (self.vmm.d2h(host, va, n, stream) if out else self.vmm.h2d(va, host, n, stream))
-
-    def _through_neighbours(self, lanes: dict[int, list[_Lane]], pieces: Iterable[tuple[int, int, int, int]],
-                            out: bool, st: Stats) -> None:
-        """The pieces for the neighbours, each through a lane: the neighbour's copy engine moves it between
-        the host and one of the lane's slots (its own memory) and between the slot and the process's GPU over
-        NVLink, both on the slot's stream. A slot is used again once its last piece is done, so at most
-        SLOTS pieces are in flight and a lane given up leaves little behind; it is given up when a process
-        appears on its GPU, and its pieces, and any no lane can take, go straight."""
-        active = {d: list(ls) for d, ls in lanes.items()}
-        turn: dict[int, int] = {}
-        for dev, host, va, n in pieces:
-            ls = active.get(dev, [])
-            j = turn[dev] = turn.get(dev, -1) + 1
-            lane = ls[j % len(ls)] if ls else None
-            if lane is not None and not self.links.idle(lane.nb):
-                st.dropped.append(lane.nb.uuid)
-                ls.remove(lane)
-                lane = ls[j % len(ls)] if ls else None
-            if lane is None:
-                ctx, streams = self._ctx[dev]
-                self.vmm.use(ctx)
-                self._direct(streams[j % len(streams)], host, va, n, out)
-                continue
-            self._lane_piece(lane, host, va, n, out)
-            st.routes[lane.nb.uuid] = st.routes.get(lane.nb.uuid, 0) + n
-        for lane in [x for ls in lanes.values() for x in ls if x.slots]:
-            self.vmm.use(lane.ctx)
-            for s in lane.streams:
-                self.vmm.sync(s)
-
-    def _open_lane(self, lane: _Lane) -> bool:
-        """The lane's context, streams, slots and events on its neighbour; False (nothing kept) when the
-        neighbour cannot give them (no memory left there, say)."""
-        try:
-            lane.ctx, lane.streams = self._context(lane.nb.dev)
-            self.vmm.use(lane.ctx)
-            while len(lane.slots) < SLOTS:
-                lane.slots.append(self.vmm.alloc(CHUNK))
-                lane.events.append(self.vmm.event())
-                lane.busy.append(False)
-            self._neighbours.add(lane.nb.dev)
-            return True
-        except DriverError:
-            self._close_lane(lane)
-            return False
-
-    def _lane_piece(self, lane: _Lane, host: int, va: int, n: int, out: bool) -> None:
-        k = lane.turn % SLOTS
-        lane.turn += 1
-        self.vmm.use(lane.ctx)
-        if lane.busy[k]:
-            self.vmm.wait_event(lane.events[k])
-        slot, s = lane.slots[k], lane.streams[k % len(lane.streams)]
-        if out:
-            self.vmm.d2d(slot, va, n, s)
-            self.vmm.d2h(host, slot, n, s)
-        else:
-            self.vmm.h2d(slot, host, n, s)
-            self.vmm.d2d(va, slot, n, s)
-        self.vmm.record(lane.events[k], s)
-        lane.busy[k] = True
-
-    def _close_lane(self, lane: _Lane) -> None:
-        if lane.ctx:
-            try:
-                self.vmm.use(lane.ctx)
-                for s in lane.streams:
-                    self.vmm.sync(s)
-            except DriverError:
-                pass
-        for slot in lane.slots:
-            try:
-                self.vmm.free(slot)
-            except DriverError:
-                pass
-        for ev in lane.events:
-            try:
-                self.vmm.destroy_event(ev)
-            except DriverError:
-                pass
-        lane.slots, lane.events, lane.busy = [], [], []
-
-    def _quiet_sync(self, lanes: dict[int, list[_Lane]], placed: list[tuple[int, int, int, int, int]]) -> None:
-        """Every copy queued so far done, errors aside: the memory it touches is unmapped next."""
-        ctxs = [self._ctx[d] for d in {p[4] for p in placed} if d in self._ctx]
-        ctxs += [(lane.ctx, lane.streams) for ls in lanes.values() for lane in ls if lane.ctx]
-        for ctx, streams in ctxs:
+    def _quiet_sync(self, placed: list[tuple[int, int, int, int, int]]) -> None:
+        """Every straight copy queued so far done, errors aside: the memory it touches is unmapped next."""
+        for ctx, streams in [self._ctx[d] for d in {p[4] for p in placed} if d in self._ctx]:
             try:
                 self.vmm.use(ctx)
                 for s in streams:
