@@ -74,7 +74,7 @@ class Mover:
     # ---- what it holds ----
     def context_uuids(self) -> list[str]:
         """The GPUs on which the server holds a context now."""
-        by_ordinal = {o: u for u, o in (self._ordinals or {}).items()}
+        by_ordinal = self._uuids()
         return sorted(by_ordinal.get(d, str(d)) for d in self._ctx)
 
     def pinned_bytes(self) -> int:
@@ -138,9 +138,7 @@ class Mover:
             raise
         with self._lock:
             segs = self._staging.setdefault(pid, {})
-            keep = {int(g["index"]) for g in layout["segments"]}
-            for i in [i for i in segs if i not in keep]:
-                self._drop_segment(segs.pop(i))
+            self._let_go_absent(segs, [int(g["index"]) for g in layout["segments"]])
             for i, seg in fresh:
                 cur = segs.get(i)
                 if cur is not None and cur.ident == seg.ident and cur.bytes >= seg.bytes:
@@ -182,8 +180,7 @@ class Mover:
         # routes through idle NVLink neighbours of the process's GPUs (lanes.py), chosen before anything is
         # mapped: each mapping must let the neighbours' copy engines reach it
         devs = {self._ordinal(by_index[i].uuid) for i, *_ in plan if i in by_index}
-        routing = Routing(self.vmm, self.links, self._context, devs, {o: u for u, o in (self._ordinals or {}).items()},
-                          out, CHUNK, st.routes, st.dropped)
+        routing = Routing(self.vmm, self.links, self._context, devs, self._uuids(), out, CHUNK, st.routes, st.dropped)
         self._neighbours.update(routing.used())
 
         def staging() -> dict[int, int]:
@@ -278,7 +275,7 @@ class Mover:
         their UUIDs."""
         gone = []
         with self._lock:
-            uuids = {o: u for u, o in (self._ordinals or {}).items()}
+            uuids = self._uuids()
             for dev in sorted(self._neighbours):
                 nb = Neighbour(dev, uuids.get(dev, ""))
                 if dev in self._ctx and not self.links.idle(nb):
@@ -316,6 +313,10 @@ class Mover:
             return self._ordinals[uuid]
         raise GpucrError(f"the process's GPU {uuid or '(unknown)'} is not one the gpucr server sees")
 
+    def _uuids(self) -> dict[int, str]:
+        """{ordinal: UUID} of the GPUs this server has looked up (all it sees, once it has looked up one)."""
+        return {o: u for u, o in (self._ordinals or {}).items()}
+
     def _context(self, dev: int) -> tuple[int, list[int]]:
         if dev not in self._ctx:
             ctx = self.vmm.retain_context(dev)
@@ -328,9 +329,7 @@ class Mover:
         """Each segment of `layout` mapped here and pinned, at least as far as it says, once for as long as it
         is the same file; cached segments not `present` in the process any more are let go."""
         segs = self._staging.setdefault(pid, {})
-        keep = set(present)
-        for i in [i for i in segs if i not in keep]:
-            self._drop_segment(segs.pop(i))
+        self._let_go_absent(segs, present)
         out: dict[int, int] = {}
         for seg in layout["segments"]:
             i, size = int(seg["index"]), int(seg["bytes"])
@@ -346,6 +345,12 @@ class Mover:
             st.pin_s += time.perf_counter() - t0
             out[i] = segs[i].addr
         return out
+
+    def _let_go_absent(self, segs: dict[int, _Segment], present: Iterable[int]) -> None:
+        """Unpin and unmap the cached segments the process no longer has."""
+        keep = set(present)
+        for i in [i for i in segs if i not in keep]:
+            self._drop_segment(segs.pop(i))
 
     @staticmethod
     def _pinned_enough(have: _Segment | None, seg_fds: list[int], i: int, size: int) -> bool:
