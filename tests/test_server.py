@@ -345,6 +345,27 @@ def test_a_route_given_up_mid_copy_when_its_gpu_gets_busy(two_gpus, sim_app, mon
         srv.stop()
 
 
+def test_a_neighbour_that_becomes_a_served_processes_gpu_keeps_its_context(two_gpus, sim_app):
+    """GPU 1 lends its link, then a process the server serves works on it: the server's context there is
+    now that process's (its copies, and staging pinned there), so it is kept, not given back as a lender's."""
+    srv = RunningServer(True)
+    try:
+        lender = sim_app("--sizes", "256M")
+        assert gpucr.checkpoint(lender.pid).routes, "GPU 1 lent its link"
+        gpucr.restore(lender.pid)
+        user = sim_app("--sizes", "8M")
+        user.ask("device 1 64M")
+        before = user.ask("digest")
+        gpucr.checkpoint(user.pid)
+        gpucr.restore(user.pid)
+        time.sleep(2.5)   # the pin-ahead loop, which gives back lenders' contexts, runs every second
+        assert "whose link it lent" not in srv.log.read_text()
+        assert process_gpu_memory(sim_driver(), srv.pid, 1) == SIM_CONTEXT_BYTES
+        assert user.ask("digest") == before
+    finally:
+        srv.stop()
+
+
 @pytest.mark.parametrize("call", ["cuMemAlloc_v2:1", "cuMemcpyAsync:2"])
 def test_a_neighbour_that_fails_costs_no_byte(two_gpus, sim_app, monkeypatch, call):
     """The neighbour cannot give memory for its slots (its first cuMemAlloc fails): no route, all straight.

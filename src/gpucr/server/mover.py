@@ -123,7 +123,9 @@ class Mover:
         # the data plane for 10.6 s on the H200, 69 GiB, while a process waited, handed over). What is
         # pinned here already, as far as the process says, is left alone.
         with self._lock:
-            ctx = self._context(self._ordinal(uuid))[0]
+            dev = self._ordinal(uuid)
+            self._neighbours.discard(dev)   # the staging is pinned in this context: never given back as a lender's
+            ctx = self._context(dev)[0]
             have = self._staging.get(pid, {})
             todo = [(int(g["index"]), int(g["bytes"])) for g in layout["segments"]
                     if not self._pinned_enough(have.get(int(g["index"])), seg_fds, int(g["index"]), int(g["bytes"]))]
@@ -180,6 +182,7 @@ class Mover:
         # routes through idle NVLink neighbours of the process's GPUs (lanes.py), chosen before anything is
         # mapped: each mapping must let the neighbours' copy engines reach it
         devs = {self._ordinal(by_index[i].uuid) for i, *_ in plan if i in by_index}
+        self._neighbours -= devs   # a process's own GPU now: its context is that process's, kept
         routing = Routing(self.vmm, self.links, self._context, devs, self._uuids(), out, CHUNK, st.routes, st.dropped)
         self._neighbours.update(routing.used())
 
@@ -271,8 +274,9 @@ class Mover:
 
     def let_go_busy_neighbours(self) -> list[str]:
         """Release the server's context on each neighbour GPU a process now uses (it lent its link while it
-        was idle; the context, ~0.5 GiB on an H200, must not stay where someone else now works). Returns
-        their UUIDs."""
+        was idle; the context, ~0.5 GiB on an H200, must not stay where someone else now works), unless a
+        process the server serves is on it since (its copies use that context, its staging may be pinned
+        in it). Returns their UUIDs."""
         gone = []
         with self._lock:
             uuids = self._uuids()
