@@ -110,10 +110,10 @@ static bool read_mem_file(int dirfd, const char *name, size_t sums[SIM_MAX_DEVIC
     return true;
 }
 
-/* Sums the usage every live process except skip publishes in dir. A file whose process is
- * gone is removed (a pid reused in the instant between the check and the unlink could lose
- * its file until its next change; acceptable for a test double). */
-static void read_usage(const char *dir, pid_t skip, size_t sums[SIM_MAX_DEVICES])
+/* Calls fn(pid, its per-device bytes, arg) for every live process except skip that publishes in dir.
+ * A file whose process is gone is removed (a pid reused in the instant between the check and the
+ * unlink could lose its file until its next change; acceptable for a test double). */
+static void each_process(const char *dir, pid_t skip, void (*fn)(pid_t, const size_t *, void *), void *arg)
 {
     DIR *d = opendir(dir);
     if (!d)
@@ -121,15 +121,30 @@ static void read_usage(const char *dir, pid_t skip, size_t sums[SIM_MAX_DEVICES]
     struct dirent *e;
     while ((e = readdir(d)) != NULL) {
         pid_t pid;
+        size_t sums[SIM_MAX_DEVICES] = {0};
         if (!parse_pid(e->d_name, &pid) || pid == skip)
             continue;
         if (kill(pid, 0) != 0 && errno == ESRCH) {
             unlinkat(dirfd(d), e->d_name, 0);
             continue;
         }
-        read_mem_file(dirfd(d), e->d_name, sums);
+        if (read_mem_file(dirfd(d), e->d_name, sums))
+            fn(pid, sums, arg);
     }
     closedir(d);
+}
+
+static void add_usage(pid_t pid, const size_t *one, void *arg)
+{
+    (void)pid;
+    size_t *sums = arg;
+    for (int dev = 0; dev < SIM_MAX_DEVICES; dev++)
+        sums[dev] += one[dev];
+}
+
+static void read_usage(const char *dir, pid_t skip, size_t sums[SIM_MAX_DEVICES])
+{
+    each_process(dir, skip, add_usage, sums);
     sim_obj_usage(dir, sums); /* memory that only others' exported fds keep alive */
 }
 
@@ -395,6 +410,20 @@ SIMAPI CUresult simcudaProcessDeviceMemUsed(int pid, int device, size_t *used)
     return rc;
 }
 
+struct on_device {
+    int phys, *pids, room, found;
+};
+
+static void note_on_device(pid_t pid, const size_t *sums, void *arg)
+{
+    struct on_device *on = arg;
+    if (sums[on->phys] == 0)
+        return;
+    if (on->found < on->room)
+        on->pids[on->found] = pid;
+    on->found++;
+}
+
 /* The processes that hold memory or a context on physical device `phys`: NVML's compute processes on a
  * real GPU. Up to *n pids go into pids; *n is set to how many there are. */
 SIMAPI CUresult simcudaDeviceProcesses(int phys, int *pids, int *n)
@@ -405,24 +434,9 @@ SIMAPI CUresult simcudaDeviceProcesses(int phys, int *pids, int *n)
     CUresult rc = sim_rundir(dir, sizeof(dir));
     if (rc != CUDA_SUCCESS)
         return rc;
-    int room = *n, found = 0;
-    DIR *d = opendir(dir);
-    if (d) {
-        struct dirent *e;
-        while ((e = readdir(d)) != NULL) {
-            pid_t pid;
-            size_t sums[SIM_MAX_DEVICES] = {0};
-            if (!parse_pid(e->d_name, &pid) || (kill(pid, 0) != 0 && errno == ESRCH))
-                continue;
-            if (read_mem_file(dirfd(d), e->d_name, sums) && sums[phys] > 0) {
-                if (found < room)
-                    pids[found] = pid;
-                found++;
-            }
-        }
-        closedir(d);
-    }
-    *n = found;
+    struct on_device on = {.phys = phys, .pids = pids, .room = *n};
+    each_process(dir, 0, note_on_device, &on);
+    *n = on.found;
     return CUDA_SUCCESS;
 }
 
