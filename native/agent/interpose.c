@@ -34,6 +34,36 @@ GPUCR_EXPORT CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, cuu
     return rc;
 }
 
+/* libc's own dlmopen and dlclose, never a preloaded tool's wrapper of them: a tool that wraps them
+ * (compute-sanitizer's collection library does) finds the real one, inside its wrapper and under its own
+ * lock, with dlsym(RTLD_NEXT), which is ours; reached through the PLT from here, the wrapper was entered
+ * again and waited on itself for ever (tests/apps/tool_hooks.c). dlvsym is not wrapped by such tools:
+ * the agent's real dlsym comes the same way (entry.c). */
+static void *libc_fn(void **slot, const char *name, const char *old_version)
+{
+    void *p = __atomic_load_n(slot, __ATOMIC_ACQUIRE);
+    if (!p) {
+        p = dlvsym(RTLD_NEXT, name, "GLIBC_2.34");
+        if (!p) p = dlvsym(RTLD_NEXT, name, old_version);
+        __atomic_store_n(slot, p, __ATOMIC_RELEASE);
+    }
+    return p;
+}
+
+static void *libc_dlmopen(Lmid_t ns, const char *file, int flags)
+{
+    static void *fn;
+    void *(*f)(Lmid_t, const char *, int) = (void *(*)(Lmid_t, const char *, int))libc_fn(&fn, "dlmopen", "GLIBC_2.3.4");
+    return f ? f(ns, file, flags) : NULL;
+}
+
+static void libc_dlclose(void *h)
+{
+    static void *fn;
+    int (*f)(void *) = (int (*)(void *))libc_fn(&fn, "dlclose", "GLIBC_2.2.5");
+    if (f) f(h);
+}
+
 /* ---- dlsym ---- */
 #ifndef GPUCR_NO_DLSYM   /* scripts/tsan-build: ThreadSanitizer resolves its own interceptors through
                           * dlsym(RTLD_NEXT) before it can run instrumented code or dlopen */
@@ -45,15 +75,13 @@ static void *dlsym_next_after(const void *caller, const char *name)
     Dl_info info;
     struct link_map *lm = NULL;
     if (!dladdr1(caller, &info, (void **)&lm, RTLD_DL_LINKMAP) || !lm) return gpucr_real_dlsym(RTLD_NEXT, name);
-    /* dlmopen in the base namespace, not dlopen: a tool preloaded beside us may wrap dlopen and resolve
-     * that very wrapper through this dlsym, so a dlopen here recursed without end (tests/apps/tool_hooks.c)
-     * or would spin in a tool's guard. NOLOAD: it only hands out loaded objects, readied
-     * for lookup (a link_map itself is not: an initial dependency has no search list of its own). */
+    /* A link_map is not a handle readied for lookup (an initial dependency has no search list of its
+     * own): dlmopen NOLOAD in the base namespace hands out the loaded object as one. */
     for (struct link_map *l = lm->l_next; l; l = l->l_next) {
-        void *h = dlmopen(LM_ID_BASE, l->l_name && *l->l_name ? l->l_name : NULL, RTLD_LAZY | RTLD_NOLOAD);
+        void *h = libc_dlmopen(LM_ID_BASE, l->l_name && *l->l_name ? l->l_name : NULL, RTLD_LAZY | RTLD_NOLOAD);
         if (!h) continue;
         void *p = gpucr_real_dlsym(h, name);
-        dlclose(h);
+        libc_dlclose(h);
         if (p) return p;
     }
     return NULL;
@@ -80,10 +108,10 @@ static int find_in_cudart(struct dl_phdr_info *info, size_t size, void *data)
     (void)size;
     struct find_ctx *c = data;
     if (!info->dlpi_name || !strstr(info->dlpi_name, "libcudart")) return 0;
-    void *h = dlopen(info->dlpi_name, RTLD_LAZY | RTLD_NOLOAD);
+    void *h = libc_dlmopen(LM_ID_BASE, info->dlpi_name, RTLD_LAZY | RTLD_NOLOAD);
     if (!h) return 0;
     c->found = gpucr_real_dlsym(h, c->name);
-    dlclose(h);
+    libc_dlclose(h);
     return c->found != NULL;
 }
 
