@@ -149,3 +149,20 @@ def test_bad_timeouts_and_image_dirs_touch_nothing(sim_app, tmp_path):
     assert app.ask("digest") == before
     from gpucr.driver import ProcessState
     assert sim_driver().state(app.pid) == ProcessState.RUNNING
+
+
+def test_a_process_the_driver_will_not_lock_is_told_what_to_do(sim_app, monkeypatch):
+    """On the H200 the driver refuses to lock a process run under compute-sanitizer (CUDA error 801): the
+    checkpoint fails in one error that names the cause and the way out (`--level data`), rolled back, and
+    the data level then cycles it."""
+    app = sim_app("--sizes", "8M")
+    before = app.ask("digest")
+    drv = sim_driver()
+    monkeypatch.setattr(drv._cu, "cuCheckpointProcessLock", lambda pid, args: 801)
+    with pytest.raises(gpucr.GpucrError, match=r"CUDA error 801\); the driver does not checkpoint a process run under a "
+                                                r"CUDA tool such as compute-sanitizer.*`--level data`"):
+        gpucr.checkpoint(app.pid, timeout=30)
+    assert gpucr.status(app.pid).state == "running" and app.ask("digest") == before
+    assert gpucr.checkpoint(app.pid, level="data", timeout=30).bytes_moved >= 8 * MiB
+    gpucr.restore(app.pid, timeout=30)
+    assert app.ask("digest") == before

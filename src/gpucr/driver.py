@@ -48,9 +48,12 @@ CUDA_ERROR_NOT_INITIALIZED = 3
 
 
 class DriverError(GpucrError):
-    def __init__(self, what: str, rc: int, text: str) -> None:
-        super().__init__(f"{what} failed: {text} (CUDA error {rc})")
+    def __init__(self, what: str, rc: int, text: str, hint: str = "") -> None:
+        super().__init__(f"{what} failed: {text} (CUDA error {rc})" + (f"; {hint}" if hint else ""))
         self.rc = rc
+
+
+CUDA_ERROR_NOT_SUPPORTED = 801
 
 
 @dataclass(frozen=True)
@@ -123,7 +126,13 @@ class Driver:
 
     def lock(self, target_pid: int, timeout_ms: int) -> None:
         args = _LockArgs(timeoutMs=max(1, int(timeout_ms)))
-        self._check(self._cu.cuCheckpointProcessLock(target_pid, ctypes.byref(args)), f"driver lock of process {target_pid}")
+        rc = self._cu.cuCheckpointProcessLock(target_pid, ctypes.byref(args))
+        if rc == CUDA_ERROR_NOT_SUPPORTED:
+            # measured on the H200: the driver refuses a process run under compute-sanitizer this way
+            raise DriverError(f"driver lock of process {target_pid}", rc, self._errstr(rc),
+                              "the driver does not checkpoint a process run under a CUDA tool such as compute-sanitizer "
+                              "or a debugger: `--level data` moves its data and leaves its context alone")
+        self._check(rc, f"driver lock of process {target_pid}")
 
     def checkpoint(self, target_pid: int) -> None:
         self._check(self._cu.cuCheckpointProcessCheckpoint(target_pid, ctypes.byref(_Args8())), f"driver checkpoint of process {target_pid}")
