@@ -31,8 +31,10 @@ def _private_dirs(tmp_path_factory, monkeypatch, request):
     if not gpu_test:
         monkeypatch.setenv("GPUCR_SIMULATE", "1")
     # GPUCR_TEST_VIA_SERVER=1 (scripts/gpu-check VIA_SERVER=1): every GPU test's checkpoints and restores go
-    # through a gpucr server of its own, its data plane copying (test_gpu_server starts its own servers)
-    via = gpu_test and os.environ.get("GPUCR_TEST_VIA_SERVER") == "1" and request.node.path.name != "test_gpu_server.py"
+    # through a gpucr server of its own, its data plane copying (test_gpu_server and test_gpu_routes start
+    # their own servers)
+    via = gpu_test and os.environ.get("GPUCR_TEST_VIA_SERVER") == "1" and \
+        request.node.path.name not in ("test_gpu_server.py", "test_gpu_routes.py")
     # with its context given back after each request: parked, the card is then within a few MiB of idle, as
     # the tests ask (issue 13: "pass as written with the context given back")
     srv = RunningServer(False, "--give-back-context") if via else None
@@ -240,6 +242,14 @@ def server_gpu_bytes() -> int:
         return 0
     assert info["gpu_bytes"] is not None, f"the server's own GPU memory is not measurable here: {info}"
     return info["gpu_bytes"]
+
+
+@pytest.fixture
+def gpu_server():
+    """`gpucr serve` on the real driver, for one test."""
+    s = RunningServer(False)
+    yield s
+    s.stop()
 
 
 def bring_back_on_the_gpu(pid: int, cli) -> None:

@@ -184,13 +184,18 @@ def test_a_process_the_server_cannot_take_goes_the_agents_way(server, sim_app, t
 
 def test_server_that_gives_back_its_context_holds_nothing_between_cycles(sim_app):
     """`gpucr serve --give-back-context`: after each checkpoint and restore the server's context is gone
-    (nothing of it on the GPU, no staging pinned), and the cycles are still right."""
+    (nothing of it on the GPU, no staging pinned), and the cycles are still right. The results measure the
+    card once it is gone: the checkpoint's GPU use after is the card's idle (it showed the server's context,
+    which the H200's GPU tests through a server caught as 530 MiB too little freed)."""
     s = RunningServer(True, "--give-back-context")
     try:
         app = sim_app("--sizes", "16M,4M")
         before = app.ask("digest")
         for _ in range(2):
-            assert "handover" in gpucr.checkpoint(app.pid).phases_s
+            ck = gpucr.checkpoint(app.pid)
+            assert "handover" in ck.phases_s
+            [g] = ck.gpus
+            assert g.gpu_used_after_bytes == 0 and g.gpu_used_before_bytes == g.process_before_bytes > 0, g
             info = s.info()
             assert info["contexts"] == [] and info["pinned_staging_bytes"] == 0 and info["gpu_bytes"] == 0, info
             gpucr.restore(app.pid)
@@ -239,8 +244,10 @@ def test_the_data_plane_refuses_a_layout_outside_the_staging(tmp_path):
 def test_pinning_ahead_pins_outside_the_data_plane_and_only_what_is_missing(tmp_path, monkeypatch):
     """Pinning ahead never holds the data plane while it pins (under it, pinning 69 GiB again held a process,
     handed over, 10.6 s from its checkpoint on the H200); it pins only what is not pinned yet as far as the
-    process says: nothing twice, a segment grown or a new file behind a segment anew, a segment gone let go."""
-    from gpucr.server.mover import Mover
+    allocations reach, as a copy would (pinning whole segments again beside the next checkpoints slowed
+    their copies 5-8x on the two-H200 host): nothing twice, a segment grown or a new file behind a segment
+    anew, a segment gone let go; and it stops while a copy wants the data plane."""
+    from gpucr.server.mover import Mover, Stats
     mover = Mover(sim_driver())
     sim_uuid = next(iter(mover.vmm.device_by_uuid()))
     pin = mover.vmm.pin
@@ -251,17 +258,26 @@ def test_pinning_ahead_pins_outside_the_data_plane_and_only_what_is_missing(tmp_
     for name in ("a", "b"):
         (tmp_path / name).write_bytes(b"\0" * (4 << 20))
         files.append(os.open(tmp_path / name, os.O_RDWR))
+    # a running process's layout: its segments, sized to its data; no allocations placed yet
     seg = lambda n: {"segments": [{"index": 0, "bytes": n}], "allocations": []}
     try:
+        mover._wanted = 1   # a copy waits for the data plane: nothing pinned now
+        assert mover.pin_ahead(1, seg(2 << 20), [files[0]], sim_uuid) == 0 and mover.pinned_bytes() == 0
+        mover._wanted = 0
         assert mover.pin_ahead(1, seg(2 << 20), [files[0]], sim_uuid) == 2 << 20
         assert mover.pin_ahead(1, seg(2 << 20), [files[0]], sim_uuid) == 0, "pinned already: nothing again"
         assert mover.pin_ahead(1, seg(4 << 20), [files[0]], sim_uuid) == 4 << 20, "grown: pinned as far as it says"
         assert mover.pinned_bytes() == 4 << 20
         assert mover.pin_ahead(1, seg(4 << 20), [files[1]], sim_uuid) == 4 << 20, "another file: pinned"
         assert mover.pinned_bytes() == 4 << 20
+        # a copy pinned the segment only as far as its allocations reached, the process stating 4 MiB then
+        mover.forget(1)
+        mover._map_staging(1, {0: 1 << 20}, [files[0]], Stats(), {0: 4 << 20})
+        assert mover.pin_ahead(1, seg(4 << 20), [files[0]], sim_uuid) == 0, "what a copy pinned is not pinned again"
+        assert mover.pinned_bytes() == 1 << 20
         assert mover.pin_ahead(1, {"segments": [], "allocations": []}, [], sim_uuid) == 0
         assert mover.pinned_bytes() == 0, "a segment the process no longer has is let go"
-        assert held_while_pinning == [False, False, False], held_while_pinning
+        assert held_while_pinning == [False, False, False, False], held_while_pinning
     finally:
         for fd in files:
             os.close(fd)
@@ -291,6 +307,10 @@ def test_copies_go_through_an_idle_nvlink_neighbour_too(two_gpus, sim_app):
         assert set(ck.routes) == {gpu1} and set(rs.routes) == {gpu1}, (ck.routes, rs.routes)
         for r, moved in ((ck.routes, ck.bytes_moved), (rs.routes, rs.bytes_moved)):
             assert 0.3 * moved <= r[gpu1] <= 0.7 * moved, (r, moved)
+        # which way set the pace, and what watching GPU 1 cost, within the copy's own time
+        for ph, copy in ((ck.phases_s, "data_out"), (rs.phases_s, "data_in")):
+            assert 0 <= ph["route_looks"] <= ph["server_route"] and ph["server_straight"] <= ph[copy], ph
+            assert ph["server_route"] <= ph[copy], ph
         assert not ck.warnings, ck.warnings
         assert process_gpu_memory(sim_driver(), srv.pid, 1) == SIM_CONTEXT_BYTES, "the lane's slots were freed"
         second = gpucr.checkpoint(app.pid)
@@ -356,10 +376,13 @@ def test_a_neighbour_that_becomes_a_served_processes_gpu_keeps_its_context(two_g
         user = sim_app("--sizes", "8M")
         user.ask("device 1 64M")
         before = user.ask("digest")
+        # until the server serves it, the user is just a process on GPU 1: the pin-ahead loop may rightly give
+        # back the lender's context meanwhile; only what it does once the server has served the user counts
         gpucr.checkpoint(user.pid)
+        seen = len(srv.log.read_text())
         gpucr.restore(user.pid)
         time.sleep(2.5)   # the pin-ahead loop, which gives back lenders' contexts, runs every second
-        assert "whose link it lent" not in srv.log.read_text()
+        assert "whose link it lent" not in srv.log.read_text()[seen:]
         assert process_gpu_memory(sim_driver(), srv.pid, 1) == SIM_CONTEXT_BYTES
         assert user.ask("digest") == before
     finally:
@@ -769,7 +792,12 @@ def test_the_server_leaks_nothing_across_cycles(server, sim_app):
         gpucr.checkpoint(app.pid)
         gpucr.status(app.pid)
         gpucr.restore(app.pid)
-    fds1, threads1, rss1 = resources()
+    # the pin-ahead loop looks at each process every second (a connection and the layout's fds while it
+    # does): a leak stays, what it holds for a moment does not, so look again before calling it one
+    for _ in range(5):
+        fds1, threads1, rss1 = resources()
+        if (fds1, threads1) == (fds0, threads0):
+            break
     assert (fds1, threads1) == (fds0, threads0)
     assert rss1 - rss0 < 8 << 10, f"the server grew by {(rss1 - rss0) >> 10} MiB over 20 cycles"
     assert app.ask("digest") == before and server.requests() >= 62

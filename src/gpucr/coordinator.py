@@ -434,6 +434,8 @@ def _server_phases(m: _Member, st: ServerStats) -> None:
         m.result["phases_s"]["server_wait"] = st.wait_s
     if st.routes:
         m.result["routes"] = dict(st.routes)
+        # which of the two ways set the pace, and what watching the neighbours cost
+        m.result["phases_s"].update(server_straight=st.straight_s, server_route=st.route_s, route_looks=st.looks_s)
     for uuid in st.dropped:
         m.result.setdefault("warnings", []).append(f"the route through GPU {uuid} was given up mid-copy: a process "
                                                    "started on it (the rest went straight)")
@@ -638,6 +640,8 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
                 raise GpucrError(str(exc)) from exc   # nothing was released: its own words say it runs on
             raise GpucrError(f"{exc}; rolled back, process {exc.pid} runs on with its data intact") from exc
         _each("commit", members, lambda m: _commit(m, level))
+        if mover is not None:
+            mover.settle()   # the server's context given back first, when it does not keep it
         return CheckpointResult(SCHEMA_VERSION, "checkpoint", [
             shape.checkpoint(m.result, shape.gpu_changes(m.gpu_before, _usage(m.pid, m.uuids()))) for m in members])
     finally:
@@ -1070,6 +1074,8 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
         for m in members:
             _app_resume(_app_channel_quiet(m.t))
             m.result["state"] = "running"
+        if mover is not None:
+            mover.settle()
         return RestoreResult(SCHEMA_VERSION, "restore", [
             shape.restore(m.result, shape.gpu_changes(m.gpu_before, _usage(m.pid, m.uuids())), m.gpu_moves,
                           str(m.image_dir) if m.image_dir is not None else None) for m in members])

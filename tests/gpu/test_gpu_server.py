@@ -26,13 +26,6 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "gpucr.cli", *args], capture_output=True, text=True, env=env, timeout=300)
 
 
-@pytest.fixture
-def gpu_server():
-    s = RunningServer(False)
-    yield s
-    s.stop()
-
-
 def test_server_holds_nothing_on_the_gpu(gpu_server):
     """The server initialises the driver and makes no context: the GPU's use does not move when it starts,
     and it says so per GPU."""

@@ -253,7 +253,7 @@ class Server:
             return None
         with self._mover_lock:
             if self._mover is None:
-                self._mover = Mover(controller_driver(), routes=self.routes)
+                self._mover = Mover(controller_driver(), routes=self.routes, keep_context=self.keep_context)
             self._mover.forget_ended(lambda pid: not targets.process_ended(pid))
             return self._mover
 
@@ -299,8 +299,8 @@ class Server:
                 self._mover.forget(pid)
 
     def after_request(self) -> None:
-        if self._mover is not None and not self.keep_context:
-            self._mover.close()
+        if self._mover is not None:
+            self._mover.settle()
 
     def info(self) -> dict[str, Any]:
         """What `gpucr serve --status`, `gpucr ps` and `status` show of the server."""

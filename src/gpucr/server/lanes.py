@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
@@ -48,6 +49,7 @@ class Routing:
                       for d in devs}
         self._feed: queue.SimpleQueue | None = queue.SimpleQueue() if self.used() else None
         self._failure: list[BaseException] = []
+        self.looks_s = 0.0   # spent asking whether each neighbour is still idle (NVML), read after finish()
         self._thread: threading.Thread | None = None
         if self._feed is not None:
             self._thread = threading.Thread(target=self._run, name="gpucr-server-routes", daemon=True)
@@ -100,7 +102,10 @@ class Routing:
             ls = active.get(dev, [])
             j = turn[dev] = turn.get(dev, -1) + 1
             lane = ls[j % len(ls)] if ls else None
-            if lane is not None and not self.links.idle(lane.nb):
+            t = time.perf_counter()
+            still = lane is None or self.links.idle(lane.nb)
+            self.looks_s += time.perf_counter() - t
+            if not still:
                 self.dropped.append(lane.nb.uuid)
                 ls.remove(lane)
                 lane = ls[j % len(ls)] if ls else None

@@ -12,9 +12,13 @@ Policy only: the copies themselves are the mover's (mover.py).
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 from ..driver import Driver, DriverError, Vmm, gpu_processes, nvlinked
+
+
+LOOK_EVERY_S = 0.002   # the most a neighbour may have been busy, unseen, while a piece still went through it
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class Links:
         # the N+1-th look on, as if a process started there in the middle of a copy
         self._test_busy_after = int(os.environ.get("GPUCR_TEST_ROUTE_BUSY_AFTER", "-1"))
         self._looks = 0
+        self._idle_at: dict[int, float] = {}   # neighbour ordinal -> when NVML last showed it idle
 
     def neighbours(self, dev: int, uuids: dict[int, str], busy: set[int]) -> list[Neighbour]:
         """The GPUs that may carry part of a copy to or from GPU `dev` now; `uuids`: {ordinal: UUID} of
@@ -49,9 +54,19 @@ class Links:
         return out
 
     def idle(self, nb: Neighbour) -> bool:
-        """No compute process on the neighbour but this server (unknown counts as not idle)."""
+        """No compute process on the neighbour but this server (unknown counts as not idle). NVML is asked
+        at most every LOOK_EVERY_S per neighbour: a piece takes ~1.2 ms on the link, and a process needs far
+        longer than that to start before it can use the GPU."""
         self._looks += 1
         if 0 <= self._test_busy_after < self._looks:
             return False
+        now = time.monotonic()
+        if now - self._idle_at.get(nb.dev, -1.0) < LOOK_EVERY_S:
+            return True
         pids = gpu_processes(self.drv, nb.dev, nb.uuid)
-        return pids is not None and all(p == os.getpid() for p in pids)
+        still = pids is not None and all(p == os.getpid() for p in pids)
+        if still:
+            self._idle_at[nb.dev] = now
+        else:
+            self._idle_at.pop(nb.dev, None)
+        return still

@@ -38,12 +38,32 @@ _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _PROT_RW, _MAP_SHARED, _MAP_FAILED = 0x1 | 0x2, 0x01, ctypes.c_void_p(-1).value
 
 
+def _checked_plan(layout: dict[str, Any]) -> tuple[dict[int, int], list[tuple[int, int, int, int]]]:
+    """The process's staging segments ({index: bytes}) and allocations [(index, bytes, segment, offset)],
+    sorted; the process is not trusted: each allocation of a positive size inside a segment it has."""
+    declared = {int(g["index"]): int(g["bytes"]) for g in layout["segments"]}
+    plan = sorted((int(a["index"]), int(a["bytes"]), int(a["segment"]), int(a["offset"])) for a in layout["allocations"])
+    for idx, size, seg, off in plan:
+        if seg not in declared or size <= 0 or off < 0 or off + size > declared[seg]:
+            raise GpucrError(f"the process's layout puts allocation {idx} outside its staging")
+    return declared, plan
+
+
+def _reach(declared: dict[int, int], plan: list[tuple[int, int, int, int]]) -> dict[int, int]:
+    """What of each segment is pinned: as far as its allocations reach, in whole pages, within the segment."""
+    reach: dict[int, int] = {}
+    for _idx, size, seg, off in plan:
+        reach[seg] = max(reach.get(seg, 0), off + size)
+    return {i: min(-(-n // PAGE) * PAGE, declared[i]) for i, n in reach.items()}
+
+
 @dataclass
 class _Segment:
     """One staging segment of a process, mapped here and pinned in the server's context."""
     ident: tuple[int, int]        # (st_dev, st_ino): the same file as last time, or not
     addr: int
-    bytes: int
+    bytes: int                    # pinned here: as far as the allocations reached, or the whole segment
+    declared: int = 0             # the segment's size as the process stated it then
 
 
 @dataclass
@@ -53,6 +73,9 @@ class Stats:
     pin_s: float = 0.0            # pinning staging not pinned here before (the first cycle of a process)
     wait_s: float = 0.0           # waiting for the data plane (another copy, or pinning ahead, holding it)
     allocations: int = 0
+    straight_s: float = 0.0       # with routes: until the copies over the process's own GPU's link were done
+    route_s: float = 0.0          # ... and until those through the neighbours were (the slower one sets seconds)
+    looks_s: float = 0.0          # ... of which asking NVML whether each neighbour is still idle
     routes: dict[str, int] = field(default_factory=dict)   # bytes moved through each neighbour GPU, by UUID
     dropped: list[str] = field(default_factory=list)       # neighbours given up mid-copy (a process appeared)
 
@@ -61,11 +84,14 @@ class Mover:
     """One per server: a context per GPU it copies on (kept: restores need no new one), and each
     process's staging mapped and pinned once. One copy at a time: the link is the limit anyway."""
 
-    def __init__(self, drv: Driver, routes: bool = True) -> None:
+    def __init__(self, drv: Driver, routes: bool = True, keep_context: bool = True) -> None:
+        self.keep_context = keep_context
         self.vmm = Vmm(drv)
         self.links = Links(drv, self.vmm, enabled=routes)
         self._neighbours: set[int] = set()   # GPUs on which the server holds a context only to lend their link
         self._lock = threading.Lock()
+        self._wanting = threading.Lock()   # guards _wanted: copies waiting for or holding the data plane
+        self._wanted = 0
         self._ordinals: dict[str, int] | None = None
         self._ctx: dict[int, tuple[int, list[int]]] = {}      # ordinal -> (context, streams)
         self._staging: dict[int, dict[int, _Segment]] = {}    # pid -> segment index -> segment
@@ -89,6 +115,13 @@ class Mover:
         with self._lock:
             for pid in [p for p in self._staging if not alive(p)]:
                 self._forget(pid)
+
+    def settle(self) -> None:
+        """A request's copies are done: give back what the server holds on the GPUs unless it keeps its
+        context (`gpucr serve --give-back-context`). Called before the result measures the GPUs, so the
+        card's use it reports is what the card shows once the request is answered."""
+        if not self.keep_context:
+            self.close()
 
     def close(self) -> None:
         with self._lock:
@@ -119,43 +152,61 @@ class Mover:
         first checkpoint through the server pins nothing; returns the bytes newly pinned. `uuid`: a GPU the
         process uses (the server's context there pins it)."""
         # Pinned outside the lock: tens of GiB take seconds, and a checkpoint must not wait for them (under
-        # the lock, pinning again a segment a copy had pinned only as far as its allocations reached held
-        # the data plane for 10.6 s on the H200, 69 GiB, while a process waited, handed over). What is
-        # pinned here already, as far as the process says, is left alone.
+        # the lock, it held a process, handed over, 10.6 s on the H200). Pinned only as far as the
+        # allocations reach, as a copy pins it: pinning the whole segment again after a copy had pinned its
+        # reach re-pinned 69 GiB beside the next checkpoints, whose copies the driver then slowed 5-8x
+        # (two-H200 host, 2026-12-01). And one segment at a time, stopping as soon as a copy wants the data
+        # plane: pinning competes with its copies inside the driver; what is left is pinned next time.
+        # A running process has no allocations in its layout yet (they are placed at its handover): its
+        # segments, sized to its data, are pinned whole, unless a copy pinned one as far as it needed while
+        # the process stated the same size.
+        declared, _plan = _checked_plan(layout)
         with self._lock:
             dev = self._ordinal(uuid)
             self._neighbours.discard(dev)   # the staging is pinned in this context: never given back as a lender's
             ctx = self._context(dev)[0]
             have = self._staging.get(pid, {})
-            todo = [(int(g["index"]), int(g["bytes"])) for g in layout["segments"]
-                    if not self._pinned_enough(have.get(int(g["index"])), seg_fds, int(g["index"]), int(g["bytes"]))]
+            todo = [(i, n) for i, n in sorted(declared.items())
+                    if not self._pinned_enough(have.get(i), seg_fds, i, n)
+                    and not (self._pinned_enough(have.get(i), seg_fds, i, 1) and have[i].declared >= n)]
         self.vmm.use(ctx)
         fresh: list[tuple[int, _Segment]] = []
         try:
             for i, size in todo:
-                fresh.append((i, self._pin_segment(seg_fds, i, size)))
+                if self._wanted:
+                    break
+                fresh.append((i, self._pin_segment(seg_fds, i, size, size)))
         except GpucrError:
             for _i, seg in fresh:
                 self._drop_segment(seg)
             raise
+        stale: list[_Segment] = []
         with self._lock:
             segs = self._staging.setdefault(pid, {})
-            self._let_go_absent(segs, [int(g["index"]) for g in layout["segments"]])
+            stale += [segs.pop(i) for i in [i for i in segs if i not in declared]]
             for i, seg in fresh:
                 cur = segs.get(i)
                 if cur is not None and cur.ident == seg.ident and cur.bytes >= seg.bytes:
-                    self._drop_segment(seg)   # a copy pinned it meanwhile
+                    stale.append(seg)   # a copy pinned it meanwhile
                     continue
                 if cur is not None:
-                    self._drop_segment(cur)
+                    stale.append(cur)
                 segs[i] = seg
-        return sum(seg.bytes for _i, seg in fresh)
+        for seg in stale:   # unpinned outside the lock too
+            self._drop_segment(seg)
+        return sum(seg.bytes for _i, seg in fresh if not any(seg is x for x in stale))
 
     def _locked(self, move):
         t0 = time.perf_counter()
-        with self._lock:
-            waited = time.perf_counter() - t0
-            out = move()
+        with self._wanting:
+            self._wanted += 1
+        try:
+            with self._lock:
+                waited = time.perf_counter() - t0
+                out = move()
+        finally:
+            with self._wanting:
+                self._wanted -= 1
         out[0].wait_s = waited
         return out
 
@@ -164,13 +215,8 @@ class Mover:
               out: bool) -> tuple[Stats, list[tuple[int, int]]]:
         st = Stats()
         t0 = time.perf_counter()
-        # the process is not trusted: every allocation inside a segment it has, of a positive size; and at a
-        # restore, exactly what the server took from it at its checkpoint (else the agent's own restore runs)
-        declared = {int(g["index"]): int(g["bytes"]) for g in layout["segments"]}
-        plan = sorted((int(a["index"]), int(a["bytes"]), int(a["segment"]), int(a["offset"])) for a in layout["allocations"])
-        for idx, size, seg, off in plan:
-            if seg not in declared or size <= 0 or off < 0 or off + size > declared[seg]:
-                raise GpucrError(f"the process's layout puts allocation {idx} outside its staging")
+        declared, plan = _checked_plan(layout)
+        # at a restore, exactly what the server took from it at its checkpoint (else the agent's own restore runs)
         if not out and self._taken.get(pid) != plan:
             raise GpucrError("the process's layout is not what the server took from it at its checkpoint")
         by_index = {m.index: m for m in memory}
@@ -189,11 +235,7 @@ class Mover:
         def staging() -> dict[int, int]:
             if plan and plan[0][0] in by_index:   # pinned in a context on the process's GPU (portable: for all)
                 self.vmm.use(self._context(self._ordinal(by_index[plan[0][0]].uuid))[0])
-            reach: dict[int, int] = {}
-            for _idx, size, seg, off in plan:
-                reach[seg] = max(reach.get(seg, 0), off + size)
-            return self._map_staging(pid, {"segments": [{"index": i, "bytes": min(-(-n // PAGE) * PAGE, declared[i])}
-                                                        for i, n in reach.items()]}, seg_fds, st, declared)
+            return self._map_staging(pid, _reach(declared, plan), seg_fds, st, declared)
 
         def enqueue(hosts: dict[int, int], size: int, seg: int, off: int, va: int, dev: int) -> None:
             nonlocal turn
@@ -239,12 +281,14 @@ class Mover:
                 hosts = staging()
                 for size, seg, off, va, dev in placed:
                     enqueue(hosts, size, seg, off, va, dev)
-            routing.finish()   # raises what its thread raised
             for dev in {p[4] for p in placed}:
                 ctx, streams = self._ctx[dev]
                 self.vmm.use(ctx)
                 for s in streams:
                     self.vmm.sync(s)
+            st.straight_s = time.perf_counter() - t0
+            routing.finish()   # raises what its thread raised
+            st.route_s, st.looks_s = time.perf_counter() - t0, routing.looks_s
             for idx, h in made:
                 fds.append((idx, self.vmm.export_fd(h)))
         except (DriverError, GpucrError) as exc:
@@ -328,15 +372,14 @@ class Mover:
             self._ctx[dev] = (ctx, [self.vmm.stream() for _ in range(STREAMS)])
         return self._ctx[dev]
 
-    def _map_staging(self, pid: int, layout: dict[str, Any], seg_fds: list[int], st: Stats,
-                     present: Iterable[int]) -> dict[int, int]:
-        """Each segment of `layout` mapped here and pinned, at least as far as it says, once for as long as it
-        is the same file; cached segments not `present` in the process any more are let go."""
+    def _map_staging(self, pid: int, want: dict[int, int], seg_fds: list[int], st: Stats,
+                     declared: dict[int, int]) -> dict[int, int]:
+        """Each segment i of `want` ({index: bytes}) mapped here and pinned at least that far, once for as long
+        as it is the same file; cached segments the process no longer has (not `declared`) are let go."""
         segs = self._staging.setdefault(pid, {})
-        self._let_go_absent(segs, present)
+        self._let_go_absent(segs, declared)
         out: dict[int, int] = {}
-        for seg in layout["segments"]:
-            i, size = int(seg["index"]), int(seg["bytes"])
+        for i, size in want.items():
             have = segs.get(i)
             if self._pinned_enough(have, seg_fds, i, size):
                 out[i] = have.addr
@@ -345,7 +388,7 @@ class Mover:
                 self._drop_segment(have)
                 del segs[i]
             t0 = time.perf_counter()
-            segs[i] = self._pin_segment(seg_fds, i, size)   # in the current context (one on the process's GPU)
+            segs[i] = self._pin_segment(seg_fds, i, size, declared[i])   # in the current context (one on the process's GPU)
             st.pin_s += time.perf_counter() - t0
             out[i] = segs[i].addr
         return out
@@ -364,7 +407,7 @@ class Mover:
         fs = os.fstat(seg_fds[i])
         return have.ident == (fs.st_dev, fs.st_ino)
 
-    def _pin_segment(self, seg_fds: list[int], i: int, size: int) -> _Segment:
+    def _pin_segment(self, seg_fds: list[int], i: int, size: int, declared: int) -> _Segment:
         """Segment i of a process's staging mapped here and pinned, `size` bytes of it."""
         if not 0 <= i < len(seg_fds):
             raise GpucrError(f"the process's staging segment {i} came without its file")
@@ -381,7 +424,7 @@ class Mover:
         except DriverError as exc:
             _libc.munmap(addr, size)
             raise GpucrError(f"pinning the process's staging failed: {exc}") from exc
-        return _Segment((fs.st_dev, fs.st_ino), addr, size)
+        return _Segment((fs.st_dev, fs.st_ino), addr, size, declared)
 
     def _drop_segment(self, s: _Segment) -> None:
         try:
