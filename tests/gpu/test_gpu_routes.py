@@ -1,10 +1,11 @@
 """Routes through an idle NVLink neighbour on real GPUs (issue 13, item 3): on a host with two GPUs joined
 by NVLink, a process on GPU 0 with GPU 1 idle is checkpointed and restored through a gpucr server that
 sends part of the data through GPU 1 (host <-> GPU 1 over its own link, GPU 1 <-> GPU 0 over NVLink).
-Every byte comes back, the server keeps nothing on GPU 1 but its context, and a process that starts on
-GPU 1 in the middle of a copy makes the server give the route up; what the route cost that process (its
-start and its own host copies, against the same with GPU 1 idle) is recorded. The CPU suite covers the
-same on two simulated GPUs (tests/test_server.py)."""
+Every byte comes back, and the server keeps nothing on GPU 1 but its context. A process told to start on
+GPU 1 as a restore begins has its start and its own host copies recorded against the same on an idle GPU 1
+(on the H200s it reached the GPU after the restore had ended); when it shows before the end, the route
+is given up and the restore says so. The CPU suite covers giving up mid-copy on two simulated GPUs
+(tests/test_server.py)."""
 from __future__ import annotations
 
 import json
