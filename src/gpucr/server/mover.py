@@ -281,21 +281,18 @@ class Mover:
                 hosts = staging()
                 for size, seg, off, va, dev in placed:
                     enqueue(hosts, size, seg, off, va, dev)
-            for dev in {p[4] for p in placed}:
-                ctx, streams = self._ctx[dev]
-                self.vmm.use(ctx)
-                for s in streams:
-                    self.vmm.sync(s)
+            self._sync(placed)
             st.straight_s = time.perf_counter() - t0
             routing.finish()   # raises what its thread raised
             st.route_s, st.looks_s = time.perf_counter() - t0, routing.looks_s
+            self._sync(placed)   # the pieces the routes' thread sent straight after giving a route up
             for idx, h in made:
                 fds.append((idx, self.vmm.export_fd(h)))
         except (DriverError, GpucrError) as exc:
             for _idx, fd in fds:
                 os.close(fd)   # exported before one failed: they would keep that memory on the GPU
             routing.close()
-            self._quiet_sync(placed)   # nothing may still copy into what is unmapped next
+            self._sync(placed, quiet=True)   # nothing may still copy into what is unmapped next
             self._undo(mapped, made, out)
             raise GpucrError(f"the gpucr server's copy {'out' if out else 'in'} failed: {exc}") from exc
         finally:
@@ -306,15 +303,17 @@ class Mover:
         st.seconds = time.perf_counter() - t0
         return st, fds
 
-    def _quiet_sync(self, placed: list[tuple[int, int, int, int, int]]) -> None:
-        """Every straight copy queued so far done, errors aside: the memory it touches is unmapped next."""
+    def _sync(self, placed: list[tuple[int, int, int, int, int]], quiet: bool = False) -> None:
+        """Every straight copy queued so far on the process's GPUs done; quiet: errors aside, each GPU still
+        waited for (a path already failing: the memory the copies touch is unmapped next)."""
         for ctx, streams in [self._ctx[d] for d in {p[4] for p in placed} if d in self._ctx]:
             try:
                 self.vmm.use(ctx)
                 for s in streams:
                     self.vmm.sync(s)
             except DriverError:
-                pass
+                if not quiet:
+                    raise
 
     def let_go_busy_neighbours(self) -> list[str]:
         """Release the server's context on each neighbour GPU a process now uses (it lent its link while it
