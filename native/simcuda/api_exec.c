@@ -223,13 +223,19 @@ void sim_exec_drop_ctx(struct sim_ctx *ctx)
 }
 
 /* The context and stream every piece of work needs; *ctx is the one the work runs in. */
-static CUresult work_ctx(CUstream stream, struct sim_ctx **ctx)
+static CUresult work_at(CUstream stream, struct sim_ctx **ctx, struct sim_pos *pos)
 {
     struct sim_ctx *c;
     CUresult rc = sim_ctx_current(&c);
     if (rc == CUDA_SUCCESS) rc = stream_ctx(stream, c, ctx);
-    if (rc == CUDA_SUCCESS) sim_order_op(stream);   /* its place in the stream's order */
+    if (rc == CUDA_SUCCESS) *pos = sim_order_op(stream);   /* its place in the stream's order */
     return rc;
+}
+
+static CUresult work_ctx(CUstream stream, struct sim_ctx **ctx)
+{
+    struct sim_pos p;
+    return work_at(stream, ctx, &p);
 }
 
 static CUresult work_begin(CUstream stream)
@@ -268,24 +274,63 @@ static CUresult copy_in(const struct sim_ctx *dctx, uintptr_t dst, enum side dsi
     return rc;
 }
 
-static CUresult copy(uintptr_t dst, enum side dside, uintptr_t src, enum side sside, size_t n, CUstream stream)
+static CUresult copy_at(uintptr_t dst, enum side dside, uintptr_t src, enum side sside, size_t n, CUstream stream,
+                        struct sim_pos *pos)
 {
     struct sim_ctx *c;
-    CUresult rc = work_ctx(stream, &c);
+    CUresult rc = work_at(stream, &c, pos);
     if (rc != CUDA_SUCCESS || n == 0)
         return rc;
     return copy_in(c, dst, dside, c, src, sside, n);
 }
 
-/* Each side is reached by its own context's device; a copy engine needs no peer access. */
-static CUresult copy_peer(uintptr_t dst, CUcontext dctx, uintptr_t src, CUcontext sctx, size_t n, CUstream stream)
+static CUresult copy(uintptr_t dst, enum side dside, uintptr_t src, enum side sside, size_t n, CUstream stream)
 {
-    CUresult rc = work_begin(stream);
+    struct sim_pos p;
+    return copy_at(dst, dside, src, sside, n, stream, &p);
+}
+
+/* Each side is reached by its own context's device; a copy engine needs no peer access. */
+static CUresult copy_peer_at(uintptr_t dst, CUcontext dctx, uintptr_t src, CUcontext sctx, size_t n, CUstream stream,
+                             struct sim_pos *pos)
+{
+    struct sim_ctx *c;
+    CUresult rc = work_at(stream, &c, pos);
     if (rc != CUDA_SUCCESS)
         return rc;
     if (!sim_ctx_is_live(dctx) || !sim_ctx_is_live(sctx))
         return CUDA_ERROR_INVALID_CONTEXT;
     return n == 0 ? CUDA_SUCCESS : copy_in(dctx, dst, SIDE_DEVICE, sctx, src, SIDE_DEVICE, n);
+}
+
+static CUresult copy_peer(uintptr_t dst, CUcontext dctx, uintptr_t src, CUcontext sctx, size_t n, CUstream stream)
+{
+    struct sim_pos p;
+    return copy_peer_at(dst, dctx, src, sctx, n, stream, &p);
+}
+
+/* An asynchronous copy is done when the host has seen it done, not when it returns (simcuda runs it at
+ * once, but a GPU does not): the memory it touches remembers its place in the stream's order, and is
+ * not unmapped before that (sim_vmm_unmap; the server's data plane once could have). */
+static CUresult noted(CUresult rc, uintptr_t dst, uintptr_t src, size_t n, struct sim_pos p)
+{
+    if (rc == CUDA_SUCCESS && n) {
+        sim_vmm_note_work(dst, n, p);
+        sim_vmm_note_work(src, n, p);
+    }
+    return rc;
+}
+
+static CUresult copy_async(uintptr_t dst, enum side dside, uintptr_t src, enum side sside, size_t n, CUstream stream)
+{
+    struct sim_pos p;
+    return noted(copy_at(dst, dside, src, sside, n, stream, &p), dst, src, n, p);
+}
+
+static CUresult copy_peer_async(uintptr_t dst, CUcontext dctx, uintptr_t src, CUcontext sctx, size_t n, CUstream stream)
+{
+    struct sim_pos p;
+    return noted(copy_peer_at(dst, dctx, src, sctx, n, stream, &p), dst, src, n, p);
 }
 
 #define U(p) ((uintptr_t)(p))
@@ -303,11 +348,11 @@ SIMAPI CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount
 {
     if (sim_fault_injected("cuMemcpyAsync"))
         return CUDA_ERROR_UNKNOWN;
-    SIM_GATED(copy(U(dst), SIDE_ANY, U(src), SIDE_ANY, ByteCount, hStream));
+    SIM_GATED(copy_async(U(dst), SIDE_ANY, U(src), SIDE_ANY, ByteCount, hStream));
 }
 SIMAPI CUresult cuMemcpyAsync_ptsz(CUdeviceptr dst, CUdeviceptr src, size_t ByteCount, CUstream hStream)
 {
-    SIM_GATED(copy(U(dst), SIDE_ANY, U(src), SIDE_ANY, ByteCount, hStream));
+    SIM_GATED(copy_async(U(dst), SIDE_ANY, U(src), SIDE_ANY, ByteCount, hStream));
 }
 
 SIMAPI CUresult cuMemcpyHtoD_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount)
@@ -339,31 +384,31 @@ SIMAPI CUresult cuMemcpyDtoD_v2_ptds(CUdeviceptr dstDevice, CUdeviceptr srcDevic
 
 SIMAPI CUresult cuMemcpyHtoDAsync_v2(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount, CUstream hStream)
 {
-    SIM_GATED(copy(U(dstDevice), SIDE_DEVICE, U(srcHost), SIDE_HOST, ByteCount, hStream));
+    SIM_GATED(copy_async(U(dstDevice), SIDE_DEVICE, U(srcHost), SIDE_HOST, ByteCount, hStream));
 }
 SIMAPI CUresult cuMemcpyHtoDAsync_v2_ptsz(CUdeviceptr dstDevice, const void *srcHost, size_t ByteCount,
                                           CUstream hStream)
 {
-    SIM_GATED(copy(U(dstDevice), SIDE_DEVICE, U(srcHost), SIDE_HOST, ByteCount, hStream));
+    SIM_GATED(copy_async(U(dstDevice), SIDE_DEVICE, U(srcHost), SIDE_HOST, ByteCount, hStream));
 }
 
 SIMAPI CUresult cuMemcpyDtoHAsync_v2(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream)
 {
-    SIM_GATED(copy(U(dstHost), SIDE_HOST, U(srcDevice), SIDE_DEVICE, ByteCount, hStream));
+    SIM_GATED(copy_async(U(dstHost), SIDE_HOST, U(srcDevice), SIDE_DEVICE, ByteCount, hStream));
 }
 SIMAPI CUresult cuMemcpyDtoHAsync_v2_ptsz(void *dstHost, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream)
 {
-    SIM_GATED(copy(U(dstHost), SIDE_HOST, U(srcDevice), SIDE_DEVICE, ByteCount, hStream));
+    SIM_GATED(copy_async(U(dstHost), SIDE_HOST, U(srcDevice), SIDE_DEVICE, ByteCount, hStream));
 }
 
 SIMAPI CUresult cuMemcpyDtoDAsync_v2(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount, CUstream hStream)
 {
-    SIM_GATED(copy(U(dstDevice), SIDE_DEVICE, U(srcDevice), SIDE_DEVICE, ByteCount, hStream));
+    SIM_GATED(copy_async(U(dstDevice), SIDE_DEVICE, U(srcDevice), SIDE_DEVICE, ByteCount, hStream));
 }
 SIMAPI CUresult cuMemcpyDtoDAsync_v2_ptsz(CUdeviceptr dstDevice, CUdeviceptr srcDevice, size_t ByteCount,
                                           CUstream hStream)
 {
-    SIM_GATED(copy(U(dstDevice), SIDE_DEVICE, U(srcDevice), SIDE_DEVICE, ByteCount, hStream));
+    SIM_GATED(copy_async(U(dstDevice), SIDE_DEVICE, U(srcDevice), SIDE_DEVICE, ByteCount, hStream));
 }
 
 SIMAPI CUresult cuMemcpyPeer(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice, CUcontext srcContext,
@@ -380,12 +425,12 @@ SIMAPI CUresult cuMemcpyPeer_ptds(CUdeviceptr dstDevice, CUcontext dstContext, C
 SIMAPI CUresult cuMemcpyPeerAsync(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
                                   CUcontext srcContext, size_t ByteCount, CUstream hStream)
 {
-    SIM_GATED(copy_peer(U(dstDevice), dstContext, U(srcDevice), srcContext, ByteCount, hStream));
+    SIM_GATED(copy_peer_async(U(dstDevice), dstContext, U(srcDevice), srcContext, ByteCount, hStream));
 }
 SIMAPI CUresult cuMemcpyPeerAsync_ptsz(CUdeviceptr dstDevice, CUcontext dstContext, CUdeviceptr srcDevice,
                                        CUcontext srcContext, size_t ByteCount, CUstream hStream)
 {
-    SIM_GATED(copy_peer(U(dstDevice), dstContext, U(srcDevice), srcContext, ByteCount, hStream));
+    SIM_GATED(copy_peer_async(U(dstDevice), dstContext, U(srcDevice), srcContext, ByteCount, hStream));
 }
 
 /* ---- memsets ---- */

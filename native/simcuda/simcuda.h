@@ -243,6 +243,7 @@ CUresult sim_stream_check(CUstream s);
 #define SIM_ORDER_MAX 256   /* streams whose order is told apart (ids of forgotten ones are reused) */
 struct sim_clock { uint64_t c[SIM_ORDER_MAX]; };   /* per stream id: the last position ordered before */
 struct sim_pos { int id; uint64_t seq; };           /* one piece of work: its stream's id and position */
+#define SIM_MAP_WORK 4      /* asynchronous copies a mapping remembers (per stream), so it is not unmapped under them */
 
 /* Work enqueued on s: returns its position. */
 struct sim_pos sim_order_op(CUstream s);
@@ -258,6 +259,8 @@ void sim_order_sync_clock(const struct sim_clock *ev);
 void sim_order_sync_all(void);
 bool sim_order_done(const struct sim_clock *ev);
 bool sim_order_pos_done(struct sim_pos p);
+/* An asynchronous copy at p touched [ptr, ptr + n): its mappings are not unmapped before p is seen done. */
+void sim_vmm_note_work(uintptr_t ptr, size_t n, struct sim_pos p);
 /* How the next work on s is ordered after p (0: it is not): on the same stream, through events
  * waited on, or because the host saw p complete. */
 enum { SIM_ORDER_SAME_STREAM = 1, SIM_ORDER_EVENTS = 2, SIM_ORDER_COMPLETE = 4 };

@@ -28,14 +28,16 @@ pytestmark = [gpu, two_gpus, pytest.mark.gpu]
 GiB = 1 << 30
 CONTEXT_MOST = 768 << 20   # an H200 context with its copy streams is ~530 MiB (NVML, per process)
 
-# A newcomer on GPU 1: it waits for "go" before touching CUDA (so the route is there to be taken), then
-# times its start (context and a 2 GiB allocation) and its own host-to-GPU copies, 1 GiB each, for 1.5 s.
+# A newcomer on GPU 1: torch imported (which touches no GPU), it waits for "go" before touching CUDA (so
+# the route is there to be taken), then times its start (context and a 2 GiB allocation) and its own
+# host-to-GPU copies, 1 GiB each, for 1.5 s. Importing torch after "go" (the first H200 run) took 4.8 s,
+# longer than the restore: the newcomer then never met the route.
 NEWCOMER = r"""
 import json, sys, time
+import torch
 sys.stdout.write("waiting\n"); sys.stdout.flush()
 sys.stdin.readline()
 t0 = time.perf_counter()
-import torch
 x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
 torch.cuda.synchronize()
 started = time.perf_counter() - t0

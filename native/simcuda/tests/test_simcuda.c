@@ -930,6 +930,17 @@ static void test_vmm(void)
     CU(cuMemAddressFree(v1, GRAN));
     CU(cuMemAddressFree(v2, GRAN));
 
+    /* memory an asynchronous copy may still use is not unmapped (CUDA leaves it undefined): once the
+     * host has seen the copy done, it is */
+    CUstream s;
+    CU(cuStreamCreate(&s, 0));
+    CU(cuMemcpyHtoDAsync_v2(va, &v, 4, s));                  /* into the first mapping */
+    CU(cuMemcpyDtoHAsync_v2(&r, va + 2 * GRAN, 4, s));       /* out of the second (read-only now) */
+    EXPECT_RC(cuMemUnmap(va, 2 * GRAN), CUDA_ERROR_ILLEGAL_STATE);
+    EXPECT_RC(cuMemUnmap(va + 2 * GRAN, GRAN), CUDA_ERROR_ILLEGAL_STATE);
+    CU(cuStreamSynchronize(s));
+    CU(cuStreamDestroy_v2(s));
+
     CU(cuMemUnmap(va, 2 * GRAN));
     CU(cuMemUnmap(va + 2 * GRAN, GRAN));
     CU(cuMemRelease(h2));
