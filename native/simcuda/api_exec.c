@@ -284,10 +284,14 @@ static CUresult copy_at(uintptr_t dst, enum side dside, uintptr_t src, enum side
     return copy_in(c, dst, dside, c, src, sside, n);
 }
 
+/* A synchronous copy (on the legacy stream) returns once done, and so once the work before it on that
+ * stream is: the host has seen it all complete. */
 static CUresult copy(uintptr_t dst, enum side dside, uintptr_t src, enum side sside, size_t n, CUstream stream)
 {
     struct sim_pos p;
-    return copy_at(dst, dside, src, sside, n, stream, &p);
+    CUresult rc = copy_at(dst, dside, src, sside, n, stream, &p);
+    if (rc == CUDA_SUCCESS) sim_order_sync_stream(stream);
+    return rc;
 }
 
 /* Each side is reached by its own context's device; a copy engine needs no peer access. */
@@ -306,7 +310,9 @@ static CUresult copy_peer_at(uintptr_t dst, CUcontext dctx, uintptr_t src, CUcon
 static CUresult copy_peer(uintptr_t dst, CUcontext dctx, uintptr_t src, CUcontext sctx, size_t n, CUstream stream)
 {
     struct sim_pos p;
-    return copy_peer_at(dst, dctx, src, sctx, n, stream, &p);
+    CUresult rc = copy_peer_at(dst, dctx, src, sctx, n, stream, &p);
+    if (rc == CUDA_SUCCESS) sim_order_sync_stream(stream);
+    return rc;
 }
 
 /* An asynchronous copy is done when the host has seen it done, not when it returns (simcuda runs it at
