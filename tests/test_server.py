@@ -444,6 +444,22 @@ def test_server_killed_while_copying_through_a_neighbour(two_gpus, sim_app, op, 
         srv.stop()
 
 
+def test_a_restore_finds_the_agents_own_roll_back_done(server, sim_app):
+    """The server killed after its data out, the driver holding the process: the agent's own roll-back waits
+    for the driver's restore and may bring the data back before the restore's data in asks. The restore then
+    succeeds (it failed with 'the process is not checkpointed', seen under CI load)."""
+    # the agent starts its roll-back 2.5 s late, as on a loaded machine: the restore finds the process still
+    # checkpointed, and the roll-back runs while the restore pauses before its data in
+    app = sim_app("--sizes", "32M,4M", env=dict(os.environ, GPUCR_TEST_ROLLBACK_DELAY_MS="2500"))
+    before = app.ask("digest")
+    r = gpucr_cli("checkpoint", str(app.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT="after-data-out"))
+    one_line_error(r, "died during 'checkpoint'")
+    assert server.proc.wait(timeout=30) == -signal.SIGKILL
+    r = gpucr_cli("restore", str(app.pid), env=dict(os.environ, GPUCR_TEST_PAUSE_BEFORE_DATA_IN="4"))
+    assert r.returncode == 0, r.stderr
+    assert gpucr.status(app.pid).state == "running" and app.ask("digest") == before
+
+
 # ---- the server killed: the app loses nothing, in-process still works ----
 
 @pytest.mark.parametrize("point,after", [

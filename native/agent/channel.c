@@ -506,6 +506,8 @@ static void send_answer(struct client *c, struct jb *j)
 /* The controller that checkpointed under a lease is gone before committing: undo it. */
 static void roll_back_abandoned(void)
 {
+    long long delay = gpucr_setting_int(SET_TEST_ROLLBACK_DELAY_MS);
+    if (delay) usleep((useconds_t)delay * 1000);
     pthread_mutex_lock(&g_op);
     atomic_store(&g_rolling_back, true);
     struct dp_status st;
