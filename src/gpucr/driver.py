@@ -54,6 +54,8 @@ class DriverError(GpucrError):
 
 
 CUDA_ERROR_NOT_SUPPORTED = 801
+LOCK_NOT_SUPPORTED = ("the driver does not checkpoint a process run under a CUDA tool such as compute-sanitizer or a "
+                      "debugger: `--level data` moves its data and leaves its context alone")
 
 
 @dataclass(frozen=True)
@@ -109,9 +111,9 @@ class Driver:
             return s.value.decode(errors="replace")
         return "unknown error"
 
-    def _check(self, rc: int, what: str) -> None:
+    def _check(self, rc: int, what: str, hint: str = "") -> None:
         if rc != 0:
-            raise DriverError(what, rc, self._errstr(rc))
+            raise DriverError(what, rc, self._errstr(rc), hint)
 
     def version(self) -> int:
         v = ctypes.c_int()
@@ -127,12 +129,8 @@ class Driver:
     def lock(self, target_pid: int, timeout_ms: int) -> None:
         args = _LockArgs(timeoutMs=max(1, int(timeout_ms)))
         rc = self._cu.cuCheckpointProcessLock(target_pid, ctypes.byref(args))
-        if rc == CUDA_ERROR_NOT_SUPPORTED:
-            # measured on the H200: the driver refuses a process run under compute-sanitizer this way
-            raise DriverError(f"driver lock of process {target_pid}", rc, self._errstr(rc),
-                              "the driver does not checkpoint a process run under a CUDA tool such as compute-sanitizer "
-                              "or a debugger: `--level data` moves its data and leaves its context alone")
-        self._check(rc, f"driver lock of process {target_pid}")
+        # measured on the H200: the driver refuses a process run under compute-sanitizer this way
+        self._check(rc, f"driver lock of process {target_pid}", LOCK_NOT_SUPPORTED if rc == CUDA_ERROR_NOT_SUPPORTED else "")
 
     def checkpoint(self, target_pid: int) -> None:
         self._check(self._cu.cuCheckpointProcessCheckpoint(target_pid, ctypes.byref(_Args8())), f"driver checkpoint of process {target_pid}")

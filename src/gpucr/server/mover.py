@@ -152,23 +152,22 @@ class Mover:
         first checkpoint through the server pins nothing; returns the bytes newly pinned. `uuid`: a GPU the
         process uses (the server's context there pins it)."""
         # Pinned outside the lock: tens of GiB take seconds, and a checkpoint must not wait for them (under
-        # the lock, it held a process, handed over, 10.6 s on the H200). Pinned only as far as the
-        # allocations reach, as a copy pins it: pinning the whole segment again after a copy had pinned its
-        # reach re-pinned 69 GiB beside the next checkpoints, whose copies the driver then slowed 5-8x
+        # the lock, it held a process, handed over, 10.6 s on the H200). A running process has no allocations
+        # in its layout yet (they are placed at its handover), so its segments, sized to its data, are pinned
+        # whole; but a segment already pinned here while the process stated at least that size is left alone,
+        # also when a copy pinned it only as far as its allocations reached: pinning those whole again
+        # re-pinned 69 GiB beside the next checkpoints, whose copies then took 6-7 s instead of ~1 s
         # (two-H200 host, 2026-12-01). And one segment at a time, stopping as soon as a copy wants the data
         # plane: pinning competes with its copies inside the driver; what is left is pinned next time.
-        # A running process has no allocations in its layout yet (they are placed at its handover): its
-        # segments, sized to its data, are pinned whole, unless a copy pinned one as far as it needed while
-        # the process stated the same size.
         declared, _plan = _checked_plan(layout)
         with self._lock:
             dev = self._ordinal(uuid)
             self._neighbours.discard(dev)   # the staging is pinned in this context: never given back as a lender's
             ctx = self._context(dev)[0]
             have = self._staging.get(pid, {})
+            # a segment's stated size is never below what is pinned of it (a copy pins at most that far)
             todo = [(i, n) for i, n in sorted(declared.items())
-                    if not self._pinned_enough(have.get(i), seg_fds, i, n)
-                    and not (self._pinned_enough(have.get(i), seg_fds, i, 1) and have[i].declared >= n)]
+                    if not (self._same_file(have.get(i), seg_fds, i) and have[i].declared >= n)]
         self.vmm.use(ctx)
         fresh: list[tuple[int, _Segment]] = []
         try:
@@ -180,10 +179,10 @@ class Mover:
             for _i, seg in fresh:
                 self._drop_segment(seg)
             raise
-        stale: list[_Segment] = []
+        newly = 0
         with self._lock:
             segs = self._staging.setdefault(pid, {})
-            stale += [segs.pop(i) for i in [i for i in segs if i not in declared]]
+            stale = [segs.pop(i) for i in [i for i in segs if i not in declared]]
             for i, seg in fresh:
                 cur = segs.get(i)
                 if cur is not None and cur.ident == seg.ident and cur.bytes >= seg.bytes:
@@ -192,9 +191,10 @@ class Mover:
                 if cur is not None:
                     stale.append(cur)
                 segs[i] = seg
+                newly += seg.bytes
         for seg in stale:   # unpinned outside the lock too
             self._drop_segment(seg)
-        return sum(seg.bytes for _i, seg in fresh if not any(seg is x for x in stale))
+        return newly
 
     def _locked(self, move):
         t0 = time.perf_counter()
@@ -399,12 +399,16 @@ class Mover:
             self._drop_segment(segs.pop(i))
 
     @staticmethod
-    def _pinned_enough(have: _Segment | None, seg_fds: list[int], i: int, size: int) -> bool:
-        """Whether `have` is segment i's file (the process's fd of it now), pinned at least `size` bytes."""
-        if have is None or have.bytes < size or not 0 <= i < len(seg_fds):
+    def _same_file(have: _Segment | None, seg_fds: list[int], i: int) -> bool:
+        """Whether `have` is segment i's file (the process's fd of it now)."""
+        if have is None or not 0 <= i < len(seg_fds):
             return False
         fs = os.fstat(seg_fds[i])
         return have.ident == (fs.st_dev, fs.st_ino)
+
+    def _pinned_enough(self, have: _Segment | None, seg_fds: list[int], i: int, size: int) -> bool:
+        """Whether `have` is segment i's file, pinned at least `size` bytes."""
+        return have is not None and have.bytes >= size and self._same_file(have, seg_fds, i)
 
     def _pin_segment(self, seg_fds: list[int], i: int, size: int, declared: int) -> _Segment:
         """Segment i of a process's staging mapped here and pinned, `size` bytes of it."""
