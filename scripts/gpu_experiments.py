@@ -13,6 +13,10 @@
    streams, piece size and whether the memory is made (cuMemCreate + map) inside the timed fill, for
    one large allocation and for many small ones: why the fill ran at 90 % of the link when the copy
    out ran at 99 %; and the same memory made without the POSIX-fd handle type.
+6. fill-matrix: which side holds the fill at 49 GB/s: each kind of host staging (shared memory, anonymous
+   memory, hugetlbfs, all cuMemHostRegister'd; and the driver's own cuMemHostAlloc, the ceiling's kind)
+   against each kind of device memory (exportable VMM, plain VMM, cuMemAlloc; one allocation, and many
+   20 MiB ones), both ways; then piece size and streams for the server's own pair (shm into exportable VMM).
 
 Prints one JSON object per line; writes them to $OUT/experiments.jsonl too.
 """
@@ -246,6 +250,148 @@ def fill_rate(gib: int = int(os.environ.get("EXP_FILL_GIB", "16"))) -> None:
     os.close(fd)
 
 
+def fill_matrix(gib: int = int(os.environ.get("EXP_FILL_GIB", "8"))) -> None:
+    from gpucr.driver import Vmm, controller_driver
+    vmm = Vmm(controller_driver())
+    ctx = vmm.retain_context(0)
+    vmm.use(ctx)
+    cu = vmm._cu
+    cu.cuMemHostAlloc.argtypes = (ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint)
+    cu.cuMemFreeHost.argtypes = (ctypes.c_void_p,)
+    streams = [vmm.stream() for _ in range(8)]
+    n, mib = gib << 30, 1 << 20
+
+    def host_memory(kind: str):
+        """(address, prepare seconds, release) of n bytes of pinned host memory of this kind, or None."""
+        t0 = time.perf_counter()
+        if kind == "cuMemHostAlloc":
+            p = ctypes.c_void_p()
+            if cu.cuMemHostAlloc(ctypes.byref(p), n, 0):
+                return None
+            ctypes.memset(p.value, 7, n)
+            return p.value, time.perf_counter() - t0, lambda: cu.cuMemFreeHost(p)
+        if kind == "hugetlbfs" and meminfo().get("HugePages_Free", 0) * (2 << 20) < n:
+            return None
+        fd = -1
+        if kind == "anon":
+            m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        else:
+            fd = os.memfd_create("gpucr-fill", os.MFD_HUGETLB if kind == "hugetlbfs" else 0)
+            os.ftruncate(fd, n)
+            m = mmap.mmap(fd, n)
+        buf = ctypes.c_char.from_buffer(m)
+        addr = ctypes.addressof(buf)
+        ctypes.memset(addr, 7, n)
+        vmm.pin(addr, n)
+
+        def release() -> None:
+            nonlocal buf
+            vmm.unpin(addr)
+            del buf
+            m.close()
+            if fd >= 0:
+                os.close(fd)
+        return addr, time.perf_counter() - t0, release
+
+    def device_memory(kind: str) -> tuple[list[tuple[int, int]], callable]:
+        """[(address, bytes)] of n bytes of device memory of this kind, and how to free it."""
+        sizes = [20 * mib] * (n // (20 * mib)) if kind.endswith("-20mib") else [n]
+        if kind.startswith("cuMemAlloc"):
+            ptrs = [vmm.alloc(z) for z in sizes]
+            return list(zip(ptrs, sizes)), lambda: [vmm.free(p) for p in ptrs]
+        made = [(h, vmm.map(h, z, 0), z) for z in sizes for h in [vmm.create(z, 0, kind.startswith("vmm-fd"))]]
+
+        def free() -> None:
+            for h, va, z in made:
+                vmm.unmap(va, z)
+                vmm.release(h)
+        return [(va, z) for _, va, z in made], free
+
+    def rate(host: int, dev: list[tuple[int, int]], out: bool, piece: int = 64 * mib, nstreams: int = 4) -> float:
+        samples = []
+        for _ in range(3):
+            t0, off, turn = time.perf_counter(), 0, 0
+            for va, z in dev:
+                for k in range(0, z, piece):
+                    c, s = min(piece, z - k), streams[turn % nstreams]
+                    turn += 1
+                    (vmm.d2h(host + off + k, va + k, c, s) if out else vmm.h2d(va + k, host + off + k, c, s))
+                off += z
+            for s in streams[:nstreams]:
+                vmm.sync(s)
+            samples.append(sum(z for _, z in dev) / (time.perf_counter() - t0) / 1e9)
+        return round(statistics.median(samples), 2)
+
+    def cold(host: int, dk: str, prep: str) -> dict:
+        """The first copy into (or out of) memory made just before: its rate, and the preparation's time.
+        prep: none; memset (cuMemsetD8Async over it first, timed apart); wait (1 s between making and copying);
+        wait-before-make (1 s between freeing the memory of the sample before and making this one)."""
+        ins, outs, prep_s = [], [], []
+        for _ in range(3):
+            for out in (False, True):
+                if prep == "wait-before-make":
+                    time.sleep(1.0)
+                dev, free = device_memory(dk)
+                t0 = time.perf_counter()
+                if prep == "memset":
+                    for k, (va, z) in enumerate(dev):
+                        vmm.memset(va, z, streams[k % 4])
+                    for s in streams[:4]:
+                        vmm.sync(s)
+                elif prep == "wait":
+                    time.sleep(1.0)
+                prep_s.append(time.perf_counter() - t0)
+                t0, off, turn = time.perf_counter(), 0, 0
+                for va, z in dev:
+                    for k in range(0, z, 64 * mib):
+                        c, s = min(64 * mib, z - k), streams[turn % 4]
+                        turn += 1
+                        (vmm.d2h(host + off + k, va + k, c, s) if out else vmm.h2d(va + k, host + off + k, c, s))
+                    off += z
+                for s in streams[:4]:
+                    vmm.sync(s)
+                (outs if out else ins).append(n / (time.perf_counter() - t0) / 1e9)
+                free()
+        return {"cold_in_gbps": round(statistics.median(ins), 2), "cold_out_gbps": round(statistics.median(outs), 2),
+                "prep_s": round(statistics.median(prep_s), 4)}
+
+    rows, skipped = [], []
+    if os.environ.get("EXP_FILL_COLD_ONLY") == "1":
+        got = host_memory("shm")
+        host, _prep, release = got
+        kinds = os.environ.get("EXP_FILL_COLD_KINDS", "vmm-fd,vmm-plain,cuMemAlloc,vmm-fd-20mib").split(",")
+        preps = os.environ.get("EXP_FILL_COLD_PREPS", "none,memset,wait").split(",")
+        for dk in kinds:
+            for prep in preps:
+                rows.append({"host": "shm", "device": dk, "prep": prep, **cold(host, dk, prep)})
+                print(json.dumps(rows[-1]), flush=True)
+        release()
+        emit(experiment="fill-cold", bytes=n, piece_mib=64, streams=4, rows=rows)
+        return
+    dev_kinds = ("vmm-fd", "vmm-plain", "cuMemAlloc", "vmm-fd-20mib", "cuMemAlloc-20mib")
+    for hk in ("shm", "anon", "hugetlbfs", "cuMemHostAlloc"):
+        got = host_memory(hk)
+        if got is None:
+            skipped.append({"host": hk, "why": "no hugepages free for it" if hk == "hugetlbfs" else "could not be made"})
+            continue
+        host, prep_s, release = got
+        for dk in dev_kinds:
+            dev, free = device_memory(dk)
+            rate(host, dev, False)   # untimed: first use
+            rows.append({"host": hk, "device": dk, "prepare_s": round(prep_s, 2),
+                         "out_gbps": rate(host, dev, True), "in_gbps": rate(host, dev, False)})
+            free()
+        if hk == "shm":   # the server's own pair: piece size and streams
+            dev, free = device_memory("vmm-fd")
+            for piece, nstreams in ((2 * mib, 4), (8 * mib, 4), (20 * mib, 4), (256 * mib, 4), (64 * mib, 1), (64 * mib, 2), (64 * mib, 8), (20 * mib, 8)):
+                rows.append({"host": hk, "device": "vmm-fd", "piece_mib": piece // mib, "streams": nstreams,
+                             "out_gbps": rate(host, dev, True, piece, nstreams), "in_gbps": rate(host, dev, False, piece, nstreams)})
+            free()
+        release()
+        print(json.dumps([r for r in rows if r["host"] == hk]), flush=True)
+    emit(experiment="fill-matrix", bytes=n, default_piece_mib=64, default_streams=4, rows=rows, skipped=skipped)
+
+
 def dd(path: Path, gib: int) -> dict:
     out = {}
     w = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={gib * 16}", "oflag=direct", "conv=fsync"],
@@ -313,6 +459,8 @@ if __name__ == "__main__":
             memcpy_rate()
         elif w == "fill-rate":
             fill_rate()
+        elif w == "fill-matrix":
+            fill_matrix()
         elif w == "image":
             d = Path(os.environ.get("EXP_IMAGE_DIR", "/var/tmp/gpucr-exp"))
             d.mkdir(parents=True, exist_ok=True)

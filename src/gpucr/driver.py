@@ -199,6 +199,7 @@ class Vmm:
                            ("cuMemcpyDtoHAsync_v2", (p, u64, sz, p)), ("cuMemcpyHtoDAsync_v2", (u64, p, sz, p)),
                            ("cuStreamCreate", (ctypes.POINTER(p), ctypes.c_uint)), ("cuStreamSynchronize", (p,)),
                            ("cuMemAlloc_v2", (pu64, sz)), ("cuMemFree_v2", (u64,)), ("cuMemcpyAsync", (u64, u64, sz, p)),
+                           ("cuMemsetD8Async", (u64, ctypes.c_ubyte, sz, p)),
                            ("cuDeviceCanAccessPeer", (ctypes.POINTER(i), i, i)),
                            ("cuEventCreate", (ctypes.POINTER(p), ctypes.c_uint)), ("cuEventRecord", (p, p)),
                            ("cuEventSynchronize", (p,)), ("cuEventDestroy_v2", (p,))):
@@ -300,6 +301,9 @@ class Vmm:
     def d2d(self, dst: int, src: int, size: int, stream: int) -> None:
         """GPU to GPU, either side on any GPU whose copy engine the stream's can reach (unified addressing)."""
         self._ok(self._cu.cuMemcpyAsync(dst, src, size, ctypes.c_void_p(stream)), "copying between GPUs")
+
+    def memset(self, va: int, size: int, stream: int, value: int = 0) -> None:
+        self._ok(self._cu.cuMemsetD8Async(va, value, size, ctypes.c_void_p(stream)), "cuMemsetD8Async")
 
     def alloc(self, size: int) -> int:
         """Plain device memory in the current context (the server's bounce slots on a neighbour GPU)."""
