@@ -128,10 +128,38 @@ def test_report_merges_files_and_never_mixes_sim_with_gpu(bench_run, tmp_path):
 
 def test_bad_arguments_are_one_line_errors():
     for args, what in ((["--workloads", "raw:zero"], "unknown workload"), (["--methods", "criu"], "unknown method"),
-                       (["--repeat", "0"], "--repeat"), (["--gpu-util", "1.5"], "--gpu-util")):
+                       (["--repeat", "0"], "--repeat"), (["--gpu-util", "1.5"], "--gpu-util"),
+                       (["--park", "nan"], "--park"), (["--park", "-1"], "--park")):
         r = gpucr_cli("bench", "--simulate", *args)
         lines = [l for l in r.stderr.splitlines() if l.strip()]
         assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("gpucr: error: ") and what in lines[0], r.stderr
+
+
+def test_a_parked_cycle_waits_between_its_checkpoint_and_its_restore():
+    """--park S: the restore is asked S seconds after the checkpoint answered, and the GPU is read in between."""
+    seen: list[tuple[str, float]] = []
+
+    class Clocked(M.Method):
+        name = "clocked"
+
+        def checkpoint(self, pids):
+            seen.append(("checkpoint", time.monotonic()))
+            return {}
+
+        def restore(self, pids):
+            seen.append(("restore", time.monotonic()))
+            return {}
+
+    def read_used():
+        seen.append(("read", time.monotonic()))
+        return 7
+
+    ck, rs, used = M.timed_cycle(Clocked(), [1], read_used, 0.3)
+    assert used == 7 and [w for w, _ in seen] == ["checkpoint", "read", "restore"]
+    assert seen[2][1] - seen[1][1] >= 0.3 and rs["wall_s"] < 0.3
+    seen.clear()
+    M.timed_cycle(Clocked(), [1], read_used)
+    assert seen[2][1] - seen[1][1] < 0.1   # restored at once by default
 
 
 def test_plain_env_has_no_agent_but_the_same_driver(monkeypatch):

@@ -541,12 +541,16 @@ def make(name: str, drv: Driver, simulate: bool, deadline: float = 600.0) -> Met
     raise GpucrError(f"unknown method '{name}': use some of {', '.join(METHODS)}")
 
 
-def timed_cycle(method: Method, pids: list[int], read_used) -> tuple[dict, dict, int | None]:
-    """Checkpoint, read GPU memory while checkpointed, restore; wall times around each call."""
+def timed_cycle(method: Method, pids: list[int], read_used, park_s: float = 0.0) -> tuple[dict, dict, int | None]:
+    """Checkpoint, read GPU memory while checkpointed, stay parked park_s, restore; wall times around each call.
+    Parked for a while, the restore meets a card whose driver has finished its own work on the memory the
+    checkpoint freed (measured on the H200: a copy into memory made at once runs at 48-49 GB/s, 53-55 a second later)."""
     t0 = time.perf_counter()
     ck = method.checkpoint(pids)
     ck["wall_s"] = time.perf_counter() - t0
     used = read_used()
+    if park_s:
+        time.sleep(park_s)
     t0 = time.perf_counter()
     rs = method.restore(pids)
     rs["wall_s"] = time.perf_counter() - t0

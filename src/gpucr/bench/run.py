@@ -52,6 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-util", type=float, default=0.5, help="share of the GPU an LLM server may hold, "
                    "weights and KV cache (vLLM's --gpu-memory-utilization; default 0.5)")
     p.add_argument("--repeat", type=int, default=3, help="timed cycles per method and workload (default 3)")
+    p.add_argument("--park", type=float, default=0.0, metavar="SECONDS", help="seconds each timed cycle stays "
+                   "checkpointed before its restore, as a parked process does (default 0: restored at once)")
     p.add_argument("--ceiling-gib", type=float, default=None, help="size of the pinned copy that measures the "
                    "ceiling (default 8; 0.25 on simcuda)")
     p.add_argument("--out", default=None, metavar="JSON", help="results file (default gpucr-bench-DATE.json here)")
@@ -234,7 +236,7 @@ def _failed_entry(proc: dict[str, Any], exc: M.JobFailed, samples: list[dict[str
 
 def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, ceiling: dict | None,
               repeat: int, out: dict[str, dict[str, Any]], hugepages_for: int | None = None,
-              saved: Callable[[], None] = lambda: None) -> None:
+              saved: Callable[[], None] = lambda: None, park_s: float = 0.0) -> None:
     """Start one job for `group`, then time `repeat` cycles of each method on it; each method's
     results go into `out`, and `saved` is called, as soon as it is done, so a later failure or a
     time limit keeps them. A method that leaves the job dead (the driver's path failed or hung) is
@@ -247,7 +249,7 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
                     if m.name in out:
                         out[m.name]["hugepages_reserved_bytes"] = h.got * HUGE_PAGE
                 saved()
-            run_group(spec, group, simulate, drv, ceiling, repeat, out, saved=saved_with_pages)
+            run_group(spec, group, simulate, drv, ceiling, repeat, out, saved=saved_with_pages, park_s=park_s)
         return
     used = _used(drv)
     idle, idle_gpus = used(), _used_per_gpu(drv)
@@ -273,12 +275,12 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
             try:
                 if k > 0 and m.warmup() is m:   # its own first cycle (the server pins the staging): apart
                     m.before_first(w.pids)
-                    ck, rs, _ = M.timed_cycle(m, w.pids, used)
+                    ck, rs, _ = M.timed_cycle(m, w.pids, used, park_s)
                     first = {"checkpoint_s": ck["wall_s"], "restore_s": rs["wall_s"]}
                     _say(f"{spec.name} {m.name}: its first cycle (reported apart): checkpoint {ck['wall_s']:.3f} s, "
                          f"restore {rs['wall_s']:.3f} s")
                 for i in range(repeat):
-                    ck, rs, used_ck = M.timed_cycle(m, w.pids, used)
+                    ck, rs, used_ck = M.timed_cycle(m, w.pids, used, park_s)
                     if i == repeat - 1:
                         m.close()   # what it started (a server) goes before the next method runs
                     row = M.metrics(m, ck, rs, proc["footprint_bytes"], ceiling)
@@ -417,6 +419,8 @@ def main(a: argparse.Namespace) -> int:
         raise GpucrError("--repeat must be at least 1")
     if not 0 < a.gpu_util < 1:
         raise GpucrError("--gpu-util is a share of the GPU, between 0 and 1")
+    if not 0 <= a.park <= 3600:
+        raise GpucrError("--park is a number of seconds from 0 to 3600")
     if a.driver_deadline <= 0:
         raise GpucrError("--driver-deadline is a number of seconds above 0")
     simulated = a.simulate or not gpu_present()
@@ -441,7 +445,7 @@ def main(a: argparse.Namespace) -> int:
         "schema": SCHEMA, "simulated": simulated, "warning": SIMULATED_BANNER if simulated else None,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **environment(drv, simulated),
         "settings": {"workloads": [s.name for s in specs], "skipped_workloads": skipped, "methods": names,
-                     "gpu_util": a.gpu_util, "repeat": a.repeat, "generate_tokens": M.GENERATE_TOKENS,
+                     "gpu_util": a.gpu_util, "repeat": a.repeat, "park_s": a.park, "generate_tokens": M.GENERATE_TOKENS,
                      "step_timeout_s": M.STEP_TIMEOUT_S,
                      "gpucr_staging": "2 MiB hugepages reserved by the bench for gpucr's methods"
                      if a.staging_hugepages else "the agent's default (hugepages if free, else shared memory)",
@@ -472,7 +476,7 @@ def main(a: argparse.Namespace) -> int:
                 huge = _hugepages_for(a, spec, group, wres["methods"], results) if a.staging_hugepages else None
                 try:
                     run_group(spec, group, simulated, drv, _ceiling_for(spec, results), a.repeat, wres["methods"],
-                              hugepages_for=huge, saved=lambda: _save(out, results, wres))
+                              hugepages_for=huge, saved=lambda: _save(out, results, wres), park_s=a.park)
                 except (GpucrError, RuntimeError, OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
                     failed = True
                     _say(f"{spec.name}: {', '.join(m.name for m in group)} failed: {exc}")
