@@ -205,6 +205,32 @@ def test_server_that_gives_back_its_context_holds_nothing_between_cycles(sim_app
         s.stop()
 
 
+def test_a_context_given_back_is_waited_for_until_nvml_stops_counting_it(monkeypatch):
+    """On the H200 NVML still counted the server's context for a moment after cuDevicePrimaryCtxRelease (a
+    result measured then reported 0.60 GiB of it): settle waits until the count of the server's own pid drops,
+    at most its limit, and not at all where nothing is counted."""
+    from types import SimpleNamespace
+    from gpucr.server import mover as mv
+    counts = iter([648 << 20, 648 << 20, 0])
+    asked: list[tuple[int, int, str]] = []
+
+    def counted(drv, pid, dev, uuid):
+        asked.append((pid, dev, uuid))
+        return next(counts)
+    monkeypatch.setattr(mv, "process_gpu_memory", counted)
+    real = SimpleNamespace(vmm=SimpleNamespace(drv=SimpleNamespace(simulated=False)))
+    mv.Mover._wait_until_released(real, {0: "GPU-a"})
+    assert asked == [(os.getpid(), 0, "GPU-a")] * 3
+    monkeypatch.setattr(mv, "process_gpu_memory", lambda *a: 1 << 20)
+    t0 = time.monotonic()
+    mv.Mover._wait_until_released(real, {0: "GPU-a"}, limit_s=0.2)
+    assert 0.2 <= time.monotonic() - t0 < 1.0   # bounded: a count that never drops costs the limit, no more
+    asked.clear()
+    monkeypatch.setattr(mv, "process_gpu_memory", counted)
+    mv.Mover._wait_until_released(SimpleNamespace(vmm=SimpleNamespace(drv=SimpleNamespace(simulated=True))), {0: "GPU-a"})
+    assert asked == []   # simcuda's count drops with the release
+
+
 def test_the_data_plane_refuses_a_layout_outside_the_staging(tmp_path):
     """The process is not trusted: a layout that would have the server copy past its staging file, a restore
     of anything but what the server took from it, or a staging fd that is not a plain file of the size said,
