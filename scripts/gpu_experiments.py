@@ -307,20 +307,21 @@ def fill_matrix(gib: int = int(os.environ.get("EXP_FILL_GIB", "8"))) -> None:
                 vmm.release(h)
         return [(va, z) for _, va, z in made], free
 
+    def one_pass(host: int, dev: list[tuple[int, int]], out: bool, piece: int = 64 * mib, nstreams: int = 4) -> float:
+        """GB/s of one timed copy of every allocation of `dev` to (out) or from staging, in pieces over streams."""
+        t0, off, turn = time.perf_counter(), 0, 0
+        for va, z in dev:
+            for k in range(0, z, piece):
+                c, s = min(piece, z - k), streams[turn % nstreams]
+                turn += 1
+                (vmm.d2h(host + off + k, va + k, c, s) if out else vmm.h2d(va + k, host + off + k, c, s))
+            off += z
+        for s in streams[:nstreams]:
+            vmm.sync(s)
+        return sum(z for _, z in dev) / (time.perf_counter() - t0) / 1e9
+
     def rate(host: int, dev: list[tuple[int, int]], out: bool, piece: int = 64 * mib, nstreams: int = 4) -> float:
-        samples = []
-        for _ in range(3):
-            t0, off, turn = time.perf_counter(), 0, 0
-            for va, z in dev:
-                for k in range(0, z, piece):
-                    c, s = min(piece, z - k), streams[turn % nstreams]
-                    turn += 1
-                    (vmm.d2h(host + off + k, va + k, c, s) if out else vmm.h2d(va + k, host + off + k, c, s))
-                off += z
-            for s in streams[:nstreams]:
-                vmm.sync(s)
-            samples.append(sum(z for _, z in dev) / (time.perf_counter() - t0) / 1e9)
-        return round(statistics.median(samples), 2)
+        return round(statistics.median(one_pass(host, dev, out, piece, nstreams) for _ in range(3)), 2)
 
     def cold(host: int, dk: str, prep: str) -> dict:
         """The first copy into (or out of) memory made just before: its rate, and the preparation's time.
@@ -341,16 +342,7 @@ def fill_matrix(gib: int = int(os.environ.get("EXP_FILL_GIB", "8"))) -> None:
                 elif prep == "wait":
                     time.sleep(1.0)
                 prep_s.append(time.perf_counter() - t0)
-                t0, off, turn = time.perf_counter(), 0, 0
-                for va, z in dev:
-                    for k in range(0, z, 64 * mib):
-                        c, s = min(64 * mib, z - k), streams[turn % 4]
-                        turn += 1
-                        (vmm.d2h(host + off + k, va + k, c, s) if out else vmm.h2d(va + k, host + off + k, c, s))
-                    off += z
-                for s in streams[:4]:
-                    vmm.sync(s)
-                (outs if out else ins).append(n / (time.perf_counter() - t0) / 1e9)
+                (outs if out else ins).append(one_pass(host, dev, out))
                 free()
         return {"cold_in_gbps": round(statistics.median(ins), 2), "cold_out_gbps": round(statistics.median(outs), 2),
                 "prep_s": round(statistics.median(prep_s), 4)}
