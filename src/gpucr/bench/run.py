@@ -261,7 +261,7 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
         if wm is not None:
             _say(f"{spec.name}: warm-up cycle by {wm.name} (it prepares its host memory once; reported apart)")
             wm.before_first(w.pids)
-            ck, rs, _ = M.timed_cycle(wm, w.pids, used)
+            ck, rs, _ = M.timed_cycle(wm, w.pids, used, park_s)
             staging_ms = ck.get("agent_ms", {}).get("staging")
             warmup = {"checkpoint_s": ck["wall_s"], "restore_s": rs["wall_s"], "staging_ms": staging_ms,
                       "checkpoint": ck, "restore": rs, "correct": M.compare(ref, M.observe(w, spec))}
