@@ -95,6 +95,21 @@ def test_bytes_and_memory_are_what_the_workload_holds(bench_run):
     assert all(v > 0 for d in sp.values() for v in d.values())
 
 
+def test_each_gpucr_method_is_set_against_its_bound(bench_run):
+    """Saved with the run: checkpoint and restore over max(bytes / the run's ceiling, control s)."""
+    _, res, _, _ = bench_run
+    w, c = res["workloads"]["raw:0.05"], res["ceiling"]
+    ob = w["over_bound"]
+    assert set(ob) == {"gpucr-full", "gpucr-data"}, "the driver's methods have no bound of this kind"
+    for name, r in ob.items():
+        med = w["methods"][name]["median"]
+        assert r["bound_out_s"] == pytest.approx(max(med["bytes_out"] / (c["d2h_gbps"] * 1e9), med["control_out_s"] or 0))
+        assert r["bound_in_s"] == pytest.approx(max(med["bytes_in"] / (c["h2d_gbps"] * 1e9), med["control_in_s"] or 0))
+        assert r["checkpoint"] == pytest.approx(med["checkpoint_s"] / r["bound_out_s"])
+        assert r["restore"] == pytest.approx(med["restore_s"] / r["bound_in_s"])
+    assert w["versus_peer"] == {}, "no peer in the run"
+
+
 def test_chart_and_table(bench_run, tmp_path):
     pytest.importorskip("matplotlib")
     r, res, out, png = bench_run

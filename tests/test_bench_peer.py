@@ -136,3 +136,24 @@ def test_gpucr_against_the_peer_and_the_table():
     assert row.split(" | ")[5] == "0.600" and row.split(" | ")[8] == "0.500" and "| 30.00 |" in row and "| 0.50 |" in row
     assert "raw:30: gpucr-data GB/s 1.10x (out) / 0.75x (in) torch-memory-saver's" in md
     assert "raw:30: gpucr-full checkpoint / restore time 1.10x / 2.00x torch-memory-saver's pause / resume" in md
+
+
+def test_server_methods_against_the_peer():
+    """Runs with only server methods (say the park run) compare with the peer too, each under its own name."""
+    peer = {"checkpoint_s": 1.4592, "restore_s": 1.4445, "gbps_out": 50.96, "gbps_in": 51.50}
+    by = {PEER: {"median": peer},
+          "gpucr-server-full": {"median": {"checkpoint_s": 1.4921, "restore_s": 1.4607}},
+          "gpucr-server-full-ahead": {"median": {"checkpoint_s": 2.9184, "restore_s": 1.4445}},
+          "gpucr-server-full-one-link": {"error": "failed", "correct": False},
+          "gpucr-server-data": {"median": {"checkpoint_s": 1.0, "restore_s": 1.0, "gbps_out": 56.056, "gbps_in": 25.75}},
+          "driver": {"median": {"checkpoint_s": 9.0, "restore_s": 9.0, "gbps_out": 10.0, "gbps_in": 10.0}}}
+    v = run.versus_peer(by)
+    assert set(v) == {"gpucr-server-full_time_over_peer", "gpucr-server-full-ahead_time_over_peer",
+                      "gpucr-server-data_gbps_over_peer"}, "the driver is no gpucr method; a failed one has no median"
+    assert v["gpucr-server-full_time_over_peer"] == pytest.approx({"checkpoint": 1.4921 / 1.4592, "restore": 1.4607 / 1.4445})
+    assert v["gpucr-server-full-ahead_time_over_peer"] == pytest.approx({"checkpoint": 2.0, "restore": 1.0})
+    assert v["gpucr-server-data_gbps_over_peer"] == pytest.approx({"out": 1.1, "in": 0.5})
+    md = report.markdown({"workloads": {"llama3-8b": {"methods": {}, "versus_peer": v}}})
+    assert "llama3-8b: gpucr-server-full-ahead checkpoint / restore time 2.00x / 1.00x torch-memory-saver's pause / resume" in md
+    assert "llama3-8b: gpucr-server-data GB/s 1.10x (out) / 0.50x (in) torch-memory-saver's" in md
+    assert run.versus_peer({k: m for k, m in by.items() if k != PEER}) == {}, "no peer, nothing to compare"

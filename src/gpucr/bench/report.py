@@ -1,14 +1,17 @@
 """Render `gpucr bench` results: a Markdown table for the README and a PNG chart.
 
-    python3 -m gpucr.bench.report RESULTS.json [MORE.json ...] [--chart PNG]
+    python3 -m gpucr.bench.report RESULTS.json [MORE.json ...] [--chart PNG] [--recompute]
 
 Several files (say one per workload, from separate runs) are merged into one table; files
-measured on simcuda and on a GPU are never mixed.
+measured on simcuda and on a GPU are never mixed. --recompute first rewrites each file in place
+with its comparisons (speedups, versus_peer, over_bound) derived again from its medians and its
+ceiling: files written before a comparison existed get it.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -89,13 +92,8 @@ def markdown(res: dict[str, Any]) -> str:
     lines += jobs_table(res)
     sp = [f"{w}: {k.replace('_vs_', ' vs ')} checkpoint {v['checkpoint']:.1f}x, restore {v['restore']:.1f}x faster"
           for w, wr in res.get("workloads", {}).items() for k, v in (wr.get("speedups") or {}).items()]
-    sp += [f"{w}: gpucr-data GB/s {v['out']:.2f}x (out) / {v['in']:.2f}x (in) torch-memory-saver's"
-           for w, wr in res.get("workloads", {}).items() for k, v in (wr.get("versus_peer") or {}).items()
-           if k == "gpucr-data_gbps_over_peer"]
-    sp += [f"{w}: gpucr-full checkpoint / restore time {v['checkpoint']:.2f}x / {v['restore']:.2f}x "
-           f"torch-memory-saver's pause / resume"
-           for w, wr in res.get("workloads", {}).items() for k, v in (wr.get("versus_peer") or {}).items()
-           if k == "gpucr-full_time_over_peer"]
+    sp += [line for w, wr in res.get("workloads", {}).items() for line in peer_lines(w, wr.get("versus_peer") or {})]
+    sp += [line for w, wr in res.get("workloads", {}).items() for line in bound_lines(w, wr.get("over_bound") or {})]
     sp += [f"{w}: {mn} skipped: {m['skipped']}" for w, wr in res.get("workloads", {}).items()
            for mn, m in wr.get("methods", {}).items() if m.get("skipped") and m["skipped"] != "not an NCCL job"]
     if sp:
@@ -119,6 +117,29 @@ def markdown(res: dict[str, Any]) -> str:
               "pause / resume timed inside the app (its GB/s are on them and the region's bytes), its checkpoint / "
               "restore s the same asked from the bench, round trip included."]
     return "\n".join(lines)
+
+
+GBPS_KEY, TIME_KEY = "_gbps_over_peer", "_time_over_peer"
+PEER = "torch-memory-saver"   # methods.TmsMethod.name, spelt out: rendering a file needs none of the bench's imports
+
+
+def peer_lines(w: str, vp: dict[str, dict[str, float]]) -> list[str]:
+    """versus_peer's ratios, one sentence each, the gpucr method named from its key."""
+    out = []
+    for k, v in vp.items():
+        if k.endswith(GBPS_KEY):
+            out.append(f"{w}: {k[:-len(GBPS_KEY)]} GB/s {v['out']:.2f}x (out) / {v['in']:.2f}x (in) {PEER}'s")
+        elif k.endswith(TIME_KEY):
+            out.append(f"{w}: {k[:-len(TIME_KEY)]} checkpoint / restore time {v['checkpoint']:.2f}x / "
+                       f"{v['restore']:.2f}x {PEER}'s pause / resume")
+    return out
+
+
+def bound_lines(w: str, ob: dict[str, dict[str, float]]) -> list[str]:
+    """over_bound: each method's times over what its bytes and control state allow (older files lack it)."""
+    return [f"{w}: {m} checkpoint / restore {v['checkpoint']:.2f}x / {v['restore']:.2f}x its bound "
+            f"({'bytes / ceiling' if m == PEER else 'max(bytes / ceiling, control)'} = "
+            f"{v['bound_out_s']:.3f} / {v['bound_in_s']:.3f} s)" for m, v in ob.items()]
 
 
 def _either(d: dict[str, Any], key: str, other: str) -> float | None:
@@ -210,12 +231,35 @@ def chart(res: dict[str, Any], path: str | Path) -> None:
     plt.close(fig)
 
 
+def recompute(path: str | Path) -> None:
+    """Rewrite one results file with its comparisons derived again (gpucr.bench.run.derive_all, their one
+    home); everything else, the file's indent and its final newline included, stays as it was."""
+    from . import run   # here, not at the top: run imports this module, and rendering needs none of it
+    p = Path(path)
+    text = p.read_text()
+    res = json.loads(text)
+    run.derive_all(res)
+    tmp = p.with_suffix(p.suffix + ".tmp")   # replaced whole: a failed write leaves the file as it was
+    tmp.write_text(json.dumps(res, indent=_indent(text)) + ("\n" if text.endswith("\n") else ""))
+    os.replace(tmp, p)
+
+
+def _indent(text: str) -> int | None:
+    """The indent a JSON file was written with (None: all on one line)."""
+    lines = text.splitlines()
+    return len(lines[1]) - len(lines[1].lstrip(" ")) if len(lines) > 1 else None
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python3 -m gpucr.bench.report", description="Markdown table (and chart) of gpucr bench results")
     ap.add_argument("results", nargs="+", metavar="RESULTS.json")
     ap.add_argument("--chart", metavar="PNG", help="also draw the chart of the merged results")
+    ap.add_argument("--recompute", action="store_true",
+                    help="first rewrite each file in place with speedups, versus_peer and over_bound derived again")
     a = ap.parse_args(argv)
     try:
+        for p in a.results if a.recompute else []:
+            recompute(p)
         res = load(a.results)
     except (OSError, ValueError, KeyError) as exc:
         print(f"gpucr: error: cannot read the results: {exc}", file=sys.stderr)

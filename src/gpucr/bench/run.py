@@ -339,27 +339,85 @@ def speedups(by_method: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]
     return out
 
 
+def _gpucr_methods(by_method: dict[str, dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
+    """gpucr's methods (in process or through the server, under the agent) that have medians."""
+    return [(n, m["median"]) for n, m in by_method.items() if n.startswith("gpucr-") and (m or {}).get("median")]
+
+
+def _over(a: dict[str, Any], b: dict[str, Any], keys: dict[str, str]) -> dict[str, float] | None:
+    """{label: a[key] / b[key]} for keys {label: key}, or None where a side lacks one (a failed step)."""
+    if not all(a.get(k) and b.get(k) for k in keys.values()):
+        return None
+    return {label: a[k] / b[k] for label, k in keys.items()}
+
+
 def versus_peer(by_method: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """gpucr against torch_memory_saver, from the side-by-side medians: gpucr-data's GB/s over the
-    peer's (issue 13 asks at least 1), and gpucr-full's checkpoint and restore times over the peer's
-    pause and resume, both timed from the bench (it asks at most 1.15 on a region of 30 GiB or more)."""
+    """gpucr against torch_memory_saver, from the side-by-side medians: each data-level gpucr method's
+    (name ending -data) GB/s over the peer's (issue 13 asks at least 1), and each full-level one's
+    (gpucr-full..., gpucr-server-full...) checkpoint and restore times over the peer's pause and
+    resume, both timed from the bench (it asks at most 1.15 on a region of 30 GiB or more)."""
     peer = (by_method.get(M.TmsMethod.name) or {}).get("median")
-    data = (by_method.get("gpucr-data") or {}).get("median")
-    full = (by_method.get("gpucr-full") or {}).get("median")
-    out = {}
-    if peer and data and all(data.get(k) and peer.get(k) for k in ("gbps_out", "gbps_in")):
-        out["gpucr-data_gbps_over_peer"] = {"out": data["gbps_out"] / peer["gbps_out"],
-                                            "in": data["gbps_in"] / peer["gbps_in"]}
-    if peer and full and all(full.get(k) and peer.get(k) for k in ("checkpoint_s", "restore_s")):
-        out["gpucr-full_time_over_peer"] = {"checkpoint": full["checkpoint_s"] / peer["checkpoint_s"],
-                                            "restore": full["restore_s"] / peer["restore_s"]}
+    out: dict[str, dict[str, float]] = {}
+    if not peer:
+        return out
+    for name, med in _gpucr_methods(by_method):
+        if name.endswith("-data") and (r := _over(med, peer, {"out": "gbps_out", "in": "gbps_in"})):
+            out[f"{name}_gbps_over_peer"] = r
+        elif "-full" in name and (r := _over(med, peer, {"checkpoint": "checkpoint_s", "restore": "restore_s"})):
+            out[f"{name}_time_over_peer"] = r
     return out
 
 
-def _save(path: Path, results: dict[str, Any], wres: dict[str, Any]) -> None:
-    """Written after every method: a run cut short by a time limit keeps what it measured."""
+def _bound_s(nbytes: float | None, gbps: float | None, control_s: float | None) -> float | None:
+    """What a step cannot beat: its bytes over the pinned-copy ceiling, or the driver's control time
+    where that is longer (gpucr's data and the control state move side by side)."""
+    if not nbytes or not gbps:
+        return None
+    return max(nbytes / (gbps * 1e9), control_s or 0.0)
+
+
+def over_bound(by_method: dict[str, dict[str, Any]], ceiling: dict | None) -> dict[str, dict[str, float]]:
+    """Each gpucr method's checkpoint and restore time over its bound, max(bytes / ceiling, control s),
+    both of the same run (issue 13 asks within 1.15x); the peer's too, on bytes / ceiling (it has no
+    control step), to set beside them. Methods lacking bytes, and runs without a ceiling, are left out."""
+    c = ceiling or {}
+    peer = (by_method.get(M.TmsMethod.name) or {}).get("median")
+    out: dict[str, dict[str, float]] = {}
+    for name, med in _gpucr_methods(by_method) + ([(M.TmsMethod.name, peer)] if peer else []):
+        b_out = _bound_s(med.get("bytes_out"), c.get("d2h_gbps"), med.get("control_out_s"))
+        b_in = _bound_s(med.get("bytes_in"), c.get("h2d_gbps"), med.get("control_in_s"))
+        if b_out and b_in and med.get("checkpoint_s") and med.get("restore_s"):
+            out[name] = {"checkpoint": med["checkpoint_s"] / b_out, "restore": med["restore_s"] / b_in,
+                         "bound_out_s": b_out, "bound_in_s": b_in}
+    return out
+
+
+def derive(wres: dict[str, Any], ceiling: dict | None) -> None:
+    """A workload's comparisons, from its medians: at every save, and again for a results file
+    written before some of them existed (python3 -m gpucr.bench.report FILE --recompute)."""
     wres["speedups"] = speedups(wres["methods"])
     wres["versus_peer"] = versus_peer(wres["methods"])
+    wres["over_bound"] = over_bound(wres["methods"], ceiling)
+
+
+def derive_all(results: dict[str, Any]) -> None:
+    """derive() for every workload of a results dict, each against its own ceiling."""
+    for wname, wres in results.get("workloads", {}).items():
+        derive(wres, _ceiling_of(_gpus_of(wname, wres), results))
+
+
+def _gpus_of(wname: str, wres: dict[str, Any]) -> int:
+    """A recorded workload's GPU count: from its name, as the run parsed it; else (a name this version
+    no longer knows) the most GPUs any of its methods' processes held bytes on."""
+    try:
+        return M.parse_workload(wname, 0.5).gpus
+    except GpucrError:
+        return max([len((m.get("process") or {}).get("bytes_per_gpu") or {}) for m in wres["methods"].values()] + [1])
+
+
+def _save(path: Path, results: dict[str, Any], wres: dict[str, Any], ceiling: dict | None) -> None:
+    """Written after every method: a run cut short by a time limit keeps what it measured."""
+    derive(wres, ceiling)
     _write(path, results)
 
 
@@ -408,10 +466,14 @@ def method_names(text: str | None, specs: list[M.Spec]) -> list[str]:
 
 def _ceiling_for(spec: M.Spec, results: dict[str, Any]) -> dict | None:
     """What a workload's rates are set against: one link, or every link at once for a multi-GPU job."""
+    return _ceiling_of(spec.gpus, results)
+
+
+def _ceiling_of(gpus: int, results: dict[str, Any]) -> dict | None:
     both = results.get("ceiling_all_gpus")
-    if spec.gpus > 1 and both:
+    if gpus > 1 and both:
         return {"d2h_gbps": both["aggregate_d2h_gbps"], "h2d_gbps": both["aggregate_h2d_gbps"]}
-    return results["ceiling"]
+    return results.get("ceiling")
 
 
 def main(a: argparse.Namespace) -> int:
@@ -468,21 +530,22 @@ def main(a: argparse.Namespace) -> int:
         for spec in specs:
             wres: dict[str, Any] = {"module": spec.module, "args": list(spec.args), "methods": {}}
             results["workloads"][spec.name] = wres
+            ceiling = _ceiling_for(spec, results)
             for group in _groups(methods):
                 group = _runnable(spec, group, wres["methods"])
                 if not group:
-                    _save(out, results, wres)
+                    _save(out, results, wres, ceiling)
                     continue
                 huge = _hugepages_for(a, spec, group, wres["methods"], results) if a.staging_hugepages else None
                 try:
-                    run_group(spec, group, simulated, drv, _ceiling_for(spec, results), a.repeat, wres["methods"],
-                              hugepages_for=huge, saved=lambda: _save(out, results, wres), park_s=a.park)
+                    run_group(spec, group, simulated, drv, ceiling, a.repeat, wres["methods"],
+                              hugepages_for=huge, saved=lambda: _save(out, results, wres, ceiling), park_s=a.park)
                 except (GpucrError, RuntimeError, OSError, ValueError, KeyError, subprocess.SubprocessError) as exc:
                     failed = True
                     _say(f"{spec.name}: {', '.join(m.name for m in group)} failed: {exc}")
                     for m in group:
                         wres["methods"].setdefault(m.name, {"error": str(exc), "correct": False})
-                _save(out, results, wres)
+                _save(out, results, wres, ceiling)
     finally:
         for m in methods:
             m.close()
