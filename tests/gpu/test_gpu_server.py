@@ -74,7 +74,11 @@ def test_a_server_that_gives_back_its_context_leaves_the_card_idle():
         with Workload("torch_app", "--gib", "4") as app:
             before = app.ask("digest")
             for _ in range(2):
-                assert "handover" in gpucr.checkpoint(app.pid, timeout=60).phases_s
+                r = gpucr.checkpoint(app.pid, timeout=60)
+                assert "handover" in r.phases_s
+                # the result's own figure too: the server waits until NVML stops counting its context
+                after = r.gpus[0].gpu_used_after_bytes
+                assert after is not None and after - idle <= SLACK, f"result: {(after - idle) >> 20} MiB above idle"
                 assert used() - idle <= SLACK and server_bytes(s) == 0
                 gpucr.restore(app.pid, timeout=60)
                 assert app.ask("digest") == before
