@@ -199,6 +199,24 @@ def test_each_phase_is_reported_by_the_side_that_times_it(sim_app):
         agent.call("note", driver_lock_us=5)
 
 
+def test_a_results_phases_cover_its_whole_call(sim_app):
+    """In process the controller's phases follow one another: vet, prepare, data out, driver lock,
+    control out, commit, settle (restore: vet, control in, driver unlock, data in, settle). Together they
+    are the call's time, so a slow cycle shows where it went instead of leaving time no phase accounts for."""
+    app = sim_app("--sizes", "24M,8M")
+    for _ in range(2):
+        t0 = time.perf_counter()
+        ck = gpucr.checkpoint(app.pid)
+        wall = time.perf_counter() - t0
+        assert list(ck.phases_s) == ["vet", "prepare", "data_out", "driver_lock", "control_out", "commit", "settle"], ck.phases_s
+        assert wall - 0.05 <= sum(ck.phases_s.values()) <= wall, (wall, ck.phases_s)
+        t0 = time.perf_counter()
+        rs = gpucr.restore(app.pid)
+        wall = time.perf_counter() - t0
+        assert list(rs.phases_s) == ["vet", "control_in", "driver_unlock", "data_in", "settle"], rs.phases_s
+        assert wall - 0.05 <= sum(rs.phases_s.values()) <= wall, (wall, rs.phases_s)
+
+
 @pytest.mark.parametrize("pin_threads", ["1", "3"])
 def test_staging_unpinned_for_the_driver_and_pinned_again_at_restore(sim_app, monkeypatch, pin_threads):
     # with pinned staging (the ring off) and unpinning asked for: the restore's pin-ahead threads

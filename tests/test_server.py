@@ -139,13 +139,13 @@ def test_the_server_copies_the_data_while_the_driver_checkpoints(server, sim_app
     before = app.ask("digest")
     for i in range(3):
         ck = gpucr.checkpoint(app.pid)
-        assert {"handover", "data_out", "driver_lock", "control_out"} <= set(ck.phases_s), ck.phases_s
+        assert {"vet", "prepare", "handover", "data_out", "driver_lock", "control_out", "commit", "settle"} <= set(ck.phases_s), ck.phases_s
         assert ck.bytes_moved == 50 << 20, ck
         st = gpucr.status(app.pid)
         assert st.state == "checkpointed" and st.staged and st.checkpoint_phase == "", st
         assert process_gpu_memory(sim_driver(), app.pid, 0) == 0   # its memory left the GPU with the fds
         rs = gpucr.restore(app.pid)
-        assert {"control_in", "data_in", "adopt", "finish"} <= set(rs.phases_s), rs.phases_s
+        assert {"vet", "control_in", "data_in", "adopt", "finish", "settle"} <= set(rs.phases_s), rs.phases_s
         assert rs.bytes_moved == 50 << 20 and rs.agent_phases_s.get("data_in", 0) < 1.0, rs
         after = app.ask("digest")
         assert after == before, f"cycle {i}: bytes or addresses differ"

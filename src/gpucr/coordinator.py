@@ -297,6 +297,16 @@ def _phase_failures(phase: str, members: list[_Member], fn) -> list[PhaseError]:
     return failures
 
 
+def _lap(members: list[_Member], phase: str, t0: float) -> float:
+    """Record the seconds since t0 as `phase` of every member (a step they went through together: the
+    checks before anything is touched, the commit, the settling after) and return now. A result's
+    phases then cover its whole time, so a slow cycle shows where it went."""
+    now = time.perf_counter()
+    for m in members:
+        m.result["phases_s"][phase] = now - t0
+    return now
+
+
 def _each(phase: str, members: list[_Member], fn) -> None:
     """Run one phase for every process at once; raise (after all have finished) naming the first failure."""
     failures = _phase_failures(phase, members, fn)
@@ -607,6 +617,7 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
     _check_request(pids, timeout)
     images = images or {}
     members: list[_Member] = []
+    t0 = time.perf_counter()
     try:
         for pid in pids:   # vet everyone before touching anyone
             img = images.get(pid)
@@ -614,8 +625,10 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
         _check_sharing(members)
         for m in members:
             m.gpu_before = _usage(m.pid, m.uuids())
+        t0 = _lap(members, "vet", t0)
         try:
             _each("prepare", members, lambda m: _prepare(m, timeout))
+            t0 = _lap(members, "prepare", t0)
             if len(members) > 1:
                 # no process gives memory back before every one is still and copied: memory they share
                 # stays whole if any of them fails, and nothing is copied while a peer still writes to it
@@ -639,11 +652,14 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
             if exc.phase in ("prepare", "data out"):
                 raise GpucrError(str(exc)) from exc   # nothing was released: its own words say it runs on
             raise GpucrError(f"{exc}; rolled back, process {exc.pid} runs on with its data intact") from exc
+        t0 = time.perf_counter()
         _each("commit", members, lambda m: _commit(m, level))
+        t0 = _lap(members, "commit", t0)
         if mover is not None:
             mover.settle()   # the server's context given back first, when it does not keep it
-        return CheckpointResult(SCHEMA_VERSION, "checkpoint", [
-            shape.checkpoint(m.result, shape.gpu_changes(m.gpu_before, _usage(m.pid, m.uuids()))) for m in members])
+        changes = [shape.gpu_changes(m.gpu_before, _usage(m.pid, m.uuids())) for m in members]
+        _lap(members, "settle", t0)
+        return CheckpointResult(SCHEMA_VERSION, "checkpoint", [shape.checkpoint(m.result, c) for m, c in zip(members, changes)])
     finally:
         for m in members:
             m.close()
@@ -1068,6 +1084,7 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
     images = images or {}
     gpu_map = gpus.check_map(gpu_map or {})
     members: list[_Member] = []
+    t0 = time.perf_counter()
     try:
         for pid in pids:   # every check before anything is re-created
             img = images.get(pid)
@@ -1075,6 +1092,7 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
         _check_room(members)
         for m in members:
             m.gpu_before = _usage(m.pid, m.uuids())
+        _lap(members, "vet", t0)
         failed: dict[int, PhaseError] = {}
 
         def phase(name: str, fn) -> None:
@@ -1095,14 +1113,17 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
             first = next(iter(failed.values()))
             rest = f"; processes {', '.join(map(str, ok))} were restored and run" if ok and len(members) > 1 else ""
             raise GpucrError(f"{first}{rest}") from first
+        t0 = time.perf_counter()
         for m in members:
             _app_resume(_app_channel_quiet(m.t))
             m.result["state"] = "running"
         if mover is not None:
             mover.settle()
+        changes = [shape.gpu_changes(m.gpu_before, _usage(m.pid, m.uuids())) for m in members]
+        _lap(members, "settle", t0)
         return RestoreResult(SCHEMA_VERSION, "restore", [
-            shape.restore(m.result, shape.gpu_changes(m.gpu_before, _usage(m.pid, m.uuids())), m.gpu_moves,
-                          str(m.image_dir) if m.image_dir is not None else None) for m in members])
+            shape.restore(m.result, c, m.gpu_moves, str(m.image_dir) if m.image_dir is not None else None)
+            for m, c in zip(members, changes)])
     finally:
         for m in members:
             m.close()

@@ -114,7 +114,7 @@ class ProcessCheckpoint:
     generation: int                   # checkpoints this process has completed
     bytes_moved: int                  # copied out by gpucr
     bytes_left_to_driver: int         # left to the driver's checkpoint (level full) or on the GPU (level data)
-    phases_s: dict[str, float]        # the controller's phases: data_out, then driver_lock, control_out (level full)
+    phases_s: dict[str, float]        # the controller's phases: vet, prepare, data_out, then driver_lock, control_out (level full), commit, settle
     agent_phases_s: dict[str, float]  # inside the process: staging, gate, sync, copy_out, release
     gpus: list[GpuMemoryChange]
     image: ImageTransfer | None
@@ -128,7 +128,7 @@ class ProcessRestore:
     pid: int
     state: str                        # running
     bytes_moved: int                  # copied back by gpucr
-    phases_s: dict[str, float]        # control_in, driver_unlock, data_in (or stage, image_read_and_data_in)
+    phases_s: dict[str, float]        # vet, control_in, driver_unlock, data_in (or stage, image_read_and_data_in), settle
     agent_phases_s: dict[str, float]  # inside the process: data_in, pin_wait
     gpus: list[GpuMemoryChange]       # every GPU it was on or moved to
     moved: dict[str, str]             # {old UUID: new UUID} for each GPU it was moved off (restore --map)
