@@ -429,6 +429,11 @@ def test_server_methods_time_the_first_checkpoint_after_staging_ahead(tmp_path):
     assert ahead["correct"] and ahead["prepared_ahead_s"] is not None, ahead
     steps = ahead["warmup"]["checkpoint"]["steps_s"]
     assert "handover" in steps and "server_pin" not in steps, steps
+    # the server's own log is kept with the method's results, to read a slow cycle beside
+    assert any("gpucr serve" in line and "serving uid" in line for line in ahead["server_log"]), ahead["server_log"]
+    assert any("staging ahead of its checkpoint" in line for line in ahead["server_log"]), ahead["server_log"]
+    assert ms["gpucr-full"]["server_log"] is None, "in process: no server, no log"
+    assert any("serving uid" in line for line in ms["gpucr-server-data"]["server_log"]), "its own server, its own log"
     data = ms["gpucr-server-data"]
     assert data["correct"] and data["first_cycle"]["checkpoint_s"] > 0, data
     assert "handover" in data["samples"][0]["steps_s"]["checkpoint"], data["samples"][0]["steps_s"]
@@ -454,3 +459,17 @@ def test_server_methods_show_the_route_through_an_idle_neighbour(tmp_path):
     assert 0 < next(iter(rb["checkpoint"].values())) < routed["samples"][0]["bytes_out"], rb
     assert "routes_bytes" not in straight["samples"][0], straight["samples"][0]
     assert "one-link" in r.stdout
+
+
+def test_a_bench_servers_log_never_blocks_it_and_is_read_once():
+    """The bench's server logs to a file, not to a pipe nobody reads: 200 KiB (a 64 KiB pipe would block its
+    writer) go through, and each read returns only what came since the last one."""
+    from gpucr.bench.methods import _BenchServer
+    srv = _BenchServer(True)
+    def child(code: str) -> None:
+        subprocess.run([sys.executable, "-c", code], stderr=srv._log_w, timeout=30, check=True)
+    child("import sys\nfor i in range(2000): print(f'line {i} ' + 'x' * 100, file=sys.stderr)")
+    first = srv.log_since()
+    assert len(first) == _BenchServer.LOG_LINES and first[-1].startswith("line 1999 "), first[-1][:20]
+    child("import sys; print('after', file=sys.stderr)")
+    assert srv.log_since() == ["after"] and srv.log_since() == []

@@ -16,7 +16,9 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -188,6 +190,11 @@ class Method:
     def close(self) -> None:
         """Give back what the method holds between cycles (a server it started); after the last workload."""
 
+    def server_log(self) -> list[str] | None:
+        """What the server it started logged since the last call (None: it starts none), kept with its
+        results: a cycle slower than the rest is then read beside what the server did meanwhile."""
+        return None
+
 
 class DriverMethod(Method):
     """The driver's own checkpoint, through one persistent, initialised controller: every process
@@ -336,14 +343,27 @@ class CliMethod(Method):
     def close(self) -> None:
         self._srv.close()
 
+    def server_log(self) -> list[str] | None:
+        return self._srv.log_since()
+
 
 class _BenchServer:
     """A `gpucr serve` started for one method of the bench and stopped after it (one already running is
     refused: the bench must know what it measures)."""
 
+    LOG_LINES = 200   # kept per read: a run's results stay small
+
     def __init__(self, simulate: bool, *flags: str) -> None:
         self.simulate, self.flags = simulate, flags
         self.proc: subprocess.Popen | None = None
+        # its log goes to a file, not a pipe: a pipe nobody reads fills (64 KiB) and the server's next
+        # line would block it mid-request. Written in append mode through a file of its own, read through
+        # another: a shared offset would let our reads move where the server writes
+        fd, path = tempfile.mkstemp(prefix="gpucr-bench-serve-", suffix=".log")
+        os.close(fd)
+        self._log_w, self._log_r = open(path, "ab"), open(path, "rb")
+        os.unlink(path)   # both stay open while the method lives (read after its server stopped), then close
+        weakref.finalize(self, lambda *fs: [f.close() for f in fs], self._log_w, self._log_r)
 
     def ensure(self) -> None:
         from ..server import client
@@ -352,12 +372,19 @@ class _BenchServer:
         if client.info(self.simulate) is not None:
             raise GpucrError("a gpucr server already runs: stop it ('gpucr serve --stop') so the bench knows what it measures")
         argv = [sys.executable, "-m", "gpucr.cli", "serve", *self.flags] + (["--simulate"] if self.simulate else [])
-        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        self._log_w.truncate(0)   # a new server logs afresh
+        self._log_r.seek(0)
+        self.proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=self._log_w)
         deadline = time.monotonic() + 120
         while client.info(self.simulate) is None:
             if self.proc.poll() is not None or time.monotonic() > deadline:
-                raise GpucrError(f"gpucr serve did not start: {self.proc.stderr.read().decode().strip() if self.proc.stderr else ''}")
+                said = " ".join(line.strip() for line in self.log_since()[-5:])
+                raise GpucrError(f"gpucr serve did not start: {said}")
             time.sleep(0.05)
+
+    def log_since(self) -> list[str]:
+        """The server's log lines written since the last call (the last LOG_LINES of them)."""
+        return self._log_r.read().decode(errors="replace").splitlines()[-self.LOG_LINES:]
 
     def info(self) -> dict[str, Any] | None:
         from ..server import client
@@ -367,7 +394,7 @@ class _BenchServer:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             self.proc.wait(timeout=60)
-        self.proc = None
+        self.proc = None   # its log stays readable until the next server starts
 
 
 def agent_warmup() -> GpucrMethod:
@@ -493,6 +520,9 @@ class ServerMethod(Method):
 
     def close(self) -> None:
         self._srv.close()
+
+    def server_log(self) -> list[str] | None:
+        return self._srv.log_since()
 
 
 @contextlib.contextmanager

@@ -293,7 +293,7 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
             except M.JobFailed as exc:
                 _say(f"{spec.name} {m.name}: {exc.outcome} at {exc.step}: {exc}; the job is killed"
                      + ("" if k == len(group) - 1 else " and started again for the next method"))
-                out[m.name] = _failed_entry(proc, exc, samples)
+                out[m.name] = {**_failed_entry(proc, exc, samples), "server_log": m.server_log()}
                 saved()
                 w.close(graceful=False)
                 _settle(used, idle)
@@ -304,7 +304,8 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
             checks = [s["correct"] for s in samples] + ([warmup["correct"]] if warmup else [])
             out[m.name] = {"process": proc, "warmup": warmup, "samples": samples, "median": M.medians(samples),
                            "outcome": "ok", "correct": all(all(c.values()) for c in checks), "error": None,
-                           "first_cycle": first, "prepared_ahead_s": getattr(m, "prepared_ahead_s", None)}
+                           "first_cycle": first, "prepared_ahead_s": getattr(m, "prepared_ahead_s", None),
+                           "server_log": m.server_log()}
             saved()
         ok_exit = True
     finally:
@@ -544,7 +545,7 @@ def main(a: argparse.Namespace) -> int:
                     failed = True
                     _say(f"{spec.name}: {', '.join(m.name for m in group)} failed: {exc}")
                     for m in group:
-                        wres["methods"].setdefault(m.name, {"error": str(exc), "correct": False})
+                        wres["methods"].setdefault(m.name, {"error": str(exc), "correct": False, "server_log": m.server_log()})
                 _save(out, results, wres, ceiling)
     finally:
         for m in methods:
