@@ -146,6 +146,11 @@ def test_the_server_copies_the_data_while_the_driver_checkpoints(server, sim_app
         assert process_gpu_memory(sim_driver(), app.pid, 0) == 0   # its memory left the GPU with the fds
         rs = gpucr.restore(app.pid)
         assert {"vet", "control_in", "data_in", "adopt", "finish", "settle"} <= set(rs.phases_s), rs.phases_s
+        for r, key in ((ck, "data_out"), (rs, "data_in")):
+            # the server's own thread: staging, making (importing), queueing, draining, exporting; within its copy
+            parts = [r.phases_s[f"server_{k}"] for k in ("stage", "make", "queue", "drain", "export")]
+            assert all(v >= 0 for v in parts) and sum(parts) <= r.phases_s[key], r.phases_s
+        assert ck.phases_s["server_export"] == 0 and rs.phases_s["server_make"] > 0, "out imports, in makes and exports"
         assert rs.bytes_moved == 50 << 20 and rs.agent_phases_s.get("data_in", 0) < 1.0, rs
         after = app.ask("digest")
         assert after == before, f"cycle {i}: bytes or addresses differ"

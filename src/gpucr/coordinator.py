@@ -442,6 +442,10 @@ def _server_phases(m: _Member, st: ServerStats) -> None:
         m.result["phases_s"]["server_pin"] = st.pin_s
     if st.wait_s >= 0.001:
         m.result["phases_s"]["server_wait"] = st.wait_s
+    # where the copy's own seconds went on the server's thread (the copy engines ran meanwhile): a copy
+    # slower than the link shows whether the server made, queued, waited or exported
+    m.result["phases_s"].update(server_stage=st.stage_s, server_make=st.make_s, server_queue=st.queue_s,
+                                server_drain=st.drain_s, server_export=st.export_s)
     if st.routes:
         m.result["routes"] = dict(st.routes)
         # which of the two ways set the pace, and what watching the neighbours cost

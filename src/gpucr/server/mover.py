@@ -76,6 +76,12 @@ class Stats:
     straight_s: float = 0.0       # with routes: until the copies over the process's own GPU's link were done
     route_s: float = 0.0          # ... and until those through the neighbours were (the slower one sets seconds)
     looks_s: float = 0.0          # ... of which asking NVML whether each neighbour is still idle
+    # where a copy's seconds went on the server's own thread (what the copy engines did meanwhile is the rest):
+    stage_s: float = 0.0          # mapping (and pinning, pin_s) the process's staging here
+    make_s: float = 0.0           # importing (out) or making (in) each allocation, and mapping it
+    queue_s: float = 0.0          # queueing its copies on the streams
+    drain_s: float = 0.0          # waiting, after the last was queued, for the straight copies to finish
+    export_s: float = 0.0         # exporting the new memory's fds (in), handed to the process to map
     routes: dict[str, int] = field(default_factory=dict)   # bytes moved through each neighbour GPU, by UUID
     dropped: list[str] = field(default_factory=list)       # neighbours given up mid-copy (a process appeared)
 
@@ -249,12 +255,16 @@ class Mover:
         self._neighbours.update(routing.used())
 
         def staging() -> dict[int, int]:
+            ts = time.perf_counter()
             if plan and plan[0][0] in by_index:   # pinned in a context on the process's GPU (portable: for all)
                 self.vmm.use(self._context(self._ordinal(by_index[plan[0][0]].uuid))[0])
-            return self._map_staging(pid, _reach(declared, plan), seg_fds, st, declared)
+            hosts = self._map_staging(pid, _reach(declared, plan), seg_fds, st, declared)
+            st.stage_s += time.perf_counter() - ts
+            return hosts
 
         def enqueue(hosts: dict[int, int], size: int, seg: int, off: int, va: int, dev: int) -> None:
             nonlocal turn
+            tq = time.perf_counter()
             ctx, streams = self._ctx[dev]
             self.vmm.use(ctx)
             host = hosts[seg] + off
@@ -269,6 +279,7 @@ class Mover:
                     (self.vmm.d2h(host + k, va + k, n, s) if out else self.vmm.h2d(va + k, host + k, n, s))
             st.bytes += size
             st.allocations += 1
+            st.queue_s += time.perf_counter() - tq
 
         try:
             # a fill: the staging first (what the server took at the checkpoint, whose sizes the driver checked
@@ -279,6 +290,7 @@ class Mover:
                 if m is None or (out and m.fd is None):
                     raise GpucrError(f"the process did not hand over its allocation {idx} ({size >> 20} MiB)")
                 dev = self._ordinal(m.uuid)
+                tm = time.perf_counter()
                 ctx, _streams = self._context(dev)
                 self.vmm.use(ctx)
                 if out:
@@ -288,6 +300,7 @@ class Mover:
                     made.append((idx, h))
                 va = self.vmm.map(h, size, dev, also=routing.access(dev))
                 mapped.append((h, va, size))
+                st.make_s += time.perf_counter() - tm
                 placed.append((size, seg, off, va, dev))
                 if hosts is not None:
                     enqueue(hosts, size, seg, off, va, dev)
@@ -297,13 +310,17 @@ class Mover:
                 hosts = staging()
                 for size, seg, off, va, dev in placed:
                     enqueue(hosts, size, seg, off, va, dev)
+            td = time.perf_counter()
             self._sync(placed)
             st.straight_s = time.perf_counter() - t0
+            st.drain_s = time.perf_counter() - td
             routing.finish()   # raises what its thread raised
             st.route_s, st.looks_s = time.perf_counter() - t0, routing.looks_s
             self._sync(placed)   # the pieces the routes' thread sent straight after giving a route up
+            te = time.perf_counter()
             for idx, h in made:
                 fds.append((idx, self.vmm.export_fd(h)))
+            st.export_s = time.perf_counter() - te if made else 0.0   # a copy out makes nothing to export
         except (DriverError, GpucrError) as exc:
             for _idx, fd in fds:
                 os.close(fd)   # exported before one failed: they would keep that memory on the GPU
