@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -113,6 +114,9 @@ def test_refusals_come_back_as_the_same_one_line(server, sim_app):
     alone = one_line_error(gpucr_cli("restore", "--no-server", str(app.pid)), "is not checkpointed")
     assert via == alone
     one_line_error(gpucr_cli("checkpoint", "999999999"), "no process with pid 999999999")
+    log = server.log.read_text()   # and in the server's log, a line per request with its outcome
+    assert re.search(rf"restore of process {app.pid}: refused: .*is not checkpointed.* in \d+\.\d{{3}} s", log), log
+    assert "checkpoint of process 999999999: refused: " in log, log
 
 
 def test_image_dirs_travel_as_absolute_paths(server, sim_app, tmp_path):
@@ -878,7 +882,11 @@ def test_the_server_pins_staging_prepared_ahead(server, sim_app):
     assert ck.agent_phases_s["staging"] < 0.5, ck.agent_phases_s
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
-    assert "of its checkpoint" in server.log.read_text()
+    log = server.log.read_text()
+    assert "of its checkpoint" in log
+    # a line per request, with its outcome and seconds, timestamped to the millisecond
+    assert re.search(rf"\.\d{{3}} gpucr serve \[\d+\]: checkpoint of process {app.pid}: done in \d+\.\d{{3}} s", log), log
+    assert re.search(rf"restore of process {app.pid}: done in \d+\.\d{{3}} s", log), log
 
 
 def test_a_checkpoint_without_staging_ahead_pins_in_the_server_first(server, sim_app):

@@ -235,13 +235,20 @@ class Server:
         with self.lock:   # a hello (a look at the server itself) is not counted
             self.in_flight += op != "hello"
             self.requests += op != "hello"
+        t0, said = time.perf_counter(), "failed"   # (an unexpected error is said by _connection)
         try:
             with self.env_gate.hold(env):
-                return {"ok": True, "result": run()}
+                result = run()
+            said = "done"
+            return {"ok": True, "result": result}
         except GpucrError as exc:
+            said = f"refused: {exc}"
             return {"ok": False, "error": str(exc), "code": exc.code}
         finally:
             if op in ("checkpoint", "restore"):
+                # one line per request, for whoever reads the log beside a slow cycle (the bench keeps it)
+                log(f"{op} of process {', '.join(map(str, args.get('pids') or []))}: {said} in "
+                    f"{time.perf_counter() - t0:.3f} s")
                 self.after_request()
             with self.lock:
                 self.in_flight -= op != "hello"
@@ -431,7 +438,9 @@ def _unlink_quiet(path: Path) -> None:
 
 
 def log(line: str) -> None:
-    print(f"{time.strftime('%Y-%m-%dT%H:%M:%S')} gpucr serve [{os.getpid()}]: {line}", file=sys.stderr, flush=True)
+    now = time.time()   # milliseconds: lines are read beside cycles of about a second
+    stamp = time.strftime('%Y-%m-%dT%H:%M:%S', time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
+    print(f"{stamp} gpucr serve [{os.getpid()}]: {line}", file=sys.stderr, flush=True)
 
 
 def main(idle_exit_s: float | None = None, data_plane: bool = True, keep_context: bool = True,
