@@ -116,3 +116,19 @@ def test_without_recompute_the_file_is_only_read(tmp_path):
     before = f.read_text()
     assert report.main([str(f)]) == 0
     assert f.read_text() == before
+
+
+@pytest.mark.parametrize("text, said", [
+    ("[1, 2]", "not a gpucr bench results file (no 'workloads' object)"),
+    ("nope", "not JSON"),
+    ('{"workloads": {"x": {"methods": {"gpucr-full": {"median": "fast"}}}}}', "a method of workload 'x' is not an object"),
+    ('{"workloads": {"x": []}}', "workload 'x' has no 'methods' object"),
+])
+def test_a_file_that_is_not_bench_results_is_refused_in_one_line_and_left_alone(tmp_path, text, said):
+    f = tmp_path / "r.json"
+    f.write_text(text)
+    r = subprocess.run([sys.executable, "-m", "gpucr.bench.report", str(f), "--recompute"],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and r.stdout == "", r
+    assert r.stderr.count("\n") == 1 and said in r.stderr and str(f) in r.stderr, r.stderr
+    assert f.read_text() == text, "nothing rewritten"

@@ -27,11 +27,34 @@ IN_PARTS = (("data_in_s", "data (gpucr agent)", "#1f77b4"), ("control_in_s", "co
 REST = ("other (coordinator's own time)", "#d9d9d9")
 
 
+def read(path: str | Path) -> dict[str, Any]:
+    """One results file, refused in one line unless it has the shape `gpucr bench` writes (workloads of
+    methods, each an object, medians objects): what renders or recomputes it reads no further."""
+    try:
+        r = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not JSON ({exc})") from exc
+    why = None
+    if not isinstance(r, dict) or not isinstance(r.get("workloads"), dict):
+        why = "no 'workloads' object"
+    else:
+        for wname, w in r["workloads"].items():
+            if not isinstance(w, dict) or not isinstance(w.get("methods"), dict):
+                why = f"workload {wname!r} has no 'methods' object"
+            elif any(not isinstance(m, dict) or not isinstance(m.get("median") or {}, dict) for m in w["methods"].values()):
+                why = f"a method of workload {wname!r} is not an object with an object median"
+            if why:
+                break
+    if why:
+        raise ValueError(f"{path}: not a gpucr bench results file ({why})")
+    return r
+
+
 def load(paths: list[str | Path]) -> dict[str, Any]:
     """One results dict from one or several files; workloads of later files are added."""
     merged: dict[str, Any] | None = None
     for p in paths:
-        r = json.loads(Path(p).read_text())
+        r = read(p)
         if merged is None:
             merged = r
             continue
@@ -236,8 +259,7 @@ def recompute(path: str | Path) -> None:
     home); everything else, the file's indent and its final newline included, stays as it was."""
     from . import run   # here, not at the top: run imports this module, and rendering needs none of it
     p = Path(path)
-    text = p.read_text()
-    res = json.loads(text)
+    res, text = read(p), p.read_text()
     run.derive_all(res)
     tmp = p.with_suffix(p.suffix + ".tmp")   # replaced whole: a failed write leaves the file as it was
     tmp.write_text(json.dumps(res, indent=_indent(text)) + ("\n" if text.endswith("\n") else ""))
