@@ -465,12 +465,8 @@ def method_names(text: str | None, specs: list[M.Spec]) -> list[str]:
     return names
 
 
-def _ceiling_for(spec: M.Spec, results: dict[str, Any]) -> dict | None:
-    """What a workload's rates are set against: one link, or every link at once for a multi-GPU job."""
-    return _ceiling_of(spec.gpus, results)
-
-
 def _ceiling_of(gpus: int, results: dict[str, Any]) -> dict | None:
+    """What a workload on `gpus` GPUs is set against: one link, or every link at once for a multi-GPU job."""
     both = results.get("ceiling_all_gpus")
     if gpus > 1 and both:
         return {"d2h_gbps": both["aggregate_d2h_gbps"], "h2d_gbps": both["aggregate_h2d_gbps"]}
@@ -531,7 +527,7 @@ def main(a: argparse.Namespace) -> int:
         for spec in specs:
             wres: dict[str, Any] = {"module": spec.module, "args": list(spec.args), "methods": {}}
             results["workloads"][spec.name] = wres
-            ceiling = _ceiling_for(spec, results)
+            ceiling = _ceiling_of(spec.gpus, results)
             for group in _groups(methods):
                 group = _runnable(spec, group, wres["methods"])
                 if not group:
