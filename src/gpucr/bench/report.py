@@ -27,11 +27,12 @@ IN_PARTS = (("data_in_s", "data (gpucr agent)", "#1f77b4"), ("control_in_s", "co
 REST = ("other (coordinator's own time)", "#d9d9d9")
 
 
-def read(path: str | Path) -> dict[str, Any]:
-    """One results file, refused in one line unless it has the shape `gpucr bench` writes (workloads of
-    methods, each an object, medians objects): what renders or recomputes it reads no further."""
+def read(path: str | Path, text: str | None = None) -> dict[str, Any]:
+    """One results file (its `text`, when the caller has read it already), refused in one line unless it
+    has the shape `gpucr bench` writes (workloads of methods, each an object, medians objects): what
+    renders or recomputes it reads no further."""
     try:
-        r = json.loads(Path(path).read_text())
+        r = json.loads(Path(path).read_text() if text is None else text)
     except json.JSONDecodeError as exc:
         raise ValueError(f"{path}: not JSON ({exc})") from exc
     why = None
@@ -259,7 +260,8 @@ def recompute(path: str | Path) -> None:
     home); everything else, the file's indent and its final newline included, stays as it was."""
     from . import run   # here, not at the top: run imports this module, and rendering needs none of it
     p = Path(path)
-    res, text = read(p), p.read_text()
+    text = p.read_text()   # once: its layout is kept too
+    res = read(p, text)
     run.derive_all(res)
     tmp = p.with_suffix(p.suffix + ".tmp")   # replaced whole: a failed write leaves the file as it was
     tmp.write_text(json.dumps(res, indent=_indent(text)) + ("\n" if text.endswith("\n") else ""))
