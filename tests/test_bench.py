@@ -464,8 +464,13 @@ def test_server_methods_show_the_route_through_an_idle_neighbour(tmp_path):
 def test_a_bench_servers_log_never_blocks_it_and_is_read_once():
     """The bench's server logs to a file, not to a pipe nobody reads: 200 KiB (a 64 KiB pipe would block its
     writer) go through, and each read returns only what came since the last one."""
+    import fcntl
+    import stat
     from gpucr.bench.methods import _BenchServer
     srv = _BenchServer(True)
+    st = os.fstat(srv._log_w.fileno())
+    assert st.st_nlink == 0 and stat.S_IMODE(st.st_mode) == 0o600, "unlinked at once, private: no name to swap"
+    assert fcntl.fcntl(srv._log_w.fileno(), fcntl.F_GETFL) & os.O_APPEND
     def child(code: str) -> None:
         subprocess.run([sys.executable, "-c", code], stderr=srv._log_w, timeout=30, check=True)
     child("import sys\nfor i in range(2000): print(f'line {i} ' + 'x' * 100, file=sys.stderr)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import json
 import os
 import statistics
@@ -358,11 +359,13 @@ class _BenchServer:
         self.proc: subprocess.Popen | None = None
         # its log goes to a file, not a pipe: a pipe nobody reads fills (64 KiB) and the server's next
         # line would block it mid-request. Written in append mode through a file of its own, read through
-        # another: a shared offset would let our reads move where the server writes
-        fd, path = tempfile.mkstemp(prefix="gpucr-bench-serve-", suffix=".log")
-        os.close(fd)
-        self._log_w, self._log_r = open(path, "ab"), open(path, "rb")
-        os.unlink(path)   # both stay open while the method lives (read after its server stopped), then close
+        # another: a shared offset would let our reads move where the server writes. The name is never
+        # opened again (the reader comes through /proc/self/fd), so nobody can swap the file under it
+        fd, path = tempfile.mkstemp(prefix="gpucr-bench-serve-", suffix=".log")   # 0600, O_EXCL
+        os.unlink(path)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+        self._log_w, self._log_r = open(fd, "ab"), open(f"/proc/self/fd/{fd}", "rb")
+        # both stay open while the method lives (read after its server stopped), then close
         weakref.finalize(self, lambda *fs: [f.close() for f in fs], self._log_w, self._log_r)
 
     def ensure(self) -> None:
