@@ -244,7 +244,7 @@ class Mover:
         by_index = {m.index: m for m in memory}
         mapped: list[tuple[int, int, int]] = []   # (handle, va, bytes) to unmap and release afterwards
         made: list[tuple[int, int]] = []          # (index, handle) of new memory (fill)
-        fds: list[tuple[int, int]] = []           # (index, fd) of it, exported once all is filled
+        fds: list[tuple[int, int]] = []           # (index, fd) of it, exported as it is made
         placed: list[tuple[int, int, int, int, int]] = []   # (size, seg, off, va, dev)
         turn = 0
         # routes through idle NVLink neighbours of the process's GPUs (lanes.py), chosen before anything is
@@ -301,6 +301,12 @@ class Mover:
                 va = self.vmm.map(h, size, dev, also=routing.access(dev))
                 mapped.append((h, va, size))
                 st.make_s += time.perf_counter() - tm
+                if not out:
+                    # exported now, while the copies already queued run, not after the last one drained: the fds
+                    # reach the process only once this returns, every copy done
+                    te = time.perf_counter()
+                    fds.append((idx, self.vmm.export_fd(h)))
+                    st.export_s += time.perf_counter() - te
                 placed.append((size, seg, off, va, dev))
                 if hosts is not None:
                     enqueue(hosts, size, seg, off, va, dev)
@@ -317,10 +323,6 @@ class Mover:
             routing.finish()   # raises what its thread raised
             st.route_s, st.looks_s = time.perf_counter() - t0, routing.looks_s
             self._sync(placed)   # the pieces the routes' thread sent straight after giving a route up
-            te = time.perf_counter()
-            for idx, h in made:
-                fds.append((idx, self.vmm.export_fd(h)))
-            st.export_s = time.perf_counter() - te if made else 0.0   # a copy out makes nothing to export
         except (DriverError, GpucrError) as exc:
             for _idx, fd in fds:
                 os.close(fd)   # exported before one failed: they would keep that memory on the GPU
