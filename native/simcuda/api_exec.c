@@ -327,10 +327,30 @@ static CUresult noted(CUresult rc, uintptr_t dst, uintptr_t src, size_t n, struc
     return rc;
 }
 
+/* simcudaPageableAsyncCopies: asynchronous copies whose host side is not inside one pinned range */
+static _Atomic unsigned long long pageable_async;
+
+static bool host_side(enum side side, uintptr_t p)
+{
+    return side == SIDE_HOST || (side == SIDE_ANY && !sim_mem_in_arena(p));
+}
+
 static CUresult copy_async(uintptr_t dst, enum side dside, uintptr_t src, enum side sside, size_t n, CUstream stream)
 {
     struct sim_pos p;
-    return noted(copy_at(dst, dside, src, sside, n, stream, &p), dst, src, n, p);
+    CUresult rc = noted(copy_at(dst, dside, src, sside, n, stream, &p), dst, src, n, p);
+    if (rc == CUDA_SUCCESS && n && ((host_side(dside, dst) && !sim_mem_host_pinned(dst, n)) ||
+                                    (host_side(sside, src) && !sim_mem_host_pinned(src, n))))
+        pageable_async++;
+    return rc;
+}
+
+SIMAPI CUresult simcudaPageableAsyncCopies(unsigned long long *n)
+{
+    if (!n)
+        return CUDA_ERROR_INVALID_VALUE;
+    *n = pageable_async;
+    return CUDA_SUCCESS;
 }
 
 static CUresult copy_peer_async(uintptr_t dst, CUcontext dctx, uintptr_t src, CUcontext sctx, size_t n, CUstream stream)

@@ -168,6 +168,8 @@ enum sim_engine { SIM_ENGINE_SM, SIM_ENGINE_COPY };
  * peer access to that context (any context for a copy engine); pinned host memory: always. */
 bool sim_mem_accessible(const struct sim_ctx *ctx, uintptr_t p, size_t n, int need, enum sim_engine engine);
 bool sim_mem_in_arena(uintptr_t p);
+/* Whether host memory [p, p+n) lies wholly inside one pinned range (registered or cuMemHostAlloc'd). */
+bool sim_mem_host_pinned(uintptr_t p, size_t n);
 
 /* Peer access of ctx to peer's cuMemAlloc-family memory (cuCtxEnablePeerAccess).
  * CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED / _NOT_ENABLED as on CUDA. */

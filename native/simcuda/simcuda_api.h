@@ -492,5 +492,9 @@ SIMAPI CUresult simcudaDevicesNvlinked(int a, int b, int *joined);
  * whether the next work on a stream is ordered after a position (1), not (0), or a bad stream (-1). */
 SIMAPI CUresult simcudaStreamPosition(CUstream s, unsigned long long *id, unsigned long long *seq);
 SIMAPI int simcudaStreamOrdered(CUstream s, unsigned long long id, unsigned long long seq);
+/* Asynchronous copies so far in this process whose host side was not wholly inside one pinned range
+ * (cuMemHostRegister or cuMemHostAlloc): the real driver copies those as pageable memory, through its
+ * own staging buffers and far slower, so the gpucr server's copies must never be such a copy. */
+SIMAPI CUresult simcudaPageableAsyncCopies(unsigned long long *n);
 
 #endif /* SIMCUDA_API_H */

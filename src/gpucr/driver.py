@@ -383,6 +383,18 @@ def gpu_memory(driver: Driver, device: int = 0, uuid: str | None = None) -> GpuM
     return _nvml_memory(device, uuid)
 
 
+def sim_pageable_async_copies(driver: Driver) -> int:
+    """simcuda only (the tests): this process's asynchronous copies so far whose host side was not inside
+    one pinned range, which the real driver copies as pageable memory, through its own buffers and slowly."""
+    if not driver.simulated:
+        raise GpucrError("only simcuda counts pageable copies")
+    n = ctypes.c_ulonglong()
+    fn = driver._cu.simcudaPageableAsyncCopies
+    fn.argtypes = [ctypes.POINTER(ctypes.c_ulonglong)]
+    driver._check(fn(ctypes.byref(n)), "simcudaPageableAsyncCopies")
+    return n.value
+
+
 def process_gpu_memory(driver: Driver, pid: int, device: int = 0, uuid: str | None = None) -> int | None:
     """Device memory that process `pid` holds on one GPU, as nvidia-smi lists it per process (NVML's
     compute processes; simcuda's accounting per pid when simulated); 0 when it holds none there, None
