@@ -17,9 +17,9 @@ import sys
 import threading
 import time
 import traceback
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, ContextManager, Iterator
 
 from .. import coordinator, gpus, recover
 from .. import target as targets
@@ -357,13 +357,21 @@ def _pids(args: dict[str, Any]) -> list[int]:
     return [_pid(p) for p in args["pids"]]
 
 
+def _wanted(mover: Mover | None) -> ContextManager[None]:
+    """A checkpoint or restore wants the data plane from its first step (its checks and the handover come
+    before the copy): pinning ahead stops at its next piece, not to slow the driver's calls meanwhile."""
+    return mover.wanted() if mover is not None else nullcontext()
+
+
 def _checkpoint(s: Server, a: dict[str, Any]) -> Run:
     pids, level, timeout, images = _pids(a), str(a["level"]), float(a["timeout"]), _images(a)
 
     def run() -> Any:
+        mover = s.data_plane()
         try:
-            return to_json(coordinator.checkpoint_many(pids, level=level, timeout=timeout, images=images,
-                                                       mover=s.data_plane()))
+            with _wanted(mover):
+                return to_json(coordinator.checkpoint_many(pids, level=level, timeout=timeout, images=images,
+                                                           mover=mover))
         finally:
             s.let_go(list(images or {}))   # an image's staging is given back: our mapping would keep it
     return run
@@ -375,9 +383,11 @@ def _restore(s: Server, a: dict[str, Any]) -> Run:
     gpu_map = {str(k): str(v) for k, v in (a.get("gpu_map") or {}).items()}
 
     def run() -> Any:
+        mover = s.data_plane()
         try:
-            return to_json(coordinator.restore_many(pids, timeout=timeout, drop_staging=drop, images=images,
-                                                    force=force, gpu_map=gpu_map, mover=s.data_plane()))
+            with _wanted(mover):
+                return to_json(coordinator.restore_many(pids, timeout=timeout, drop_staging=drop, images=images,
+                                                        force=force, gpu_map=gpu_map, mover=mover))
         finally:
             s.let_go(pids if drop else [])   # --drop-staging gives the host memory back: ours too
     return run

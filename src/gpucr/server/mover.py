@@ -13,29 +13,22 @@ a restore can always fall back to the agent's own copy from it.
 """
 from __future__ import annotations
 
-import ctypes
 import os
-import stat
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Iterator
 
 from ..driver import Driver, DriverError, Vmm, process_gpu_memory
 from ..errors import GpucrError
 from .lanes import Routing
 from .links import Links, Neighbour
 from .memory import Managed
+from .pinned import Segment, drop, open_segment, pin, same_file
 
-PAGE = 4096
 CHUNK = 64 << 20        # copies queued in pieces, round-robin over the streams, so the copy engines stay busy
 STREAMS = 4
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_PROT_RW, _MAP_SHARED, _MAP_FAILED = 0x1 | 0x2, 0x01, ctypes.c_void_p(-1).value
 
 
 def _checked_plan(layout: dict[str, Any]) -> tuple[dict[int, int], list[tuple[int, int, int, int]]]:
@@ -49,21 +42,12 @@ def _checked_plan(layout: dict[str, Any]) -> tuple[dict[int, int], list[tuple[in
     return declared, plan
 
 
-def _reach(declared: dict[int, int], plan: list[tuple[int, int, int, int]]) -> dict[int, int]:
-    """What of each segment is pinned: as far as its allocations reach, in whole pages, within the segment."""
+def _reach(plan: list[tuple[int, int, int, int]]) -> dict[int, int]:
+    """What of each segment a copy needs pinned: as far as its allocations reach."""
     reach: dict[int, int] = {}
     for _idx, size, seg, off in plan:
         reach[seg] = max(reach.get(seg, 0), off + size)
-    return {i: min(-(-n // PAGE) * PAGE, declared[i]) for i, n in reach.items()}
-
-
-@dataclass
-class _Segment:
-    """One staging segment of a process, mapped here and pinned in the server's context."""
-    ident: tuple[int, int]        # (st_dev, st_ino): the same file as last time, or not
-    addr: int
-    bytes: int                    # pinned here: as far as the allocations reached, or the whole segment
-    declared: int = 0             # the segment's size as the process stated it then
+    return reach
 
 
 @dataclass
@@ -100,7 +84,7 @@ class Mover:
         self._wanted = 0
         self._ordinals: dict[str, int] | None = None
         self._ctx: dict[int, tuple[int, list[int]]] = {}      # ordinal -> (context, streams)
-        self._staging: dict[int, dict[int, _Segment]] = {}    # pid -> segment index -> segment
+        self._staging: dict[int, dict[int, Segment]] = {}     # pid -> segment index -> segment
         self._taken: dict[int, list[tuple[int, int, int, int]]] = {}   # pid -> what its last copy out took
 
     # ---- what it holds ----
@@ -176,59 +160,73 @@ class Mover:
         # Pinned outside the lock: tens of GiB take seconds, and a checkpoint must not wait for them (under
         # the lock, it held a process, handed over, 10.6 s on the H200). A running process has no allocations
         # in its layout yet (they are placed at its handover), so its segments, sized to its data, are pinned
-        # whole; but a segment already pinned here while the process stated at least that size is left alone,
-        # also when a copy pinned it only as far as its allocations reached: pinning those whole again
-        # re-pinned 69 GiB beside the next checkpoints, whose copies then took 6-7 s instead of ~1 s
-        # (two-H200 host, 2026-12-01). And one segment at a time, stopping as soon as a copy wants the data
-        # plane: pinning competes with its copies inside the driver; what is left is pinned next time.
+        # whole; but a segment already pinned here as far as it was asked is left alone, also when a copy
+        # pinned it only as far as its allocations reached: pinning those whole again re-pinned 69 GiB beside
+        # the next checkpoints, whose copies then took 6-7 s instead of ~1 s (two-H200 host, 2026-12-01).
+        # And a piece at a time (pinned.py), stopping as soon as a copy wants the data plane: pinning competes
+        # with its copies inside the driver; what is pinned stays, and the rest is pinned next time.
         declared, _plan = _checked_plan(layout)
         with self._lock:
             dev = self._ordinal(uuid)
             self._neighbours.discard(dev)   # the staging is pinned in this context: never given back as a lender's
             ctx = self._context(dev)[0]
-            have = self._staging.get(pid, {})
-            # a segment's stated size is never below what is pinned of it (a copy pins at most that far)
-            todo = [(i, n) for i, n in sorted(declared.items())
-                    if not (self._same_file(have.get(i), seg_fds, i) and have[i].declared >= n)]
+            segs = self._staging.setdefault(pid, {})
+            work: list[tuple[int, int, Segment | None]] = []
+            for i, n in sorted(declared.items()):
+                have = segs.get(i)
+                if not self._is_segment(have, seg_fds, i, n):
+                    work.append((i, n, None))
+                elif have.bytes < have.want:   # a pin ahead stopped for a copy: taken out, pinned further here
+                    work.append((i, n, segs.pop(i)))
         self.vmm.use(ctx)
-        fresh: list[tuple[int, _Segment]] = []
+        held = [(i, seg, seg.bytes) for i, _n, seg in work if seg is not None]   # put back whatever happens
+        stop = lambda: bool(self._wanted)
         try:
-            for i, size in todo:
-                if self._wanted:
+            for i, n, seg in work:
+                if stop():
                     break
-                fresh.append((i, self._pin_segment(seg_fds, i, size, size)))
+                if seg is None:
+                    seg = open_segment(self._segment_fd(seg_fds, i), i, n)
+                    held.append((i, seg, 0))
+                pin(self.vmm, seg, n, stop)
         except GpucrError:
-            for _i, seg in fresh:
-                self._drop_segment(seg)
+            for _i, seg, _before in held:
+                drop(self.vmm, seg)
             raise
         newly = 0
         with self._lock:
             segs = self._staging.setdefault(pid, {})
             stale = [segs.pop(i) for i in [i for i in segs if i not in declared]]
-            for i, seg in fresh:
+            for i, seg, before in held:
                 cur = segs.get(i)
-                if cur is not None and cur.ident == seg.ident and cur.bytes >= seg.bytes:
-                    stale.append(seg)   # a copy pinned it meanwhile
+                if not seg.ends or (cur is not None and cur.ident == seg.ident and cur.bytes >= seg.bytes):
+                    stale.append(seg)   # nothing pinned, or a copy pinned it meanwhile as far
                     continue
                 if cur is not None:
                     stale.append(cur)
                 segs[i] = seg
-                newly += seg.bytes
+                newly += seg.bytes - before
         for seg in stale:   # unpinned outside the lock too
-            self._drop_segment(seg)
+            drop(self.vmm, seg)
         return newly
 
-    def _locked(self, move):
-        t0 = time.perf_counter()
+    @contextmanager
+    def wanted(self) -> Iterator[None]:
+        """While inside, a copy wants the data plane (or a request that will copy is under way): pinning
+        ahead stops at its next piece, within ~PIN_PIECE of pinning."""
         with self._wanting:
             self._wanted += 1
         try:
-            with self._lock:
-                waited = time.perf_counter() - t0
-                out = move()
+            yield
         finally:
             with self._wanting:
                 self._wanted -= 1
+
+    def _locked(self, move):
+        t0 = time.perf_counter()
+        with self.wanted(), self._lock:
+            waited = time.perf_counter() - t0
+            out = move()
         out[0].wait_s = waited
         return out
 
@@ -254,29 +252,29 @@ class Mover:
         routing = Routing(self.vmm, self.links, self._context, devs, self._uuids(), out, CHUNK, st.routes, st.dropped)
         self._neighbours.update(routing.used())
 
-        def staging() -> dict[int, int]:
+        def staging() -> dict[int, Segment]:
             ts = time.perf_counter()
             if plan and plan[0][0] in by_index:   # pinned in a context on the process's GPU (portable: for all)
                 self.vmm.use(self._context(self._ordinal(by_index[plan[0][0]].uuid))[0])
-            hosts = self._map_staging(pid, _reach(declared, plan), seg_fds, st, declared)
+            staged = self._map_staging(pid, _reach(plan), seg_fds, st, declared)
             st.stage_s += time.perf_counter() - ts
-            return hosts
+            return staged
 
-        def enqueue(hosts: dict[int, int], size: int, seg: int, off: int, va: int, dev: int) -> None:
+        def enqueue(staged: dict[int, Segment], size: int, seg: int, off: int, va: int, dev: int) -> None:
             nonlocal turn
             tq = time.perf_counter()
             ctx, streams = self._ctx[dev]
             self.vmm.use(ctx)
-            host = hosts[seg] + off
+            g = staged[seg]
             share = routing.share(dev)
-            for k in range(0, size, CHUNK):
-                n = min(CHUNK, size - k)
+            for k, n in g.cuts(off, size, CHUNK):   # never over a pinned piece's end
+                host, dva = g.addr + k, va + k - off
                 route, turn = turn % share, turn + 1
                 if route:
-                    routing.put(dev, host + k, va + k, n)
+                    routing.put(dev, host, dva, n)
                 else:
                     s = streams[turn % len(streams)]
-                    (self.vmm.d2h(host + k, va + k, n, s) if out else self.vmm.h2d(va + k, host + k, n, s))
+                    (self.vmm.d2h(host, dva, n, s) if out else self.vmm.h2d(dva, host, n, s))
             st.bytes += size
             st.allocations += 1
             st.queue_s += time.perf_counter() - tq
@@ -284,7 +282,7 @@ class Mover:
         try:
             # a fill: the staging first (what the server took at the checkpoint, whose sizes the driver checked
             # then), and each allocation's copies queued as soon as it is made, overlapping the making of the next
-            hosts = staging() if not out else None
+            staged = staging() if not out else None
             for idx, size, seg, off in plan:
                 m = by_index.get(idx)
                 if m is None or (out and m.fd is None):
@@ -308,14 +306,14 @@ class Mover:
                     fds.append((idx, self.vmm.export_fd(h)))
                     st.export_s += time.perf_counter() - te
                 placed.append((size, seg, off, va, dev))
-                if hosts is not None:
-                    enqueue(hosts, size, seg, off, va, dev)
-            if hosts is None:
+                if staged is not None:
+                    enqueue(staged, size, seg, off, va, dev)
+            if staged is None:
                 # a copy out: every import is mapped first, the driver checking each size against the real
                 # memory, so the staging pinned next is no more than the process has on the GPU
-                hosts = staging()
+                staged = staging()
                 for size, seg, off, va, dev in placed:
-                    enqueue(hosts, size, seg, off, va, dev)
+                    enqueue(staged, size, seg, off, va, dev)
             td = time.perf_counter()
             self._sync(placed)
             st.straight_s = time.perf_counter() - t0
@@ -407,71 +405,43 @@ class Mover:
         return self._ctx[dev]
 
     def _map_staging(self, pid: int, want: dict[int, int], seg_fds: list[int], st: Stats,
-                     declared: dict[int, int]) -> dict[int, int]:
-        """Each segment i of `want` ({index: bytes}) mapped here and pinned at least that far, once for as long
-        as it is the same file; cached segments the process no longer has (not `declared`) are let go."""
+                     declared: dict[int, int]) -> dict[int, Segment]:
+        """Each segment i of `want` ({index: bytes}) mapped here and pinned at least that far, what is pinned of
+        it kept for as long as it is the same file of the same size; cached segments the process no longer has
+        (not `declared`) are let go."""
         segs = self._staging.setdefault(pid, {})
         self._let_go_absent(segs, declared)
-        out: dict[int, int] = {}
+        out: dict[int, Segment] = {}
         for i, size in want.items():
             have = segs.get(i)
-            if self._pinned_enough(have, seg_fds, i, size):
-                out[i] = have.addr
-                continue
-            if have is not None:
-                self._drop_segment(have)
-                del segs[i]
+            if not self._is_segment(have, seg_fds, i, declared[i]):
+                if have is not None:
+                    drop(self.vmm, segs.pop(i))
+                have = segs[i] = open_segment(self._segment_fd(seg_fds, i), i, declared[i])
             t0 = time.perf_counter()
-            segs[i] = self._pin_segment(seg_fds, i, size, declared[i])   # in the current context (one on the process's GPU)
-            st.pin_s += time.perf_counter() - t0
-            out[i] = segs[i].addr
+            if pin(self.vmm, have, size):   # in the current context (one on the process's GPU)
+                st.pin_s += time.perf_counter() - t0
+            out[i] = have
         return out
 
-    def _let_go_absent(self, segs: dict[int, _Segment], present: Iterable[int]) -> None:
+    def _let_go_absent(self, segs: dict[int, Segment], present: Iterable[int]) -> None:
         """Unpin and unmap the cached segments the process no longer has."""
         keep = set(present)
         for i in [i for i in segs if i not in keep]:
-            self._drop_segment(segs.pop(i))
+            drop(self.vmm, segs.pop(i))
 
     @staticmethod
-    def _same_file(have: _Segment | None, seg_fds: list[int], i: int) -> bool:
-        """Whether `have` is segment i's file (the process's fd of it now)."""
-        if have is None or not 0 <= i < len(seg_fds):
-            return False
-        fs = os.fstat(seg_fds[i])
-        return have.ident == (fs.st_dev, fs.st_ino)
-
-    def _pinned_enough(self, have: _Segment | None, seg_fds: list[int], i: int, size: int) -> bool:
-        """Whether `have` is segment i's file, pinned at least `size` bytes."""
-        return have is not None and have.bytes >= size and self._same_file(have, seg_fds, i)
-
-    def _pin_segment(self, seg_fds: list[int], i: int, size: int, declared: int) -> _Segment:
-        """Segment i of a process's staging mapped here and pinned, `size` bytes of it."""
+    def _segment_fd(seg_fds: list[int], i: int) -> int:
         if not 0 <= i < len(seg_fds):
             raise GpucrError(f"the process's staging segment {i} came without its file")
-        fs = os.fstat(seg_fds[i])
-        # the process is not trusted: only a plain file as long as it says, or copies could run past it
-        if not stat.S_ISREG(fs.st_mode) or size <= 0 or fs.st_size < size:
-            raise GpucrError(f"the process's staging segment {i} is not a file of {size} bytes; checkpointed "
-                             "in-process instead")
-        addr = _libc.mmap(None, size, _PROT_RW, _MAP_SHARED, seg_fds[i], 0)
-        if addr in (None, _MAP_FAILED):
-            raise GpucrError(f"mapping the process's staging ({size >> 20} MiB) failed: {os.strerror(ctypes.get_errno())}")
-        try:
-            self.vmm.pin(addr, size)
-        except DriverError as exc:
-            _libc.munmap(addr, size)
-            raise GpucrError(f"pinning the process's staging failed: {exc}") from exc
-        return _Segment((fs.st_dev, fs.st_ino), addr, size, declared)
+        return seg_fds[i]
 
-    def _drop_segment(self, s: _Segment) -> None:
-        try:
-            self.vmm.unpin(s.addr)
-        except DriverError:
-            pass
-        _libc.munmap(s.addr, s.bytes)
+    @staticmethod
+    def _is_segment(have: Segment | None, seg_fds: list[int], i: int, size: int) -> bool:
+        """Whether `have` is segment i as the process states it now: its file (fd now), of `size` bytes."""
+        return have is not None and 0 <= i < len(seg_fds) and have.declared == size and same_file(have, seg_fds[i])
 
     def _forget(self, pid: int) -> None:
         self._taken.pop(pid, None)
-        for s in self._staging.pop(pid, {}).values():
-            self._drop_segment(s)
+        for seg in self._staging.pop(pid, {}).values():
+            drop(self.vmm, seg)
