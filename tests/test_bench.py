@@ -78,6 +78,9 @@ def test_bytes_and_memory_are_what_the_workload_holds(bench_run):
         assert s["bytes_left_to_driver"] == 0
         assert s["data_out_s"] > 0 and s["data_in_s"] > 0 and s["gate_sync_s"] >= 0
         assert ms[name]["warmup"]["correct"] == {"digest": True, "ptrs": True}
+        # the host memory its staging holds after the cycle: at least what it moved (the budget used)
+        assert s["staging_bytes"] >= moved and ms[name]["median"]["staging_bytes"] == s["staging_bytes"], name
+        assert ms[name]["warmup"]["staging_bytes"] >= moved, name
     full, data = ms["gpucr-full"]["samples"][0], ms["gpucr-data"]["samples"][0]
     assert full["control_out_s"] > 0 and full["control_in_s"] > 0
     assert data["control_out_s"] is None and data["control_in_s"] is None
@@ -90,6 +93,7 @@ def test_bytes_and_memory_are_what_the_workload_holds(bench_run):
         assert s["driver_out_s"] > 0 and s["data_out_s"] is None
         assert s["gpu_held_checkpointed_bytes"] == 0
         assert set(s["steps_s"]["checkpoint"]) == {"lock", "checkpoint"}
+        assert s["staging_bytes"] is None, "no agent: no staging"
     sp = res["workloads"]["raw:0.05"]["speedups"]
     assert set(sp) == {"gpucr-full_vs_driver", "gpucr-full_vs_driver-fresh"}
     assert all(v > 0 for d in sp.values() for v in d.values())

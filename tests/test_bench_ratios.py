@@ -51,6 +51,20 @@ def test_which_methods_get_a_bound():
     assert run.over_bound(by, None) == {}, "no ceiling measured: no bound"
 
 
+def test_every_full_level_gpucr_method_is_set_against_the_driver():
+    """The speed-up over the driver's own path (issue 13: at least 20x / 8x), for each gpucr method that moves
+    the whole process (in process or through the server), none for the data level, which leaves the
+    context on the GPU, and none where a side failed."""
+    by = {"driver": {"median": _med(35.5, 14.1, 70e9)}, "driver-fresh": {"median": _med(34.0, 13.0, 70e9)},
+          "gpucr-server-full": {"median": _med(1.42, 1.41, 69e9)}, "gpucr-full": {"median": _med(2.0, 2.2, 69e9)},
+          "gpucr-server-data": {"median": _med(1.4, 1.4, 69e9)},
+          "gpucr-server-full-ahead": {"median": _med(1.45, None, 69e9)}}
+    sp = run.speedups(by)
+    assert set(sp) == {f"{g}_vs_{d}" for g in ("gpucr-server-full", "gpucr-full") for d in ("driver", "driver-fresh")}
+    assert sp["gpucr-server-full_vs_driver"] == pytest.approx({"checkpoint": 35.5 / 1.42, "restore": 14.1 / 1.41})
+    assert run.speedups({k: v for k, v in by.items() if not k.startswith("driver")}) == {}
+
+
 def test_a_job_is_bound_by_every_link_at_once():
     res = {"ceiling": CEILING, "ceiling_all_gpus": {"aggregate_d2h_gbps": 110.0, "aggregate_h2d_gbps": 100.0},
            "workloads": {"tp2-llama3-8b": {"methods": {"gpucr-full": {"median": _med(1.1, 1.2, 110e9)}}},

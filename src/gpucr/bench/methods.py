@@ -196,6 +196,18 @@ class Method:
         results: a cycle slower than the rest is then read beside what the server did meanwhile."""
         return None
 
+    def staging_bytes(self, pids: list[int]) -> int | None:
+        """Host memory the processes' staging holds now: the host-memory budget their cycles use (the agent
+        grows it to the peak of the bytes it would move, and keeps it while the process runs). None when
+        not under the agent, or when it cannot be asked."""
+        if not self.under_agent:
+            return None
+        from .. import coordinator
+        try:
+            return sum(coordinator.status(p).staging_bytes for p in pids)
+        except GpucrError:
+            return None
+
 
 class DriverMethod(Method):
     """The driver's own checkpoint, through one persistent, initialised controller: every process
@@ -653,7 +665,7 @@ def per_gpu(row: dict[str, Any], method: Method, bytes_per_gpu: dict[str, int]) 
 SUMMARY_KEYS = ("gate_sync_s", "data_out_s", "control_out_s", "control_in_s", "data_in_s", "driver_out_s",
                 "driver_in_s", "app_out_s", "app_in_s", "checkpoint_s", "restore_s", "bytes_out", "bytes_in", "gbps_out", "gbps_in",
                 "ceiling_share_out", "ceiling_share_in", "gpu_held_checkpointed_bytes", "gbps_out_slowest_gpu",
-                "gbps_in_slowest_gpu")
+                "gbps_in_slowest_gpu", "staging_bytes")
 
 
 def medians(samples: list[dict[str, Any]]) -> dict[str, Any]:

@@ -264,7 +264,8 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
             ck, rs, _ = M.timed_cycle(wm, w.pids, used, park_s)
             staging_ms = ck.get("agent_ms", {}).get("staging")
             warmup = {"checkpoint_s": ck["wall_s"], "restore_s": rs["wall_s"], "staging_ms": staging_ms,
-                      "checkpoint": ck, "restore": rs, "correct": M.compare(ref, M.observe(w, spec))}
+                      "checkpoint": ck, "restore": rs, "correct": M.compare(ref, M.observe(w, spec)),
+                      "staging_bytes": wm.staging_bytes(w.pids)}
             _say(f"{spec.name}: warm-up checkpoint {ck['wall_s']:.3f} s"
                  + (f" (staging {staging_ms / 1000:.3f} s)" if staging_ms is not None else "")
                  + f", restore {rs['wall_s']:.3f} s")
@@ -287,6 +288,7 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
                     row.update(M.per_gpu(row, m, proc["bytes_per_gpu"]))
                     row["gpu_held_checkpointed_bytes"] = _diff(used_ck, idle)
                     row["correct"] = M.compare(ref, M.observe(w, spec))
+                    row["staging_bytes"] = m.staging_bytes(w.pids)   # after the check: what running grew it to
                     samples.append(row)
                     _say(f"{spec.name} {m.name} {i + 1}/{repeat}: checkpoint {row['checkpoint_s']:.3f} s, "
                          f"restore {row['restore_s']:.3f} s, correct: {'yes' if all(row['correct'].values()) else 'NO'}")
@@ -329,14 +331,16 @@ def _hugepages_for(a: argparse.Namespace, spec: M.Spec, group: list[M.Method], d
 
 
 def speedups(by_method: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """gpucr-full against the driver's own path, from the side-by-side medians."""
+    """Each full-level gpucr method (gpucr-full, gpucr-server-full...: the whole process, as the driver's
+    own path moves it) against the driver's own path, from the side-by-side medians."""
     out = {}
-    g = (by_method.get("gpucr-full") or {}).get("median")
-    for base in ("driver", "driver-fresh", "driver-nop2p"):
-        b = (by_method.get(base) or {}).get("median")
-        if g and b and g["checkpoint_s"] and g["restore_s"]:
-            out[f"gpucr-full_vs_{base}"] = {"checkpoint": b["checkpoint_s"] / g["checkpoint_s"],
-                                            "restore": b["restore_s"] / g["restore_s"]}
+    for name, g in _gpucr_methods(by_method):
+        if "-full" not in name:
+            continue
+        for base in ("driver", "driver-fresh", "driver-nop2p"):
+            b = (by_method.get(base) or {}).get("median")
+            if b and (r := _over(b, g, {"checkpoint": "checkpoint_s", "restore": "restore_s"})):
+                out[f"{name}_vs_{base}"] = r
     return out
 
 
