@@ -396,6 +396,34 @@ def test_staging_is_pinned_in_pieces_and_no_copy_spans_two(tmp_path, monkeypatch
         vmm.release_context(dev)
 
 
+def test_pieces_start_and_end_on_the_staging_files_own_pages(monkeypatch):
+    """On hugetlbfs (st_blksize: the huge page) no piece starts or ends inside a huge page, which two
+    registrations would then share; on shared memory a piece ends on a 4 KiB page; a copy asked past what is
+    pinned is the server's own mistake, said, not an index error."""
+    from gpucr.server import pinned
+
+    class Vmm:
+        def __init__(self) -> None:
+            self.pins: list[tuple[int, int]] = []
+
+        def pin(self, addr: int, size: int) -> None:
+            self.pins.append((addr, size))
+    monkeypatch.setattr(pinned, "PIN_PIECE", 3 << 20)
+    assert [pinned.file_page(b) for b in (2 << 20, 1 << 30, 4096, 512, 3 << 20, 2 << 30)] == \
+        [2 << 20, 1 << 30, 4096, 4096, 4096, 4096]
+    huge, vmm = pinned.Segment((0, 1), 1 << 40, 16 << 20, page=2 << 20), Vmm()
+    assert pinned.pin(vmm, huge, (5 << 20) + 4096) == 6 << 20
+    pinned.pin(vmm, huge, 16 << 20)
+    assert [(a - huge.addr, n) for a, n in vmm.pins] == [(0, 4 << 20), (4 << 20, 2 << 20), (6 << 20, 4 << 20),
+                                                        (10 << 20, 4 << 20), (14 << 20, 2 << 20)]
+    assert all(a % (2 << 20) == 0 and n % (2 << 20) == 0 for a, n in vmm.pins)
+    shm, vmm = pinned.Segment((0, 2), 1 << 40, 16 << 20), Vmm()
+    assert pinned.pin(vmm, shm, (5 << 20) + 1) == (5 << 20) + 4096 and shm.ends == [3 << 20, (5 << 20) + 4096]
+    assert list(shm.cuts(0, 5 << 20, 2 << 20)) == [(0, 2 << 20), (2 << 20, 1 << 20), (3 << 20, 2 << 20)]
+    with pytest.raises(gpucr.GpucrError, match="server's own mistake"):
+        list(shm.cuts(4 << 20, 2 << 20, 1 << 20))
+
+
 def test_pinning_ahead_stops_between_pieces_for_a_request_and_goes_on_from_there(tmp_path, monkeypatch):
     """A request that will copy (the daemon enters `wanted` for a whole checkpoint or restore) stops pinning
     ahead at the end of the piece being pinned; what was pinned stays: a copy that needs more pins only the

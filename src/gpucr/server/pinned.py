@@ -39,6 +39,7 @@ class Segment:
     ident: tuple[int, int]        # (st_dev, st_ino): the same file as last time, or not
     addr: int
     declared: int                 # its size as the process stated it when mapped (all of it is mapped)
+    page: int = PAGE              # its file's page (hugetlbfs: 2 MiB or 1 GiB): every piece starts and ends on one
     want: int = 0                 # how far pinning was asked to go: all of it ahead, as far as allocations reach by a copy
     ends: list[int] = field(default_factory=list)   # where each pinned piece ends, from the start, ascending
 
@@ -51,6 +52,8 @@ class Segment:
         """[off, off + size) of the segment as (offset, bytes) pieces of at most `most` bytes, none over the end
         of a pinned piece (the range must be pinned)."""
         k, end = off, off + size
+        if end > self.bytes:
+            raise GpucrError(f"staging pinned to {self.bytes} bytes, not to {end}: the server's own mistake")
         j = 0
         while k < end:
             while self.ends[j] <= k:
@@ -78,19 +81,27 @@ def open_segment(fd: int, i: int, declared: int) -> Segment:
     addr = _libc.mmap(None, declared, _PROT_RW, _MAP_SHARED, fd, 0)
     if addr in (None, _MAP_FAILED):
         raise GpucrError(f"mapping the process's staging ({declared >> 20} MiB) failed: {os.strerror(ctypes.get_errno())}")
-    return Segment((fs.st_dev, fs.st_ino), addr, declared)
+    return Segment((fs.st_dev, fs.st_ino), addr, declared, page=file_page(fs.st_blksize))
+
+
+def file_page(blksize: int) -> int:
+    """The page a staging file is mapped in, from its st_blksize: hugetlbfs gives its huge page (2 MiB or
+    1 GiB), shared memory and disks 4 KiB. So no piece starts or ends inside a huge page, which two
+    registrations would then share."""
+    return blksize if PAGE <= blksize <= 1 << 30 and blksize & (blksize - 1) == 0 else PAGE
 
 
 def pin(vmm: Vmm, seg: Segment, upto: int, stop: Callable[[], bool] = lambda: False) -> int:
-    """Pin `seg` from what is pinned of it on, a piece at a time, to `upto` bytes (in whole pages, within the
-    segment); `stop` asked before each piece ends it early. Returns the bytes newly pinned; raises GpucrError
+    """Pin `seg` from what is pinned of it on, a piece at a time, to `upto` bytes (in whole pages of its file,
+    within the segment); `stop` asked before each piece ends it early. Returns the bytes newly pinned; raises GpucrError
     (what was pinned before stays pinned, and in `seg`)."""
-    upto = min(-(-upto // PAGE) * PAGE, seg.declared)
+    upto = min(-(-upto // seg.page) * seg.page, seg.declared)
+    piece = -(-PIN_PIECE // seg.page) * seg.page
     seg.want = max(seg.want, upto)
     start = seg.bytes
     while seg.bytes < upto and not stop():
         k = seg.bytes
-        n = min(PIN_PIECE, upto - k)
+        n = min(piece, upto - k)
         try:
             vmm.pin(seg.addr + k, n)
         except DriverError as exc:
