@@ -146,3 +146,21 @@ def test_a_file_that_is_not_bench_results_is_refused_in_one_line_and_left_alone(
     assert r.returncode == 1 and r.stdout == "", r
     assert r.stderr.count("\n") == 1 and said in r.stderr and str(f) in r.stderr, r.stderr
     assert f.read_text() == text, "nothing rewritten"
+
+
+def test_no_bar_of_the_chart_is_taller_than_its_time():
+    """Parts one after the other are stacked (the in-process agent: data, then the driver's control);
+    parts side by side (the server copies while the driver works) are drawn beside each other, not
+    stacked to data + control; what is left of the time is 'other'."""
+    after = report.bar_parts({"checkpoint_s": 1.3, "data_out_s": 0.8, "control_out_s": 0.45}, report.OUT_PARTS,
+                             "checkpoint_s")
+    flat = lambda parts, *keys: [getattr(p, k) for p in parts for k in keys]
+    assert flat(after, "bottom", "height", "width") == pytest.approx([0, 0.8, 0.8, 0.8, 0.45, 0.8, 1.25, 0.05, 0.8])
+    beside = report.bar_parts({"checkpoint_s": 0.624, "data_out_s": 0.579, "control_out_s": 0.401}, report.OUT_PARTS,
+                              "checkpoint_s")
+    assert flat(beside, "dx", "bottom", "height", "width") == pytest.approx(
+        [0, 0, 0.579, 0.8, 0.25, 0, 0.401, 0.3, 0, 0.579, 0.045, 0.8])
+    for parts, time in ((after, 1.3), (beside, 0.624)):
+        assert max(p.bottom + p.height for p in parts) == pytest.approx(time)
+    peer = report.bar_parts({"restore_s": 0.553, "app_in_s": 0.552}, report.IN_PARTS, "restore_s")
+    assert [p.colour for p in peer] == [report.PEER_COLOUR, report.REST[1]]

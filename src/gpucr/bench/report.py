@@ -14,7 +14,7 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 GiB = 1 << 30
 
@@ -25,6 +25,7 @@ OUT_PARTS = (("data_out_s", "data (gpucr agent)", "#1f77b4"), ("control_out_s", 
 IN_PARTS = (("data_in_s", "data (gpucr agent)", "#1f77b4"), ("control_in_s", "control (driver)", "#ff7f0e"),
             ("driver_in_s", "driver: data + control", "#7f7f7f"), ("app_in_s", PEER_LABEL, PEER_COLOUR))
 REST = ("other (coordinator's own time)", "#d9d9d9")
+WIDE, NARROW = 0.8, 0.3   # a bar's width, and a part's drawn beside the first where they ran at the same time
 
 
 def read(path: str | Path, text: str | None = None) -> dict[str, Any]:
@@ -205,6 +206,37 @@ def jobs_table(res: dict[str, Any]) -> list[str]:
     return out
 
 
+class Part(NamedTuple):
+    dx: float        # from the bar's centre
+    bottom: float
+    height: float
+    width: float
+    colour: str
+
+
+def bar_parts(d: dict[str, Any], parts: tuple[tuple[str, str, str], ...], total_key: str) -> list[Part]:
+    """One bar of the chart: the median's parts stacked one after the other, and the rest of its time as
+    "other"; parts that ran side by side (their sum above the time: the server copies while the driver
+    works) are not stacked but the first drawn full width and the others narrow beside it, so that no bar
+    is taller than its time."""
+    present = [(key, colour) for key, _, colour in parts if d.get(key)]
+    total = d.get(total_key) or 0.0
+    out: list[Part] = []
+    if len(present) > 1 and sum(d[k] for k, _ in present) > total + 0.001:
+        (key, colour), beside = present[0], present[1:]
+        out.append(Part(0.0, 0.0, d[key], WIDE, colour))
+        out += [Part(0.25, 0.0, d[k], NARROW, c) for k, c in beside]
+        top = max(d[k] for k, _ in present)
+    else:
+        top = 0.0
+        for key, colour in present:
+            out.append(Part(0.0, top, d[key], WIDE, colour))
+            top += d[key]
+    if total - top > 0:
+        out.append(Part(0.0, top, total - top, WIDE, REST[1]))
+    return out
+
+
 def chart(res: dict[str, Any], path: str | Path) -> None:
     """Per workload, for each method a checkpoint and a restore bar, stacked by where the time went."""
     import matplotlib
@@ -221,15 +253,11 @@ def chart(res: dict[str, Any], path: str | Path) -> None:
         ticks, labels = [], []
         for i, (mname, d) in enumerate(ms):
             for j, (parts, total_key, hatch) in enumerate(((OUT_PARTS, "checkpoint_s", ""), (IN_PARTS, "restore_s", "//"))):
-                x, bottom = i * 3 + j, 0.0
-                for key, _, colour in parts:
-                    if d.get(key):
-                        ax.bar(x, d[key], bottom=bottom, color=colour, hatch=hatch, edgecolor="black", linewidth=0.4)
-                        bottom += d[key]
-                rest = (d.get(total_key) or 0.0) - bottom
-                if rest > 0:
-                    ax.bar(x, rest, bottom=bottom, color=REST[1], hatch=hatch, edgecolor="black", linewidth=0.4)
-                ax.text(x, d.get(total_key) or bottom, _s(d.get(total_key)), ha="center", va="bottom", fontsize=7)
+                x = i * 3 + j
+                for b in bar_parts(d, parts, total_key):
+                    ax.bar(x + b.dx, b.height, bottom=b.bottom, width=b.width, color=b.colour, hatch=hatch,
+                           edgecolor="black", linewidth=0.4)
+                ax.text(x, d.get(total_key) or 0.0, _s(d.get(total_key)), ha="center", va="bottom", fontsize=7)
             ticks.append(i * 3 + 0.5)
             labels.append(mname)
         ax.set_xticks(ticks, labels, rotation=20, fontsize=8)
@@ -239,6 +267,7 @@ def chart(res: dict[str, Any], path: str | Path) -> None:
     seen = {label: colour for parts in (OUT_PARTS, IN_PARTS) for _, label, colour in parts}
     handles = [Patch(facecolor=c, edgecolor="black", label=lbl) for lbl, c in seen.items()]
     handles += [Patch(facecolor=REST[1], edgecolor="black", label=REST[0]),
+                Patch(facecolor="white", edgecolor="black", label="narrow: at the same time as the wide part"),
                 Patch(facecolor="white", edgecolor="black", label="left: checkpoint"),
                 Patch(facecolor="white", edgecolor="black", hatch="//", label="right: restore")]
     fig.legend(handles=handles, loc="lower center", ncol=3, fontsize=8)
