@@ -355,6 +355,7 @@ def test_staging_is_pinned_in_pieces_and_no_copy_spans_two(tmp_path, monkeypatch
     from gpucr.driver import sim_pageable_async_copies
     from gpucr.server import mover as mv, pinned
     monkeypatch.setattr(pinned, "PIN_PIECE", 3 << 20)
+    monkeypatch.setattr(pinned, "file_page", lambda blksize: pinned.PAGE)   # whatever tmp's filesystem says
     monkeypatch.setattr(mv, "CHUNK", 2 << 20)
     drv = sim_driver()
     mover = mv.Mover(drv)
@@ -458,6 +459,60 @@ def test_pinning_ahead_stops_between_pieces_for_a_request_and_goes_on_from_there
         base = min(pinned_at)
         assert sorted(a - base for a in pinned_at) == [k << 20 for k in range(8)], "each piece once"
     finally:
+        os.close(fd)
+        mover.close()
+
+
+def test_a_copy_that_comes_while_a_segment_is_pinned_ahead_waits_for_that_piece_and_goes_on(tmp_path, monkeypatch):
+    """The segment being pinned ahead stays in the cache, marked busy: a copy that needs it (the data plane
+    wanted, its lock held) waits for the piece being pinned, then pins only what is still missing; it
+    neither maps nor pins the segment a second time, and no piece is pinned twice."""
+    import threading
+    from gpucr.server import pinned
+    from gpucr.server.mover import Mover, Stats
+    monkeypatch.setattr(pinned, "PIN_PIECE", 1 << 20)
+    monkeypatch.setattr(pinned, "file_page", lambda blksize: pinned.PAGE)
+    mover = Mover(sim_driver())
+    uuid = next(iter(mover.vmm.device_by_uuid()))
+    (tmp_path / "seg").write_bytes(b"\0" * (8 << 20))
+    fd = os.open(tmp_path / "seg", os.O_RDWR)
+    first_piece, go = threading.Event(), threading.Event()
+    pinned_at: list[int] = []
+    real_pin = mover.vmm.pin
+
+    def pin(addr: int, size: int) -> None:
+        real_pin(addr, size)
+        pinned_at.append(addr)
+        if len(pinned_at) == 1:
+            first_piece.set()
+            assert go.wait(10)
+    monkeypatch.setattr(mover.vmm, "pin", pin)
+    ahead = threading.Thread(target=mover.pin_ahead, args=(1, {"segments": [{"index": 0, "bytes": 8 << 20}],
+                                                            "allocations": []}, [fd], uuid))
+    seen: dict = {}
+
+    def copy() -> None:
+        with mover.wanted(), mover._lock:
+            mover.vmm.use(mover._context(mover.vmm.device_by_uuid()[uuid])[0])   # as a copy's staging() does
+            seen.update(mover._map_staging(1, {0: 5 << 20}, [fd], Stats(), {0: 8 << 20}))
+    copier = threading.Thread(target=copy)
+    try:
+        ahead.start()
+        assert first_piece.wait(10)
+        seg = mover._staging[1][0]
+        assert seg.busy, "in the cache while it is pinned"
+        copier.start()
+        copier.join(0.3)
+        assert copier.is_alive(), "the copy waits for the piece being pinned"
+        go.set()
+        ahead.join(10)
+        copier.join(10)
+        assert not ahead.is_alive() and not copier.is_alive()
+        assert seen[0] is seg and seg.bytes == 5 << 20 and not seg.busy
+        base = min(pinned_at)
+        assert sorted(a - base for a in pinned_at) == [k << 20 for k in range(5)], "no piece twice"
+    finally:
+        go.set()
         os.close(fd)
         mover.close()
 

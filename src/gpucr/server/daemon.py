@@ -367,8 +367,8 @@ def _checkpoint(s: Server, a: dict[str, Any]) -> Run:
     pids, level, timeout, images = _pids(a), str(a["level"]), float(a["timeout"]), _images(a)
 
     def run() -> Any:
-        mover = s.data_plane()
         try:
+            mover = s.data_plane()
             with _wanted(mover):
                 return to_json(coordinator.checkpoint_many(pids, level=level, timeout=timeout, images=images,
                                                            mover=mover))
@@ -383,8 +383,8 @@ def _restore(s: Server, a: dict[str, Any]) -> Run:
     gpu_map = {str(k): str(v) for k, v in (a.get("gpu_map") or {}).items()}
 
     def run() -> Any:
-        mover = s.data_plane()
         try:
+            mover = s.data_plane()
             with _wanted(mover):
                 return to_json(coordinator.restore_many(pids, timeout=timeout, drop_staging=drop, images=images,
                                                         force=force, gpu_map=gpu_map, mover=mover))

@@ -85,6 +85,7 @@ class Mover:
         self._ordinals: dict[str, int] | None = None
         self._ctx: dict[int, tuple[int, list[int]]] = {}      # ordinal -> (context, streams)
         self._staging: dict[int, dict[int, Segment]] = {}     # pid -> segment index -> segment
+        self._idle = threading.Condition()   # a segment's pinning ahead ended (Segment.busy cleared)
         self._taken: dict[int, list[tuple[int, int, int, int]]] = {}   # pid -> what its last copy out took
 
     # ---- what it holds ----
@@ -94,7 +95,8 @@ class Mover:
         return sorted(by_ordinal.get(d, str(d)) for d in self._ctx)
 
     def pinned_bytes(self) -> int:
-        return sum(s.bytes for segs in self._staging.values() for s in segs.values())
+        # copies of the dicts (atomic under the GIL): a copy or a pin ahead may change them meanwhile
+        return sum(s.bytes for segs in list(self._staging.values()) for s in list(segs.values()))
 
     def forget(self, pid: int) -> None:
         """Unpin and unmap a process's staging (it ended, or its staging changed)."""
@@ -164,51 +166,42 @@ class Mover:
         # pinned it only as far as its allocations reached: pinning those whole again re-pinned 69 GiB beside
         # the next checkpoints, whose copies then took 6-7 s instead of ~1 s (two-H200 host, 2026-12-01).
         # And a piece at a time (pinned.py), stopping as soon as a copy wants the data plane: pinning competes
-        # with its copies inside the driver; what is pinned stays, and the rest is pinned next time.
+        # with its copies inside the driver; what is pinned stays, and the rest is pinned next time. The
+        # segments stay in the cache meanwhile, marked busy: a copy that needs one waits the piece out and
+        # goes on from there, instead of mapping and pinning the segment a second time.
         declared, _plan = _checked_plan(layout)
-        with self._lock:
-            dev = self._ordinal(uuid)
-            self._neighbours.discard(dev)   # the staging is pinned in this context: never given back as a lender's
-            ctx = self._context(dev)[0]
-            segs = self._staging.setdefault(pid, {})
-            work: list[tuple[int, int, Segment | None]] = []
-            for i, n in sorted(declared.items()):
-                have = segs.get(i)
-                if not self._is_segment(have, seg_fds, i, n):
-                    work.append((i, n, None))
-                elif have.bytes < have.want:   # a pin ahead stopped for a copy: taken out, pinned further here
-                    work.append((i, n, segs.pop(i)))
-        self.vmm.use(ctx)
-        held = [(i, seg, seg.bytes) for i, _n, seg in work if seg is not None]   # put back whatever happens
-        stop = lambda: bool(self._wanted)
+        stale: list[Segment] = []
+        work: list[tuple[Segment, int]] = []   # (segment, bytes pinned of it before)
         try:
-            for i, n, seg in work:
-                if stop():
+            with self._lock:
+                dev = self._ordinal(uuid)
+                self._neighbours.discard(dev)   # the staging is pinned in this context: never given back as a lender's
+                ctx = self._context(dev)[0]
+                segs = self._staging.setdefault(pid, {})
+                stale += [segs.pop(i) for i in [i for i in segs if i not in declared]]
+                for i, n in sorted(declared.items()):
+                    if not self._is_segment(segs.get(i), seg_fds, i, n):
+                        fresh = open_segment(self._segment_fd(seg_fds, i), i, n)   # mapped only: cheap
+                        fresh.want = n
+                        if i in segs:
+                            stale.append(segs.pop(i))
+                        segs[i] = fresh
+                work = [(seg, seg.bytes) for _i, seg in sorted(segs.items()) if seg.bytes < seg.want]
+                for seg, _before in work:
+                    seg.busy = True
+            self.vmm.use(ctx)
+            for seg, _before in work:
+                if self._wanted:
                     break
-                if seg is None:
-                    seg = open_segment(self._segment_fd(seg_fds, i), i, n)
-                    held.append((i, seg, 0))
-                pin(self.vmm, seg, n, stop)
-        except GpucrError:
-            for _i, seg, _before in held:
-                drop(self.vmm, seg)
-            raise
-        newly = 0
-        with self._lock:
-            segs = self._staging.setdefault(pid, {})
-            stale = [segs.pop(i) for i in [i for i in segs if i not in declared]]
-            for i, seg, before in held:
-                cur = segs.get(i)
-                if not seg.ends or (cur is not None and cur.ident == seg.ident and cur.bytes >= seg.bytes):
-                    stale.append(seg)   # nothing pinned, or a copy pinned it meanwhile as far
-                    continue
-                if cur is not None:
-                    stale.append(cur)
-                segs[i] = seg
-                newly += seg.bytes - before
-        for seg in stale:   # unpinned outside the lock too
-            drop(self.vmm, seg)
-        return newly
+                pin(self.vmm, seg, seg.want, lambda: bool(self._wanted) or seg.abandon)
+        finally:
+            with self._idle:
+                for seg, _before in work:
+                    seg.busy = False
+                self._idle.notify_all()
+            for seg in stale:   # unpinned outside the lock too
+                self._drop(seg)
+        return sum(seg.bytes - before for seg, before in work if not seg.abandon)
 
     @contextmanager
     def wanted(self) -> Iterator[None]:
@@ -414,9 +407,11 @@ class Mover:
         out: dict[int, Segment] = {}
         for i, size in want.items():
             have = segs.get(i)
+            if have is not None:
+                self._settled(have)   # pinned ahead just now: that piece finished (we want the data plane)
             if not self._is_segment(have, seg_fds, i, declared[i]):
                 if have is not None:
-                    drop(self.vmm, segs.pop(i))
+                    self._drop(segs.pop(i))
                 have = segs[i] = open_segment(self._segment_fd(seg_fds, i), i, declared[i])
             t0 = time.perf_counter()
             if pin(self.vmm, have, size):   # in the current context (one on the process's GPU)
@@ -428,7 +423,7 @@ class Mover:
         """Unpin and unmap the cached segments the process no longer has."""
         keep = set(present)
         for i in [i for i in segs if i not in keep]:
-            drop(self.vmm, segs.pop(i))
+            self._drop(segs.pop(i))
 
     @staticmethod
     def _segment_fd(seg_fds: list[int], i: int) -> int:
@@ -444,4 +439,18 @@ class Mover:
     def _forget(self, pid: int) -> None:
         self._taken.pop(pid, None)
         for seg in self._staging.pop(pid, {}).values():
-            drop(self.vmm, seg)
+            self._drop(seg)
+
+    def _settled(self, seg: Segment) -> None:
+        """Until no pin ahead works on `seg` (it stops at the end of its piece: the caller wants the data plane)."""
+        with self._idle:
+            while seg.busy:
+                self._idle.wait()
+
+    def _drop(self, seg: Segment) -> None:
+        """Unpin and unmap `seg`, once a pin ahead that works on it has stopped, at the end of its piece."""
+        with self._idle:
+            seg.abandon = True
+            while seg.busy:
+                self._idle.wait()
+        drop(self.vmm, seg)

@@ -9,7 +9,7 @@ pinned again.
 
 A copy is never given a host range over two pieces: the driver copies a range it does not find inside one
 registration as pageable memory, through its own bounce buffers and far slower, so `cuts` ends every copy
-at the end of the piece it starts in. simcuda counts such copies (simcudaPageableCopies), and the tests ask
+at the end of the piece it starts in. simcuda counts such copies (simcudaPageableAsyncCopies), and the tests ask
 for none.
 """
 from __future__ import annotations
@@ -42,6 +42,8 @@ class Segment:
     page: int = PAGE              # its file's page (hugetlbfs: 2 MiB or 1 GiB): every piece starts and ends on one
     want: int = 0                 # how far pinning was asked to go: all of it ahead, as far as allocations reach by a copy
     ends: list[int] = field(default_factory=list)   # where each pinned piece ends, from the start, ascending
+    busy: bool = False            # a pin ahead is pinning it, outside the data plane's lock (mover.py)
+    abandon: bool = False         # ... and is to stop at the end of its piece: the segment is let go
 
     @property
     def bytes(self) -> int:
