@@ -330,16 +330,24 @@ def _hugepages_for(a: argparse.Namespace, spec: M.Spec, group: list[M.Method], d
     return int(float(spec.args[1]) * 2**30)
 
 
+TIMES = {"checkpoint": "checkpoint_s", "restore": "restore_s"}   # a ratio of times: its labels and median keys
+
+
+def _full_level(name: str) -> bool:
+    """A gpucr method that moves the whole process, context too (gpucr-full..., gpucr-server-full...)."""
+    return "-full" in name
+
+
 def speedups(by_method: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
-    """Each full-level gpucr method (gpucr-full, gpucr-server-full...: the whole process, as the driver's
-    own path moves it) against the driver's own path, from the side-by-side medians."""
+    """Each full-level gpucr method (the whole process, as the driver's own path moves it) against the
+    driver's own path, from the side-by-side medians."""
     out = {}
     for name, g in _gpucr_methods(by_method):
-        if "-full" not in name:
+        if not _full_level(name):
             continue
         for base in ("driver", "driver-fresh", "driver-nop2p"):
             b = (by_method.get(base) or {}).get("median")
-            if b and (r := _over(b, g, {"checkpoint": "checkpoint_s", "restore": "restore_s"})):
+            if b and (r := _over(b, g, TIMES)):
                 out[f"{name}_vs_{base}"] = r
     return out
 
@@ -368,7 +376,7 @@ def versus_peer(by_method: dict[str, dict[str, Any]]) -> dict[str, dict[str, flo
     for name, med in _gpucr_methods(by_method):
         if name.endswith("-data") and (r := _over(med, peer, {"out": "gbps_out", "in": "gbps_in"})):
             out[f"{name}_gbps_over_peer"] = r
-        elif "-full" in name and (r := _over(med, peer, {"checkpoint": "checkpoint_s", "restore": "restore_s"})):
+        elif _full_level(name) and (r := _over(med, peer, TIMES)):
             out[f"{name}_time_over_peer"] = r
     return out
 

@@ -19,7 +19,7 @@ import time
 import traceback
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Any, Callable, ContextManager, Iterator
+from typing import Any, Callable, Iterator
 
 from .. import coordinator, gpus, recover
 from .. import target as targets
@@ -357,10 +357,13 @@ def _pids(args: dict[str, Any]) -> list[int]:
     return [_pid(p) for p in args["pids"]]
 
 
-def _wanted(mover: Mover | None) -> ContextManager[None]:
-    """A checkpoint or restore wants the data plane from its first step (its checks and the handover come
-    before the copy): pinning ahead stops at its next piece, not to slow the driver's calls meanwhile."""
-    return mover.wanted() if mover is not None else nullcontext()
+@contextmanager
+def _copying(s: Server) -> Iterator[Mover | None]:
+    """The data plane for a checkpoint or restore, wanted from the request's first step (its checks and the
+    handover come before the copy): pinning ahead stops at its next piece, not to slow the driver's calls."""
+    mover = s.data_plane()
+    with mover.wanted() if mover is not None else nullcontext():
+        yield mover
 
 
 def _checkpoint(s: Server, a: dict[str, Any]) -> Run:
@@ -368,8 +371,7 @@ def _checkpoint(s: Server, a: dict[str, Any]) -> Run:
 
     def run() -> Any:
         try:
-            mover = s.data_plane()
-            with _wanted(mover):
+            with _copying(s) as mover:
                 return to_json(coordinator.checkpoint_many(pids, level=level, timeout=timeout, images=images,
                                                            mover=mover))
         finally:
@@ -384,8 +386,7 @@ def _restore(s: Server, a: dict[str, Any]) -> Run:
 
     def run() -> Any:
         try:
-            mover = s.data_plane()
-            with _wanted(mover):
+            with _copying(s) as mover:
                 return to_json(coordinator.restore_many(pids, timeout=timeout, drop_staging=drop, images=images,
                                                         force=force, gpu_map=gpu_map, mover=mover))
         finally:

@@ -190,9 +190,7 @@ class Mover:
                 for seg, _before in work:
                     seg.busy = True
             self.vmm.use(ctx)
-            for seg, _before in work:
-                if self._wanted:
-                    break
+            for seg, _before in work:   # each stops before its next piece once a copy wants the data plane
                 pin(self.vmm, seg, seg.want, lambda: bool(self._wanted) or seg.abandon)
         finally:
             with self._idle:
@@ -449,8 +447,6 @@ class Mover:
 
     def _drop(self, seg: Segment) -> None:
         """Unpin and unmap `seg`, once a pin ahead that works on it has stopped, at the end of its piece."""
-        with self._idle:
-            seg.abandon = True
-            while seg.busy:
-                self._idle.wait()
+        seg.abandon = True
+        self._settled(seg)
         drop(self.vmm, seg)

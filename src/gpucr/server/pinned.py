@@ -65,10 +65,8 @@ class Segment:
             k += n
 
 
-def same_file(seg: Segment | None, fd: int) -> bool:
+def same_file(seg: Segment, fd: int) -> bool:
     """Whether `seg` is the file behind `fd` now."""
-    if seg is None:
-        return False
     fs = os.fstat(fd)
     return seg.ident == (fs.st_dev, fs.st_ino)
 
