@@ -540,19 +540,18 @@ bool pool_free_sync(CUdeviceptr va, CUresult *rc)
     return s != NULL;
 }
 
-/* Pools above their release threshold give back what they may (the host just saw work complete). */
+/* Pools above their release threshold give back what they may (the host just saw work complete).
+ * Its callers, the synchronize wrappers, hold the gate. */
 static void after_sync(uint64_t key, bool whole_ctx)
 {
     CUcontext cur = NULL;
     if (whole_ctx) gpucr_drv.cuCtxGetCurrent(&cur);
-    gpucr_gate_enter();
     pthread_mutex_lock(&g_mu);
     if (key || whole_ctx) mark_done(key, cur);
     for (struct apool *pl = g_pools; pl; pl = pl->next)
         if (!pl->native && pl->reserved > pl->threshold) pool_shrink(pl, pl->threshold, false);
     forget_destroyed();
     pthread_mutex_unlock(&g_mu);
-    gpucr_gate_leave();
 }
 
 static bool any_served(void)
@@ -798,16 +797,25 @@ GPUCR_EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *ptr, CUmemoryPool pool
     return rc;
 }
 
-/* Synchronize points: the host sees work complete, and (as CUDA does) pools above their release
- * threshold give memory back. */
+/* Synchronize points. They wait at the closed gate like a launch: the driver's lock does not hold
+ * them, and one that overlaps its checkpoint kills the process (entrypoints.def). One already waiting
+ * when the gate closes is drained with the other calls in flight: it returns once the work submitted
+ * before the gate closed is done, which the checkpoint's own synchronize waits for anyway. The host
+ * then sees work complete and (as CUDA does) pools above their release threshold give memory back. */
+static CUresult synchronized(CUresult rc, uint64_t key, bool whole_ctx)
+{
+    if (rc == CUDA_SUCCESS && any_served()) after_sync(key, whole_ctx);
+    gpucr_gate_leave();
+    return rc;
+}
+
 #define STREAM_SYNC(sym, pt)                                                                            \
     GPUCR_EXPORT CUresult sym(CUstream st)                                                              \
     {                                                                                                   \
         gpucr_init();                                                                                   \
         if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                                \
-        CUresult rc = REAL(sym)(st);                                                                    \
-        if (rc == CUDA_SUCCESS && any_served()) after_sync(stream_key(st, pt), false);                  \
-        return rc;                                                                                      \
+        gpucr_gate_enter();                                                                             \
+        return synchronized(REAL(sym)(st), stream_key(st, pt), false);                                  \
     }
 STREAM_SYNC(cuStreamSynchronize, false)
 STREAM_SYNC(cuStreamSynchronize_ptsz, true)
@@ -817,6 +825,7 @@ GPUCR_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx)
 {
     gpucr_init();
     if (!REAL(cuCtxSynchronize_v2)) return CUDA_ERROR_NOT_SUPPORTED;
+    gpucr_gate_enter();
     CUresult rc = REAL(cuCtxSynchronize_v2)(ctx);
     if (rc == CUDA_SUCCESS && any_served()) {
         CUcontext cur = NULL;
@@ -825,6 +834,7 @@ GPUCR_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx)
         after_sync(0, true);
         if (ctx && ctx != cur) gpucr_drv.cuCtxSetCurrent(cur);
     }
+    gpucr_gate_leave();
     return rc;
 }
 
@@ -832,18 +842,16 @@ GPUCR_EXPORT CUresult cuCtxSynchronize(void)
 {
     gpucr_init();
     if (!REAL(cuCtxSynchronize)) return CUDA_ERROR_NOT_SUPPORTED;
-    CUresult rc = REAL(cuCtxSynchronize)();
-    if (rc == CUDA_SUCCESS && any_served()) after_sync(0, true);
-    return rc;
+    gpucr_gate_enter();
+    return synchronized(REAL(cuCtxSynchronize)(), 0, true);
 }
 
 GPUCR_EXPORT CUresult cuEventSynchronize(CUevent ev)
 {
     gpucr_init();
     if (!REAL(cuEventSynchronize)) return CUDA_ERROR_NOT_SUPPORTED;
-    CUresult rc = REAL(cuEventSynchronize)(ev);
-    if (rc == CUDA_SUCCESS && any_served()) after_sync(0, false);   /* which frees completed: the events say */
-    return rc;
+    gpucr_gate_enter();
+    return synchronized(REAL(cuEventSynchronize)(ev), 0, false);   /* which frees completed: the events say */
 }
 
 /* A stream that goes: record its event last thing, so blocks freed on it stay ordered; a new stream
