@@ -468,8 +468,8 @@ static CUresult ctx_synchronize(CUcontext ctx)
     }
     return rc;
 }
-SIMAPI CUresult cuCtxSynchronize(void) { SIM_GATED(ctx_synchronize(NULL)); }
-SIMAPI CUresult cuCtxSynchronize_v2(CUcontext ctx) { SIM_GATED(ctx_synchronize(ctx)); }
+SIMAPI CUresult cuCtxSynchronize(void) { SIM_UNHELD(ctx_synchronize(NULL)); }
+SIMAPI CUresult cuCtxSynchronize_v2(CUcontext ctx) { SIM_UNHELD(ctx_synchronize(ctx)); }
 
 static CUresult ctx_get_device(CUdevice *device, CUcontext ctx)
 {

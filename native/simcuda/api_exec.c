@@ -577,10 +577,10 @@ static CUresult stream_query(CUstream s)
     if (rc == CUDA_SUCCESS) sim_order_sync_stream(s);
     return rc;
 }
-SIMAPI CUresult cuStreamSynchronize(CUstream hStream) { SIM_GATED(stream_sync(hStream)); }
-SIMAPI CUresult cuStreamSynchronize_ptsz(CUstream hStream) { SIM_GATED(stream_sync(hStream)); }
-SIMAPI CUresult cuStreamQuery(CUstream hStream) { SIM_GATED(stream_query(hStream)); }
-SIMAPI CUresult cuStreamQuery_ptsz(CUstream hStream) { SIM_GATED(stream_query(hStream)); }
+SIMAPI CUresult cuStreamSynchronize(CUstream hStream) { SIM_UNHELD(stream_sync(hStream)); }
+SIMAPI CUresult cuStreamSynchronize_ptsz(CUstream hStream) { SIM_UNHELD(stream_sync(hStream)); }
+SIMAPI CUresult cuStreamQuery(CUstream hStream) { SIM_UNHELD(stream_query(hStream)); }
+SIMAPI CUresult cuStreamQuery_ptsz(CUstream hStream) { SIM_UNHELD(stream_query(hStream)); }
 
 static CUresult stream_is_capturing(CUstream s, int *status)
 {
@@ -663,7 +663,7 @@ static CUresult event_synchronize(CUevent e)
     if (known) sim_pool_after_sync();
     return known ? CUDA_SUCCESS : CUDA_ERROR_INVALID_HANDLE;
 }
-SIMAPI CUresult cuEventSynchronize(CUevent hEvent) { SIM_GATED(event_synchronize(hEvent)); }
+SIMAPI CUresult cuEventSynchronize(CUevent hEvent) { SIM_UNHELD(event_synchronize(hEvent)); }
 
 /* Complete once the host has seen what it recorded complete (order.c: completion is observed at
  * synchronize points), so a caller must be ready for CUDA_ERROR_NOT_READY, as on a GPU. */
@@ -675,7 +675,7 @@ static CUresult event_query(CUevent e)
     pthread_mutex_unlock(&ex.mu);
     return rc;
 }
-SIMAPI CUresult cuEventQuery(CUevent hEvent) { SIM_GATED(event_query(hEvent)); }
+SIMAPI CUresult cuEventQuery(CUevent hEvent) { SIM_UNHELD(event_query(hEvent)); }
 
 static CUresult stream_wait_event(CUstream s, CUevent e, unsigned flags)
 {

@@ -6,7 +6,11 @@
  * one fixed-size request and gets one reply. The thread alone owns the process state:
  *   RUNNING --lock--> LOCKED --checkpoint--> CHECKPOINTED --restore--> LOCKED --unlock--> RUNNING
  * LOCK closes the API gate and waits for calls in flight (timeoutMs, 0 = for ever; on timeout
- * the gate reopens and the reply is CUDA_ERROR_TIMEOUT). CHECKPOINT saves and frees every
+ * the gate reopens and the reply is CUDA_ERROR_TIMEOUT). The calls the lock does not hold (queries
+ * and synchronizes, sim_unheld_enter) go on; one that overlaps CHECKPOINT fails it with
+ * CUDA_ERROR_OPERATING_SYSTEM, one made while CHECKPOINTED kills the process: FAILED, then
+ * SIGSEGV (the reply to CHECKPOINT is sent first, as the driver returns 304 before the process
+ * dies). CHECKPOINT saves and frees every
  * physical allocation and stops charging contexts, so the process uses 0 bytes of device
  * memory. RESTORE first checks the device has room (else CUDA_ERROR_OUT_OF_MEMORY, still
  * CHECKPOINTED and restorable later), then puts every byte back at the same address.
@@ -56,17 +60,57 @@ struct sim_ctl_rep {
 /* ---- target side ---- */
 
 static struct {
-    CUprocessState state; /* only the control thread writes it; sim_ckpt_checkpointed reads it atomically */
+    CUprocessState state; /* the control thread writes it, and a dying unheld call (FAILED); read atomically */
     pid_t tid;
     int listen_fd;
     bool fail_restore;
     bool fail_lock;
+    bool die_after_reply; /* a CHECKPOINT an unheld call overlapped: the process dies once it is answered */
     char path[PATH_MAX];
 } ck = {.listen_fd = -1};
+
+/* The calls the lock does not hold, against a CHECKPOINT under way (sequentially consistent: either
+ * the call sees `checkpointing` or the checkpoint sees it in flight). */
+static struct {
+    unsigned inflight;
+    bool checkpointing;
+    bool spoiled; /* one overlapped the CHECKPOINT under way */
+} unheld;
 
 bool sim_ckpt_checkpointed(void)
 {
     return __atomic_load_n(&ck.state, __ATOMIC_ACQUIRE) == CU_PROCESS_STATE_CHECKPOINTED;
+}
+
+/* What the driver does to a process whose checkpoint a call got in the way of. */
+static void die_failed(const char *why)
+{
+    __atomic_store_n(&ck.state, CU_PROCESS_STATE_FAILED, __ATOMIC_SEQ_CST);
+    fprintf(stderr, "simcuda: %s: the process fails and dies (SIGSEGV), as on the driver\n", why);
+    sigset_t segv;
+    sigemptyset(&segv);
+    sigaddset(&segv, SIGSEGV);
+    signal(SIGSEGV, SIG_DFL);
+    pthread_sigmask(SIG_UNBLOCK, &segv, NULL); /* the control thread blocks every signal */
+    raise(SIGSEGV);
+    abort();
+}
+
+CUresult sim_unheld_enter(void)
+{
+    if (!sim_is_ready())
+        return CUDA_ERROR_NOT_INITIALIZED;
+    __atomic_fetch_add(&unheld.inflight, 1, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&unheld.checkpointing, __ATOMIC_SEQ_CST))
+        __atomic_store_n(&unheld.spoiled, true, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&ck.state, __ATOMIC_SEQ_CST) == CU_PROCESS_STATE_CHECKPOINTED)
+        die_failed("a stream or event query or a synchronize was called while the process is checkpointed");
+    return CUDA_SUCCESS;
+}
+
+void sim_unheld_exit(void)
+{
+    __atomic_fetch_sub(&unheld.inflight, 1, __ATOMIC_SEQ_CST);
 }
 
 static CUresult do_checkpoint(void)
@@ -80,6 +124,23 @@ static CUresult do_checkpoint(void)
     }
     sim_ctx_unlock();
     return rc;
+}
+
+/* CHECKPOINT, failed (and the process doomed) if an unheld call overlapped it. */
+static CUresult checkpoint_unless_overlapped(void)
+{
+    __atomic_store_n(&unheld.checkpointing, true, __ATOMIC_SEQ_CST);
+    if (__atomic_load_n(&unheld.inflight, __ATOMIC_SEQ_CST))
+        __atomic_store_n(&unheld.spoiled, true, __ATOMIC_SEQ_CST);
+    CUresult rc = do_checkpoint();
+    if (rc == CUDA_SUCCESS)
+        __atomic_store_n(&ck.state, CU_PROCESS_STATE_CHECKPOINTED, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&unheld.checkpointing, false, __ATOMIC_SEQ_CST);
+    if (!__atomic_exchange_n(&unheld.spoiled, false, __ATOMIC_SEQ_CST))
+        return rc;
+    __atomic_store_n(&ck.state, CU_PROCESS_STATE_FAILED, __ATOMIC_SEQ_CST);
+    ck.die_after_reply = true;
+    return CUDA_ERROR_OPERATING_SYSTEM;
 }
 
 /* The physical device with UUID u, or -1. */
@@ -166,14 +227,10 @@ static CUresult handle(const struct sim_ctl_req *req)
             return CUDA_ERROR_TIMEOUT;
         __atomic_store_n(&ck.state, CU_PROCESS_STATE_LOCKED, __ATOMIC_RELEASE);
         return CUDA_SUCCESS;
-    case OP_CHECKPOINT: {
+    case OP_CHECKPOINT:
         if (ck.state != CU_PROCESS_STATE_LOCKED)
             return CUDA_ERROR_ILLEGAL_STATE;
-        CUresult rc = do_checkpoint();
-        if (rc == CUDA_SUCCESS)
-            __atomic_store_n(&ck.state, CU_PROCESS_STATE_CHECKPOINTED, __ATOMIC_RELEASE);
-        return rc;
-    }
+        return checkpoint_unless_overlapped();
     case OP_RESTORE: {
         if (ck.state != CU_PROCESS_STATE_CHECKPOINTED)
             return CUDA_ERROR_ILLEGAL_STATE;
@@ -226,6 +283,8 @@ static void serve(int fd)
     rep.state = ck.state;
     rep.tid = ck.tid;
     io_full(fd, &rep, sizeof(rep), true);
+    if (ck.die_after_reply)
+        die_failed("a stream or event query or a synchronize overlapped the checkpoint (CUDA error 304)");
 }
 
 static void *ctl_main(void *arg)

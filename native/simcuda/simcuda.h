@@ -295,6 +295,24 @@ void sim_graph_drop_ctx(struct sim_ctx *ctx);
 /* Starts the control thread serving <rundir>/<pid>.ctl. */
 CUresult sim_ctl_start(void);
 
+/* Calls the driver's checkpoint lock does not hold (stream and event queries, every synchronize;
+ * measured on an H200, driver 580): they run while the process is locked. One that overlaps a
+ * checkpoint fails it with CUDA_ERROR_OPERATING_SYSTEM; one made while the process is checkpointed
+ * kills it. Either way the process goes FAILED and dies with SIGSEGV, as on the driver. */
+CUresult sim_unheld_enter(void);
+void sim_unheld_exit(void);
+
+/* Runs an entry point's body as a call the lock does not hold. */
+#define SIM_UNHELD(expr)                                                                      \
+    do {                                                                                      \
+        CUresult sim_unheld_rc_ = sim_unheld_enter();                                         \
+        if (sim_unheld_rc_ != CUDA_SUCCESS)                                                   \
+            return sim_unheld_rc_;                                                            \
+        sim_unheld_rc_ = (expr);                                                              \
+        sim_unheld_exit();                                                                    \
+        return sim_unheld_rc_;                                                                \
+    } while (0)
+
 #pragma GCC visibility pop
 
 #endif /* SIMCUDA_H */

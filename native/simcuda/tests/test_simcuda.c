@@ -342,10 +342,10 @@ static struct {
     CUcontext ctx;
     CUdeviceptr a, b;
     CUmemGenericAllocationHandle hb, hc;
-    atomic_long count, fails;
+    atomic_long count, fails, polls;
     atomic_bool stop, spinning;
-    pthread_t blocker, spinner;
-    bool have_blocker, have_spinner;
+    pthread_t blocker, spinner, poller;
+    bool have_blocker, have_spinner, have_poller;
     unsigned spin_ms;
 } tgt;
 
@@ -359,6 +359,18 @@ static void *blocker_main(void *arg)
             atomic_fetch_add(&tgt.fails, 1);
         atomic_fetch_add(&tgt.count, 1);
         sleep_ms(5);
+    }
+    return NULL;
+}
+
+/* Queries its stream without a pause, as a busy-wait on the GPU does: the lock does not hold it. */
+static void *poller_main(void *arg)
+{
+    (void)arg;
+    CU(cuCtxSetCurrent(tgt.ctx));
+    while (!atomic_load(&tgt.stop)) {
+        CU(cuStreamQuery(NULL));
+        atomic_fetch_add(&tgt.polls, 1);
     }
     return NULL;
 }
@@ -485,6 +497,14 @@ static int role_target(void)
             while (atomic_load(&tgt.count) == 0)
                 sleep_ms(1);
             printf("OK\n");
+        } else if (strcmp(line, "POLLER") == 0) {
+            CHECK(pthread_create(&tgt.poller, NULL, poller_main, NULL) == 0, "thread");
+            tgt.have_poller = true;
+            while (atomic_load(&tgt.polls) == 0)
+                sleep_ms(1);
+            printf("OK\n");
+        } else if (strcmp(line, "POLLS") == 0) {
+            printf("%ld\n", atomic_load(&tgt.polls));   /* without calling CUDA, as COUNT */
         } else if (strcmp(line, "COUNT") == 0) {
             /* answered without calling CUDA: this thread must not block on the lock */
             printf("%ld %ld\n", atomic_load(&tgt.count), atomic_load(&tgt.fails));
@@ -509,6 +529,8 @@ static int role_target(void)
         pthread_join(tgt.blocker, NULL);
     if (tgt.have_spinner)
         pthread_join(tgt.spinner, NULL);
+    if (tgt.have_poller)
+        pthread_join(tgt.poller, NULL);
     return 0;
 }
 
@@ -1432,6 +1454,55 @@ static void test_checkpoint_cycle(void)
     child_finish(&c);
 }
 
+static long polls(struct child *c)
+{
+    char buf[64];
+    child_ask(c, buf, sizeof(buf), "POLLS");
+    return atol(buf);
+}
+
+/* The child ended by SIGSEGV (what the driver does to a process whose checkpoint a query spoiled). */
+static void expect_segv(struct child *c)
+{
+    int status;
+    CHECK(waitpid(c->pid, &status, 0) == c->pid, "waitpid");
+    CHECK(WIFSIGNALED(status) && WTERMSIG(status) == SIGSEGV, "child %d ended with status 0x%x, not SIGSEGV", c->pid, status);
+    fclose(c->to);
+    fclose(c->from);
+}
+
+/* As on the driver: a stream query is not held by the lock, and one running during the checkpoint
+ * fails it (304), the process goes FAILED and dies with SIGSEGV. */
+static void test_query_during_checkpoint(void)
+{
+    CUdeviceptr a, b;
+    struct child c = spawn_target(&a, &b, NULL);
+    child_ok(&c, "POLLER");
+    CUcheckpointLockArgs lock = {.timeoutMs = 5000};
+    CU(cuCheckpointProcessLock(c.pid, &lock));
+    long p1 = polls(&c);
+    sleep_ms(50);
+    CHECK(polls(&c) > p1, "the lock held a stream query (%ld polls)", p1);
+    /* a poller descheduled for the whole checkpoint (a loaded machine) dies at its next query instead */
+    CUresult rc = cuCheckpointProcessCheckpoint(c.pid, NULL);
+    CHECK(rc == CUDA_ERROR_OPERATING_SYSTEM || rc == CUDA_SUCCESS, "checkpoint returned %d", rc);
+    expect_segv(&c);
+}
+
+/* A synchronize called while the process is checkpointed kills it, as a query does. */
+static void test_sync_while_checkpointed(void)
+{
+    CUdeviceptr a, b;
+    struct child c = spawn_target(&a, &b, NULL);
+    CUcheckpointLockArgs lock = {.timeoutMs = 5000};
+    CU(cuCheckpointProcessLock(c.pid, &lock));
+    CU(cuCheckpointProcessCheckpoint(c.pid, NULL));
+    CHECK(state_of(c.pid) == CU_PROCESS_STATE_CHECKPOINTED, "checkpointed");
+    fprintf(c.to, "PING\n");   /* its cuCtxSynchronize */
+    fflush(c.to);
+    expect_segv(&c);
+}
+
 static void test_lock_timeout(void)
 {
     CUdeviceptr a, b;
@@ -1699,6 +1770,8 @@ int main(int argc, char **argv)
     run("not a CUDA process", test_not_a_cuda_process);
     run("checkpoint cycle", test_checkpoint_cycle);
     run("lock timeout", test_lock_timeout);
+    run("a query during the checkpoint", test_query_during_checkpoint);
+    run("a synchronize while checkpointed", test_sync_while_checkpointed);
     run("restore out of memory", test_restore_oom);
     run("restore fault injection", test_restore_fault_injection);
     run("two devices, self-checkpoint", test_multidev);
