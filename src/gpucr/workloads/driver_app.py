@@ -5,7 +5,8 @@ it does the same through copies and memsets. Allocations: plain cuMemAlloc buffe
 sizes, a pitched one, and (with --vmm) the application's own VMM range mapped in 2 MiB handles, the
 way PyTorch's expandable segments do.
 
-Commands: digest | work N | loop start | loop stop | spin MS | free I | alloc BYTES | quit, and for
+Commands: digest | work N | loop start | loop stop | spin MS | free I | alloc BYTES | quit |
+poll start [MS] | poll counts | poll stop (a thread per family of queries, synchronizes and event records), and for
 several GPUs: device D BYTES [vmm] (a buffer on device D, plain or the application's own VMM) |
 peer on|off (device 1 gets or loses peer access to device 0's plain allocations) | peer-add I
 (device 1 adds 0 to buffer I in a kernel: simcuda only) | uuids (each device's UUID, as this process sees it),
@@ -78,6 +79,13 @@ cuIpcGetMemHandle = _sig("cuIpcGetMemHandle", ctypes.c_char_p, u64)
 cuMemExportToShareableHandle = _sig("cuMemExportToShareableHandle", vp, u64, ctypes.c_int, u64)
 cuMemImportFromShareableHandle = _sig("cuMemImportFromShareableHandle", ctypes.POINTER(u64), vp, ctypes.c_int)
 cuMemGetInfo = _sig("cuMemGetInfo_v2", ctypes.POINTER(sz), ctypes.POINTER(sz))
+cuEventCreate = _sig("cuEventCreate", ctypes.POINTER(vp), ctypes.c_uint)
+cuEventRecord = _sig("cuEventRecord", vp, vp)
+cuEventQuery = _sig("cuEventQuery", vp)
+cuEventSynchronize = _sig("cuEventSynchronize", vp)
+cuStreamQuery = _sig("cuStreamQuery", vp)
+cuStreamSynchronize = _sig("cuStreamSynchronize", vp)
+CUDA_ERROR_NOT_READY = 600
 
 
 class MulticastProp(ctypes.Structure):
@@ -94,6 +102,59 @@ if SIM:
 def check(rc: int, what: str) -> None:
     if rc != 0:
         raise RuntimeError(f"{what}: CUDA error {rc}")
+
+
+class Pollers:
+    """One thread per family of calls that watch the GPU, each entering the context itself and calling
+    every few ms, as a watchdog, a progress loop or a busy-wait on events does (issue 24)."""
+
+    FAMILIES = ("stream-query", "event-query", "ctx-sync", "stream-sync", "event-sync", "event-record")
+
+    def __init__(self, ctx: vp) -> None:
+        self.ctx = ctx
+        self.stop_flag = threading.Event()
+        self.threads: list[threading.Thread] = []
+        self.counts = dict.fromkeys(self.FAMILIES, 0)
+        self.errors: list[str] = []
+
+    def _call(self, family: str, ev: vp) -> int:
+        if family == "stream-query":
+            return cuStreamQuery(None)
+        if family == "event-query":
+            return cuEventQuery(ev)
+        if family == "ctx-sync":
+            return cuCtxSynchronize()
+        if family == "stream-sync":
+            return cuStreamSynchronize(None)
+        if family == "event-sync":
+            return cuEventSynchronize(ev)
+        return cuEventRecord(ev, None)
+
+    def _run(self, family: str, every_s: float) -> None:
+        try:
+            check(cuCtxSetCurrent(self.ctx), "set ctx")   # a new thread enters the context, then calls into it
+            ev = vp()
+            check(cuEventCreate(ctypes.byref(ev), 0), "event")
+            check(cuEventRecord(ev, None), "record")
+            while not self.stop_flag.wait(every_s):
+                rc = self._call(family, ev)
+                if rc not in (0, CUDA_ERROR_NOT_READY):
+                    raise RuntimeError(f"CUDA error {rc}")
+                self.counts[family] += 1
+        except Exception as exc:  # reported by "poll stop"
+            self.errors.append(f"{family}: {exc}")
+
+    def start(self, every_ms: float) -> dict:
+        self.threads = [threading.Thread(target=self._run, args=(f, every_ms / 1e3), daemon=True) for f in self.FAMILIES]
+        for t in self.threads:
+            t.start()
+        return {"started": list(self.FAMILIES)}
+
+    def stop(self) -> dict:
+        self.stop_flag.set()
+        for t in self.threads:
+            t.join()
+        return {"counts": self.counts, "errors": self.errors}
 
 
 class App:
@@ -130,6 +191,7 @@ class App:
         self.loop_stop = threading.Event()
         self.loop_iters = 0
         self.loop_error: str | None = None
+        self.pollers: Pollers | None = None
 
     def _alloc(self, n: int) -> int:
         p = u64()
@@ -242,6 +304,13 @@ class App:
             if self.loop_thread:
                 self.loop_thread.join()
             return {"iterations": self.loop_iters, "error": self.loop_error}
+        if cmd == "poll" and words[1] == "start":   # poll start [MS]: one thread per family of GPU-watching calls
+            self.pollers = Pollers(self.ctx)
+            return self.pollers.start(float(words[2]) if len(words) > 2 else 2.0)
+        if cmd == "poll" and words[1] == "counts":
+            return {"counts": dict(self.pollers.counts), "errors": list(self.pollers.errors)}
+        if cmd == "poll" and words[1] == "stop":
+            return self.pollers.stop()
         if cmd == "churn" and words[1] == "start":   # threads that allocate, fill, check and free in a loop
             self.churn_stop = threading.Event()
             self.churn_stats = {"cycles": 0, "errors": []}
