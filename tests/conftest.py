@@ -31,10 +31,10 @@ def _private_dirs(tmp_path_factory, monkeypatch, request):
     if not gpu_test:
         monkeypatch.setenv("GPUCR_SIMULATE", "1")
     # GPUCR_TEST_VIA_SERVER=1 (scripts/gpu-check VIA_SERVER=1): every GPU test's checkpoints and restores go
-    # through a gpucr server of its own, its data plane copying (test_gpu_server and test_gpu_routes start
-    # their own servers)
+    # through a gpucr server of its own, its data plane copying (test_gpu_server, test_gpu_routes and
+    # test_gpu_polling start their own servers)
     via = gpu_test and os.environ.get("GPUCR_TEST_VIA_SERVER") == "1" and \
-        request.node.path.name not in ("test_gpu_server.py", "test_gpu_routes.py")
+        request.node.path.name not in ("test_gpu_server.py", "test_gpu_routes.py", "test_gpu_polling.py")
     # with its context given back after each request: parked, the card is then within a few MiB of idle, as
     # the tests ask (issue 13: "pass as written with the context given back")
     srv = RunningServer(False, "--give-back-context") if via else None
