@@ -74,16 +74,19 @@ bool sim_gate_close(unsigned timeout_ms); /* false: timed out, gate reopened */
 bool sim_ckpt_checkpointed(void);
 void sim_gate_open(void);
 
-/* Runs an entry point's body inside the gate: blocks while the process is locked. */
-#define SIM_GATED(expr)                                                                       \
+/* Runs an entry point's body between enter() and exit(), returning its result. */
+#define SIM_BETWEEN(enter, exit, expr)                                                        \
     do {                                                                                      \
-        CUresult sim_gated_rc_ = sim_gate_enter();                                            \
-        if (sim_gated_rc_ != CUDA_SUCCESS)                                                    \
-            return sim_gated_rc_;                                                             \
-        sim_gated_rc_ = (expr);                                                               \
-        sim_gate_exit();                                                                      \
-        return sim_gated_rc_;                                                                 \
+        CUresult sim_between_rc_ = enter();                                                   \
+        if (sim_between_rc_ != CUDA_SUCCESS)                                                  \
+            return sim_between_rc_;                                                           \
+        sim_between_rc_ = (expr);                                                             \
+        exit();                                                                               \
+        return sim_between_rc_;                                                               \
     } while (0)
+
+/* Runs an entry point's body inside the gate: blocks while the process is locked. */
+#define SIM_GATED(expr) SIM_BETWEEN(sim_gate_enter, sim_gate_exit, expr)
 
 /* ---- accounting.c ---- */
 
@@ -303,15 +306,7 @@ CUresult sim_unheld_enter(void);
 void sim_unheld_exit(void);
 
 /* Runs an entry point's body as a call the lock does not hold. */
-#define SIM_UNHELD(expr)                                                                      \
-    do {                                                                                      \
-        CUresult sim_unheld_rc_ = sim_unheld_enter();                                         \
-        if (sim_unheld_rc_ != CUDA_SUCCESS)                                                   \
-            return sim_unheld_rc_;                                                            \
-        sim_unheld_rc_ = (expr);                                                              \
-        sim_unheld_exit();                                                                    \
-        return sim_unheld_rc_;                                                                \
-    } while (0)
+#define SIM_UNHELD(expr) SIM_BETWEEN(sim_unheld_enter, sim_unheld_exit, expr)
 
 #pragma GCC visibility pop
 

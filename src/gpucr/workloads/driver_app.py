@@ -26,6 +26,7 @@ import os
 import threading
 
 from ..driver import uuid_text
+from .polling import Pollers
 from .protocol import serve
 
 cu = ctypes.CDLL("libcuda.so.1")
@@ -104,57 +105,30 @@ def check(rc: int, what: str) -> None:
         raise RuntimeError(f"{what}: CUDA error {rc}")
 
 
-class Pollers:
-    """One thread per family of calls that watch the GPU, each entering the context itself and calling
-    every few ms, as a watchdog, a progress loop or a busy-wait on events does (issue 24)."""
+class DriverPollers(Pollers):
+    """Stream and event queries, synchronizes and event records on the driver API."""
 
     FAMILIES = ("stream-query", "event-query", "ctx-sync", "stream-sync", "event-sync", "event-record")
+    DEFAULT_MS = 2.0
 
     def __init__(self, ctx: vp) -> None:
+        super().__init__()
         self.ctx = ctx
-        self.stop_flag = threading.Event()
-        self.threads: list[threading.Thread] = []
-        self.counts = dict.fromkeys(self.FAMILIES, 0)
-        self.errors: list[str] = []
 
-    def _call(self, family: str, ev: vp) -> int:
-        if family == "stream-query":
-            return cuStreamQuery(None)
-        if family == "event-query":
-            return cuEventQuery(ev)
-        if family == "ctx-sync":
-            return cuCtxSynchronize()
-        if family == "stream-sync":
-            return cuStreamSynchronize(None)
-        if family == "event-sync":
-            return cuEventSynchronize(ev)
-        return cuEventRecord(ev, None)
+    def enter(self) -> vp:
+        check(cuCtxSetCurrent(self.ctx), "set ctx")   # a new thread enters the context, then calls into it
+        ev = vp()
+        check(cuEventCreate(ctypes.byref(ev), 0), "event")
+        check(cuEventRecord(ev, None), "record")
+        return ev
 
-    def _run(self, family: str, every_s: float) -> None:
-        try:
-            check(cuCtxSetCurrent(self.ctx), "set ctx")   # a new thread enters the context, then calls into it
-            ev = vp()
-            check(cuEventCreate(ctypes.byref(ev), 0), "event")
-            check(cuEventRecord(ev, None), "record")
-            while not self.stop_flag.wait(every_s):
-                rc = self._call(family, ev)
-                if rc not in (0, CUDA_ERROR_NOT_READY):
-                    raise RuntimeError(f"CUDA error {rc}")
-                self.counts[family] += 1
-        except Exception as exc:  # reported by "poll stop"
-            self.errors.append(f"{family}: {exc}")
-
-    def start(self, every_ms: float) -> dict:
-        self.threads = [threading.Thread(target=self._run, args=(f, every_ms / 1e3), daemon=True) for f in self.FAMILIES]
-        for t in self.threads:
-            t.start()
-        return {"started": list(self.FAMILIES)}
-
-    def stop(self) -> dict:
-        self.stop_flag.set()
-        for t in self.threads:
-            t.join()
-        return {"counts": self.counts, "errors": self.errors}
+    def call(self, family: str, ev: vp) -> None:
+        calls = {"stream-query": lambda: cuStreamQuery(None), "event-query": lambda: cuEventQuery(ev),
+                 "ctx-sync": cuCtxSynchronize, "stream-sync": lambda: cuStreamSynchronize(None),
+                 "event-sync": lambda: cuEventSynchronize(ev), "event-record": lambda: cuEventRecord(ev, None)}
+        rc = calls[family]()
+        if rc not in (0, CUDA_ERROR_NOT_READY):
+            raise RuntimeError(f"CUDA error {rc}")
 
 
 class App:
@@ -191,7 +165,7 @@ class App:
         self.loop_stop = threading.Event()
         self.loop_iters = 0
         self.loop_error: str | None = None
-        self.pollers: Pollers | None = None
+        self.pollers = DriverPollers(self.ctx)
 
     def _alloc(self, n: int) -> int:
         p = u64()
@@ -304,13 +278,8 @@ class App:
             if self.loop_thread:
                 self.loop_thread.join()
             return {"iterations": self.loop_iters, "error": self.loop_error}
-        if cmd == "poll" and words[1] == "start":   # poll start [MS]: one thread per family of GPU-watching calls
-            self.pollers = Pollers(self.ctx)
-            return self.pollers.start(float(words[2]) if len(words) > 2 else 2.0)
-        if cmd == "poll" and words[1] == "counts":
-            return {"counts": dict(self.pollers.counts), "errors": list(self.pollers.errors)}
-        if cmd == "poll" and words[1] == "stop":
-            return self.pollers.stop()
+        if cmd == "poll":   # poll start [MS] | poll counts | poll stop: a thread per family of GPU-watching calls
+            return self.pollers.command(words[1:])
         if cmd == "churn" and words[1] == "start":   # threads that allocate, fill, check and free in a loop
             self.churn_stop = threading.Event()
             self.churn_stats = {"cycles": 0, "errors": []}

@@ -12,6 +12,7 @@ import threading
 
 import torch
 
+from .polling import Pollers
 from .protocol import serve
 
 CHUNK = 1 << 28  # elements of int32 per digest step (1 GiB)
@@ -31,21 +32,23 @@ def tensor_digest(t: torch.Tensor) -> list[int]:
     return [int(s1), int(s2)]
 
 
-class Pollers:
-    """One thread per family of calls that watch the GPU, every few ms, as a watchdog, a serving loop or a
-    busy-wait on events does (issue 24): Event.query, Stream.query, torch.cuda.synchronize, the driver's
-    cuCtxSynchronize (through ctypes) and Event.record."""
+class TorchPollers(Pollers):
+    """Event.query, Stream.query, torch.cuda.synchronize, the driver's cuCtxSynchronize (through ctypes)
+    and Event.record."""
 
     FAMILIES = ("event-query", "stream-query", "synchronize", "ctx-synchronize", "event-record")
 
     def __init__(self) -> None:
-        self.stop_flag = threading.Event()
-        self.counts = dict.fromkeys(self.FAMILIES, 0)
-        self.errors: list[str] = []
-        self.threads: list[threading.Thread] = []
+        super().__init__()
         self.libcuda = ctypes.CDLL("libcuda.so.1")
 
-    def _call(self, family: str, ev: torch.cuda.Event) -> None:
+    def enter(self) -> torch.cuda.Event:
+        torch.cuda.set_device(0)   # the thread enters the context, then calls into it
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    def call(self, family: str, ev: torch.cuda.Event) -> None:
         if family == "event-query":
             ev.query()
         elif family == "stream-query":
@@ -58,29 +61,6 @@ class Pollers:
                 raise RuntimeError(f"cuCtxSynchronize: CUDA error {rc}")
         else:
             ev.record()
-
-    def _run(self, family: str, every_s: float) -> None:
-        try:
-            torch.cuda.set_device(0)   # the thread enters the context, then calls into it
-            ev = torch.cuda.Event()
-            ev.record()
-            while not self.stop_flag.wait(every_s):
-                self._call(family, ev)
-                self.counts[family] += 1
-        except Exception as exc:  # reported by "poll stop"
-            self.errors.append(f"{family}: {type(exc).__name__}: {exc}")
-
-    def start(self, every_ms: float) -> dict:
-        self.threads = [threading.Thread(target=self._run, args=(f, every_ms / 1e3), daemon=True) for f in self.FAMILIES]
-        for t in self.threads:
-            t.start()
-        return {"started": list(self.FAMILIES)}
-
-    def stop(self) -> dict:
-        self.stop_flag.set()
-        for t in self.threads:
-            t.join()
-        return {"counts": self.counts, "errors": self.errors}
 
 
 class App:
@@ -102,7 +82,7 @@ class App:
         self.iters = 0
         self.error: str | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
-        self.pollers: Pollers | None = None
+        self.pollers = TorchPollers()
 
     def digest(self) -> dict:
         d = [tensor_digest(t) for t in self.data + self.small + [self.counter, self.w]]
@@ -164,13 +144,8 @@ class App:
             cycles = int(float(words[1]) * torch.cuda.get_device_properties(0).clock_rate * 1000)
             torch.cuda._sleep(cycles)
             return {"launched": True}
-        if cmd == "poll" and words[1] == "start":
-            self.pollers = Pollers()
-            return self.pollers.start(float(words[2]) if len(words) > 2 else 5.0)
-        if cmd == "poll" and words[1] == "counts":
-            return {"counts": dict(self.pollers.counts), "errors": list(self.pollers.errors)}
-        if cmd == "poll" and words[1] == "stop":
-            return self.pollers.stop()
+        if cmd == "poll":
+            return self.pollers.command(words[1:])
         if cmd in ("loop", "graph") and words[1] == "start":
             self.stop.clear()
             self.iters = 0
