@@ -318,24 +318,32 @@ def test_fork_children_made_during_admissions_and_status_keep_no_ledger_lock(sim
     app = sim_app("--sizes", "16M", env=_env())
     other = sim_app("--sizes", "16M", env=_env())
     stop = threading.Event()
+    errors: list[str] = []
 
     def status_loop() -> None:
         while not stop.is_set():
-            gpucr.status(app.pid)
+            try:
+                gpucr.status(app.pid)
+            except gpucr.GpucrError as exc:   # blocked behind a lock a child keeps
+                errors.append(str(exc))
 
-    def cycle_loop() -> None:
+    def cycle_loop() -> None:   # admissions: staging made and given back (a fork mid-restore can make one "busy")
         while not stop.is_set():
-            gpucr.checkpoint(app.pid)
-            gpucr.restore(app.pid, drop_staging=True)
+            try:
+                gpucr.checkpoint(app.pid)
+                gpucr.restore(app.pid, drop_staging=True)
+            except gpucr.GpucrError:
+                pass
 
     loops = [threading.Thread(target=f, daemon=True) for f in (status_loop, status_loop, cycle_loop)]
     for t in loops:
         t.start()
-    children = [app.ask("fork 20")["child"] for _ in range(150)]
+    children = [app.ask("fork 90")["child"] for _ in range(150)]
     stop.set()
     for t in loops:
         t.join(30)
     try:
+        assert errors == [], errors[:3]
         dev = os.stat(paths.runtime_dir())
         name = f"{os.major(dev.st_dev):02x}:{os.minor(dev.st_dev):02x}:{dev.st_ino}"
         held = [l for l in Path("/proc/locks").read_text().splitlines() if f" {name} " in l and "FLOCK" in l]
