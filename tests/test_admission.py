@@ -271,3 +271,87 @@ def test_staging_prepared_ahead_stays_within_the_budget(sim_app):
     assert gpucr.status(tight.pid).staging_bytes == 0
     _refused(gpucr_cli("checkpoint", str(tight.pid)), "host-memory budget")
     _untouched(tight.pid)
+
+
+def _hold_runtime_dir_lock(seconds: float) -> int:
+    """A process of this user holding the ledger's lock (the runtime dir's flock) for `seconds`: as a fork
+    child does that was made while its parent held it. Returns its pid."""
+    import fcntl
+    import time
+    fd = os.open(paths.runtime_dir(), os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    pid = os.fork()
+    if pid == 0:
+        time.sleep(seconds)
+        os._exit(0)
+    os.close(fd)   # the child's copy keeps the lock, as a fork child's does
+    return pid
+
+
+def test_a_held_ledger_never_blocks_status_and_refuses_admission_by_its_deadline(sim_app):
+    """F26: status is answered without the ledger's lock; an admission waits for it a few seconds at most, then
+    refuses in one line naming the holder."""
+    import signal
+    import time
+    app = sim_app("--sizes", "16M", env=_env())
+    holder = _hold_runtime_dir_lock(60)
+    try:
+        t0 = time.monotonic()
+        r = gpucr_cli("status", "--no-server", str(app.pid), timeout=20)
+        assert r.returncode == 0 and time.monotonic() - t0 < 5, r.stdout + r.stderr
+        t0 = time.monotonic()
+        line = _refused(gpucr_cli("checkpoint", "--no-server", str(app.pid), timeout=30), "host-memory ledger")
+        assert time.monotonic() - t0 < 15 and f"held by process {os.getpid()}" in line, line
+        _untouched(app.pid)
+    finally:
+        os.kill(holder, signal.SIGKILL)
+        os.waitpid(holder, 0)
+    gpucr.checkpoint(app.pid)   # the holder gone, admission goes on
+    gpucr.restore(app.pid)
+
+
+def test_fork_children_made_during_admissions_and_status_keep_no_ledger_lock(sim_app):
+    """F26: children forked while agent threads hold the ledger's lock (status asked in a loop, checkpoints and
+    restores admitting staging) must not keep it: once the forks are done, nobody holds it while they live."""
+    import threading
+    import time
+    app = sim_app("--sizes", "16M", env=_env())
+    other = sim_app("--sizes", "16M", env=_env())
+    stop = threading.Event()
+    errors: list[str] = []
+
+    def status_loop() -> None:
+        while not stop.is_set():
+            try:
+                gpucr.status(app.pid)
+            except gpucr.GpucrError as exc:   # blocked behind a lock a child keeps
+                errors.append(str(exc))
+
+    def cycle_loop() -> None:   # admissions: staging made and given back (a fork mid-restore can make one "busy")
+        while not stop.is_set():
+            try:
+                gpucr.checkpoint(app.pid)
+                gpucr.restore(app.pid, drop_staging=True)
+            except gpucr.GpucrError:
+                pass
+
+    loops = [threading.Thread(target=f, daemon=True) for f in (status_loop, status_loop, cycle_loop)]
+    for t in loops:
+        t.start()
+    children = [app.ask("fork 90")["child"] for _ in range(150)]
+    stop.set()
+    for t in loops:
+        t.join(30)
+    try:
+        assert errors == [], errors[:3]
+        dev = os.stat(paths.runtime_dir())
+        name = f"{os.major(dev.st_dev):02x}:{os.minor(dev.st_dev):02x}:{dev.st_ino}"
+        held = [l for l in Path("/proc/locks").read_text().splitlines() if f" {name} " in l and "FLOCK" in l]
+        assert held == [], f"the ledger's lock outlives every admission: {held}"
+        t0 = time.monotonic()
+        gpucr.checkpoint(other.pid)
+        assert time.monotonic() - t0 < 5
+        gpucr.restore(other.pid)
+    finally:
+        for c in children:
+            os.kill(c, 9)

@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/file.h>
 #include <sys/stat.h>
+#include <sys/sysmacros.h>
 #include <unistd.h>
 #include "admit.h"
 #include "agent.h"
@@ -30,6 +31,9 @@
 static pthread_mutex_t g_ledger_mu = PTHREAD_MUTEX_INITIALIZER;
 static int g_entry = -1;          /* this process's entry, shared flock held; -1: none */
 
+#define LEDGER_WAIT_MS 5000       /* the lock is held for microseconds: longer means a holder is stuck */
+#define LEDGER_BUSY (-2)
+
 static void entry_name(char *out, size_t len)
 {
     struct stat ns;
@@ -37,20 +41,58 @@ static void entry_name(char *out, size_t len)
     snprintf(out, len, "%d-%llu" ENTRY_SUFFIX, (int)getpid(), pidns);
 }
 
-/* The runtime dir, opened and flocked: admission is one at a time across the user's processes.
- * -1 without a control channel (no runtime dir): then only this process's staging is known. */
-static int lock_ledger(void)
+/* The pid /proc/locks gives for the flock on the file behind fd, or 0 when it names none. The pid is
+ * of the process that took it: a lock is the open file's, so a fork child may share it. */
+static int lock_holder(int fd)
+{
+    struct stat st;
+    FILE *f = fstat(fd, &st) == 0 ? fopen("/proc/locks", "r") : NULL;
+    if (!f) return 0;
+    char line[256], want[64], file[64];
+    snprintf(want, sizeof want, "%02x:%02x:%llu", major(st.st_dev), minor(st.st_dev), (unsigned long long)st.st_ino);
+    int pid = 0, p;
+    while (!pid && fgets(line, sizeof line, f))   /* "1: FLOCK  ADVISORY  WRITE PID MAJ:MIN:INODE 0 EOF" */
+        if (sscanf(line, "%*d: FLOCK %*s %*s %d %63s", &p, file) == 2 && !strcmp(file, want)) pid = p;
+    fclose(f);
+    return pid;
+}
+
+/* flock(fd, LOCK_EX) for LEDGER_WAIT_MS at most: flock itself has no deadline. */
+static bool flock_within(int fd)
+{
+    for (int waited = 0; flock(fd, LOCK_EX | LOCK_NB) != 0; waited += 2) {
+        if (errno != EWOULDBLOCK && errno != EINTR) return false;
+        if (waited >= LEDGER_WAIT_MS) return false;
+        usleep(2000);
+    }
+    return true;
+}
+
+/* The runtime dir, opened (per use, so every user has a lock of its own) and flocked: admission is one
+ * at a time across the user's processes. -1 without a control channel (no runtime dir): then only this
+ * process's staging is known. LEDGER_BUSY when another process held it past the deadline (said in err). */
+static int lock_ledger(char *err, size_t errlen)
 {
     pthread_mutex_lock(&g_ledger_mu);
     const char *dir = gpucr_runtime_dir();   /* private (channel.c) */
     int fd = dir ? open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC) : -1;
-    if (fd >= 0 && flock(fd, LOCK_EX) != 0) { close(fd); fd = -1; }
+    if (fd >= 0 && !flock_within(fd)) {
+        int holder = lock_holder(fd);
+        char who[48] = "another process";
+        if (holder > 0) snprintf(who, sizeof who, "process %d", holder);
+        snprintf(err, errlen, "the host-memory ledger of %s is held by %s for more than %d s; retry, or end that "
+                 "process if it is stopped", dir, who, LEDGER_WAIT_MS / 1000);
+        close(fd);
+        fd = LEDGER_BUSY;
+    }
     return fd;
 }
 
 static void unlock_ledger(int fd)
 {
-    if (fd >= 0) close(fd);   /* closing drops the flock */
+    /* unlocked, not only closed: a fork child made meanwhile shares the open file, and with it a lock
+     * that closing our fd alone would leave held for as long as the child lives */
+    if (fd >= 0) { flock(fd, LOCK_UN); close(fd); }
     pthread_mutex_unlock(&g_ledger_mu);
 }
 
@@ -60,8 +102,9 @@ static bool is_entry(const char *name)
     return n > k && !strcmp(name + n - k, ENTRY_SUFFIX) && name[0] != '.';
 }
 
-/* Bytes of the entries of live processes other than this one; stale entries are removed. */
-static unsigned long long others_locked(int dirfd)
+/* Bytes of the entries of live processes other than this one; stale entries are removed when `reap`
+ * (only under the ledger's lock: an entry just made holds no flock yet). */
+static unsigned long long others(int dirfd, bool reap)
 {
     unsigned long long sum = 0;
     int dup_fd = dup(dirfd);
@@ -74,7 +117,7 @@ static unsigned long long others_locked(int dirfd)
         int fd = openat(dirfd, e->d_name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW | O_NONBLOCK);
         if (fd < 0) continue;
         if (flock(fd, LOCK_EX | LOCK_NB) == 0) {
-            unlinkat(dirfd, e->d_name, 0);   /* no process holds it: its owner is gone */
+            if (reap) unlinkat(dirfd, e->d_name, 0);   /* no process holds it: its owner is gone */
         } else {
             char buf[32] = "";
             ssize_t n = pread(fd, buf, sizeof buf - 1, 0);
@@ -229,15 +272,19 @@ void admit_cgroup_room(struct cgroup_room *out)
 int admit_reserve(size_t held, size_t need, bool charged, char *err, size_t errlen)
 {
     unsigned long long budget = admit_budget_bytes();
-    int lk = lock_ledger();
-    unsigned long long others = lk >= 0 ? others_locked(lk) : 0;
+    int lk = lock_ledger(err, errlen);
+    if (lk == LEDGER_BUSY) {
+        unlock_ledger(lk);
+        return -1;
+    }
+    unsigned long long others_bytes = lk >= 0 ? others(lk, true) : 0;
     int rc = 0;
-    if (budget && others + held + need > budget) {
-        unsigned long long used = others + held, avail = budget > used ? budget - used : 0;
+    if (budget && others_bytes + held + need > budget) {
+        unsigned long long used = others_bytes + held, avail = budget > used ? budget - used : 0;
         snprintf(err, errlen, "host-memory budget: staging needs %llu MiB more, %llu MiB left of %llu MiB (other "
                  "processes hold %llu MiB); raise GPUCR_HOST_BUDGET, free staging elsewhere (restore "
                  "--drop-staging) " ADMIT_ON_DISK, MIB(need), MIB(avail), MIB(budget),
-                 MIB(others));
+                 MIB(others_bytes));
         rc = -1;
     }
     struct cgroup_room cg;
@@ -257,16 +304,21 @@ int admit_reserve(size_t held, size_t need, bool charged, char *err, size_t errl
 
 void admit_record(size_t held)
 {
-    int lk = lock_ledger();
+    char err[512];
+    int lk = lock_ledger(err, sizeof err);
     if (lk >= 0) write_entry_locked(lk, held);
+    if (lk == LEDGER_BUSY) gpucr_warn("staging holds %zu MiB, not recorded: %s", held >> 20, err);
     unlock_ledger(lk);
 }
 
+/* Without the ledger's lock: a status must answer whoever holds it (an entry read while it is
+ * rewritten counts as 0 for that answer). */
 static unsigned long long admit_used_bytes(void)
 {
-    int lk = lock_ledger();
-    unsigned long long sum = lk >= 0 ? others_locked(lk) : 0;
-    unlock_ledger(lk);
+    const char *dir = gpucr_runtime_dir();
+    int fd = dir ? open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC) : -1;
+    unsigned long long sum = fd >= 0 ? others(fd, false) : 0;
+    if (fd >= 0) close(fd);
     return sum;
 }
 

@@ -112,6 +112,21 @@ static enum kind wanted_kind(size_t cap, const char **dir)
     return meminfo("HugePages_Free") * HUGE_PAGE >= cap ? K_HUGETLB : K_SHM;
 }
 
+/* A memfd of `cap` bytes whose size can no longer change: the gpucr server maps it, and a process that
+ * shrank it under a copy would fault the server (it refuses a memfd not sealed so). */
+static int sized_memfd(size_t cap, unsigned int flags)
+{
+    int fd = memfd_create("gpucr-staging", MFD_CLOEXEC | MFD_ALLOW_SEALING | flags);
+    if (fd >= 0 && (ftruncate(fd, (off_t)cap) != 0 ||
+                    fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)) {
+        int e = errno;
+        close(fd);
+        errno = e;
+        return -1;
+    }
+    return fd;
+}
+
 static int seg_create(struct seg *g, size_t cap, char *err, size_t errlen)
 {
     const char *dir;
@@ -120,21 +135,18 @@ static int seg_create(struct seg *g, size_t cap, char *err, size_t errlen)
     int fd = -1;
     if (k == K_HUGETLB) {
         cap = round_up(cap, HUGE_PAGE);
-        fd = memfd_create("gpucr-staging", MFD_CLOEXEC | MFD_HUGETLB);
-        if (fd < 0 || ftruncate(fd, (off_t)cap) != 0) {
-            if (fd >= 0) close(fd);
+        fd = sized_memfd(cap, MFD_HUGETLB);
+        if (fd < 0) {
             if (hugetlbfs_asked()) {
                 snprintf(err, errlen, "cannot get %zu MiB of hugepages for staging (%s); reserve them with "
                          "'echo N > /proc/sys/vm/nr_hugepages' or use GPUCR_STAGING=shm", cap >> 20, strerror(errno));
                 return -1;
             }
-            fd = -1;
             k = K_SHM;
         }
     }
     if (k == K_SHM) {
-        fd = memfd_create("gpucr-staging", MFD_CLOEXEC);
-        if (fd >= 0 && ftruncate(fd, (off_t)cap) != 0) { close(fd); fd = -1; }
+        fd = sized_memfd(cap, 0);
     } else if (k == K_FILE) {
         static int serial;
         snprintf(path, sizeof path, "%s/gpucr-staging-%d-%d", dir, (int)getpid(), ++serial);

@@ -18,6 +18,8 @@
  */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <sys/uio.h>
+#include <unistd.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -258,6 +260,34 @@ static bool side_ok(const struct sim_ctx *ctx, enum side side, uintptr_t p, size
     return sim_mem_accessible(ctx, p, n, need, SIM_ENGINE_COPY);
 }
 
+static bool host_side(enum side side, uintptr_t p)
+{
+    return side == SIDE_HOST || (side == SIDE_ANY && !sim_mem_in_arena(p));
+}
+
+/* A copy with a side in pinned host memory, as the driver's DMA does it: from and to the pages
+ * themselves, never faulting the process. The driver keeps pinned pages even when their file is
+ * truncated under it (the copy lands in pages the file no longer has); simcuda cannot hold pages a
+ * file let go, so there the kernel copies (process_vm_writev on ourselves) and a page that is gone
+ * fails the copy with an error instead of a SIGBUS. */
+static CUresult copy_pinned(uintptr_t dst, uintptr_t src, size_t n)
+{
+    struct iovec from = {(void *)src, n}, to = {(void *)dst, n};
+    ssize_t done = process_vm_writev(getpid(), &from, 1, &to, 1, 0);
+    if (done == (ssize_t)n)
+        return CUDA_SUCCESS;
+    if (done < 0 && (errno == ENOSYS || errno == EPERM)) {   /* a sandbox without it: as pageable memory */
+        memmove((void *)dst, (const void *)src, n);
+        return CUDA_SUCCESS;
+    }
+    return CUDA_ERROR_ILLEGAL_ADDRESS;
+}
+
+static bool pinned_side_locked(enum side side, uintptr_t p, size_t n)
+{
+    return host_side(side, p) && sim_mem_host_pinned_locked(p, n);
+}
+
 /* dctx and sctx: the contexts reaching each side (the work's own context but for
  * cuMemcpyPeer). */
 static CUresult copy_in(const struct sim_ctx *dctx, uintptr_t dst, enum side dside, const struct sim_ctx *sctx,
@@ -266,9 +296,12 @@ static CUresult copy_in(const struct sim_ctx *dctx, uintptr_t dst, enum side dsi
     CUresult rc = CUDA_SUCCESS;
     sim_mem_rdlock();
     if (side_ok(dctx, dside, dst, n, CU_MEM_ACCESS_FLAGS_PROT_READWRITE) &&
-        side_ok(sctx, sside, src, n, CU_MEM_ACCESS_FLAGS_PROT_READ))
-        memmove((void *)dst, (const void *)src, n);
-    else
+        side_ok(sctx, sside, src, n, CU_MEM_ACCESS_FLAGS_PROT_READ)) {
+        if (pinned_side_locked(dside, dst, n) || pinned_side_locked(sside, src, n))
+            rc = copy_pinned(dst, src, n);
+        else
+            memmove((void *)dst, (const void *)src, n);
+    } else
         rc = CUDA_ERROR_INVALID_VALUE;
     sim_mem_unlock();
     return rc;
@@ -329,11 +362,6 @@ static CUresult noted(CUresult rc, uintptr_t dst, uintptr_t src, size_t n, struc
 
 /* simcudaPageableAsyncCopies: asynchronous copies whose host side is not inside one pinned range */
 static _Atomic unsigned long long pageable_async;
-
-static bool host_side(enum side side, uintptr_t p)
-{
-    return side == SIDE_HOST || (side == SIDE_ANY && !sim_mem_in_arena(p));
-}
 
 static CUresult copy_async(uintptr_t dst, enum side dside, uintptr_t src, enum side sside, size_t n, CUstream stream)
 {

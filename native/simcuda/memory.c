@@ -437,12 +437,18 @@ static bool map_grants(const struct sim_map *m, size_t g, const struct sim_ctx *
     return (map_access(m, g)[ctx->device] & need) == need;
 }
 
-bool sim_mem_host_pinned(uintptr_t p, size_t n)
+bool sim_mem_host_pinned_locked(uintptr_t p, size_t n)
 {
     bool in = false;
-    sim_mem_rdlock();
     for (struct sim_host *h = mem.hosts; h && !in; h = h->next)
         in = p >= h->p && p - h->p < h->size && n <= h->p + h->size - p;
+    return in;
+}
+
+bool sim_mem_host_pinned(uintptr_t p, size_t n)
+{
+    sim_mem_rdlock();
+    bool in = sim_mem_host_pinned_locked(p, n);
     sim_mem_unlock();
     return in;
 }

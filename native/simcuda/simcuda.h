@@ -173,6 +173,7 @@ bool sim_mem_accessible(const struct sim_ctx *ctx, uintptr_t p, size_t n, int ne
 bool sim_mem_in_arena(uintptr_t p);
 /* Whether host memory [p, p+n) lies wholly inside one pinned range (registered or cuMemHostAlloc'd). */
 bool sim_mem_host_pinned(uintptr_t p, size_t n);
+bool sim_mem_host_pinned_locked(uintptr_t p, size_t n);   /* the same, with the read lock held */
 
 /* Peer access of ctx to peer's cuMemAlloc-family memory (cuCtxEnablePeerAccess).
  * CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED / _NOT_ENABLED as on CUDA. */

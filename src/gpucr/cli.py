@@ -393,8 +393,14 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
+def _recover_all(a: argparse.Namespace) -> list:
+    """recover --all, in-process: the server's recover leaves checkpoints made on purpose alone."""
+    from . import recover as recovery
+    return recovery.find(committed_too=True) if a.list else recovery.recover(a.timeout, committed_too=True)
+
+
 def cmd_recover(a: argparse.Namespace) -> int:
-    stuck = route.recover(a.list, a.timeout)
+    stuck = _recover_all(a) if a.all else route.recover(a.list, a.timeout)
     if a.json:
         _print_json(to_json(RecoverResult(SCHEMA_VERSION, "recover", a.list, stuck)))
     elif not stuck:
@@ -477,6 +483,8 @@ def _parser() -> argparse.ArgumentParser:
     rc = sub.add_parser("recover", help="bring back every process of yours (everyone's, for root) left locked, "
                         "checkpointed or parked with no controller at work on it")
     rc.add_argument("--list", action="store_true", help="only list them")
+    rc.add_argument("--all", action="store_true", help="also processes checkpointed on purpose (a completed "
+                    "'gpucr checkpoint'), left alone otherwise")
     rc.add_argument("--timeout", type=_seconds, default=60.0, metavar="SECONDS", help="deadline for each step (default 60)")
     rc.add_argument("--json", action="store_true", help="machine-readable output")
     rc.add_argument("--no-server", action="store_true", help=NO_SERVER_HELP)

@@ -3,8 +3,10 @@
 Stuck means: the driver holds it (LOCKED or CHECKPOINTED: a controller killed between its steps, or
 a peer tool that stopped half-way), or gpucr's agent has it checkpointed or parked with its gate
 closed. A process whose agent is busy has a controller at work right now and is left alone.
-Processes of this user are looked at (every user's, for root): those under gpucr, and any other
-that has the CUDA driver loaded, since the driver can hold a process that gpucr never saw.
+Processes of this user are looked at (every user's, for root): those under gpucr, each asked through
+its agent wherever that listens (its own verified runtime dirs), and any other that has the CUDA driver
+loaded, since the driver can hold a process that gpucr never saw. A process checkpointed on purpose (its
+controller committed) is not stuck: it is left alone unless asked (`--all`).
 Processes that share memory are restored together, as a restore needs them to be.
 """
 from __future__ import annotations
@@ -13,15 +15,18 @@ import os
 
 from . import coordinator
 from . import target as targets
-from .driver import DriverError, ProcessState, controller_driver
+from .driver import Driver, DriverError, ProcessState, controller_driver
 from .errors import GpucrError
-from .results import Stuck
+from .results import ProcessStatus, Stuck
+
+AGENT_LIB = "libgpucr.so"   # gpucr's agent, loaded in every process under gpucr
 
 
-def _has_cuda_loaded(pid: int) -> bool:
+def _loaded(pid: int, lib: str) -> bool:
+    """Whether process `pid` has a library named `lib` mapped."""
     try:
         with open(f"/proc/{pid}/maps") as f:
-            return any("libcuda.so" in line for line in f)
+            return any(lib in line for line in f)
     except OSError:
         return False   # gone, or another user's and we are not root
 
@@ -33,36 +38,62 @@ def _mine(pid: int) -> bool:
         return False
 
 
-def find() -> list[Stuck]:
-    """Every stuck process this user may act on."""
+def _driver_holds(drv: Driver, pid: int) -> str | None:
+    """How the driver holds `pid`, if it does."""
+    try:
+        state = drv.state(pid)
+    except DriverError:
+        return None   # no CUDA state of its own: nothing the driver holds
+    if state == ProcessState.LOCKED:
+        return "driver locked"
+    if state in (ProcessState.CHECKPOINTED, ProcessState.FAILED):
+        return f"driver {state.name.lower()}"
+    return None
+
+
+def _on_purpose(st: ProcessStatus) -> bool:
+    """A full checkpoint its controller committed (`gpucr checkpoint` done, the driver holding the process as
+    it left it): parked on purpose, not stuck. A controller that died before committing leaves the agent
+    rolling back. At level data the driver is not involved, and status cannot tell a committed checkpoint
+    from one whose roll-back failed (an importer without its exporter): those are still brought back."""
+    return st.state == "checkpointed" and st.level == "full" and st.driver_state == "checkpointed" and \
+        not st.busy and not st.rolling_back
+
+
+def _agent_sees(pid: int, held: str | None, committed_too: bool) -> str | None:
+    """How process `pid`, under gpucr, is stuck as its agent says (found in the process's own verified runtime
+    dirs, target.resolve), or None when it is not, or a controller is at work on it, or it is parked on purpose
+    (unless `committed_too`)."""
+    try:
+        st = coordinator.status(pid)
+    except GpucrError as exc:   # stuck only if the driver holds it: an agent of another gpucr may be fine
+        return f"{held}; its agent does not answer: {exc}" if held else None
+    if (st.busy and not st.rolling_back) or (_on_purpose(st) and not committed_too):
+        return None   # a controller is at work on it (an agent rolling back by itself waits for one)
+    if held:
+        return held
+    if st.state == "checkpointed":
+        return f"checkpointed by gpucr (level {st.level or 'data'})"
+    if st.gate_closed:
+        return "parked (a restore stopped before its last step)"
+    return None
+
+
+def find(committed_too: bool = False) -> list[Stuck]:
+    """Every stuck process this user may act on (every user's, for root); with `committed_too`, also those
+    checkpointed on purpose. A process with gpucr's agent loaded is always taken as under gpucr, wherever its
+    agent listens: the driver alone would leave its agent's gate closed."""
     drv = controller_driver()
-    under = {pid for pid, _ in targets.list_sockets()}
-    pids = sorted(under | {int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()
-                           and _mine(int(e)) and _has_cuda_loaded(int(e))})
+    listed = {pid for pid, _ in targets.list_sockets()}   # this user's dirs, other pid namespaces included
+    pids = sorted(listed | {int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()
+                            and _mine(int(e)) and (_loaded(int(e), "libcuda.so") or _loaded(int(e), AGENT_LIB))})
     out = []
     for pid in pids:
-        how = None
-        try:
-            state = drv.state(pid)
-            if state == ProcessState.LOCKED:
-                how = "driver locked"
-            elif state in (ProcessState.CHECKPOINTED, ProcessState.FAILED):
-                how = f"driver {state.name.lower()}"
-        except DriverError:
-            pass   # no CUDA state of its own: nothing the driver holds
-        if pid in under and how is None:
-            try:
-                st = coordinator.status(pid)
-            except GpucrError:
-                continue
-            if st.busy and not st.rolling_back:
-                continue   # a controller is at work on it (an agent rolling back by itself waits for one)
-            if st.state == "checkpointed":
-                how = "checkpointed by gpucr (level data)"
-            elif st.gate_closed:
-                how = "parked (a restore stopped before its last step)"
+        under = pid in listed or _loaded(pid, AGENT_LIB)
+        held = _driver_holds(drv, pid)
+        how = _agent_sees(pid, held, committed_too) if under else held
         if how:
-            out.append(Stuck(pid, targets.command_line(pid), how, pid in under))
+            out.append(Stuck(pid, targets.command_line(pid), how, under))
     return out
 
 
@@ -75,9 +106,10 @@ def _bring_back_plain(s: Stuck) -> None:
         drv.unlock(s.pid)
 
 
-def recover(timeout: float = 60.0) -> list[Stuck]:
-    """Bring back every stuck process; each says what became of it."""
-    stuck = find()
+def recover(timeout: float = 60.0, committed_too: bool = False) -> list[Stuck]:
+    """Bring back every stuck process (with `committed_too`, also those checkpointed on purpose); each says what
+    became of it."""
+    stuck = find(committed_too)
     for s in (s for s in stuck if not s.under_gpucr):
         try:
             _bring_back_plain(s)

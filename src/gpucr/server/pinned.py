@@ -22,6 +22,7 @@ from typing import Callable, Iterator
 
 from ..driver import DriverError, Vmm
 from ..errors import GpucrError
+from ..staging_file import refuse_unsealed_memfd
 
 PAGE = 4096
 PIN_PIECE = 256 << 20   # ~10-20 ms of cuMemHostRegister on the H200 host (8 GiB took 0.23-0.52 s)
@@ -74,6 +75,7 @@ def same_file(seg: Segment, fd: int) -> bool:
 def open_segment(fd: int, i: int, declared: int) -> Segment:
     """Segment i of a process's staging (its file `fd`, of `declared` bytes as it says) mapped here, nothing pinned."""
     fs = os.fstat(fd)
+    refuse_unsealed_memfd(fd, i)
     # the process is not trusted: only a plain file as long as it says, or copies could run past it
     if not stat.S_ISREG(fs.st_mode) or declared <= 0 or fs.st_size < declared:
         raise GpucrError(f"the process's staging segment {i} is not a file of {declared} bytes; checkpointed "

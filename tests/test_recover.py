@@ -1,0 +1,64 @@
+"""F25 (issue 24): `gpucr recover` finds processes under gpucr in their own verified runtime dirs (every user's,
+for root), never has the driver alone bring back a process that has an agent, and leaves checkpoints made on
+purpose alone unless asked (--all)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from gpucr import paths
+from gpucr.results import RecoverResult, from_json
+
+from conftest import gpucr_cli
+from test_security import SYS_PY, as_user, user_cli, user_dir, user_env, users  # noqa: F401 (a fixture)
+
+
+def _recover(*args: str, env: dict[str, str] | None = None) -> RecoverResult:
+    r = gpucr_cli("recover", "--json", *args, env={**(env or os.environ), "GPUCR_NO_SERVER": "1"})
+    assert r.stdout, r.stderr
+    return from_json(RecoverResult, json.loads(r.stdout))
+
+
+def test_roots_recover_finds_another_users_process_in_that_users_dir(users):
+    """A victim's process, left checkpointed by the driver when the victim's controller was killed, in the
+    victim's own runtime dir: root's recover lists it as under gpucr, from root's own runtime dir."""
+    victim = users["victim"]
+    rt, sim = user_dir(victim), user_dir(victim)
+    env = user_env(victim, GPUCR_RUNTIME_DIR=str(rt), SIMCUDA_DIR=str(sim), GPUCR_NO_SERVER="1")
+    app = as_user(victim, [SYS_PY, "-m", "gpucr.workloads.driver_app", "--sizes", "8M"],
+                  paths.run_env(simulate=True, base=env), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(app.stdout.readline())["ready"]
+        # one driver for the machine, as on a GPU host: root's simcuda sees the victim's process
+        os.symlink(sim / f"{app.pid}.ctl", Path(os.environ["SIMCUDA_DIR"]) / f"{app.pid}.ctl")
+        killed = user_cli(victim, {**env, "GPUCR_TEST_KILL_AT": "after-driver-checkpoint"}, "checkpoint", str(app.pid))
+        assert killed.returncode != 0
+        found = [s for s in _recover("--list").processes if s.pid == app.pid]
+        assert len(found) == 1 and found[0].under_gpucr, found
+    finally:
+        app.kill()
+        app.wait()
+        shutil.rmtree(rt, ignore_errors=True)
+        shutil.rmtree(sim, ignore_errors=True)
+
+
+def test_recover_from_another_dir_never_uses_the_driver_alone_and_leaves_a_checkpoint_made_on_purpose(sim_app, tmp_path):
+    """A process checkpointed on purpose (level full), recover run with another runtime dir: without --all it is
+    left alone; with --all it is restored through its agent (the driver alone left its gate closed: frozen)."""
+    import gpucr
+    app = sim_app("--sizes", "8M")
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    other = tmp_path / "other"
+    other.mkdir(mode=0o700)
+    env = {**os.environ, "GPUCR_RUNTIME_DIR": str(other)}
+    assert app.pid not in [s.pid for s in _recover("--list", env=env).processes], "made on purpose: not stuck"
+    assert gpucr.status(app.pid).state == "checkpointed", "left alone"
+    done = [s for s in _recover("--all", env=env).processes if s.pid == app.pid]
+    assert len(done) == 1 and done[0].under_gpucr and done[0].ok, done
+    st = gpucr.status(app.pid)
+    assert st.state == "running" and not st.gate_closed, st
+    assert app.ask("digest") == before
