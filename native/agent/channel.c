@@ -28,7 +28,7 @@
 
 #define MAX_REQUEST 4096
 #define MAX_CLIENTS 8
-#define PROTOCOL 3                 /* gpucr/agent.py PROTOCOL: the controller refuses any other */
+#define PROTOCOL 4                 /* gpucr/agent.py PROTOCOL: the controller refuses any other */
 #define IDLE_TIMEOUT_S 30          /* a connection that never asked for a change (status, a monitor) */
 #define EVICT_GRACE_MS 500         /* an idle connection younger than this is not evicted */
 #define ACTED_TIMEOUT_S 3600       /* a controller's connection between its steps (driver lock, checkpoint) */

@@ -1026,14 +1026,18 @@ int dp_stage(char *err, size_t errlen)
 
 /* One page of a listing of the allocations `listed` picks (all when NULL), from the from-th of them on,
  * with at most maxfds fds: `entry` writes one allocation's fields and gives the fd to send with it (-1:
- * none); "fd_index", the closing "next" (-1 after the last page) and the registry lock are the pager's. */
+ * none); "total", "fd_index", the closing "next" (-1 after the last page) and the registry lock are the
+ * pager's. "total" (how many the whole listing has) comes first: a controller bounds the listing by it. */
 static void fd_page(struct jb *j, const char *key, int from, int *fds, int *nfds, int maxfds,
                     bool (*listed)(const struct phys *), int (*entry)(struct jb *, const struct phys *, int index))
 {
     *nfds = 0;
     jb_bool(j, "ok", true);
-    jb_arr(j, key);
     reg_lock();
+    int total = 0;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) total += !listed || listed(p);
+    jb_int(j, "total", total);
+    jb_arr(j, key);
     int k = 0, next = -1;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
         if (listed && !listed(p)) continue;

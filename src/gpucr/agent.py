@@ -7,14 +7,20 @@ import socket
 import struct
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Protocol, TypeVar
 
 from .errors import GpucrError
 
 MAX_REPLY = 64 << 20
-PROTOCOL = 3            # what the agent says in hello's "protocol"; native/agent/channel.c sends the same
+PROTOCOL = 4            # what the agent says in hello's "protocol"; native/agent/channel.c sends the same
 WATCH_EVERY_S = 0.25    # how often a watched call looks at the process while it waits
+# A paged listing (`shared`, `memory`) comes from an untrusted process: besides one deadline, it is bounded
+# by the count its agent announces first (at most this many entries: far more allocations than a process
+# makes) and by the bytes of all its pages together.
+MAX_LISTING_ENTRIES = 1 << 18
+MAX_LISTING_BYTES = MAX_REPLY
 
 
 class HoldsFd(Protocol):
@@ -22,6 +28,88 @@ class HoldsFd(Protocol):
 
 
 T = TypeVar("T", bound=HoldsFd)
+
+
+class Received:
+    """The fds that came with one answer, ours until handed on: whatever was not taken is closed on leaving,
+    on every path (an answer that then fails must not leave its fds open in a long-lived controller)."""
+
+    def __init__(self, fds: list[int] | None = None) -> None:
+        self.fds = fds if fds is not None else []
+
+    def take(self) -> list[int]:
+        out, self.fds = self.fds, []
+        return out
+
+    def hand_on(self, taken: Iterable[int | None]) -> None:
+        """These fds are someone else's to close now."""
+        gone = set(taken)
+        self.fds = [fd for fd in self.fds if fd not in gone]
+
+    def __enter__(self) -> "Received":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        _close_all(self.take())
+
+
+@dataclass
+class _Answer:
+    reply: dict[str, Any]
+    fds: list[int]
+    size: int           # bytes of its line
+
+
+class _Listing:
+    """The checks of one paged listing, page after page: the count the agent announced on its first page
+    bounds the entries, each `next` must advance by exactly the page's entries, the pages together stay
+    under MAX_LISTING_BYTES, and each fd sent is named by at most one entry."""
+
+    def __init__(self, pid: int, key: str, what: str) -> None:
+        self.pid, self.key, self.what = pid, key, what
+        self.total: int | None = None
+        self.entries = self.pages = self.bytes = 0
+
+    def refuse(self, did: str) -> GpucrError:
+        return GpucrError(f"process {self.pid} {did} in its {self.what} (page {self.pages}); refused, nothing "
+                          "of it used (its agent is faulty, or the process hostile)")
+
+    def time_left(self, deadline: float, timeout: float) -> float:
+        """What is left of the listing's one deadline; past it, the listing is refused."""
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise GpucrError(f"process {self.pid} did not send its whole {self.what} within {timeout:.0f} s "
+                             f"({self.pages} pages, {self.entries} entries so far); refused")
+        return left
+
+    def page(self, ans: _Answer, start: int) -> tuple[list[dict[str, Any]], int]:
+        """This page's entries and where the next page starts (-1: none), or a refusal naming the process."""
+        self.pages += 1
+        self.bytes += ans.size
+        if self.bytes > MAX_LISTING_BYTES:
+            raise self.refuse(f"sent more than {MAX_LISTING_BYTES >> 20} MiB")
+        if self.total is None:
+            self.total = ans.reply.get("total")
+            if type(self.total) is not int or not 0 <= self.total <= MAX_LISTING_ENTRIES:
+                raise self.refuse(f"announced {self.total!r} entries (at most {MAX_LISTING_ENTRIES})")
+        entries, nxt = ans.reply.get(self.key), ans.reply.get("next", -1)
+        if type(entries) is not list or not all(isinstance(e, dict) for e in entries) or type(nxt) is not int:
+            raise self.refuse("sent a malformed page")
+        self.entries += len(entries)
+        if self.entries > self.total:
+            raise self.refuse(f"sent more entries than the {self.total} it announced")
+        if nxt != -1 and (not entries or nxt != start + len(entries)):
+            raise self.refuse(f"asked to go on from entry {nxt} after entries {start} to {start + len(entries) - 1}")
+        self._check_fd_indexes(entries, len(ans.fds))
+        return entries, nxt
+
+    def _check_fd_indexes(self, entries: list[dict[str, Any]], nfds: int) -> None:
+        named = [e.get("fd_index", -1) for e in entries]
+        if any(type(i) is not int or not -1 <= i < nfds for i in named):
+            raise self.refuse(f"named an fd it did not send ({nfds} sent)")
+        taken = [i for i in named if i >= 0]
+        if len(set(taken)) != len(taken):
+            raise self.refuse("named one fd in two entries")
 
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
@@ -76,43 +164,54 @@ class AgentClient:
              **args: int) -> dict[str, Any]:
         """Send one request and return the agent's answer; raise GpucrError when it says no. With `watch`, it is
         called every WATCH_EVERY_S while the answer is awaited: it raises to give up (a stopped or stalled process)."""
-        reply, fds = self._call(verb, timeout, False, args, watch=watch)
-        return reply
+        return self._call(verb, timeout, False, args, watch=watch).reply
 
     def call_with_fds(self, verb: str, timeout: float = 30.0, **args: int) -> tuple[dict[str, Any], list[int]]:
         """Like call, for answers that carry file descriptors (the staging segments); the caller closes them."""
-        return self._call(verb, timeout, True, args)
+        ans = self._call(verb, timeout, True, args)
+        return ans.reply, ans.fds
 
     def call_paged_with_fds(self, verb: str, key: str, entry: Callable[[Any, list[int]], T], what: str,
-                            timeout: float = 10.0) -> list[T]:
+                            timeout: float) -> list[T]:
         """A listing the agent sends in pages (`from=N`; `next` is -1 after the last page), each page with
         the fds of its entries; `entry` makes one entry of an answer's `key` list, taking its fd from the
-        page's. fds no entry took are closed here, and on a malformed answer every one received so far;
-        the entries keep theirs (the caller closes them: close_held)."""
+        page's. The whole listing has one deadline, `timeout`, and the bounds of _Listing. fds no entry
+        took are closed here, and on any failure every one received so far; the entries keep theirs (the
+        caller closes them: close_held)."""
+        deadline = time.monotonic() + timeout
+        listing = _Listing(self.pid, key, what)
         out: list[T] = []
         start = 0
-        while start >= 0:
-            reply, fds = self.call_with_fds(verb, timeout=timeout, **{"from": start})
-            try:
-                got = [entry(e, fds) for e in reply[key]]
-                start = int(reply.get("next", -1))
-            except (KeyError, TypeError, ValueError) as exc:
-                close_held(out)
-                _close_all(fds)
-                raise GpucrError(f"process {self.pid} sent a malformed {what}") from exc
-            out.extend(got)
-            used = {o.fd for o in got}
-            _close_all([fd for fd in fds if fd not in used])
-        return out
+        try:
+            while start >= 0:
+                try:
+                    ans = self._call(verb, listing.time_left(deadline, timeout), True, {"from": start})
+                except GpucrError:
+                    listing.time_left(deadline, timeout)   # a page cut short by the deadline: say so
+                    raise
+                with Received(ans.fds) as got:
+                    entries, start = listing.page(ans, start)
+                    try:
+                        page = [entry(e, got.fds) for e in entries]
+                    except (KeyError, TypeError, ValueError) as exc:
+                        raise listing.refuse("sent a malformed entry") from exc
+                    got.hand_on(o.fd for o in page)   # the rest are closed on leaving
+                    out.extend(page)
+            return out
+        except BaseException:
+            close_held(out)
+            raise
 
     def call_sending_fds(self, verb: str, send: list[int], timeout: float = 30.0, **args: int) -> dict[str, Any]:
         """Like call, with file descriptors attached to the request (shared memory to relink)."""
-        return self._call(verb, timeout, False, args, send)[0]
+        return self._call(verb, timeout, False, args, send).reply
 
     def _call(self, verb: str, timeout: float, want_fds: bool, args: dict,
-              send: list[int] | None = None, watch: Callable[[], None] | None = None) -> tuple[dict[str, Any], list[int]]:
-        with self._lock:
-            return self._call_locked(verb, timeout, want_fds, args, send, watch)
+              send: list[int] | None = None, watch: Callable[[], None] | None = None) -> _Answer:
+        with self._lock, Received() as got:
+            ans = self._call_locked(verb, timeout, want_fds, args, send, watch, got.fds)
+            ans.fds = got.take()   # only a whole answer that says yes hands its fds on
+            return ans
 
     def _recv(self, want_fds: bool, fds: list[int], deadline: float, watch: Callable[[], None] | None) -> bytes:
         """One read of the answer; while it waits, `watch` looks at the process every WATCH_EVERY_S."""
@@ -132,12 +231,12 @@ class AgentClient:
                     raise
                 watch()
 
-    def _call_locked(self, verb: str, timeout: float, want_fds: bool, args: dict,
-                     send: list[int] | None, watch: Callable[[], None] | None = None) -> tuple[dict[str, Any], list[int]]:
+    def _call_locked(self, verb: str, timeout: float, want_fds: bool, args: dict, send: list[int] | None,
+                     watch: Callable[[], None] | None, fds: list[int]) -> _Answer:
+        """One request and its answer; the fds that come with it land in `fds` (the caller's to close)."""
         line = " ".join([verb, *(f"{k}={int(v)}" for k, v in args.items())]) + "\n"
         self._sock.settimeout(timeout)
         deadline = time.monotonic() + timeout
-        fds: list[int] = []
         try:
             if send:
                 socket.send_fds(self._sock, [line.encode()], send)
@@ -147,7 +246,6 @@ class AgentClient:
                 try:
                     chunk = self._recv(want_fds, fds, deadline, watch)
                 except GpucrError:   # the watch gave up: an answer may still come, so this connection is done
-                    _close_all(fds)
                     self._sock.close()
                     raise
                 if not chunk:
@@ -163,12 +261,12 @@ class AgentClient:
         try:
             reply = json.loads(raw)
         except ValueError as exc:
-            _close_all(fds)
             raise GpucrError(f"process {self.pid} sent a malformed answer to '{verb}'") from exc
+        if not isinstance(reply, dict):
+            raise GpucrError(f"process {self.pid} sent an answer to '{verb}' that is not a JSON object")
         if not reply.get("ok"):
-            _close_all(fds)
             raise GpucrError(f"process {self.pid}: {reply.get('error', 'request failed')}")
-        return reply, fds
+        return _Answer(reply, [], len(raw))
 
 
 def _close_all(fds: list[int]) -> None:

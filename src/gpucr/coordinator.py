@@ -405,7 +405,7 @@ def _data_out_by_server(m: _Member, timeout: float, level: str, mover: Mover) ->
     """The server's checkpoint (docs/server.md): the agent releases the memory but keeps an fd of each
     allocation; the server copies it into the process's staging while the driver checkpoints the process
     (level full). False, with nothing touched, when the process has memory the server cannot take."""
-    before = server_memory.gather(m.agent)
+    before = server_memory.gather(m.agent, timeout)
     server_memory.close_all(before)
     if not _handable(m, before):
         return False
@@ -423,7 +423,7 @@ def _data_out_by_server(m: _Member, timeout: float, level: str, mover: Mover) ->
             _driver_lock(m, timeout)
             _driver_checkpoint(m)
     # listed now, after the handover: it trims pools first, so the list (and its numbering) is the layout's
-    with _server_inputs(m) as (layout, seg_fds, memory):
+    with _server_inputs(m, timeout) as (layout, seg_fds, memory):
         st = _beside(lambda: mover.copy_out(m.pid, layout, seg_fds, memory), "gpucr-server-copy-out", driver_steps)
     if isinstance(st, GpucrError):
         raise st
@@ -456,10 +456,10 @@ def _server_phases(m: _Member, st: ServerStats) -> None:
 
 
 @contextmanager
-def _server_inputs(m: _Member) -> Iterator[tuple[dict[str, Any], list[int], list[Managed]]]:
+def _server_inputs(m: _Member, timeout: float) -> Iterator[tuple[dict[str, Any], list[int], list[Managed]]]:
     """The process's staging layout with its files, and its memory with our fds of it, for the server's
     data plane; every fd closed afterwards (ours of the memory keep it on the GPU while open)."""
-    memory = server_memory.gather(m.agent)
+    memory = server_memory.gather(m.agent, timeout)
     try:
         layout, seg_fds = m.agent.call_with_fds("layout", timeout=60.0)
         try:
@@ -626,7 +626,7 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
         for pid in pids:   # vet everyone before touching anyone
             img = images.get(pid)
             members.append(_vet_for_checkpoint(pid, Path(img) if img is not None else None))
-        _check_sharing(members)
+        _check_sharing(members, timeout)
         for m in members:
             m.gpu_before = _usage(m.pid, m.uuids())
         t0 = _lap(members, "vet", t0)
@@ -813,7 +813,7 @@ def _restore_with_server(m: _Member, timeout: float, mover: Mover) -> None:
     def driver_steps() -> None:
         _driver_restore(m)
         _driver_unlock(m, timeout)
-    with _server_inputs(m) as (layout, seg_fds, memory):
+    with _server_inputs(m, timeout) as (layout, seg_fds, memory):
         # the new memory's fds keep it on the GPU: closed when the driver's restore fails
         made = _beside(lambda: mover.fill(m.pid, layout, seg_fds, memory), "gpucr-server-fill", driver_steps,
                        undo=lambda r: [os.close(fd) for _, fd in r[1]])
@@ -1071,11 +1071,11 @@ def _agent_restored(m: _Member) -> bool:
     return m.agent.call("status", timeout=10.0)["state"] == "running"
 
 
-def _check_sharing(members: list[_Member]) -> None:
+def _check_sharing(members: list[_Member], timeout: float) -> None:
     """Memory shared between processes is checkpointed only with every process that shares it
     (sharing.py says how that is found); importers are given their exporters' keys for the relink."""
     uuids = {d["uuid"] for m in members for d in m.status.get("devices", [])}
-    sharing.check_and_bind({m.pid: m.agent for m in members}, members[0].drv, uuids)
+    sharing.check_and_bind({m.pid: m.agent for m in members}, members[0].drv, uuids, timeout)
 
 
 def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,

@@ -64,13 +64,14 @@ class Shared:
     owner: int = 0      # an importer's exporter, once bound
 
 
-def gather(pid: int, agent: Any) -> list[Shared]:
-    """Every shared allocation of one process, with our copy of its fd (the caller closes them: close_all)."""
+def gather(pid: int, agent: Any, timeout: float) -> list[Shared]:
+    """Every shared allocation of one process, with our copy of its fd (the caller closes them: close_all);
+    `timeout` bounds the whole listing."""
     def entry(e: dict[str, Any], fds: list[int]) -> Shared:
         idx = e["fd_index"]
         return Shared(pid, e["sid"], e["role"], e["key"], e["bytes"], fds[idx] if 0 <= idx < len(fds) else None,
                       e.get("owner", 0))
-    return agent.call_paged_with_fds("shared", "shared", entry, "list of shared memory")
+    return agent.call_paged_with_fds("shared", "shared", entry, "list of shared memory", timeout)
 
 
 close_all = close_held
@@ -103,29 +104,30 @@ def candidate_pids(drv: Driver, members: list[int], uuids: set[str]) -> list[int
     return out
 
 
-def _ask_outsider(pid: int) -> list[Shared]:
+def _ask_outsider(pid: int, timeout: float) -> list[Shared]:
     try:
         targets.check_not_stopped(pid)
         t = targets.resolve(pid)
         with t.connect() as agent:
-            return gather(pid, agent)
+            return gather(pid, agent, timeout)
     except GpucrError as exc:
         raise GpucrError(f"process {pid} is on the same GPU under gpucr and could share memory with this checkpoint, but "
                          f"it cannot be asked ({exc}); the checkpoint is refused: let it run, or name it too") from exc
 
 
-def check_and_bind(members: dict[int, Any], drv: Driver, uuids: set[str]) -> None:
+def check_and_bind(members: dict[int, Any], drv: Driver, uuids: set[str], timeout: float) -> None:
     """Refuse, before anything is touched, a checkpoint that splits processes sharing memory; give
-    every importer in it its exporter's key. `members` maps each pid to its agent connection."""
+    every importer in it its exporter's key. `members` maps each pid to its agent connection; `timeout`
+    bounds each process's listing."""
     objs: dict[int, list[Shared]] = {}
     try:
         for pid, agent in members.items():
-            objs[pid] = gather(pid, agent)
+            objs[pid] = gather(pid, agent, timeout)
         mine = [o for v in objs.values() for o in v]
         if not mine:
             return   # nothing shared: no one else needs asking
         for pid in candidate_pids(drv, list(members), uuids):
-            objs[pid] = _ask_outsider(pid)
+            objs[pid] = _ask_outsider(pid, timeout)
         everyone = [o for v in objs.values() for o in v]
         exporters = [o for o in everyone if o.role == "exporter"]
         for o in everyone:

@@ -38,7 +38,7 @@ def check(rc: int, what: str) -> None:
 def main() -> None:
     pid, want = int(sys.argv[1]), {int(k): v for k, v in json.loads(sys.argv[2]).items()}
     with targets.resolve(pid).connect() as agent:
-        got = memory.gather(agent)
+        got = memory.gather(agent, 30.0)
     cu = ctypes.CDLL(sys.argv[3] if len(sys.argv) > 3 else str(paths.simcuda_dir() / "libcuda.so.1"))
     check(cu.cuInit(0), "cuInit")
     ctx = vp()

@@ -46,9 +46,10 @@ def _entry(e: dict[str, Any], fds: list[int]) -> Managed:
                    bool(e.get("handable")))
 
 
-def gather(agent: Any) -> list[Managed]:
-    """Every allocation a process's agent manages, with our own fd of each (the caller closes them: close_all)."""
-    return agent.call_paged_with_fds("memory", "memory", _entry, "list of its GPU memory")
+def gather(agent: Any, timeout: float) -> list[Managed]:
+    """Every allocation a process's agent manages, with our own fd of each (the caller closes them: close_all);
+    `timeout` bounds the whole listing."""
+    return agent.call_paged_with_fds("memory", "memory", _entry, "list of its GPU memory", timeout)
 
 
 close_all = close_held   # until closed, our fds keep the memory on the GPU, even once the process frees it
