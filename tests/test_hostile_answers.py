@@ -166,6 +166,17 @@ def test_fds_of_an_answer_that_fails_are_closed(hostile, verb, mode):
     assert nfds() == fds0
 
 
+def test_an_answer_that_comes_after_its_deadline_is_never_taken_for_the_next_one(hostile):
+    """A request that timed out ends its connection: the late answer cannot be read as the next request's."""
+    app = hostile("status", HOSTILE_MODE="late", HOSTILE_DELAY_S="1.5")
+    with targets.resolve(app.pid).connect() as agent:
+        with pytest.raises(GpucrError, match="did not answer 'status'"):
+            agent.call("status", timeout=0.5)
+        time.sleep(1.5)   # the late status answer has arrived by now
+        with pytest.raises(GpucrError, match=f"process {app.pid}"):
+            agent.call("hello", timeout=5.0)
+
+
 @root_only
 def test_roots_server_keeps_no_fd_of_another_users_failed_answer(users, hostile):
     srv = RunningServer(True)

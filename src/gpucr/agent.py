@@ -234,6 +234,9 @@ class AgentClient:
     def _call_locked(self, verb: str, timeout: float, want_fds: bool, args: dict, send: list[int] | None,
                      watch: Callable[[], None] | None, fds: list[int]) -> _Answer:
         """One request and its answer; the fds that come with it land in `fds` (the caller's to close)."""
+        if self._sock.fileno() < 0:
+            raise GpucrError(f"the connection to process {self.pid} was ended when an earlier request failed; "
+                             f"'{verb}' needs a new one")
         line = " ".join([verb, *(f"{k}={int(v)}" for k, v in args.items())]) + "\n"
         self._sock.settimeout(timeout)
         deadline = time.monotonic() + timeout
@@ -252,10 +255,13 @@ class AgentClient:
                     raise GpucrError(f"process {self.pid} closed the control channel during '{verb}' (did it exit?)")
                 self._buf += chunk
                 if len(self._buf) > MAX_REPLY:
+                    self._sock.close()   # the rest of that answer must not be read as the next one's
                     raise GpucrError(f"process {self.pid} sent an oversized answer to '{verb}'")
         except socket.timeout as exc:
+            self._sock.close()   # a late answer must not be read as the next request's
             raise GpucrError(f"process {self.pid} did not answer '{verb}' within {timeout:.0f} s") from exc
         except OSError as exc:
+            self._sock.close()
             raise GpucrError(f"talking to process {self.pid} failed during '{verb}': {exc}") from exc
         raw, self._buf = self._buf.split(b"\n", 1)
         try:

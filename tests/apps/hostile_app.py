@@ -10,6 +10,7 @@ to one verb as HOSTILE_MODE says:
   half_line   the answer's fds go with half a line, then the connection is closed
   nondict     the answer is a JSON list, its fds sent with it
   stall       the answer's fds are sent with half a line, and the rest never comes
+  late        the whole answer, after HOSTILE_DELAY_S seconds
 HOSTILE_VERB names the verb (memory, shared, layout). It allocates two buffers of HOSTILE_MIB MiB each, prints
 one JSON line {"ready": true, "pid": PID}, then answers "digest" on stdin with a digest of both buffers.
 """
@@ -99,6 +100,8 @@ def answer(client: socket.socket, request: bytes, line: bytes, fds: list[int]) -
         return False
     elif MODE == "nondict":
         line = json.dumps([reply]).encode()
+    elif MODE == "late":
+        time.sleep(float(os.environ.get("HOSTILE_DELAY_S", "0")))
     socket.send_fds(client, [line + b"\n"], fds) if fds else client.sendall(line + b"\n")
     return True
 
