@@ -1194,3 +1194,38 @@ def test_a_failed_export_in_the_servers_fill_leaves_nothing_behind(sim_app, monk
         assert used == running, f"{(used - running) >> 20} MiB more on the GPU than before the cycle"
     finally:
         s.stop()
+
+
+# ---- one server, cycle after cycle (issue 24, item 1) ----
+
+def _cycle_through(server: RunningServer, app: Workload, **restore: object) -> None:
+    """A checkpoint and a restore of `app`, both served by `server`, its data intact."""
+    before, n = app.ask("digest"), server.requests()
+    gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid, **restore)
+    assert server.requests() == n + 2 and app.ask("digest") == before
+
+
+@pytest.mark.parametrize("way", ["two apps one after the other", "an image cycle first", "a refused image first",
+                                 "a restore that drops the staging first"])
+def test_one_server_serves_cycle_after_cycle(server, sim_app, tmp_path, way):
+    """The ways that broke a long-lived server on simcuda after one cycle (a failed unpin ignored, its address
+    mapped again and pinned over the registration never undone: CUDA error 712), each followed by a plain
+    cycle of the same size through the same server."""
+    app = sim_app("--sizes", "12M")
+    if way == "two apps one after the other":
+        _cycle_through(server, app)
+        app.close()
+        app = sim_app("--sizes", "12M")
+    elif way == "an image cycle first":
+        gpucr.checkpoint(app.pid, image=tmp_path / "img")
+        gpucr.restore(app.pid, image=tmp_path / "img")
+    elif way == "a refused image first":
+        _cycle_through(server, app)   # its staging pinned in the server, then let go by the refused image
+        (tmp_path / "file").write_text("not a directory")
+        one_line_error(gpucr_cli("checkpoint", "--image", str(tmp_path / "file"), str(app.pid)), "not a directory")
+    else:
+        _cycle_through(server, app, drop_staging=True)
+    _cycle_through(server, app)
+    _cycle_through(server, app)
+    assert not [h for h in server.info()["staging"] if h["stuck"]]

@@ -261,7 +261,8 @@ class Server:
         with self._mover_lock:
             if self._mover is None:
                 self._mover = Mover(controller_driver(), routes=self.routes, keep_context=self.keep_context)
-            self._mover.forget_ended(lambda pid: not targets.process_ended(pid))
+                self._mover.said = log
+            self._mover.forget_ended()
             return self._mover
 
     def pin_ahead_loop(self) -> None:
@@ -275,10 +276,16 @@ class Server:
             for uuid in mover.let_go_busy_neighbours():
                 log(f"gave back the context on GPU {uuid}, whose link it lent: a process now uses that GPU")
             for pid, _sock in targets.list_sockets():
-                try:
-                    self._pin_ahead_one(mover, pid)
-                except GpucrError:
-                    continue
+                self._pin_ahead_guarded(mover, pid)
+
+    def _pin_ahead_guarded(self, mover: Mover, pid: int) -> None:
+        """Pin one process's staging ahead; whatever it sends or does, the loop goes on for the others."""
+        try:
+            self._pin_ahead_one(mover, pid)
+        except GpucrError:
+            pass   # not ready, busy, gone: next time
+        except Exception as exc:   # noqa: BLE001 - a target is untrusted: its answer must not end the loop
+            log(f"pinning ahead for process {pid} failed: {type(exc).__name__}: {exc}")
 
     def _pin_ahead_one(self, mover: Mover, pid: int) -> None:
         t = targets.resolve(pid)
@@ -318,10 +325,13 @@ class Server:
         with self.lock:
             busy, served = self.in_flight, self.requests
         mover = self._mover
+        if mover is not None:
+            mover.forget_ended()   # what it says it holds is of live processes only
         return {"server": "gpucr", "protocol": wire.PROTOCOL, "code": wire.code_identity(), "pid": os.getpid(),
                 "data_plane": self.use_data_plane, "keep_context": self.keep_context, "routes": self.routes,
                 "contexts": mover.context_uuids() if mover else [],
                 "pinned_staging_bytes": mover.pinned_bytes() if mover else 0,
+                "staging": mover.holdings() if mover else [],
                 "simulated": self.simulated, "socket": str(self.path),
                 "log": str(self.dir / wire.log_name(self.simulated)), "up_s": round(time.time() - self.started, 1),
                 "requests": served, "in_flight": busy, "driver_version": drv.version(), "idle_exit_s": self.idle_exit_s,
