@@ -1218,6 +1218,7 @@ def test_one_server_serves_cycle_after_cycle(server, sim_app, tmp_path, way):
         app.close()
         app = sim_app("--sizes", "12M")
     elif way == "an image cycle first":
+        _cycle_through(server, app)
         gpucr.checkpoint(app.pid, image=tmp_path / "img")
         gpucr.restore(app.pid, image=tmp_path / "img")
     elif way == "a refused image first":
@@ -1229,3 +1230,47 @@ def test_one_server_serves_cycle_after_cycle(server, sim_app, tmp_path, way):
     _cycle_through(server, app)
     _cycle_through(server, app)
     assert not [h for h in server.info()["staging"] if h["stuck"]]
+
+
+# A process that answers as a running agent with staging ahead would, but answers its 'layout' with a JSON
+# list (F22, issue 24): it listens on its own agent socket name, so every SO_PEERCRED check passes.
+NON_OBJECT_AGENT = r'''
+import json, os, socket, sys, threading
+ino = os.stat("/proc/self/ns/pid").st_ino
+path = os.path.join(sys.argv[1], f"{os.getpid()}-{ino}.sock")
+hello = {"ok": True, "agent": "gpucr", "protocol": int(sys.argv[2]), "pid": os.getpid(), "uid": os.getuid(),
+         "cuda": True, "simulated": True, "libcuda": "", "group": ""}
+status = {"ok": True, "pid": os.getpid(), "cuda": True, "simulated": True, "state": "running", "group": "",
+          "staged": False, "busy": False, "generation": 0, "allocations": {}, "devices": [{"uuid": "GPU-x"}],
+          "shared": [], "staging_segments": 1}
+def serve(conn):
+    with conn:
+        for line in conn.makefile("rb"):
+            verb = line.split()[0].decode() if line.split() else ""
+            conn.sendall(json.dumps({"hello": hello, "status": status}.get(verb, [1, 2, 3])).encode() + b"\n")
+s = socket.socket(socket.AF_UNIX)
+s.bind(path)
+s.listen(8)
+print("ready", flush=True)
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+'''
+
+
+def test_an_answer_that_is_not_an_object_ends_nothing_but_its_own_pin_ahead(server, sim_app):
+    """F22: a process answering 'layout' with a JSON list is refused in the server's log, named; the pin-ahead
+    loop goes on, and a process started after it still gets its staging pinned ahead."""
+    from gpucr.agent import PROTOCOL
+    bad = subprocess.Popen([sys.executable, "-c", NON_OBJECT_AGENT, str(paths.runtime_dir()), str(PROTOCOL)],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert bad.stdout.readline().strip() == "ready"
+        wait_for(lambda: f"pinning ahead for process {bad.pid} failed" in server.log.read_text(), 10,
+                 "the bad answer to be refused")
+        app = sim_app("--sizes", "16M", env=dict(os.environ, GPUCR_STAGING_AHEAD="1"))
+        wait_for(lambda: any(h["pid"] == app.pid and h["pinned_bytes"] >= 16 << 20 for h in server.info()["staging"]),
+                 10, "the well-behaved process's staging to be pinned ahead")
+        assert server.log.read_text().count(f"pinning ahead for process {bad.pid} failed") == 1
+    finally:
+        bad.kill()
+        bad.wait()

@@ -99,6 +99,7 @@ class Server:
         self.me = wire.namespaces("self")
         self.sock: socket.socket | None = None
         self.ino = 0
+        self._pin_ahead_said: dict[int, str] = {}   # pid -> why pinning ahead for it last failed, as logged
 
     # ---- the socket ----
 
@@ -275,17 +276,22 @@ class Server:
                 return
             for uuid in mover.let_go_busy_neighbours():
                 log(f"gave back the context on GPU {uuid}, whose link it lent: a process now uses that GPU")
-            for pid, _sock in targets.list_sockets():
+            listed = [pid for pid, _sock in targets.list_sockets()]
+            for pid in listed:
                 self._pin_ahead_guarded(mover, pid)
+            self._pin_ahead_said = {p: w for p, w in self._pin_ahead_said.items() if p in listed}
 
     def _pin_ahead_guarded(self, mover: Mover, pid: int) -> None:
-        """Pin one process's staging ahead; whatever it sends or does, the loop goes on for the others."""
+        """Pin one process's staging ahead; whatever it sends or does, the loop goes on for the others. Why
+        it failed is logged once per process and reason (the loop asks again every second)."""
         try:
             self._pin_ahead_one(mover, pid)
-        except GpucrError:
-            pass   # not ready, busy, gone: next time
-        except Exception as exc:   # noqa: BLE001 - a target is untrusted: its answer must not end the loop
-            log(f"pinning ahead for process {pid} failed: {type(exc).__name__}: {exc}")
+            self._pin_ahead_said.pop(pid, None)
+        except Exception as exc:   # noqa: BLE001 - a target is untrusted: nothing it answers ends the loop
+            why = str(exc) if isinstance(exc, GpucrError) else f"{type(exc).__name__}: {exc}"
+            if self._pin_ahead_said.get(pid) != why:
+                self._pin_ahead_said[pid] = why
+                log(f"pinning ahead for process {pid} failed: {why}")
 
     def _pin_ahead_one(self, mover: Mover, pid: int) -> None:
         t = targets.resolve(pid)
