@@ -233,6 +233,66 @@ def server():
     s.stop()
 
 
+class ReusedServer:
+    """One `gpucr serve --simulate` for a whole test module, on runtime and simcuda dirs of its own, as a user's
+    server serves one process after another: tests that use it run in those dirs. Started again only when it
+    died; after each test it must hold nothing of a process that has gone."""
+
+    def __init__(self, base: Path) -> None:
+        self.dirs = {"GPUCR_RUNTIME_DIR": base / "gpucr", "SIMCUDA_DIR": base / "simcuda"}
+        for d in self.dirs.values():
+            d.mkdir(mode=0o700)
+        self.server: RunningServer | None = None
+        self.starts = 0
+
+    def enter(self, monkeypatch: pytest.MonkeyPatch) -> RunningServer:
+        """Point this test at the server's dirs; the server, healthy (started again if it died)."""
+        for k, v in self.dirs.items():
+            monkeypatch.setenv(k, str(v))
+        if self.server is not None and (self.server.proc.poll() is not None or self.server.info() is None):
+            self.server.stop()
+            self.server = None
+        if self.server is None:
+            self.server = RunningServer(True)
+            self.starts += 1
+        return self.server
+
+    def check_clean(self) -> None:
+        """Nothing of a process that has gone stays in the server: staging mapped or pinned, GPU memory."""
+        from gpucr.target import process_ended
+        info = self.server.info() if self.server is not None else None
+        if info is None:
+            return   # killed by the test itself (a fault test): started again by the next
+        gone = [h for h in info["staging"] if h["stuck"] or process_ended(h["pid"], h["start_time"])]
+        assert not gone, f"the reused gpucr server (pid {info['pid']}) still holds staging of a gone process: {gone}"
+        ctx = len(info["contexts"]) * int(os.environ.get("SIMCUDA_CTX_BYTES", 64 << 20))
+        assert info["gpu_bytes"] is None or info["gpu_bytes"] <= ctx, \
+            f"the reused gpucr server holds {info['gpu_bytes']} bytes of GPU memory beyond its contexts: {info}"
+
+    def close(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+
+
+@pytest.fixture(scope="module")
+def _module_server(tmp_path_factory):
+    s = ReusedServer(tmp_path_factory.mktemp("reused"))
+    yield s
+    s.close()
+
+
+@pytest.fixture
+def reused_server(request, _module_server, monkeypatch):
+    """The module's gpucr server (ReusedServer), this test's requests going through it; none for a test
+    marked in_process (it asks what only an in-process controller shows, in dirs of its own)."""
+    if request.node.get_closest_marker("in_process"):
+        yield None
+        return
+    srv = _module_server.enter(monkeypatch)
+    yield srv
+    _module_server.check_clean()
+
+
 def server_gpu_bytes() -> int:
     """GPU memory the running gpucr server holds itself (its data plane's context), counted apart when a test
     asks for the card within a few MiB of idle while a process is parked (issue 13); 0 when none runs."""

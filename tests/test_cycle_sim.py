@@ -13,12 +13,15 @@ from gpucr.driver import ProcessState, gpu_memory
 from conftest import gpucr_cli, sim_driver
 
 MiB = 1 << 20
+# every test here goes through one gpucr server reused by the module, as a user's requests do
+pytestmark = pytest.mark.usefixtures("reused_server")
 
 
 def used() -> int:
     return gpu_memory(sim_driver()).used
 
 
+@pytest.mark.in_process   # the driver's floor is zero: no server context beside it
 def test_full_cycle_gives_back_all_memory_and_restores_every_byte(sim_app):
     idle = used()
     app = sim_app("--sizes", "64M,16M,3M,100K,1000", "--pitch", "--vmm-mib", "32")
@@ -46,6 +49,7 @@ def test_full_cycle_gives_back_all_memory_and_restores_every_byte(sim_app):
     assert app.ask("digest")["digest"] == before["digest"]
 
 
+@pytest.mark.in_process   # measures the card, where the server's context appears at its first copy
 def test_data_level_keeps_context_and_skips_driver(sim_app):
     app = sim_app("--sizes", "32M,8M")
     before = app.ask("digest")
@@ -114,6 +118,7 @@ def test_allocations_after_restore_and_frees_are_tracked(sim_app):
     assert app.ask("digest") == before
 
 
+@pytest.mark.in_process   # the agent's own restore, refused for room
 def test_restore_refused_without_room_then_succeeds(sim_app, monkeypatch):
     app = sim_app("--sizes", "64M")
     before = app.ask("digest")
@@ -182,6 +187,7 @@ def test_staging_prepared_ahead_as_allocations_grow(sim_app):
     assert app.ask("digest") == before
 
 
+@pytest.mark.in_process   # the in-process controller's phases
 def test_each_phase_is_reported_by_the_side_that_times_it(sim_app):
     """The agent's phases in its status; the driver's steps, which only the controller times, in the
     controller's results (never pushed into the agent to be read back)."""
@@ -199,6 +205,7 @@ def test_each_phase_is_reported_by_the_side_that_times_it(sim_app):
         agent.call("note", driver_lock_us=5)
 
 
+@pytest.mark.in_process   # the in-process controller's phases
 def test_a_results_phases_cover_its_whole_call(sim_app):
     """In process the controller's phases follow one another: vet, prepare, data out, driver lock,
     control out, commit, settle (restore: vet, control in, driver unlock, data in, settle). Together they
@@ -217,6 +224,7 @@ def test_a_results_phases_cover_its_whole_call(sim_app):
         assert wall - 0.05 <= sum(rs.phases_s.values()) <= wall, (wall, rs.phases_s)
 
 
+@pytest.mark.in_process   # the agent's own pinning
 @pytest.mark.parametrize("pin_threads", ["1", "3"])
 def test_staging_unpinned_for_the_driver_and_pinned_again_at_restore(sim_app, monkeypatch, pin_threads):
     # with pinned staging (the ring off) and unpinning asked for: the restore's pin-ahead threads

@@ -21,6 +21,9 @@ from gpucr.driver import ProcessState
 
 from conftest import check_fork_child_apart, cycle_concurrently, gpucr_cli, process_resources, sim_driver
 
+# every test here goes through one gpucr server reused by the module, as a user's requests do
+pytestmark = pytest.mark.usefixtures("reused_server")
+
 MiB = 1 << 20
 
 
@@ -97,6 +100,7 @@ def test_a_driver_call_failing_during_a_cycle_is_logged_by_name(sim_app, capfd):
     assert logged and "failed: CUDA_ERROR_UNKNOWN (unknown error)" in logged[0], logged
 
 
+@pytest.mark.in_process   # the failure is counted in the app's own driver calls
 def test_a_driver_call_failing_in_a_restore_is_reported_by_name(sim_app):
     """The restore's cuMemCreate fails (the app's own allocation was the first): the error names it, the
     process stays checkpointed, and the next restore completes."""
@@ -112,6 +116,7 @@ def test_a_driver_call_failing_in_a_restore_is_reported_by_name(sim_app):
 
 # ---- a controller killed at every phase ----
 
+@pytest.mark.in_process   # the in-process controller is the one killed
 @pytest.mark.parametrize("point,after,bounce", [
     ("after-data-out", "running", None),            # the agent's lease rolls it back by itself
     ("after-driver-lock", "restorable", None),      # the driver holds it: a new controller finishes the job
@@ -140,6 +145,7 @@ def test_controller_killed_during_checkpoint(sim_app, point, after, bounce):
     assert app.ask("digest") == before
 
 
+@pytest.mark.in_process   # the in-process controller is the one killed
 @pytest.mark.parametrize("point", ["after-driver-restore", "after-driver-unlock"])
 def test_controller_killed_during_restore(sim_app, point):
     app = sim_app("--sizes", "32M,4M")
@@ -152,6 +158,7 @@ def test_controller_killed_during_restore(sim_app, point):
     assert app.ask("digest") == before
 
 
+@pytest.mark.in_process   # the in-process controller is the one killed (a gone client does not yet end the server's work: F20)
 def test_controller_killed_mid_data_out(sim_app):
     app = sim_app("--sizes", "1500M")
     before = app.ask("digest")
@@ -194,6 +201,7 @@ def test_two_controllers_at_once_one_is_told_busy(sim_app):
 
 # ---- the application goes away ----
 
+@pytest.mark.in_process   # the runtime dir must end empty: no server socket in it
 def test_app_killed_while_checkpointed_leaves_nothing_behind(sim_app, tmp_path):
     sdir = tmp_path / "staging"
     sdir.mkdir()

@@ -15,6 +15,9 @@ from gpucr.driver import ProcessState
 
 from conftest import gpucr_cli, sim_driver
 
+# every test here goes through one gpucr server reused by the module, as a user's requests do
+pytestmark = pytest.mark.usefixtures("reused_server")
+
 MiB = 1 << 20
 
 

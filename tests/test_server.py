@@ -282,7 +282,7 @@ def test_pinning_ahead_pins_outside_the_data_plane_and_only_what_is_missing(tmp_
     allocations reach, as a copy would (pinning whole segments again beside the next checkpoints slowed
     their copies 5-8x on the two-H200 host): nothing twice, a segment grown or a new file behind a segment
     anew, a segment gone let go; and it stops while a copy wants the data plane."""
-    from gpucr.server.mover import Mover, Stats
+    from gpucr.server.mover import Mover, Stats, owner
     mover = Mover(sim_driver())
     sim_uuid = next(iter(mover.vmm.device_by_uuid()))
     pin = mover.vmm.pin
@@ -307,7 +307,7 @@ def test_pinning_ahead_pins_outside_the_data_plane_and_only_what_is_missing(tmp_
         assert mover.pinned_bytes() == 4 << 20
         # a copy pinned the segment only as far as its allocations reached, the process stating 4 MiB then
         mover.forget(1)
-        mover._map_staging(1, {0: 1 << 20}, [files[0]], Stats(), {0: 4 << 20})
+        mover._map_staging(owner(1), {0: 1 << 20}, [files[0]], Stats(), {0: 4 << 20})
         assert mover.pin_ahead(1, seg(4 << 20), [files[0]], sim_uuid) == 0, "what a copy pinned is not pinned again"
         assert mover.pinned_bytes() == 1 << 20
         assert mover.pin_ahead(1, {"segments": [], "allocations": []}, [], sim_uuid) == 0
@@ -379,7 +379,7 @@ def test_staging_is_pinned_in_pieces_and_no_copy_spans_two(tmp_path, monkeypatch
         assert st.bytes == sum(sizes) and sim_pageable_async_copies(drv) == before
         staged = (tmp_path / "seg").read_bytes()
         assert [staged[o:o + n] for n, o in zip(sizes, offsets)] == data
-        assert mover._staging[1][0].ends == [3 << 20, 6 << 20, (8 << 20) + 8192], "pinned in pieces, as far as they reach"
+        assert mover._staging[mv.owner(1)][0].ends == [3 << 20, 6 << 20, (8 << 20) + 8192], "pinned in pieces, as far as they reach"
         assert pins == [3 << 20, 3 << 20, (2 << 20) + 8192]
         st, fds = mover.fill(1, layout, [seg_fd], memory)
         assert sim_pageable_async_copies(drv) == before and len(pins) == 3, "the fill pins nothing again"
@@ -430,7 +430,7 @@ def test_pinning_ahead_stops_between_pieces_for_a_request_and_goes_on_from_there
     ahead at the end of the piece being pinned; what was pinned stays: a copy that needs more pins only the
     rest of what it needs, and the next pin ahead goes on from there, no piece pinned twice."""
     from gpucr.server import pinned
-    from gpucr.server.mover import Mover, Stats
+    from gpucr.server.mover import Mover, Stats, owner
     monkeypatch.setattr(pinned, "PIN_PIECE", 1 << 20)
     mover = Mover(sim_driver())
     uuid = next(iter(mover.vmm.device_by_uuid()))
@@ -451,7 +451,7 @@ def test_pinning_ahead_stops_between_pieces_for_a_request_and_goes_on_from_there
         assert mover.pin_ahead(1, layout, [fd], uuid) == 3 << 20 and mover.pinned_bytes() == 3 << 20
         assert mover.pin_ahead(1, layout, [fd], uuid) == 0, "nothing more while the request is under way"
         # the request's copy needs 5 MiB of the segment: the two pieces missing, no more
-        mover._map_staging(1, {0: 5 << 20}, [fd], Stats(), {0: 8 << 20})
+        mover._map_staging(owner(1), {0: 5 << 20}, [fd], Stats(), {0: 8 << 20})
         assert len(pinned_at) == 5 and mover.pinned_bytes() == 5 << 20
         request.__exit__(None, None, None)
         assert mover.pin_ahead(1, layout, [fd], uuid) == 3 << 20, "the rest, once the request is done"
@@ -469,7 +469,7 @@ def test_a_copy_that_comes_while_a_segment_is_pinned_ahead_waits_for_that_piece_
     neither maps nor pins the segment a second time, and no piece is pinned twice."""
     import threading
     from gpucr.server import pinned
-    from gpucr.server.mover import Mover, Stats
+    from gpucr.server.mover import Mover, Stats, owner
     monkeypatch.setattr(pinned, "PIN_PIECE", 1 << 20)
     monkeypatch.setattr(pinned, "file_page", lambda blksize: pinned.PAGE)
     mover = Mover(sim_driver())
@@ -494,12 +494,12 @@ def test_a_copy_that_comes_while_a_segment_is_pinned_ahead_waits_for_that_piece_
     def copy() -> None:
         with mover.wanted(), mover._lock:
             mover.vmm.use(mover._context(mover.vmm.device_by_uuid()[uuid])[0])   # as a copy's staging() does
-            seen.update(mover._map_staging(1, {0: 5 << 20}, [fd], Stats(), {0: 8 << 20}))
+            seen.update(mover._map_staging(owner(1), {0: 5 << 20}, [fd], Stats(), {0: 8 << 20}))
     copier = threading.Thread(target=copy)
     try:
         ahead.start()
         assert first_piece.wait(10)
-        seg = mover._staging[1][0]
+        seg = mover._staging[owner(1)][0]
         assert seg.busy, "in the cache while it is pinned"
         copier.start()
         copier.join(0.3)
@@ -1194,3 +1194,83 @@ def test_a_failed_export_in_the_servers_fill_leaves_nothing_behind(sim_app, monk
         assert used == running, f"{(used - running) >> 20} MiB more on the GPU than before the cycle"
     finally:
         s.stop()
+
+
+# ---- one server, cycle after cycle (issue 24, item 1) ----
+
+def _cycle_through(server: RunningServer, app: Workload, **restore: object) -> None:
+    """A checkpoint and a restore of `app`, both served by `server`, its data intact."""
+    before, n = app.ask("digest"), server.requests()
+    gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid, **restore)
+    assert server.requests() == n + 2 and app.ask("digest") == before
+
+
+@pytest.mark.parametrize("way", ["two apps one after the other", "an image cycle first", "a refused image first",
+                                 "a restore that drops the staging first"])
+def test_one_server_serves_cycle_after_cycle(server, sim_app, tmp_path, way):
+    """The ways that broke a long-lived server on simcuda after one cycle (a failed unpin ignored, its address
+    mapped again and pinned over the registration never undone: CUDA error 712), each followed by a plain
+    cycle of the same size through the same server."""
+    app = sim_app("--sizes", "12M")
+    if way == "two apps one after the other":
+        _cycle_through(server, app)
+        app.close()
+        app = sim_app("--sizes", "12M")
+    elif way == "an image cycle first":
+        _cycle_through(server, app)
+        gpucr.checkpoint(app.pid, image=tmp_path / "img")
+        gpucr.restore(app.pid, image=tmp_path / "img")
+    elif way == "a refused image first":
+        _cycle_through(server, app)   # its staging pinned in the server, then let go by the refused image
+        (tmp_path / "file").write_text("not a directory")
+        one_line_error(gpucr_cli("checkpoint", "--image", str(tmp_path / "file"), str(app.pid)), "not a directory")
+    else:
+        _cycle_through(server, app, drop_staging=True)
+    _cycle_through(server, app)
+    _cycle_through(server, app)
+    assert not [h for h in server.info()["staging"] if h["stuck"]]
+
+
+# A process that answers as a running agent with staging ahead would, but answers its 'layout' with a JSON
+# list (F22, issue 24): it listens on its own agent socket name, so every SO_PEERCRED check passes.
+NON_OBJECT_AGENT = r'''
+import json, os, socket, sys, threading
+ino = os.stat("/proc/self/ns/pid").st_ino
+path = os.path.join(sys.argv[1], f"{os.getpid()}-{ino}.sock")
+hello = {"ok": True, "agent": "gpucr", "protocol": int(sys.argv[2]), "pid": os.getpid(), "uid": os.getuid(),
+         "cuda": True, "simulated": True, "libcuda": "", "group": ""}
+status = {"ok": True, "pid": os.getpid(), "cuda": True, "simulated": True, "state": "running", "group": "",
+          "staged": False, "busy": False, "generation": 0, "allocations": {}, "devices": [{"uuid": "GPU-x"}],
+          "shared": [], "staging_segments": 1}
+def serve(conn):
+    with conn:
+        for line in conn.makefile("rb"):
+            verb = line.split()[0].decode() if line.split() else ""
+            conn.sendall(json.dumps({"hello": hello, "status": status}.get(verb, [1, 2, 3])).encode() + b"\n")
+s = socket.socket(socket.AF_UNIX)
+s.bind(path)
+s.listen(8)
+print("ready", flush=True)
+while True:
+    threading.Thread(target=serve, args=(s.accept()[0],), daemon=True).start()
+'''
+
+
+def test_an_answer_that_is_not_an_object_ends_nothing_but_its_own_pin_ahead(server, sim_app):
+    """F22: a process answering 'layout' with a JSON list is refused in the server's log, named; the pin-ahead
+    loop goes on, and a process started after it still gets its staging pinned ahead."""
+    from gpucr.agent import PROTOCOL
+    bad = subprocess.Popen([sys.executable, "-c", NON_OBJECT_AGENT, str(paths.runtime_dir()), str(PROTOCOL)],
+                           stdout=subprocess.PIPE, text=True)
+    try:
+        assert bad.stdout.readline().strip() == "ready"
+        wait_for(lambda: f"pinning ahead for process {bad.pid} failed" in server.log.read_text(), 10,
+                 "the bad answer to be refused")
+        app = sim_app("--sizes", "16M", env=dict(os.environ, GPUCR_STAGING_AHEAD="1"))
+        wait_for(lambda: any(h["pid"] == app.pid and h["pinned_bytes"] >= 16 << 20 for h in server.info()["staging"]),
+                 10, "the well-behaved process's staging to be pinned ahead")
+        assert server.log.read_text().count(f"pinning ahead for process {bad.pid} failed") == 1
+    finally:
+        bad.kill()
+        bad.wait()

@@ -514,13 +514,9 @@ SIMAPI CUresult cuMemHostRegister(void *p, size_t bytesize, unsigned int Flags)
     SIM_GATED(mem_host_register(p, bytesize, Flags));
 }
 
-static CUresult mem_host_unregister(void *p)
-{
-    struct sim_ctx *c;
-    CUresult rc = sim_ctx_current(&c);
-    return rc != CUDA_SUCCESS ? rc : sim_host_unregister(p);
-}
-SIMAPI CUresult cuMemHostUnregister(void *p) { SIM_GATED(mem_host_unregister(p)); }
+/* No current context needed: the real driver unregisters from any thread, one with no context too
+ * (the registration names its own); asking for one here broke every unpin on a thread that had none. */
+SIMAPI CUresult cuMemHostUnregister(void *p) { SIM_GATED(sim_host_unregister(p)); }
 
 static CUresult mem_host_get_device_pointer(CUdeviceptr *pdptr, void *p, unsigned flags)
 {

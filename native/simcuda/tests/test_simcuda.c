@@ -848,8 +848,14 @@ static void test_memory_basics(void)
     CUdeviceptr hd;
     CU(cuMemHostGetDevicePointer_v2(&hd, h, 0));
     CHECK(hd == (CUdeviceptr)(uintptr_t)h, "host device pointer");
+    /* the driver unregisters on a thread with no current context (the gpucr server's unpins do) */
+    CU(cuCtxGetCurrent(&cur));
+    CU(cuCtxSetCurrent(NULL));
     CU(cuMemHostUnregister(h));
+    CU(cuCtxSetCurrent(cur));
     EXPECT_RC(cuMemHostUnregister(h), CUDA_ERROR_HOST_MEMORY_NOT_REGISTERED);
+    CU(cuMemHostRegister_v2(h, n, 0));   /* the same range registers again once unregistered */
+    CU(cuMemHostUnregister(h));
     free(h);
     free(back);
 }

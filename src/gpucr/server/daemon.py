@@ -99,6 +99,7 @@ class Server:
         self.me = wire.namespaces("self")
         self.sock: socket.socket | None = None
         self.ino = 0
+        self._pin_ahead_said: dict[int, str] = {}   # pid -> why pinning ahead for it last failed, as logged
 
     # ---- the socket ----
 
@@ -261,7 +262,8 @@ class Server:
         with self._mover_lock:
             if self._mover is None:
                 self._mover = Mover(controller_driver(), routes=self.routes, keep_context=self.keep_context)
-            self._mover.forget_ended(lambda pid: not targets.process_ended(pid))
+                self._mover.said = log
+            self._mover.forget_ended()
             return self._mover
 
     def pin_ahead_loop(self) -> None:
@@ -274,11 +276,22 @@ class Server:
                 return
             for uuid in mover.let_go_busy_neighbours():
                 log(f"gave back the context on GPU {uuid}, whose link it lent: a process now uses that GPU")
-            for pid, _sock in targets.list_sockets():
-                try:
-                    self._pin_ahead_one(mover, pid)
-                except GpucrError:
-                    continue
+            listed = [pid for pid, _sock in targets.list_sockets()]
+            for pid in listed:
+                self._pin_ahead_guarded(mover, pid)
+            self._pin_ahead_said = {p: w for p, w in self._pin_ahead_said.items() if p in listed}
+
+    def _pin_ahead_guarded(self, mover: Mover, pid: int) -> None:
+        """Pin one process's staging ahead; whatever it sends or does, the loop goes on for the others. Why
+        it failed is logged once per process and reason (the loop asks again every second)."""
+        try:
+            self._pin_ahead_one(mover, pid)
+            self._pin_ahead_said.pop(pid, None)
+        except Exception as exc:   # noqa: BLE001 - a target is untrusted: nothing it answers ends the loop
+            why = str(exc) if isinstance(exc, GpucrError) else f"{type(exc).__name__}: {exc}"
+            if self._pin_ahead_said.get(pid) != why:
+                self._pin_ahead_said[pid] = why
+                log(f"pinning ahead for process {pid} failed: {why}")
 
     def _pin_ahead_one(self, mover: Mover, pid: int) -> None:
         t = targets.resolve(pid)
@@ -318,10 +331,13 @@ class Server:
         with self.lock:
             busy, served = self.in_flight, self.requests
         mover = self._mover
+        if mover is not None:
+            mover.forget_ended()   # what it says it holds is of live processes only
         return {"server": "gpucr", "protocol": wire.PROTOCOL, "code": wire.code_identity(), "pid": os.getpid(),
                 "data_plane": self.use_data_plane, "keep_context": self.keep_context, "routes": self.routes,
                 "contexts": mover.context_uuids() if mover else [],
                 "pinned_staging_bytes": mover.pinned_bytes() if mover else 0,
+                "staging": mover.holdings() if mover else [],
                 "simulated": self.simulated, "socket": str(self.path),
                 "log": str(self.dir / wire.log_name(self.simulated)), "up_s": round(time.time() - self.started, 1),
                 "requests": served, "in_flight": busy, "driver_version": drv.version(), "idle_exit_s": self.idle_exit_s,

@@ -18,22 +18,42 @@ import threading
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 from ..driver import Driver, DriverError, Vmm, process_gpu_memory
 from ..errors import GpucrError
+from ..target import process_ended, process_start_time
 from .lanes import Routing
 from .links import Links, Neighbour
 from .memory import Managed
 from .pinned import Segment, drop, open_segment, pin, same_file
 
+Owner = tuple[int, int]   # (pid, start time): a pid reused by another process never meets the dead one's staging
+# No wait in the server is without end: a copy from a `file:` staging on a stalled filesystem holds the
+# data plane as long as the filesystem stalls, and every request behind it would wait as long.
+PLANE_WAIT_S = 300.0
 CHUNK = 64 << 20        # copies queued in pieces, round-robin over the streams, so the copy engines stay busy
 STREAMS = 4
 
 
-def _checked_plan(layout: dict[str, Any]) -> tuple[dict[int, int], list[tuple[int, int, int, int]]]:
+def owner(pid: int) -> Owner:
+    """A live process as the server keys what it holds of it; GpucrError when it has gone."""
+    try:
+        return pid, process_start_time(pid)
+    except (OSError, ValueError, IndexError) as exc:
+        raise GpucrError(f"process {pid} has ended") from exc
+
+
+def _checked_plan(layout: Any) -> tuple[dict[int, int], list[tuple[int, int, int, int]]]:
     """The process's staging segments ({index: bytes}) and allocations [(index, bytes, segment, offset)],
     sorted; the process is not trusted: each allocation of a positive size inside a segment it has."""
+    try:
+        return _plan_of(layout)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise GpucrError(f"the process's layout is malformed ({type(exc).__name__}: {exc})") from exc
+
+
+def _plan_of(layout: dict[str, Any]) -> tuple[dict[int, int], list[tuple[int, int, int, int]]]:
     declared = {int(g["index"]): int(g["bytes"]) for g in layout["segments"]}
     plan = sorted((int(a["index"]), int(a["bytes"]), int(a["segment"]), int(a["offset"])) for a in layout["allocations"])
     for idx, size, seg, off in plan:
@@ -84,9 +104,11 @@ class Mover:
         self._wanted = 0
         self._ordinals: dict[str, int] | None = None
         self._ctx: dict[int, tuple[int, list[int]]] = {}      # ordinal -> (context, streams)
-        self._staging: dict[int, dict[int, Segment]] = {}     # pid -> segment index -> segment
+        self._staging: dict[Owner, dict[int, Segment]] = {}   # process -> segment index -> segment
+        self._stuck: list[tuple[Owner, Segment]] = []         # let go, but the driver did not unpin them (drop)
         self._idle = threading.Condition()   # a segment's pinning ahead ended (Segment.busy cleared)
-        self._taken: dict[int, list[tuple[int, int, int, int]]] = {}   # pid -> what its last copy out took
+        self._taken: dict[Owner, list[tuple[int, int, int, int]]] = {}   # process -> what its last copy out took
+        self.said: Callable[[str], None] = lambda line: None   # where the server's log lines go
 
     # ---- what it holds ----
     def context_uuids(self) -> list[str]:
@@ -95,18 +117,33 @@ class Mover:
         return sorted(by_ordinal.get(d, str(d)) for d in self._ctx)
 
     def pinned_bytes(self) -> int:
+        return sum(h["pinned_bytes"] for h in self.holdings())
+
+    def holdings(self) -> list[dict[str, Any]]:
+        """What the server holds of each process's staging: mapped and pinned bytes, by owner (pid, start
+        time); `stuck`: let go, but the driver did not unpin it."""
         # copies of the dicts (atomic under the GIL): a copy or a pin ahead may change them meanwhile
-        return sum(s.bytes for segs in list(self._staging.values()) for s in list(segs.values()))
+        held = [(o, s, False) for o, segs in list(self._staging.items()) for s in list(segs.values())]
+        held += [(o, s, True) for o, s in list(self._stuck)]
+        out: dict[tuple[Owner, bool], dict[str, Any]] = {}
+        for (pid, start), seg, stuck in held:
+            h = out.setdefault(((pid, start), stuck), {"pid": pid, "start_time": start, "mapped_bytes": 0,
+                                                       "pinned_bytes": 0, "stuck": stuck})
+            h["mapped_bytes"] += seg.declared
+            h["pinned_bytes"] += seg.stuck if stuck else seg.bytes
+        return list(out.values())
 
     def forget(self, pid: int) -> None:
         """Unpin and unmap a process's staging (it ended, or its staging changed)."""
-        with self._lock:
-            self._forget(pid)
+        with self._plane():
+            for o in [o for o in self._staging if o[0] == pid]:
+                self._forget(o)
 
-    def forget_ended(self, alive) -> None:
-        with self._lock:
-            for pid in [p for p in self._staging if not alive(p)]:
-                self._forget(pid)
+    def forget_ended(self) -> None:
+        """Let go of the staging of every process that has ended (a pid reused since is another process)."""
+        with self._plane():
+            for o in [o for o in self._staging if process_ended(*o)]:
+                self._forget(o)
 
     def settle(self) -> None:
         """A request's copies are done: give back what the server holds on the GPUs unless it keeps its
@@ -132,9 +169,9 @@ class Mover:
             time.sleep(0.02)
 
     def close(self) -> None:
-        with self._lock:
-            for pid in list(self._staging):
-                self._forget(pid)
+        with self._plane():
+            for o in list(self._staging):
+                self._forget(o)
             for dev in list(self._ctx):
                 try:
                     self.vmm.release_context(dev)
@@ -148,12 +185,12 @@ class Mover:
         """Every allocation of `layout` (the agent's, after a handover) copied from the GPU into its place in
         staging, through our fds of the memory (memory, by index). Raises GpucrError; nothing here changes the
         process, which the agent takes back on failure."""
-        return self._locked(lambda: self._move(pid, layout, seg_fds, memory, out=True))[0]
+        return self._locked(lambda: self._move(owner(pid), layout, seg_fds, memory, out=True))[0]
 
     def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed]) -> tuple[Stats, list[tuple[int, int]]]:
         """New memory for every allocation of `layout`, on its GPU, filled from staging; returns [(index, fd)]
         in index order (the caller hands the fds to the agent, then closes them)."""
-        return self._locked(lambda: self._move(pid, layout, seg_fds, memory, out=False))
+        return self._locked(lambda: self._move(owner(pid), layout, seg_fds, memory, out=False))
 
     def pin_ahead(self, pid: int, layout: dict[str, Any], seg_fds: list[int], uuid: str) -> int:
         """Map and pin the staging a running process prepared ahead (`gpucr run --staging-ahead`), so its
@@ -170,14 +207,15 @@ class Mover:
         # segments stay in the cache meanwhile, marked busy: a copy that needs one waits the piece out and
         # goes on from there, instead of mapping and pinning the segment a second time.
         declared, _plan = _checked_plan(layout)
+        who = owner(pid)
         stale: list[Segment] = []
         work: list[tuple[Segment, int]] = []   # (segment, bytes pinned of it before)
         try:
-            with self._lock:
+            with self._plane():
                 dev = self._ordinal(uuid)
                 self._neighbours.discard(dev)   # the staging is pinned in this context: never given back as a lender's
                 ctx = self._context(dev)[0]
-                segs = self._staging.setdefault(pid, {})
+                segs = self._staging.setdefault(who, {})
                 stale += [segs.pop(i) for i in [i for i in segs if i not in declared]]
                 for i, n in sorted(declared.items()):
                     if not self._is_segment(segs.get(i), seg_fds, i, n):
@@ -198,7 +236,7 @@ class Mover:
                     seg.busy = False
                 self._idle.notify_all()
             for seg in stale:   # unpinned outside the lock too
-                self._drop(seg)
+                self._drop(who, seg)
         return sum(seg.bytes - before for seg, before in work if not seg.abandon)
 
     @contextmanager
@@ -213,22 +251,33 @@ class Mover:
             with self._wanting:
                 self._wanted -= 1
 
+    @contextmanager
+    def _plane(self, wait_s: float = PLANE_WAIT_S) -> Iterator[None]:
+        """The data plane's lock, waited for at most wait_s."""
+        if not self._lock.acquire(timeout=wait_s):
+            raise GpucrError(f"the gpucr server's data plane stayed busy for {wait_s:.0f} s (a copy stalled: a "
+                             "staging file on a stalled filesystem?); see the server's log, or retry with --no-server")
+        try:
+            yield
+        finally:
+            self._lock.release()
+
     def _locked(self, move):
         t0 = time.perf_counter()
-        with self.wanted(), self._lock:
+        with self.wanted(), self._plane():
             waited = time.perf_counter() - t0
             out = move()
         out[0].wait_s = waited
         return out
 
     # ---- inside ----
-    def _move(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
+    def _move(self, who: Owner, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
               out: bool) -> tuple[Stats, list[tuple[int, int]]]:
         st = Stats()
         t0 = time.perf_counter()
         declared, plan = _checked_plan(layout)
         # at a restore, exactly what the server took from it at its checkpoint (else the agent's own restore runs)
-        if not out and self._taken.get(pid) != plan:
+        if not out and self._taken.get(who) != plan:
             raise GpucrError("the process's layout is not what the server took from it at its checkpoint")
         by_index = {m.index: m for m in memory}
         mapped: list[tuple[int, int, int]] = []   # (handle, va, bytes) to unmap and release afterwards
@@ -247,7 +296,7 @@ class Mover:
             ts = time.perf_counter()
             if plan and plan[0][0] in by_index:   # pinned in a context on the process's GPU (portable: for all)
                 self.vmm.use(self._context(self._ordinal(by_index[plan[0][0]].uuid))[0])
-            staged = self._map_staging(pid, _reach(plan), seg_fds, st, declared)
+            staged = self._map_staging(who, _reach(plan), seg_fds, st, declared)
             st.stage_s += time.perf_counter() - ts
             return staged
 
@@ -323,7 +372,7 @@ class Mover:
             routing.close()
         self._undo(mapped, made, out)   # our mappings go; the fds (theirs or ours) keep the memory
         if out:
-            self._taken[pid] = plan
+            self._taken[who] = plan
         st.seconds = time.perf_counter() - t0
         return st, fds
 
@@ -345,7 +394,7 @@ class Mover:
         process the server serves is on it since (its copies use that context, its staging may be pinned
         in it). Returns their UUIDs."""
         gone = []
-        with self._lock:
+        with self._plane():
             uuids = self._uuids()
             for dev in sorted(self._neighbours):
                 nb = Neighbour(dev, uuids.get(dev, ""))
@@ -395,13 +444,13 @@ class Mover:
             self._ctx[dev] = (ctx, [self.vmm.stream() for _ in range(STREAMS)])
         return self._ctx[dev]
 
-    def _map_staging(self, pid: int, want: dict[int, int], seg_fds: list[int], st: Stats,
+    def _map_staging(self, who: Owner, want: dict[int, int], seg_fds: list[int], st: Stats,
                      declared: dict[int, int]) -> dict[int, Segment]:
         """Each segment i of `want` ({index: bytes}) mapped here and pinned at least that far, what is pinned of
         it kept for as long as it is the same file of the same size; cached segments the process no longer has
         (not `declared`) are let go."""
-        segs = self._staging.setdefault(pid, {})
-        self._let_go_absent(segs, declared)
+        segs = self._staging.setdefault(who, {})
+        self._let_go_absent(who, segs, declared)
         out: dict[int, Segment] = {}
         for i, size in want.items():
             have = segs.get(i)
@@ -409,7 +458,7 @@ class Mover:
                 self._settled(have)   # pinned ahead just now: that piece finished (we want the data plane)
             if not self._is_segment(have, seg_fds, i, declared[i]):
                 if have is not None:
-                    self._drop(segs.pop(i))
+                    self._drop(who, segs.pop(i))
                 have = segs[i] = open_segment(self._segment_fd(seg_fds, i), i, declared[i])
             t0 = time.perf_counter()
             if pin(self.vmm, have, size):   # in the current context (one on the process's GPU)
@@ -417,11 +466,11 @@ class Mover:
             out[i] = have
         return out
 
-    def _let_go_absent(self, segs: dict[int, Segment], present: Iterable[int]) -> None:
+    def _let_go_absent(self, who: Owner, segs: dict[int, Segment], present: Iterable[int]) -> None:
         """Unpin and unmap the cached segments the process no longer has."""
         keep = set(present)
         for i in [i for i in segs if i not in keep]:
-            self._drop(segs.pop(i))
+            self._drop(who, segs.pop(i))
 
     @staticmethod
     def _segment_fd(seg_fds: list[int], i: int) -> int:
@@ -434,19 +483,24 @@ class Mover:
         """Whether `have` is segment i as the process states it now: its file (fd now), of `size` bytes."""
         return have is not None and 0 <= i < len(seg_fds) and have.declared == size and same_file(have, seg_fds[i])
 
-    def _forget(self, pid: int) -> None:
-        self._taken.pop(pid, None)
-        for seg in self._staging.pop(pid, {}).values():
-            self._drop(seg)
+    def _forget(self, who: Owner) -> None:
+        self._taken.pop(who, None)
+        for seg in self._staging.pop(who, {}).values():
+            self._drop(who, seg)
 
     def _settled(self, seg: Segment) -> None:
         """Until no pin ahead works on `seg` (it stops at the end of its piece: the caller wants the data plane)."""
         with self._idle:
-            while seg.busy:
-                self._idle.wait()
+            if not self._idle.wait_for(lambda: not seg.busy, timeout=PLANE_WAIT_S):
+                raise GpucrError(f"pinning the process's staging ahead did not stop within {PLANE_WAIT_S:.0f} s")
 
-    def _drop(self, seg: Segment) -> None:
-        """Unpin and unmap `seg`, once a pin ahead that works on it has stopped, at the end of its piece."""
+    def _drop(self, who: Owner, seg: Segment) -> None:
+        """Unpin and unmap `seg`, once a pin ahead that works on it has stopped, at the end of its piece. One the
+        driver does not unpin is said, and kept (mapped: its address is never reused) among the stuck."""
         seg.abandon = True
         self._settled(seg)
-        drop(self.vmm, seg)
+        try:
+            drop(self.vmm, seg)
+        except GpucrError as exc:
+            self._stuck.append((who, seg))
+            self.said(f"process {who[0]}'s staging: {exc}")

@@ -45,6 +45,7 @@ class Segment:
     ends: list[int] = field(default_factory=list)   # where each pinned piece ends, from the start, ascending
     busy: bool = False            # a pin ahead is pinning it, outside the data plane's lock (mover.py)
     abandon: bool = False         # ... and is to stop at the end of its piece: the segment is let go
+    stuck: int = 0                # bytes the driver did not unpin when it was let go (kept mapped: drop)
 
     @property
     def bytes(self) -> int:
@@ -113,11 +114,19 @@ def pin(vmm: Vmm, seg: Segment, upto: int, stop: Callable[[], bool] = lambda: Fa
 
 
 def drop(vmm: Vmm, seg: Segment) -> None:
-    """Unpin every piece of `seg` and unmap it."""
-    for k in ([0, *seg.ends[:-1]] if seg.ends else []):
+    """Unpin every piece of `seg` and unmap it. A piece the driver does not unpin raises GpucrError and
+    leaves the segment mapped (its bytes still pinned in `seg.stuck`): unmapped, its address would be mapped
+    again and pinned anew over a registration never undone (CUDA error 712, issue 24)."""
+    starts = [0, *seg.ends[:-1]] if seg.ends else []
+    failed: list[str] = []
+    for k, end in zip(starts, seg.ends):
         try:
             vmm.unpin(seg.addr + k)
-        except DriverError:
-            pass
+        except DriverError as exc:
+            seg.stuck += end - k
+            failed.append(str(exc))
     seg.ends = []
+    if failed:
+        raise GpucrError(f"unpinning {seg.stuck >> 20} MiB of staging failed ({failed[0]}); it stays mapped, "
+                         "never reused")
     _libc.munmap(seg.addr, seg.declared)
