@@ -268,8 +268,9 @@ def _check_request(pids: list[int], timeout: float) -> None:
         raise GpucrError("no process named")
     if not (math.isfinite(timeout) and timeout > 0):
         raise GpucrError("the timeout must be a positive number of seconds")
-    if len(set(pids)) != len(pids):
-        raise GpucrError("a process is named twice")
+    twice = sorted({p for p in pids if pids.count(p) > 1})
+    if twice:
+        raise GpucrError(f"process {', '.join(map(str, twice))} is named twice: name each process once")
 
 
 def _run_all(members: list[_Member], fn) -> list[tuple[_Member, BaseException]]:

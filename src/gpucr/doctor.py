@@ -9,6 +9,7 @@ from typing import Any
 from . import paths
 from .driver import Driver, _nvml_memory
 from .errors import GpucrError
+from .manifest import cuda_version
 
 HUGE = 2 << 20
 
@@ -100,7 +101,7 @@ def main(as_json: bool = False) -> int:
         return code
     gib = lambda b: f"{b / 2**30:.1f} GiB"
     drv = r["driver"]
-    print(f"driver        {drv.get('library', 'libcuda.so.1')}: " + (f"CUDA {drv['cuda_version'] // 1000}.{drv['cuda_version'] % 1000 // 10}, "
+    print(f"driver        {drv.get('library', 'libcuda.so.1')}: " + (f"CUDA {cuda_version(drv['cuda_version'])}, "
           f"checkpoint API present" if "cuda_version" in drv else drv.get("problem", "")))
     print("gpu           " + ("none found (NVML)" if r["gpu"] is None else
                                f"{gib(r['gpu']['total_bytes'])}, {gib(r['gpu']['used_bytes'])} in use"))
