@@ -6,6 +6,7 @@ import json
 import math
 import os
 import re
+import subprocess
 import sys
 import time
 from contextlib import contextmanager
@@ -14,11 +15,13 @@ from typing import Any, Callable, Iterator, NoReturn, TypeVar
 from . import __version__, coverage, gpus, paths
 from .levels import LEVELS
 from .server import route
+from .driver import SIMULATE_ENV
 from .errors import GpucrError
 from .results import (SCHEMA_VERSION, ErrorResult, GpuMemoryChange, ImageTransfer, LeftOut, ProcessStatus, RecoverResult,
-                      StatusResult, to_json)
+                      StatusResult, from_json, to_json)
 
 T = TypeVar("T")
+STATUS_WAIT_S = 10.0   # how long `status` waits for a process still starting under gpucr
 # The agent's limits for the settings `gpucr run` passes on (native/agent/settings.def; tests/test_settings.py
 # holds the two to each other).
 BOUNCE_MIB_MIN, BOUNCE_MIB_MAX = 4, 16384
@@ -211,6 +214,12 @@ def _targets(a: argparse.Namespace) -> tuple[list[int], list[LeftOut]]:
     return a.pids, []
 
 
+def _settled(pids: list[int], timeout: float, need_cuda: bool = True) -> None:
+    """Wait for those still starting, then act through the driver they run on (see gpucr.preflight)."""
+    from . import preflight
+    preflight.take_kind([preflight.settle(pid, timeout, need_cuda) for pid in pids])
+
+
 def _images(a: argparse.Namespace, pids: list[int]) -> dict[int, str] | None:
     return {pid: _image_dir(a.image, pid, len(pids)) for pid in pids} if a.image else None
 
@@ -247,6 +256,7 @@ def _warn(processes: list) -> None:
 
 def cmd_checkpoint(a: argparse.Namespace) -> int:
     pids, left_out = _targets(a)
+    _settled(pids, a.timeout)
     result, result.total_s = _timed(f"checkpointing {_plural(len(pids), 'process', 'processes')}",
                                     not a.json and not a.image,   # an image shows its own bar
                                     lambda: route.checkpoint_many(pids, level=a.level, timeout=a.timeout,
@@ -272,6 +282,7 @@ def cmd_checkpoint(a: argparse.Namespace) -> int:
 
 def cmd_restore(a: argparse.Namespace) -> int:
     pids, left_out = _targets(a)
+    _settled(pids, a.timeout)
     result, result.total_s = _timed(f"restoring {_plural(len(pids), 'process', 'processes')}",
                                     not a.json and not a.image,
                                     lambda: route.restore_many(pids, timeout=a.timeout, drop_staging=a.drop_staging,
@@ -347,22 +358,74 @@ def _status_lines(st: ProcessStatus) -> list[str]:
 def cmd_status(a: argparse.Namespace) -> int:
     if a.pid is None:
         return cmd_ps(a, command="status")
+    _settled([a.pid], STATUS_WAIT_S, need_cuda=False)
     st = route.status(a.pid)
     if a.json:
         _print_json(to_json(StatusResult(SCHEMA_VERSION, "status", [st])))
     else:
         print("\n".join(_status_lines(st)))
-        print(_server_line())   # what the server holds, apart from the process (its context, pinned staging)
+        print("\n".join(_server_lines()))   # what the servers hold, apart from the process (context, pinned staging)
     return 0
 
 
-def cmd_ps(a: argparse.Namespace, command: str = "ps") -> int:
+def cmd_wait(a: argparse.Namespace) -> int:
+    from . import preflight
+    t = preflight.wait_ready(a.pid, a.timeout)
+    print(f"process {t.pid}: ready under gpucr, CUDA loaded" + (" [simcuda]" if t.simulated else ""))
+    return 0
+
+
+def _listed_by_kind() -> dict[bool, list[int]]:
+    """The processes under gpucr listed here, by the driver their agents say they run on (simulated or not);
+    those that do not answer are left to the listing, which says why."""
+    from . import target as targets
+    kinds: dict[bool, list[int]] = {True: [], False: []}
+    for pid, _sock in targets.list_sockets():
+        try:
+            kinds[targets.resolve(pid).simulated].append(pid)
+        except GpucrError:
+            pass
+    return kinds
+
+
+def _listed_apart(simulated: bool, pids: list[int]) -> StatusResult:
+    """The rows of processes on the other driver, from a gpucr of this installation acting through that one
+    (this process never loads both drivers)."""
+    env = dict(os.environ, **{SIMULATE_ENV: "1" if simulated else "0"})
+    r = subprocess.run([sys.executable, "-m", "gpucr.cli", "ps", "--json"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    try:
+        rows = from_json(StatusResult, json.loads(r.stdout))
+    except ValueError:
+        raise GpucrError(f"listing the processes on {'simcuda' if simulated else 'the system driver'} failed: "
+                         f"{r.stderr.strip() or r.stdout.strip()}") from None
+    rows.processes = [st for st in rows.processes if st.pid in pids]
+    rows.unreachable = [u for u in rows.unreachable if u.pid in pids]
+    return rows
+
+
+def _ps_rows() -> StatusResult:
+    """Every process under gpucr: those on simcuda listed through simcuda, the others through the driver."""
+    kinds = _listed_by_kind()
+    if os.environ.get(SIMULATE_ENV, "") == "" and kinds[True] and not kinds[False]:
+        os.environ[SIMULATE_ENV] = "1"
+    here = os.environ.get(SIMULATE_ENV) == "1"
     rows = route.ps()
+    apart = kinds[not here]
+    if apart:
+        other = _listed_apart(not here, apart)
+        rows.processes += other.processes
+        rows.unreachable = [u for u in rows.unreachable if u.pid not in apart] + other.unreachable
+    return rows
+
+
+def cmd_ps(a: argparse.Namespace, command: str = "ps") -> int:
+    rows = _ps_rows()
     rows.command = command
     if a.json:
         _print_json(to_json(rows))
         return 0
-    print(_server_line())
+    print("\n".join(_server_lines()))
     if not rows.processes and not rows.unreachable:
         print("no processes under gpucr")
         return 0
@@ -375,12 +438,12 @@ def cmd_ps(a: argparse.Namespace, command: str = "ps") -> int:
     print(f"{'PID':>8}  {'STATE':<14} {'LEVEL':<5} {'GROUP':<10} {'TRACKED':>12} {'DRIVER':>12} {'STAGING':>12}  "
           "COMMAND")
     for st in rows.processes:
-        state = st.state if st.cuda else "no-cuda"
+        state = (st.state if st.cuda else "no-cuda") + (" [sim]" if st.simulated else "")
         print(f"{st.pid:>8}  {state:<14} {st.level or '-':<5} {(st.group or '-')[:10]:<10} "
               f"{_mib(st.allocations.tracked_bytes):>12} {_mib(st.bytes_left_to_driver):>12} "
               f"{_mib(st.staging_bytes):>12}  {st.cmd[:60]}")
-    for u in rows.unreachable:
-        print(f"{u.pid:>8}  {'unreachable':<14} {'-':<5} {'-':<10} {'-':>12} {'-':>12} {'-':>12}  {u.error[:60]}")
+    for u in rows.unreachable:   # the whole reason: it is what the user needs to act on
+        print(f"{u.pid:>8}  {'unreachable':<14} {'-':<5} {'-':<10} {'-':>12} {'-':>12} {'-':>12}  {u.error}")
     budgets = {st.host_budget_bytes for st in rows.processes if st.host_budget_bytes}
     if rows.processes:
         used = max(st.host_budget_used_bytes for st in rows.processes)
@@ -389,13 +452,18 @@ def cmd_ps(a: argparse.Namespace, command: str = "ps") -> int:
     return 0
 
 
-def _server_line() -> str:
-    """The server, apart from the processes: its pid and the GPU memory it holds (measured for its pid)."""
+def _server_lines() -> list[str]:
+    """Each gpucr server that runs (one on the system's driver, one on simcuda), apart from the processes.
+    What a server holds for the processes (pinned staging and its owners) goes under its line."""
+    from .server import client
     if not route.server_wanted():
-        return "server: not used (--no-server)"
-    info = route.server_info()
-    if info is None:
-        return "server: not running (checkpoints run in-process)"
+        return ["server: not used (--no-server)"]
+    lines = [_server_line(info) for info in (client.info(False), client.info(True)) if info is not None]
+    return lines or ["server: not running (checkpoints run in-process)"]
+
+
+def _server_line(info: dict[str, Any]) -> str:
+    """A server: its pid and the GPU memory it holds (measured for its pid)."""
     held = "unknown (no per-process count here)" if info["gpu_bytes"] is None else _mib(info["gpu_bytes"])
     ctx = info.get("contexts") or []
     return (f"server: pid {info['pid']}{' [simcuda]' if info['simulated'] else ''}, up {info['up_s']:.0f} s, "
@@ -416,7 +484,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         if a.json:
             _print_json({"running": True, **info} if info else {"running": False, "simulated": a.simulate})
         else:
-            print(_server_line() if info else "server: not running")
+            print(_server_line(info) if info else "server: not running")
         return 0 if info else 3
     return daemon.main(a.idle_exit, data_plane=not a.no_data_plane, keep_context=not a.give_back_context,
                        routes=not a.no_routes)
@@ -582,6 +650,12 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
     s.add_argument("--no-server", action="store_true", help=NO_SERVER_HELP)
     s.set_defaults(fn=cmd_status)
+
+    w = sub.add_parser("wait", help="wait until a process started under gpucr is ready for a checkpoint (its agent "
+                       "answers and it has loaded CUDA); exit status 1 at the deadline")
+    w.add_argument("pid", type=int, metavar="PID")
+    w.add_argument("--timeout", type=_seconds, default=30.0, metavar="SECONDS", help="the deadline (default 30)")
+    w.set_defaults(fn=cmd_wait)
 
     ps = sub.add_parser("ps", help="list the processes under gpucr")
     ps.add_argument("--json", action="store_true", help=JSON_HELP)
