@@ -282,12 +282,13 @@ def cmd_checkpoint(a: argparse.Namespace) -> int:
 
 def cmd_restore(a: argparse.Namespace) -> int:
     pids, left_out = _targets(a)
+    gpu_map = gpus.parse_map(a.map or [])   # checked before any process is asked anything
     _settled(pids, a.timeout)
     result, result.total_s = _timed(f"restoring {_plural(len(pids), 'process', 'processes')}",
                                     not a.json and not a.image,
                                     lambda: route.restore_many(pids, timeout=a.timeout, drop_staging=a.drop_staging,
                                                                force=a.force, images=_images(a, pids),
-                                                               gpu_map=gpus.parse_map(a.map or [])))
+                                                               gpu_map=gpu_map))
     result.left_out = left_out
     _warn(result.processes)
     if a.json:
