@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from gpucr import manifest, preflight
+from gpucr import manifest, paths, preflight
 from gpucr.bench.report import faster
 from gpucr.errors import GpucrError
 from gpucr.target import Target
@@ -164,3 +164,25 @@ def test_old_manifests_read_under_todays_names():
     manifest._rename_old_keys(old)
     assert old == {"bytes": 1, "bytes_written": 0, "transfer_s": 0.5, "gbps": 2.0, "direct_io": False}
     assert manifest.cuda_version(13000) == "13.0" and manifest.cuda_version(12080) == "12.8"
+
+
+def test_doctor_simulate_checks_simcuda_and_says_so(tmp_path):
+    env = _user_env(tmp_path)
+    env.pop("LD_LIBRARY_PATH", None)
+    r = gpucr_cli("doctor", "--simulate", env=env)
+    assert r.returncode == 0, (r.stdout, r.stderr)
+    assert r.stdout.startswith("checking simcuda, the simulated driver (a test double"), r.stdout
+    assert "no NVIDIA GPU answered" not in r.stdout and "nothing missing on simcuda" in r.stdout, r.stdout
+    d = json.loads(gpucr_cli("doctor", "--simulate", "--json", env=env).stdout)
+    assert d["simulated"] is True and d["problems"] == [], d
+    assert d["driver"]["simulated"] is True and d["driver"]["library"] == str(paths.simcuda_dir() / "libcuda.so.1")
+    assert d["gpu"]["total_bytes"] == 4 << 30   # simcuda's device (SIMCUDA_TOTAL_MEM of the test's fixture)
+
+
+def test_recover_simulate_acts_through_simcuda(tmp_path):
+    env = _user_env(tmp_path)
+    env.pop("LD_LIBRARY_PATH", None)
+    r = gpucr_cli("recover", "--simulate", "--list", "--no-server", env=env)
+    assert r.returncode == 0 and "cannot load" not in r.stderr, r.stderr
+    r = gpucr_cli("recover", "--list", "--no-server", env=env)   # no driver here: it says what to add
+    assert r.returncode == 0 or "add --simulate" in r.stderr, r.stderr

@@ -619,6 +619,7 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--list", action="store_true", help="only list them")
     rc.add_argument("--timeout", type=_seconds, default=60.0, metavar="SECONDS", help="deadline for each step (default 60)")
     rc.add_argument("--json", action="store_true", help=JSON_HELP)
+    rc.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
     rc.add_argument("--no-server", action="store_true", help=NO_SERVER_HELP)
     rc.set_defaults(fn=cmd_recover)
 
@@ -666,6 +667,8 @@ def _parser() -> argparse.ArgumentParser:
 
     dr = sub.add_parser("doctor", help="report hugepages, pinned-memory limits, driver and checkpoint API, with advice")
     dr.add_argument("--json", action="store_true", help=JSON_HELP)
+    dr.add_argument("--simulate", action="store_true", help="check simcuda, the simulated driver (test double), "
+                    "as 'gpucr run --simulate' uses it, instead of the system's driver and GPU")
     dr.set_defaults(fn=cmd_doctor)
 
     d = sub.add_parser("demo", help="run, checkpoint and restore a small workload (on the GPU if there is one)")
