@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -186,3 +187,25 @@ def test_recover_simulate_acts_through_simcuda(tmp_path):
     assert r.returncode == 0 and "cannot load" not in r.stderr, r.stderr
     r = gpucr_cli("recover", "--list", "--no-server", env=env)   # no driver here: it says what to add
     assert r.returncode == 0 or "add --simulate" in r.stderr, r.stderr
+
+
+def test_a_checkpoint_of_a_process_still_starting_obeys_timeout_and_says_what_to_do():
+    """(3.7) An app that takes seconds to load CUDA (as torch does importing): a checkpoint meanwhile waits
+    no longer than its --timeout and says what to do; given time, the same checkpoint waits and succeeds."""
+    slow_start = ("import sys, time; time.sleep(4); sys.argv[1:] = ['--sizes', '4M']; import runpy; "
+                  "runpy.run_module('gpucr.workloads.driver_app', run_name='__main__')")
+    app = subprocess.Popen([sys.executable, "-c", slow_start], env=paths.run_env(simulate=True),
+                           stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        t0 = time.monotonic()
+        r = gpucr_cli("checkpoint", "--timeout", "1", str(app.pid))
+        took = time.monotonic() - t0
+        assert r.returncode == 1 and f"process {app.pid} is still starting under gpucr after 1 s" in r.stderr, r.stderr
+        assert f"wait for it with 'gpucr wait {app.pid}', then retry" in r.stderr, r.stderr
+        assert 1 <= took < 4, f"--timeout 1 took {took:.1f} s"
+        r = gpucr_cli("checkpoint", "--timeout", "30", str(app.pid))
+        assert r.returncode == 0 and "checkpointed (level full)" in r.stdout, r.stderr
+        assert gpucr_cli("restore", str(app.pid)).returncode == 0
+    finally:
+        app.kill()
+        app.wait()
