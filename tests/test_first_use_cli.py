@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -54,12 +55,40 @@ def test_the_readme_then_try_it_block_pasted_into_a_shell(tmp_path):
         gpucr_cli("serve", "--simulate", "--stop", env=env)
 
 
-def test_the_readme_quick_start_block_names_what_exists():
-    # running scripts/demo and scripts/test here would install gpucr and run the suite: their commands are checked
-    for line in _readme_block("scripts/demo").splitlines():
-        cmd = line.split("#")[0].split()
-        if cmd:
-            assert (ROOT / cmd[0]).is_file() and os.access(ROOT / cmd[0], os.X_OK), cmd
+def _script_steps(script: Path) -> tuple[list[str], list[str]]:
+    """What a quick-start script runs: the arguments of its set-up (scripts/install.py) and the module
+    command it then execs with the Python that set-up printed."""
+    text = script.read_text()
+    setup = re.search(r"^PY=\$\(python3 scripts/install\.py([^)]*)\)$", text, re.M)[1].split()
+    run = re.search(r'exec "\$PY" -m (.*)"\$@"', text)[1].split()
+    return setup, run
+
+
+def test_the_readme_quick_start_block_runs_what_it_says():
+    """Each command of the block exists and its steps work, checked cheaply: the set-up as a dry run (it
+    installs nothing) and the command it then runs with --help (running scripts/test inside the suite
+    would run the suite)."""
+    commands = [line.split("#")[0].split() for line in _readme_block("scripts/demo").splitlines()]
+    assert [c[0] for c in commands if c] == ["scripts/demo", "scripts/test"]
+    for cmd in filter(None, commands):
+        script = ROOT / cmd[0]
+        assert script.is_file() and os.access(script, os.X_OK), cmd
+        setup, run = _script_steps(script)
+        r = subprocess.run([sys.executable, "scripts/install.py", *setup, "--dry-run"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0 and "pip install" in r.stderr and str(ROOT) in r.stderr, (cmd, r.stderr)
+        r = subprocess.run([sys.executable, "-m", *run, "--help"], cwd=ROOT, capture_output=True, text=True,
+                           timeout=120)
+        assert r.returncode == 0 and "usage:" in r.stdout, (cmd, r.stdout, r.stderr)
+    # how to see why tests skip, as the README says: scripts/test hands its arguments to pytest
+    assert "scripts/test -rs" in (ROOT / "README.md").read_text()
+    assert _script_steps(ROOT / "scripts/test")[1][0] == "pytest"
+
+
+def test_links_of_the_readme_and_docs_lead_to_files():
+    for doc in [ROOT / "README.md", *(ROOT / "docs").glob("*.md")]:
+        for target in re.findall(r"\]\(([^)#:]+)(?:#[^)]*)?\)", doc.read_text()):
+            assert (doc.parent / target).exists(), f"{doc.name} links to {target}, which does not exist"
 
 
 def test_simulated_targets_need_no_flag_and_ps_lists_them(sim_app, tmp_path):
