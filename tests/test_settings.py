@@ -1,6 +1,6 @@
 """Every setting is parsed strictly (issue 14, item 2): the agent's one table of settings
 (native/agent/settings.def), its one-line warning for a bad value with the default kept, the CLI's
-checks of its flags and its own environment, and the README held to the table. Also the bound on
+checks of its flags and its own environment, and docs/how-it-works.md held to the table. Also the bound on
 what the controller reads from an application's callback channel (item 10)."""
 from __future__ import annotations
 
@@ -135,11 +135,11 @@ def test_no_bare_getenv_of_a_setting():
         assert not re.search(r'getenv\("GPUCR_|gpucr_env_long\("', src), f"{name} reads a setting around the table"
 
 
-def test_readme_lists_every_setting_as_the_table_says():
-    """The README's settings table and settings.def agree, row for row (GPUCR_TEST_ ones are the
-    test suite's own)."""
+def test_the_docs_list_every_setting_as_the_table_says():
+    """The settings table of docs/how-it-works.md and settings.def agree, row for row (GPUCR_TEST_ ones are
+    the test suite's own)."""
     rows = {}
-    for line in (ROOT / "README.md").read_text().splitlines():
+    for line in (ROOT / "docs" / "how-it-works.md").read_text().splitlines():
         m = re.match(r"\|\s*`(GPUCR_\w+)`\s*\|(.*)\|(.*)\|(.*)\|\s*$", line.replace("\\|", "\0"))
         if m:
             default, accepted, meaning = (c.strip().replace("\0", "|") for c in m.groups()[1:])
@@ -147,7 +147,7 @@ def test_readme_lists_every_setting_as_the_table_says():
     want = {n: (s.default or "unset", s.accepted, s.meaning) for n, s in agent_settings().items()
             if not n.startswith("GPUCR_TEST_")}
     expected_rows = "\n".join(f"| `{n}` | `{d}` | {a.replace('|', chr(92) + '|')} | {m} |" for n, (d, a, m) in want.items())
-    assert rows == want, f"the README's agent settings table should read:\n{expected_rows}"
+    assert rows == want, f"docs/how-it-works.md's agent settings table should read:\n{expected_rows}"
 
 
 # ---- the CLI ----

@@ -6,16 +6,22 @@ import json
 import math
 import os
 import re
+import subprocess
 import sys
-from typing import Any, Callable, NoReturn
+import time
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
 from . import __version__, coverage, gpus, paths
 from .levels import LEVELS
 from .server import route
+from .driver import SIMULATE_ENV
 from .errors import GpucrError
-from .results import (SCHEMA_VERSION, GpuMemoryChange, ImageTransfer, LeftOut, ProcessStatus, RecoverResult,
-                      StatusResult, to_json)
+from .results import (SCHEMA_VERSION, ErrorResult, GpuMemoryChange, ImageTransfer, LeftOut, ProcessStatus, RecoverResult,
+                      StatusResult, from_json, to_json)
 
+T = TypeVar("T")
+STATUS_WAIT_S = 10.0   # how long `status` waits for a process still starting under gpucr
 # The agent's limits for the settings `gpucr run` passes on (native/agent/settings.def; tests/test_settings.py
 # holds the two to each other).
 BOUNCE_MIB_MIN, BOUNCE_MIB_MAX = 4, 16384
@@ -27,6 +33,9 @@ NO_SERVER_HELP = ("act in-process, not through the gpucr server even when one ru
                   f"{route.NO_SERVER_ENV}=1)")
 CONTROLLER_SIMULATE_HELP = ("act through simcuda, the simulated driver (test double), on processes started with "
                             "'gpucr run --simulate' (the same as GPUCR_SIMULATE=1)")
+
+
+JSON_HELP = "print the result as JSON (docs/api.md); an error, too, is printed as a JSON object"
 
 
 class _Parser(argparse.ArgumentParser):
@@ -98,6 +107,10 @@ def _mib(n: int | None) -> str:
     return "n/a" if n is None else f"{n / 2**20:,.0f} MiB"
 
 
+def _plural(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
 def _print_json(obj: Any) -> None:
     print(json.dumps(obj, indent=2, sort_keys=True))
 
@@ -113,16 +126,32 @@ def _fmt_gpus(changes: list[GpuMemoryChange]) -> str:
 
 
 def _fmt_image(im: ImageTransfer, verb: str) -> str:
-    written = f" ({_mib(im.bytes_written)} written, zero chunks skipped)" if im.bytes_written is not None else ""
-    rate = f", {im.gbps:.2f} GB/s" if im.gbps is not None else ""
-    return (f"  image {im.dir}: {_mib(im.bytes)}{written} {verb} in {im.transfer_s:.2f} s{rate}"
+    """An image's data: what went to or from disk (zero chunks are neither written nor read), and the rate
+    of that data, so that an image of zeros does not read as an impossible speed."""
+    on_disk = im.bytes_written if im.bytes_written is not None else im.bytes_read
+    moved = "" if on_disk is None else (f" ({_mib(on_disk)} {verb} on disk, {_mib(im.bytes - on_disk)} of zero "
+                                        "chunks skipped)" if on_disk < im.bytes else "")
+    rate = f", {_gbps(on_disk if on_disk is not None else im.bytes, im.transfer_s)} on disk" if im.transfer_s > 0 else ""
+    return (f"  image {im.dir}: {_mib(im.bytes)}{moved} {verb} in {im.transfer_s:.2f} s{rate}"
             f"{' (direct I/O)' if im.direct_io else ''}")
+
+
+def _check_driver_loads() -> None:
+    """Before the application starts: without a loadable driver it would only crash on its own, later."""
+    import ctypes
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise GpucrError(f"no CUDA driver can be loaded here ({exc}): install the NVIDIA driver, or add --simulate "
+                         "to run on simcuda, the simulated driver (a test double)") from None
 
 
 def cmd_run(a: argparse.Namespace) -> int:
     cmd = a.cmd[1:] if a.cmd and a.cmd[0] == "--" else a.cmd
     if not cmd:
         raise GpucrError("nothing to run: give a command after '--', e.g. gpucr run -- python3 app.py")
+    if not a.simulate:
+        _check_driver_loads()
     env = paths.run_env(simulate=a.simulate)
     if a.staging:
         env["GPUCR_STAGING"] = a.staging
@@ -157,7 +186,7 @@ def cmd_run(a: argparse.Namespace) -> int:
 
 
 def cmd_lib(a: argparse.Namespace) -> int:
-    print(paths.simcuda_dir() / "libcuda.so.1" if a.simcuda else paths.agent_lib())
+    print(paths.simcuda_dir() / "libcuda.so.1" if a.simulate else paths.agent_lib())
     return 0
 
 
@@ -172,34 +201,78 @@ def _targets(a: argparse.Namespace) -> tuple[list[int], list[LeftOut]]:
     from . import jobs
     if a.group and a.tree:
         raise GpucrError("give either --group or --tree, not both")
+    if (a.group or a.tree) and a.pids:
+        raise GpucrError(f"give either PIDs or {'--group' if a.group else '--tree'}, not both (process "
+                         f"{', '.join(map(str, a.pids))} was named with it)")
     if a.group or a.tree:
         job = jobs.of_group(a.group) if a.group else jobs.of_tree(a.tree)
         for x in job.left_out:
             print(f"gpucr: note: {x.line()}", file=sys.stderr)
-        return sorted(set(job.pids) | set(a.pids)), job.left_out
+        return sorted(job.pids), job.left_out
     if not a.pids:
         raise GpucrError("name the processes (PID ...), a group (--group NAME) or a launcher (--tree PID)")
     return a.pids, []
+
+
+def _settled(pids: list[int], timeout: float, need_cuda: bool = True) -> None:
+    """Wait for those still starting, then act through the driver they run on (see gpucr.preflight)."""
+    from . import preflight
+    preflight.take_kind([preflight.settle(pid, timeout, need_cuda) for pid in pids])
 
 
 def _images(a: argparse.Namespace, pids: list[int]) -> dict[int, str] | None:
     return {pid: _image_dir(a.image, pid, len(pids)) for pid in pids} if a.image else None
 
 
-def cmd_checkpoint(a: argparse.Namespace) -> int:
-    pids, left_out = _targets(a)
-    result = route.checkpoint_many(pids, level=a.level, timeout=a.timeout, images=_images(a, pids))
-    result.left_out = left_out
-    for r in result.processes:
+@contextmanager
+def _working(what: str, show: bool) -> Iterator[None]:
+    """A spinner with the time so far on a terminal, while a request that can take seconds runs; nothing
+    when stderr is not a terminal."""
+    if not (show and sys.stderr.isatty()):
+        yield
+        return
+    from rich.console import Console
+    with Console(stderr=True).status(f"{what} ..."):
+        yield
+
+
+def _timed(what: str, show: bool, request: Callable[[], T]) -> tuple[T, float]:
+    """The request's result and its total time, as the user waited for it (server round trip included)."""
+    t0 = time.monotonic()
+    with _working(what, show):
+        out = request()
+    return out, round(time.monotonic() - t0, 3)
+
+
+def _gbps(nbytes: int, seconds: float) -> str:
+    return f"{nbytes / seconds / 1e9:.2f} GB/s" if seconds > 0 else "n/a"
+
+
+def _warn(processes: list) -> None:
+    for r in processes:
         for w in r.warnings:
             print(f"gpucr: warning: process {r.pid}: {w}", file=sys.stderr)
+
+
+def cmd_checkpoint(a: argparse.Namespace) -> int:
+    pids, left_out = _targets(a)
+    _settled(pids, a.timeout)
+    result, result.total_s = _timed(f"checkpointing {_plural(len(pids), 'process', 'processes')}",
+                                    not a.json and not a.image,   # an image shows its own bar
+                                    lambda: route.checkpoint_many(pids, level=a.level, timeout=a.timeout,
+                                                                  images=_images(a, pids)))
+    result.left_out = left_out
+    _warn(result.processes)
     if a.json:
         _print_json(to_json(result))
         return 0
     for r in result.processes:
-        print(f"process {r.pid}: checkpointed (level {r.level}); {_mib(r.bytes_moved)} moved by gpucr, "
+        print(f"process {r.pid}: checkpointed (level {r.level}) in {result.total_s:.2f} s; {_mib(r.bytes_moved)} "
+              f"moved by gpucr ({_gbps(r.bytes_moved, result.total_s)} over that time), "
               f"{_mib(r.bytes_left_to_driver)} left to the driver"
-              f"{coverage.left_summary(r.coverage.left_to_driver if r.coverage else [])}; {_fmt_phases(r.phases_s)}")
+              f"{coverage.left_summary(r.coverage.left_to_driver if r.coverage else [])}")
+        if a.phases:
+            print(f"  phases       {_fmt_phases(r.phases_s)}")
         if r.gpus:
             print(f"  memory       {_fmt_gpus(r.gpus)}")
         if r.image is not None:
@@ -209,19 +282,24 @@ def cmd_checkpoint(a: argparse.Namespace) -> int:
 
 def cmd_restore(a: argparse.Namespace) -> int:
     pids, left_out = _targets(a)
-    result = route.restore_many(pids, timeout=a.timeout, drop_staging=a.drop_staging, force=a.force,
-                                      images=_images(a, pids), gpu_map=gpus.parse_map(a.map or []))
+    gpu_map = gpus.parse_map(a.map or [])   # checked before any process is asked anything
+    _settled(pids, a.timeout)
+    result, result.total_s = _timed(f"restoring {_plural(len(pids), 'process', 'processes')}",
+                                    not a.json and not a.image,
+                                    lambda: route.restore_many(pids, timeout=a.timeout, drop_staging=a.drop_staging,
+                                                               force=a.force, images=_images(a, pids),
+                                                               gpu_map=gpu_map))
     result.left_out = left_out
-    for r in result.processes:
-        for w in r.warnings:
-            print(f"gpucr: warning: process {r.pid}: {w}", file=sys.stderr)
+    _warn(result.processes)
     if a.json:
         _print_json(to_json(result))
         return 0
     for r in result.processes:
         moved = "".join(f"; moved from {o} to {n}" for o, n in r.moved.items())
-        print(f"process {r.pid}: restored and running; {_mib(r.bytes_moved)} copied back{moved}; "
-              f"{_fmt_phases(r.phases_s)}")
+        print(f"process {r.pid}: restored and running in {result.total_s:.2f} s; {_mib(r.bytes_moved)} copied back "
+              f"({_gbps(r.bytes_moved, result.total_s)} over that time){moved}")
+        if a.phases:
+            print(f"  phases       {_fmt_phases(r.phases_s)}")
         if r.gpus:
             print(f"  memory       {_fmt_gpus(r.gpus)}")
         if r.image is not None:
@@ -250,12 +328,12 @@ def _status_lines(st: ProcessStatus) -> list[str]:
     lines = [f"process {st.pid}: {state}" + ("" if st.cuda else ", CUDA not loaded") +
              (" [simcuda]" if st.simulated else ""),
              f"  command      {st.cmd}",
-             f"  tracked      {al.tracked} allocations, {_mib(al.tracked_bytes)} moved by gpucr "
+             f"  tracked      {_plural(al.tracked, 'allocation', 'allocations')}, {_mib(al.tracked_bytes)} moved by gpucr "
              f"({al.converted} converted, {al.app_vmm} application VMM)",
              f"  driver path  {_mib(st.bytes_left_to_driver)} left to the driver's checkpoint "
              f"({al.native} small, {al.pool} pool, {al.vmm_left_to_driver} partial VMM)",
              *coverage.status_lines(st.coverage),
-             f"  staging      {_mib(st.staging_bytes)} in {st.staging_segments} segments "
+             f"  staging      {_mib(st.staging_bytes)} in {_plural(st.staging_segments, 'segment', 'segments')} "
              f"({st.staging_kind}, {_mib(st.staging_pinned_bytes)} pinned"
              f"{', prepared ahead' if st.staging_ahead else ''}{bounce})",
              _host_memory_line(st),
@@ -266,7 +344,7 @@ def _status_lines(st: ProcessStatus) -> list[str]:
     if st.bounce_problem:
         lines.append(f"  ring         none: {st.bounce_problem} (copies go through pageable memory)")
     if al.not_exportable:
-        lines.append(f"  exportable   {al.not_exportable} allocations are not: no file descriptor was left for them "
+        lines.append(f"  exportable   {_plural(al.not_exportable, 'allocation is', 'allocations are')} not: no file descriptor was left for them "
                      "(RLIMIT_NOFILE; raise 'ulimit -n' before starting the application)")
     cyc = st.last_cycle
     if cyc.gate_s or cyc.copy_out_s or cyc.data_in_s:
@@ -281,22 +359,74 @@ def _status_lines(st: ProcessStatus) -> list[str]:
 def cmd_status(a: argparse.Namespace) -> int:
     if a.pid is None:
         return cmd_ps(a, command="status")
+    _settled([a.pid], STATUS_WAIT_S, need_cuda=False)
     st = route.status(a.pid)
     if a.json:
         _print_json(to_json(StatusResult(SCHEMA_VERSION, "status", [st])))
     else:
         print("\n".join(_status_lines(st)))
-        print(_server_line())   # what the server holds, apart from the process (its context, pinned staging)
+        print("\n".join(_server_lines()))   # what the servers hold, apart from the process (context, pinned staging)
     return 0
 
 
-def cmd_ps(a: argparse.Namespace, command: str = "ps") -> int:
+def cmd_wait(a: argparse.Namespace) -> int:
+    from . import preflight
+    t = preflight.wait_ready(a.pid, a.timeout)
+    print(f"process {t.pid}: ready under gpucr, CUDA loaded" + (" [simcuda]" if t.simulated else ""))
+    return 0
+
+
+def _listed_by_kind() -> dict[bool, list[int]]:
+    """The processes under gpucr listed here, by the driver their agents say they run on (simulated or not);
+    those that do not answer are left to the listing, which says why."""
+    from . import target as targets
+    kinds: dict[bool, list[int]] = {True: [], False: []}
+    for pid, _sock in targets.list_sockets():
+        try:
+            kinds[targets.resolve(pid).simulated].append(pid)
+        except GpucrError:
+            pass
+    return kinds
+
+
+def _listed_apart(simulated: bool, pids: list[int]) -> StatusResult:
+    """The rows of processes on the other driver, from a gpucr of this installation acting through that one
+    (this process never loads both drivers)."""
+    env = dict(os.environ, **{SIMULATE_ENV: "1" if simulated else "0"})
+    r = subprocess.run([sys.executable, "-m", "gpucr.cli", "ps", "--json"], env=env, capture_output=True, text=True,
+                       timeout=120)
+    try:
+        rows = from_json(StatusResult, json.loads(r.stdout))
+    except ValueError:
+        raise GpucrError(f"listing the processes on {'simcuda' if simulated else 'the system driver'} failed: "
+                         f"{r.stderr.strip() or r.stdout.strip()}") from None
+    rows.processes = [st for st in rows.processes if st.pid in pids]
+    rows.unreachable = [u for u in rows.unreachable if u.pid in pids]
+    return rows
+
+
+def _ps_rows() -> StatusResult:
+    """Every process under gpucr: those on simcuda listed through simcuda, the others through the driver."""
+    kinds = _listed_by_kind()
+    if os.environ.get(SIMULATE_ENV, "") == "" and kinds[True] and not kinds[False]:
+        os.environ[SIMULATE_ENV] = "1"
+    here = os.environ.get(SIMULATE_ENV) == "1"
     rows = route.ps()
+    apart = kinds[not here]
+    if apart:
+        other = _listed_apart(not here, apart)
+        rows.processes += other.processes
+        rows.unreachable = [u for u in rows.unreachable if u.pid not in apart] + other.unreachable
+    return rows
+
+
+def cmd_ps(a: argparse.Namespace, command: str = "ps") -> int:
+    rows = _ps_rows()
     rows.command = command
     if a.json:
         _print_json(to_json(rows))
         return 0
-    print(_server_line())
+    print("\n".join(_server_lines()))
     if not rows.processes and not rows.unreachable:
         print("no processes under gpucr")
         return 0
@@ -309,12 +439,12 @@ def cmd_ps(a: argparse.Namespace, command: str = "ps") -> int:
     print(f"{'PID':>8}  {'STATE':<14} {'LEVEL':<5} {'GROUP':<10} {'TRACKED':>12} {'DRIVER':>12} {'STAGING':>12}  "
           "COMMAND")
     for st in rows.processes:
-        state = st.state if st.cuda else "no-cuda"
+        state = (st.state if st.cuda else "no-cuda") + (" [sim]" if st.simulated else "")
         print(f"{st.pid:>8}  {state:<14} {st.level or '-':<5} {(st.group or '-')[:10]:<10} "
               f"{_mib(st.allocations.tracked_bytes):>12} {_mib(st.bytes_left_to_driver):>12} "
               f"{_mib(st.staging_bytes):>12}  {st.cmd[:60]}")
-    for u in rows.unreachable:
-        print(f"{u.pid:>8}  {'unreachable':<14} {'-':<5} {'-':<10} {'-':>12} {'-':>12} {'-':>12}  {u.error[:60]}")
+    for u in rows.unreachable:   # the whole reason: it is what the user needs to act on
+        print(f"{u.pid:>8}  {'unreachable':<14} {'-':<5} {'-':<10} {'-':>12} {'-':>12} {'-':>12}  {u.error}")
     budgets = {st.host_budget_bytes for st in rows.processes if st.host_budget_bytes}
     if rows.processes:
         used = max(st.host_budget_used_bytes for st in rows.processes)
@@ -323,13 +453,18 @@ def cmd_ps(a: argparse.Namespace, command: str = "ps") -> int:
     return 0
 
 
-def _server_line() -> str:
-    """The server, apart from the processes: its pid and the GPU memory it holds (measured for its pid)."""
+def _server_lines() -> list[str]:
+    """Each gpucr server that runs (one on the system's driver, one on simcuda), apart from the processes.
+    What a server holds for the processes (pinned staging and its owners) goes under its line."""
+    from .server import client
     if not route.server_wanted():
-        return "server: not used (--no-server)"
-    info = route.server_info()
-    if info is None:
-        return "server: not running (checkpoints run in-process)"
+        return ["server: not used (--no-server)"]
+    lines = [_server_line(info) for info in (client.info(False), client.info(True)) if info is not None]
+    return lines or ["server: not running (checkpoints run in-process)"]
+
+
+def _server_line(info: dict[str, Any]) -> str:
+    """A server: its pid and the GPU memory it holds (measured for its pid)."""
     held = "unknown (no per-process count here)" if info["gpu_bytes"] is None else _mib(info["gpu_bytes"])
     ctx = info.get("contexts") or []
     return (f"server: pid {info['pid']}{' [simcuda]' if info['simulated'] else ''}, up {info['up_s']:.0f} s, "
@@ -348,9 +483,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if a.status:
         info = client.info(a.simulate)
         if a.json:
-            _print_json(info)
+            _print_json({"running": True, **info} if info else {"running": False, "simulated": a.simulate})
         else:
-            print(_server_line() if info else "server: not running")
+            print(_server_line(info) if info else "server: not running")
         return 0 if info else 3
     return daemon.main(a.idle_exit, data_plane=not a.no_data_plane, keep_context=not a.give_back_context,
                        routes=not a.no_routes)
@@ -375,20 +510,22 @@ def cmd_inspect(a: argparse.Namespace) -> int:
         return 0
     print(f"checkpoint {m['id']}, taken {m['created']} on {m['host']}" + (" [simcuda]" if m.get("simulated") else ""))
     taken_on = ", ".join(f"{g['name']} ({g['uuid']})" for g in m.get("gpus") or [m["gpu"]])
-    print(f"  gpu          {taken_on}, driver CUDA {m['driver_version']}, level {m['level']}")
+    print(f"  gpu          {taken_on}, driver CUDA {manifest.cuda_version(m['driver_version'])}, level {m['level']}")
     for p in m["processes"]:
         al = p["allocations"]
         zero = sum(1 for a in p["data"] for c in a["chunks"] if c.get("zero"))
         chunks = sum(len(a["chunks"]) for a in p["data"])
         print(f"  process {p['pid']} (start time {p['start_time']}), checkpoint {p['generation']}")
-        print(f"    moved by gpucr  {al['moved_by_gpucr']} allocations, {_mib(al['bytes'])}, {chunks} chunks ({zero} zero)")
-        print(f"    left to driver  {al['left_to_driver']} allocations, {_mib(al['left_to_driver_bytes'])}"
+        print(f"    moved by gpucr  {_plural(al['moved_by_gpucr'], 'allocation', 'allocations')}, {_mib(al['bytes'])}, "
+              f"{_plural(chunks, 'chunk', 'chunks')} ({zero} zero)")
+        print(f"    left to driver  {_plural(al['left_to_driver'], 'allocation', 'allocations')}, {_mib(al['left_to_driver_bytes'])}"
               f"{coverage.left_summary(coverage.manifest_left(p.get('coverage')))}")
         print("    domains         " + ", ".join(f"{k}: {v}" for k, v in p["domains"].items()))
         print(f"    unknown         {'; '.join(p['unknown']) or 'nothing'}")
     if "image" in m:
         im = m["image"]
-        print(f"  written      {_mib(im['bytes_written'])} in {im['seconds']:.2f} s ({im['gb_per_s']:.2f} GB/s"
+        print(f"  written      {_mib(im['bytes_written'])} of {_mib(im['bytes'])} (zero chunks are not) in "
+              f"{im['transfer_s']:.2f} s ({_gbps(im['bytes_written'], im['transfer_s'])} on disk"
               f"{', direct I/O' if im['direct_io'] else ''})")
     return 0
 
@@ -446,7 +583,9 @@ def _parser() -> argparse.ArgumentParser:
     r.set_defaults(fn=cmd_run)
 
     lb = sub.add_parser("lib", help="print the agent's path, for LD_PRELOAD=$(gpucr lib) CMD")
-    lb.add_argument("--simcuda", action="store_true", help="print the simulated driver's path instead")
+    lb.add_argument("--simulate", action="store_true",
+                    help="print the path of simcuda, the simulated driver (test double), instead")
+    lb.add_argument("--simcuda", dest="simulate", action="store_true", help=argparse.SUPPRESS)   # its old name
     lb.set_defaults(fn=cmd_lib)
 
     def pid_cmd(name: str, fn: Callable, help_: str, level: bool, image_help: str) -> None:
@@ -464,7 +603,8 @@ def _parser() -> argparse.ArgumentParser:
                                 "data: data only, the CUDA context stays (faster both ways)")
         c.add_argument("--timeout", type=_seconds, default=30.0, metavar="SECONDS",
                        help="deadline for draining calls in flight and each driver step (default 30)")
-        c.add_argument("--json", action="store_true", help="machine-readable output")
+        c.add_argument("--json", action="store_true", help=JSON_HELP)
+        c.add_argument("-v", "--phases", action="store_true", help="also print the time of each phase")
         c.add_argument("--image", metavar="DIR", help=image_help)
         c.set_defaults(fn=fn)
 
@@ -486,7 +626,8 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--all", action="store_true", help="also processes checkpointed on purpose (a completed "
                     "'gpucr checkpoint'), left alone otherwise")
     rc.add_argument("--timeout", type=_seconds, default=60.0, metavar="SECONDS", help="deadline for each step (default 60)")
-    rc.add_argument("--json", action="store_true", help="machine-readable output")
+    rc.add_argument("--json", action="store_true", help=JSON_HELP)
+    rc.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
     rc.add_argument("--no-server", action="store_true", help=NO_SERVER_HELP)
     rc.set_defaults(fn=cmd_recover)
 
@@ -505,34 +646,42 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--stop", action="store_true", help="stop the running server")
     sv.add_argument("--status", action="store_true", help="say whether a server runs, its pid and what it holds "
                     "(exit status 3 when none runs)")
-    sv.add_argument("--json", action="store_true", help="with --status: machine-readable output")
+    sv.add_argument("--json", action="store_true", help="with --status: " + JSON_HELP)
     sv.set_defaults(fn=cmd_serve)
 
     ins = sub.add_parser("inspect", help="print a checkpoint image's manifest (its certificate)")
     ins.add_argument("dir", metavar="DIR")
-    ins.add_argument("--json", action="store_true")
+    ins.add_argument("--json", action="store_true", help=JSON_HELP)
     ins.set_defaults(fn=cmd_inspect)
 
     s = sub.add_parser("status", help="state, tracked memory and last cycle's timings of one or all processes")
     s.add_argument("pid", type=int, nargs="?", metavar="PID")
-    s.add_argument("--json", action="store_true")
+    s.add_argument("--json", action="store_true", help=JSON_HELP)
     s.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
     s.add_argument("--no-server", action="store_true", help=NO_SERVER_HELP)
     s.set_defaults(fn=cmd_status)
 
+    w = sub.add_parser("wait", help="wait until a process started under gpucr is ready for a checkpoint (its agent "
+                       "answers and it has loaded CUDA); exit status 1 at the deadline")
+    w.add_argument("pid", type=int, metavar="PID")
+    w.add_argument("--timeout", type=_seconds, default=30.0, metavar="SECONDS", help="the deadline (default 30)")
+    w.set_defaults(fn=cmd_wait)
+
     ps = sub.add_parser("ps", help="list the processes under gpucr")
-    ps.add_argument("--json", action="store_true")
+    ps.add_argument("--json", action="store_true", help=JSON_HELP)
     ps.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
     ps.add_argument("--no-server", action="store_true", help=NO_SERVER_HELP)
     ps.set_defaults(fn=cmd_ps)
 
     dr = sub.add_parser("doctor", help="report hugepages, pinned-memory limits, driver and checkpoint API, with advice")
-    dr.add_argument("--json", action="store_true")
+    dr.add_argument("--json", action="store_true", help=JSON_HELP)
+    dr.add_argument("--simulate", action="store_true", help="check simcuda, the simulated driver (test double), "
+                    "as 'gpucr run --simulate' uses it, instead of the system's driver and GPU")
     dr.set_defaults(fn=cmd_doctor)
 
     d = sub.add_parser("demo", help="run, checkpoint and restore a small workload (on the GPU if there is one)")
     d.add_argument("--simulate", action="store_true", help="use simcuda even if a GPU is present")
-    d.add_argument("--json", action="store_true")
+    d.add_argument("--json", action="store_true", help=JSON_HELP)
     d.set_defaults(fn=cmd_demo)
 
     sub.add_parser("bench", help=BENCH_HELP)   # its arguments: _bench_parser
@@ -552,8 +701,18 @@ def _bench_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+def _fail(args: argparse.Namespace, exc: GpucrError) -> int:
+    """A refusal or failure: one line on stderr, and under --json the same as an object on stdout."""
+    print(f"gpucr: error: {exc}", file=sys.stderr)
+    if getattr(args, "json", False):
+        _print_json(to_json(ErrorResult(SCHEMA_VERSION, args.command, [], str(exc), exc.code)))
+    return exc.code
+
+
+def _run(argv: list[str]) -> int:
+    if not argv:
+        _parser().print_help()
+        return 2   # as argparse exits when a command is missing
     args = _bench_parser().parse_args(argv[1:]) if argv[:1] == ["bench"] else _parser().parse_args(argv)
     try:
         _check_controller_env(dict(os.environ))
@@ -563,10 +722,21 @@ def main(argv: list[str] | None = None) -> int:
             os.environ[route.NO_SERVER_ENV] = "1"
         return args.fn(args)
     except GpucrError as exc:
-        print(f"gpucr: error: {exc}", file=sys.stderr)
-        return exc.code
+        return _fail(args, exc)
     except KeyboardInterrupt:
         return 130
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        code = _run(sys.argv[1:] if argv is None else argv)
+        sys.stdout.flush()   # here, not at exit: a reader that went away (| head) is caught below
+        return code
+    except BrokenPipeError:
+        # the reader of our output is gone (gpucr ps | head -1): stop quietly, as a shell tool does; stdout
+        # goes to /dev/null so that Python's own flush at exit finds nothing to complain about
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13   # killed by SIGPIPE, as the shell would report it
 
 
 if __name__ == "__main__":

@@ -268,8 +268,9 @@ def _check_request(pids: list[int], timeout: float) -> None:
         raise GpucrError("no process named")
     if not (math.isfinite(timeout) and timeout > 0):
         raise GpucrError("the timeout must be a positive number of seconds")
-    if len(set(pids)) != len(pids):
-        raise GpucrError("a process is named twice")
+    twice = sorted({p for p in pids if pids.count(p) > 1})
+    if twice:
+        raise GpucrError(f"process {', '.join(map(str, twice))} is named twice: name each process once")
 
 
 def _run_all(members: list[_Member], fn) -> list[tuple[_Member, BaseException]]:
@@ -316,7 +317,18 @@ def _each(phase: str, members: list[_Member], fn) -> None:
 
 # ---- checkpoint ----
 
-def _vet_for_checkpoint(pid: int, image_dir: Path | None) -> _Member:
+def _vetting_status(m: _Member, timeout: float) -> dict[str, Any]:
+    """The agent's status before anything is touched, within the request's own deadline: a process busy
+    starting up (loading gigabytes) may answer late."""
+    try:
+        return m.agent.call("status", timeout=timeout)
+    except GpucrError as exc:
+        m.close()
+        raise GpucrError(f"{exc} (--timeout); nothing was touched. Is it still starting up? Wait until it is up "
+                         f"('gpucr wait {m.pid}' and its own output), or give a longer --timeout, then retry") from exc
+
+
+def _vet_for_checkpoint(pid: int, image_dir: Path | None, timeout: float) -> _Member:
     t = targets.resolve(pid)
     _need_cuda(t)
     drv = _driver(t)
@@ -328,7 +340,7 @@ def _vet_for_checkpoint(pid: int, image_dir: Path | None) -> _Member:
         _check_image_dir(image_dir, imagefs.owner_for(t.uid, pid))
     m = _Member(t, drv, image_dir=image_dir, result={"pid": pid, "phases_s": {}})
     m.agent = t.connect()
-    m.status = m.agent.call("status", timeout=10.0)
+    m.status = _vetting_status(m, timeout)
     if m.status["state"] != "running":
         m.close()
         raise GpucrError(f"process {pid} is already checkpointed (level data); restore it with 'gpucr restore {pid}'")
@@ -625,7 +637,7 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
     try:
         for pid in pids:   # vet everyone before touching anyone
             img = images.get(pid)
-            members.append(_vet_for_checkpoint(pid, Path(img) if img is not None else None))
+            members.append(_vet_for_checkpoint(pid, Path(img) if img is not None else None, timeout))
         _check_sharing(members, timeout)
         for m in members:
             m.gpu_before = _usage(m.pid, m.uuids())

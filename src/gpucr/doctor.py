@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Any
 
 from . import paths
-from .driver import Driver, _nvml_memory
+from .driver import Driver, _nvml_memory, controller_simulated, gpu_memory
 from .errors import GpucrError
+from .manifest import cuda_version
 
 HUGE = 2 << 20
 
@@ -23,8 +24,12 @@ def meminfo() -> dict[str, int]:
 
 
 def report() -> dict[str, Any]:
+    """The host as gpucr sees it. With --simulate (GPUCR_SIMULATE=1) the driver and GPU checked are simcuda's,
+    from this installation, as a simulated controller takes them."""
     mi = meminfo()
+    simulated = controller_simulated()
     r: dict[str, Any] = {
+        "simulated": simulated,
         "host_memory_available_bytes": mi.get("MemAvailable", 0) * 1024,
         "hugepages_total": mi.get("HugePages_Total", 0),
         "hugepages_free": mi.get("HugePages_Free", 0),
@@ -47,15 +52,25 @@ def report() -> dict[str, Any]:
     except GpucrError as exc:
         r["simcuda"] = None
         r["simcuda_problem"] = str(exc)
-    gpu = _nvml_memory(0)
+    drv = _driver(r, r["simcuda"] if simulated else "libcuda.so.1")
+    gpu = _nvml_memory(0) if not simulated else gpu_memory(drv) if drv is not None else None
     r["gpu"] = None if gpu is None else {"total_bytes": gpu.total, "used_bytes": gpu.used}
+    return r
+
+
+def _driver(r: dict[str, Any], library: str | None) -> Driver | None:
+    """Load the driver into r["driver"]: what it is, or what went wrong."""
+    if library is None:   # simcuda asked for, and missing: r["simcuda_problem"] says why
+        r["driver"] = {"problem": "simcuda is missing", "loaded": False, "checkpoint_api": None}
+        return None
     try:
-        drv = Driver("libcuda.so.1")
-        r["driver"] = {"library": drv.path, "cuda_version": drv.version(), "checkpoint_api": True, "simulated": drv.simulated}
+        drv = Driver(library)
     except GpucrError as exc:
         loaded = "cannot load" not in str(exc)
         r["driver"] = {"problem": str(exc), "loaded": loaded, "checkpoint_api": False if loaded else None}
-    return r
+        return None
+    r["driver"] = {"library": drv.path, "cuda_version": drv.version(), "checkpoint_api": True, "simulated": drv.simulated}
+    return drv
 
 
 def problems(r: dict[str, Any]) -> list[str]:
@@ -65,9 +80,9 @@ def problems(r: dict[str, Any]) -> list[str]:
         found.append(r["agent_problem"])
     if r["simcuda"] is None:
         found.append(r["simcuda_problem"])
-    if r["driver"].get("loaded") is False:
+    if r["driver"].get("loaded") is False and not r["simulated"]:   # simcuda's absence is said above
         found.append("no CUDA driver (libcuda.so.1) could be loaded: install the NVIDIA driver, or use simcuda "
-                     "with 'gpucr run --simulate'")
+                     "with 'gpucr run --simulate' ('gpucr doctor --simulate' checks it)")
     elif not r["driver"].get("checkpoint_api"):
         found.append("the CUDA driver's checkpoint API is missing (driver 555 or newer has it): only --level data can work")
     return found
@@ -82,7 +97,7 @@ def advice(r: dict[str, Any]) -> list[str]:
     if r["memlock_limit_bytes"] is not None and os.geteuid() != 0:   # root may pin past the limit
         tips.append(f"the locked-memory limit is {r['memlock_limit_bytes'] >> 20} MiB; pinning staging may fail: raise it "
                     "with 'ulimit -l unlimited' (or in /etc/security/limits.conf)")
-    if r["gpu"] is None:
+    if r["gpu"] is None and not r["simulated"]:
         tips.append("no NVIDIA GPU answered through NVML: only 'gpucr run --simulate' (simcuda, a test double) works here")
     return tips
 
@@ -100,9 +115,12 @@ def main(as_json: bool = False) -> int:
         return code
     gib = lambda b: f"{b / 2**30:.1f} GiB"
     drv = r["driver"]
-    print(f"driver        {drv.get('library', 'libcuda.so.1')}: " + (f"CUDA {drv['cuda_version'] // 1000}.{drv['cuda_version'] % 1000 // 10}, "
+    if r["simulated"]:
+        print("checking simcuda, the simulated driver (a test double: no GPU is used, and nothing here says how a "
+              "GPU would do)")
+    print(f"driver        {drv.get('library', 'libcuda.so.1')}: " + (f"CUDA {cuda_version(drv['cuda_version'])}, "
           f"checkpoint API present" if "cuda_version" in drv else drv.get("problem", "")))
-    print("gpu           " + ("none found (NVML)" if r["gpu"] is None else
+    print("gpu           " + (f"none found ({'simcuda' if r['simulated'] else 'NVML'})" if r["gpu"] is None else
                                f"{gib(r['gpu']['total_bytes'])}, {gib(r['gpu']['used_bytes'])} in use"))
     print(f"host memory   {gib(r['host_memory_available_bytes'])} available")
     print(f"hugepages     {r['hugepages_free']} free of {r['hugepages_total']} ({gib(r['hugepages_free'] * r['hugepage_bytes'])})"
@@ -120,5 +138,6 @@ def main(as_json: bool = False) -> int:
     if code:
         print(f"{len(r['problems'])} problem(s): gpucr cannot checkpoint a GPU process here")
     else:
-        print("nothing missing" + (" (the driver found is simcuda, a test double)" if drv.get("simulated") else ""))
+        print("nothing missing on simcuda (a test double)" if r["simulated"] else
+              "nothing missing" + (" (the driver found is simcuda, a test double)" if drv.get("simulated") else ""))
     return code

@@ -356,7 +356,13 @@ def controller_driver() -> Driver:
     if controller_simulated():
         from .paths import simcuda_dir
         return driver_for(str(simcuda_dir() / "libcuda.so.1"))
-    return driver_for("libcuda.so.1")
+    try:
+        return driver_for("libcuda.so.1")
+    except GpucrError as exc:
+        if "cannot load" not in str(exc):
+            raise
+        raise GpucrError(f"{exc}; install the NVIDIA driver, or, for processes started with 'gpucr run --simulate', "
+                         "add --simulate") from None
 
 
 def driver_for(libpath: str) -> Driver:

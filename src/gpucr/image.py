@@ -120,8 +120,8 @@ def write(idir: ImageDir, layout: dict[str, Any], fds: list[int]) -> tuple[list[
         if fd >= 0:
             os.close(fd)
     secs = time.perf_counter() - t0
-    return allocs, {"bytes": foff, "bytes_written": written, "seconds": secs, "direct_io": direct,
-                    "gb_per_s": foff / secs / 1e9 if secs else None}
+    return allocs, {"bytes": foff, "bytes_written": written, "transfer_s": secs, "direct_io": direct,
+                    "gbps": foff / secs / 1e9 if secs else None}
 
 
 def read(idir: ImageDir, allocs: list[dict[str, Any]], layout: dict[str, Any], fds: list[int],
@@ -194,4 +194,6 @@ def read(idir: ImageDir, allocs: list[dict[str, Any]], layout: dict[str, Any], f
     finally:
         os.close(fd)
     secs = time.perf_counter() - t0
-    return {"bytes": need, "seconds": secs, "direct_io": direct, "gb_per_s": need / secs / 1e9 if secs else None}
+    read = sum(c["bytes"] for a in allocs for c in a["chunks"] if not c.get("zero"))
+    return {"bytes": need, "bytes_read": read, "transfer_s": secs, "direct_io": direct,
+            "gbps": need / secs / 1e9 if secs else None}

@@ -93,7 +93,24 @@ def load(directory: Path | ImageDir, max_bytes: int = 256 << 20) -> dict[str, An
         raise GpucrError(f"the manifest {path} cannot be read ({exc}); the image cannot be trusted") from exc
     if not isinstance(m, dict) or m.get("version") != VERSION or not m.get("processes"):
         raise GpucrError(f"the manifest {path} is not a gpucr manifest of version {VERSION}")
+    _rename_old_keys(m.get("image"))
     return m
+
+
+OLD_IMAGE_KEYS = {"seconds": "transfer_s", "gb_per_s": "gbps"}   # as results name them (written before issue 24)
+
+
+def _rename_old_keys(image: Any) -> None:
+    """An older manifest's image statistics, under today's names."""
+    if isinstance(image, dict):
+        for old, new in OLD_IMAGE_KEYS.items():
+            if old in image and new not in image:
+                image[new] = image.pop(old)
+
+
+def cuda_version(v: int) -> str:
+    """The driver's CUDA version as people write it: 13000 -> 13.0."""
+    return f"{v // 1000}.{v % 1000 // 10}"
 
 
 def _read_json(idir: ImageDir, max_bytes: int) -> Any:

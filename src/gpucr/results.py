@@ -56,8 +56,9 @@ class ImageTransfer:
     bytes: int                        # the data, zero chunks included
     bytes_written: int | None         # written to disk (zero chunks are not); null on a read
     transfer_s: float
-    gbps: float | None                # bytes / transfer_s / 1e9
+    gbps: float | None                # bytes / transfer_s / 1e9 (zero chunks included, which are neither written nor read)
     direct_io: bool
+    bytes_read: int | None = None     # read from disk (zero chunks are not); null on a write
 
 
 @dataclass
@@ -143,6 +144,7 @@ class CheckpointResult:
     command: str                      # checkpoint
     processes: list[ProcessCheckpoint]
     left_out: list[LeftOut] = field(default_factory=list)
+    total_s: float | None = None      # the whole request, as its caller waited for it (set by the gpucr command)
 
 
 @dataclass
@@ -151,6 +153,7 @@ class RestoreResult:
     command: str                      # restore
     processes: list[ProcessRestore]
     left_out: list[LeftOut] = field(default_factory=list)
+    total_s: float | None = None      # the whole request, as its caller waited for it (set by the gpucr command)
 
 
 # ---- status and ps ----
@@ -276,6 +279,18 @@ class RecoverResult:
     command: str                      # recover
     listed_only: bool                 # recover --list: nothing was done
     processes: list[Stuck]
+
+
+# ---- a command that failed ----
+
+@dataclass
+class ErrorResult:
+    """What `--json` prints when a command fails: the same envelope, no processes, and the error."""
+    schema_version: int
+    command: str
+    processes: list[Any]              # always empty
+    error: str                        # the line a user would read on stderr
+    exit_status: int
 
 
 # ---- JSON ----

@@ -35,7 +35,8 @@ def image(raw: dict[str, Any] | None, where: str, image_id: str | None) -> Image
     if raw is None:
         return None
     return ImageTransfer(dir=where, id=image_id, bytes=raw["bytes"], bytes_written=raw.get("bytes_written"),
-                         transfer_s=float(raw["seconds"]), gbps=raw["gb_per_s"], direct_io=bool(raw["direct_io"]))
+                         bytes_read=raw.get("bytes_read"), transfer_s=float(raw["transfer_s"]), gbps=raw["gbps"],
+                         direct_io=bool(raw["direct_io"]))
 
 
 def checkpoint(r: dict[str, Any], changes: list[GpuMemoryChange]) -> ProcessCheckpoint:

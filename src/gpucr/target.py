@@ -103,6 +103,19 @@ def _environ(pid: int) -> dict[str, str]:
     return dict(e.decode(errors="replace").split("=", 1) for e in raw if b"=" in e)
 
 
+def starting_under_gpucr(pid: int) -> bool:
+    """Whether a process is on its way to running under gpucr: its environment preloads the agent, or it is
+    `gpucr run` itself, before it execs the command (its own environment is still the shell's then)."""
+    if "libgpucr" in _environ(pid).get("LD_PRELOAD", ""):
+        return True
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return False
+    return any(Path(w.decode(errors="replace")).name in ("gpucr", "gpucr.cli") and argv[i + 1:i + 2] == [b"run"]
+               for i, w in enumerate(argv))
+
+
 def _candidate_dirs(pid: int, uid: int) -> list[Path]:
     """Verified runtime dirs of `uid` where this process's agent may listen. Its environment only suggests
     a dir: each one must pass the same checks (owner, 0700, not a link) as any other."""
@@ -130,6 +143,9 @@ def _find_socket(pid: int, uid: int) -> Path:
             problems.append(why)
     if problems:
         raise GpucrError(f"refusing the agent socket of process {pid}: {problems[0]}")
+    if starting_under_gpucr(pid):
+        raise GpucrError(f"process {pid} is starting under gpucr and its agent does not answer yet; wait for it "
+                         f"with 'gpucr wait {pid}', then retry")
     raise GpucrError(f"process {pid} is not running under gpucr (no agent socket); start it with "
                      f"'gpucr run -- CMD' or LD_PRELOAD=$(gpucr lib)")
 

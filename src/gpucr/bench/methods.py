@@ -556,7 +556,8 @@ def _env(key: str, value: str):
 METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data", "gpucr-full-pinned", "gpucr-full-unpinned",
            "driver-nop2p", "gpucr-cli", "gpucr-cli-server", "torch-memory-saver", "gpucr-server-full", "gpucr-server-data",
            "gpucr-server-full-ahead", "gpucr-server-full-one-link")
-DEFAULT_METHODS = METHODS[:5]
+# the server's path is what `gpucr run` users get: it is in the default, beside the in-process one
+DEFAULT_METHODS = METHODS[:5] + ("gpucr-server-full", "gpucr-server-data")
 JOB_METHODS = ("ceiling", "driver", "driver-nop2p", "gpucr-full", "gpucr-data")   # the default for multi-GPU jobs
 
 

@@ -115,7 +115,7 @@ def markdown(res: dict[str, Any]) -> str:
                 _rate(d["gbps_in"], d["ceiling_share_in"]), _gib(d["gpu_held_checkpointed_bytes"]),
                 "yes" if m.get("correct") else "**NO**"]) + " |")
     lines += jobs_table(res)
-    sp = [f"{w}: {k.replace('_vs_', ' vs ')} checkpoint {v['checkpoint']:.1f}x, restore {v['restore']:.1f}x faster"
+    sp = [f"{w}: {k.replace('_vs_', ' vs ')} checkpoint {faster(v['checkpoint'])}, restore {faster(v['restore'])}"
           for w, wr in res.get("workloads", {}).items() for k, v in (wr.get("speedups") or {}).items()]
     sp += [line for w, wr in res.get("workloads", {}).items() for line in peer_lines(w, wr.get("versus_peer") or {})]
     sp += [line for w, wr in res.get("workloads", {}).items() for line in bound_lines(w, wr.get("over_bound") or {})]
@@ -146,6 +146,11 @@ def markdown(res: dict[str, Any]) -> str:
 
 GBPS_KEY, TIME_KEY = "_gbps_over_peer", "_time_over_peer"
 PEER = "torch-memory-saver"   # methods.TmsMethod.name, spelt out: rendering a file needs none of the bench's imports
+
+
+def faster(ratio: float) -> str:
+    """A speed-up as people say it: 2.0 is "2.0x faster", 0.5 is "2.0x slower" (not "0.5x faster")."""
+    return f"{ratio:.1f}x faster" if ratio >= 1 else f"{1 / ratio:.1f}x slower" if ratio > 0 else "n/a"
 
 
 def peer_lines(w: str, vp: dict[str, dict[str, float]]) -> list[str]:
