@@ -85,3 +85,37 @@ def _probe_as_stranger(d: Path, sock: Path) -> None:
     reply = json.loads(r.stdout)
     assert reply["ok"] is False and "permission denied" in reply["error"]
     assert talk(sock, b"status\n")[0]["state"] == "running"   # its own user still gets through
+
+
+def test_readers_asking_without_pause_never_make_a_checkpoint_or_restore_busy(sim_app):
+    """A monitor's `status` and a gpucr server's pin-ahead `layout` only read: asked back to back on their own
+    connections, they must never make a controller's checkpoint or restore fail as "busy" (the layout read held the
+    lock of changes, and status probed it)."""
+    import threading
+    import gpucr
+    from gpucr import target as targets
+    app = sim_app("--sizes", "16M")
+    before = app.ask("digest")
+    stop = threading.Event()
+
+    def read(verb: str) -> None:
+        with targets.resolve(app.pid).connect() as agent:
+            while not stop.is_set():
+                try:
+                    for fd in agent.call_with_fds(verb, timeout=10.0)[1]:
+                        os.close(fd)
+                except gpucr.GpucrError:
+                    pass   # a layout refused while a change runs: a reader may be told busy, never a change
+
+    readers = [threading.Thread(target=read, args=(v,), daemon=True) for v in ("status", "status", "layout", "layout")]
+    for t in readers:
+        t.start()
+    try:
+        for _ in range(30):
+            gpucr.checkpoint(app.pid)
+            gpucr.restore(app.pid)
+    finally:
+        stop.set()
+        for t in readers:
+            t.join(10)
+    assert app.ask("digest") == before

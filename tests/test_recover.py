@@ -9,6 +9,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from gpucr import paths
 from gpucr.results import RecoverResult, from_json
 
@@ -61,4 +63,24 @@ def test_recover_from_another_dir_never_uses_the_driver_alone_and_leaves_a_check
     assert len(done) == 1 and done[0].under_gpucr and done[0].ok, done
     st = gpucr.status(app.pid)
     assert st.state == "running" and not st.gate_closed, st
+    assert app.ask("digest") == before
+
+
+@pytest.mark.parametrize("level", ["data", "full"])
+def test_a_committed_checkpoint_says_so_and_recover_leaves_it_alone_at_every_level(sim_app, level):
+    """The agent says `committed` for a checkpoint its controller committed, until a restore: recover (plain or
+    --list) leaves such a process alone at either level; the restore clears it."""
+    import gpucr
+    app = sim_app("--sizes", "8M")
+    before = app.ask("digest")
+    assert not gpucr.status(app.pid).committed, "nothing checkpointed yet"
+    gpucr.checkpoint(app.pid, level=level)
+    st = gpucr.status(app.pid)
+    assert st.committed and st.level == level, st
+    assert app.pid not in [s.pid for s in _recover("--list").processes]
+    assert app.pid not in [s.pid for s in _recover().processes]
+    assert gpucr.status(app.pid).state == "checkpointed", "left alone"
+    gpucr.restore(app.pid)
+    st = gpucr.status(app.pid)
+    assert st.state == "running" and not st.committed, st
     assert app.ask("digest") == before

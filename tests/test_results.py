@@ -113,13 +113,13 @@ def test_ps_lists_a_stopped_process_as_unreachable_at_once(sim_app):
 def test_recover_prints_the_same_shape_listed_or_done(sim_app, n):
     apps = start(sim_app, n)
     for a in apps:
-        gpucr.checkpoint(a.pid, level="data")   # left checkpointed, no controller at work on it
-    listed = cli_json(R.RecoverResult, "recover", "--list")
+        gpucr.checkpoint(a.pid, level="data")   # checkpointed on purpose: recover takes it only with --all
+    listed = cli_json(R.RecoverResult, "recover", "--all", "--list")
     assert listed.command == "recover" and listed.listed_only
     assert sorted(s.pid for s in listed.processes) == sorted(a.pid for a in apps)
-    done = cli_json(R.RecoverResult, "recover")
+    done = cli_json(R.RecoverResult, "recover", "--all")
     assert not done.listed_only and all(s.ok for s in done.processes) and len(done.processes) == n
-    assert cli_json(R.RecoverResult, "recover", "--list").processes == []
+    assert cli_json(R.RecoverResult, "recover", "--all", "--list").processes == []
 
 
 def test_gpu_memory_is_the_process_own_apart_from_the_whole_gpu(sim_app):

@@ -40,8 +40,13 @@ const char *gpucr_runtime_dir(void) { return g_sock[0] ? g_dir : NULL; }
 static ino_t g_sock_ino;           /* what we bound: at exit only that is removed */
 static char g_group[128];   /* GPUCR_GROUP, read once at start: the application may change its environment later */
 static int g_listen = -1;
-static pthread_mutex_t g_op = PTHREAD_MUTEX_INITIALIZER;   /* one checkpoint/restore at a time */
+static pthread_mutex_t g_op = PTHREAD_MUTEX_INITIALIZER;   /* one change (checkpoint, restore...) at a time */
+/* Changes hold it for writing; a read of the staging's layout for reading, and only if no change holds or
+ * waits for it: a reader (a gpucr server's pin-ahead loop, `gpucr status`) never makes a change "busy". */
+static pthread_rwlock_t g_state = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
+static atomic_bool g_changing;       /* status's "busy": a change holds g_op (read without taking it) */
 static atomic_bool g_rolling_back;   /* status says so: a new controller waits for it instead of "busy" */
+static atomic_bool g_committed;      /* the checkpoint held now was committed by its controller: on purpose */
 static pthread_mutex_t g_clients_mu = PTHREAD_MUTEX_INITIALIZER;
 
 
@@ -188,11 +193,10 @@ static void reply_status(struct jb *j)
     jb_str(j, "checkpoint_phase", st.handed ? "handed" : st.copied ? "copied" : st.quiesced ? "quiesced" : "");
     jb_str(j, "group", g_group);
     jb_bool(j, "staged", st.staged);
-    /* a checkpoint, restore or roll-back is running now (trylock probes without waiting) */
-    bool busy = pthread_mutex_trylock(&g_op) != 0;
-    if (!busy) pthread_mutex_unlock(&g_op);
-    jb_bool(j, "busy", busy);
+    jb_bool(j, "busy", atomic_load(&g_changing));   /* a checkpoint, restore or roll-back is running now */
     jb_bool(j, "rolling_back", atomic_load(&g_rolling_back));
+    /* parked on purpose (`gpucr recover` leaves it alone), not by a controller that died or a failed restore */
+    jb_bool(j, "committed", atomic_load(&g_committed) && st.state == AGENT_CHECKPOINTED);
     jb_bool(j, "gate_closed", gpucr_gate_is_closed());
     unsigned long long pbytes, psteps;
     dp_get_progress(&pbytes, &psteps);   /* a controller waiting on another connection watches these move */
@@ -305,6 +309,45 @@ struct client {
     unsigned long id;
 };
 
+#define BUSY "busy: another checkpoint or restore of this process is in progress"
+
+/* A change takes g_op (`wait`: blocking, else a second controller is told "busy"), then the state lock once the
+ * layout reads in flight are done (they are short). */
+static bool begin_change(bool wait)
+{
+    if (wait) pthread_mutex_lock(&g_op);
+    else if (pthread_mutex_trylock(&g_op) != 0) return false;
+    pthread_rwlock_wrlock(&g_state);
+    atomic_store(&g_changing, true);
+    return true;
+}
+
+static void end_change(void)
+{
+    atomic_store(&g_changing, false);
+    pthread_rwlock_unlock(&g_state);
+    pthread_mutex_unlock(&g_op);
+}
+
+/* The staging's segments and where each allocation lies in them: read while no change runs, and refused as
+ * "busy" (never waited for) while one does. */
+static void handle_layout(struct jb *j, struct client *c)
+{
+    if (!cuda_present()) { reply_error(j, "the process has not loaded the CUDA driver: nothing to checkpoint"); return; }
+    if (pthread_rwlock_tryrdlock(&g_state) != 0) { reply_error(j, BUSY); return; }
+    char err[600] = "";
+    if (dp_layout(j, c->fds, &c->nfds, STAGING_MAX_SEGS, err, sizeof err)) { c->nfds = 0; reply_error(j, err); }
+    pthread_rwlock_unlock(&g_state);
+}
+
+static bool starts_or_undoes_a_checkpoint(const char *verb)
+{
+    static const char *const verbs[] = {"checkpoint", "quiesce", "handover", "restore", "abort"};
+    for (size_t i = 0; i < sizeof verbs / sizeof *verbs; i++)
+        if (!strcmp(verb, verbs[i])) return true;
+    return false;
+}
+
 /* Requests that change the process: one at a time (a second controller is told "busy"). */
 static void handle_op(const char *verb, const char *req, struct jb *j, struct client *c)
 {
@@ -317,7 +360,8 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
     }
     if (!cuda_present()) { reply_error(j, "the process has not loaded the CUDA driver: nothing to checkpoint"); return; }
     c->acted = true;
-    if (pthread_mutex_trylock(&g_op) != 0) { reply_error(j, "busy: another checkpoint or restore of this process is in progress"); return; }
+    if (!begin_change(false)) { reply_error(j, BUSY); return; }
+    if (starts_or_undoes_a_checkpoint(verb)) atomic_store(&g_committed, false);   /* a failed restore leaves it stuck */
     dp_watch_requester(c->fd);   /* long waits end at once if this connection goes away */
     gpucr_init();
     char err[600] = "";
@@ -358,9 +402,6 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
         rc = open_gate < 0 || open_gate > 1 ? (snprintf(err, sizeof err, "open_gate must be 0 or 1"), -1)
                                              : dp_restore(timeout_ms, drop == 1, wait == 1, open_gate == 1, err, sizeof err);
         if (rc == 0) c->lease = false;
-    } else if (!strcmp(verb, "layout")) {
-        rc = dp_layout(j, c->fds, &c->nfds, STAGING_MAX_SEGS, err, sizeof err);
-        status_after = false;
     } else if (!strcmp(verb, "drop")) {
         rc = dp_drop_staged(err, sizeof err);
     } else if (!strcmp(verb, "export")) {
@@ -388,7 +429,7 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
         rc = dp_stage(err, sizeof err);
     }
     dp_watch_requester(-1);
-    pthread_mutex_unlock(&g_op);
+    end_change();
     if (rc) { c->nfds = 0; reply_error(j, err); return; }
     if (status_after) reply_status(j);
 }
@@ -402,7 +443,12 @@ static void handle(const char *req, struct jb *j, struct client *c)
     jb_open(j);
     if (!strcmp(verb, "hello")) reply_hello(j);
     else if (!strcmp(verb, "status")) reply_status(j);
-    else if (!strcmp(verb, "commit")) { c->lease = false; jb_bool(j, "ok", true); }
+    else if (!strcmp(verb, "commit")) {   /* only a checkpoint under this connection's lease is committed */
+        if (c->lease) atomic_store(&g_committed, true);
+        c->lease = false;
+        jb_bool(j, "ok", true);
+    }
+    else if (!strcmp(verb, "layout")) handle_layout(j, c);
     else if (!strcmp(verb, "progress")) { dp_mark_progress(); jb_bool(j, "ok", true); }   /* an image chunk read */
     else if (!strcmp(verb, "shared")) {
         /* the agent's own fds of shared memory, for a controller to tell who shares what (never ours to close) */
@@ -443,7 +489,7 @@ static void handle(const char *req, struct jb *j, struct client *c)
         else jb_bool(j, "ok", true);
     }
     else if (!strcmp(verb, "checkpoint") || !strcmp(verb, "quiesce") || !strcmp(verb, "release") ||
-             !strcmp(verb, "abort") || !strcmp(verb, "restore") || !strcmp(verb, "layout") ||
+             !strcmp(verb, "abort") || !strcmp(verb, "restore") ||
              !strcmp(verb, "drop") || !strcmp(verb, "stage") || !strcmp(verb, "export") ||
              !strcmp(verb, "relink") || !strcmp(verb, "orphan") || !strcmp(verb, "resume") ||
              !strcmp(verb, "handover") || !strcmp(verb, "handed_done") || !strcmp(verb, "adopt"))
@@ -508,7 +554,7 @@ static void roll_back_abandoned(void)
 {
     long long delay = gpucr_setting_int(SET_TEST_ROLLBACK_DELAY_MS);
     if (delay) usleep((useconds_t)delay * 1000);
-    pthread_mutex_lock(&g_op);
+    begin_change(true);
     atomic_store(&g_rolling_back, true);
     struct dp_status st;
     dp_get_status(&st);
@@ -527,7 +573,7 @@ static void roll_back_abandoned(void)
         else gpucr_warn("the controller went away during a checkpoint: rolled back, the application runs on");
     }
     atomic_store(&g_rolling_back, false);
-    pthread_mutex_unlock(&g_op);
+    end_change();
 }
 
 /* ---- connections: at most MAX_CLIENTS at once. One that never asked for a change times out after
@@ -781,6 +827,9 @@ static void after_fork_child(void)
         if (g_slots[i].id) close(g_slots[i].fd);
     memset(g_slots, 0, sizeof g_slots);
     g_op = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
+    g_state = (pthread_rwlock_t)PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;   /* a layout read mid-fork */
+    atomic_store(&g_changing, false);
+    atomic_store(&g_committed, false);
     g_clients_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
     atomic_store(&g_rolling_back, false);
     atomic_store(&g_start_pending, true);

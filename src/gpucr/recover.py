@@ -52,11 +52,12 @@ def _driver_holds(drv: Driver, pid: int) -> str | None:
 
 
 def _on_purpose(st: ProcessStatus) -> bool:
-    """A full checkpoint its controller committed (`gpucr checkpoint` done, the driver holding the process as
-    it left it): parked on purpose, not stuck. A controller that died before committing leaves the agent
-    rolling back. At level data the driver is not involved, and status cannot tell a committed checkpoint
-    from one whose roll-back failed (an importer without its exporter): those are still brought back."""
-    return st.state == "checkpointed" and st.level == "full" and st.driver_state == "checkpointed" and \
+    """A checkpoint its controller committed (`gpucr checkpoint` done), as that left it (the driver holds the process
+    checkpointed at level full, running at level data; never locked or failed): parked on purpose, not stuck. The
+    agent says `committed` only for the checkpoint a controller committed under its lease, until a restore or abort
+    is tried: a controller that died before committing, and a failed restore (an importer without its exporter),
+    leave it stuck."""
+    return st.committed and st.state == "checkpointed" and st.driver_state in ("running", "checkpointed") and \
         not st.busy and not st.rolling_back
 
 

@@ -223,6 +223,7 @@ class ProcessStatus:
     group: str
     busy: bool                        # a checkpoint, restore or roll-back runs in it now
     rolling_back: bool
+    committed: bool                   # checkpointed on purpose: its controller committed (recover leaves it alone)
     gate_closed: bool                 # CUDA calls are held (mid-checkpoint, or a restore stopped before its end)
     checkpoint_phase: str             # quiesced | copied between a group's phases, handed (a server copies), else empty
     staged: bool                      # a checkpoint's data is in host memory (not only in an image)
