@@ -819,6 +819,62 @@ def test_a_killed_servers_socket_is_noted_once_then_replaced(server, sim_app):
         again.stop()
 
 
+# ---- F20 (issue 24): a client that goes away, a server out of fds ----
+
+def test_a_request_whose_client_went_away_stops_at_its_next_step(server):
+    """The client of a checkpoint is killed while the server waits on the target (its 'status' answer comes
+    3 s late): the server does not go on to checkpoint it, but stops before its next step, says why in its
+    log, and the process runs on with its data."""
+    from test_hostile_answers import Hostile
+    app = Hostile("status", HOSTILE_MODE="late", HOSTILE_DELAY_S="3")
+    try:
+        before = app.digest()
+        cli = subprocess.Popen([sys.executable, "-m", "gpucr.cli", "checkpoint", "--level", "data", str(app.pid)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: server.info()["in_flight"] == 1, 10, "the checkpoint to reach the server")
+        cli.kill()
+        cli.wait()
+        said = f"checkpoint of process {app.pid}: "
+        wait_for(lambda: said in server.log.read_text(), 20, "the checkpoint to end")
+        line = next(l for l in server.log.read_text().splitlines() if said in l)
+        assert "refused" in line and "client went away" in line, line
+        assert gpucr.status(app.pid).state == "running" and app.digest() == before
+    finally:
+        app.close()
+
+
+SERVER_FDS = 64   # the open-file limit of the server out of fds below
+
+
+def _fewer_fds() -> None:
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (SERVER_FDS, SERVER_FDS))
+
+
+def test_a_server_out_of_fds_waits_and_serves_again():
+    """Connections that take every fd the server may open make its accept fail with EMFILE: it says so once,
+    keeps serving what it holds, and serves a later client once those connections have closed."""
+    srv = RunningServer(True, preexec_fn=_fewer_fds)
+    conns: list[socket.socket] = []
+    try:
+        for _ in range(SERVER_FDS + 8):   # the last ones wait in the listen backlog
+            conns.append(socket.socket(socket.AF_UNIX))
+            conns[-1].connect(str(srv.socket))
+        wait_for(lambda: "cannot accept connections: Too many open files" in srv.log.read_text(), 10, "EMFILE")
+        time.sleep(1.0)
+        assert srv.proc.poll() is None, srv.log.read_text()
+        for c in conns:
+            c.close()
+        conns.clear()
+        wait_for(lambda: srv.info() is not None, 30, "the server to answer again")
+        log = srv.log.read_text()
+        assert log.count("cannot accept connections") == 1 and "accepting connections again" in log, log
+    finally:
+        for c in conns:
+            c.close()
+        srv.stop()
+
+
 # ---- one server, its socket and who may use it ----
 
 def test_a_second_server_exits_and_the_first_keeps_its_socket(server):
