@@ -319,6 +319,64 @@ def test_pinning_ahead_pins_outside_the_data_plane_and_only_what_is_missing(tmp_
         mover.close()
 
 
+def test_a_reused_pid_never_meets_the_dead_process_staging(tmp_path):
+    """Pid reuse (issue 24): staging the server holds for a process that has ended, whose pid a new process now
+    has, is never taken for the new one's (the same file behind it, even): the new one's is mapped and pinned
+    anew, and the dead one's is let go once ended processes are looked for, unpinned, nothing stuck."""
+    from gpucr.server.mover import Mover, owner
+    mover = Mover(sim_driver())
+    uuid = next(iter(mover.vmm.device_by_uuid()))
+    (tmp_path / "seg").write_bytes(b"\0" * (4 << 20))
+    fd = os.open(tmp_path / "seg", os.O_RDWR)
+    new = subprocess.Popen(["sleep", "60"])
+    seg = {"segments": [{"index": 0, "bytes": 4 << 20}], "allocations": []}
+    try:
+        pid, start = owner(new.pid)
+        assert mover.pin_ahead(pid, seg, [fd], uuid) == 4 << 20
+        # as if pinned for a process that had this pid before: same pid, an earlier start
+        mover._staging[(pid, start - 1)] = mover._staging.pop((pid, start))
+        assert mover.pin_ahead(pid, seg, [fd], uuid) == 4 << 20, "the dead one's staging was taken for the new one's"
+        assert {(h["start_time"], h["pinned_bytes"]) for h in mover.holdings()} == {(start - 1, 4 << 20), (start, 4 << 20)}
+        mover.forget_ended()
+        assert mover.holdings() == [{"pid": pid, "start_time": start, "mapped_bytes": 4 << 20,
+                                     "pinned_bytes": 4 << 20, "stuck": False}]
+    finally:
+        new.kill()
+        new.wait()
+        mover.close()
+        os.close(fd)
+
+
+def test_a_wait_for_the_data_plane_gives_up_at_its_deadline_naming_its_holder():
+    """No wait in the server is without end (issue 24): with the data plane held by a copy that stalls, a
+    request behind it gives up at the deadline with one line naming what holds it."""
+    import threading
+    from gpucr.errors import GpucrError
+    from gpucr.server.mover import Mover
+    mover = Mover(sim_driver())
+    mover.plane_wait_s = 0.3
+    held, stalled = threading.Event(), threading.Event()
+
+    def stalled_copy() -> None:
+        with mover._plane("the copy out of process 4242"):
+            held.set()
+            stalled.wait(30)
+    copier = threading.Thread(target=stalled_copy)
+    copier.start()
+    try:
+        assert held.wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(GpucrError) as exc:
+            mover.forget(1)
+        assert time.monotonic() - t0 < 0.3 + 1.0
+        said = str(exc.value)
+        assert "\n" not in said and "stayed busy for 0.3 s, held by the copy out of process 4242" in said, said
+    finally:
+        stalled.set()
+        copier.join()
+        mover.close()
+
+
 def _exported_memory(vmm, dev: int, uuid: str, sizes: list[int]) -> tuple[list, list[bytes]]:
     """Device memory of `sizes` on simcuda, each filled with its own bytes and exported: [Managed] with our
     fd of each (what the agent hands the server at a checkpoint), and the bytes."""
