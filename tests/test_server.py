@@ -24,6 +24,7 @@ from gpucr.server import client, wire
 from gpucr.workloads.runner import Workload
 
 from conftest import RunningServer, cycle_concurrently, gpucr_cli, sim_driver
+from test_security import root_only, users  # noqa: F401 (a second local user, for attacks across users)
 
 
 SIM_CONTEXT_BYTES = 64 << 20   # what simcuda charges for a context (SIMCUDA_CTX_BYTES' default)
@@ -930,6 +931,41 @@ def test_a_server_out_of_fds_waits_and_serves_again():
     finally:
         for c in conns:
             c.close()
+        srv.stop()
+
+
+def test_ps_shows_the_staging_the_server_holds_by_its_owner_and_none_once_it_died(server, sim_app):
+    """F21 (issue 24): `gpucr ps` shows what the server holds of each process's staging, by the process's pid;
+    once the process has died, none."""
+    app = sim_app("--sizes", "8M")
+    assert gpucr_cli("checkpoint", str(app.pid)).returncode == 0
+    ps = gpucr_cli("ps").stdout
+    assert f"holds for process {app.pid}: 8 MiB of staging mapped, 8 MiB pinned" in ps, ps
+    app.close()
+    ps = gpucr_cli("ps").stdout
+    assert "holds no staging of any process" in ps and f"process {app.pid}" not in ps, ps
+
+
+@root_only
+def test_roots_server_holds_nothing_of_another_users_process_once_it_died(users):
+    """F21: root's server is asked to checkpoint another user's processes one after the other (on simcuda the
+    import of their memory fails: their simcuda is theirs alone); once each has died, the server holds no
+    staging of it, no fd more than after the one before, and `gpucr ps` says it holds nothing."""
+    from test_hostile_answers import Hostile, nfds
+    srv, after = RunningServer(True), []
+    try:
+        for _ in range(3):   # the first warms the server (its context's fds)
+            app = Hostile("memory", users["attacker"])
+            try:
+                gpucr_cli("checkpoint", "--level", "data", str(app.pid))
+            finally:
+                app.close()
+            ps = gpucr_cli("ps").stdout
+            assert "holds no staging of any process" in ps and f"process {app.pid}" not in ps, ps
+            assert srv.info()["staging"] == []
+            after.append(nfds(srv.pid))
+        assert after[2] <= after[1], f"the server's fds after each process: {after}"
+    finally:
         srv.stop()
 
 
