@@ -189,12 +189,13 @@ def check_fork_child_apart(app: Workload, timeout: float = 30.0) -> None:
 class RunningServer:
     """`gpucr serve` in the foreground, as systemd would run it; stopped (or reaped, if a test killed it) at the end."""
 
-    def __init__(self, simulate: bool = True, *extra: str) -> None:
+    def __init__(self, simulate: bool = True, *extra: str, preexec_fn=None) -> None:
         from gpucr.server import wire
         self.log = Path(os.environ["GPUCR_RUNTIME_DIR"]) / ("test-" + wire.log_name(simulate))
         self._log_f = self.log.open("ab")
         self.proc = subprocess.Popen([sys.executable, "-m", "gpucr.cli", "serve", *extra] + (["--simulate"] if simulate else []),
-                                     stdin=subprocess.DEVNULL, stdout=self._log_f, stderr=subprocess.STDOUT)
+                                     stdin=subprocess.DEVNULL, stdout=self._log_f, stderr=subprocess.STDOUT,
+                                     preexec_fn=preexec_fn)
         self.pid = self.proc.pid
         self.socket = paths.runtime_dir() / wire.socket_name(simulate)
         self.simulate = simulate

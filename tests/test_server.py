@@ -24,6 +24,7 @@ from gpucr.server import client, wire
 from gpucr.workloads.runner import Workload
 
 from conftest import RunningServer, cycle_concurrently, gpucr_cli, sim_driver
+from test_security import root_only, users  # noqa: F401 (a second local user, for attacks across users)
 
 
 SIM_CONTEXT_BYTES = 64 << 20   # what simcuda charges for a context (SIMCUDA_CTX_BYTES' default)
@@ -316,6 +317,64 @@ def test_pinning_ahead_pins_outside_the_data_plane_and_only_what_is_missing(tmp_
     finally:
         for fd in files:
             os.close(fd)
+        mover.close()
+
+
+def test_a_reused_pid_never_meets_the_dead_process_staging(tmp_path):
+    """Pid reuse (issue 24): staging the server holds for a process that has ended, whose pid a new process now
+    has, is never taken for the new one's (the same file behind it, even): the new one's is mapped and pinned
+    anew, and the dead one's is let go once ended processes are looked for, unpinned, nothing stuck."""
+    from gpucr.server.mover import Mover, owner
+    mover = Mover(sim_driver())
+    uuid = next(iter(mover.vmm.device_by_uuid()))
+    (tmp_path / "seg").write_bytes(b"\0" * (4 << 20))
+    fd = os.open(tmp_path / "seg", os.O_RDWR)
+    new = subprocess.Popen(["sleep", "60"])
+    seg = {"segments": [{"index": 0, "bytes": 4 << 20}], "allocations": []}
+    try:
+        pid, start = owner(new.pid)
+        assert mover.pin_ahead(pid, seg, [fd], uuid) == 4 << 20
+        # as if pinned for a process that had this pid before: same pid, an earlier start
+        mover._staging[(pid, start - 1)] = mover._staging.pop((pid, start))
+        assert mover.pin_ahead(pid, seg, [fd], uuid) == 4 << 20, "the dead one's staging was taken for the new one's"
+        assert {(h["start_time"], h["pinned_bytes"]) for h in mover.holdings()} == {(start - 1, 4 << 20), (start, 4 << 20)}
+        mover.forget_ended()
+        assert mover.holdings() == [{"pid": pid, "start_time": start, "mapped_bytes": 4 << 20,
+                                     "pinned_bytes": 4 << 20, "stuck": False}]
+    finally:
+        new.kill()
+        new.wait()
+        mover.close()
+        os.close(fd)
+
+
+def test_a_wait_for_the_data_plane_gives_up_at_its_deadline_naming_its_holder():
+    """No wait in the server is without end (issue 24): with the data plane held by a copy that stalls, a
+    request behind it gives up at the deadline with one line naming what holds it."""
+    import threading
+    from gpucr.errors import GpucrError
+    from gpucr.server.mover import Mover
+    mover = Mover(sim_driver())
+    mover.plane_wait_s = 0.3
+    held, stalled = threading.Event(), threading.Event()
+
+    def stalled_copy() -> None:
+        with mover._plane("the copy out of process 4242"):
+            held.set()
+            stalled.wait(30)
+    copier = threading.Thread(target=stalled_copy)
+    copier.start()
+    try:
+        assert held.wait(10)
+        t0 = time.monotonic()
+        with pytest.raises(GpucrError) as exc:
+            mover.forget(1)
+        assert time.monotonic() - t0 < 0.3 + 1.0
+        said = str(exc.value)
+        assert "\n" not in said and "stayed busy for 0.3 s, held by the copy out of process 4242" in said, said
+    finally:
+        stalled.set()
+        copier.join()
         mover.close()
 
 
@@ -819,6 +878,97 @@ def test_a_killed_servers_socket_is_noted_once_then_replaced(server, sim_app):
         again.stop()
 
 
+# ---- F20 (issue 24): a client that goes away, a server out of fds ----
+
+def test_a_request_whose_client_went_away_stops_at_its_next_step(server):
+    """The client of a checkpoint is killed while the server waits on the target (its 'status' answer comes
+    3 s late): the server does not go on to checkpoint it, but stops before its next step, says why in its
+    log, and the process runs on with its data."""
+    from test_hostile_answers import Hostile
+    app = Hostile("status", HOSTILE_MODE="late", HOSTILE_DELAY_S="3")
+    try:
+        before = app.digest()
+        cli = subprocess.Popen([sys.executable, "-m", "gpucr.cli", "checkpoint", "--level", "data", str(app.pid)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: server.info()["in_flight"] == 1, 10, "the checkpoint to reach the server")
+        cli.kill()
+        cli.wait()
+        said = f"checkpoint of process {app.pid}: "
+        wait_for(lambda: said in server.log.read_text(), 20, "the checkpoint to end")
+        line = next(l for l in server.log.read_text().splitlines() if said in l)
+        assert "refused" in line and "client went away" in line, line
+        assert gpucr.status(app.pid).state == "running" and app.digest() == before
+    finally:
+        app.close()
+
+
+SERVER_FDS = 64   # the open-file limit of the server out of fds below
+
+
+def _fewer_fds() -> None:
+    import resource
+    resource.setrlimit(resource.RLIMIT_NOFILE, (SERVER_FDS, SERVER_FDS))
+
+
+def test_a_server_out_of_fds_waits_and_serves_again():
+    """Connections that take every fd the server may open make its accept fail with EMFILE: it says so once,
+    keeps serving what it holds, and serves a later client once those connections have closed."""
+    srv = RunningServer(True, preexec_fn=_fewer_fds)
+    conns: list[socket.socket] = []
+    try:
+        for _ in range(SERVER_FDS + 8):   # the last ones wait in the listen backlog
+            conns.append(socket.socket(socket.AF_UNIX))
+            conns[-1].connect(str(srv.socket))
+        wait_for(lambda: "cannot accept connections: Too many open files" in srv.log.read_text(), 10, "EMFILE")
+        time.sleep(1.0)
+        assert srv.proc.poll() is None, srv.log.read_text()
+        for c in conns:
+            c.close()
+        conns.clear()
+        wait_for(lambda: srv.info() is not None, 30, "the server to answer again")
+        log = srv.log.read_text()
+        assert log.count("cannot accept connections") == 1 and "accepting connections again" in log, log
+    finally:
+        for c in conns:
+            c.close()
+        srv.stop()
+
+
+def test_ps_shows_the_staging_the_server_holds_by_its_owner_and_none_once_it_died(server, sim_app):
+    """F21 (issue 24): `gpucr ps` shows what the server holds of each process's staging, by the process's pid;
+    once the process has died, none."""
+    app = sim_app("--sizes", "8M")
+    assert gpucr_cli("checkpoint", str(app.pid)).returncode == 0
+    ps = gpucr_cli("ps").stdout
+    assert f"holds for process {app.pid}: 8 MiB of staging mapped, 8 MiB pinned" in ps, ps
+    app.close()
+    ps = gpucr_cli("ps").stdout
+    assert "holds no staging of any process" in ps and f"process {app.pid}" not in ps, ps
+
+
+@root_only
+def test_roots_server_holds_nothing_of_another_users_process_once_it_died(users):
+    """F21: root's server is asked to checkpoint another user's processes one after the other (on simcuda the
+    import of their memory fails: their simcuda is theirs alone); once each has died, the server holds no
+    staging of it, no fd more than after the one before, and `gpucr ps` says it holds nothing."""
+    from test_hostile_answers import Hostile, nfds
+    srv, after = RunningServer(True), []
+    try:
+        for _ in range(3):   # the first warms the server (its context's fds)
+            app = Hostile("memory", users["attacker"])
+            try:
+                gpucr_cli("checkpoint", "--level", "data", str(app.pid))
+            finally:
+                app.close()
+            ps = gpucr_cli("ps").stdout
+            assert "holds no staging of any process" in ps and f"process {app.pid}" not in ps, ps
+            assert srv.info()["staging"] == []
+            after.append(nfds(srv.pid))
+        assert after[2] <= after[1], f"the server's fds after each process: {after}"
+    finally:
+        srv.stop()
+
+
 # ---- one server, its socket and who may use it ----
 
 def test_a_second_server_exits_and_the_first_keeps_its_socket(server):
@@ -868,11 +1018,28 @@ def test_a_client_in_another_pid_namespace_is_refused(server, sim_app):
         pytest.skip(f"needs unshare to make a pid namespace here: {r.stderr.strip()}")
     reply = json.loads(r.stdout)
     assert reply["ok"] is False and reply["mismatch"] and "another pid or mount namespace" in reply["error"]
-    # gpucr itself there: one note, and it acts in-process
+    # gpucr itself there looks for its own namespace's server (F27), finds none, and acts in-process
     r = subprocess.run(["unshare", "-p", "-f", "--mount-proc", sys.executable, "-m", "gpucr.cli", "ps"],
                        capture_output=True, text=True, timeout=60)
-    assert r.returncode == 0, r.stderr
-    assert r.stderr.count("gpucr: note:") == 1 and "another pid or mount namespace" in r.stderr, r.stderr
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert "server: not running" in r.stdout, r.stdout
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root (unshare makes a pid namespace)")
+def test_pid_namespaces_sharing_a_runtime_dir_each_have_their_own_server(server):
+    """F27 (issue 24): a pid namespace sharing this runtime dir starts a server of its own, beside this one
+    (its own socket and log), and its clients find it, not the server of another namespace."""
+    py = f"{sys.executable} -m gpucr.cli"
+    inside = (f"{py} serve --simulate & S=$!; while kill -0 $S && ! {py} serve --status --simulate --json > st.json; "
+              f"do sleep 0.1; done; {py} serve --stop --simulate; wait")
+    r = subprocess.run(["unshare", "-p", "-f", "--mount-proc", "bash", "-c", inside], cwd=server.socket.parent,
+                       capture_output=True, text=True, timeout=120)
+    if r.returncode != 0 and "unshare" in r.stderr:
+        pytest.skip(f"needs unshare to make a pid namespace here: {r.stderr.strip()}")
+    theirs = json.loads((server.socket.parent / "st.json").read_text())
+    assert theirs["running"], r.stderr
+    assert theirs["socket"] != str(server.socket) and theirs["log"] != server.info()["log"]
+    assert server.info()["pid"] == server.pid and "already listens" not in r.stderr, r.stderr
 
 
 def test_garbage_and_bad_requests_are_answered_and_serving_goes_on(server, sim_app):

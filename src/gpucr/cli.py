@@ -459,8 +459,19 @@ def _server_lines() -> list[str]:
     from .server import client
     if not route.server_wanted():
         return ["server: not used (--no-server)"]
-    lines = [_server_line(info) for info in (client.info(False), client.info(True)) if info is not None]
+    lines = [line for info in (client.info(False), client.info(True)) if info is not None
+             for line in (_server_line(info), *_server_holdings(info))]
     return lines or ["server: not running (checkpoints run in-process)"]
+
+
+def _server_holdings(info: dict[str, Any]) -> list[str]:
+    """What a server holds of each process's staging (mapped and pinned in it), by the process that owns it;
+    staging the driver did not unpin (stuck) is named as such."""
+    held = info.get("staging") or []
+    lines = [f"  holds for process {h['pid']}: {_mib(h['mapped_bytes'])} of staging mapped, "
+             f"{_mib(h['pinned_bytes'])} pinned" + (" (STUCK: the driver did not unpin it; see its log)"
+                                                    if h["stuck"] else "") for h in held]
+    return lines or ["  holds no staging of any process"]
 
 
 def _server_line(info: dict[str, Any]) -> str:

@@ -34,6 +34,7 @@ from .results import (SCHEMA_VERSION, CheckpointResult, ProcessCheckpoint, Proce
 from .levels import LEVELS   # noqa: E402,F401 (coordinator.LEVELS, as before)
 from .server import memory as server_memory
 from .server.memory import Managed
+from .server.abandon import why_abandoned as abandoned
 
 if TYPE_CHECKING:
     from .server.mover import Mover, Stats as ServerStats
@@ -288,8 +289,17 @@ def _run_all(members: list[_Member], fn) -> list[tuple[_Member, BaseException]]:
     return [(m, f.exception()) for m, f in futures if f.exception() is not None]
 
 
+# The phases a request served by the gpucr server stops before once its client has gone away: those whose
+# failure is undone (a checkpoint rolled back, a restore not begun); never a commit or a restore half done.
+ABANDONABLE = frozenset({"prepare", "quiesce", "data out", "release", "driver lock", "driver checkpoint",
+                         "restore", "driver restore"})
+
+
 def _phase_failures(phase: str, members: list[_Member], fn) -> list[PhaseError]:
     """One phase across all processes: its failures as PhaseErrors (anything but a GpucrError is a bug: raised)."""
+    why = abandoned() if phase in ABANDONABLE else None
+    if why is not None:   # the server's client went away: this phase fails, and is undone as any failure here
+        return [PhaseError(m.pid, phase, GpucrError(why)) for m in members]
     failures = []
     for m, exc in _run_all(members, fn):
         if not isinstance(exc, GpucrError):

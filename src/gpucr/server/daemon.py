@@ -27,11 +27,13 @@ from ..agent import peer_credentials
 from ..driver import controller_driver, controller_simulated
 from ..errors import GpucrError
 from ..results import to_json
-from . import wire
+from . import abandon, wire
 from .mover import Mover
 
 ACCEPT_TICK_S = 0.5
 PIN_AHEAD_EVERY_S = 1.0   # how often staging prepared ahead by the processes is looked for (and pinned here)
+ACCEPT_STARVED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)   # accept waits these out
+ACCEPT_BACKOFF_S = 0.5   # the longest pause between tries to accept while out of fds
 REFUSED_READ_S = 2.0   # how long a refused peer's request is waited for, to answer it with why
 
 
@@ -99,6 +101,7 @@ class Server:
         self.me = wire.namespaces("self")
         self.sock: socket.socket | None = None
         self.ino = 0
+        self._starved_s = 0.0   # the pause between tries to accept while out of fds (0: not out of them)
         self._pin_ahead_said: dict[int, str] = {}   # pid -> why pinning ahead for it last failed, as logged
 
     # ---- the socket ----
@@ -159,10 +162,25 @@ class Server:
             except OSError as exc:
                 if exc.errno in (errno.EINTR, errno.ECONNABORTED):
                     continue
-                raise
+                if exc.errno not in ACCEPT_STARVED:
+                    raise
+                self._wait_out(exc)
+                continue
+            if self._starved_s:
+                log("accepting connections again")
+                self._starved_s = 0.0
             # (activity is a request answered, not a connection: `targets.list_sockets`, which the pin-ahead
             # loop runs every second, probes this very socket, and would keep an idle server up for ever)
             threading.Thread(target=self._connection, args=(conn,), daemon=True, name="gpucr-serve").start()
+
+    def _wait_out(self, exc: OSError) -> None:
+        """No fd (or memory) to accept a connection with: said once, then waited out with a growing pause,
+        up to ACCEPT_BACKOFF_S, while the clients wait in the listen backlog (requests in flight end and
+        free theirs)."""
+        if not self._starved_s:
+            log(f"cannot accept connections: {exc.strerror}; waiting until some are freed")
+        self._starved_s = min(max(2 * self._starved_s, 0.01), ACCEPT_BACKOFF_S)
+        self.stopping.wait(self._starved_s)
 
     def _idle_long_enough(self) -> bool:
         if self.idle_exit_s is None:
@@ -190,7 +208,9 @@ class Server:
             if req is None:
                 return
             conn.settimeout(None)
-            wire.send(conn, self._answer(req))
+            with abandon.serving(conn):   # its work stops at its next step if the client goes away
+                answer = self._answer(req)
+            wire.send(conn, answer)
         except Exception as exc:   # a bug must not look like the server dying: say it, keep serving
             if not isinstance(exc, (OSError, GpucrError)):
                 log("internal error:\n" + traceback.format_exc())

@@ -100,6 +100,8 @@ class Mover:
         self.links = Links(drv, self.vmm, enabled=routes)
         self._neighbours: set[int] = set()   # GPUs on which the server holds a context only to lend their link
         self._lock = threading.Lock()
+        self._holder = ""   # what holds the data plane's lock (said to a wait that gives up)
+        self.plane_wait_s = PLANE_WAIT_S
         self._wanting = threading.Lock()   # guards _wanted: copies waiting for or holding the data plane
         self._wanted = 0
         self._ordinals: dict[str, int] | None = None
@@ -135,13 +137,13 @@ class Mover:
 
     def forget(self, pid: int) -> None:
         """Unpin and unmap a process's staging (it ended, or its staging changed)."""
-        with self._plane():
+        with self._plane(f"letting go of process {pid}'s staging"):
             for o in [o for o in self._staging if o[0] == pid]:
                 self._forget(o)
 
     def forget_ended(self) -> None:
         """Let go of the staging of every process that has ended (a pid reused since is another process)."""
-        with self._plane():
+        with self._plane("letting go of ended processes' staging"):
             for o in [o for o in self._staging if process_ended(*o)]:
                 self._forget(o)
 
@@ -169,7 +171,7 @@ class Mover:
             time.sleep(0.02)
 
     def close(self) -> None:
-        with self._plane():
+        with self._plane("the server's stop"):
             for o in list(self._staging):
                 self._forget(o)
             for dev in list(self._ctx):
@@ -185,12 +187,14 @@ class Mover:
         """Every allocation of `layout` (the agent's, after a handover) copied from the GPU into its place in
         staging, through our fds of the memory (memory, by index). Raises GpucrError; nothing here changes the
         process, which the agent takes back on failure."""
-        return self._locked(lambda: self._move(owner(pid), layout, seg_fds, memory, out=True))[0]
+        return self._locked(f"the copy out of process {pid}",
+                            lambda: self._move(owner(pid), layout, seg_fds, memory, out=True))[0]
 
     def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed]) -> tuple[Stats, list[tuple[int, int]]]:
         """New memory for every allocation of `layout`, on its GPU, filled from staging; returns [(index, fd)]
         in index order (the caller hands the fds to the agent, then closes them)."""
-        return self._locked(lambda: self._move(owner(pid), layout, seg_fds, memory, out=False))
+        return self._locked(f"the fill of process {pid}",
+                            lambda: self._move(owner(pid), layout, seg_fds, memory, out=False))
 
     def pin_ahead(self, pid: int, layout: dict[str, Any], seg_fds: list[int], uuid: str) -> int:
         """Map and pin the staging a running process prepared ahead (`gpucr run --staging-ahead`), so its
@@ -211,7 +215,7 @@ class Mover:
         stale: list[Segment] = []
         work: list[tuple[Segment, int]] = []   # (segment, bytes pinned of it before)
         try:
-            with self._plane():
+            with self._plane(f"pinning process {pid}'s staging ahead"):
                 dev = self._ordinal(uuid)
                 self._neighbours.discard(dev)   # the staging is pinned in this context: never given back as a lender's
                 ctx = self._context(dev)[0]
@@ -252,19 +256,22 @@ class Mover:
                 self._wanted -= 1
 
     @contextmanager
-    def _plane(self, wait_s: float = PLANE_WAIT_S) -> Iterator[None]:
-        """The data plane's lock, waited for at most wait_s."""
-        if not self._lock.acquire(timeout=wait_s):
-            raise GpucrError(f"the gpucr server's data plane stayed busy for {wait_s:.0f} s (a copy stalled: a "
-                             "staging file on a stalled filesystem?); see the server's log, or retry with --no-server")
+    def _plane(self, holder: str) -> Iterator[None]:
+        """The data plane's lock, for `holder` (what it does, as said to whoever waits for it behind), waited
+        for at most plane_wait_s."""
+        if not self._lock.acquire(timeout=self.plane_wait_s):
+            raise GpucrError(f"the gpucr server's data plane stayed busy for {self.plane_wait_s:g} s, held by "
+                             f"{self._holder} (stalled: its staging file on a stalled filesystem?); see the "
+                             "server's log, or retry with --no-server")
+        self._holder = holder
         try:
             yield
         finally:
             self._lock.release()
 
-    def _locked(self, move):
+    def _locked(self, holder: str, move):
         t0 = time.perf_counter()
-        with self.wanted(), self._plane():
+        with self.wanted(), self._plane(holder):
             waited = time.perf_counter() - t0
             out = move()
         out[0].wait_s = waited
@@ -394,7 +401,7 @@ class Mover:
         process the server serves is on it since (its copies use that context, its staging may be pinned
         in it). Returns their UUIDs."""
         gone = []
-        with self._plane():
+        with self._plane("giving back a lent GPU's context"):
             uuids = self._uuids()
             for dev in sorted(self._neighbours):
                 nb = Neighbour(dev, uuids.get(dev, ""))
@@ -491,8 +498,8 @@ class Mover:
     def _settled(self, seg: Segment) -> None:
         """Until no pin ahead works on `seg` (it stops at the end of its piece: the caller wants the data plane)."""
         with self._idle:
-            if not self._idle.wait_for(lambda: not seg.busy, timeout=PLANE_WAIT_S):
-                raise GpucrError(f"pinning the process's staging ahead did not stop within {PLANE_WAIT_S:.0f} s")
+            if not self._idle.wait_for(lambda: not seg.busy, timeout=self.plane_wait_s):
+                raise GpucrError(f"pinning the process's staging ahead did not stop within {self.plane_wait_s:g} s")
 
     def _drop(self, who: Owner, seg: Segment) -> None:
         """Unpin and unmap `seg`, once a pin ahead that works on it has stopped, at the end of its piece. One the

@@ -2,7 +2,8 @@
 
 One connection carries one request: a JSON line from the client, a JSON line back. The socket lives in
 the user's private runtime dir (paths.RUNTIME_DIR_RULES: owned by the user, 0700, not a link), one per
-driver kind, so a simulated controller never talks to a server on the GPU's driver or the reverse.
+driver kind, so a simulated controller never talks to a server on the GPU's driver or the reverse, and
+one per pid namespace, since a request's pids mean what they mean in its client's namespace only.
 """
 from __future__ import annotations
 
@@ -24,12 +25,18 @@ REQUEST_IDLE_S = 30.0        # a connection that sends no whole request within t
 REQUEST_ENV = ("GPUCR_UNPIN_FOR_DRIVER", "GPUCR_TEST_KILL_AT", "GPUCR_TEST_KILL_TARGET")
 
 
+def _stem(simulated: bool) -> str:
+    """The server's name in the runtime dir: its driver kind and its pid namespace, as an agent's socket is
+    named by its namespace (paths.socket_name): pid namespaces that share a runtime dir each have a server."""
+    return f"server{'-sim' if simulated else ''}-{namespaces('self')[0]}"
+
+
 def socket_name(simulated: bool) -> str:
-    return "server-sim.sock" if simulated else "server.sock"
+    return _stem(simulated) + ".sock"
 
 
 def log_name(simulated: bool) -> str:
-    return "server-sim.log" if simulated else "server.log"
+    return _stem(simulated) + ".log"
 
 
 def code_identity() -> str:
