@@ -114,10 +114,12 @@ def test_refusals_come_back_as_the_same_one_line(server, sim_app):
     via = one_line_error(gpucr_cli("restore", str(app.pid)), "is not checkpointed")
     alone = one_line_error(gpucr_cli("restore", "--no-server", str(app.pid)), "is not checkpointed")
     assert via == alone
-    one_line_error(gpucr_cli("checkpoint", "999999999"), "no process with pid 999999999")
+    assert gpucr_cli("checkpoint", "--level", "data", str(app.pid)).returncode == 0
+    one_line_error(gpucr_cli("checkpoint", str(app.pid)), "is already checkpointed")
+    assert gpucr_cli("restore", str(app.pid)).returncode == 0
     log = server.log.read_text()   # and in the server's log, a line per request with its outcome
     assert re.search(rf"restore of process {app.pid}: refused: .*is not checkpointed.* in \d+\.\d{{3}} s", log), log
-    assert "checkpoint of process 999999999: refused: " in log, log
+    assert re.search(rf"checkpoint of process {app.pid}: refused: .*is already checkpointed", log), log
 
 
 def test_image_dirs_travel_as_absolute_paths(server, sim_app, tmp_path):

@@ -28,7 +28,7 @@ def test_the_agent_seals_its_staging_memfds_against_shrinking(sim_app, kind):
     """The target plays the attacker on its own staging: ftruncate to 0 is refused by the kernel, the data stays."""
     free = next(int(l.split()[1]) for l in open("/proc/meminfo") if l.startswith("HugePages_Free:"))
     if kind == "hugetlbfs" and free < 24:
-        pytest.skip("fewer than 24 free hugepages (echo 24 > /proc/sys/vm/nr_hugepages)")
+        pytest.skip("needs 24 free hugepages (as root: echo 24 > /proc/sys/vm/nr_hugepages)")
     app = sim_app("--sizes", "16M", env={**os.environ, "GPUCR_STAGING": kind})
     before = app.ask("digest")
     gpucr.checkpoint(app.pid)
