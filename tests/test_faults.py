@@ -295,7 +295,9 @@ def test_fifty_cycles_leak_nothing(sim_app):
     assert fds1 == fds0, "file descriptors leaked"
     assert maps1 <= maps0 + 4, "mappings leaked (a few may come and go with helper threads' stacks)"
     assert rss1 - rss0 < 8 * MiB, "host memory grew by more than 8 MiB"
-    assert gpu_memory(used0).used == dev0, "device memory leaked"
+    # through the module's long-lived server, which may meanwhile give back what earlier tests left it (a
+    # context): only growth is a leak
+    assert gpu_memory(used0).used <= dev0, "device memory leaked"
 
 
 def test_eight_processes_cycled_concurrently(sim_app):
