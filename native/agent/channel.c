@@ -167,13 +167,18 @@ static void devices_json(struct jb *j)
         const unsigned char *u = g_reg.ctxs[i].uuid;
         char uuid[48];
         reg_uuid_text(u, uuid);
-        size_t bytes = 0;
+        size_t bytes = 0, adopted = 0;
         for (struct phys *p = g_reg.all; p; p = p->next_all)
-            if (p->kind != PHYS_IMPORTED && p->prop.location.id == dev) bytes += p->size;
+            if (p->kind != PHYS_IMPORTED && p->prop.location.id == dev) {
+                bytes += p->size;
+                if (p->adopted && !p->released) adopted += p->size;
+            }
         jb_sub(j, NULL);
         jb_int(j, "ordinal", dev);
         jb_str(j, "uuid", uuid);
         jb_int(j, "vmm_bytes", (long long)bytes);
+        /* held now but made by the gpucr server: per-process counts leave it out, the controller adds it */
+        jb_int(j, "adopted_bytes", (long long)adopted);
         jb_int(j, "driver_bytes", (long long)(native_on(&g_reg.native_by_va, dev) + native_on(&g_reg.pool_by_va, dev)));
         jb_end(j);
     }

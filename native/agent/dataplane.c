@@ -434,13 +434,15 @@ static CUresult map_all(const struct phys *p, CUmemGenericAllocationHandle h)
     return CUDA_SUCCESS;
 }
 
-/* p's memory is back at its addresses as handle h, with `own` the agent's fd of it: recorded, and the
- * application holds as many references to the handle as before the checkpoint, no more and no fewer. */
-static void back_in_place(struct phys *p, CUmemGenericAllocationHandle h, int own, bool fd_wanted)
+/* p's memory is back at its addresses as handle h, with `own` the agent's fd of it (`adopted`: memory the
+ * gpucr server made): recorded, and the application holds as many references to the handle as before the
+ * checkpoint, no more and no fewer. */
+static void back_in_place(struct phys *p, CUmemGenericAllocationHandle h, int own, bool fd_wanted, bool adopted)
 {
     reg_lock();
     reg_set_real(p, h);
     share_adopt_own(p, own, fd_wanted);
+    p->adopted = adopted;
     int refs = p->app_refs;
     p->released = false;
     reg_unlock();
@@ -486,7 +488,7 @@ static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_id
             continue;
         }
         bool keep = alloc_keeps_fd(&p->prop);
-        back_in_place(p, h, keep ? share_export_own(h) : -1, keep);   /* the new memory's fd, as at its first allocation */
+        back_in_place(p, h, keep ? share_export_own(h) : -1, keep, false);   /* the new memory's fd, as at its first allocation */
         progress(0);
         if (ready_idle_ns && first == CUDA_SUCCESS && wait_ready(p, ready_idle_ns, err, errlen) != CUDA_SUCCESS) {
             first = CUDA_ERROR_NOT_READY;
@@ -873,7 +875,7 @@ static int take_back(char *err, size_t errlen)
             first = rc;
             continue;
         }
-        back_in_place(p, h, p->own_fd, true);   /* the same fd: the same memory */
+        back_in_place(p, h, p->own_fd, true, p->adopted);   /* the same fd: the same memory */
     }
     if (first != CUDA_SUCCESS) return -1;
     staging_rewind();
@@ -919,7 +921,7 @@ int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t
                    (unsigned long long)(p->maps ? p->maps->va : 0), p->size >> 20, gpucr_cu_errstr(rc));
             return -1;
         }
-        back_in_place(p, h, fcntl(fds[i], F_DUPFD_CLOEXEC, 3), alloc_keeps_fd(&p->prop));
+        back_in_place(p, h, fcntl(fds[i], F_DUPFD_CLOEXEC, 3), alloc_keeps_fd(&p->prop), true);
         i++;
         (*adopted)++;
         progress(p->size);

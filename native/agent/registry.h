@@ -51,6 +51,9 @@ struct phys {
     bool own_fd_missing;
     bool fd_type_added;         /* the agent added the POSIX-fd handle type the application did not ask for */
     struct mapping *maps;
+    /* its memory now was made by another process, the gpucr server, at a restore (dp_adopt): nvidia-smi
+     * counts it under that process while it holds a handle, then under none, never under this one */
+    bool adopted;
     CUdeviceptr resv_va;        /* PHYS_CONVERTED: the VA reservation the agent owns */
     bool pool_seg;              /* PHYS_CONVERTED: a segment of a stream-ordered pool (pool.c), not a plain allocation */
     size_t resv_size, user_size;
