@@ -19,7 +19,7 @@ import pytest
 
 import gpucr
 from gpucr import paths
-from gpucr.driver import ProcessState, gpu_memory, process_gpu_memory
+from gpucr.driver import ProcessState, gpu_memory, gpu_processes, process_gpu_memory
 from gpucr.server import client, wire
 from gpucr.workloads.runner import Workload
 
@@ -215,6 +215,43 @@ def test_server_that_gives_back_its_context_holds_nothing_between_cycles(sim_app
             assert app.ask("digest") == before
     finally:
         s.stop()
+
+
+def _others_bytes(*pids: int) -> int:
+    """GPU 0's memory held by processes other than these, as simcuda counts it per process."""
+    drv = sim_driver()
+    return sum(process_gpu_memory(drv, p, 0) for p in gpu_processes(drv, 0) if p not in pids)
+
+
+def test_memory_figures_add_up_through_the_server(server, sim_app):
+    """Issue 24, 3.6: the memory the server makes at a restore is the process's once it maps it, though per-process
+    counts (simcuda's, NVML's) list it under the server while it holds it and then under nobody. So the figures
+    a user reads must add up: before and after a checkpoint and a restore, what the process holds, what the server
+    holds itself and what every other process holds make the GPU's used memory, cycle after cycle; the server's
+    own memory is named apart, on the CLI's line too."""
+    app = sim_app("--sizes", "32M,4M")
+    before = app.ask("digest")
+    made = 0   # what the server made that the process holds: none before its first restore through it
+    for _ in range(2):
+        for verb in ("checkpoint", "restore"):
+            [g] = getattr(gpucr, verb)(app.pid).gpus
+            others = _others_bytes(app.pid, server.pid)
+            assert g.process_after_bytes + process_gpu_memory(sim_driver(), server.pid, 0) + others == \
+                g.gpu_used_after_bytes, g
+            assert g.process_before_bytes + g.server_before_bytes + others == g.gpu_used_before_bytes, g
+            assert g.server_after_bytes == server.info()["gpu_bytes"] == SIM_CONTEXT_BYTES, g
+            assert g.server_made_before_bytes == made, g
+            made = 36 << 20 if verb == "restore" else 0
+            assert g.server_made_after_bytes == made, g
+    assert app.ask("digest") == before
+    gpucr.checkpoint(app.pid)
+    r = gpucr_cli("restore", str(app.pid))
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"this process 0 MiB -> 100 MiB \(36 MiB of it re-made by gpucr's server\), "
+                     r"GPU used 64 MiB -> 164 MiB; gpucr server 64 MiB \(its context\)", r.stdout), r.stdout
+    out = json.loads(gpucr_cli("checkpoint", "--json", str(app.pid)).stdout)["processes"][0]["gpus"][0]
+    assert (out["process_before_bytes"], out["server_made_before_bytes"], out["server_after_bytes"]) == \
+        (100 << 20, 36 << 20, 64 << 20), out
 
 
 def test_a_context_given_back_is_waited_for_until_nvml_stops_counting_it(monkeypatch):

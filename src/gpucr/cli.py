@@ -120,9 +120,22 @@ def _fmt_phases(phases: dict[str, float]) -> str:
 
 
 def _fmt_gpus(changes: list[GpuMemoryChange]) -> str:
-    """Per GPU: this process's memory, and the whole GPU's, before -> after."""
-    return "; ".join(f"{g.uuid}: this process {_mib(g.process_before_bytes)} -> {_mib(g.process_after_bytes)}, "
-                     f"GPU used {_mib(g.gpu_used_before_bytes)} -> {_mib(g.gpu_used_after_bytes)}" for g in changes)
+    """Per GPU: this process's memory, and the whole GPU's, before -> after; the gpucr server's own apart."""
+    return "; ".join(f"{g.uuid}: this process {_fmt_held(g.process_before_bytes, g.server_made_before_bytes)} -> "
+                     f"{_fmt_held(g.process_after_bytes, g.server_made_after_bytes)}, "
+                     f"GPU used {_mib(g.gpu_used_before_bytes)} -> {_mib(g.gpu_used_after_bytes)}"
+                     f"{_fmt_server(g.server_before_bytes, g.server_after_bytes)}" for g in changes)
+
+
+def _fmt_held(process: int | None, server_made: int) -> str:
+    # nvidia-smi lists what the server made under no process: said, so that its figure can be matched
+    return _mib(process) + (f" ({_mib(server_made)} of it re-made by gpucr's server)" if server_made else "")
+
+
+def _fmt_server(before: int | None, after: int | None) -> str:
+    if after is None:
+        return ""   # not through a server
+    return f"; gpucr server {_mib(after) if before == after else f'{_mib(before)} -> {_mib(after)}'} (its context)"
 
 
 def _fmt_image(im: ImageTransfer, verb: str) -> str:

@@ -147,15 +147,26 @@ def status(pid: int) -> ProcessStatus:
     it holds on each of its GPUs."""
     t = targets.resolve(pid)
     st = _status(t)
-    return shape.process_status(st, _usage(t.pid, [d["uuid"] for d in st.get("devices", [])]))
+    return shape.process_status(st, _usage(t.pid, [d["uuid"] for d in st.get("devices", [])], st))
 
 
-def _usage(pid: int, uuids: list[str]) -> dict[str, gpus.Usage]:
-    """These GPUs' memory now, with this process's part (read at a result's edges, never inside a phase)."""
+def _usage(pid: int, uuids: list[str], status: dict[str, Any], mover: Mover | None = None) -> dict[str, gpus.Usage]:
+    """These GPUs' memory now, with this process's part (its agent's `status` says what of it the gpucr server
+    made) and, through the server (`mover`), the server's own; read at a result's edges, never inside a phase."""
     if not uuids:
         return {}
     drv = controller_driver()
-    return gpus.usage(drv, pid, uuids, gpus.machine_gpus(drv))
+    made = {d["uuid"]: int(d.get("adopted_bytes", 0)) for d in status.get("devices", [])}
+    return gpus.usage(drv, pid, uuids, gpus.machine_gpus(drv), made, os.getpid() if mover is not None else None)
+
+
+def _usage_at_end(m: _Member, mover: Mover | None) -> dict[str, gpus.Usage]:
+    """m's GPUs' memory once its checkpoint or restore is done: its agent says again what the server made."""
+    try:
+        st = m.agent.call("status", timeout=10.0)
+    except GpucrError:
+        st = {}   # it ended meanwhile, holding nothing; the request is done and is not failed for a figure
+    return _usage(m.pid, m.uuids(), st, mover)
 
 
 def _status(t: targets.Target) -> dict[str, Any]:
@@ -650,7 +661,7 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
             members.append(_vet_for_checkpoint(pid, Path(img) if img is not None else None, timeout))
         _check_sharing(members, timeout)
         for m in members:
-            m.gpu_before = _usage(m.pid, m.uuids())
+            m.gpu_before = _usage(m.pid, m.uuids(), m.status, mover)
         t0 = _lap(members, "vet", t0)
         try:
             _each("prepare", members, lambda m: _prepare(m, timeout))
@@ -683,7 +694,7 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
         t0 = _lap(members, "commit", t0)
         if mover is not None:
             mover.settle()   # the server's context given back first, when it does not keep it
-        changes = [shape.gpu_changes(m.gpu_before, _usage(m.pid, m.uuids())) for m in members]
+        changes = [shape.gpu_changes(m.gpu_before, _usage_at_end(m, mover)) for m in members]
         _lap(members, "settle", t0)
         return CheckpointResult(SCHEMA_VERSION, "checkpoint", [shape.checkpoint(m.result, c) for m, c in zip(members, changes)])
     finally:
@@ -1117,7 +1128,7 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
             members.append(_vet_for_restore(pid, Path(img) if img is not None else None, force, gpu_map or {}))
         _check_room(members)
         for m in members:
-            m.gpu_before = _usage(m.pid, m.uuids())
+            m.gpu_before = _usage(m.pid, m.uuids(), m.status, mover)
         _lap(members, "vet", t0)
         failed: dict[int, PhaseError] = {}
 
@@ -1145,7 +1156,7 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
             m.result["state"] = "running"
         if mover is not None:
             mover.settle()
-        changes = [shape.gpu_changes(m.gpu_before, _usage(m.pid, m.uuids())) for m in members]
+        changes = [shape.gpu_changes(m.gpu_before, _usage_at_end(m, mover)) for m in members]
         _lap(members, "settle", t0)
         return RestoreResult(SCHEMA_VERSION, "restore", [
             shape.restore(m.result, c, m.gpu_moves, str(m.image_dir) if m.image_dir is not None else None)

@@ -157,21 +157,30 @@ def memory_of(drv: Driver, uuid: str, machine: list[Gpu]) -> GpuMemory | None:
 
 @dataclass(frozen=True)
 class Usage:
-    """One GPU's memory at one moment: one process's part of it, and the whole GPU's."""
+    """One GPU's memory at one moment: one process's part of it, the gpucr server's own, and the whole GPU's."""
     uuid: str
     name: str
-    process: int | None   # bytes the process holds on it (None: cannot be read)
+    process: int | None   # bytes the process holds on it, server_made included (None: cannot be read)
+    server_made: int      # of those, bytes the gpucr server made for it at a restore (see usage)
+    server: int | None    # bytes the gpucr server holds on it itself (None: not read through a server)
     used: int | None      # bytes every process holds on it
     total: int | None
 
 
-def usage(drv: Driver, pid: int, uuids: list[str], machine: list[Gpu]) -> dict[str, Usage]:
-    """Each of these GPUs' memory now, with process `pid`'s own part (process_gpu_memory)."""
+def usage(drv: Driver, pid: int, uuids: list[str], machine: list[Gpu], server_made: dict[str, int] | None = None,
+          server_pid: int | None = None) -> dict[str, Usage]:
+    """Each of these GPUs' memory now, with process `pid`'s own part and, given `server_pid`, the gpucr server's.
+    `server_made` {uuid: bytes}: memory the server made at a restore and the process maps now (the agent's count).
+    Per-process counts charge memory to the process that made it, while it holds it, and then to nobody (simcuda
+    does; so does NVML, measured on the H200), so the process's own count leaves that memory out: it is added."""
     here = {g.uuid: g for g in machine}
     out = {}
     for uuid in uuids:
         g = here.get(uuid)
         mem = gpu_memory(drv, g.ordinal, uuid) if g else None
-        out[uuid] = Usage(uuid, g.name if g else "unknown", process_gpu_memory(drv, pid, g.ordinal, uuid) if g else None,
+        own = process_gpu_memory(drv, pid, g.ordinal, uuid) if g else None
+        made = (server_made or {}).get(uuid, 0)
+        server = process_gpu_memory(drv, server_pid, g.ordinal, uuid) if g and server_pid is not None else None
+        out[uuid] = Usage(uuid, g.name if g else "unknown", None if own is None else own + made, made, server,
                           mem.used if mem else None, mem.total if mem else None)
     return out

@@ -23,14 +23,19 @@ SCHEMA_VERSION = 1
 
 @dataclass
 class GpuMemoryChange:
-    """One GPU around a checkpoint or a restore: what this process held on it, and the whole GPU."""
+    """One GPU around a checkpoint or a restore: what this process held on it, what the gpucr server held
+    itself, and the whole GPU. The process's, the server's and every other process's add up to the GPU's used."""
     uuid: str
     name: str
-    process_before_bytes: int | None   # this process's device memory on this GPU, as nvidia-smi lists it per process
-    process_after_bytes: int | None
+    process_before_bytes: int | None   # this process's device memory on this GPU: nvidia-smi's figure for it plus
+    process_after_bytes: int | None    # server_made_*_bytes, which nvidia-smi lists under no process
     gpu_used_before_bytes: int | None  # the whole GPU's used memory, every process's (nvidia-smi's Memory-Usage)
     gpu_used_after_bytes: int | None
     gpu_total_bytes: int | None
+    server_made_before_bytes: int = 0  # of process_*_bytes: memory the gpucr server made for it at a restore
+    server_made_after_bytes: int = 0
+    server_before_bytes: int | None = None   # the gpucr server's own memory on this GPU (its context); null when
+    server_after_bytes: int | None = None    # the request did not go through a server
 
 
 @dataclass
@@ -41,7 +46,7 @@ class GpuStatus:
     name: str
     vmm_bytes: int                    # gpucr-tracked memory (moved by gpucr) on it
     driver_bytes: int                 # plain and pool allocations on it (left to the driver's checkpoint)
-    process_bytes: int | None         # this process's device memory on it, as nvidia-smi lists it per process
+    process_bytes: int | None         # this process's device memory on it (what the gpucr server made for it included)
     gpu_used_bytes: int | None        # the whole GPU's used memory, every process's
     gpu_total_bytes: int | None
 

@@ -26,7 +26,11 @@ def gpu_changes(before: dict[str, gpus.Usage], after: dict[str, gpus.Usage]) -> 
         out.append(GpuMemoryChange(uuid=uuid, name=name, process_before_bytes=b.process if b else None,
                                    process_after_bytes=a.process if a else None,
                                    gpu_used_before_bytes=b.used if b else None,
-                                   gpu_used_after_bytes=a.used if a else None, gpu_total_bytes=total))
+                                   gpu_used_after_bytes=a.used if a else None, gpu_total_bytes=total,
+                                   server_made_before_bytes=b.server_made if b else 0,
+                                   server_made_after_bytes=a.server_made if a else 0,
+                                   server_before_bytes=b.server if b else None,
+                                   server_after_bytes=a.server if a else None))
     return out
 
 
