@@ -243,6 +243,7 @@ def test_memory_figures_add_up_through_the_server(server, sim_app):
             assert g.server_made_before_bytes == made, g
             made = 36 << 20 if verb == "restore" else 0
             assert g.server_made_after_bytes == made, g
+    assert gpucr.status(app.pid).gpus[0].process_bytes == g.process_after_bytes   # gpucr status counts it too
     assert app.ask("digest") == before
     gpucr.checkpoint(app.pid)
     r = gpucr_cli("restore", str(app.pid))
