@@ -37,7 +37,7 @@
 #define GPUCR_EXPORT __attribute__((visibility("default")))
 
 /* ---- entry table (entry.c) ---- */
-enum gpucr_entry_kind { GATED, CUSTOM };
+enum gpucr_entry_kind { GATED, QUERY, CUSTOM };
 enum gpucr_entry_id {
 #define E(kind, sym, base, ver, pt, params, args) ENTRY_##sym,
 #include "entrypoints.def"
@@ -120,6 +120,12 @@ void gpucr_gate_leave(void);
 /* Close the gate and wait for calls in flight; false (gate reopened) if they do not drain in time. */
 bool gpucr_gate_close(int64_t deadline_ns, long *in_flight_left);
 void gpucr_gate_open(void);
+/* A query's way through: false when it is to call the driver (the gate then held, leave it after), true
+ * when it is answered "complete" without the driver: the gate is closed and the checkpoint settled. It
+ * waits while the gate is closed and not yet settled. */
+bool gpucr_gate_query(void);
+/* The closed gate's calls drained and the device synchronised: queries are answered from here to open. */
+void gpucr_gate_settle(void);
 bool gpucr_gate_is_closed(void);
 void gpucr_gate_reset_after_fork(void);
 

@@ -602,6 +602,7 @@ int dp_quiesce(int timeout_ms, char *err, size_t errlen)
             seterr(err, errlen, "synchronising the device failed: %s; checkpoint refused", serr);
         return -1;
     }
+    gpucr_gate_settle();          /* nothing of the application's is pending on the GPU now */
     pool_trim_for_checkpoint();   /* free pool blocks go back now: only memory in use is moved */
     if (saved) gpucr_use_ctx(saved);
     g_dp.pending = t;

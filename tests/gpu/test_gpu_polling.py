@@ -53,3 +53,31 @@ def test_threads_polling_the_gpu_live_through_ten_cycles(gpu_server, level):
         out = app.ask("poll stop")
         assert out["errors"] == [] and min(out["counts"].values()) > 0, out
     assert gpu_server.requests() >= 2 * CYCLES, "the cycles went through the server"
+
+
+# their calls drop Python's GIL while they wait (torch.cuda.synchronize, ctypes), or are answered by the agent
+# once the checkpoint settled (Event.query and Stream.query, which keep the GIL); an Event.record, which keeps
+# the GIL too and must wait for the gate, would hold every Python thread of the process until the restore
+NOT_HOLDING_THE_GIL = "event-query,stream-query,synchronize,ctx-synchronize"
+
+
+def test_a_parked_app_whose_threads_poll_keeps_answering(gpu_server):
+    """While parked, an app whose threads poll the GPU still runs its other Python threads (here the one
+    answering commands), and its queries are answered; after the restore its data is intact."""
+    with Workload("torch_app", "--gib", "1") as app:
+        before = app.ask("digest")
+        app.ask(f"poll start 5 {NOT_HOLDING_THE_GIL}")
+        for i in range(3):
+            r = gpucr_cli("checkpoint", str(app.pid), timeout=300)
+            assert r.returncode == 0, f"cycle {i}: {r.stderr}"
+            first = app.ask("poll counts", timeout=15)   # the main thread gets the GIL while parked
+            time.sleep(0.5)
+            second = app.ask("poll counts", timeout=15)
+            assert second["errors"] == [], second
+            for f in ("event-query", "stream-query"):
+                assert second["counts"][f] > first["counts"][f], f"cycle {i}: {f} not answered while parked: {second}"
+            r = gpucr_cli("restore", str(app.pid), timeout=300)
+            assert r.returncode == 0, f"cycle {i}: {r.stderr}"
+            assert app.ask("digest") == before, f"cycle {i}: bytes differ"
+        out = app.ask("poll stop")
+        assert out["errors"] == [], out

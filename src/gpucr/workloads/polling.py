@@ -35,13 +35,18 @@ class Pollers:
             self.errors.append(f"{family}: {type(exc).__name__}: {exc}")
 
     def command(self, words: list[str]) -> dict:
-        """poll start [MS] | poll counts | poll stop"""
+        """poll start [MS [FAMILY,...]] | poll counts | poll stop"""
         if words[0] == "start":
             every_s = (float(words[1]) if len(words) > 1 else self.DEFAULT_MS) / 1e3
-            self.threads = [threading.Thread(target=self._run, args=(f, every_s), daemon=True) for f in self.FAMILIES]
+            families = words[2].split(",") if len(words) > 2 else list(self.FAMILIES)
+            unknown = set(families) - set(self.FAMILIES)
+            if unknown:
+                raise ValueError(f"no such family of calls: {', '.join(sorted(unknown))} (known: {', '.join(self.FAMILIES)})")
+            self.counts = dict.fromkeys(families, 0)
+            self.threads = [threading.Thread(target=self._run, args=(f, every_s), daemon=True) for f in families]
             for t in self.threads:
                 t.start()
-            return {"started": list(self.FAMILIES)}
+            return {"started": families}
         if words[0] == "stop":
             self.stop_flag.set()
             for t in self.threads:
