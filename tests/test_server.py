@@ -1028,9 +1028,9 @@ def test_a_client_in_another_pid_namespace_is_refused(server, sim_app):
 
 
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root (unshare makes a namespace)")
-@pytest.mark.parametrize("unshare", [["-p", "-f", "--mount-proc"]], ids=["pid-and-mount"])
+@pytest.mark.parametrize("unshare", [["-p", "-f", "--mount-proc"], ["-m"]], ids=["pid-and-mount", "mount-only"])
 def test_namespaces_sharing_a_runtime_dir_each_have_their_own_server(server, unshare):
-    """F27 (issue 24): a pid namespace sharing this runtime dir starts a server of its own, beside this
+    """F27 (issue 24): a pid or mount namespace sharing this runtime dir starts a server of its own, beside this
     one (its own socket and log), and its clients find it. No one knocks on the other namespace's server: while
     both run, neither logs a refusal, though each one's pin-ahead loop lists the runtime dir every second, as
     `gpucr ps` does."""
