@@ -219,6 +219,13 @@ def _listener_gone(path: Path) -> bool:
     return False
 
 
+def _process_socket(name: str) -> bool:
+    """A socket that a process under gpucr makes: its agent's (paths.socket_name) or its app-join one
+    (<pid>.app.sock). Any other, a server's among them, is not probed here: a server takes over a dead one's
+    name itself, and one of another namespace refuses the knock (and logs it, each time this runs)."""
+    return name.endswith(".sock") and (paths.parse_socket_name(name) is not None or name.split(".")[0].isdigit())
+
+
 def _own_live_pid(name: str) -> bool:
     """A socket named after a live process of this namespace, other than an agent's (an app-join socket)."""
     head = name.split(".")[0]
@@ -269,7 +276,7 @@ def list_sockets() -> list[tuple[int, Path]]:
                 found.append((pid, rdir / name))
             elif name.endswith(STAGING_ENTRY):
                 _reap_staging_entry(rdir / name)
-            elif name.endswith(".sock") and not _own_live_pid(name) and _listener_gone(rdir / name):
+            elif _process_socket(name) and not _own_live_pid(name) and _listener_gone(rdir / name):
                 try:
                     (rdir / name).unlink()   # left by a process that was killed (agent or app-join socket)
                 except OSError:

@@ -6,6 +6,7 @@ user's (checked before a byte is sent).
 """
 from __future__ import annotations
 
+import errno
 import os
 import select
 import socket
@@ -54,10 +55,14 @@ class Connection:
         self.path = path
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.sock.settimeout(5.0)
+        ino = 0
         try:
+            ino = os.lstat(path).st_ino   # the very socket that refuses, if it does
             self.sock.connect(str(path))
         except OSError as exc:
             self.sock.close()
+            if exc.errno == errno.ECONNREFUSED:
+                _remove_dead(path, ino)
             raise Unavailable(f"the gpucr server is not running ({path.name}: {exc.strerror})") from exc
         self.pid, uid, _ = peer_credentials(self.sock)
         why = None
@@ -115,6 +120,17 @@ class Connection:
         return reply.get("result")
 
 
+def _remove_dead(path: Path, ino: int) -> None:
+    """Remove the socket a killed server left, so that the next request goes in-process without a note.
+    Only this very socket: nothing listens on it (a server listens before it takes its name), and one that
+    a new server put in its place meanwhile is left alone."""
+    try:
+        if os.lstat(path).st_ino == ino:
+            path.unlink()
+    except OSError:
+        pass
+
+
 def _same_namespaces(pid: int) -> bool:
     """Whether the server (pid as the kernel shows it here; 0: in a pid namespace we cannot see) shares
     this process's pid and mount namespaces (the server checks the same of its clients)."""
@@ -144,7 +160,7 @@ def info(simulated: bool) -> dict[str, Any] | None:
 
 def start(simulated: bool, idle_exit_s: float | None = AUTO_IDLE_EXIT_S, wait_s: float = START_WAIT_S) -> None:
     """Start a server in the background, detached (its own session, reparented to init: never the
-    caller's child), logging to server[-sim].log in the runtime dir, and wait until it answers, so the
+    caller's child), logging to its log in the runtime dir (wire.log_name), and wait until it answers, so the
     first checkpoint goes through it; GpucrError when it dies first (its log's last line says why) or
     does not answer within `wait_s`. A second server started at the same time exits, leaving the first."""
     d = wire.make_dir()

@@ -107,8 +107,10 @@ class Server:
     # ---- the socket ----
 
     def bind(self) -> None:
-        """Bind under a temporary name, then link it to the server's name, which fails if one is there:
-        a live server's socket is never replaced (a second server exits), a dead one's is."""
+        """Bind and listen under a temporary name, then link it to the server's name, which fails if one is
+        there: a live server's socket is never replaced (a second server exits), a dead one's is. Listening
+        first, a socket under the name refuses a connection only when its server is gone (a client then
+        removes it, client.Connection)."""
         tmp = self.dir / f".server-{os.getpid()}.tmp"
         s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
@@ -118,6 +120,7 @@ class Server:
         finally:
             os.umask(old)
         try:
+            s.listen(64)
             for _ in range(3):
                 try:
                     os.link(tmp, self.path)
@@ -133,7 +136,6 @@ class Server:
             _unlink_quiet(tmp)
             raise
         _unlink_quiet(tmp)
-        s.listen(64)
         s.settimeout(ACCEPT_TICK_S)
         self.sock, self.ino = s, os.lstat(self.path).st_ino
 
@@ -169,8 +171,8 @@ class Server:
             if self._starved_s:
                 log("accepting connections again")
                 self._starved_s = 0.0
-            # (activity is a request answered, not a connection: `targets.list_sockets`, which the pin-ahead
-            # loop runs every second, probes this very socket, and would keep an idle server up for ever)
+            # (activity is a request answered, not a connection: a knock that asks nothing, as a starting
+            # server's look for a live one is, does not keep an idle server up)
             threading.Thread(target=self._connection, args=(conn,), daemon=True, name="gpucr-serve").start()
 
     def _wait_out(self, exc: OSError) -> None:

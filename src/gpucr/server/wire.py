@@ -3,7 +3,8 @@
 One connection carries one request: a JSON line from the client, a JSON line back. The socket lives in
 the user's private runtime dir (paths.RUNTIME_DIR_RULES: owned by the user, 0700, not a link), one per
 driver kind, so a simulated controller never talks to a server on the GPU's driver or the reverse, and
-one per pid namespace, since a request's pids mean what they mean in its client's namespace only.
+one per pid and mount namespace, since a request's pids and paths mean what they mean in its client's
+namespaces only.
 """
 from __future__ import annotations
 
@@ -26,9 +27,11 @@ REQUEST_ENV = ("GPUCR_UNPIN_FOR_DRIVER", "GPUCR_TEST_KILL_AT", "GPUCR_TEST_KILL_
 
 
 def _stem(simulated: bool) -> str:
-    """The server's name in the runtime dir: its driver kind and its pid namespace, as an agent's socket is
-    named by its namespace (paths.socket_name): pid namespaces that share a runtime dir each have a server."""
-    return f"server{'-sim' if simulated else ''}-{namespaces('self')[0]}"
+    """The server's name in the runtime dir: its driver kind and the namespaces it serves (the pid and mount
+    namespaces a client must share with it, daemon.Server._peer_problem): each pair of namespaces that
+    shares a runtime dir has a server, and a client never finds another pair's."""
+    pidns, mntns = namespaces("self")
+    return f"server{'-sim' if simulated else ''}-{pidns}-{mntns}"
 
 
 def socket_name(simulated: bool) -> str:
