@@ -942,6 +942,35 @@ def test_a_request_whose_client_went_away_stops_at_its_next_step(server):
         app.close()
 
 
+def _socket_at(fd: int, sock: socket.socket) -> socket.socket:
+    """`sock` on fd `fd` too (the open-file limit raised that far if needed), as a server with that many fds
+    open holds its connections."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft <= fd:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (fd + 1, hard))
+    os.dup2(sock.fileno(), fd)
+    return socket.socket(fileno=fd)
+
+
+def test_a_live_client_on_an_fd_past_1023_is_not_taken_for_gone():
+    """A server with over a thousand fds open (a thousand requests, or staging fds) serves connections on fds
+    past 1023, where select() cannot look: such a client, still waiting, is not taken for gone; once it
+    closes its end, it is."""
+    from gpucr.server import abandon
+    server_end, client_end = socket.socketpair()
+    conn = _socket_at(1100, server_end)
+    server_end.close()
+    try:
+        with abandon.serving(conn):
+            assert not abandon.client_gone(conn) and abandon.why_abandoned() is None
+            client_end.close()
+            assert abandon.client_gone(conn) and "client went away" in abandon.why_abandoned()
+    finally:
+        client_end.close()
+        conn.close()
+
+
 SERVER_FDS = 64   # the open-file limit of the server out of fds below
 
 
