@@ -418,6 +418,50 @@ def test_a_wait_for_the_data_plane_gives_up_at_its_deadline_naming_its_holder():
         mover.close()
 
 
+def test_staging_let_go_while_a_pin_ahead_stalls_stays_accounted(tmp_path, monkeypatch):
+    """A process's staging let go while pinning it ahead stalls in the driver: the wait for that pin ahead
+    gives up at its deadline (one deadline for all its segments), and every segment the server cannot unpin
+    then is kept among the stuck, shown with what is pinned of it; none is left mapped and pinned unseen."""
+    import threading
+    from gpucr.server import pinned
+    from gpucr.server.mover import Mover, owner
+    monkeypatch.setattr(pinned, "PIN_PIECE", 1 << 20)
+    mover = Mover(sim_driver())
+    mover.plane_wait_s = 1.0
+    uuid = next(iter(mover.vmm.device_by_uuid()))
+    fds = []
+    for name in ("a", "b"):
+        (tmp_path / name).write_bytes(b"\0" * (4 << 20))
+        fds.append(os.open(tmp_path / name, os.O_RDWR))
+    stalled, go = threading.Event(), threading.Event()
+    real_pin = mover.vmm.pin
+
+    def pin(addr: int, size: int) -> None:
+        real_pin(addr, size)
+        stalled.set()
+        assert go.wait(30)
+    monkeypatch.setattr(mover.vmm, "pin", pin)
+    layout = {"segments": [{"index": 0, "bytes": 4 << 20}, {"index": 1, "bytes": 4 << 20}], "allocations": []}
+    ahead = threading.Thread(target=mover.pin_ahead, args=(os.getpid(), layout, fds, uuid))
+    try:
+        ahead.start()
+        assert stalled.wait(10)
+        t0 = time.monotonic()
+        mover.forget(os.getpid())
+        assert time.monotonic() - t0 < 2 * mover.plane_wait_s, "one deadline for the process, not one per segment"
+        held = [(h["pid"], h["start_time"], h["mapped_bytes"], h["stuck"]) for h in mover.holdings()]
+        assert held == [(*owner(os.getpid()), 8 << 20, True)], held
+        go.set()   # the stalled piece ends: it stays counted, the pin ahead pins no more of either
+        ahead.join(10)
+        assert [h["pinned_bytes"] for h in mover.holdings()] == [1 << 20] and mover.pinned_bytes() == 1 << 20
+    finally:
+        go.set()
+        ahead.join(10)
+        for fd in fds:
+            os.close(fd)
+        mover.close()
+
+
 def _exported_memory(vmm, dev: int, uuid: str, sizes: list[int]) -> tuple[list, list[bytes]]:
     """Device memory of `sizes` on simcuda, each filled with its own bytes and exported: [Managed] with our
     fd of each (what the agent hands the server at a checkpoint), and the bytes."""
