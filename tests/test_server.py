@@ -462,6 +462,51 @@ def test_staging_let_go_while_a_pin_ahead_stalls_stays_accounted(tmp_path, monke
         mover.close()
 
 
+def test_a_look_at_the_server_answers_at_once_while_a_copy_holds_the_data_plane(tmp_path):
+    """`hello` (what ps, status and gpucr run ask first, 10 s at most) answers at once while a long copy holds
+    the data plane: it lets go of ended processes' staging only when the plane is free. Meanwhile it shows
+    the staging of a process that ended as still held (it is), and once the copy is done, none."""
+    import threading
+    from gpucr.server.daemon import Server
+    from gpucr.server.mover import Mover
+    srv = Server()
+    srv._mover = mover = Mover(sim_driver())
+    uuid = next(iter(mover.vmm.device_by_uuid()))
+    (tmp_path / "seg").write_bytes(b"\0" * (4 << 20))
+    fd = os.open(tmp_path / "seg", os.O_RDWR)
+    ended = subprocess.Popen(["sleep", "60"])
+    held, done = threading.Event(), threading.Event()
+
+    def long_copy() -> None:
+        with mover._plane("the copy out of process 4242"):
+            held.set()
+            done.wait(60)
+    copier = threading.Thread(target=long_copy)
+    try:
+        assert mover.pin_ahead(ended.pid, {"segments": [{"index": 0, "bytes": 4 << 20}], "allocations": []},
+                               [fd], uuid) == 4 << 20
+        ended.kill()
+        ended.wait()
+        copier.start()
+        assert held.wait(10)
+        answers: list[dict] = []
+        look = threading.Thread(target=lambda: answers.append(srv.info()), daemon=True)
+        look.start()
+        look.join(3.0)
+        assert answers, "hello waited for the data plane"
+        assert [(h["pid"], h["pinned_bytes"]) for h in answers[0]["staging"]] == [(ended.pid, 4 << 20)]
+        done.set()
+        copier.join(10)
+        assert srv.info()["staging"] == [] and mover.pinned_bytes() == 0
+    finally:
+        done.set()
+        if copier.is_alive():
+            copier.join(10)
+        ended.kill()
+        os.close(fd)
+        mover.close()
+
+
 def _exported_memory(vmm, dev: int, uuid: str, sizes: list[int]) -> tuple[list, list[bytes]]:
     """Device memory of `sizes` on simcuda, each filled with its own bytes and exported: [Managed] with our
     fd of each (what the agent hands the server at a checkpoint), and the bytes."""

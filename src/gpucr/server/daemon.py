@@ -352,7 +352,7 @@ class Server:
             busy, served = self.in_flight, self.requests
         mover = self._mover
         if mover is not None:
-            mover.forget_ended()   # what it says it holds is of live processes only
+            mover.forget_ended_if_free()   # what it says it holds is of live processes, unless a copy is under way
         return {"server": "gpucr", "protocol": wire.PROTOCOL, "code": wire.code_identity(), "pid": os.getpid(),
                 "data_plane": self.use_data_plane, "keep_context": self.keep_context, "routes": self.routes,
                 "contexts": mover.context_uuids() if mover else [],

@@ -144,8 +144,19 @@ class Mover:
     def forget_ended(self) -> None:
         """Let go of the staging of every process that has ended (a pid reused since is another process)."""
         with self._plane("letting go of ended processes' staging"):
-            for o in [o for o in self._staging if process_ended(*o)]:
-                self._forget(o)
+            self._forget_ended()
+
+    def forget_ended_if_free(self) -> None:
+        """forget_ended if the data plane is free now, else left for a later time: a look at the server (hello)
+        must answer at once, also beside a long copy (waiting for it, hello outlived its client's 10 s, and
+        the server was said to be not running)."""
+        if self._lock.acquire(blocking=False):
+            with self._held("letting go of ended processes' staging"):
+                self._forget_ended()
+
+    def _forget_ended(self) -> None:
+        for o in [o for o in self._staging if process_ended(*o)]:
+            self._forget(o)
 
     def settle(self) -> None:
         """A request's copies are done: give back what the server holds on the GPUs unless it keeps its
@@ -263,6 +274,12 @@ class Mover:
             raise GpucrError(f"the gpucr server's data plane stayed busy for {self.plane_wait_s:g} s, held by "
                              f"{self._holder} (stalled: its staging file on a stalled filesystem?); see the "
                              "server's log, or retry with --no-server")
+        with self._held(holder):
+            yield
+
+    @contextmanager
+    def _held(self, holder: str) -> Iterator[None]:
+        """The data plane's lock, just taken, held for `holder`, and released at the end."""
         self._holder = holder
         try:
             yield
