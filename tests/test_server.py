@@ -507,6 +507,43 @@ def test_a_look_at_the_server_answers_at_once_while_a_copy_holds_the_data_plane(
         mover.close()
 
 
+def test_the_pin_ahead_loop_outlives_a_failing_round(monkeypatch):
+    """F22 for the whole round, not only one process's pin ahead: the data plane's clean-up (its wait for the
+    plane may give up) or the giving back of a lent GPU's context failing ends nothing; each reason is logged
+    once, and the loop goes on pinning ahead."""
+    import threading
+    from gpucr.errors import GpucrError
+    from gpucr.server import daemon
+    from gpucr.server.mover import Mover
+    monkeypatch.setattr(daemon, "PIN_AHEAD_EVERY_S", 0.02)
+    said: list[str] = []
+    monkeypatch.setattr(daemon, "log", said.append)
+    srv = daemon.Server()
+    srv._mover = mover = Mover(sim_driver())
+    calls = {"forget_ended": 0, "let_go_busy_neighbours": 0}
+
+    def failing_3_times(name: str, then):
+        def call():
+            calls[name] += 1
+            if calls[name] <= 3:
+                raise GpucrError(f"{name} failed")
+            return then()
+        return call
+    for name in calls:
+        monkeypatch.setattr(mover, name, failing_3_times(name, getattr(mover, name)))
+    loop = threading.Thread(target=srv.pin_ahead_loop, daemon=True)
+    loop.start()
+    try:
+        wait_for(lambda: calls["let_go_busy_neighbours"] >= 8, 10, "rounds after the failing ones")
+        assert loop.is_alive()
+        failed = [line for line in said if "pinning ahead failed" in line]
+        assert len(failed) == 2 and "forget_ended failed" in failed[0] and "let_go_busy_neighbours failed" in failed[1], said
+    finally:
+        srv.stopping.set()
+        loop.join(10)
+        mover.close()
+
+
 def _exported_memory(vmm, dev: int, uuid: str, sizes: list[int]) -> tuple[list, list[bytes]]:
     """Device memory of `sizes` on simcuda, each filled with its own bytes and exported: [Managed] with our
     fd of each (what the agent hands the server at a checkpoint), and the bytes."""
