@@ -13,7 +13,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -388,33 +390,42 @@ def test_a_reused_pid_never_meets_the_dead_process_staging(tmp_path):
         os.close(fd)
 
 
+@contextmanager
+def _a_copy_holding_the_data_plane(mover) -> Iterator[None]:
+    """A copy out of process 4242 holds `mover`'s data plane (as one that stalls would) until the block ends."""
+    import threading
+    held, done = threading.Event(), threading.Event()
+
+    def copy() -> None:
+        with mover._plane("the copy out of process 4242"):
+            held.set()
+            done.wait(60)
+    copier = threading.Thread(target=copy)
+    copier.start()
+    try:
+        assert held.wait(10)
+        yield
+    finally:
+        done.set()
+        copier.join(10)
+
+
 def test_a_wait_for_the_data_plane_gives_up_at_its_deadline_naming_its_holder():
     """No wait in the server is without end (issue 24): with the data plane held by a copy that stalls, a
     request behind it gives up at the deadline with one line naming what holds it."""
-    import threading
     from gpucr.errors import GpucrError
     from gpucr.server.mover import Mover
     mover = Mover(sim_driver())
     mover.plane_wait_s = 0.3
-    held, stalled = threading.Event(), threading.Event()
-
-    def stalled_copy() -> None:
-        with mover._plane("the copy out of process 4242"):
-            held.set()
-            stalled.wait(30)
-    copier = threading.Thread(target=stalled_copy)
-    copier.start()
     try:
-        assert held.wait(10)
-        t0 = time.monotonic()
-        with pytest.raises(GpucrError) as exc:
-            mover.forget(1)
-        assert time.monotonic() - t0 < 0.3 + 1.0
+        with _a_copy_holding_the_data_plane(mover):
+            t0 = time.monotonic()
+            with pytest.raises(GpucrError) as exc:
+                mover.forget(1)
+            assert time.monotonic() - t0 < 0.3 + 1.0
         said = str(exc.value)
         assert "\n" not in said and "stayed busy for 0.3 s, held by the copy out of process 4242" in said, said
     finally:
-        stalled.set()
-        copier.join()
         mover.close()
 
 
@@ -475,33 +486,20 @@ def test_a_look_at_the_server_answers_at_once_while_a_copy_holds_the_data_plane(
     (tmp_path / "seg").write_bytes(b"\0" * (4 << 20))
     fd = os.open(tmp_path / "seg", os.O_RDWR)
     ended = subprocess.Popen(["sleep", "60"])
-    held, done = threading.Event(), threading.Event()
-
-    def long_copy() -> None:
-        with mover._plane("the copy out of process 4242"):
-            held.set()
-            done.wait(60)
-    copier = threading.Thread(target=long_copy)
+    answers: list[dict] = []
     try:
         assert mover.pin_ahead(ended.pid, {"segments": [{"index": 0, "bytes": 4 << 20}], "allocations": []},
                                [fd], uuid) == 4 << 20
         ended.kill()
         ended.wait()
-        copier.start()
-        assert held.wait(10)
-        answers: list[dict] = []
-        look = threading.Thread(target=lambda: answers.append(srv.info()), daemon=True)
-        look.start()
-        look.join(3.0)
-        assert answers, "hello waited for the data plane"
+        with _a_copy_holding_the_data_plane(mover):
+            look = threading.Thread(target=lambda: answers.append(srv.info()), daemon=True)
+            look.start()
+            look.join(3.0)
+            assert answers, "hello waited for the data plane"
         assert [(h["pid"], h["pinned_bytes"]) for h in answers[0]["staging"]] == [(ended.pid, 4 << 20)]
-        done.set()
-        copier.join(10)
         assert srv.info()["staging"] == [] and mover.pinned_bytes() == 0
     finally:
-        done.set()
-        if copier.is_alive():
-            copier.join(10)
         ended.kill()
         os.close(fd)
         mover.close()
