@@ -13,7 +13,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 
@@ -388,33 +390,155 @@ def test_a_reused_pid_never_meets_the_dead_process_staging(tmp_path):
         os.close(fd)
 
 
+@contextmanager
+def _a_copy_holding_the_data_plane(mover) -> Iterator[None]:
+    """A copy out of process 4242 holds `mover`'s data plane (as one that stalls would) until the block ends."""
+    import threading
+    held, done = threading.Event(), threading.Event()
+
+    def copy() -> None:
+        with mover._plane("the copy out of process 4242"):
+            held.set()
+            done.wait(60)
+    copier = threading.Thread(target=copy)
+    copier.start()
+    try:
+        assert held.wait(10)
+        yield
+    finally:
+        done.set()
+        copier.join(10)
+
+
 def test_a_wait_for_the_data_plane_gives_up_at_its_deadline_naming_its_holder():
     """No wait in the server is without end (issue 24): with the data plane held by a copy that stalls, a
     request behind it gives up at the deadline with one line naming what holds it."""
-    import threading
     from gpucr.errors import GpucrError
     from gpucr.server.mover import Mover
     mover = Mover(sim_driver())
     mover.plane_wait_s = 0.3
-    held, stalled = threading.Event(), threading.Event()
-
-    def stalled_copy() -> None:
-        with mover._plane("the copy out of process 4242"):
-            held.set()
-            stalled.wait(30)
-    copier = threading.Thread(target=stalled_copy)
-    copier.start()
     try:
-        assert held.wait(10)
-        t0 = time.monotonic()
-        with pytest.raises(GpucrError) as exc:
-            mover.forget(1)
-        assert time.monotonic() - t0 < 0.3 + 1.0
+        with _a_copy_holding_the_data_plane(mover):
+            t0 = time.monotonic()
+            with pytest.raises(GpucrError) as exc:
+                mover.forget(1)
+            assert time.monotonic() - t0 < 0.3 + 1.0
         said = str(exc.value)
         assert "\n" not in said and "stayed busy for 0.3 s, held by the copy out of process 4242" in said, said
     finally:
+        mover.close()
+
+
+def test_staging_let_go_while_a_pin_ahead_stalls_stays_accounted(tmp_path, monkeypatch):
+    """A process's staging let go while pinning it ahead stalls in the driver: the wait for that pin ahead
+    gives up at its deadline (one deadline for all its segments), and every segment the server cannot unpin
+    then is kept among the stuck, shown with what is pinned of it; none is left mapped and pinned unseen."""
+    import threading
+    from gpucr.server import pinned
+    from gpucr.server.mover import Mover, owner
+    monkeypatch.setattr(pinned, "PIN_PIECE", 1 << 20)
+    mover = Mover(sim_driver())
+    mover.plane_wait_s = 1.0
+    uuid = next(iter(mover.vmm.device_by_uuid()))
+    fds = []
+    for name in ("a", "b"):
+        (tmp_path / name).write_bytes(b"\0" * (4 << 20))
+        fds.append(os.open(tmp_path / name, os.O_RDWR))
+    stalled, go = threading.Event(), threading.Event()
+    real_pin = mover.vmm.pin
+
+    def pin(addr: int, size: int) -> None:
+        real_pin(addr, size)
         stalled.set()
-        copier.join()
+        assert go.wait(30)
+    monkeypatch.setattr(mover.vmm, "pin", pin)
+    layout = {"segments": [{"index": 0, "bytes": 4 << 20}, {"index": 1, "bytes": 4 << 20}], "allocations": []}
+    ahead = threading.Thread(target=mover.pin_ahead, args=(os.getpid(), layout, fds, uuid))
+    try:
+        ahead.start()
+        assert stalled.wait(10)
+        t0 = time.monotonic()
+        mover.forget(os.getpid())
+        assert time.monotonic() - t0 < 2 * mover.plane_wait_s, "one deadline for the process, not one per segment"
+        held = [(h["pid"], h["start_time"], h["mapped_bytes"], h["stuck"]) for h in mover.holdings()]
+        assert held == [(*owner(os.getpid()), 8 << 20, True)], held
+        go.set()   # the stalled piece ends: it stays counted, the pin ahead pins no more of either
+        ahead.join(10)
+        assert [h["pinned_bytes"] for h in mover.holdings()] == [1 << 20] and mover.pinned_bytes() == 1 << 20
+    finally:
+        go.set()
+        ahead.join(10)
+        for fd in fds:
+            os.close(fd)
+        mover.close()
+
+
+def test_a_look_at_the_server_answers_at_once_while_a_copy_holds_the_data_plane(tmp_path):
+    """`hello` (what ps, status and gpucr run ask first, 10 s at most) answers at once while a long copy holds
+    the data plane: it lets go of ended processes' staging only when the plane is free. Meanwhile it shows
+    the staging of a process that ended as still held (it is), and once the copy is done, none."""
+    import threading
+    from gpucr.server.daemon import Server
+    from gpucr.server.mover import Mover
+    srv = Server()
+    srv._mover = mover = Mover(sim_driver())
+    uuid = next(iter(mover.vmm.device_by_uuid()))
+    (tmp_path / "seg").write_bytes(b"\0" * (4 << 20))
+    fd = os.open(tmp_path / "seg", os.O_RDWR)
+    ended = subprocess.Popen(["sleep", "60"])
+    answers: list[dict] = []
+    try:
+        assert mover.pin_ahead(ended.pid, {"segments": [{"index": 0, "bytes": 4 << 20}], "allocations": []},
+                               [fd], uuid) == 4 << 20
+        ended.kill()
+        ended.wait()
+        with _a_copy_holding_the_data_plane(mover):
+            look = threading.Thread(target=lambda: answers.append(srv.info()), daemon=True)
+            look.start()
+            look.join(3.0)
+            assert answers, "hello waited for the data plane"
+        assert [(h["pid"], h["pinned_bytes"]) for h in answers[0]["staging"]] == [(ended.pid, 4 << 20)]
+        assert srv.info()["staging"] == [] and mover.pinned_bytes() == 0
+    finally:
+        ended.kill()
+        os.close(fd)
+        mover.close()
+
+
+def test_the_pin_ahead_loop_outlives_a_failing_round(monkeypatch):
+    """F22 for the whole round, not only one process's pin ahead: the data plane's clean-up (its wait for the
+    plane may give up) or the giving back of a lent GPU's context failing ends nothing; each reason is logged
+    once, and the loop goes on pinning ahead."""
+    import threading
+    from gpucr.errors import GpucrError
+    from gpucr.server import daemon
+    from gpucr.server.mover import Mover
+    monkeypatch.setattr(daemon, "PIN_AHEAD_EVERY_S", 0.02)
+    said: list[str] = []
+    monkeypatch.setattr(daemon, "log", said.append)
+    srv = daemon.Server()
+    srv._mover = mover = Mover(sim_driver())
+    calls = {"forget_ended": 0, "let_go_busy_neighbours": 0}
+
+    def failing_3_times(name: str, then):
+        def call():
+            calls[name] += 1
+            if calls[name] <= 3:
+                raise GpucrError(f"{name} failed")
+            return then()
+        return call
+    for name in calls:
+        monkeypatch.setattr(mover, name, failing_3_times(name, getattr(mover, name)))
+    loop = threading.Thread(target=srv.pin_ahead_loop, daemon=True)
+    loop.start()
+    try:
+        wait_for(lambda: calls["let_go_busy_neighbours"] >= 8, 10, "rounds after the failing ones")
+        assert loop.is_alive()
+        failed = [line for line in said if "pinning ahead failed" in line]
+        assert len(failed) == 2 and "forget_ended failed" in failed[0] and "let_go_busy_neighbours failed" in failed[1], said
+    finally:
+        srv.stopping.set()
+        loop.join(10)
         mover.close()
 
 
@@ -940,6 +1064,35 @@ def test_a_request_whose_client_went_away_stops_at_its_next_step(server):
         assert gpucr.status(app.pid).state == "running" and app.digest() == before
     finally:
         app.close()
+
+
+def _socket_at(fd: int, sock: socket.socket) -> socket.socket:
+    """`sock` on fd `fd` too (the open-file limit raised that far if needed), as a server with that many fds
+    open holds its connections."""
+    import resource
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft <= fd:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (fd + 1, hard))
+    os.dup2(sock.fileno(), fd)
+    return socket.socket(fileno=fd)
+
+
+def test_a_live_client_on_an_fd_past_1023_is_not_taken_for_gone():
+    """A server with over a thousand fds open (a thousand requests, or staging fds) serves connections on fds
+    past 1023, where select() cannot look: such a client, still waiting, is not taken for gone; once it
+    closes its end, it is."""
+    from gpucr.server import abandon
+    server_end, client_end = socket.socketpair()
+    conn = _socket_at(1100, server_end)
+    server_end.close()
+    try:
+        with abandon.serving(conn):
+            assert not abandon.client_gone(conn) and abandon.why_abandoned() is None
+            client_end.close()
+            assert abandon.client_gone(conn) and "client went away" in abandon.why_abandoned()
+    finally:
+        client_end.close()
+        conn.close()
 
 
 SERVER_FDS = 64   # the open-file limit of the server out of fds below

@@ -14,9 +14,12 @@ _serving = threading.local()   # .conn: the client connection this thread answer
 
 def client_gone(conn: socket.socket) -> bool:
     """The client closed or reset its end: nobody will read the answer. (A client sends one request line and
-    then only waits, so a readable connection with nothing to read is one that ended.)"""
+    then only waits, so a readable connection with nothing to read is one that ended.) poll, not select:
+    select cannot look at an fd past 1023, and a busy server has its connections there."""
+    ready = select.poll()
     try:
-        if not select.select([conn], [], [], 0)[0]:
+        ready.register(conn, select.POLLIN)
+        if not ready.poll(0):
             return False
         return conn.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
     except BlockingIOError:

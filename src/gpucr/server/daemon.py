@@ -291,17 +291,31 @@ class Server:
     def pin_ahead_loop(self) -> None:
         """While the server keeps its context: every PIN_AHEAD_EVERY_S, pin the staging that processes under
         gpucr prepared ahead (`gpucr run --staging-ahead`), so a first checkpoint through the server is as fast
-        as the later ones. A process that is busy, not under CUDA yet, or checkpointed is left for next time."""
+        as the later ones. A process that is busy, not under CUDA yet, or checkpointed is left for next time.
+        A round that fails is logged once per reason (one runs every second), and the loop goes on."""
+        said = ""
         while not self.stopping.wait(PIN_AHEAD_EVERY_S):
-            mover = self.data_plane()
-            if mover is None or not self.keep_context:
-                return
-            for uuid in mover.let_go_busy_neighbours():
-                log(f"gave back the context on GPU {uuid}, whose link it lent: a process now uses that GPU")
-            listed = [pid for pid, _sock in targets.list_sockets()]
-            for pid in listed:
-                self._pin_ahead_guarded(mover, pid)
-            self._pin_ahead_said = {p: w for p, w in self._pin_ahead_said.items() if p in listed}
+            try:
+                if not self._pin_ahead_round():
+                    return
+                said = ""
+            except Exception as exc:   # noqa: BLE001 - ending the loop would end pinning ahead for good (F22)
+                if _reason(exc) != said:
+                    said = _reason(exc)
+                    log(f"pinning ahead failed: {said}; trying again")
+
+    def _pin_ahead_round(self) -> bool:
+        """Each listed process's staging pinned ahead, once; False when the server pins nothing ahead."""
+        mover = self.data_plane()
+        if mover is None or not self.keep_context:
+            return False
+        for uuid in mover.let_go_busy_neighbours():
+            log(f"gave back the context on GPU {uuid}, whose link it lent: a process now uses that GPU")
+        listed = [pid for pid, _sock in targets.list_sockets()]
+        for pid in listed:
+            self._pin_ahead_guarded(mover, pid)
+        self._pin_ahead_said = {p: w for p, w in self._pin_ahead_said.items() if p in listed}
+        return True
 
     def _pin_ahead_guarded(self, mover: Mover, pid: int) -> None:
         """Pin one process's staging ahead; whatever it sends or does, the loop goes on for the others. Why
@@ -310,7 +324,7 @@ class Server:
             self._pin_ahead_one(mover, pid)
             self._pin_ahead_said.pop(pid, None)
         except Exception as exc:   # noqa: BLE001 - a target is untrusted: nothing it answers ends the loop
-            why = str(exc) if isinstance(exc, GpucrError) else f"{type(exc).__name__}: {exc}"
+            why = _reason(exc)
             if self._pin_ahead_said.get(pid) != why:
                 self._pin_ahead_said[pid] = why
                 log(f"pinning ahead for process {pid} failed: {why}")
@@ -354,7 +368,7 @@ class Server:
             busy, served = self.in_flight, self.requests
         mover = self._mover
         if mover is not None:
-            mover.forget_ended()   # what it says it holds is of live processes only
+            mover.forget_ended_if_free()   # what it says it holds is of live processes, unless a copy is under way
         return {"server": "gpucr", "protocol": wire.PROTOCOL, "code": wire.code_identity(), "pid": os.getpid(),
                 "data_plane": self.use_data_plane, "keep_context": self.keep_context, "routes": self.routes,
                 "contexts": mover.context_uuids() if mover else [],
@@ -458,6 +472,11 @@ _HANDLERS: dict[str, Callable[[Server, dict[str, Any]], Run]] = {
     "recover": _recover,
     "stop": _stop,
 }
+
+
+def _reason(exc: Exception) -> str:
+    """An error as one log line: ours as said, anything else with its type (a bug, or a target's doing)."""
+    return str(exc) if isinstance(exc, GpucrError) else f"{type(exc).__name__}: {exc}"
 
 
 def _receive_quiet(conn: socket.socket) -> None:

@@ -132,7 +132,7 @@ class Mover:
             h = out.setdefault(((pid, start), stuck), {"pid": pid, "start_time": start, "mapped_bytes": 0,
                                                        "pinned_bytes": 0, "stuck": stuck})
             h["mapped_bytes"] += seg.declared
-            h["pinned_bytes"] += seg.stuck if stuck else seg.bytes
+            h["pinned_bytes"] += seg.stuck + seg.bytes   # (a stuck one's pieces: still pinned if never unpinned)
         return list(out.values())
 
     def forget(self, pid: int) -> None:
@@ -144,8 +144,19 @@ class Mover:
     def forget_ended(self) -> None:
         """Let go of the staging of every process that has ended (a pid reused since is another process)."""
         with self._plane("letting go of ended processes' staging"):
-            for o in [o for o in self._staging if process_ended(*o)]:
-                self._forget(o)
+            self._forget_ended()
+
+    def forget_ended_if_free(self) -> None:
+        """forget_ended if the data plane is free now, else left for a later time: a look at the server (hello)
+        must answer at once, also beside a long copy (waiting for it, hello outlived its client's 10 s, and
+        the server was said to be not running)."""
+        if self._lock.acquire(blocking=False):
+            with self._held("letting go of ended processes' staging"):
+                self._forget_ended()
+
+    def _forget_ended(self) -> None:
+        for o in [o for o in self._staging if process_ended(*o)]:
+            self._forget(o)
 
     def settle(self) -> None:
         """A request's copies are done: give back what the server holds on the GPUs unless it keeps its
@@ -263,6 +274,12 @@ class Mover:
             raise GpucrError(f"the gpucr server's data plane stayed busy for {self.plane_wait_s:g} s, held by "
                              f"{self._holder} (stalled: its staging file on a stalled filesystem?); see the "
                              "server's log, or retry with --no-server")
+        with self._held(holder):
+            yield
+
+    @contextmanager
+    def _held(self, holder: str) -> Iterator[None]:
+        """The data plane's lock, just taken, held for `holder`, and released at the end."""
         self._holder = holder
         try:
             yield
@@ -492,21 +509,26 @@ class Mover:
 
     def _forget(self, who: Owner) -> None:
         self._taken.pop(who, None)
+        # one deadline for all its segments: a pin ahead that stalls holds every one it works on
+        until = time.monotonic() + self.plane_wait_s
         for seg in self._staging.pop(who, {}).values():
-            self._drop(who, seg)
+            self._drop(who, seg, until)
 
-    def _settled(self, seg: Segment) -> None:
-        """Until no pin ahead works on `seg` (it stops at the end of its piece: the caller wants the data plane)."""
+    def _settled(self, seg: Segment, until: float | None = None) -> None:
+        """Until no pin ahead works on `seg` (it stops at the end of its piece: the caller wants the data plane),
+        at most plane_wait_s or until the monotonic time `until`."""
+        wait_s = self.plane_wait_s if until is None else max(until - time.monotonic(), 0.0)
         with self._idle:
-            if not self._idle.wait_for(lambda: not seg.busy, timeout=self.plane_wait_s):
+            if not self._idle.wait_for(lambda: not seg.busy, timeout=wait_s):
                 raise GpucrError(f"pinning the process's staging ahead did not stop within {self.plane_wait_s:g} s")
 
-    def _drop(self, who: Owner, seg: Segment) -> None:
-        """Unpin and unmap `seg`, once a pin ahead that works on it has stopped, at the end of its piece. One the
-        driver does not unpin is said, and kept (mapped: its address is never reused) among the stuck."""
+    def _drop(self, who: Owner, seg: Segment, until: float | None = None) -> None:
+        """Unpin and unmap `seg`, once a pin ahead that works on it has stopped, at the end of its piece. One
+        that the pin ahead does not leave in time (see _settled), or that the driver does not unpin, is said and
+        kept (mapped: its address is never reused) among the stuck, so that the server still shows it."""
         seg.abandon = True
-        self._settled(seg)
         try:
+            self._settled(seg, until)
             drop(self.vmm, seg)
         except GpucrError as exc:
             self._stuck.append((who, seg))
