@@ -66,3 +66,24 @@ def test_threads_polling_the_gpu_live_through_cycles(request, sim_app, path, lev
         _running_again(app, counts)
     out = app.ask("poll stop")
     assert out["errors"] == [] and min(out["counts"].values()) > 0, out
+
+
+@pytest.mark.parametrize("level", ["full", "data"])
+def test_a_thread_started_while_parked_waits_at_its_context_switch_until_the_restore(sim_app, level):
+    """A thread the application starts while it is parked: its first call, cuCtxSetCurrent, is held at the gate
+    (on the driver, a new thread's context switch and query on a checkpointed process killed it) and returns only
+    after the restore; then its query runs, and the application lives with its data intact."""
+    app = sim_app("--sizes", "8M")
+    before = app.ask("digest")
+    r = gpucr_cli("checkpoint", "--no-server", "--level", level, str(app.pid))
+    assert r.returncode == 0, r.stderr
+    app.ask("enter start")
+    time.sleep(PARK_S)
+    assert app.ask("enter state")["returned"] == {}, "the new thread's cuCtxSetCurrent got past the closed gate"
+    r = gpucr_cli("restore", "--no-server", str(app.pid))
+    assert r.returncode == 0, r.stderr
+    deadline = time.time() + 10
+    while len(returned := app.ask("enter state")["returned"]) < 2 and time.time() < deadline:
+        time.sleep(0.02)
+    assert returned == {"set_current": 0, "stream_query": 0}, returned
+    assert app.proc.poll() is None and app.ask("digest") == before

@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -83,4 +84,76 @@ def test_a_committed_checkpoint_says_so_and_recover_leaves_it_alone_at_every_lev
     gpucr.restore(app.pid)
     st = gpucr.status(app.pid)
     assert st.state == "running" and not st.committed, st
+    assert app.ask("digest") == before
+
+
+def _ask(app: subprocess.Popen, command: str) -> dict:
+    app.stdin.write(command + "\n")
+    app.stdin.flush()
+    return json.loads(app.stdout.readline())
+
+
+def _wait_for_server(uid: int, env: dict[str, str]) -> None:
+    deadline = time.time() + 60
+    while user_cli(uid, env, "serve", "--status", "--simulate").returncode != 0:
+        assert time.time() < deadline, "the user's gpucr server did not start within 60 s"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("via_server", [False, True], ids=["in-process", "server"])
+def test_recover_brings_back_a_committed_checkpoint_whose_restore_died_after_the_driver_let_go(users, via_server):
+    """A committed level-full checkpoint, then its restore's controller (or the server doing it) killed after the
+    driver's restore and unlock: the driver runs the process, its agent is checkpointed with the gate closed. That is
+    no checkpoint parked on purpose: status says not committed, and recover lists it and brings it back, data intact.
+    Run as a user of its own: root's recover acts on every process of the machine."""
+    victim = users["victim"]
+    rt, sim = user_dir(victim), user_dir(victim)
+    env = user_env(victim, GPUCR_RUNTIME_DIR=str(rt), SIMCUDA_DIR=str(sim))
+    if not via_server:
+        env["GPUCR_NO_SERVER"] = "1"
+    srv = as_user(victim, [SYS_PY, "-m", "gpucr.cli", "serve", "--simulate"], env,
+                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) if via_server else None
+    app = as_user(victim, [SYS_PY, "-m", "gpucr.workloads.driver_app", "--sizes", "8M"],
+                  paths.run_env(simulate=True, base=env), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(app.stdout.readline())["ready"]
+        before = _ask(app, "digest")
+        if srv is not None:
+            _wait_for_server(victim, env)
+        assert user_cli(victim, env, "checkpoint", "--level", "full", str(app.pid)).returncode == 0
+        killed = user_cli(victim, {**env, "GPUCR_TEST_KILL_AT": "after-driver-unlock"}, "restore", str(app.pid))
+        assert killed.returncode != 0 and (not via_server or "gpucr server" in killed.stderr), killed.stderr
+        st = json.loads(user_cli(victim, env, "status", "--json", str(app.pid)).stdout)["processes"][0]
+        assert (st["state"], st["driver_state"], st["gate_closed"], st["committed"]) == \
+            ("checkpointed", "running", True, False), st
+        found = json.loads(user_cli(victim, env, "recover", "--list", "--json").stdout)["processes"]
+        assert [s["pid"] for s in found] == [app.pid], found
+        done = json.loads(user_cli(victim, env, "recover", "--json").stdout)["processes"]
+        assert [(s["pid"], s["ok"]) for s in done] == [(app.pid, True)], done
+        assert _ask(app, "digest") == before
+    finally:
+        for p in (app, srv):
+            if p is not None:
+                p.kill()
+                p.wait()
+        shutil.rmtree(rt, ignore_errors=True)
+        shutil.rmtree(sim, ignore_errors=True)
+
+
+def test_a_restore_step_leaves_a_committed_checkpoint_stuck(sim_app):
+    """The server's restore maps new memory with `adopt` before the agent's restore: once that (or any restore step)
+    has come, a controller that dies leaves the process half restored. The agent no longer says `committed`, so
+    recover lists it (at level data the driver state alone cannot tell)."""
+    import gpucr
+    from gpucr import target as targets
+    app = sim_app("--sizes", "8M")
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid, level="data")
+    assert gpucr.status(app.pid).committed
+    with targets.resolve(app.pid).connect() as agent:
+        agent.call("adopt", timeout=10.0, **{"from": 0})   # no memory with it: the step alone
+    st = gpucr.status(app.pid)
+    assert st.state == "checkpointed" and st.gate_closed and not st.committed, st
+    assert app.pid in [s.pid for s in _recover("--list").processes]
+    gpucr.restore(app.pid)
     assert app.ask("digest") == before

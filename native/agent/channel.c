@@ -46,7 +46,10 @@ static pthread_mutex_t g_op = PTHREAD_MUTEX_INITIALIZER;   /* one change (checkp
 static pthread_rwlock_t g_state = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
 static atomic_bool g_changing;       /* status's "busy": a change holds g_op (read without taking it) */
 static atomic_bool g_rolling_back;   /* status says so: a new controller waits for it instead of "busy" */
-static atomic_bool g_committed;      /* the checkpoint held now was committed by its controller: on purpose */
+/* The checkpoint held now was committed by its controller (on purpose), at this level; the driver's state tells
+ * whether it is still as that controller left it (a restore killed after the driver's steps leaves it "running"). */
+enum committed { COMMITTED_NONE, COMMITTED_DATA, COMMITTED_FULL };
+static atomic_int g_committed;
 static pthread_mutex_t g_clients_mu = PTHREAD_MUTEX_INITIALIZER;
 
 
@@ -201,7 +204,9 @@ static void reply_status(struct jb *j)
     jb_bool(j, "busy", atomic_load(&g_changing));   /* a checkpoint, restore or roll-back is running now */
     jb_bool(j, "rolling_back", atomic_load(&g_rolling_back));
     /* parked on purpose (`gpucr recover` leaves it alone), not by a controller that died or a failed restore */
-    jb_bool(j, "committed", atomic_load(&g_committed) && st.state == AGENT_CHECKPOINTED);
+    int committed = st.state == AGENT_CHECKPOINTED ? atomic_load(&g_committed) : COMMITTED_NONE;
+    jb_bool(j, "committed", committed != COMMITTED_NONE);
+    jb_str(j, "committed_level", committed == COMMITTED_FULL ? "full" : committed == COMMITTED_DATA ? "data" : "");
     jb_bool(j, "gate_closed", gpucr_gate_is_closed());
     unsigned long long pbytes, psteps;
     dp_get_progress(&pbytes, &psteps);   /* a controller waiting on another connection watches these move */
@@ -345,9 +350,12 @@ static void handle_layout(struct jb *j, struct client *c)
     pthread_rwlock_unlock(&g_state);
 }
 
-static bool starts_or_undoes_a_checkpoint(const char *verb)
+/* Starts a new checkpoint, or a step of a restore or abort: the committed one is no longer as its controller left it
+ * (a restore's controller that dies after its `adopt` leaves it half restored, stuck). */
+static bool leaves_a_committed_checkpoint(const char *verb)
 {
-    static const char *const verbs[] = {"checkpoint", "quiesce", "handover", "restore", "abort"};
+    static const char *const verbs[] = {"checkpoint", "quiesce", "handover", "restore", "adopt", "relink", "orphan",
+                                        "resume", "abort"};
     for (size_t i = 0; i < sizeof verbs / sizeof *verbs; i++)
         if (!strcmp(verb, verbs[i])) return true;
     return false;
@@ -366,7 +374,7 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
     if (!cuda_present()) { reply_error(j, "the process has not loaded the CUDA driver: nothing to checkpoint"); return; }
     c->acted = true;
     if (!begin_change(false)) { reply_error(j, BUSY); return; }
-    if (starts_or_undoes_a_checkpoint(verb)) atomic_store(&g_committed, false);   /* a failed restore leaves it stuck */
+    if (leaves_a_committed_checkpoint(verb)) atomic_store(&g_committed, COMMITTED_NONE);   /* a failed restore leaves it stuck */
     dp_watch_requester(c->fd);   /* long waits end at once if this connection goes away */
     gpucr_init();
     char err[600] = "";
@@ -439,6 +447,17 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
     if (status_after) reply_status(j);
 }
 
+/* Only a checkpoint under this connection's lease is committed, with the level it was made at (full=1: the driver
+ * holds it checkpointed too). */
+static void handle_commit(const char *req, struct jb *j, struct client *c)
+{
+    int full = arg_int(req, "full", -1);
+    if (full < 0 || full > 1) { reply_error(j, "commit takes full=1 (level full) or full=0 (level data)"); return; }
+    if (c->lease) atomic_store(&g_committed, full ? COMMITTED_FULL : COMMITTED_DATA);
+    c->lease = false;
+    jb_bool(j, "ok", true);
+}
+
 static void handle(const char *req, struct jb *j, struct client *c)
 {
     char verb[32] = "";
@@ -448,11 +467,7 @@ static void handle(const char *req, struct jb *j, struct client *c)
     jb_open(j);
     if (!strcmp(verb, "hello")) reply_hello(j);
     else if (!strcmp(verb, "status")) reply_status(j);
-    else if (!strcmp(verb, "commit")) {   /* only a checkpoint under this connection's lease is committed */
-        if (c->lease) atomic_store(&g_committed, true);
-        c->lease = false;
-        jb_bool(j, "ok", true);
-    }
+    else if (!strcmp(verb, "commit")) handle_commit(req, j, c);
     else if (!strcmp(verb, "layout")) handle_layout(j, c);
     else if (!strcmp(verb, "progress")) { dp_mark_progress(); jb_bool(j, "ok", true); }   /* an image chunk read */
     else if (!strcmp(verb, "shared")) {
@@ -834,7 +849,7 @@ static void after_fork_child(void)
     g_op = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
     g_state = (pthread_rwlock_t)PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;   /* a layout read mid-fork */
     atomic_store(&g_changing, false);
-    atomic_store(&g_committed, false);
+    atomic_store(&g_committed, COMMITTED_NONE);
     g_clients_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
     atomic_store(&g_rolling_back, false);
     atomic_store(&g_start_pending, true);

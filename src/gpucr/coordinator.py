@@ -182,7 +182,7 @@ def _status(t: targets.Target) -> dict[str, Any]:
             drv_state = _driver(t).state(pid)
         except DriverError as exc:
             st["driver_state"] = f"unknown: {exc}"
-            st["level"] = None
+            st["level"], st["committed"] = None, False
             return st
         st["driver_state"] = drv_state.name.lower()
         if drv_state == ProcessState.CHECKPOINTED:
@@ -192,9 +192,18 @@ def _status(t: targets.Target) -> dict[str, Any]:
         elif st["state"] == "checkpointed":
             level = "data"
     st["level"] = level
+    st["committed"] = _committed_as_left(st)
     if level is not None:
         st["certificate"] = _live_certificate(t, st, level)
     return st
+
+
+def _committed_as_left(st: dict[str, Any]) -> bool:
+    """The agent's committed checkpoint, still as its controller left it: the driver holds the process checkpointed
+    at level full, running at level data. A restore killed after the driver's steps leaves a full one running with
+    its gate closed: stuck, not parked on purpose."""
+    as_left = {"full": "checkpointed", "data": "running"}.get(st.pop("committed_level", ""))
+    return bool(st.get("committed")) and as_left is not None and st.get("driver_state") == as_left
 
 
 def _live_certificate(t: targets.Target, st: dict[str, Any], level: str) -> dict[str, Any]:
@@ -569,7 +578,7 @@ def _driver_checkpoint(m: _Member) -> None:
 
 
 def _commit(m: _Member, level: str) -> None:
-    m.agent.call("commit", timeout=10.0)
+    m.agent.call("commit", timeout=10.0, full=int(level == "full"))
     epoch = None
     if m.app is not None:
         try:

@@ -52,12 +52,12 @@ def _driver_holds(drv: Driver, pid: int) -> str | None:
 
 
 def _on_purpose(st: ProcessStatus) -> bool:
-    """A checkpoint its controller committed (`gpucr checkpoint` done), as that left it (the driver holds the process
-    checkpointed at level full, running at level data; never locked or failed): parked on purpose, not stuck. The
-    agent says `committed` only for the checkpoint a controller committed under its lease, until a restore or abort
-    is tried: a controller that died before committing, and a failed restore (an importer without its exporter),
-    leave it stuck."""
-    return st.committed and st.state == "checkpointed" and st.driver_state in ("running", "checkpointed") and \
+    """A checkpoint its controller committed (`gpucr checkpoint` done), still as that left it: parked on purpose, not
+    stuck. `committed` (coordinator.status) holds only while the driver holds the process as the committed level left
+    it (checkpointed at level full, running at level data) and no restore or abort was tried since; the agent is
+    checkpointed with its gate closed, between no phases, and no controller or roll-back is at work. A controller that
+    died before committing, or during a restore (after the driver's steps too), leaves it stuck."""
+    return st.committed and st.state == "checkpointed" and st.gate_closed and not st.checkpoint_phase and \
         not st.busy and not st.rolling_back
 
 

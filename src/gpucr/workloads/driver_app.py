@@ -131,6 +131,25 @@ class DriverPollers(Pollers):
             raise RuntimeError(f"CUDA error {rc}")
 
 
+class LateEntry:
+    """`enter start`: a new thread whose first CUDA call enters the context (cuCtxSetCurrent), then queries the
+    stream, as a thread an engine starts late does; `enter state` says which of the two have returned, and with what."""
+
+    def __init__(self, ctx: vp) -> None:
+        self.ctx = ctx
+        self.returned: dict[str, int] = {}
+
+    def _run(self) -> None:
+        self.returned["set_current"] = cuCtxSetCurrent(self.ctx)
+        self.returned["stream_query"] = cuStreamQuery(None)
+
+    def command(self, word: str) -> dict:
+        if word == "start":
+            self.returned = {}
+            threading.Thread(target=self._run, daemon=True).start()
+        return {"returned": dict(self.returned)}
+
+
 class App:
     def __init__(self, sizes: list[int], pitch: bool, vmm_mib: int, seed: int) -> None:
         check(cuInit(0), "cuInit")
@@ -166,6 +185,7 @@ class App:
         self.loop_iters = 0
         self.loop_error: str | None = None
         self.pollers = DriverPollers(self.ctx)
+        self.late = LateEntry(self.ctx)
 
     def _alloc(self, n: int) -> int:
         p = u64()
@@ -280,6 +300,8 @@ class App:
             return {"iterations": self.loop_iters, "error": self.loop_error}
         if cmd == "poll":   # poll start [MS] | poll counts | poll stop: a thread per family of GPU-watching calls
             return self.pollers.command(words[1:])
+        if cmd == "enter":   # enter start | enter state: a thread started now enters the context and queries
+            return self.late.command(words[1])
         if cmd == "churn" and words[1] == "start":   # threads that allocate, fill, check and free in a loop
             self.churn_stop = threading.Event()
             self.churn_stats = {"cycles": 0, "errors": []}
