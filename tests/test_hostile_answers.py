@@ -197,10 +197,11 @@ def test_roots_server_keeps_no_fd_of_another_users_failed_answer(users, hostile)
 def test_pinning_ahead_keeps_no_fd_of_a_failed_layout(hostile):
     srv = RunningServer(True)
     try:
-        hostile("layout", HOSTILE_MODE="half_line", HOSTILE_MIB="32", GPUCR_STAGING_AHEAD="1")
-        time.sleep(1.5)   # the server asks for the layout to pin ahead every second
+        app = hostile("layout", HOSTILE_MODE="half_line", HOSTILE_MIB="32", GPUCR_STAGING_AHEAD="1")
+        asked = f"pinning ahead for process {app.pid} failed: process {app.pid} closed the control channel during 'layout'"
+        wait_for(lambda: asked in srv.log.read_text(), what="the server asking for the layout to pin ahead")
         fds0 = nfds(srv.pid)
-        time.sleep(3.0)
+        time.sleep(3.0)   # the server asks again every second (logged once per reason)
         assert nfds(srv.pid) == fds0
     finally:
         srv.stop()
