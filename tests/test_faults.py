@@ -19,7 +19,8 @@ from gpucr.workloads.runner import Workload
 from gpucr.target import agent_socket_name
 from gpucr.driver import ProcessState
 
-from conftest import check_fork_child_apart, cycle_concurrently, gpucr_cli, process_resources, sim_driver
+from conftest import (check_fork_child_apart, cycle_concurrently, gpucr_cli, process_resources, server_gpu_bytes,
+                      sim_driver)
 
 # every test here goes through one gpucr server reused by the module, as a user's requests do
 pytestmark = pytest.mark.usefixtures("reused_server")
@@ -283,9 +284,9 @@ def test_fifty_cycles_leak_nothing(sim_app):
     for i in range(10):             # staging prepared, thread stacks cached: the steady state
         gpucr.checkpoint(app.pid, level="full" if i % 2 else "data")
         gpucr.restore(app.pid)
-    used0 = sim_driver()
+    drv = sim_driver()
     from gpucr.driver import gpu_memory
-    dev0 = gpu_memory(used0).used
+    dev0 = gpu_memory(drv).used - server_gpu_bytes()
     fds0, maps0, rss0 = process_resources(app.pid)
     for i in range(50):
         gpucr.checkpoint(app.pid, level="full" if i % 2 else "data")
@@ -295,9 +296,9 @@ def test_fifty_cycles_leak_nothing(sim_app):
     assert fds1 == fds0, "file descriptors leaked"
     assert maps1 <= maps0 + 4, "mappings leaked (a few may come and go with helper threads' stacks)"
     assert rss1 - rss0 < 8 * MiB, "host memory grew by more than 8 MiB"
-    # through the module's long-lived server, which may meanwhile give back what earlier tests left it (a
-    # context): only growth is a leak
-    assert gpu_memory(used0).used <= dev0, "device memory leaked"
+    # through the module's long-lived server, counted apart: it may meanwhile give back what earlier tests
+    # left it (a context), which must not hide a leak of the process's own
+    assert gpu_memory(drv).used - server_gpu_bytes() == dev0, "device memory leaked"
 
 
 def test_eight_processes_cycled_concurrently(sim_app):
