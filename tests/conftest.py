@@ -297,8 +297,9 @@ def reused_server(request, _module_server, monkeypatch):
 def server_gpu_bytes() -> int:
     """GPU memory the running gpucr server holds itself (its data plane's context), counted apart when a test
     asks for the card within a few MiB of idle while a process is parked (issue 13); 0 when none runs."""
-    from gpucr.server import route
-    info = route.server_info()
+    from gpucr.driver import controller_simulated
+    from gpucr.server import client
+    info = client.info(controller_simulated())
     if info is None:
         return 0
     assert info["gpu_bytes"] is not None, f"the server's own GPU memory is not measurable here: {info}"

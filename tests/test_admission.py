@@ -301,7 +301,7 @@ def test_a_held_ledger_never_blocks_status_and_refuses_admission_by_its_deadline
         assert r.returncode == 0 and time.monotonic() - t0 < 5, r.stdout + r.stderr
         t0 = time.monotonic()
         line = _refused(gpucr_cli("checkpoint", "--no-server", str(app.pid), timeout=30), "host-memory ledger")
-        assert time.monotonic() - t0 < 15 and f"held by process {os.getpid()}" in line, line
+        assert time.monotonic() - t0 < 15 and f"held by process {os.getpid()} (or a child it forked)" in line, line
         _untouched(app.pid)
     finally:
         os.kill(holder, signal.SIGKILL)

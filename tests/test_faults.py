@@ -19,7 +19,8 @@ from gpucr.workloads.runner import Workload
 from gpucr.target import agent_socket_name
 from gpucr.driver import ProcessState
 
-from conftest import check_fork_child_apart, cycle_concurrently, gpucr_cli, process_resources, sim_driver
+from conftest import (check_fork_child_apart, cycle_concurrently, gpucr_cli, process_resources, server_gpu_bytes,
+                      sim_driver)
 
 # every test here goes through one gpucr server reused by the module, as a user's requests do
 pytestmark = pytest.mark.usefixtures("reused_server")
@@ -277,15 +278,20 @@ def test_fork_child_gets_its_channel_at_its_first_cuda_call():
 
 # ---- load ----
 
+def _device_bytes(drv, pid: int) -> tuple[int, int, int]:
+    """(the whole device's memory in use, process `pid`'s own count, the module's long-lived server's)."""
+    from gpucr.driver import gpu_memory, process_gpu_memory
+    return gpu_memory(drv).used, process_gpu_memory(drv, pid), server_gpu_bytes()
+
+
 def test_fifty_cycles_leak_nothing(sim_app):
     app = sim_app("--sizes", "16M,4M,100K", "--vmm-mib", "8")
     before = app.ask("digest")
     for i in range(10):             # staging prepared, thread stacks cached: the steady state
         gpucr.checkpoint(app.pid, level="full" if i % 2 else "data")
         gpucr.restore(app.pid)
-    used0 = sim_driver()
-    from gpucr.driver import gpu_memory
-    dev0 = gpu_memory(used0).used
+    drv = sim_driver()
+    used0, own0, server0 = _device_bytes(drv, app.pid)
     fds0, maps0, rss0 = process_resources(app.pid)
     for i in range(50):
         gpucr.checkpoint(app.pid, level="full" if i % 2 else "data")
@@ -295,9 +301,11 @@ def test_fifty_cycles_leak_nothing(sim_app):
     assert fds1 == fds0, "file descriptors leaked"
     assert maps1 <= maps0 + 4, "mappings leaked (a few may come and go with helper threads' stacks)"
     assert rss1 - rss0 < 8 * MiB, "host memory grew by more than 8 MiB"
-    # through the module's long-lived server, which may meanwhile give back what earlier tests left it (a
-    # context): only growth is a leak
-    assert gpu_memory(used0).used <= dev0, "device memory leaked"
+    used1, own1, server1 = _device_bytes(drv, app.pid)
+    assert (own1, server1) == (own0, server0), "device memory leaked in the process or in the server"
+    # the whole device may meanwhile get back what an earlier test of the module left (66 MiB in one run, not
+    # the server's nor this process's): only growth is a leak there
+    assert used1 <= used0, "device memory leaked"
 
 
 def test_eight_processes_cycled_concurrently(sim_app):

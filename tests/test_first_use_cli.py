@@ -111,6 +111,63 @@ def test_a_request_mixing_simcuda_and_the_driver_is_refused_by_name():
         preflight.take_kind([sim, real])
 
 
+CLAIMS_DRIVER = ROOT / "tests" / "apps" / "claims_driver.py"
+
+
+def test_ps_of_both_kinds_ends_at_once_with_one_helper(sim_app):
+    """A simcuda process and one on the system's driver (claimed by a fake agent, as no driver is here): `ps`
+    lists the other kind through one gpucr of its own, which lists only its own kind and starts nothing."""
+    app = sim_app("--sizes", "4M")
+    claim = subprocess.Popen([sys.executable, str(CLAIMS_DRIVER)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert json.loads(claim.stdout.readline())["ready"]
+        env = dict(os.environ, GPUCR_NO_SERVER="1")
+        t0 = time.monotonic()
+        r = gpucr_cli("ps", env=env, timeout=30)
+        assert time.monotonic() - t0 < 15, "ps took too long"
+        assert r.returncode == 0, r.stderr
+        assert any(l.split()[:2] == [str(app.pid), "running"] for l in r.stdout.splitlines()), r.stdout
+        assert any(l.split()[:2] == [str(claim.pid), "unreachable"] for l in r.stdout.splitlines()), r.stdout
+    finally:
+        claim.kill()
+        askers = {int(l) for l in claim.communicate()[0].split()}
+    assert 1 <= len(askers) <= 2, f"the fake agent was asked by {len(askers)} processes: ps and at most one helper"
+
+
+# gpucr's command with every hello it says to an agent counted (the last line on stderr)
+COUNTING_HELLOS = """
+import sys
+from gpucr import cli
+from gpucr.agent import AgentClient
+hellos, call = [], AgentClient.call
+def counted(self, verb, *args, **kw):
+    hellos.extend([self.pid] if verb == "hello" else [])
+    return call(self, verb, *args, **kw)
+AgentClient.call = counted
+code = cli.main(sys.argv[1:])
+print(hellos, file=sys.stderr)
+sys.exit(code)
+"""
+
+
+def test_a_ready_process_is_said_hello_once_per_request(sim_app):
+    """checkpoint, restore, status and ps of a process that is up: the request's own hello is the only one
+    (no look before it; ps asks again only a process it could not list)."""
+    app = sim_app("--sizes", "4M")
+    env = dict(os.environ, GPUCR_NO_SERVER="1")
+    for cmd in ("checkpoint", "status", "restore", "status", "ps"):
+        r = subprocess.run([sys.executable, "-c", COUNTING_HELLOS, cmd, *([str(app.pid)] if cmd != "ps" else [])],
+                           env=env, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stderr.splitlines()[-1] == f"[{app.pid}]", (cmd, r.stderr)
+
+
+def test_a_process_gone_between_two_looks_reads_as_old_not_a_traceback():
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    assert preflight._age_s(gone.pid) == float("inf")
+
+
 def test_wait_and_a_process_not_starting(sim_app):
     app = sim_app("--sizes", "4M")
     r = gpucr_cli("wait", str(app.pid), "--timeout", "10")

@@ -197,10 +197,11 @@ def test_roots_server_keeps_no_fd_of_another_users_failed_answer(users, hostile)
 def test_pinning_ahead_keeps_no_fd_of_a_failed_layout(hostile):
     srv = RunningServer(True)
     try:
-        hostile("layout", HOSTILE_MODE="half_line", HOSTILE_MIB="32", GPUCR_STAGING_AHEAD="1")
-        time.sleep(1.5)   # the server asks for the layout to pin ahead every second
+        app = hostile("layout", HOSTILE_MODE="half_line", HOSTILE_MIB="32", GPUCR_STAGING_AHEAD="1")
+        asked = f"pinning ahead for process {app.pid} failed: process {app.pid} closed the control channel during 'layout'"
+        wait_for(lambda: asked in srv.log.read_text(), what="the server asking for the layout to pin ahead")
         fds0 = nfds(srv.pid)
-        time.sleep(3.0)
+        time.sleep(3.0)   # the server asks again every second (logged once per reason)
         assert nfds(srv.pid) == fds0
     finally:
         srv.stop()
@@ -240,3 +241,23 @@ def test_an_honest_listing_of_several_pages_passes_the_bounds(sim_app):
     finally:
         server_memory.close_all(got)
     assert nfds() == fds0
+
+
+def test_a_listing_at_the_entry_bound_of_honest_entries_passes_the_byte_bound(sim_app):
+    """The byte bound leaves room for the entry bound: as many entries as a listing may have, each as long as
+    an honest agent's `memory` entry (measured on one here), pass."""
+    from gpucr.agent import _Answer, _Listing
+    app = sim_app("--sizes", "2M,2M,2M,2M")
+    with targets.resolve(app.pid).connect() as agent:
+        reply, fds = agent.call_with_fds("memory", 10.0, **{"from": 0})
+    for fd in fds:
+        os.close(fd)
+    page = reply["memory"]
+    per_entry = len(json.dumps(reply)) / len(page)
+    listing, start, per_page = _Listing(app.pid, "memory", "list of its GPU memory"), 0, 256
+    entries = [dict(page[0], fd_index=-1)] * per_page   # the size is the real page's; no fds travel here
+    while start >= 0:
+        nxt = start + per_page if start + per_page < MAX_LISTING_ENTRIES else -1
+        answer = _Answer({"total": MAX_LISTING_ENTRIES, "memory": entries, "next": nxt}, [], int(per_entry * per_page))
+        _, start = listing.page(answer, start)
+    assert listing.entries == MAX_LISTING_ENTRIES

@@ -84,7 +84,9 @@ def test_the_server_refuses_an_unsealed_memfd_and_survives_a_file_shrunk_under_i
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, f"rc {r.returncode}: {r.stdout}{r.stderr}"
     assert "unsealed memfd: refused:" in r.stdout and "not sealed against shrinking" in r.stdout, r.stdout
-    assert "shrunk file: refused:" in r.stdout, r.stdout
+    # the copy itself fails, as the driver fails a copy through pages gone from under its pin (simcuda: 700)
+    assert ("shrunk file: refused: the gpucr server's copy out failed: copying out failed: an illegal memory "
+            "access was encountered (CUDA error 700)") in r.stdout, r.stdout
 
 
 def test_simcuda_never_faults_on_a_pinned_range_whose_file_was_truncated(tmp_path):

@@ -78,8 +78,8 @@ static int lock_ledger(char *err, size_t errlen)
     int fd = dir ? open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC) : -1;
     if (fd >= 0 && !flock_within(fd)) {
         int holder = lock_holder(fd);
-        char who[48] = "another process";
-        if (holder > 0) snprintf(who, sizeof who, "process %d", holder);
+        char who[64] = "another process";
+        if (holder > 0) snprintf(who, sizeof who, "process %d (or a child it forked)", holder);
         snprintf(err, errlen, "the host-memory ledger of %s is held by %s for more than %d s; retry, or end that "
                  "process if it is stopped", dir, who, LEDGER_WAIT_MS / 1000);
         close(fd);

@@ -18,9 +18,11 @@ PROTOCOL = 4            # what the agent says in hello's "protocol"; native/agen
 WATCH_EVERY_S = 0.25    # how often a watched call looks at the process while it waits
 # A paged listing (`shared`, `memory`) comes from an untrusted process: besides one deadline, it is bounded
 # by the count its agent announces first (at most this many entries: far more allocations than a process
-# makes) and by the bytes of all its pages together.
+# makes) and by the bytes of all its pages together: room for that many entries of MAX_ENTRY_BYTES (an
+# honest `memory` entry is about 300 bytes).
 MAX_LISTING_ENTRIES = 1 << 18
-MAX_LISTING_BYTES = MAX_REPLY
+MAX_ENTRY_BYTES = 512
+MAX_LISTING_BYTES = MAX_LISTING_ENTRIES * MAX_ENTRY_BYTES
 
 
 class HoldsFd(Protocol):

@@ -22,6 +22,7 @@ from .results import (SCHEMA_VERSION, ErrorResult, GpuMemoryChange, ImageTransfe
 
 T = TypeVar("T")
 STATUS_WAIT_S = 10.0   # how long `status` waits for a process still starting under gpucr
+ONE_KIND_ENV = "GPUCR_PS_ONE_KIND"   # internal: a `ps` listing for another, of its own driver kind only
 # The agent's limits for the settings `gpucr run` passes on (native/agent/settings.def; tests/test_settings.py
 # holds the two to each other).
 BOUNCE_MIB_MIN, BOUNCE_MIB_MAX = 4, 16384
@@ -227,10 +228,11 @@ def _targets(a: argparse.Namespace) -> tuple[list[int], list[LeftOut]]:
     return a.pids, []
 
 
-def _settled(pids: list[int], timeout: float, need_cuda: bool = True) -> None:
-    """Wait for those still starting, then act through the driver they run on (see gpucr.preflight)."""
+def _settled(pids: list[int], timeout: float, ask: Callable[[], T], need_cuda: bool = True) -> T:
+    """The request's answer, asked again when those still starting are up, or through the driver they run
+    on (see gpucr.preflight.request)."""
     from . import preflight
-    preflight.take_kind([preflight.settle(pid, timeout, need_cuda) for pid in pids])
+    return preflight.request(pids, timeout, ask, need_cuda)
 
 
 def _images(a: argparse.Namespace, pids: list[int]) -> dict[int, str] | None:
@@ -269,11 +271,10 @@ def _warn(processes: list) -> None:
 
 def cmd_checkpoint(a: argparse.Namespace) -> int:
     pids, left_out = _targets(a)
-    _settled(pids, a.timeout)
     result, result.total_s = _timed(f"checkpointing {_plural(len(pids), 'process', 'processes')}",
                                     not a.json and not a.image,   # an image shows its own bar
-                                    lambda: route.checkpoint_many(pids, level=a.level, timeout=a.timeout,
-                                                                  images=_images(a, pids)))
+                                    lambda: _settled(pids, a.timeout, lambda: route.checkpoint_many(
+                                        pids, level=a.level, timeout=a.timeout, images=_images(a, pids))))
     result.left_out = left_out
     _warn(result.processes)
     if a.json:
@@ -296,12 +297,11 @@ def cmd_checkpoint(a: argparse.Namespace) -> int:
 def cmd_restore(a: argparse.Namespace) -> int:
     pids, left_out = _targets(a)
     gpu_map = gpus.parse_map(a.map or [])   # checked before any process is asked anything
-    _settled(pids, a.timeout)
     result, result.total_s = _timed(f"restoring {_plural(len(pids), 'process', 'processes')}",
                                     not a.json and not a.image,
-                                    lambda: route.restore_many(pids, timeout=a.timeout, drop_staging=a.drop_staging,
-                                                               force=a.force, images=_images(a, pids),
-                                                               gpu_map=gpu_map))
+                                    lambda: _settled(pids, a.timeout, lambda: route.restore_many(
+                                        pids, timeout=a.timeout, drop_staging=a.drop_staging, force=a.force,
+                                        images=_images(a, pids), gpu_map=gpu_map)))
     result.left_out = left_out
     _warn(result.processes)
     if a.json:
@@ -372,8 +372,7 @@ def _status_lines(st: ProcessStatus) -> list[str]:
 def cmd_status(a: argparse.Namespace) -> int:
     if a.pid is None:
         return cmd_ps(a, command="status")
-    _settled([a.pid], STATUS_WAIT_S, need_cuda=False)
-    st = route.status(a.pid)
+    st = _settled([a.pid], STATUS_WAIT_S, lambda: route.status(a.pid), need_cuda=False)
     if a.json:
         _print_json(to_json(StatusResult(SCHEMA_VERSION, "status", [st])))
     else:
@@ -389,23 +388,38 @@ def cmd_wait(a: argparse.Namespace) -> int:
     return 0
 
 
-def _listed_by_kind() -> dict[bool, list[int]]:
-    """The processes under gpucr listed here, by the driver their agents say they run on (simulated or not);
-    those that do not answer are left to the listing, which says why."""
+def _take_listed_kind() -> None:
+    """When this controller was not told its driver: act through simcuda if every process under gpucr here
+    that answers runs on it (one hello each: the kind must be known before the listing)."""
     from . import target as targets
-    kinds: dict[bool, list[int]] = {True: [], False: []}
+    kinds = set()
     for pid, _sock in targets.list_sockets():
         try:
-            kinds[targets.resolve(pid).simulated].append(pid)
+            kinds.add(targets.resolve(pid).simulated)
+        except GpucrError:
+            pass   # the listing says why
+    if kinds == {True}:
+        os.environ[SIMULATE_ENV] = "1"
+
+
+def _of_kind(simulated: bool, pids: list[int]) -> list[int]:
+    """Those of `pids` whose agents say they run on that driver kind (only the rows the listing could not
+    ask are looked at again: one of the other kind is among them)."""
+    from . import target as targets
+    out = []
+    for pid in pids:
+        try:
+            if targets.resolve(pid).simulated == simulated:
+                out.append(pid)
         except GpucrError:
             pass
-    return kinds
+    return out
 
 
 def _listed_apart(simulated: bool, pids: list[int]) -> StatusResult:
     """The rows of processes on the other driver, from a gpucr of this installation acting through that one
-    (this process never loads both drivers)."""
-    env = dict(os.environ, **{SIMULATE_ENV: "1" if simulated else "0"})
+    (this process never loads both drivers). That one lists its own kind only: it never starts another."""
+    env = dict(os.environ, **{SIMULATE_ENV: "1" if simulated else "0", ONE_KIND_ENV: "1"})
     r = subprocess.run([sys.executable, "-m", "gpucr.cli", "ps", "--json"], env=env, capture_output=True, text=True,
                        timeout=120)
     try:
@@ -420,12 +434,13 @@ def _listed_apart(simulated: bool, pids: list[int]) -> StatusResult:
 
 def _ps_rows() -> StatusResult:
     """Every process under gpucr: those on simcuda listed through simcuda, the others through the driver."""
-    kinds = _listed_by_kind()
-    if os.environ.get(SIMULATE_ENV, "") == "" and kinds[True] and not kinds[False]:
-        os.environ[SIMULATE_ENV] = "1"
-    here = os.environ.get(SIMULATE_ENV) == "1"
+    if os.environ.get(SIMULATE_ENV, "") == "":
+        _take_listed_kind()
     rows = route.ps()
-    apart = kinds[not here]
+    if os.environ.get(ONE_KIND_ENV) == "1":
+        return rows
+    here = os.environ.get(SIMULATE_ENV) == "1"
+    apart = _of_kind(not here, [u.pid for u in rows.unreachable])
     if apart:
         other = _listed_apart(not here, apart)
         rows.processes += other.processes

@@ -5,22 +5,33 @@ simcuda, the system's driver otherwise. One process never loads both: a request 
 refused, naming which is which."""
 from __future__ import annotations
 
+import math
 import os
 import time
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from . import target as targets
 from .driver import SIMULATE_ENV
 from .errors import GpucrError
 
+T = TypeVar("T")
 STARTING_S = 10.0     # a process this young under gpucr may still be loading its agent or CUDA
 POLL_S = 0.05
 
 
+class StillStarting(GpucrError):
+    """A process still starting under gpucr when the request's time ran out."""
+
+
 def _age_s(pid: int) -> float:
-    ticks = os.sysconf("SC_CLK_TCK")
-    uptime = float(Path("/proc/uptime").read_text().split()[0])
-    return uptime - targets.process_start_time(pid) / ticks
+    """How long the process has run; a process gone meanwhile reads as old (nothing is left to wait for)."""
+    try:
+        ticks = os.sysconf("SC_CLK_TCK")
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - targets.process_start_time(pid) / ticks
+    except OSError:
+        return math.inf
 
 
 def _not_ready(pid: int, need_cuda: bool = True) -> tuple[targets.Target | None, str]:
@@ -37,6 +48,11 @@ def _not_ready(pid: int, need_cuda: bool = True) -> tuple[targets.Target | None,
     return t, "" if t.hello.get("cuda") or not need_cuda else "it has not loaded the CUDA driver yet"
 
 
+def _still_starting(t: targets.Target | None, lack: str, pid: int) -> bool:
+    """Whether waiting may mend what the process lacks: a process older than STARTING_S is taken as it is."""
+    return t is None or (lack != "" and _age_s(pid) < STARTING_S)
+
+
 def wait_ready(pid: int, timeout: float) -> targets.Target:
     """Wait up to `timeout` for a process under gpucr to be ready for a checkpoint (`gpucr wait`)."""
     deadline = time.monotonic() + timeout
@@ -49,23 +65,46 @@ def wait_ready(pid: int, timeout: float) -> targets.Target:
         time.sleep(POLL_S)
 
 
-def settle(pid: int, timeout: float, need_cuda: bool = True) -> targets.Target:
-    """A target as a request finds it, after waiting (up to `timeout`) while it is still starting: its agent
-    not up yet, or CUDA not loaded yet while it is younger than STARTING_S. An older process is taken as it
-    is: the request's own checks say what it lacks."""
-    deadline = time.monotonic() + timeout
+def _settle(pid: int, deadline: float, timeout: float, need_cuda: bool) -> tuple[targets.Target, bool]:
+    """The process's target once it is no longer starting, waiting up to `deadline` (`timeout` is what the
+    user gave, for the message); and whether it was still starting when first looked at."""
+    waited = False
     while True:
         t, lack = _not_ready(pid, need_cuda)
-        if t is not None and (not lack or _age_s(pid) >= STARTING_S):
-            return t
+        if t is not None and not _still_starting(t, lack, pid):
+            return t, waited
         if time.monotonic() >= deadline:
-            raise GpucrError(f"process {pid} is still starting under gpucr after {timeout:g} s ({lack}); wait for "
-                             f"it with 'gpucr wait {pid}', then retry")
+            raise StillStarting(f"process {pid} is still starting under gpucr after {timeout:g} s ({lack}); "
+                                f"wait for it with 'gpucr wait {pid}', then retry")
+        waited = True
         time.sleep(POLL_S)
 
 
-def take_kind(found: list[targets.Target]) -> None:
-    """Make this controller act through the driver its targets run on, when it was not told which."""
+def request(pids: list[int], timeout: float, ask: Callable[[], T], need_cuda: bool = True) -> T:
+    """The answer to a request on these processes. It is asked at once: its own vetting says hello to each
+    process, so nothing is spent on checks when all is well. Only when it fails are the processes looked at:
+    while one is still starting under gpucr (its agent not up yet, or CUDA not loaded yet while younger than
+    STARTING_S), it waits (up to `timeout` in all) and asks again; when they run on the driver kind this
+    controller was not told of, it asks again through theirs. Any other failure is the request's own."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            return ask()
+        except GpucrError as failed:
+            try:
+                looked = [_settle(pid, deadline, timeout, need_cuda) for pid in pids]
+            except StillStarting:
+                raise
+            except GpucrError:
+                raise failed from None   # gone, or never under gpucr: the request said it first
+            waited = any(w for _, w in looked)
+            if not take_kind([t for t, _ in looked]) and not waited:
+                raise failed
+
+
+def take_kind(found: list[targets.Target]) -> bool:
+    """Make this controller act through the driver its targets run on, when it was not told which; whether
+    that changed its kind."""
     sim = [t.pid for t in found if t.simulated]
     real = [t.pid for t in found if not t.simulated]
     if sim and real:
@@ -74,6 +113,8 @@ def take_kind(found: list[targets.Target]) -> None:
                          "drivers): name the processes of each kind in a request of their own")
     if sim and os.environ.get(SIMULATE_ENV, "") == "":
         os.environ[SIMULATE_ENV] = "1"
+        return True
+    return False
 
 
 def _pids(pids: list[int]) -> str:

@@ -146,8 +146,3 @@ def recover(list_only: bool, timeout: float) -> list[Stuck]:
         return [_typed(Stuck, s) for s in out]
     from .. import recover as recovery
     return recovery.find() if list_only else recovery.recover(timeout=timeout)
-
-
-def server_info() -> dict[str, Any] | None:
-    """The running server's description, None when none runs (or when told not to use one)."""
-    return client.info(controller_simulated()) if server_wanted() else None
