@@ -114,12 +114,16 @@ def test_recover_prints_the_same_shape_listed_or_done(sim_app, n):
     apps = start(sim_app, n)
     for a in apps:
         gpucr.checkpoint(a.pid, level="data")   # checkpointed on purpose: recover takes it only with --all
-    listed = cli_json(R.RecoverResult, "recover", "--all", "--list")
+    # named: with --all, root's recover would take any process of the machine checkpointed on purpose
+    pids = [str(a.pid) for a in apps]
+    assert cli_json(R.RecoverResult, "recover", "--all", "--list", pids[0]).processes[0].pid == apps[0].pid
+    listed = cli_json(R.RecoverResult, "recover", "--all", "--list", *pids)
     assert listed.command == "recover" and listed.listed_only
     assert sorted(s.pid for s in listed.processes) == sorted(a.pid for a in apps)
-    done = cli_json(R.RecoverResult, "recover", "--all")
+    assert cli_json(R.RecoverResult, "recover", "--list", *pids).processes == [], "checkpointed on purpose: left alone"
+    done = cli_json(R.RecoverResult, "recover", "--all", *pids)
     assert not done.listed_only and all(s.ok for s in done.processes) and len(done.processes) == n
-    assert cli_json(R.RecoverResult, "recover", "--all", "--list").processes == []
+    assert cli_json(R.RecoverResult, "recover", "--all", "--list", *pids).processes == []
 
 
 def test_gpu_memory_is_the_process_own_apart_from_the_whole_gpu(sim_app):

@@ -569,14 +569,18 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     return 0
 
 
-def _recover_all(a: argparse.Namespace) -> list:
-    """recover --all, in-process: the server's recover leaves checkpoints made on purpose alone."""
+def _recover_chosen(a: argparse.Namespace) -> list:
+    """recover --all or recover PID..., in-process: the server's recover takes every stuck process and leaves
+    checkpoints made on purpose alone."""
     from . import recover as recovery
-    return recovery.find(committed_too=True) if a.list else recovery.recover(a.timeout, committed_too=True)
+    only = set(a.pids) if a.pids else None
+    if a.list:
+        return recovery.find(committed_too=a.all, only=only)
+    return recovery.recover(a.timeout, committed_too=a.all, only=only)
 
 
 def cmd_recover(a: argparse.Namespace) -> int:
-    stuck = _recover_all(a) if a.all else route.recover(a.list, a.timeout)
+    stuck = _recover_chosen(a) if a.all or a.pids else route.recover(a.list, a.timeout)
     if a.json:
         _print_json(to_json(RecoverResult(SCHEMA_VERSION, "recover", a.list, stuck)))
     elif not stuck:
@@ -661,6 +665,7 @@ def _parser() -> argparse.ArgumentParser:
 
     rc = sub.add_parser("recover", help="bring back every process of yours (everyone's, for root) left locked, "
                         "checkpointed or parked with no controller at work on it")
+    rc.add_argument("pids", nargs="*", type=int, metavar="PID", help="only these processes (default: every one)")
     rc.add_argument("--list", action="store_true", help="only list them")
     rc.add_argument("--all", action="store_true", help="also processes checkpointed on purpose (a completed "
                     "'gpucr checkpoint'), left alone otherwise")

@@ -12,6 +12,7 @@ Processes that share memory are restored together, as a restore needs them to be
 from __future__ import annotations
 
 import os
+from typing import Collection
 
 from . import coordinator
 from . import target as targets
@@ -80,16 +81,16 @@ def _agent_sees(pid: int, held: str | None, committed_too: bool) -> str | None:
     return None
 
 
-def find(committed_too: bool = False) -> list[Stuck]:
-    """Every stuck process this user may act on (every user's, for root); with `committed_too`, also those
-    checkpointed on purpose. A process with gpucr's agent loaded is always taken as under gpucr, wherever its
-    agent listens: the driver alone would leave its agent's gate closed."""
+def find(committed_too: bool = False, only: Collection[int] | None = None) -> list[Stuck]:
+    """Every stuck process this user may act on (every user's, for root), or of those in `only`; with
+    `committed_too`, also those checkpointed on purpose. A process with gpucr's agent loaded is always taken as
+    under gpucr, wherever its agent listens: the driver alone would leave its agent's gate closed."""
     drv = controller_driver()
     listed = {pid for pid, _ in targets.list_sockets()}   # this user's dirs, other pid namespaces included
     pids = sorted(listed | {int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()
                             and _mine(int(e)) and (_loaded(int(e), "libcuda.so") or _loaded(int(e), AGENT_LIB))})
     out = []
-    for pid in pids:
+    for pid in (p for p in pids if only is None or p in only):
         under = pid in listed or _loaded(pid, AGENT_LIB)
         held = _driver_holds(drv, pid)
         how = _agent_sees(pid, held, committed_too) if under else held
@@ -107,10 +108,10 @@ def _bring_back_plain(s: Stuck) -> None:
         drv.unlock(s.pid)
 
 
-def recover(timeout: float = 60.0, committed_too: bool = False) -> list[Stuck]:
-    """Bring back every stuck process (with `committed_too`, also those checkpointed on purpose); each says what
-    became of it."""
-    stuck = find(committed_too)
+def recover(timeout: float = 60.0, committed_too: bool = False, only: Collection[int] | None = None) -> list[Stuck]:
+    """Bring back every stuck process, or those of `only` (with `committed_too`, also those checkpointed on
+    purpose); each says what became of it."""
+    stuck = find(committed_too, only)
     for s in (s for s in stuck if not s.under_gpucr):
         try:
             _bring_back_plain(s)
