@@ -23,13 +23,13 @@ from .results import ProcessStatus, Stuck
 AGENT_LIB = "libgpucr.so"   # gpucr's agent, loaded in every process under gpucr
 
 
-def _loaded(pid: int, lib: str) -> bool:
-    """Whether process `pid` has a library named `lib` mapped."""
+def _loaded(pid: int) -> set[str]:
+    """Which of the CUDA driver and gpucr's agent process `pid` has mapped (one read of its maps)."""
     try:
         with open(f"/proc/{pid}/maps") as f:
-            return any(lib in line for line in f)
+            return {lib for line in f for lib in ("libcuda.so", AGENT_LIB) if lib in line}
     except OSError:
-        return False   # gone, or another user's and we are not root
+        return set()   # gone, or another user's and we are not root
 
 
 def _mine(pid: int) -> bool:
@@ -87,11 +87,12 @@ def find(committed_too: bool = False, only: Collection[int] | None = None) -> li
     under gpucr, wherever its agent listens: the driver alone would leave its agent's gate closed."""
     drv = controller_driver()
     listed = {pid for pid, _ in targets.list_sockets()}   # this user's dirs, other pid namespaces included
-    pids = sorted(listed | {int(e) for e in os.listdir("/proc") if e.isdigit() and int(e) != os.getpid()
-                            and _mine(int(e)) and (_loaded(int(e), "libcuda.so") or _loaded(int(e), AGENT_LIB))})
+    seen = (int(e) for e in os.listdir("/proc") if e.isdigit())
+    loaded = {pid: _loaded(pid) for pid in seen if (only is None or pid in only) and pid != os.getpid() and _mine(pid)}
+    pids = sorted({p for p in listed if only is None or p in only} | {p for p, libs in loaded.items() if libs})
     out = []
-    for pid in (p for p in pids if only is None or p in only):
-        under = pid in listed or _loaded(pid, AGENT_LIB)
+    for pid in pids:
+        under = pid in listed or AGENT_LIB in loaded.get(pid, set())
         held = _driver_holds(drv, pid)
         how = _agent_sees(pid, held, committed_too) if under else held
         if how:
