@@ -19,7 +19,7 @@ from gpucr import coordinator, paths
 from gpucr import target as targets
 from gpucr.agent import MAX_LISTING_ENTRIES
 from gpucr.errors import GpucrError
-from gpucr.server import memory as server_memory
+from gpucr.dataplane import memory as server_memory
 from gpucr.workloads.runner import Workload
 
 from conftest import ROOT, RunningServer, gpucr_cli

@@ -262,7 +262,7 @@ def test_a_context_given_back_is_waited_for_until_nvml_stops_counting_it(monkeyp
     result measured then reported 0.60 GiB of it): settle waits until the count of the server's own pid drops,
     at most its limit, and not at all where nothing is counted."""
     from types import SimpleNamespace
-    from gpucr.server import mover as mv
+    from gpucr.dataplane import mover as mv
     counts = iter([648 << 20, 648 << 20, 0])
     asked: list[tuple[int, int, str]] = []
 
@@ -287,8 +287,8 @@ def test_the_data_plane_refuses_a_layout_outside_the_staging(tmp_path):
     """The process is not trusted: a layout that would have the server copy past its staging file, a restore
     of anything but what the server took from it, or a staging fd that is not a plain file of the size said,
     is refused before any copy (and the staging pinned is no more than the GPU memory really imported)."""
-    from gpucr.server.memory import Managed
-    from gpucr.server.mover import Mover
+    from gpucr.dataplane.memory import Managed
+    from gpucr.dataplane.mover import Mover
     mover = Mover(sim_driver())
     sim_uuid = next(iter(mover.vmm.device_by_uuid()))
     seg = tmp_path / "seg"
@@ -325,7 +325,7 @@ def test_pinning_ahead_pins_outside_the_data_plane_and_only_what_is_missing(tmp_
     allocations reach, as a copy would (pinning whole segments again beside the next checkpoints slowed
     their copies 5-8x on the two-H200 host): nothing twice, a segment grown or a new file behind a segment
     anew, a segment gone let go; and it stops while a copy wants the data plane."""
-    from gpucr.server.mover import Mover, Stats, owner
+    from gpucr.dataplane.mover import Mover, Stats, owner
     mover = Mover(sim_driver())
     sim_uuid = next(iter(mover.vmm.device_by_uuid()))
     pin = mover.vmm.pin
@@ -366,7 +366,7 @@ def test_a_reused_pid_never_meets_the_dead_process_staging(tmp_path):
     """Pid reuse (issue 24): staging the server holds for a process that has ended, whose pid a new process now
     has, is never taken for the new one's (the same file behind it, even): the new one's is mapped and pinned
     anew, and the dead one's is let go once ended processes are looked for, unpinned, nothing stuck."""
-    from gpucr.server.mover import Mover, owner
+    from gpucr.dataplane.mover import Mover, owner
     mover = Mover(sim_driver())
     uuid = next(iter(mover.vmm.device_by_uuid()))
     (tmp_path / "seg").write_bytes(b"\0" * (4 << 20))
@@ -414,7 +414,7 @@ def test_a_wait_for_the_data_plane_gives_up_at_its_deadline_naming_its_holder():
     """No wait in the server is without end (issue 24): with the data plane held by a copy that stalls, a
     request behind it gives up at the deadline with one line naming what holds it."""
     from gpucr.errors import GpucrError
-    from gpucr.server.mover import Mover
+    from gpucr.dataplane.mover import Mover
     mover = Mover(sim_driver())
     mover.plane_wait_s = 0.3
     try:
@@ -434,8 +434,8 @@ def test_staging_let_go_while_a_pin_ahead_stalls_stays_accounted(tmp_path, monke
     gives up at its deadline (one deadline for all its segments), and every segment the server cannot unpin
     then is kept among the stuck, shown with what is pinned of it; none is left mapped and pinned unseen."""
     import threading
-    from gpucr.server import pinned
-    from gpucr.server.mover import Mover, owner
+    from gpucr.dataplane import pinned
+    from gpucr.dataplane.mover import Mover, owner
     monkeypatch.setattr(pinned, "PIN_PIECE", 1 << 20)
     mover = Mover(sim_driver())
     mover.plane_wait_s = 1.0
@@ -479,7 +479,7 @@ def test_a_look_at_the_server_answers_at_once_while_a_copy_holds_the_data_plane(
     the staging of a process that ended as still held (it is), and once the copy is done, none."""
     import threading
     from gpucr.server.daemon import Server
-    from gpucr.server.mover import Mover
+    from gpucr.dataplane.mover import Mover
     srv = Server()
     srv._mover = mover = Mover(sim_driver())
     uuid = next(iter(mover.vmm.device_by_uuid()))
@@ -512,7 +512,7 @@ def test_the_pin_ahead_loop_outlives_a_failing_round(monkeypatch):
     import threading
     from gpucr.errors import GpucrError
     from gpucr.server import daemon
-    from gpucr.server.mover import Mover
+    from gpucr.dataplane.mover import Mover
     monkeypatch.setattr(daemon, "PIN_AHEAD_EVERY_S", 0.02)
     said: list[str] = []
     monkeypatch.setattr(daemon, "log", said.append)
@@ -546,7 +546,7 @@ def _exported_memory(vmm, dev: int, uuid: str, sizes: list[int]) -> tuple[list, 
     """Device memory of `sizes` on simcuda, each filled with its own bytes and exported: [Managed] with our
     fd of each (what the agent hands the server at a checkpoint), and the bytes."""
     import ctypes
-    from gpucr.server.memory import Managed
+    from gpucr.dataplane.memory import Managed
     memory, data = [], []
     for i, size in enumerate(sizes):
         h = vmm.create(size, dev)
@@ -571,12 +571,12 @@ def _device_bytes(vmm, fd: int, size: int, dev: int) -> bytes:
 
 
 def test_staging_is_pinned_in_pieces_and_no_copy_spans_two(tmp_path, monkeypatch):
-    """The server pins staging a piece at a time (server/pinned.py: one registration of a new 4 GiB segment
+    """The server pins staging a piece at a time (dataplane/pinned.py: one registration of a new 4 GiB segment
     beside a checkpoint slowed it by 0.3 s on the H200), as far as the allocations reach; and no copy's host
     range spans two pieces, which the real driver would copy as pageable memory. simcuda counts such copies:
     none, both ways, bytes equal; and with the cuts at piece ends left out, it counts them."""
     from gpucr.driver import sim_pageable_async_copies
-    from gpucr.server import mover as mv, pinned
+    from gpucr.dataplane import mover as mv, pinned
     monkeypatch.setattr(pinned, "PIN_PIECE", 3 << 20)
     monkeypatch.setattr(pinned, "file_page", lambda blksize: pinned.PAGE)   # whatever tmp's filesystem says
     monkeypatch.setattr(mv, "CHUNK", 2 << 20)
@@ -624,7 +624,7 @@ def test_pieces_start_and_end_on_the_staging_files_own_pages(monkeypatch):
     """On hugetlbfs (st_blksize: the huge page) no piece starts or ends inside a huge page, which two
     registrations would then share; on shared memory a piece ends on a 4 KiB page; a copy asked past what is
     pinned is the server's own mistake, said, not an index error."""
-    from gpucr.server import pinned
+    from gpucr.dataplane import pinned
 
     class Vmm:
         def __init__(self) -> None:
@@ -652,8 +652,8 @@ def test_pinning_ahead_stops_between_pieces_for_a_request_and_goes_on_from_there
     """A request that will copy (the daemon enters `wanted` for a whole checkpoint or restore) stops pinning
     ahead at the end of the piece being pinned; what was pinned stays: a copy that needs more pins only the
     rest of what it needs, and the next pin ahead goes on from there, no piece pinned twice."""
-    from gpucr.server import pinned
-    from gpucr.server.mover import Mover, Stats, owner
+    from gpucr.dataplane import pinned
+    from gpucr.dataplane.mover import Mover, Stats, owner
     monkeypatch.setattr(pinned, "PIN_PIECE", 1 << 20)
     mover = Mover(sim_driver())
     uuid = next(iter(mover.vmm.device_by_uuid()))
@@ -691,8 +691,8 @@ def test_a_copy_that_comes_while_a_segment_is_pinned_ahead_waits_for_that_piece_
     wanted, its lock held) waits for the piece being pinned, then pins only what is still missing; it
     neither maps nor pins the segment a second time, and no piece is pinned twice."""
     import threading
-    from gpucr.server import pinned
-    from gpucr.server.mover import Mover, Stats, owner
+    from gpucr.dataplane import pinned
+    from gpucr.dataplane.mover import Mover, Stats, owner
     monkeypatch.setattr(pinned, "PIN_PIECE", 1 << 20)
     monkeypatch.setattr(pinned, "file_page", lambda blksize: pinned.PAGE)
     mover = Mover(sim_driver())
@@ -743,7 +743,7 @@ def test_a_copy_that_comes_while_a_segment_is_pinned_ahead_waits_for_that_piece_
 def test_a_checkpoint_or_restore_request_wants_the_data_plane_throughout(monkeypatch):
     """From the request's first step (its checks, the handover), not only its copy: pinning ahead yields."""
     from gpucr.server import daemon
-    from gpucr.server.mover import Mover
+    from gpucr.dataplane.mover import Mover
     mover = Mover(sim_driver())
     seen: list[int] = []
 

@@ -32,12 +32,12 @@ from .results import (SCHEMA_VERSION, CheckpointResult, ProcessCheckpoint, Proce
                       StatusResult, Unreachable)
 
 from .levels import LEVELS   # noqa: E402,F401 (coordinator.LEVELS, as before)
-from .server import memory as server_memory
-from .server.memory import Managed
+from .dataplane import memory as server_memory
+from .dataplane.memory import Managed
 from .server.abandon import why_abandoned as abandoned
 
 if TYPE_CHECKING:
-    from .server.mover import Mover, Stats as ServerStats
+    from .dataplane.mover import Mover, Stats as ServerStats
 
 T = TypeVar("T")
 ADOPT_BATCH = 64            # fds per adopt request (the agent takes at most 64 with one request)

@@ -176,7 +176,7 @@ _HOST_REGISTER_PORTABLE = 1
 
 
 class Vmm:
-    """The VMM and copy half of the driver API, for the gpucr server's data plane (gpucr.server.mover): one
+    """The VMM and copy half of the driver API, for the gpucr server's data plane (gpucr.dataplane.mover): one
     context per GPU it serves, memory imported from and exported to other processes as POSIX fds, copies
     between it and pinned host memory. Each call raises DriverError on failure."""
 

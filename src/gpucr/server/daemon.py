@@ -28,7 +28,7 @@ from ..driver import controller_driver, controller_simulated
 from ..errors import GpucrError
 from ..results import to_json
 from . import abandon, wire
-from .mover import Mover
+from ..dataplane.mover import Mover
 
 ACCEPT_TICK_S = 0.5
 PIN_AHEAD_EVERY_S = 1.0   # how often staging prepared ahead by the processes is looked for (and pinned here)
@@ -79,11 +79,11 @@ class _EnvGate:
 class Server:
     def __init__(self, idle_exit_s: float | None = None, data_plane: bool = True, keep_context: bool = True,
                  routes: bool = True) -> None:
-        """data_plane: the server copies a process's data itself (gpucr.server.mover), else the agent does, as
+        """data_plane: the server copies a process's data itself (gpucr.dataplane.mover), else the agent does, as
         in-process; keep_context: its context per GPU and pinned staging stay between cycles (fast restores),
         else they are given back after each request (the card holds nothing of the server's between cycles,
         and the next cycle pins the staging again); routes: the copies also go through idle NVLink
-        neighbours of the process's GPU (gpucr.server.links)."""
+        neighbours of the process's GPU (gpucr.dataplane.links)."""
         self.simulated = controller_simulated()
         self.use_data_plane, self.keep_context, self.routes = data_plane, keep_context, routes
         self._mover: Mover | None = None

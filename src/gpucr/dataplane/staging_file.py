@@ -12,7 +12,7 @@ from __future__ import annotations
 import fcntl
 import os
 
-from .errors import GpucrError
+from ..errors import GpucrError
 
 
 def _is_memfd(fd: int) -> bool:

@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 
 from ..driver import DriverError, Vmm
 from ..errors import GpucrError
-from ..staging_file import refuse_unsealed_memfd
+from .staging_file import refuse_unsealed_memfd
 
 PAGE = 4096
 PIN_PIECE = 256 << 20   # ~10-20 ms of cuMemHostRegister on the H200 host (8 GiB took 0.23-0.52 s)
