@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpucr import coordinator, paths
+from gpucr import reading
 from gpucr import target as targets
 from gpucr.agent import MAX_LISTING_ENTRIES
 from gpucr.errors import GpucrError
@@ -91,12 +92,12 @@ def hostile():
 
 def warm(app: Hostile) -> str:
     """The app's digest, once this controller has loaded what it keeps open (the driver) by a first status."""
-    coordinator.status(app.pid)
+    reading.status(app.pid)
     return app.digest()
 
 
 def left_running(app: Hostile, before: str) -> None:
-    assert coordinator.status(app.pid).state == "running"
+    assert reading.status(app.pid).state == "running"
     assert app.digest() == before
 
 

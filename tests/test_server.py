@@ -1081,7 +1081,7 @@ def test_a_live_client_on_an_fd_past_1023_is_not_taken_for_gone():
     """A server with over a thousand fds open (a thousand requests, or staging fds) serves connections on fds
     past 1023, where select() cannot look: such a client, still waiting, is not taken for gone; once it
     closes its end, it is."""
-    from gpucr.server import abandon
+    from gpucr import abandon
     server_end, client_end = socket.socketpair()
     conn = _socket_at(1100, server_end)
     server_end.close()

@@ -8,7 +8,7 @@
 
 Each returns a typed result (gpucr.results, documented in docs/api.md); `--json` prints the same.
 """
-__version__ = "0.1.0"   # before the imports: gpucr.server.wire reads it
+from .version import __version__
 
 from .server.route import checkpoint, checkpoint_many, ps, restore, restore_many, status   # through `gpucr serve` when it runs
 from .errors import GpucrError

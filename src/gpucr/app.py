@@ -18,6 +18,7 @@ import os
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Callable
 
 from . import paths
@@ -135,6 +136,14 @@ class AppChannel:
             return None
         try:
             return cls(path)
+        except OSError:
+            return None
+
+    @classmethod
+    def at(cls, path: Path) -> "AppChannel | None":
+        """The channel listening at `path`, or None: the application did not join the cut, or has gone."""
+        try:
+            return cls(str(path)) if path.exists() else None
         except OSError:
             return None
 

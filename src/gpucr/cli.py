@@ -12,7 +12,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
-from . import __version__, coverage, gpus, paths
+from . import coverage, gpus, paths
+from .version import __version__
 from .levels import LEVELS
 from .server import route
 from .driver import SIMULATE_ENV

@@ -25,34 +25,20 @@ from . import gpus, manifest, sharing, shape
 from . import imagefs
 from . import target as targets
 from .app import AppChannel
-from .driver import (CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, SIMULATE_ENV, Driver, DriverError, ProcessState,
-                     controller_driver)
+from .driver import CUDA_ERROR_NOT_INITIALIZED, CUDA_ERROR_OUT_OF_MEMORY, Driver, DriverError, ProcessState
 from .errors import GpucrError, note
-from .results import (SCHEMA_VERSION, CheckpointResult, ProcessCheckpoint, ProcessRestore, ProcessStatus, RestoreResult,
-                      StatusResult, Unreachable)
+from .results import SCHEMA_VERSION, CheckpointResult, ProcessCheckpoint, ProcessRestore, RestoreResult
 
 from .levels import LEVELS   # noqa: E402,F401 (coordinator.LEVELS, as before)
 from .dataplane import memory as server_memory
 from .dataplane.memory import Managed
-from .server.abandon import why_abandoned as abandoned
+from .abandon import why_abandoned as abandoned
 
 if TYPE_CHECKING:
     from .dataplane.mover import Mover, Stats as ServerStats
 
 T = TypeVar("T")
 ADOPT_BATCH = 64            # fds per adopt request (the agent takes at most 64 with one request)
-
-
-def _driver(t: targets.Target) -> Driver:
-    """The controller's own driver (never a library the target names); a target on the other kind is refused."""
-    drv = controller_driver()
-    if t.simulated != drv.simulated:
-        if t.simulated:
-            raise GpucrError(f"process {t.pid} runs on simcuda, the simulated driver, and this controller on the "
-                             "system's CUDA driver: give the controller --simulate (or GPUCR_SIMULATE=1)")
-        raise GpucrError(f"process {t.pid} runs on the system's CUDA driver and this controller on simcuda, the "
-                         f"simulated driver ({SIMULATE_ENV}=1 or --simulate): run gpucr without them")
-    return drv
 
 
 def _driver_state(drv: Driver, pid: int) -> ProcessState:
@@ -142,22 +128,9 @@ def _watched_call(m: "_Member", verb: str, limit: float, **args: int) -> dict[st
         watch.close()
 
 
-def status(pid: int) -> ProcessStatus:
-    """The live state of a process under gpucr, as the agent and the driver see it, with the memory
-    it holds on each of its GPUs."""
-    t = targets.resolve(pid)
-    st = _status(t)
-    return shape.process_status(st, _usage(t.pid, [d["uuid"] for d in st.get("devices", [])], st))
-
-
-def _usage(pid: int, uuids: list[str], status: dict[str, Any], mover: Mover | None = None) -> dict[str, gpus.Usage]:
-    """These GPUs' memory now, with this process's part (its agent's `status` says what of it the gpucr server
-    made) and, through the server (`mover`), the server's own; read at a result's edges, never inside a phase."""
-    if not uuids:
-        return {}
-    drv = controller_driver()
-    made = {d["uuid"]: int(d.get("adopted_bytes", 0)) for d in status.get("devices", [])}
-    return gpus.usage(drv, pid, uuids, gpus.machine_gpus(drv), made, os.getpid() if mover is not None else None)
+def _usage(m: _Member, status: dict[str, Any], mover: Mover | None) -> dict[str, gpus.Usage]:
+    """m's GPUs' memory now, with, through the server (`mover`), the server's own part: this process runs it."""
+    return gpus.process_usage(m.pid, m.uuids(), status, os.getpid() if mover is not None else None)
 
 
 def _usage_at_end(m: _Member, mover: Mover | None) -> dict[str, gpus.Usage]:
@@ -166,75 +139,7 @@ def _usage_at_end(m: _Member, mover: Mover | None) -> dict[str, gpus.Usage]:
         st = m.agent.call("status", timeout=10.0)
     except GpucrError:
         st = {}   # it ended meanwhile, holding nothing; the request is done and is not failed for a figure
-    return _usage(m.pid, m.uuids(), st, mover)
-
-
-def _status(t: targets.Target) -> dict[str, Any]:
-    pid = t.pid
-    with t.connect() as agent:
-        st = agent.call("status", timeout=10.0)
-    st.pop("ok", None)
-    st["start_time"] = t.start_time
-    st["cmd"] = targets.command_line(pid)
-    level = None
-    if st.get("cuda"):
-        try:
-            drv_state = _driver(t).state(pid)
-        except DriverError as exc:
-            st["driver_state"] = f"unknown: {exc}"
-            st["level"], st["committed"] = None, False
-            return st
-        st["driver_state"] = drv_state.name.lower()
-        if drv_state == ProcessState.CHECKPOINTED:
-            st["state"], level = "checkpointed", "full"
-        elif drv_state != ProcessState.RUNNING:
-            st["state"], level = "checkpointed", "full"
-        elif st["state"] == "checkpointed":
-            level = "data"
-    st["level"] = level
-    st["committed"] = _committed_as_left(st)
-    if level is not None:
-        st["certificate"] = _live_certificate(t, st, level)
-    return st
-
-
-def _committed_as_left(st: dict[str, Any]) -> bool:
-    """The agent's committed checkpoint, still as its controller left it: the driver holds the process checkpointed
-    at level full, running at level data. A restore killed after the driver's steps leaves a full one running with
-    its gate closed: stuck, not parked on purpose."""
-    as_left = {"full": "checkpointed", "data": "running"}.get(st.pop("committed_level", ""))
-    return bool(st.get("committed")) and as_left is not None and st.get("driver_state") == as_left
-
-
-def _live_certificate(t: targets.Target, st: dict[str, Any], level: str) -> dict[str, Any]:
-    """The certificate of a checkpoint held in memory: what it covers, as an image's manifest says it
-    (per-chunk digests are computed only when the data is written to an image)."""
-    allocs: list[dict[str, Any]] = []
-    if st.get("staged"):
-        try:
-            with t.connect() as agent:
-                layout, fds = agent.call_with_fds("layout", timeout=10.0)
-            for fd in fds:
-                os.close(fd)
-            allocs = [{"va": a["va"], "bytes": a["bytes"], "kind": a["kind"]} for a in layout["allocations"]]
-        except GpucrError:   # busy with a restore this very moment: the counts below still hold
-            pass
-    epoch = None
-    app = _app_channel_quiet(t)
-    if app is not None:
-        try:
-            epoch = app.ask("epoch", 5.0).get("epoch")
-        except (OSError, ValueError):
-            pass
-        finally:
-            app.close()
-    drv = _driver(t)
-    cert = manifest.build(pid=t.pid, start_time=t.start_time, generation=st["generation"], level=level,
-                          gpus=gpus.process_gpus(st, gpus.machine_gpus(drv)), driver_version=drv.version(), status=st,
-                          allocations=allocs, epoch=epoch, simulated=drv.simulated)
-    cert["id"] = "live"
-    cert["where"] = "host memory" if st.get("staged") else "an image (restore with --image DIR)"
-    return cert
+    return _usage(m, st, mover)
 
 
 class PhaseError(GpucrError):
@@ -361,7 +266,7 @@ def _vetting_status(m: _Member, timeout: float) -> dict[str, Any]:
 def _vet_for_checkpoint(pid: int, image_dir: Path | None, timeout: float) -> _Member:
     t = targets.resolve(pid)
     _need_cuda(t)
-    drv = _driver(t)
+    drv = t.driver()
     dstate = _driver_state(drv, pid)
     if dstate != ProcessState.RUNNING:
         raise GpucrError(f"process {pid} is already checkpointed (driver state {dstate.name.lower()}); "
@@ -670,7 +575,7 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
             members.append(_vet_for_checkpoint(pid, Path(img) if img is not None else None, timeout))
         _check_sharing(members, timeout)
         for m in members:
-            m.gpu_before = _usage(m.pid, m.uuids(), m.status, mover)
+            m.gpu_before = _usage(m, m.status, mover)
         t0 = _lap(members, "vet", t0)
         try:
             _each("prepare", members, lambda m: _prepare(m, timeout))
@@ -748,7 +653,7 @@ def _write_image(m: _Member, level: str, epoch) -> dict:
 def _vet_for_restore(pid: int, image_dir: Path | None, force: bool, gpu_map: dict[str, str]) -> _Member:
     t = targets.resolve(pid)
     _need_cuda(t)
-    drv = _driver(t)
+    drv = t.driver()
     dstate = _driver_state(drv, pid)
     m = _Member(t, drv, image_dir=image_dir, result={"pid": pid, "phases_s": {}})
     m.agent = t.connect()
@@ -1137,7 +1042,7 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
             members.append(_vet_for_restore(pid, Path(img) if img is not None else None, force, gpu_map or {}))
         _check_room(members)
         for m in members:
-            m.gpu_before = _usage(m.pid, m.uuids(), m.status, mover)
+            m.gpu_before = _usage(m, m.status, mover)
         _lap(members, "vet", t0)
         failed: dict[int, PhaseError] = {}
 
@@ -1161,7 +1066,7 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
             raise GpucrError(f"{first}{rest}") from first
         t0 = time.perf_counter()
         for m in members:
-            _app_resume(_app_channel_quiet(m.t))
+            _app_resume(AppChannel.at(m.t.app_socket()))
             m.result["state"] = "running"
         if mover is not None:
             mover.settle()
@@ -1207,21 +1112,9 @@ def _settled_status(agent, timeout: float) -> dict[str, Any]:
 
 # ---- an application that joined the cut (gpucr.app) ----
 
-def _app_channel(t: targets.Target) -> AppChannel | None:
-    path = t.socket.with_name(f"{t.pid}.app.sock")
-    return AppChannel(str(path)) if path.exists() else None
-
-
-def _app_channel_quiet(t: targets.Target) -> AppChannel | None:
-    try:
-        return _app_channel(t)
-    except OSError:
-        return None
-
-
 def _app_prepare(t: targets.Target, timeout: float) -> AppChannel | None:
     """Let an application that joined the cut prepare; abort (it runs on) if it fails or hangs."""
-    app = _app_channel_quiet(t)
+    app = AppChannel.at(t.app_socket())
     if app is None:
         return None
     try:
@@ -1252,14 +1145,3 @@ def _test_kill_target(pid: int, phase: str) -> None:
     process (SIGKILL) just before its <phase>, as a worker that dies mid-checkpoint would."""
     if os.environ.get("GPUCR_TEST_KILL_TARGET") == f"{phase}:{pid}":
         os.kill(pid, signal.SIGKILL)
-
-
-def ps() -> StatusResult:
-    """Every live process under gpucr that this user can see; those that cannot be asked apart."""
-    out = StatusResult(SCHEMA_VERSION, "ps", [])
-    for pid, sock in targets.list_sockets():
-        try:
-            out.processes.append(status(pid))
-        except GpucrError as exc:
-            out.unreachable.append(Unreachable(pid, str(exc)))
-    return out

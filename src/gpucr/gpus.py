@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .driver import (Driver, GpuMemory, device_count, device_info, gpu_memory, nvml_device_node, nvml_gpu_list,
+from .driver import (Driver, controller_driver, GpuMemory, device_count, device_info, gpu_memory, nvml_device_node, nvml_gpu_list,
                      process_gpu_memory, simulated_device_node, uuid_text)
 from .errors import GpucrError
 
@@ -184,3 +184,13 @@ def usage(drv: Driver, pid: int, uuids: list[str], machine: list[Gpu], server_ma
         out[uuid] = Usage(uuid, g.name if g else "unknown", None if own is None else own + made, made, server,
                           mem.used if mem else None, mem.total if mem else None)
     return out
+
+
+def process_usage(pid: int, uuids: list[str], status: dict[str, Any], server_pid: int | None = None) -> dict[str, Usage]:
+    """These GPUs' memory now, with this process's part (its agent's `status` says what of it the gpucr server made)
+    and, given `server_pid`, the server's own; read at a result's edges, never inside a phase."""
+    if not uuids:
+        return {}
+    drv = controller_driver()
+    made = {d["uuid"]: int(d.get("adopted_bytes", 0)) for d in status.get("devices", [])}
+    return usage(drv, pid, uuids, machine_gpus(drv), made, server_pid)

@@ -15,6 +15,7 @@ import os
 from typing import Collection
 
 from . import coordinator
+from . import reading
 from . import target as targets
 from .driver import Driver, DriverError, ProcessState, controller_driver
 from .errors import GpucrError
@@ -54,7 +55,7 @@ def _driver_holds(drv: Driver, pid: int) -> str | None:
 
 def _on_purpose(st: ProcessStatus) -> bool:
     """A checkpoint its controller committed (`gpucr checkpoint` done), still as that left it: parked on purpose, not
-    stuck. `committed` (coordinator.status) holds only while the driver holds the process as the committed level left
+    stuck. `committed` (reading.status) holds only while the driver holds the process as the committed level left
     it (checkpointed at level full, running at level data) and no restore or abort was tried since; the agent is
     checkpointed with its gate closed, between no phases, and no controller or roll-back is at work. A controller that
     died before committing, or during a restore (after the driver's steps too), leaves it stuck."""
@@ -67,7 +68,7 @@ def _agent_sees(pid: int, held: str | None, committed_too: bool) -> str | None:
     dirs, target.resolve), or None when it is not, or a controller is at work on it, or it is parked on purpose
     (unless `committed_too`)."""
     try:
-        st = coordinator.status(pid)
+        st = reading.status(pid)
     except GpucrError as exc:   # stuck only if the driver holds it: an agent of another gpucr may be fine
         return f"{held}; its agent does not answer: {exc}" if held else None
     if (st.busy and not st.rolling_back) or (_on_purpose(st) and not committed_too):
@@ -134,7 +135,7 @@ def recover(timeout: float = 60.0, committed_too: bool = False, only: Collection
                     errors[s.pid] = str(exc)
         for s in ours:
             try:
-                st = coordinator.status(s.pid)
+                st = reading.status(s.pid)
             except GpucrError as exc:
                 s.outcome = f"cannot be asked after the restore: {exc}"
                 continue
@@ -149,5 +150,5 @@ def recover(timeout: float = 60.0, committed_too: bool = False, only: Collection
 
 
 def _still_stuck(pid: int) -> bool:
-    st = coordinator.status(pid)
+    st = reading.status(pid)
     return st.state != "running" or st.gate_closed or st.driver_state not in (None, "running")

@@ -18,6 +18,7 @@ from typing import Any
 
 from . import paths
 from .agent import PROTOCOL, AgentClient
+from .driver import SIMULATE_ENV, Driver, controller_driver
 from .errors import GpucrError
 
 
@@ -35,6 +36,21 @@ class Target:
 
     def connect(self) -> AgentClient:
         return AgentClient(self.socket, self.pid, uid=self.uid)
+
+    def app_socket(self) -> Path:
+        """Where an application that joined the cut (gpucr.app) listens: beside its agent's socket."""
+        return self.socket.with_name(f"{self.pid}.app.sock")
+
+    def driver(self) -> Driver:
+        """The controller's own driver (never a library the target names); a target on the other kind is refused."""
+        drv = controller_driver()
+        if self.simulated != drv.simulated:
+            if self.simulated:
+                raise GpucrError(f"process {self.pid} runs on simcuda, the simulated driver, and this controller on the "
+                                 "system's CUDA driver: give the controller --simulate (or GPUCR_SIMULATE=1)")
+            raise GpucrError(f"process {self.pid} runs on the system's CUDA driver and this controller on simcuda, the "
+                             f"simulated driver ({SIMULATE_ENV}=1 or --simulate): run gpucr without them")
+        return drv
 
 
 def _user(uid: int) -> str:

@@ -202,9 +202,9 @@ class Method:
         not under the agent, or when it cannot be asked."""
         if not self.under_agent:
             return None
-        from .. import coordinator
+        from .. import reading
         try:
-            return sum(coordinator.status(p).staging_bytes for p in pids)
+            return sum(reading.status(p).staging_bytes for p in pids)
         except GpucrError:
             return None
 

@@ -22,12 +22,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .. import coordinator, gpus, recover
+from .. import reading
 from .. import target as targets
 from ..agent import peer_credentials
 from ..driver import controller_driver, controller_simulated
 from ..errors import GpucrError
 from ..results import to_json
-from . import abandon, wire
+from .. import abandon
+from . import wire
 from ..dataplane.mover import Mover
 
 ACCEPT_TICK_S = 0.5
@@ -448,7 +450,7 @@ def _restore(s: Server, a: dict[str, Any]) -> Run:
 
 def _status(_s: Server, a: dict[str, Any]) -> Run:
     pid = _pid(a["pid"])
-    return lambda: to_json(coordinator.status(pid))
+    return lambda: to_json(reading.status(pid))
 
 
 def _recover(_s: Server, a: dict[str, Any]) -> Run:
@@ -468,7 +470,7 @@ _HANDLERS: dict[str, Callable[[Server, dict[str, Any]], Run]] = {
     "checkpoint": _checkpoint,
     "restore": _restore,
     "status": _status,
-    "ps": lambda s, a: lambda: to_json(coordinator.ps()),
+    "ps": lambda s, a: lambda: to_json(reading.ps()),
     "recover": _recover,
     "stop": _stop,
 }

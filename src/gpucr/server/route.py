@@ -120,21 +120,21 @@ def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: 
 
 
 def status(pid: int) -> ProcessStatus:
-    """The live state of a process under gpucr (coordinator.status)."""
+    """The live state of a process under gpucr (reading.status)."""
     done, out = _reading("status", {"pid": pid})
     if done:
         return _typed(ProcessStatus, out)
-    from .. import coordinator
-    return coordinator.status(pid)
+    from .. import reading
+    return reading.status(pid)
 
 
 def ps() -> StatusResult:
-    """Every live process under gpucr that this user can see (coordinator.ps)."""
+    """Every live process under gpucr that this user can see (reading.ps)."""
     done, out = _reading("ps", {})
     if done:
         return _typed(StatusResult, out)
-    from .. import coordinator
-    return coordinator.ps()
+    from .. import reading
+    return reading.ps()
 
 
 def recover(list_only: bool, timeout: float) -> list[Stuck]:

@@ -15,7 +15,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .. import __version__, paths
+from .. import paths
+from ..version import __version__
 from ..errors import GpucrError
 
 PROTOCOL = 1
