@@ -1,3 +1,12 @@
 """The one data plane: the mover that copies a process's GPU memory into its staging and back, at the
 link's speed, while the driver takes the control state. The gpucr server runs one; with no server, the
-CLI process runs the same (docs/server.md). Imports nothing above driver.py, agent.py and errors.py."""
+CLI process runs the same (docs/server.md). Imports nothing above driver.py, agent.py and errors.py.
+
+Who owns staging (decided in issue 25; ../shared/ARCHITECTURE.md, "Staging: one owner"): each app's
+agent *holds* its staging files, so a parked app's data outlives any server; the plane *makes, fills,
+pins and maps* them, and keeps the one host-memory budget (the server; with no server, the CLI's mover
+under a lock file in the runtime dir). The swap service lends prepared, pinned segments from app to app
+out of a per-user pool in that budget; staging kept from cycle to cycle is the same segments and the first
+reclaimed after the pool, a parked app's never. Until the making moves here, the agent still makes its
+staging and the plane maps and pins what it made.
+"""
