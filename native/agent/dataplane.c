@@ -808,13 +808,14 @@ void dp_reset_after_fork(void)
  * the memory on the GPU until the server says its copy is in staging (dp_handed_done): a server that
  * dies before leaves nothing lost, the agent takes the memory back (dp_take_back). ---- */
 
-/* Memory the server can make again as it was: plain device memory with the agent's fd of it. */
+/* Memory the server can make again as it was: device memory with the agent's fd of it. Its allocation
+ * flags (PyTorch's expandable segments ask for GPUDirect RDMA where the GPU has it) are listed with it
+ * (memory_entry), and the server makes the new memory with the same. */
 static bool handable(const struct phys *p)
 {
     const CUmemAllocationProp *pr = &p->prop;
     return p->own_fd >= 0 && !p->share_sid && pr->type == CU_MEM_ALLOCATION_TYPE_PINNED &&
-           pr->location.type == CU_MEM_LOCATION_TYPE_DEVICE && !pr->allocFlags.compressionType &&
-           !pr->allocFlags.gpuDirectRDMACapable && !pr->allocFlags.usage;
+           pr->location.type == CU_MEM_LOCATION_TYPE_DEVICE;
 }
 
 int dp_handover(int timeout_ms, char *err, size_t errlen)
@@ -1102,6 +1103,9 @@ static int memory_entry(struct jb *j, const struct phys *p, int index)
     /* whether a server can take it at a handover (the rest is not moved, or makes handover refuse) */
     jb_bool(j, "movable", reg_phys_movable(p));
     jb_bool(j, "handable", handable(p));
+    jb_int(j, "rdma", p->prop.allocFlags.gpuDirectRDMACapable);
+    jb_int(j, "compression", p->prop.allocFlags.compressionType);
+    jb_int(j, "usage", p->prop.allocFlags.usage);
     jb_arr(j, "maps");
     for (const struct mapping *m = p->maps; m; m = m->next) {
         jb_sub(j, NULL);

@@ -154,6 +154,14 @@ class _MemLocation(ctypes.Structure):
     _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
 
 
+@dataclass(frozen=True)
+class AllocFlags:
+    """An allocation's flags that new memory standing for it must have too (CUmemAllocationProp.allocFlags)."""
+    rdma: int = 0          # gpuDirectRDMACapable: PyTorch's expandable segments ask for it where the GPU has it
+    compression: int = 0   # compressionType
+    usage: int = 0
+
+
 class _AllocFlags(ctypes.Structure):
     _fields_ = [("compressionType", ctypes.c_ubyte), ("gpuDirectRDMACapable", ctypes.c_ubyte),
                 ("usage", ctypes.c_ushort), ("reserved", ctypes.c_ubyte * 4)]
@@ -251,10 +259,12 @@ class Vmm:
         self._ok(self._cu.cuMemExportToShareableHandle(ctypes.byref(fd), handle, POSIX_FD, 0), "exporting GPU memory as an fd")
         return fd.value
 
-    def create(self, size: int, dev: int, exportable: bool = True) -> int:
-        """New device memory; exportable: with the POSIX-fd handle type (the data plane's), else none."""
+    def create(self, size: int, dev: int, exportable: bool = True, flags: AllocFlags = AllocFlags()) -> int:
+        """New device memory; exportable: with the POSIX-fd handle type (the data plane's), else none; `flags`:
+        those of the allocation it stands for (GPUDirect RDMA, compression, usage)."""
         prop = _AllocProp(type=_PINNED, requestedHandleTypes=POSIX_FD if exportable else 0,
-                          location=_MemLocation(_DEVICE, dev))
+                          location=_MemLocation(_DEVICE, dev),
+                          allocFlags=_AllocFlags(flags.compression, flags.rdma, flags.usage))
         h = ctypes.c_uint64()
         self._ok(self._cu.cuMemCreate(ctypes.byref(h), size, ctypes.byref(prop), 0), f"making {size >> 20} MiB on GPU {dev}")
         return h.value

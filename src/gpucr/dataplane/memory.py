@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..agent import close_held
+from ..driver import AllocFlags
 
 
 @dataclass
@@ -34,7 +35,8 @@ class Managed:
     fd: int | None = None
     uuid: str = ""              # its GPU's UUID ("" unknown): the same GPU in a process that numbers GPUs otherwise
     movable: bool = False       # its data is moved by gpucr at a checkpoint
-    handable: bool = False      # ... and a gpucr server can take it (plain device memory with the agent's fd)
+    handable: bool = False      # ... and a gpucr server can take it (device memory with the agent's fd)
+    flags: AllocFlags = field(default_factory=lambda: AllocFlags())   # made again with the same
 
 
 def _entry(e: dict[str, Any], fds: list[int]) -> Managed:
@@ -43,7 +45,8 @@ def _entry(e: dict[str, Any], fds: list[int]) -> Managed:
                    bool(e["not_exportable"]),
                    [Mapping(int(m["va"]), int(m["bytes"]), int(m["offset"])) for m in e["maps"]],
                    fds[idx] if 0 <= idx < len(fds) else None, str(e.get("uuid", "")), bool(e.get("movable")),
-                   bool(e.get("handable")))
+                   bool(e.get("handable")),
+                   AllocFlags(int(e.get("rdma", 0)), int(e.get("compression", 0)), int(e.get("usage", 0))))
 
 
 def gather(agent: Any, timeout: float) -> list[Managed]:

@@ -358,7 +358,7 @@ class Mover:
                 if out:
                     h = self.vmm.import_fd(m.fd)
                 else:
-                    h = self.vmm.create(size, dev)
+                    h = self.vmm.create(size, dev, flags=m.flags)   # as the allocation was made
                     made.append((idx, h))
                 va = self.vmm.map(h, size, dev, also=routing.access(dev))
                 mapped.append((h, va, size))

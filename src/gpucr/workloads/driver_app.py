@@ -151,8 +151,9 @@ class LateEntry:
 
 
 class App:
-    def __init__(self, sizes: list[int], pitch: bool, vmm_mib: int, seed: int) -> None:
+    def __init__(self, sizes: list[int], pitch: bool, vmm_mib: int, seed: int, vmm_rdma: bool = False) -> None:
         check(cuInit(0), "cuInit")
+        self.vmm_rdma = vmm_rdma
         self.ctx = vp()
         check(cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), 0), "ctx")
         check(cuCtxSetCurrent(self.ctx), "set ctx")
@@ -204,6 +205,7 @@ class App:
         va = u64()
         check(cuMemAddressReserve(ctypes.byref(va), n, 0, 0, 0), "reserve")
         prop = Prop(type=1, handleTypes=0, loc=Loc(1, dev))
+        prop.flags[1] = int(self.vmm_rdma)   # allocFlags.gpuDirectRDMACapable, as PyTorch's expandable segments ask
         acc = Access(loc=Loc(1, dev), flags=3)
         for off in range(0, n, gran):
             h = u64()
@@ -566,9 +568,11 @@ def main() -> None:
     ap.add_argument("--sizes", default="8M,3M,64K,1000", help="comma-separated buffer sizes (K/M/G suffixes)")
     ap.add_argument("--pitch", action="store_true")
     ap.add_argument("--vmm-mib", type=int, default=0)
+    ap.add_argument("--vmm-rdma", action="store_true", help="the --vmm-mib chunks ask for GPUDirect RDMA (PyTorch's "
+                    "expandable segments do, where the GPU has it)")
     ap.add_argument("--seed", type=int, default=1)
     a = ap.parse_args()
-    app = App([parse_size(s) for s in a.sizes.split(",") if s], a.pitch, a.vmm_mib, a.seed)
+    app = App([parse_size(s) for s in a.sizes.split(",") if s], a.pitch, a.vmm_mib, a.seed, a.vmm_rdma)
     serve(app.handle, {"simulated": SIM})
 
 
