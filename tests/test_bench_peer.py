@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from gpucr.bench import methods as M
+from gpucr.bench import specs as S
 from gpucr.bench import report, run
 
 from conftest import gpucr_cli, sim_driver
@@ -59,16 +60,16 @@ def test_simulated_run_records_the_skip_and_its_reason(tmp_path):
 @pytest.mark.skipif(HAVE_TMS, reason="needs a host where torch_memory_saver cannot be imported")
 def test_without_the_package_the_reason_is_the_import_error():
     m = M.TmsMethod(simulate=False)
-    reason = m.unavailable(M.parse_workload("raw:30", 0.5))
+    reason = m.unavailable(S.parse_workload("raw:30", 0.5))
     assert reason.startswith("torch_memory_saver cannot be used here (ModuleNotFoundError: No module named ")
-    assert m.unavailable(M.parse_workload("llama3-8b", 0.5)) == reason, "probed once a run"
+    assert m.unavailable(S.parse_workload("llama3-8b", 0.5)) == reason, "probed once a run"
     with pytest.raises(M.GpucrError, match="cannot be used here"):
-        m.workload(M.parse_workload("raw:30", 0.5))
+        m.workload(S.parse_workload("raw:30", 0.5))
 
 
 def test_only_single_gpu_workloads():
     m = M.TmsMethod(simulate=False)
-    assert m.unavailable(M.parse_workload("tp2-llama3-8b", 0.5)) == \
+    assert m.unavailable(S.parse_workload("tp2-llama3-8b", 0.5)) == \
         "runs on the single-GPU workloads only (raw:GIB and the LLM servers)"
     assert m.probed is None, "a job is turned down before anything is probed"
 
@@ -89,12 +90,12 @@ def test_workload_imports_without_torch_and_fails_only_at_use():
 def test_the_peer_workload_is_the_benchs_own_app_in_a_region():
     m = M.TmsMethod(simulate=False)
     m.probed = {"preload": "/opt/tms/torch_memory_saver_hook_mode_preload_cu12.abi3.so", "version": "0.0.10"}
-    module, args, env = m.workload(M.parse_workload("llama3-8b", 0.3))
+    module, args, env = m.workload(S.parse_workload("llama3-8b", 0.3))
     assert (module, args) == ("tms_app", ["llm_app", "llama3-8b", "--gpu-util", "0.3"])
     assert env["LD_PRELOAD"].split(":")[0] == m.probed["preload"]
     from gpucr.workloads import llm_app, raw_app
     assert llm_app.parser().parse_args(args[1:]).gpu_util == 0.3
-    assert raw_app.parser().parse_args(m.workload(M.parse_workload("raw:30", 0.5))[1][1:]).gib == 30.0
+    assert raw_app.parser().parse_args(m.workload(S.parse_workload("raw:30", 0.5))[1][1:]).gib == 30.0
 
 
 def _cycle(pause_s: float, resume_s: float, wall: float, nbytes: int) -> tuple[dict, dict]:

@@ -1,16 +1,10 @@
-"""What `gpucr bench` compares, and on what.
-
-Workloads are the protocol-speaking apps of gpucr.workloads, started either under gpucr's agent
-(for gpucr's methods) or as plain processes (for the driver's own checkpoint, which must see the
-application exactly as it would without gpucr). Methods each checkpoint and restore one process
-and return the time of every step; `metrics` turns one cycle into the uniform row the report
-reads. The pinned-copy ceiling runs in a child process of its own (`python3 -m
-gpucr.bench.methods ceiling GIB`), so its memory is gone before any workload starts.
+"""What `gpucr bench` compares: methods that each checkpoint and restore the processes of one
+workload (gpucr.bench.specs) and return the time of every step; `metrics` turns one cycle into the
+uniform row the report reads, set against the bounds of gpucr.bench.bounds.
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import json
 import os
@@ -20,99 +14,18 @@ import sys
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any
 
 from ..coordinator import checkpoint_many, restore_many
 from ..driver import Driver
 from ..errors import GpucrError
 from ..results import ProcessCheckpoint, ProcessRestore
-from ..workloads.llm_app import MODELS
-from ..workloads import runner, tms_app
+from ..workloads import tms_app
 from ..workloads.job import Job
+from .specs import NO_FAST_TRANSPORTS, Spec, plain_env
 
-GENERATE_TOKENS = 32
 STEP_TIMEOUT_S = 30.0       # gate drain and each driver step; the copies take what they take
 WARMUP_TIMEOUT_S = 600.0    # the first gpucr checkpoint also prepares (faults in and pins) its staging
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One workload of the bench: 'llama3-8b' (an LLM server), 'raw:8' (8 GiB raw buffer), or a
-    multi-GPU job: 'tp2-llama3-8b' (tensor parallel over two ranks, started by torchrun),
-    'pp2-llama3-8b' (pipeline parallel, two ranks), '2gpu-llama3-8b' (one process on two GPUs)."""
-    name: str
-    module: str
-    args: tuple[str, ...]
-    llm: bool
-    launch: str = "single"     # workloads.job.LAUNCHES
-    world: int = 1
-
-    @property
-    def nccl(self) -> bool:
-        return self.module in ("tp_app", "pp_app")
-
-    @property
-    def gpus(self) -> int:
-        return 2 if self.module == "two_gpu_app" else self.world
-
-
-# prefix -> (module, launch, ranks): the multi-GPU jobs, each of a Llama-architecture model of MODELS
-JOBS = {"tp2": ("tp_app", "torchrun", 2), "pp2": ("pp_app", "torchrun", 2), "2gpu": ("two_gpu_app", "single", 1)}
-# NCCL as docs/nccl.md says gpucr runs it; the driver's own path gets the same, so both see one job
-NCCL_ENV = {"NCCL_CUMEM_ENABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_GRAPH_REGISTER": "0",
-            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-NO_FAST_TRANSPORTS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
-
-
-def parse_workload(text: str, gpu_util: float) -> Spec:
-    text = text.strip()
-    if text in MODELS:
-        return Spec(text, "llm_app", (text, "--gpu-util", str(gpu_util)), True)
-    prefix, _, model = text.partition("-")
-    if prefix in JOBS and model in MODELS:
-        if MODELS[model][0] != "llama":
-            raise GpucrError(f"workload '{text}': the multi-GPU jobs take a Llama-architecture model (llama3-8b)")
-        module, launch, world = JOBS[prefix]
-        return Spec(text, module, ("--model", model, "--gpu-util", str(gpu_util)), True, launch, world)
-    if text.startswith("raw:"):
-        try:
-            gib = float(text[4:])
-        except ValueError:
-            gib = -1.0
-        if gib > 0:
-            return Spec(text, "raw_app", ("--gib", str(gib)), False)
-    raise GpucrError(f"unknown workload '{text}': use raw:GIB, one of {', '.join(MODELS)}, "
-                     f"or a multi-GPU job {'|'.join(JOBS)}-MODEL (e.g. tp2-llama3-8b)")
-
-
-# ---- workload processes ----
-
-def plain_env(simulate: bool) -> dict[str, str]:
-    """run_env without the agent (the driver's own checkpoint must see the application as it is)."""
-    return runner.plain_env(simulate)
-
-
-def start(spec: Spec, method: "Method", simulate: bool) -> Job:
-    """The workload's process(es) for `method`, as one Job (one process for the single-GPU workloads)."""
-    module, args, own_env = method.workload(spec)
-    env = {**(NCCL_ENV if spec.nccl else {}), **os.environ, **method.agent_env, **method.job_env, **own_env}
-    return Job(module, args, launch=spec.launch, world=spec.world, env=env, agent=method.under_agent,
-               simulate=simulate)
-
-
-def observe(w: Job, spec: Spec) -> dict[str, Any]:
-    """What must be the same after a restore: every rank's bytes and addresses, and the next tokens."""
-    d = w.ask("digest")
-    seen = {"digest": [r["digest"] for r in d["ranks"]], "ptrs": [r["ptrs"] for r in d["ranks"]]}
-    if spec.llm:
-        seen["tokens"] = [r["tokens"] for r in w.ask(f"generate {GENERATE_TOKENS}")["ranks"]]
-    return seen
-
-
-def compare(ref: dict[str, Any], now: dict[str, Any]) -> dict[str, bool]:
-    return {k: ref[k] == now.get(k) for k in ref}
-
 
 # ---- methods ----
 
@@ -675,122 +588,3 @@ def medians(samples: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [s[k] for s in samples if s.get(k) is not None]
         out[k] = statistics.median(vals) if vals else None
     return out
-
-
-# ---- the pinned-copy ceiling ----
-
-def ceiling(simulate: bool, gib: float, timeout: float = 600.0) -> dict[str, Any]:
-    """D2H and H2D GB/s of one pinned copy of GIB GiB, measured by a child process that then exits."""
-    out = subprocess.run([sys.executable, "-m", "gpucr.bench.methods", "ceiling", str(gib)], capture_output=True,
-                         text=True, env=plain_env(simulate), timeout=timeout)
-    if out.returncode != 0:
-        raise GpucrError(f"the pinned-copy ceiling could not be measured: {out.stderr.strip()[-500:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-class _Link:
-    """One GPU's pinned-copy path: a device buffer and a pinned host buffer of n bytes, through the
-    driver API via ctypes (the same bindings as driver_app), so it runs on simcuda too."""
-
-    def __init__(self, ordinal: int, n: int) -> None:
-        from ..workloads import driver_app as d
-        self.d, self.n = d, n
-        self.host_alloc = d._sig("cuMemHostAlloc", ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint)
-        self.free_host = d._sig("cuMemFreeHost", ctypes.c_void_p)
-        d.check(d.cuInit(0), "cuInit")
-        self.ctx = ctypes.c_void_p()
-        d.check(d.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), ordinal), f"context on device {ordinal}")
-        self.enter()
-        self.dev, self.host = ctypes.c_uint64(), ctypes.c_void_p()
-        d.check(d.cuMemAlloc(ctypes.byref(self.dev), n), f"device buffer on device {ordinal}")
-        t0 = time.perf_counter()
-        d.check(self.host_alloc(ctypes.byref(self.host), n, 0), "pinned host buffer")
-        self.pin_s = time.perf_counter() - t0
-        self.d2h()   # untimed: first-use costs are not the rate
-        self.h2d()
-
-    def enter(self) -> None:
-        """Make this GPU's context current in the calling thread (contexts are per thread)."""
-        self.d.check(self.d.cuCtxSetCurrent(self.ctx), "set context")
-
-    def d2h(self) -> None:
-        self.d.check(self.d.cuMemcpyDtoH(self.host, self.dev.value, self.n), "D2H")
-
-    def h2d(self) -> None:
-        self.d.check(self.d.cuMemcpyHtoD(self.dev.value, self.host, self.n), "H2D")
-
-    def close(self) -> None:
-        self.d.check(self.free_host(self.host), "free host")
-        self.d.check(self.d.cuMemFree(self.dev.value), "free device")
-
-
-HOW = "one cuMemcpyDtoH/HtoD of a cuMemHostAlloc (pinned) buffer, driver API, default stream"
-
-
-def _ceiling_child(gib: float, repeat: int = 3) -> dict[str, Any]:
-    link = _Link(0, int(gib * (1 << 30)))
-    d2h, h2d = [], []
-    for _ in range(repeat):
-        for fn, rates in ((link.d2h, d2h), (link.h2d, h2d)):
-            t0 = time.perf_counter()
-            fn()
-            rates.append(link.n / (time.perf_counter() - t0) / 1e9)
-    link.close()
-    return {"bytes": link.n, "d2h_gbps": statistics.median(d2h), "h2d_gbps": statistics.median(h2d),
-            "samples": {"d2h_gbps": d2h, "h2d_gbps": h2d}, "pin_s": link.pin_s, "simulated": link.d.SIM, "how": HOW}
-
-
-def _ceiling_all_child(gib: float, gpus: int, repeat: int = 3) -> dict[str, Any]:
-    """Every GPU's link at once: one thread per GPU (ctypes lets the GIL go during each copy), all
-    starting each copy together; per GPU its own rate, and the aggregate: all bytes over the time
-    from the first start to the last end."""
-    import threading
-    links = [_Link(i, int(gib * (1 << 30))) for i in range(gpus)]
-    barrier = threading.Barrier(gpus)
-    spans: dict[tuple[str, int, int], tuple[float, float]] = {}
-
-    def run(i: int) -> None:
-        links[i].enter()
-        for r in range(repeat):
-            for name in ("d2h", "h2d"):
-                barrier.wait()
-                t0 = time.perf_counter()
-                getattr(links[i], name)()
-                spans[(name, r, i)] = (t0, time.perf_counter())
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(gpus)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    n = links[0].n
-    out: dict[str, Any] = {"bytes_per_gpu": n, "gpus": gpus, "how": HOW + ", one thread per GPU, all at once",
-                           "simulated": links[0].d.SIM, "per_gpu": []}
-    for i in range(gpus):
-        out["per_gpu"].append({f"{k}_gbps": statistics.median(n / (spans[(k, r, i)][1] - spans[(k, r, i)][0]) / 1e9
-                                                             for r in range(repeat)) for k in ("d2h", "h2d")})
-    for k in ("d2h", "h2d"):
-        rounds = [[spans[(k, r, i)] for i in range(gpus)] for r in range(repeat)]
-        out[f"aggregate_{k}_gbps"] = statistics.median(n * gpus / (max(e for _, e in sp) - min(b for b, _ in sp)) / 1e9
-                                                       for sp in rounds)
-    for link in links:
-        link.close()
-    return out
-
-
-def ceiling_all(simulate: bool, gib: float, gpus: int, timeout: float = 600.0) -> dict[str, Any]:
-    """The pinned-copy ceiling of every GPU's link at once, by a child process that then exits."""
-    out = subprocess.run([sys.executable, "-m", "gpucr.bench.methods", "ceiling-all", str(gib), str(gpus)],
-                         capture_output=True, text=True, env=plain_env(simulate), timeout=timeout)
-    if out.returncode != 0:
-        raise GpucrError(f"the pinned-copy ceiling of {gpus} GPUs at once could not be measured: "
-                         f"{out.stderr.strip()[-500:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "ceiling":
-        print(json.dumps(_ceiling_child(float(sys.argv[2]))))
-    elif len(sys.argv) == 4 and sys.argv[1] == "ceiling-all":
-        print(json.dumps(_ceiling_all_child(float(sys.argv[2]), int(sys.argv[3]))))
-    else:
-        sys.exit("usage: python3 -m gpucr.bench.methods ceiling GIB | ceiling-all GIB GPUS")

@@ -23,7 +23,9 @@ from typing import Any, Callable
 
 import gpucr
 
+from . import bounds as B
 from . import methods as M
+from . import specs as S
 from . import report
 from ..demo import gpu_present
 from ..doctor import meminfo
@@ -190,13 +192,13 @@ def _agent_bytes_per_gpu(pids: list[int]) -> dict[str, int]:
     return out
 
 
-def _start(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, idle: int | None,
+def _start(spec: S.Spec, group: list[M.Method], simulate: bool, drv: Driver, idle: int | None,
            idle_gpus: dict[str, int]) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """One job for `group`: started, described (footprint per GPU, serving speed) and observed."""
     head = group[0]
     _say(f"{spec.name}: starting {'under the agent' if head.under_agent else 'without the agent'} "
          f"for {', '.join(m.name for m in group)}" + (f" with {head.job_env}" if head.job_env else ""))
-    w = M.start(spec, head, simulate)
+    w = S.start(spec, head, simulate)
     for m in group:
         m.bind(w)
     try:
@@ -212,7 +214,7 @@ def _start(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, idl
             proc["tokens_per_s"] = speed["tokens_per_s"]
             _say(f"{spec.name}: serving {speed['tokens_per_s']:.1f} tokens/s"
                  + (f" with {head.job_env}" if head.job_env else ""))
-        return w, proc, M.observe(w, spec)
+        return w, proc, S.observe(w, spec)
     except BaseException:
         w.close(graceful=False)
         raise
@@ -234,7 +236,7 @@ def _failed_entry(proc: dict[str, Any], exc: M.JobFailed, samples: list[dict[str
             "median": None, "warmup": None, "correct": False}
 
 
-def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, ceiling: dict | None,
+def run_group(spec: S.Spec, group: list[M.Method], simulate: bool, drv: Driver, ceiling: dict | None,
               repeat: int, out: dict[str, dict[str, Any]], hugepages_for: int | None = None,
               saved: Callable[[], None] = lambda: None, park_s: float = 0.0) -> None:
     """Start one job for `group`, then time `repeat` cycles of each method on it; each method's
@@ -264,7 +266,7 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
             ck, rs, _ = M.timed_cycle(wm, w.pids, used, park_s)
             staging_ms = ck.get("agent_ms", {}).get("staging")
             warmup = {"checkpoint_s": ck["wall_s"], "restore_s": rs["wall_s"], "staging_ms": staging_ms,
-                      "checkpoint": ck, "restore": rs, "correct": M.compare(ref, M.observe(w, spec)),
+                      "checkpoint": ck, "restore": rs, "correct": S.compare(ref, S.observe(w, spec)),
                       "staging_bytes": wm.staging_bytes(w.pids)}
             _say(f"{spec.name}: warm-up checkpoint {ck['wall_s']:.3f} s"
                  + (f" (staging {staging_ms / 1000:.3f} s)" if staging_ms is not None else "")
@@ -287,7 +289,7 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
                     row = M.metrics(m, ck, rs, proc["footprint_bytes"], ceiling)
                     row.update(M.per_gpu(row, m, proc["bytes_per_gpu"]))
                     row["gpu_held_checkpointed_bytes"] = _diff(used_ck, idle)
-                    row["correct"] = M.compare(ref, M.observe(w, spec))
+                    row["correct"] = S.compare(ref, S.observe(w, spec))
                     row["staging_bytes"] = m.staging_bytes(w.pids)   # after the check: what running grew it to
                     samples.append(row)
                     _say(f"{spec.name} {m.name} {i + 1}/{repeat}: checkpoint {row['checkpoint_s']:.3f} s, "
@@ -315,7 +317,7 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
         _settle(used, idle)
 
 
-def _hugepages_for(a: argparse.Namespace, spec: M.Spec, group: list[M.Method], done: dict[str, Any],
+def _hugepages_for(a: argparse.Namespace, spec: S.Spec, group: list[M.Method], done: dict[str, Any],
                    results: dict[str, Any]) -> int | None:
     """Bytes of hugepages to reserve for gpucr's methods on this workload: the footprint its plain
     process showed, else the share of the GPU it may take (LLM) or its size (raw)."""
@@ -423,7 +425,7 @@ def _gpus_of(wname: str, wres: dict[str, Any]) -> int:
     """A recorded workload's GPU count: from its name, as the run parsed it; else (a name this version
     no longer knows) the most GPUs any of its methods' processes held bytes on."""
     try:
-        return M.parse_workload(wname, 0.5).gpus
+        return S.parse_workload(wname, 0.5).gpus
     except GpucrError:
         return max([len((m.get("process") or {}).get("bytes_per_gpu") or {}) for m in wres["methods"].values()] + [1])
 
@@ -451,7 +453,7 @@ def _groups(ms: list[M.Method]) -> list[list[M.Method]]:
     return list(groups.values())
 
 
-def _runnable(spec: M.Spec, group: list[M.Method], out: dict[str, dict[str, Any]]) -> list[M.Method]:
+def _runnable(spec: S.Spec, group: list[M.Method], out: dict[str, dict[str, Any]]) -> list[M.Method]:
     """The methods of `group` that can run on `spec` here; each other one is recorded in `out` as
     skipped, with its reason, and said on stderr."""
     keep = []
@@ -466,7 +468,7 @@ def _runnable(spec: M.Spec, group: list[M.Method], out: dict[str, dict[str, Any]
     return keep
 
 
-def method_names(text: str | None, specs: list[M.Spec]) -> list[str]:
+def method_names(text: str | None, specs: list[S.Spec]) -> list[str]:
     """--methods, or the default: the multi-GPU set when a multi-GPU job is among the workloads."""
     if text is None:
         return list(M.JOB_METHODS if any(s.gpus > 1 for s in specs) else M.DEFAULT_METHODS)
@@ -495,7 +497,7 @@ def main(a: argparse.Namespace) -> int:
     if a.driver_deadline <= 0:
         raise GpucrError("--driver-deadline is a number of seconds above 0")
     simulated = a.simulate or not gpu_present()
-    specs = [M.parse_workload(w, a.gpu_util)
+    specs = [S.parse_workload(w, a.gpu_util)
              for w in (a.workloads or (SIMULATED_WORKLOADS if simulated else DEFAULT_WORKLOADS)).split(",") if w.strip()]
     names = method_names(a.methods, specs)
     skipped = []
@@ -516,7 +518,7 @@ def main(a: argparse.Namespace) -> int:
         "schema": SCHEMA, "simulated": simulated, "warning": SIMULATED_BANNER if simulated else None,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **environment(drv, simulated),
         "settings": {"workloads": [s.name for s in specs], "skipped_workloads": skipped, "methods": names,
-                     "gpu_util": a.gpu_util, "repeat": a.repeat, "park_s": a.park, "generate_tokens": M.GENERATE_TOKENS,
+                     "gpu_util": a.gpu_util, "repeat": a.repeat, "park_s": a.park, "generate_tokens": S.GENERATE_TOKENS,
                      "step_timeout_s": M.STEP_TIMEOUT_S,
                      "gpucr_staging": "2 MiB hugepages reserved by the bench for gpucr's methods"
                      if a.staging_hugepages else "the agent's default (hugepages if free, else shared memory)",
@@ -525,12 +527,12 @@ def main(a: argparse.Namespace) -> int:
     gib = a.ceiling_gib or (0.25 if simulated else 8.0)
     if "ceiling" in names:
         _say(f"measuring the pinned-copy ceiling ({gib:g} GiB)")
-        results["ceiling"] = M.ceiling(simulated, gib)
+        results["ceiling"] = B.ceiling(simulated, gib)
         _say(f"ceiling: D2H {results['ceiling']['d2h_gbps']:.1f} GB/s, H2D {results['ceiling']['h2d_gbps']:.1f} GB/s")
     gpus = max(s.gpus for s in specs)
     if "ceiling" in names and gpus > 1:
         _say(f"measuring the pinned-copy ceiling of {gpus} GPUs' links at once ({gib:g} GiB each)")
-        results["ceiling_all_gpus"] = c = M.ceiling_all(simulated, gib, gpus)
+        results["ceiling_all_gpus"] = c = B.ceiling_all(simulated, gib, gpus)
         _say(f"ceiling of {gpus} links at once: D2H {c['aggregate_d2h_gbps']:.1f} GB/s, H2D {c['aggregate_h2d_gbps']:.1f} GB/s "
              f"in all; per GPU " + ", ".join(f"{g['d2h_gbps']:.1f}/{g['h2d_gbps']:.1f}" for g in c["per_gpu"]))
     methods = [M.make(n, drv, simulated, a.driver_deadline) for n in names if n != "ceiling"]
