@@ -14,6 +14,7 @@ import pytest
 from gpucr import paths
 from gpucr.bench import bounds as B
 from gpucr.bench import methods as M
+from gpucr.bench import rows as R
 from gpucr.bench import specs as S
 from gpucr.bench import report
 from gpucr.driver import DriverError
@@ -368,17 +369,17 @@ def test_job_results_are_shaped_per_job_and_per_gpu():
                                  warnings=warnings)
     rs = [ck(1, {"data_out": 1.0, "control_out": 0.5}, {"gate": 0.002, "staging": 0.0}, 10, 1, ["w1"]),
           ck(2, {"data_out": 1.5, "control_out": 0.25}, {"gate": 0.001, "staging": 0.003}, 20, 2, [])]
-    c = M.combine(rs)
+    c = R.combine(rs)
     assert c["steps_s"] == {"data_out": 1.5, "control_out": 0.5}         # ranks go through a phase together
     assert c["agent_ms"] == {"gate": 2.0, "staging": 3.0}
     assert (c["bytes_moved"], c["bytes_left_to_driver"], c["warnings"]) == (30, 3, ["w1"])
     gpucr_full = M.make("gpucr-full", sim_driver(), True)
     row = {"data_out_s": 2.0, "data_in_s": 4.0, "driver_out_s": None, "driver_in_s": None}
-    g = M.per_gpu(row, gpucr_full, {"GPU-a": 8_000_000_000, "GPU-b": 4_000_000_000})
+    g = R.per_gpu(row, gpucr_full, {"GPU-a": 8_000_000_000, "GPU-b": 4_000_000_000})
     assert g["gbps_out_per_gpu"] == {"GPU-a": 4.0, "GPU-b": 2.0} and g["gbps_in_per_gpu"] == {"GPU-a": 2.0, "GPU-b": 1.0}
     assert g["gbps_out_slowest_gpu"] == 2.0 and g["gbps_in_slowest_gpu"] == 1.0
     driver = M.make("driver", sim_driver(), True)
-    g = M.per_gpu({"data_out_s": None, "data_in_s": None, "driver_out_s": 8.0, "driver_in_s": 2.0}, driver, {"GPU-a": 8e9})
+    g = R.per_gpu({"data_out_s": None, "data_in_s": None, "driver_out_s": 8.0, "driver_in_s": 2.0}, driver, {"GPU-a": 8e9})
     assert g["gbps_out_per_gpu"] == {"GPU-a": 1.0} and g["gbps_in_slowest_gpu"] == 4.0
 
 

@@ -13,6 +13,7 @@ import sys
 import pytest
 
 from gpucr.bench import methods as M
+from gpucr.bench import rows as R
 from gpucr.bench import specs as S
 from gpucr.bench import report, run
 
@@ -106,15 +107,15 @@ def _cycle(pause_s: float, resume_s: float, wall: float, nbytes: int) -> tuple[d
 def test_peer_rows_rate_the_region_on_the_in_app_times():
     m = M.TmsMethod(simulate=False)
     ck, rs = _cycle(0.6, 0.5, 0.7, 30 * GiB)
-    row = M.metrics(m, ck, rs, footprint=31 * GiB, ceiling={"d2h_gbps": 55.0, "h2d_gbps": 55.0})
+    row = R.metrics(m, ck, rs, footprint=31 * GiB, ceiling={"d2h_gbps": 55.0, "h2d_gbps": 55.0})
     assert row["app_out_s"] == 0.6 and row["app_in_s"] == 0.5 and row["checkpoint_s"] == 0.7
     assert row["bytes_out"] == row["bytes_in"] == 30 * GiB, "the region's bytes, not the footprint"
     assert row["gbps_out"] == pytest.approx(30 * GiB / 0.6 / 1e9) and row["gbps_in"] == pytest.approx(30 * GiB / 0.5 / 1e9)
     assert row["ceiling_share_out"] == pytest.approx(row["gbps_out"] / 55.0)
     assert row["data_out_s"] is None and row["driver_out_s"] is None and row["control_out_s"] is None
-    g = M.per_gpu(row, m, {"GPU-a": 30 * GiB})
+    g = R.per_gpu(row, m, {"GPU-a": 30 * GiB})
     assert g["gbps_out_per_gpu"]["GPU-a"] == pytest.approx(row["gbps_out"])
-    assert M.medians([row])["app_in_s"] == 0.5
+    assert R.medians([row])["app_in_s"] == 0.5
 
 
 def test_gpucr_against_the_peer_and_the_table():

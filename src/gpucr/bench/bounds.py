@@ -1,17 +1,26 @@
 """The bounds a bench result is set against, each measured in the run itself: the pinned-copy ceiling
 of one GPU's host link (or of every link at once), by a child process of its own (`python3 -m
-gpucr.bench.bounds ceiling GIB`), so its memory is gone before any workload starts."""
+gpucr.bench.bounds ceiling GIB`), so its memory is gone before any workload starts; and the disk's
+rate where images are written (`disk_rate`)."""
 from __future__ import annotations
 
 import ctypes
 import json
+import mmap
+import os
 import statistics
 import subprocess
 import sys
+import tempfile
+import threading
 import time
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Callable
 
 from ..errors import GpucrError
+from ..image import CHUNK, IN_FLIGHT
+from ..imagefs import try_direct
 from .specs import plain_env
 
 def ceiling(simulate: bool, gib: float, timeout: float = 600.0) -> dict[str, Any]:
@@ -120,6 +129,55 @@ def ceiling_all(simulate: bool, gib: float, gpus: int, timeout: float = 600.0) -
         raise GpucrError(f"the pinned-copy ceiling of {gpus} GPUs at once could not be measured: "
                          f"{out.stderr.strip()[-500:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# ---- the disk's rate ----
+
+BLOCK = 4096   # O_DIRECT moves whole blocks: sizes are rounded up to this
+
+
+def disk_rate(directory: str | Path, nbytes: int) -> dict[str, Any]:
+    """The disk's rate under `directory`, measured as an image moves (gpucr.image): `nbytes` of random
+    bytes written, then fsync'd, then read back, CHUNK at a time with IN_FLIGHT in flight, O_DIRECT
+    where the filesystem allows it (the page cache is dropped before the read where it does not), in
+    a file of its own that is removed after."""
+    total = -(-nbytes // BLOCK) * BLOCK
+    fd, path = tempfile.mkstemp(prefix="gpucr-bench-disk-", dir=directory)
+    try:
+        direct = try_direct(fd)
+        pattern = mmap.mmap(-1, CHUNK)   # page-aligned, as O_DIRECT wants its buffers
+        pattern.write(os.urandom(CHUNK))   # random: nothing below can compress or skip it
+        t0 = time.perf_counter()
+        _each_chunk(total, lambda off, n, _: os.pwrite(fd, memoryview(pattern)[:n], off))
+        os.fsync(fd)
+        write_s = time.perf_counter() - t0
+        os.posix_fadvise(fd, 0, total, os.POSIX_FADV_DONTNEED)
+        t0 = time.perf_counter()
+        _each_chunk(total, lambda off, n, buf: os.preadv(fd, [memoryview(buf)[:n]], off))
+        read_s = time.perf_counter() - t0
+    finally:
+        os.close(fd)
+        os.unlink(path)
+    return {"dir": str(directory), "bytes": total, "write_s": write_s, "read_s": read_s,
+            "write_gbps": total / write_s / 1e9, "read_gbps": total / read_s / 1e9, "direct_io": direct,
+            "how": f"write + fsync, then read, {CHUNK >> 20} MiB at a time, {IN_FLIGHT} in flight"
+                   + (", O_DIRECT" if direct else ", buffered (no O_DIRECT here), page cache dropped before the read")}
+
+
+def _each_chunk(total: int, move: Callable[[int, int, mmap.mmap], int]) -> None:
+    """move(offset, bytes, this thread's buffer) for every chunk of `total`, IN_FLIGHT at once; a short
+    transfer is an error (the disk is full, or the file was cut)."""
+    local = threading.local()
+
+    def one(off: int) -> None:
+        if not hasattr(local, "buf"):
+            local.buf = mmap.mmap(-1, CHUNK)
+        n = min(CHUNK, total - off)
+        done = move(off, n, local.buf)
+        if done != n:
+            raise GpucrError(f"the disk's rate: moved {done} of {n} bytes at offset {off} (disk full?)")
+    with ThreadPoolExecutor(IN_FLIGHT) as pool:
+        list(pool.map(one, range(0, total, CHUNK)))
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ import gpucr
 
 from . import bounds as B
 from . import methods as M
+from . import rows as R
 from . import specs as S
 from . import report
 from ..demo import gpu_present
@@ -43,8 +44,8 @@ SIMULATED_BANNER = ("SIMULATED: these numbers come from simcuda, a test double o
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default=None, metavar="LIST",
-                   help=f"comma-separated: raw:GIB and LLM servers (default {DEFAULT_WORKLOADS}; "
-                        f"{SIMULATED_WORKLOADS} on simcuda, where only raw workloads run)")
+                   help=f"comma-separated, each {S.WORKLOADS} (default {DEFAULT_WORKLOADS}; {SIMULATED_WORKLOADS} "
+                        "on simcuda, where the LLM servers, torch and JAX are skipped)")
     p.add_argument("--methods", default=None, metavar="LIST",
                    help=f"comma-separated, of {','.join(M.METHODS)} (default {','.join(M.DEFAULT_METHODS)}; "
                         f"{','.join(M.JOB_METHODS)} when a multi-GPU job is among the workloads)")
@@ -58,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "checkpointed before its restore, as a parked process does (default 0: restored at once)")
     p.add_argument("--ceiling-gib", type=float, default=None, help="size of the pinned copy that measures the "
                    "ceiling (default 8; 0.25 on simcuda)")
+    p.add_argument("--image-dir", default="/var/tmp", metavar="DIR",
+                   help="where gpucr-server-image writes its images (each removed after its restore) and where the "
+                        "disk's rate is measured, with as many bytes, to set them against (default /var/tmp)")
     p.add_argument("--out", default=None, metavar="JSON", help="results file (default gpucr-bench-DATE.json here)")
     p.add_argument("--chart", default=None, metavar="PNG", help="chart file (default: the results file with .png)")
     p.add_argument("--staging-hugepages", action="store_true",
@@ -286,8 +290,8 @@ def run_group(spec: S.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
                     ck, rs, used_ck = M.timed_cycle(m, w.pids, used, park_s)
                     if i == repeat - 1:
                         m.close()   # what it started (a server) goes before the next method runs
-                    row = M.metrics(m, ck, rs, proc["footprint_bytes"], ceiling)
-                    row.update(M.per_gpu(row, m, proc["bytes_per_gpu"]))
+                    row = R.metrics(m, ck, rs, proc["footprint_bytes"], ceiling)
+                    row.update(R.per_gpu(row, m, proc["bytes_per_gpu"]))
                     row["gpu_held_checkpointed_bytes"] = _diff(used_ck, idle)
                     row["correct"] = S.compare(ref, S.observe(w, spec))
                     row["staging_bytes"] = m.staging_bytes(w.pids)   # after the check: what running grew it to
@@ -306,9 +310,10 @@ def run_group(spec: S.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
                     proc["bytes_per_gpu"] = _bytes_per_gpu(group[k + 1], w, proc)
                 continue
             checks = [s["correct"] for s in samples] + ([warmup["correct"]] if warmup else [])
-            out[m.name] = {"process": proc, "warmup": warmup, "samples": samples, "median": M.medians(samples),
+            out[m.name] = {"process": proc, "warmup": warmup, "samples": samples, "median": R.medians(samples),
                            "outcome": "ok", "correct": all(all(c.values()) for c in checks), "error": None,
                            "first_cycle": first, "prepared_ahead_s": getattr(m, "prepared_ahead_s", None),
+                           "data_plane": samples[-1].get("data_plane") if samples else None,
                            "server_log": m.server_log()}
             saved()
         ok_exit = True
@@ -328,8 +333,8 @@ def _hugepages_for(a: argparse.Namespace, spec: S.Spec, group: list[M.Method], d
     if seen:
         return max(seen)
     if spec.llm:
-        return int(a.gpu_util * spec.gpus * (results["device"]["memory_total_bytes"] or 0)) or None
-    return int(float(spec.args[1]) * 2**30)
+        return int(a.gpu_util * max(spec.gpus, spec.world) * (results["device"]["memory_total_bytes"] or 0)) or None
+    return int((spec.gib or 0) * 2**30) or None
 
 
 TIMES = {"checkpoint": "checkpoint_s", "restore": "restore_s"}   # a ratio of times: its labels and median keys
@@ -391,19 +396,27 @@ def _bound_s(nbytes: float | None, gbps: float | None, control_s: float | None) 
     return max(nbytes / (gbps * 1e9), control_s or 0.0)
 
 
-def over_bound(by_method: dict[str, dict[str, Any]], ceiling: dict | None) -> dict[str, dict[str, float]]:
+def over_bound(by_method: dict[str, dict[str, Any]], ceiling: dict | None,
+               disk: dict | None = None) -> dict[str, dict[str, float]]:
     """Each gpucr method's checkpoint and restore time over its bound, max(bytes / ceiling, control s),
-    both of the same run (issue 13 asks within 1.15x); the peer's too, on bytes / ceiling (it has no
-    control step), to set beside them. Methods lacking bytes, and runs without a ceiling, are left out."""
+    both of the same run (issue 13 asks within 1.15x), and for a method with an image, the image's bytes
+    over the disk's rate too (disk_out_s / disk_in_s: issue 25 asks within 1.15x); the peer's too, on bytes /
+    ceiling (it has no control step), to set beside them. Methods lacking bytes, and runs without a
+    ceiling, are left out."""
     c = ceiling or {}
     peer = (by_method.get(M.TmsMethod.name) or {}).get("median")
     out: dict[str, dict[str, float]] = {}
     for name, med in _gpucr_methods(by_method) + ([(M.TmsMethod.name, peer)] if peer else []):
         b_out = _bound_s(med.get("bytes_out"), c.get("d2h_gbps"), med.get("control_out_s"))
         b_in = _bound_s(med.get("bytes_in"), c.get("h2d_gbps"), med.get("control_in_s"))
-        if b_out and b_in and med.get("checkpoint_s") and med.get("restore_s"):
-            out[name] = {"checkpoint": med["checkpoint_s"] / b_out, "restore": med["restore_s"] / b_in,
-                         "bound_out_s": b_out, "bound_in_s": b_in}
+        if not (b_out and b_in and med.get("checkpoint_s") and med.get("restore_s")):
+            continue
+        d_out, d_in = (_bound_s(med.get("image_bytes"), (disk or {}).get(k), None) for k in ("write_gbps", "read_gbps"))
+        b_out, b_in = max(b_out, d_out or 0.0), max(b_in, d_in or 0.0)
+        out[name] = {"checkpoint": med["checkpoint_s"] / b_out, "restore": med["restore_s"] / b_in,
+                     "bound_out_s": b_out, "bound_in_s": b_in}
+        if d_out and d_in:
+            out[name].update(disk_out_s=d_out, disk_in_s=d_in)
     return out
 
 
@@ -412,7 +425,7 @@ def derive(wres: dict[str, Any], ceiling: dict | None) -> None:
     written before some of them existed (python3 -m gpucr.bench.report FILE --recompute)."""
     wres["speedups"] = speedups(wres["methods"])
     wres["versus_peer"] = versus_peer(wres["methods"])
-    wres["over_bound"] = over_bound(wres["methods"], ceiling)
+    wres["over_bound"] = over_bound(wres["methods"], ceiling, wres.get("disk"))
 
 
 def derive_all(results: dict[str, Any]) -> None:
@@ -500,15 +513,15 @@ def main(a: argparse.Namespace) -> int:
     specs = [S.parse_workload(w, a.gpu_util)
              for w in (a.workloads or (SIMULATED_WORKLOADS if simulated else DEFAULT_WORKLOADS)).split(",") if w.strip()]
     names = method_names(a.methods, specs)
-    skipped = []
+    skipped: dict[str, str] = {}
     if simulated:
         _say(SIMULATED_BANNER)
-        skipped = [s.name for s in specs if s.llm]
-        specs = [s for s in specs if not s.llm]
-        if skipped:
-            _say(f"skipping {', '.join(skipped)}: LLM workloads need a GPU")
+        specs, skipped = _simulable(specs)
     if not specs:
         raise GpucrError("no workload to run")
+    if M.ServerImageMethod.name in names and not Path(a.image_dir).is_dir():
+        raise GpucrError(f"--image-dir {a.image_dir}: not a directory; give an existing one on the disk the images "
+                         "should go to")
     drv = driver_for(str(simcuda_dir() / "libcuda.so.1") if simulated else "libcuda.so.1")
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(a.out or f"gpucr-bench-{'SIMULATED-' if simulated else ''}{stamp}.json")
@@ -517,7 +530,8 @@ def main(a: argparse.Namespace) -> int:
     results: dict[str, Any] = {
         "schema": SCHEMA, "simulated": simulated, "warning": SIMULATED_BANNER if simulated else None,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **environment(drv, simulated),
-        "settings": {"workloads": [s.name for s in specs], "skipped_workloads": skipped, "methods": names,
+        "settings": {"workloads": [s.name for s in specs], "skipped_workloads": list(skipped),
+                     "skipped_why": skipped, "methods": names, "image_dir": a.image_dir,
                      "gpu_util": a.gpu_util, "repeat": a.repeat, "park_s": a.park, "generate_tokens": S.GENERATE_TOKENS,
                      "step_timeout_s": M.STEP_TIMEOUT_S,
                      "gpucr_staging": "2 MiB hugepages reserved by the bench for gpucr's methods"
@@ -535,7 +549,7 @@ def main(a: argparse.Namespace) -> int:
         results["ceiling_all_gpus"] = c = B.ceiling_all(simulated, gib, gpus)
         _say(f"ceiling of {gpus} links at once: D2H {c['aggregate_d2h_gbps']:.1f} GB/s, H2D {c['aggregate_h2d_gbps']:.1f} GB/s "
              f"in all; per GPU " + ", ".join(f"{g['d2h_gbps']:.1f}/{g['h2d_gbps']:.1f}" for g in c["per_gpu"]))
-    methods = [M.make(n, drv, simulated, a.driver_deadline) for n in names if n != "ceiling"]
+    methods = [M.make(n, drv, simulated, a.driver_deadline, a.image_dir) for n in names if n != "ceiling"]
     failed = False
     try:   # a method may hold a server it started: given back whatever happens
         for spec in specs:
@@ -556,6 +570,7 @@ def main(a: argparse.Namespace) -> int:
                     _say(f"{spec.name}: {', '.join(m.name for m in group)} failed: {exc}")
                     for m in group:
                         wres["methods"].setdefault(m.name, {"error": str(exc), "correct": False, "server_log": m.server_log()})
+                _measure_disk(a.image_dir, spec, wres)
                 _save(out, results, wres, ceiling)
     finally:
         for m in methods:
@@ -572,6 +587,32 @@ def main(a: argparse.Namespace) -> int:
     if simulated:
         _say(SIMULATED_BANNER)
     return 1 if failed else 0
+
+
+def _simulable(specs: list[S.Spec]) -> tuple[list[S.Spec], dict[str, str]]:
+    """The workloads simcuda can run, and the others with why not (each said once)."""
+    skipped = {s.name: s.needs_gpu for s in specs if s.needs_gpu}
+    for why in dict.fromkeys(skipped.values()):
+        _say(f"skipping {', '.join(n for n, w in skipped.items() if w == why)}: {why}")
+    return [s for s in specs if not s.needs_gpu], skipped
+
+
+def _measure_disk(image_dir: str, spec: S.Spec, wres: dict[str, Any]) -> None:
+    """Once a workload's images were written and read: the disk's rate under the same directory, for as
+    many bytes as its image had, to set the image's times against (the bound of gpucr-server-image)."""
+    med = (wres["methods"].get(M.ServerImageMethod.name) or {}).get("median") or {}
+    nbytes = med.get("image_bytes") or med.get("bytes_out")
+    if not nbytes or "disk" in wres:
+        return
+    _say(f"{spec.name}: measuring the disk's rate under {image_dir} ({nbytes / 2**30:.2f} GiB written, then read)")
+    try:
+        wres["disk"] = d = B.disk_rate(image_dir, int(nbytes))
+    except OSError as exc:
+        wres["disk"] = {"dir": image_dir, "error": f"{exc.strerror or exc}"}
+        _say(f"{spec.name}: the disk's rate could not be measured: {exc}")
+        return
+    _say(f"{spec.name}: disk: write + fsync {d['write_gbps']:.2f} GB/s, read {d['read_gbps']:.2f} GB/s"
+         + ("" if d["direct_io"] else " (no O_DIRECT here)"))
 
 
 def _parser() -> argparse.ArgumentParser:
