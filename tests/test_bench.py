@@ -12,7 +12,10 @@ import time
 import pytest
 
 from gpucr import paths
+from gpucr.bench import bounds as B
 from gpucr.bench import methods as M
+from gpucr.bench import rows as R
+from gpucr.bench import specs as S
 from gpucr.bench import report
 from gpucr.driver import DriverError
 from gpucr.results import ProcessCheckpoint
@@ -184,16 +187,16 @@ def test_a_parked_cycle_waits_between_its_checkpoint_and_its_restore():
 
 def test_plain_env_has_no_agent_but_the_same_driver(monkeypatch):
     monkeypatch.setenv("LD_PRELOAD", "/usr/lib/other.so")
-    env = M.plain_env(simulate=True)
+    env = S.plain_env(simulate=True)
     assert env["LD_PRELOAD"] == "/usr/lib/other.so"
     assert str(paths.simcuda_dir()) in env["LD_LIBRARY_PATH"]
     monkeypatch.delenv("LD_PRELOAD")
-    assert "LD_PRELOAD" not in M.plain_env(simulate=True)
+    assert "LD_PRELOAD" not in S.plain_env(simulate=True)
 
 
 def test_workload_names():
-    assert M.parse_workload("raw:8", 0.5) == M.Spec("raw:8", "raw_app", ("--gib", "8.0"), False)
-    s = M.parse_workload("qwen3-1.7b", 0.3)
+    assert S.parse_workload("raw:8", 0.5) == S.Spec("raw:8", "raw_app", ("--gib", "8.0"), False)
+    s = S.parse_workload("qwen3-1.7b", 0.3)
     assert s.llm and s.args == ("qwen3-1.7b", "--gpu-util", "0.3")
 
 
@@ -234,7 +237,7 @@ def test_results_are_saved_after_every_method():
     from gpucr.bench import run
     from gpucr.driver import driver_for
     drv = driver_for(str(paths.simcuda_dir() / "libcuda.so.1"))
-    spec = M.parse_workload("raw:0.05", 0.5)
+    spec = S.parse_workload("raw:0.05", 0.5)
     group = [M.make("driver", drv, True), M.make("driver-fresh", drv, True)]
     out: dict = {}
     seen: list[list[str]] = []
@@ -256,24 +259,24 @@ def test_methods_with_other_agent_settings_get_a_process_of_their_own():
 # ---- multi-GPU jobs: what can be checked without a GPU ----
 
 def test_job_workload_names():
-    s = M.parse_workload("tp2-llama3-8b", 0.3)
+    s = S.parse_workload("tp2-llama3-8b", 0.3)
     assert (s.module, s.launch, s.world, s.gpus, s.nccl) == ("tp_app", "torchrun", 2, 2, True)
     assert s.args == ("--model", "llama3-8b", "--gpu-util", "0.3") and s.llm
-    s = M.parse_workload("pp2-llama3-8b", 0.5)
+    s = S.parse_workload("pp2-llama3-8b", 0.5)
     assert (s.module, s.launch, s.nccl) == ("pp_app", "torchrun", True)
-    s = M.parse_workload("2gpu-llama3-8b", 0.5)
+    s = S.parse_workload("2gpu-llama3-8b", 0.5)
     assert (s.module, s.launch, s.world, s.gpus, s.nccl) == ("two_gpu_app", "single", 1, 2, False)
     with pytest.raises(M.GpucrError, match="Llama-architecture"):
-        M.parse_workload("tp2-qwen3-1.7b", 0.5)
+        S.parse_workload("tp2-qwen3-1.7b", 0.5)
     with pytest.raises(M.GpucrError, match="unknown workload"):
-        M.parse_workload("tp2-gpt5", 0.5)
+        S.parse_workload("tp2-gpt5", 0.5)
 
 
 def test_default_methods_for_jobs_and_their_own_processes():
     from gpucr.bench import run
-    jobs = [M.parse_workload("tp2-llama3-8b", 0.5)]
+    jobs = [S.parse_workload("tp2-llama3-8b", 0.5)]
     assert run.method_names(None, jobs) == list(M.JOB_METHODS)
-    assert run.method_names(None, [M.parse_workload("raw:1", 0.5)]) == list(M.DEFAULT_METHODS)
+    assert run.method_names(None, [S.parse_workload("raw:1", 0.5)]) == list(M.DEFAULT_METHODS)
     with pytest.raises(M.GpucrError, match="unknown method 'cuda-checkpoint'"):
         run.method_names("driver,cuda-checkpoint", jobs)
     drv = sim_driver()
@@ -348,7 +351,7 @@ def test_a_job_left_dead_by_the_driver_is_killed_and_started_again():
                 raise DriverError(f"driver restore of process {pid}", 801, "operation not supported")
             super().act(action, pid)
     out: dict = {}
-    run.run_group(M.parse_workload("raw:0.05", 0.5), [BrokenRestore(drv, deadline=30), M.make("driver", drv, True)],
+    run.run_group(S.parse_workload("raw:0.05", 0.5), [BrokenRestore(drv, deadline=30), M.make("driver", drv, True)],
                   True, drv, None, 1, out)
     broken, ok = out["driver-broken"], out["driver"]
     assert broken["outcome"] == "failed" and broken["failed_step"] == "restore" and not broken["correct"]
@@ -366,17 +369,17 @@ def test_job_results_are_shaped_per_job_and_per_gpu():
                                  warnings=warnings)
     rs = [ck(1, {"data_out": 1.0, "control_out": 0.5}, {"gate": 0.002, "staging": 0.0}, 10, 1, ["w1"]),
           ck(2, {"data_out": 1.5, "control_out": 0.25}, {"gate": 0.001, "staging": 0.003}, 20, 2, [])]
-    c = M.combine(rs)
+    c = R.combine(rs)
     assert c["steps_s"] == {"data_out": 1.5, "control_out": 0.5}         # ranks go through a phase together
     assert c["agent_ms"] == {"gate": 2.0, "staging": 3.0}
     assert (c["bytes_moved"], c["bytes_left_to_driver"], c["warnings"]) == (30, 3, ["w1"])
     gpucr_full = M.make("gpucr-full", sim_driver(), True)
     row = {"data_out_s": 2.0, "data_in_s": 4.0, "driver_out_s": None, "driver_in_s": None}
-    g = M.per_gpu(row, gpucr_full, {"GPU-a": 8_000_000_000, "GPU-b": 4_000_000_000})
+    g = R.per_gpu(row, gpucr_full, {"GPU-a": 8_000_000_000, "GPU-b": 4_000_000_000})
     assert g["gbps_out_per_gpu"] == {"GPU-a": 4.0, "GPU-b": 2.0} and g["gbps_in_per_gpu"] == {"GPU-a": 2.0, "GPU-b": 1.0}
     assert g["gbps_out_slowest_gpu"] == 2.0 and g["gbps_in_slowest_gpu"] == 1.0
     driver = M.make("driver", sim_driver(), True)
-    g = M.per_gpu({"data_out_s": None, "data_in_s": None, "driver_out_s": 8.0, "driver_in_s": 2.0}, driver, {"GPU-a": 8e9})
+    g = R.per_gpu({"data_out_s": None, "data_in_s": None, "driver_out_s": 8.0, "driver_in_s": 2.0}, driver, {"GPU-a": 8e9})
     assert g["gbps_out_per_gpu"] == {"GPU-a": 1.0} and g["gbps_in_slowest_gpu"] == 4.0
 
 
@@ -387,7 +390,7 @@ def test_jobs_table_shows_outcomes_transports_and_speed():
            "workloads": {"tp2-llama3-8b": {"methods": {
                "driver": {"process": proc, "outcome": "failed", "failed_step": "restore", "error": "CUDA error 801",
                           "samples": [], "correct": False},
-               "driver-nop2p": {"process": {**proc, "tokens_per_s": 20.0, "job_env": dict(M.NO_FAST_TRANSPORTS)},
+               "driver-nop2p": {"process": {**proc, "tokens_per_s": 20.0, "job_env": dict(S.NO_FAST_TRANSPORTS)},
                                 "outcome": "hung", "failed_step": "restore", "error": "no return", "correct": False},
                "gpucr-full": {"process": proc, "outcome": "ok", "error": None, "correct": True,
                               "samples": [{"gbps_out_per_gpu": {"GPU-a": 47.0, "GPU-b": 46.0},
@@ -403,7 +406,7 @@ def test_jobs_table_shows_outcomes_transports_and_speed():
 
 def test_ceiling_of_two_links_at_once_on_simcuda(monkeypatch):
     monkeypatch.setenv("SIMCUDA_DEVICES", "2")
-    c = M.ceiling_all(True, 0.02, 2)
+    c = B.ceiling_all(True, 0.02, 2)
     assert c["simulated"] and c["gpus"] == 2 and len(c["per_gpu"]) == 2
     assert all(g["d2h_gbps"] > 0 and g["h2d_gbps"] > 0 for g in c["per_gpu"])
     assert c["aggregate_d2h_gbps"] > 0 and c["aggregate_h2d_gbps"] > 0

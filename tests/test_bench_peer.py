@@ -13,6 +13,8 @@ import sys
 import pytest
 
 from gpucr.bench import methods as M
+from gpucr.bench import rows as R
+from gpucr.bench import specs as S
 from gpucr.bench import report, run
 
 from conftest import gpucr_cli, sim_driver
@@ -59,16 +61,16 @@ def test_simulated_run_records_the_skip_and_its_reason(tmp_path):
 @pytest.mark.skipif(HAVE_TMS, reason="needs a host where torch_memory_saver cannot be imported")
 def test_without_the_package_the_reason_is_the_import_error():
     m = M.TmsMethod(simulate=False)
-    reason = m.unavailable(M.parse_workload("raw:30", 0.5))
+    reason = m.unavailable(S.parse_workload("raw:30", 0.5))
     assert reason.startswith("torch_memory_saver cannot be used here (ModuleNotFoundError: No module named ")
-    assert m.unavailable(M.parse_workload("llama3-8b", 0.5)) == reason, "probed once a run"
+    assert m.unavailable(S.parse_workload("llama3-8b", 0.5)) == reason, "probed once a run"
     with pytest.raises(M.GpucrError, match="cannot be used here"):
-        m.workload(M.parse_workload("raw:30", 0.5))
+        m.workload(S.parse_workload("raw:30", 0.5))
 
 
 def test_only_single_gpu_workloads():
     m = M.TmsMethod(simulate=False)
-    assert m.unavailable(M.parse_workload("tp2-llama3-8b", 0.5)) == \
+    assert m.unavailable(S.parse_workload("tp2-llama3-8b", 0.5)) == \
         "runs on the single-GPU workloads only (raw:GIB and the LLM servers)"
     assert m.probed is None, "a job is turned down before anything is probed"
 
@@ -89,12 +91,12 @@ def test_workload_imports_without_torch_and_fails_only_at_use():
 def test_the_peer_workload_is_the_benchs_own_app_in_a_region():
     m = M.TmsMethod(simulate=False)
     m.probed = {"preload": "/opt/tms/torch_memory_saver_hook_mode_preload_cu12.abi3.so", "version": "0.0.10"}
-    module, args, env = m.workload(M.parse_workload("llama3-8b", 0.3))
+    module, args, env = m.workload(S.parse_workload("llama3-8b", 0.3))
     assert (module, args) == ("tms_app", ["llm_app", "llama3-8b", "--gpu-util", "0.3"])
     assert env["LD_PRELOAD"].split(":")[0] == m.probed["preload"]
     from gpucr.workloads import llm_app, raw_app
     assert llm_app.parser().parse_args(args[1:]).gpu_util == 0.3
-    assert raw_app.parser().parse_args(m.workload(M.parse_workload("raw:30", 0.5))[1][1:]).gib == 30.0
+    assert raw_app.parser().parse_args(m.workload(S.parse_workload("raw:30", 0.5))[1][1:]).gib == 30.0
 
 
 def _cycle(pause_s: float, resume_s: float, wall: float, nbytes: int) -> tuple[dict, dict]:
@@ -105,15 +107,15 @@ def _cycle(pause_s: float, resume_s: float, wall: float, nbytes: int) -> tuple[d
 def test_peer_rows_rate_the_region_on_the_in_app_times():
     m = M.TmsMethod(simulate=False)
     ck, rs = _cycle(0.6, 0.5, 0.7, 30 * GiB)
-    row = M.metrics(m, ck, rs, footprint=31 * GiB, ceiling={"d2h_gbps": 55.0, "h2d_gbps": 55.0})
+    row = R.metrics(m, ck, rs, footprint=31 * GiB, ceiling={"d2h_gbps": 55.0, "h2d_gbps": 55.0})
     assert row["app_out_s"] == 0.6 and row["app_in_s"] == 0.5 and row["checkpoint_s"] == 0.7
     assert row["bytes_out"] == row["bytes_in"] == 30 * GiB, "the region's bytes, not the footprint"
     assert row["gbps_out"] == pytest.approx(30 * GiB / 0.6 / 1e9) and row["gbps_in"] == pytest.approx(30 * GiB / 0.5 / 1e9)
     assert row["ceiling_share_out"] == pytest.approx(row["gbps_out"] / 55.0)
     assert row["data_out_s"] is None and row["driver_out_s"] is None and row["control_out_s"] is None
-    g = M.per_gpu(row, m, {"GPU-a": 30 * GiB})
+    g = R.per_gpu(row, m, {"GPU-a": 30 * GiB})
     assert g["gbps_out_per_gpu"]["GPU-a"] == pytest.approx(row["gbps_out"])
-    assert M.medians([row])["app_in_s"] == 0.5
+    assert R.medians([row])["app_in_s"] == 0.5
 
 
 def test_gpucr_against_the_peer_and_the_table():

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from gpucr.bench import methods as M
+from gpucr.bench import rows as R
 from gpucr.bench import report, run
 
 PEER = "torch-memory-saver"
@@ -19,7 +19,7 @@ CEILING = {"d2h_gbps": 55.0, "h2d_gbps": 50.0}
 def _med(ck: float, rs: float, nbytes: float | None, control_out: float | None = None,
          control_in: float | None = None) -> dict:
     """A median as the bench writes it (every key the table reads), with the ones a bound needs."""
-    return {**dict.fromkeys(M.SUMMARY_KEYS), "checkpoint_s": ck, "restore_s": rs, "bytes_out": nbytes,
+    return {**dict.fromkeys(R.SUMMARY_KEYS), "checkpoint_s": ck, "restore_s": rs, "bytes_out": nbytes,
             "bytes_in": nbytes, "control_out_s": control_out, "control_in_s": control_in}
 
 

@@ -1,118 +1,32 @@
-"""What `gpucr bench` compares, and on what.
-
-Workloads are the protocol-speaking apps of gpucr.workloads, started either under gpucr's agent
-(for gpucr's methods) or as plain processes (for the driver's own checkpoint, which must see the
-application exactly as it would without gpucr). Methods each checkpoint and restore one process
-and return the time of every step; `metrics` turns one cycle into the uniform row the report
-reads. The pinned-copy ceiling runs in a child process of its own (`python3 -m
-gpucr.bench.methods ceiling GIB`), so its memory is gone before any workload starts.
+"""What `gpucr bench` compares: methods that each checkpoint and restore the processes of one
+workload (gpucr.bench.specs) and return the time of every step; `metrics` turns one cycle into the
+uniform row the report reads, set against the bounds of gpucr.bench.bounds.
 """
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import fcntl
 import json
 import os
-import statistics
+import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import weakref
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from ..coordinator import checkpoint_many, restore_many
-from ..driver import Driver
+from ..driver import Driver, device_count, device_info
 from ..errors import GpucrError
-from ..results import ProcessCheckpoint, ProcessRestore
-from ..workloads.llm_app import MODELS
-from ..workloads import runner, tms_app
+from ..workloads import tms_app
 from ..workloads.job import Job
+from .rows import combine
+from .specs import NO_FAST_TRANSPORTS, Spec, plain_env
 
-GENERATE_TOKENS = 32
 STEP_TIMEOUT_S = 30.0       # gate drain and each driver step; the copies take what they take
 WARMUP_TIMEOUT_S = 600.0    # the first gpucr checkpoint also prepares (faults in and pins) its staging
-
-
-@dataclass(frozen=True)
-class Spec:
-    """One workload of the bench: 'llama3-8b' (an LLM server), 'raw:8' (8 GiB raw buffer), or a
-    multi-GPU job: 'tp2-llama3-8b' (tensor parallel over two ranks, started by torchrun),
-    'pp2-llama3-8b' (pipeline parallel, two ranks), '2gpu-llama3-8b' (one process on two GPUs)."""
-    name: str
-    module: str
-    args: tuple[str, ...]
-    llm: bool
-    launch: str = "single"     # workloads.job.LAUNCHES
-    world: int = 1
-
-    @property
-    def nccl(self) -> bool:
-        return self.module in ("tp_app", "pp_app")
-
-    @property
-    def gpus(self) -> int:
-        return 2 if self.module == "two_gpu_app" else self.world
-
-
-# prefix -> (module, launch, ranks): the multi-GPU jobs, each of a Llama-architecture model of MODELS
-JOBS = {"tp2": ("tp_app", "torchrun", 2), "pp2": ("pp_app", "torchrun", 2), "2gpu": ("two_gpu_app", "single", 1)}
-# NCCL as docs/nccl.md says gpucr runs it; the driver's own path gets the same, so both see one job
-NCCL_ENV = {"NCCL_CUMEM_ENABLE": "1", "NCCL_NVLS_ENABLE": "0", "NCCL_GRAPH_REGISTER": "0",
-            "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
-NO_FAST_TRANSPORTS = {"NCCL_P2P_DISABLE": "1", "NCCL_SHM_DISABLE": "1"}
-
-
-def parse_workload(text: str, gpu_util: float) -> Spec:
-    text = text.strip()
-    if text in MODELS:
-        return Spec(text, "llm_app", (text, "--gpu-util", str(gpu_util)), True)
-    prefix, _, model = text.partition("-")
-    if prefix in JOBS and model in MODELS:
-        if MODELS[model][0] != "llama":
-            raise GpucrError(f"workload '{text}': the multi-GPU jobs take a Llama-architecture model (llama3-8b)")
-        module, launch, world = JOBS[prefix]
-        return Spec(text, module, ("--model", model, "--gpu-util", str(gpu_util)), True, launch, world)
-    if text.startswith("raw:"):
-        try:
-            gib = float(text[4:])
-        except ValueError:
-            gib = -1.0
-        if gib > 0:
-            return Spec(text, "raw_app", ("--gib", str(gib)), False)
-    raise GpucrError(f"unknown workload '{text}': use raw:GIB, one of {', '.join(MODELS)}, "
-                     f"or a multi-GPU job {'|'.join(JOBS)}-MODEL (e.g. tp2-llama3-8b)")
-
-
-# ---- workload processes ----
-
-def plain_env(simulate: bool) -> dict[str, str]:
-    """run_env without the agent (the driver's own checkpoint must see the application as it is)."""
-    return runner.plain_env(simulate)
-
-
-def start(spec: Spec, method: "Method", simulate: bool) -> Job:
-    """The workload's process(es) for `method`, as one Job (one process for the single-GPU workloads)."""
-    module, args, own_env = method.workload(spec)
-    env = {**(NCCL_ENV if spec.nccl else {}), **os.environ, **method.agent_env, **method.job_env, **own_env}
-    return Job(module, args, launch=spec.launch, world=spec.world, env=env, agent=method.under_agent,
-               simulate=simulate)
-
-
-def observe(w: Job, spec: Spec) -> dict[str, Any]:
-    """What must be the same after a restore: every rank's bytes and addresses, and the next tokens."""
-    d = w.ask("digest")
-    seen = {"digest": [r["digest"] for r in d["ranks"]], "ptrs": [r["ptrs"] for r in d["ranks"]]}
-    if spec.llm:
-        seen["tokens"] = [r["tokens"] for r in w.ask(f"generate {GENERATE_TOKENS}")["ranks"]]
-    return seen
-
-
-def compare(ref: dict[str, Any], now: dict[str, Any]) -> dict[str, bool]:
-    return {k: ref[k] == now.get(k) for k in ref}
-
 
 # ---- methods ----
 
@@ -267,25 +181,6 @@ class FreshDriverMethod(DriverMethod):
                              f"{rc or out.stderr.strip()[-300:]}")
 
 
-def combine(results: list[ProcessCheckpoint] | list[ProcessRestore]) -> dict[str, Any]:
-    """The job's view of gpucr's per-process results: the processes go through each phase together,
-    so a phase takes as long as its slowest process; bytes add up. (The bench file's schema,
-    gpucr-bench/1, keeps the agent's times in milliseconds.)"""
-    steps: dict[str, float] = {}
-    agent_ms: dict[str, float] = {}
-    routes: dict[str, int] = {}
-    for r in results:
-        for k, v in r.phases_s.items():
-            steps[k] = max(steps.get(k, 0.0), v)
-        for k, v in r.agent_phases_s.items():
-            agent_ms[k] = max(agent_ms.get(k, 0.0), v * 1000)
-        for k, v in r.routes.items():
-            routes[k] = routes.get(k, 0) + v
-    return {"steps_s": steps, "agent_ms": agent_ms, "bytes_moved": sum(r.bytes_moved for r in results),
-            "bytes_left_to_driver": sum(getattr(r, "bytes_left_to_driver", 0) for r in results),
-            "warnings": [w for r in results for w in r.warnings], "routes": routes}
-
-
 class GpucrMethod(Method):
     """gpucr: the agent moves the data; at level full the driver then takes the control state; all
     processes of a job at once (coordinator.checkpoint_many / restore_many).
@@ -435,7 +330,7 @@ class TmsMethod(Method):
     def unavailable(self, spec: Spec) -> str | None:
         if self.simulate:
             return "needs torch and torch_memory_saver on a real GPU"
-        if spec.module not in tms_app.APPS:
+        if spec.module not in tms_app.APPS or spec.launch != "single":
             return "runs on the single-GPU workloads only (raw:GIB and the LLM servers)"
         probed = self.probe()
         return probed if isinstance(probed, str) else None
@@ -540,6 +435,63 @@ class ServerMethod(Method):
         return self._srv.log_since()
 
 
+class ServerImageMethod(ServerMethod):
+    """gpucr-server-image: `checkpoint --image DIR` then `restore --image DIR` through the server, each
+    process's image in a new directory of its own under --image-dir, removed after its restore (a run of
+    several cycles never holds more than one image per process on the disk)."""
+    name = "gpucr-server-image"
+
+    def __init__(self, simulate: bool, image_dir: str | Path, timeout: float = STEP_TIMEOUT_S) -> None:
+        super().__init__("full", simulate, timeout)
+        self.name, self.image_dir = ServerImageMethod.name, Path(image_dir)   # not the level's name
+        self.dirs: dict[int, str] = {}
+
+    def checkpoint(self, pids: list[int]) -> dict[str, Any]:
+        self._remove()
+        self.dirs = {p: tempfile.mkdtemp(prefix=f"gpucr-bench-image-{p}-", dir=self.image_dir) for p in pids}
+        try:
+            rs = self._api().checkpoint_many(pids, level=self.level, timeout=WARMUP_TIMEOUT_S, images=self.dirs)
+        except BaseException:
+            self._remove()   # nothing checkpointed: the processes run on, their images are of no use
+            raise
+        return combine(rs.processes)
+
+    def restore(self, pids: list[int]) -> dict[str, Any]:
+        try:
+            return combine(self._api().restore_many(pids, timeout=WARMUP_TIMEOUT_S, images=self.dirs).processes)
+        finally:
+            self._remove()
+
+    def _remove(self) -> None:
+        for d in self.dirs.values():
+            shutil.rmtree(d, ignore_errors=True)
+        self.dirs = {}
+
+    def close(self) -> None:
+        self._remove()
+        super().close()
+
+
+class ServerMapMethod(ServerMethod):
+    """gpucr-server-map: restored with `--map` naming every GPU of the machine onto itself, through the
+    server (on one GPU only the identity map exists; it takes the path of a restore onto other GPUs)."""
+
+    name = "gpucr-server-map"
+
+    def __init__(self, drv: Driver, simulate: bool, timeout: float = STEP_TIMEOUT_S) -> None:
+        super().__init__("full", simulate, timeout)
+        self.name, self.drv = ServerMapMethod.name, drv   # not the level's name
+
+    def identity_map(self) -> dict[str, str]:
+        uuids = [device_info(self.drv, i)["uuid"] for i in range(device_count(self.drv))]
+        return {u: u for u in uuids}
+
+    def restore(self, pids: list[int]) -> dict[str, Any]:
+        gpu_map = self.identity_map()
+        out = combine(self._api().restore_many(pids, timeout=WARMUP_TIMEOUT_S, gpu_map=gpu_map).processes)
+        return {**out, "gpu_map": gpu_map}
+
+
 @contextlib.contextmanager
 def _env(key: str, value: str):
     old = os.environ.get(key)
@@ -555,13 +507,13 @@ def _env(key: str, value: str):
 
 METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data", "gpucr-full-pinned", "gpucr-full-unpinned",
            "driver-nop2p", "gpucr-cli", "gpucr-cli-server", "torch-memory-saver", "gpucr-server-full", "gpucr-server-data",
-           "gpucr-server-full-ahead", "gpucr-server-full-one-link")
+           "gpucr-server-full-ahead", "gpucr-server-full-one-link", "gpucr-server-image", "gpucr-server-map")
 # the server's path is what `gpucr run` users get: it is in the default, beside the in-process one
 DEFAULT_METHODS = METHODS[:5] + ("gpucr-server-full", "gpucr-server-data")
 JOB_METHODS = ("ceiling", "driver", "driver-nop2p", "gpucr-full", "gpucr-data")   # the default for multi-GPU jobs
 
 
-def make(name: str, drv: Driver, simulate: bool, deadline: float = 600.0) -> Method:
+def make(name: str, drv: Driver, simulate: bool, deadline: float = 600.0, image_dir: str | Path = "/var/tmp") -> Method:
     if name == "driver":
         return DriverMethod(drv, deadline)
     if name == "driver-nop2p":
@@ -582,6 +534,10 @@ def make(name: str, drv: Driver, simulate: bool, deadline: float = 600.0) -> Met
         return ServerMethod("full", simulate, ahead=True)
     if name == "gpucr-server-full-one-link":
         return ServerMethod("full", simulate, routes=False)
+    if name == ServerImageMethod.name:
+        return ServerImageMethod(simulate, image_dir)
+    if name == ServerMapMethod.name:
+        return ServerMapMethod(drv, simulate)
     if name == "torch-memory-saver":
         return TmsMethod(simulate)
     raise GpucrError(f"unknown method '{name}': use some of {', '.join(METHODS)}")
@@ -601,196 +557,3 @@ def timed_cycle(method: Method, pids: list[int], read_used, park_s: float = 0.0)
     rs = method.restore(pids)
     rs["wall_s"] = time.perf_counter() - t0
     return ck, rs, used
-
-
-def _gbps(nbytes: int | None, seconds: float | None) -> float | None:
-    return nbytes / seconds / 1e9 if nbytes and seconds else None
-
-
-def _ratio(x: float | None, ceiling: float | None) -> float | None:
-    return x / ceiling if x and ceiling else None
-
-
-def metrics(method: Method, ck: dict, rs: dict, footprint: int | None, ceiling: dict | None) -> dict[str, Any]:
-    """One cycle as the report's row: seconds per part, bytes, rates and their share of the ceiling.
-
-    gpucr splits data (agent) from control (driver); the driver's own checkpoint does both in one
-    step, so its time is driver_out_s / driver_in_s and the bytes it moved are the process's whole
-    GPU footprint (as nvidia-smi counts it); the peer pauses its region inside the application, so
-    its time is app_out_s / app_in_s and its bytes the region's."""
-    cs, rsteps = ck["steps_s"], rs["steps_s"]
-    row: dict[str, Any] = {"checkpoint_s": ck["wall_s"], "restore_s": rs["wall_s"],
-                           **dict.fromkeys(("gate_sync_s", "data_out_s", "control_out_s", "control_in_s", "data_in_s",
-                                            "driver_out_s", "driver_in_s", "app_out_s", "app_in_s"))}
-    if method.in_app:
-        row.update(app_out_s=cs["pause"], app_in_s=rsteps["resume"], bytes_out=ck["bytes_moved"],
-                   bytes_in=rs["bytes_moved"], bytes_left_to_driver=None)
-        out_s, in_s = row["app_out_s"], row["app_in_s"]
-    elif method.splits:
-        am = ck["agent_ms"]
-        row.update(gate_sync_s=(am["gate"] + am["sync"]) / 1000, data_out_s=cs["data_out"],
-                   control_out_s=(cs["driver_lock"] + cs["control_out"]) if "control_out" in cs else None,
-                   control_in_s=(rsteps["control_in"] + rsteps.get("driver_unlock", 0.0)) if "control_in" in rsteps else None,
-                   data_in_s=rsteps["data_in"], bytes_out=ck["bytes_moved"], bytes_in=rs["bytes_moved"],
-                   bytes_left_to_driver=ck["bytes_left_to_driver"], agent_ms=am,
-                   pin_wait_s=rs.get("agent_ms", {}).get("pin_wait", 0.0) / 1000)
-        out_s, in_s = row["data_out_s"], row["data_in_s"]
-    else:
-        row.update(driver_out_s=cs["lock"] + cs["checkpoint"], driver_in_s=rsteps["restore"] + rsteps["unlock"],
-                   bytes_out=footprint, bytes_in=footprint, bytes_left_to_driver=footprint)
-        out_s, in_s = row["driver_out_s"], row["driver_in_s"]
-    row["steps_s"] = {"checkpoint": cs, "restore": rsteps}
-    if ck.get("routes") or rs.get("routes"):   # bytes through each NVLink neighbour's link (the server's routes)
-        row["routes_bytes"] = {"checkpoint": ck.get("routes", {}), "restore": rs.get("routes", {})}
-    row["gbps_out"], row["gbps_in"] = _gbps(row["bytes_out"], out_s), _gbps(row["bytes_in"], in_s)
-    c = ceiling or {}
-    row["ceiling_share_out"] = _ratio(row["gbps_out"], c.get("d2h_gbps"))
-    row["ceiling_share_in"] = _ratio(row["gbps_in"], c.get("h2d_gbps"))
-    return row
-
-
-def per_gpu(row: dict[str, Any], method: Method, bytes_per_gpu: dict[str, int]) -> dict[str, Any]:
-    """Each GPU's bytes over the job's data time (its ranks move their data at once), and the
-    slowest GPU's rate, which bounds the job."""
-    kind = "app" if method.in_app else "data" if method.splits else "driver"
-    out_s, in_s = row[f"{kind}_out_s"], row[f"{kind}_in_s"]
-    out = {"bytes_per_gpu": bytes_per_gpu,
-           "gbps_out_per_gpu": {u: _gbps(b, out_s) for u, b in bytes_per_gpu.items()},
-           "gbps_in_per_gpu": {u: _gbps(b, in_s) for u, b in bytes_per_gpu.items()}}
-    for k in ("out", "in"):
-        rates = [r for r in out[f"gbps_{k}_per_gpu"].values() if r]
-        out[f"gbps_{k}_slowest_gpu"] = min(rates) if rates else None
-    return out
-
-
-SUMMARY_KEYS = ("gate_sync_s", "data_out_s", "control_out_s", "control_in_s", "data_in_s", "driver_out_s",
-                "driver_in_s", "app_out_s", "app_in_s", "checkpoint_s", "restore_s", "bytes_out", "bytes_in", "gbps_out", "gbps_in",
-                "ceiling_share_out", "ceiling_share_in", "gpu_held_checkpointed_bytes", "gbps_out_slowest_gpu",
-                "gbps_in_slowest_gpu", "staging_bytes")
-
-
-def medians(samples: list[dict[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k in SUMMARY_KEYS:
-        vals = [s[k] for s in samples if s.get(k) is not None]
-        out[k] = statistics.median(vals) if vals else None
-    return out
-
-
-# ---- the pinned-copy ceiling ----
-
-def ceiling(simulate: bool, gib: float, timeout: float = 600.0) -> dict[str, Any]:
-    """D2H and H2D GB/s of one pinned copy of GIB GiB, measured by a child process that then exits."""
-    out = subprocess.run([sys.executable, "-m", "gpucr.bench.methods", "ceiling", str(gib)], capture_output=True,
-                         text=True, env=plain_env(simulate), timeout=timeout)
-    if out.returncode != 0:
-        raise GpucrError(f"the pinned-copy ceiling could not be measured: {out.stderr.strip()[-500:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-class _Link:
-    """One GPU's pinned-copy path: a device buffer and a pinned host buffer of n bytes, through the
-    driver API via ctypes (the same bindings as driver_app), so it runs on simcuda too."""
-
-    def __init__(self, ordinal: int, n: int) -> None:
-        from ..workloads import driver_app as d
-        self.d, self.n = d, n
-        self.host_alloc = d._sig("cuMemHostAlloc", ctypes.POINTER(ctypes.c_void_p), ctypes.c_size_t, ctypes.c_uint)
-        self.free_host = d._sig("cuMemFreeHost", ctypes.c_void_p)
-        d.check(d.cuInit(0), "cuInit")
-        self.ctx = ctypes.c_void_p()
-        d.check(d.cuDevicePrimaryCtxRetain(ctypes.byref(self.ctx), ordinal), f"context on device {ordinal}")
-        self.enter()
-        self.dev, self.host = ctypes.c_uint64(), ctypes.c_void_p()
-        d.check(d.cuMemAlloc(ctypes.byref(self.dev), n), f"device buffer on device {ordinal}")
-        t0 = time.perf_counter()
-        d.check(self.host_alloc(ctypes.byref(self.host), n, 0), "pinned host buffer")
-        self.pin_s = time.perf_counter() - t0
-        self.d2h()   # untimed: first-use costs are not the rate
-        self.h2d()
-
-    def enter(self) -> None:
-        """Make this GPU's context current in the calling thread (contexts are per thread)."""
-        self.d.check(self.d.cuCtxSetCurrent(self.ctx), "set context")
-
-    def d2h(self) -> None:
-        self.d.check(self.d.cuMemcpyDtoH(self.host, self.dev.value, self.n), "D2H")
-
-    def h2d(self) -> None:
-        self.d.check(self.d.cuMemcpyHtoD(self.dev.value, self.host, self.n), "H2D")
-
-    def close(self) -> None:
-        self.d.check(self.free_host(self.host), "free host")
-        self.d.check(self.d.cuMemFree(self.dev.value), "free device")
-
-
-HOW = "one cuMemcpyDtoH/HtoD of a cuMemHostAlloc (pinned) buffer, driver API, default stream"
-
-
-def _ceiling_child(gib: float, repeat: int = 3) -> dict[str, Any]:
-    link = _Link(0, int(gib * (1 << 30)))
-    d2h, h2d = [], []
-    for _ in range(repeat):
-        for fn, rates in ((link.d2h, d2h), (link.h2d, h2d)):
-            t0 = time.perf_counter()
-            fn()
-            rates.append(link.n / (time.perf_counter() - t0) / 1e9)
-    link.close()
-    return {"bytes": link.n, "d2h_gbps": statistics.median(d2h), "h2d_gbps": statistics.median(h2d),
-            "samples": {"d2h_gbps": d2h, "h2d_gbps": h2d}, "pin_s": link.pin_s, "simulated": link.d.SIM, "how": HOW}
-
-
-def _ceiling_all_child(gib: float, gpus: int, repeat: int = 3) -> dict[str, Any]:
-    """Every GPU's link at once: one thread per GPU (ctypes lets the GIL go during each copy), all
-    starting each copy together; per GPU its own rate, and the aggregate: all bytes over the time
-    from the first start to the last end."""
-    import threading
-    links = [_Link(i, int(gib * (1 << 30))) for i in range(gpus)]
-    barrier = threading.Barrier(gpus)
-    spans: dict[tuple[str, int, int], tuple[float, float]] = {}
-
-    def run(i: int) -> None:
-        links[i].enter()
-        for r in range(repeat):
-            for name in ("d2h", "h2d"):
-                barrier.wait()
-                t0 = time.perf_counter()
-                getattr(links[i], name)()
-                spans[(name, r, i)] = (t0, time.perf_counter())
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(gpus)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    n = links[0].n
-    out: dict[str, Any] = {"bytes_per_gpu": n, "gpus": gpus, "how": HOW + ", one thread per GPU, all at once",
-                           "simulated": links[0].d.SIM, "per_gpu": []}
-    for i in range(gpus):
-        out["per_gpu"].append({f"{k}_gbps": statistics.median(n / (spans[(k, r, i)][1] - spans[(k, r, i)][0]) / 1e9
-                                                             for r in range(repeat)) for k in ("d2h", "h2d")})
-    for k in ("d2h", "h2d"):
-        rounds = [[spans[(k, r, i)] for i in range(gpus)] for r in range(repeat)]
-        out[f"aggregate_{k}_gbps"] = statistics.median(n * gpus / (max(e for _, e in sp) - min(b for b, _ in sp)) / 1e9
-                                                       for sp in rounds)
-    for link in links:
-        link.close()
-    return out
-
-
-def ceiling_all(simulate: bool, gib: float, gpus: int, timeout: float = 600.0) -> dict[str, Any]:
-    """The pinned-copy ceiling of every GPU's link at once, by a child process that then exits."""
-    out = subprocess.run([sys.executable, "-m", "gpucr.bench.methods", "ceiling-all", str(gib), str(gpus)],
-                         capture_output=True, text=True, env=plain_env(simulate), timeout=timeout)
-    if out.returncode != 0:
-        raise GpucrError(f"the pinned-copy ceiling of {gpus} GPUs at once could not be measured: "
-                         f"{out.stderr.strip()[-500:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-if __name__ == "__main__":
-    if len(sys.argv) == 3 and sys.argv[1] == "ceiling":
-        print(json.dumps(_ceiling_child(float(sys.argv[2]))))
-    elif len(sys.argv) == 4 and sys.argv[1] == "ceiling-all":
-        print(json.dumps(_ceiling_all_child(float(sys.argv[2]), int(sys.argv[3]))))
-    else:
-        sys.exit("usage: python3 -m gpucr.bench.methods ceiling GIB | ceiling-all GIB GPUS")

@@ -20,9 +20,13 @@ GiB = 1 << 30
 
 # chart segments: (median key, label, colour); a checkpoint bar stacks the *_out keys, a restore bar the *_in keys
 PEER_LABEL, PEER_COLOUR = "pause / resume in the app (torch_memory_saver)", "#2ca02c"
-OUT_PARTS = (("data_out_s", "data (gpucr agent)", "#1f77b4"), ("control_out_s", "control (driver)", "#ff7f0e"),
-             ("driver_out_s", "driver: data + control", "#7f7f7f"), ("app_out_s", PEER_LABEL, PEER_COLOUR))
-IN_PARTS = (("data_in_s", "data (gpucr agent)", "#1f77b4"), ("control_in_s", "control (driver)", "#ff7f0e"),
+IMAGE_LABEL, IMAGE_COLOUR = "image on disk (write / read)", "#9467bd"
+OUT_PARTS = (("data_out_s", "data (gpucr)", "#1f77b4"), ("control_out_s", "control (driver)", "#ff7f0e"),
+             ("driver_out_s", "driver: data + control", "#7f7f7f"), ("app_out_s", PEER_LABEL, PEER_COLOUR),
+             ("image_out_s", IMAGE_LABEL, IMAGE_COLOUR))
+# no image part in a restore's bar: its image is read within its data step (image_read_and_data_in), while a
+# checkpoint writes its image after its data step, within the commit
+IN_PARTS = (("data_in_s", "data (gpucr)", "#1f77b4"), ("control_in_s", "control (driver)", "#ff7f0e"),
             ("driver_in_s", "driver: data + control", "#7f7f7f"), ("app_in_s", PEER_LABEL, PEER_COLOUR))
 REST = ("other (coordinator's own time)", "#d9d9d9")
 WIDE, NARROW = 0.8, 0.3   # a bar's width, and a part's drawn beside the first where they ran at the same time
@@ -96,15 +100,16 @@ def markdown(res: dict[str, Any]) -> str:
         lines.append(f"Pinned-copy ceiling ({_gib(c['bytes'])} GiB): D2H {c['d2h_gbps']:.1f} GB/s, "
                      f"H2D {c['h2d_gbps']:.1f} GB/s; rates below show their share of it.")
     lines += ["", "| workload | method | checkpoint s | restore s | gate+sync s | data out s | control out s | "
-              "control in s | data in s | moved GiB | GB/s out | GB/s in | GiB held while checkpointed | correct |",
-              "|" + " --- |" * 14]
+              "control in s | data in s | moved GiB | GB/s out | GB/s in | GiB held while checkpointed | "
+              "x bound (ckpt / restore) | data plane | correct |",
+              "|" + " --- |" * 16]
     for wname, w in res.get("workloads", {}).items():
         for mname, m in w.get("methods", {}).items():
             if m.get("skipped"):
                 continue
             if m.get("error"):
                 said = m.get("outcome") if m.get("outcome") in ("failed", "hung") else "failed"
-                lines.append(f"| {wname} | {mname} | {said}: {m['error'][:80]} |" + " |" * 11)
+                lines.append(f"| {wname} | {mname} | {said}: {m['error'][:80]} |" + " |" * 13)
                 continue
             d = m["median"]
             data_out, data_in = _either(d, "data_out_s", "app_out_s"), _either(d, "data_in_s", "app_in_s")
@@ -113,8 +118,10 @@ def markdown(res: dict[str, Any]) -> str:
                 _s(data_out), _s(d["control_out_s"]), _s(d["control_in_s"]), _s(data_in),
                 _gib(d["bytes_out"]), _rate(d["gbps_out"], d["ceiling_share_out"]),
                 _rate(d["gbps_in"], d["ceiling_share_in"]), _gib(d["gpu_held_checkpointed_bytes"]),
+                _times_bound((w.get("over_bound") or {}).get(mname)), _plane(m.get("data_plane")),
                 "yes" if m.get("correct") else "**NO**"]) + " |")
     lines += jobs_table(res)
+    lines += disk_lines(res)
     sp = [f"{w}: {k.replace('_vs_', ' vs ')} checkpoint {faster(v['checkpoint'])}, restore {faster(v['restore'])}"
           for w, wr in res.get("workloads", {}).items() for k, v in (wr.get("speedups") or {}).items()]
     sp += [line for w, wr in res.get("workloads", {}).items() for line in peer_lines(w, wr.get("versus_peer") or {})]
@@ -136,6 +143,9 @@ def markdown(res: dict[str, Any]) -> str:
               "(`gpucr run` with a server), its warm-up being the first checkpoint, after that is done; "
               "gpucr-server-full-one-link: the same with `gpucr serve --no-routes`, over the process's own GPU's host "
               "link only (gpucr-server-full also goes through idle GPUs joined to it by NVLink: routes_bytes); "
+              "gpucr-server-image: `checkpoint --image` then `restore --image` through the server, set against the "
+              "disk's rate measured in the same run for as many bytes; gpucr-server-map: the restore with `--map` "
+              "naming every GPU onto itself; data plane: which plane moved the data, as gpucr's results say; "
               "torch-memory-saver, the "
               "peer: its own process, whose data (raw buffer, or weights and KV cache) is in a torch_memory_saver "
               "region with CPU backup kept, paused and resumed by the app when asked: its data out / in s are the "
@@ -168,8 +178,51 @@ def peer_lines(w: str, vp: dict[str, dict[str, float]]) -> list[str]:
 def bound_lines(w: str, ob: dict[str, dict[str, float]]) -> list[str]:
     """over_bound: each method's times over what its bytes and control state allow (older files lack it)."""
     return [f"{w}: {m} checkpoint / restore {v['checkpoint']:.2f}x / {v['restore']:.2f}x its bound "
-            f"({'bytes / ceiling' if m == PEER else 'max(bytes / ceiling, control)'} = "
-            f"{v['bound_out_s']:.3f} / {v['bound_in_s']:.3f} s)" for m, v in ob.items()]
+            f"({_bound_said(m, v)} = {v['bound_out_s']:.3f} / {v['bound_in_s']:.3f} s)" for m, v in ob.items()]
+
+
+def _bound_said(method: str, v: dict[str, float]) -> str:
+    if method == PEER:
+        return "bytes / ceiling"
+    if "disk_out_s" in v:
+        return "max(bytes / ceiling, image bytes / disk, control)"
+    return "max(bytes / ceiling, control)"
+
+
+def _times_bound(v: dict[str, float] | None) -> str:
+    return "–" if not v else f"{v['checkpoint']:.2f}x / {v['restore']:.2f}x"
+
+
+def _plane(said: dict[str, str | None] | None) -> str:
+    """The plane that moved a row's data (`data_plane` of its results): one name, or the checkpoint's and
+    the restore's where they differ; – where the results do not say (older gpucr, the driver's own path)."""
+    ck, rs = (said or {}).get("checkpoint"), (said or {}).get("restore")
+    if ck is None and rs is None:
+        return "–"
+    return str(ck) if ck == rs else f"{ck or '–'} / {rs or '–'}"
+
+
+def disk_lines(res: dict[str, Any]) -> list[str]:
+    """Each workload's disk, measured in the run under the images' directory, and each image method's
+    write and read rate as a share of it (the image's bytes over its transfer time)."""
+    out = []
+    for wname, w in res.get("workloads", {}).items():
+        d = w.get("disk")
+        if not d:
+            continue
+        if d.get("error"):
+            out.append(f"{wname}: the disk under {d.get('dir')} could not be measured: {d['error']}")
+            continue
+        line = (f"{wname}: disk under {d['dir']} ({'O_DIRECT' if d['direct_io'] else 'buffered'}, {_gib(d['bytes'])} GiB): "
+                f"write + fsync {d['write_gbps']:.2f} GB/s, read {d['read_gbps']:.2f} GB/s")
+        for mname, m in w.get("methods", {}).items():
+            med = m.get("median") or {}
+            if med.get("image_bytes") and med.get("image_out_s") and med.get("image_in_s"):
+                wr, rd = med["image_bytes"] / med["image_out_s"] / 1e9, med["image_bytes"] / med["image_in_s"] / 1e9
+                line += (f"; {mname}'s image written at {wr:.2f} GB/s ({wr / d['write_gbps']:.2f} of the disk's), "
+                         f"read at {rd:.2f} GB/s ({rd / d['read_gbps']:.2f})")
+        out.append(line)
+    return [""] + [f"- {line}" for line in out] if out else []
 
 
 def _either(d: dict[str, Any], key: str, other: str) -> float | None:

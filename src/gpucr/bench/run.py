@@ -23,7 +23,10 @@ from typing import Any, Callable
 
 import gpucr
 
+from . import bounds as B
 from . import methods as M
+from . import rows as R
+from . import specs as S
 from . import report
 from ..demo import gpu_present
 from ..doctor import meminfo
@@ -41,8 +44,8 @@ SIMULATED_BANNER = ("SIMULATED: these numbers come from simcuda, a test double o
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--workloads", default=None, metavar="LIST",
-                   help=f"comma-separated: raw:GIB and LLM servers (default {DEFAULT_WORKLOADS}; "
-                        f"{SIMULATED_WORKLOADS} on simcuda, where only raw workloads run)")
+                   help=f"comma-separated, each {S.WORKLOADS} (default {DEFAULT_WORKLOADS}; {SIMULATED_WORKLOADS} "
+                        "on simcuda, where the LLM servers, torch and JAX are skipped)")
     p.add_argument("--methods", default=None, metavar="LIST",
                    help=f"comma-separated, of {','.join(M.METHODS)} (default {','.join(M.DEFAULT_METHODS)}; "
                         f"{','.join(M.JOB_METHODS)} when a multi-GPU job is among the workloads)")
@@ -56,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "checkpointed before its restore, as a parked process does (default 0: restored at once)")
     p.add_argument("--ceiling-gib", type=float, default=None, help="size of the pinned copy that measures the "
                    "ceiling (default 8; 0.25 on simcuda)")
+    p.add_argument("--image-dir", default="/var/tmp", metavar="DIR",
+                   help="where gpucr-server-image writes its images (each removed after its restore) and where the "
+                        "disk's rate is measured, with as many bytes, to set them against (default /var/tmp)")
     p.add_argument("--out", default=None, metavar="JSON", help="results file (default gpucr-bench-DATE.json here)")
     p.add_argument("--chart", default=None, metavar="PNG", help="chart file (default: the results file with .png)")
     p.add_argument("--staging-hugepages", action="store_true",
@@ -190,13 +196,13 @@ def _agent_bytes_per_gpu(pids: list[int]) -> dict[str, int]:
     return out
 
 
-def _start(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, idle: int | None,
+def _start(spec: S.Spec, group: list[M.Method], simulate: bool, drv: Driver, idle: int | None,
            idle_gpus: dict[str, int]) -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """One job for `group`: started, described (footprint per GPU, serving speed) and observed."""
     head = group[0]
     _say(f"{spec.name}: starting {'under the agent' if head.under_agent else 'without the agent'} "
          f"for {', '.join(m.name for m in group)}" + (f" with {head.job_env}" if head.job_env else ""))
-    w = M.start(spec, head, simulate)
+    w = S.start(spec, head, simulate)
     for m in group:
         m.bind(w)
     try:
@@ -212,7 +218,7 @@ def _start(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, idl
             proc["tokens_per_s"] = speed["tokens_per_s"]
             _say(f"{spec.name}: serving {speed['tokens_per_s']:.1f} tokens/s"
                  + (f" with {head.job_env}" if head.job_env else ""))
-        return w, proc, M.observe(w, spec)
+        return w, proc, S.observe(w, spec)
     except BaseException:
         w.close(graceful=False)
         raise
@@ -234,7 +240,7 @@ def _failed_entry(proc: dict[str, Any], exc: M.JobFailed, samples: list[dict[str
             "median": None, "warmup": None, "correct": False}
 
 
-def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, ceiling: dict | None,
+def run_group(spec: S.Spec, group: list[M.Method], simulate: bool, drv: Driver, ceiling: dict | None,
               repeat: int, out: dict[str, dict[str, Any]], hugepages_for: int | None = None,
               saved: Callable[[], None] = lambda: None, park_s: float = 0.0) -> None:
     """Start one job for `group`, then time `repeat` cycles of each method on it; each method's
@@ -264,7 +270,7 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
             ck, rs, _ = M.timed_cycle(wm, w.pids, used, park_s)
             staging_ms = ck.get("agent_ms", {}).get("staging")
             warmup = {"checkpoint_s": ck["wall_s"], "restore_s": rs["wall_s"], "staging_ms": staging_ms,
-                      "checkpoint": ck, "restore": rs, "correct": M.compare(ref, M.observe(w, spec)),
+                      "checkpoint": ck, "restore": rs, "correct": S.compare(ref, S.observe(w, spec)),
                       "staging_bytes": wm.staging_bytes(w.pids)}
             _say(f"{spec.name}: warm-up checkpoint {ck['wall_s']:.3f} s"
                  + (f" (staging {staging_ms / 1000:.3f} s)" if staging_ms is not None else "")
@@ -284,10 +290,10 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
                     ck, rs, used_ck = M.timed_cycle(m, w.pids, used, park_s)
                     if i == repeat - 1:
                         m.close()   # what it started (a server) goes before the next method runs
-                    row = M.metrics(m, ck, rs, proc["footprint_bytes"], ceiling)
-                    row.update(M.per_gpu(row, m, proc["bytes_per_gpu"]))
+                    row = R.metrics(m, ck, rs, proc["footprint_bytes"], ceiling)
+                    row.update(R.per_gpu(row, m, proc["bytes_per_gpu"]))
                     row["gpu_held_checkpointed_bytes"] = _diff(used_ck, idle)
-                    row["correct"] = M.compare(ref, M.observe(w, spec))
+                    row["correct"] = S.compare(ref, S.observe(w, spec))
                     row["staging_bytes"] = m.staging_bytes(w.pids)   # after the check: what running grew it to
                     samples.append(row)
                     _say(f"{spec.name} {m.name} {i + 1}/{repeat}: checkpoint {row['checkpoint_s']:.3f} s, "
@@ -304,9 +310,10 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
                     proc["bytes_per_gpu"] = _bytes_per_gpu(group[k + 1], w, proc)
                 continue
             checks = [s["correct"] for s in samples] + ([warmup["correct"]] if warmup else [])
-            out[m.name] = {"process": proc, "warmup": warmup, "samples": samples, "median": M.medians(samples),
+            out[m.name] = {"process": proc, "warmup": warmup, "samples": samples, "median": R.medians(samples),
                            "outcome": "ok", "correct": all(all(c.values()) for c in checks), "error": None,
                            "first_cycle": first, "prepared_ahead_s": getattr(m, "prepared_ahead_s", None),
+                           "data_plane": samples[-1].get("data_plane") if samples else None,
                            "server_log": m.server_log()}
             saved()
         ok_exit = True
@@ -315,7 +322,7 @@ def run_group(spec: M.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
         _settle(used, idle)
 
 
-def _hugepages_for(a: argparse.Namespace, spec: M.Spec, group: list[M.Method], done: dict[str, Any],
+def _hugepages_for(a: argparse.Namespace, spec: S.Spec, group: list[M.Method], done: dict[str, Any],
                    results: dict[str, Any]) -> int | None:
     """Bytes of hugepages to reserve for gpucr's methods on this workload: the footprint its plain
     process showed, else the share of the GPU it may take (LLM) or its size (raw)."""
@@ -326,8 +333,8 @@ def _hugepages_for(a: argparse.Namespace, spec: M.Spec, group: list[M.Method], d
     if seen:
         return max(seen)
     if spec.llm:
-        return int(a.gpu_util * spec.gpus * (results["device"]["memory_total_bytes"] or 0)) or None
-    return int(float(spec.args[1]) * 2**30)
+        return int(a.gpu_util * max(spec.gpus, spec.world) * (results["device"]["memory_total_bytes"] or 0)) or None
+    return int((spec.gib or 0) * 2**30) or None
 
 
 TIMES = {"checkpoint": "checkpoint_s", "restore": "restore_s"}   # a ratio of times: its labels and median keys
@@ -389,19 +396,27 @@ def _bound_s(nbytes: float | None, gbps: float | None, control_s: float | None) 
     return max(nbytes / (gbps * 1e9), control_s or 0.0)
 
 
-def over_bound(by_method: dict[str, dict[str, Any]], ceiling: dict | None) -> dict[str, dict[str, float]]:
+def over_bound(by_method: dict[str, dict[str, Any]], ceiling: dict | None,
+               disk: dict | None = None) -> dict[str, dict[str, float]]:
     """Each gpucr method's checkpoint and restore time over its bound, max(bytes / ceiling, control s),
-    both of the same run (issue 13 asks within 1.15x); the peer's too, on bytes / ceiling (it has no
-    control step), to set beside them. Methods lacking bytes, and runs without a ceiling, are left out."""
+    both of the same run (issue 13 asks within 1.15x), and for a method with an image, the image's bytes
+    over the disk's rate too (disk_out_s / disk_in_s: issue 25 asks within 1.15x); the peer's too, on bytes /
+    ceiling (it has no control step), to set beside them. Methods lacking bytes, and runs without a
+    ceiling, are left out."""
     c = ceiling or {}
     peer = (by_method.get(M.TmsMethod.name) or {}).get("median")
     out: dict[str, dict[str, float]] = {}
     for name, med in _gpucr_methods(by_method) + ([(M.TmsMethod.name, peer)] if peer else []):
         b_out = _bound_s(med.get("bytes_out"), c.get("d2h_gbps"), med.get("control_out_s"))
         b_in = _bound_s(med.get("bytes_in"), c.get("h2d_gbps"), med.get("control_in_s"))
-        if b_out and b_in and med.get("checkpoint_s") and med.get("restore_s"):
-            out[name] = {"checkpoint": med["checkpoint_s"] / b_out, "restore": med["restore_s"] / b_in,
-                         "bound_out_s": b_out, "bound_in_s": b_in}
+        if not (b_out and b_in and med.get("checkpoint_s") and med.get("restore_s")):
+            continue
+        d_out, d_in = (_bound_s(med.get("image_bytes"), (disk or {}).get(k), None) for k in ("write_gbps", "read_gbps"))
+        b_out, b_in = max(b_out, d_out or 0.0), max(b_in, d_in or 0.0)
+        out[name] = {"checkpoint": med["checkpoint_s"] / b_out, "restore": med["restore_s"] / b_in,
+                     "bound_out_s": b_out, "bound_in_s": b_in}
+        if d_out and d_in:
+            out[name].update(disk_out_s=d_out, disk_in_s=d_in)
     return out
 
 
@@ -410,7 +425,7 @@ def derive(wres: dict[str, Any], ceiling: dict | None) -> None:
     written before some of them existed (python3 -m gpucr.bench.report FILE --recompute)."""
     wres["speedups"] = speedups(wres["methods"])
     wres["versus_peer"] = versus_peer(wres["methods"])
-    wres["over_bound"] = over_bound(wres["methods"], ceiling)
+    wres["over_bound"] = over_bound(wres["methods"], ceiling, wres.get("disk"))
 
 
 def derive_all(results: dict[str, Any]) -> None:
@@ -423,7 +438,7 @@ def _gpus_of(wname: str, wres: dict[str, Any]) -> int:
     """A recorded workload's GPU count: from its name, as the run parsed it; else (a name this version
     no longer knows) the most GPUs any of its methods' processes held bytes on."""
     try:
-        return M.parse_workload(wname, 0.5).gpus
+        return S.parse_workload(wname, 0.5).gpus
     except GpucrError:
         return max([len((m.get("process") or {}).get("bytes_per_gpu") or {}) for m in wres["methods"].values()] + [1])
 
@@ -451,7 +466,7 @@ def _groups(ms: list[M.Method]) -> list[list[M.Method]]:
     return list(groups.values())
 
 
-def _runnable(spec: M.Spec, group: list[M.Method], out: dict[str, dict[str, Any]]) -> list[M.Method]:
+def _runnable(spec: S.Spec, group: list[M.Method], out: dict[str, dict[str, Any]]) -> list[M.Method]:
     """The methods of `group` that can run on `spec` here; each other one is recorded in `out` as
     skipped, with its reason, and said on stderr."""
     keep = []
@@ -466,7 +481,7 @@ def _runnable(spec: M.Spec, group: list[M.Method], out: dict[str, dict[str, Any]
     return keep
 
 
-def method_names(text: str | None, specs: list[M.Spec]) -> list[str]:
+def method_names(text: str | None, specs: list[S.Spec]) -> list[str]:
     """--methods, or the default: the multi-GPU set when a multi-GPU job is among the workloads."""
     if text is None:
         return list(M.JOB_METHODS if any(s.gpus > 1 for s in specs) else M.DEFAULT_METHODS)
@@ -495,18 +510,18 @@ def main(a: argparse.Namespace) -> int:
     if a.driver_deadline <= 0:
         raise GpucrError("--driver-deadline is a number of seconds above 0")
     simulated = a.simulate or not gpu_present()
-    specs = [M.parse_workload(w, a.gpu_util)
+    specs = [S.parse_workload(w, a.gpu_util)
              for w in (a.workloads or (SIMULATED_WORKLOADS if simulated else DEFAULT_WORKLOADS)).split(",") if w.strip()]
     names = method_names(a.methods, specs)
-    skipped = []
+    skipped: dict[str, str] = {}
     if simulated:
         _say(SIMULATED_BANNER)
-        skipped = [s.name for s in specs if s.llm]
-        specs = [s for s in specs if not s.llm]
-        if skipped:
-            _say(f"skipping {', '.join(skipped)}: LLM workloads need a GPU")
+        specs, skipped = _simulable(specs)
     if not specs:
         raise GpucrError("no workload to run")
+    if M.ServerImageMethod.name in names and not Path(a.image_dir).is_dir():
+        raise GpucrError(f"--image-dir {a.image_dir}: not a directory; give an existing one on the disk the images "
+                         "should go to")
     drv = driver_for(str(simcuda_dir() / "libcuda.so.1") if simulated else "libcuda.so.1")
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
     out = Path(a.out or f"gpucr-bench-{'SIMULATED-' if simulated else ''}{stamp}.json")
@@ -515,8 +530,9 @@ def main(a: argparse.Namespace) -> int:
     results: dict[str, Any] = {
         "schema": SCHEMA, "simulated": simulated, "warning": SIMULATED_BANNER if simulated else None,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **environment(drv, simulated),
-        "settings": {"workloads": [s.name for s in specs], "skipped_workloads": skipped, "methods": names,
-                     "gpu_util": a.gpu_util, "repeat": a.repeat, "park_s": a.park, "generate_tokens": M.GENERATE_TOKENS,
+        "settings": {"workloads": [s.name for s in specs], "skipped_workloads": list(skipped),
+                     "skipped_why": skipped, "methods": names, "image_dir": a.image_dir,
+                     "gpu_util": a.gpu_util, "repeat": a.repeat, "park_s": a.park, "generate_tokens": S.GENERATE_TOKENS,
                      "step_timeout_s": M.STEP_TIMEOUT_S,
                      "gpucr_staging": "2 MiB hugepages reserved by the bench for gpucr's methods"
                      if a.staging_hugepages else "the agent's default (hugepages if free, else shared memory)",
@@ -525,15 +541,15 @@ def main(a: argparse.Namespace) -> int:
     gib = a.ceiling_gib or (0.25 if simulated else 8.0)
     if "ceiling" in names:
         _say(f"measuring the pinned-copy ceiling ({gib:g} GiB)")
-        results["ceiling"] = M.ceiling(simulated, gib)
+        results["ceiling"] = B.ceiling(simulated, gib)
         _say(f"ceiling: D2H {results['ceiling']['d2h_gbps']:.1f} GB/s, H2D {results['ceiling']['h2d_gbps']:.1f} GB/s")
     gpus = max(s.gpus for s in specs)
     if "ceiling" in names and gpus > 1:
         _say(f"measuring the pinned-copy ceiling of {gpus} GPUs' links at once ({gib:g} GiB each)")
-        results["ceiling_all_gpus"] = c = M.ceiling_all(simulated, gib, gpus)
+        results["ceiling_all_gpus"] = c = B.ceiling_all(simulated, gib, gpus)
         _say(f"ceiling of {gpus} links at once: D2H {c['aggregate_d2h_gbps']:.1f} GB/s, H2D {c['aggregate_h2d_gbps']:.1f} GB/s "
              f"in all; per GPU " + ", ".join(f"{g['d2h_gbps']:.1f}/{g['h2d_gbps']:.1f}" for g in c["per_gpu"]))
-    methods = [M.make(n, drv, simulated, a.driver_deadline) for n in names if n != "ceiling"]
+    methods = [M.make(n, drv, simulated, a.driver_deadline, a.image_dir) for n in names if n != "ceiling"]
     failed = False
     try:   # a method may hold a server it started: given back whatever happens
         for spec in specs:
@@ -554,6 +570,7 @@ def main(a: argparse.Namespace) -> int:
                     _say(f"{spec.name}: {', '.join(m.name for m in group)} failed: {exc}")
                     for m in group:
                         wres["methods"].setdefault(m.name, {"error": str(exc), "correct": False, "server_log": m.server_log()})
+                _measure_disk(a.image_dir, spec, wres)
                 _save(out, results, wres, ceiling)
     finally:
         for m in methods:
@@ -570,6 +587,32 @@ def main(a: argparse.Namespace) -> int:
     if simulated:
         _say(SIMULATED_BANNER)
     return 1 if failed else 0
+
+
+def _simulable(specs: list[S.Spec]) -> tuple[list[S.Spec], dict[str, str]]:
+    """The workloads simcuda can run, and the others with why not (each said once)."""
+    skipped = {s.name: s.needs_gpu for s in specs if s.needs_gpu}
+    for why in dict.fromkeys(skipped.values()):
+        _say(f"skipping {', '.join(n for n, w in skipped.items() if w == why)}: {why}")
+    return [s for s in specs if not s.needs_gpu], skipped
+
+
+def _measure_disk(image_dir: str, spec: S.Spec, wres: dict[str, Any]) -> None:
+    """Once a workload's images were written and read: the disk's rate under the same directory, for as
+    many bytes as its image had, to set the image's times against (the bound of gpucr-server-image)."""
+    med = (wres["methods"].get(M.ServerImageMethod.name) or {}).get("median") or {}
+    nbytes = med.get("image_bytes") or med.get("bytes_out")
+    if not nbytes or "disk" in wres:
+        return
+    _say(f"{spec.name}: measuring the disk's rate under {image_dir} ({nbytes / 2**30:.2f} GiB written, then read)")
+    try:
+        wres["disk"] = d = B.disk_rate(image_dir, int(nbytes))
+    except OSError as exc:
+        wres["disk"] = {"dir": image_dir, "error": f"{exc.strerror or exc}"}
+        _say(f"{spec.name}: the disk's rate could not be measured: {exc}")
+        return
+    _say(f"{spec.name}: disk: write + fsync {d['write_gbps']:.2f} GB/s, read {d['read_gbps']:.2f} GB/s"
+         + ("" if d["direct_io"] else " (no O_DIRECT here)"))
 
 
 def _parser() -> argparse.ArgumentParser:

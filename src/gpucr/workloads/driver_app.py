@@ -24,6 +24,7 @@ import ctypes
 import hashlib
 import os
 import threading
+from typing import Iterator
 
 from ..driver import uuid_text
 from .polling import Pollers
@@ -32,6 +33,7 @@ from .protocol import serve
 cu = ctypes.CDLL("libcuda.so.1")
 SIM = hasattr(cu, "simcudaIsSimulated")
 u64, sz, vp = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
+HOST_STEP = 64 << 20   # bytes through the host at a time when a buffer is filled or read back
 
 
 class Loc(ctypes.Structure):
@@ -225,23 +227,60 @@ class App:
         check(cuMemSetAccess(va.value, n, ctypes.byref(acc), 1), "access")
         return va.value, h.value
 
+    def share(self, n: int, seed: int = 99) -> tuple[int, int]:
+        """n bytes of VMM memory made exportable, filled and exported as a POSIX fd: (address, fd)."""
+        va, h = self._vmm_one(n, handle_types=1)
+        self._fill(va, n, seed)
+        fd = ctypes.c_int(-1)
+        check(cuMemExportToShareableHandle(ctypes.byref(fd), h, 1, 0), "export")
+        self._keep_shared(va, n, h)
+        return va, fd.value
+
+    def import_fd(self, fd: int, n: int) -> int:
+        """Another process's exported memory of n bytes (a POSIX fd of it, left open) mapped here: its address."""
+        h = u64()
+        check(cuMemImportFromShareableHandle(ctypes.byref(h), ctypes.c_void_p(fd), 1), "import")
+        va = u64()
+        check(cuMemAddressReserve(ctypes.byref(va), n, 0, 0, 0), "reserve")
+        check(cuMemMap(va.value, n, 0, h.value, 0), "map")
+        acc = Access(loc=Loc(1, 0), flags=3)
+        check(cuMemSetAccess(va.value, n, ctypes.byref(acc), 1), "access")
+        self._keep_shared(va.value, n, h.value)
+        return va.value
+
+    def _keep_shared(self, va: int, n: int, h: int) -> None:
+        self.shared.append((va, n))
+        self.bufs.append((va, n))
+        self.handles[va] = h
+
     def _export(self, va: int) -> dict:
         fd = ctypes.c_int(-1)
         rc = cuMemExportToShareableHandle(ctypes.byref(fd), self.handles[va], 1, 0)
         return {"rc": rc, "fd": fd.value, "va": va, "index": next(i for i, (v, _) in enumerate(self.shared) if v == va)}
 
     def _fill(self, p: int, n: int, seed: int) -> None:
+        """A 64 KiB pattern of the seed, repeated over the buffer; written 64 MiB at a time, so a buffer of
+        many GiB needs no host copy of its size."""
         data = hashlib.shake_256(seed.to_bytes(8, "little")).digest(min(n, 1 << 16))
-        block = (data * (n // len(data) + 1))[:n]
-        check(cuMemcpyHtoD(p, block, n), "fill")
+        block = data * (min(n, HOST_STEP) // len(data) + 1)   # the pattern's period divides HOST_STEP
+        for off in range(0, n, HOST_STEP):
+            k = min(HOST_STEP, n - off)
+            check(cuMemcpyHtoD(p + off, block, k), "fill")
+
+    def _read(self, p: int, n: int) -> Iterator[bytes]:
+        """A buffer's bytes, HOST_STEP at a time (through one host buffer of that size)."""
+        buf = ctypes.create_string_buffer(min(n, HOST_STEP))
+        for off in range(0, n, HOST_STEP):
+            k = min(HOST_STEP, n - off)
+            check(cuMemcpyDtoH(buf, p + off, k), "read back")
+            yield buf.raw[:k]
 
     def digest(self) -> str:
         h = hashlib.sha256()
         for p, n in self.bufs:
-            buf = ctypes.create_string_buffer(n)
             check(cuCtxSetCurrent(self.ctxs[self.buf_dev.get(p, 0)]), "set ctx")   # read in the owner's context
-            check(cuMemcpyDtoH(buf, p, n), "read back")
-            h.update(buf.raw)
+            for part in self._read(p, n):
+                h.update(part)
         check(cuCtxSetCurrent(self.ctx), "set ctx")
         return h.hexdigest()
 
@@ -387,30 +426,15 @@ class App:
             os.close(int(words[1]))
             return {"closed": int(words[1])}
         if cmd == "share":   # export MIB of VMM memory as a POSIX fd, for another process to import
-            n = int(words[1]) << 20
-            va, h = self._vmm_one(n, handle_types=1)
-            self._fill(va, n, 99)
-            fd = ctypes.c_int(-1)
-            check(cuMemExportToShareableHandle(ctypes.byref(fd), h, 1, 0), "export")
-            self.shared.append((va, n))
-            self.bufs.append((va, n))
-            self.handles[va] = h
-            return {"fd": fd.value, "va": va, "index": len(self.shared) - 1}
+            va, fd = self.share(int(words[1]) << 20)
+            return {"fd": fd, "va": va, "index": len(self.shared) - 1}
         if cmd == "import":   # import shared memory from another process's fd (pidfd:PID:FD) and map it
-            n = int(words[2]) << 20
             fd = take_fd(words[1])
-            h = u64()
-            check(cuMemImportFromShareableHandle(ctypes.byref(h), ctypes.c_void_p(fd), 1), "import")
-            os.close(fd)
-            va = u64()
-            check(cuMemAddressReserve(ctypes.byref(va), n, 0, 0, 0), "reserve")
-            check(cuMemMap(va.value, n, 0, h.value, 0), "map")
-            acc = Access(loc=Loc(1, 0), flags=3)
-            check(cuMemSetAccess(va.value, n, ctypes.byref(acc), 1), "access")
-            self.shared.append((va.value, n))
-            self.bufs.append((va.value, n))
-            self.handles[va.value] = h.value
-            return {"va": va.value, "index": len(self.shared) - 1}
+            try:
+                va = self.import_fd(fd, int(words[2]) << 20)
+            finally:
+                os.close(fd)
+            return {"va": va, "index": len(self.shared) - 1}
         if cmd == "multicast":   # a multicast object for one device (NCCL's NVLS makes them): no checkpoint covers it
             prop = MulticastProp(1, 2 << 20, 1, 0)
             h = u64()

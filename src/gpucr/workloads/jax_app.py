@@ -1,5 +1,5 @@
 """A JAX application holding --gib GiB of random data (XLA's own allocator; set
-XLA_PYTHON_CLIENT_MEM_FRACTION to bound its preallocation). Commands: digest | compute | work | quit."""
+XLA_PYTHON_CLIENT_MEM_FRACTION to bound its preallocation). Commands: digest | info | compute | work | quit."""
 from __future__ import annotations
 
 import argparse
@@ -36,6 +36,9 @@ def main() -> None:
         if words[0] == "digest":
             return {"digest": [[int(v) for v in checksum(d, wt)] for d, wt in zip(data, weights)],
                     "ptrs": [d.unsafe_buffer_pointer() for d in data]}
+        if words[0] == "info":
+            return {"data_bytes": sum(d.size * d.dtype.itemsize for d in data), "reserved_bytes": None,
+                    "framework": "jax"}
         if words[0] == "compute":
             y = (w @ w).sum(axis=0)
             return {"checksum": float(y.astype(jnp.float64).sum() if jax.config.jax_enable_x64 else y.sum())}

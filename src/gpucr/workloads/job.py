@@ -4,6 +4,8 @@
   `gpucr run --group NAME`; rank 0 speaks for every rank (it broadcasts each command and answers
   with all ranks' answers), so one pipe drives the job;
 - ranks: one process per rank (`--rank R --world N --port P`), each with its own pipe, asked at once;
+- copies: N independent processes of one module and its arguments (a group of servers on one GPU),
+  each with its own pipe, asked at once;
 - single: one process (two_gpu_app).
 
 Every answer is the same shape whichever the launch: rank 0's fields, plus "ranks" with each rank's.
@@ -17,13 +19,13 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from typing import Any, Callable
 
 from ..target import process_ended
 from .ranks import merge
 from .runner import Workload, kill_tree
 
-LAUNCHES = ("torchrun", "ranks", "single")
+LAUNCHES = ("torchrun", "ranks", "copies", "single")
 ASK_TIMEOUT_S = 300.0
 
 
@@ -57,20 +59,18 @@ class Job:
                                    agent=agent and not group, ready_timeout=ready_timeout, simulate=simulate)]
             self.pids: list[int] = list(self.procs[0].info["pids"])
             self.launcher: int | None = self.procs[0].pid
-        elif launch == "ranks":
+        elif launch in ("ranks", "copies"):
             if group:
                 env["GPUCR_GROUP"] = group
             port = str(free_port())
-            with ThreadPoolExecutor(world) as pool:   # every rank must start at once: init waits for all
-                futures = [pool.submit(Workload, module, *args, "--rank", str(r), "--world", str(world), "--port", port,
-                                       env=env, agent=agent, ready_timeout=ready_timeout, simulate=simulate)
-                           for r in range(world)]
-            failed = [f.exception() for f in futures if f.exception() is not None]
-            self.procs = [f.result() for f in futures if f.exception() is None]
+            self.procs, failed = _start_each(
+                [lambda r=r: Workload(module, *args, *_rank_args(launch, r, world, port), env=env, agent=agent,
+                                      ready_timeout=ready_timeout, simulate=simulate) for r in range(world)],
+                at_once=launch == "ranks")
             self.pids, self.launcher = [w.pid for w in self.procs], None
             if failed:
                 self.close(graceful=False)
-                raise RuntimeError(f"a rank of {module} did not start: {failed[0]}")
+                raise RuntimeError(f"a {'rank' if launch == 'ranks' else 'process'} of {module} did not start: {failed}")
         else:
             self.procs = [Workload(module, *args, env=env, agent=agent, ready_timeout=ready_timeout, simulate=simulate)]
             self.pids, self.launcher = [self.procs[0].pid], None
@@ -129,6 +129,30 @@ class Job:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _start_each(starts: list[Callable[[], Workload]], at_once: bool) -> tuple[list[Workload], BaseException | None]:
+    """Every process started (ranks at once: their init waits for all; copies one after another: each
+    sizes itself, as an LLM server its KV cache, on what the GPU holds when it starts, which a neighbour
+    starting beside it would change), and the first failure, if any (the ones after it are not started)."""
+    if at_once:
+        with ThreadPoolExecutor(len(starts)) as pool:
+            futures = [pool.submit(start) for start in starts]
+        failed = [f.exception() for f in futures if f.exception() is not None]
+        return [f.result() for f in futures if f.exception() is None], (failed[0] if failed else None)
+    procs: list[Workload] = []
+    for start in starts:
+        try:
+            procs.append(start())
+        except (RuntimeError, OSError, ValueError) as exc:
+            return procs, exc
+    return procs, None
+
+
+def _rank_args(launch: str, rank: int, world: int, port: str) -> list[str]:
+    """What tells a process of a job its rank (one process per rank); copies are told nothing: each is a
+    whole application of its own, the job only a group of them."""
+    return ["--rank", str(rank), "--world", str(world), "--port", port] if launch == "ranks" else []
 
 
 def _quit(w: Workload, timeout: float) -> None:

@@ -1,13 +1,14 @@
 """A PyTorch application holding --gib GiB of random data in several tensors (default caching
 allocator, or expandable segments through PYTORCH_CUDA_ALLOC_CONF), with a small model to compute on.
 
-Commands: digest | compute | work | loop start | loop stop | graph start | graph stop | poll start [MS] |
+Commands: digest | info | compute | work | loop start | loop stop | graph start | graph stop | poll start [MS] |
 poll counts | poll stop | quit
 """
 from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import threading
 
 import torch
@@ -90,6 +91,11 @@ class App:
         ptrs = [t.data_ptr() for t in self.data + self.small + [self.counter, self.w]]
         return {"digest": d, "ptrs": ptrs, "bytes": sum(t.numel() * t.element_size() for t in self.data)}
 
+    def info(self) -> dict:
+        return {"data_bytes": sum(t.numel() * t.element_size() for t in self.data),
+                "reserved_bytes": torch.cuda.memory_reserved(), "framework": "torch",
+                "alloc_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF")}
+
     def compute(self) -> dict:
         y = (self.w @ self.w).relu().sum(dim=0)
         return {"result": [float(v) for v in y[:8].tolist()], "checksum": float(y.double().sum())}
@@ -136,6 +142,8 @@ class App:
         cmd = words[0]
         if cmd == "digest":
             return self.digest()
+        if cmd == "info":
+            return self.info()
         if cmd == "compute":
             return self.compute()
         if cmd == "work":
