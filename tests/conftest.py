@@ -75,6 +75,19 @@ def gpucr_cli(*args: str, env: dict[str, str] | None = None, user: int | None = 
     return subprocess.run(cmd, capture_output=True, text=True, env=env or os.environ.copy(), timeout=timeout)
 
 
+def user_env(tmp_path: Path) -> dict[str, str]:
+    """A user's shell with gpucr installed and active (as `. .venv/bin/activate` leaves it): `gpucr` and
+    `python3` on PATH being this checkout's, and no GPUCR_SIMULATE of the test suite's."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, cmd in (("gpucr", f"{sys.executable} -m gpucr.cli"), ("python3", sys.executable)):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec {cmd} "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    env = {k: v for k, v in os.environ.items() if k != "GPUCR_SIMULATE"}
+    env["PATH"] = f"{bin_dir}:{env['PATH']}"
+    return env
+
+
 def sim_driver():
     from gpucr.driver import driver_for
     return driver_for(str(paths.simcuda_dir() / "libcuda.so.1"))

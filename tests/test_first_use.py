@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 import gpucr
 from gpucr import cli, doctor, paths
@@ -117,46 +116,6 @@ def test_editable_build_is_not_at_the_root():
     assert not root_info.exists() or root_info.stat().st_mtime < newest, "the last build ran at the root"
     # and the libraries are where gpucr looks for them
     assert paths.agent_lib().is_file() and (paths.simcuda_dir() / "libcuda.so.1").is_file()
-
-
-def _readme_sample() -> list[list[str]]:
-    """The README's sample session: its commands, split, comments dropped."""
-    readme = (ROOT / "README.md").read_text()
-    block = next(b for b in re.findall(r"```sh\n(.*?)```", readme, re.S) if "examples/cuda_counter.py &" in b)
-    return [line.split("#")[0].replace("&", "").split() for line in block.splitlines() if line.strip()]
-
-
-def test_the_readme_sample_survives_a_checkpoint():
-    """The README's sample, as a user would type it (no GPUCR_SIMULATE of the test suite's)."""
-    env = {k: v for k, v in os.environ.items() if k != "GPUCR_SIMULATE"}
-    run, *steps = _readme_sample()
-    assert run[:2] == ["gpucr", "run"] and steps[-1] == ["kill", "$!"]
-    argv = [sys.executable, "-m", "gpucr.cli", *run[1:]]
-    argv[argv.index("python3")] = sys.executable
-    proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
-    try:
-        assert proc.stdout is not None
-        assert proc.stdout.readline().startswith("cuda_counter: 32 MiB on the GPU")
-        assert proc.stdout.readline().strip() == "step 1: counter 1, buffer intact"
-        for cmd in steps[:-1]:
-            r = gpucr_cli(*[str(proc.pid) if w == "$!" else w for w in cmd[1:]], env=env)
-            assert r.returncode == 0, (cmd, r.stderr)
-            if cmd[1] == "checkpoint":
-                assert gpucr.status(proc.pid).state == "checkpointed"
-        # the counter lives on the GPU: it goes on from where it stopped, the buffer intact
-        for n in (2, 3):
-            assert proc.stdout.readline().strip() == f"step {n}: counter {n}, buffer intact"
-    finally:
-        proc.kill()
-        proc.wait()
-        gpucr_cli("serve", "--simulate", "--stop", env=env)   # the server `gpucr run --simulate` started, if it did
-
-
-def test_readme_points_at_files_that_exist():
-    readme = (ROOT / "README.md").read_text()
-    named = set(re.findall(r"\b((?:examples|scripts)/[\w./-]+\w)", readme))
-    assert "examples/cuda_counter.py" in named
-    assert [n for n in named if not (ROOT / n).exists()] == []
 
 
 def test_version():

@@ -1,4 +1,4 @@
-"""First use as a new user meets it (issue 24, item 3): the README's block pasted into a shell, the
+"""First use as a new user meets it (issue 24, item 3; the README's blocks: test_readme.py): the
 driver taken from the target, pipes, totals, errors under --json, and the smaller texts."""
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import re
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -17,72 +16,7 @@ from gpucr.bench.report import faster
 from gpucr.errors import GpucrError
 from gpucr.target import Target
 
-from conftest import ROOT, gpucr_cli
-
-
-def _user_env(tmp_path) -> dict[str, str]:
-    """A user's shell: no GPUCR_SIMULATE of the test suite's, `gpucr` on PATH (this checkout's)."""
-    bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
-    shim = bin_dir / "gpucr"
-    shim.write_text(f'#!/bin/sh\nexec {sys.executable} -m gpucr.cli "$@"\n')
-    shim.chmod(0o755)
-    env = {k: v for k, v in os.environ.items() if k != "GPUCR_SIMULATE"}
-    env["PATH"] = f"{bin_dir}:{env['PATH']}"
-    return env
-
-
-def _readme_block(marker: str) -> str:
-    readme = (ROOT / "README.md").read_text()
-    return next(b for b in re.findall(r"```sh\n(.*?)```", readme, re.S) if marker in b)
-
-
-def test_the_readme_then_try_it_block_pasted_into_a_shell(tmp_path):
-    """As pasted: the checkpoint comes at once after the start, and only `gpucr run` says --simulate."""
-    env = _user_env(tmp_path)
-    block = _readme_block("examples/cuda_counter.py &")
-    commands = [l.split("#")[0] for l in block.splitlines()]
-    assert sum("--simulate" in c for c in commands) == 1, "the flag is needed only to start a simulated process"
-    script = tmp_path / "try.sh"
-    script.write_text("set -e\n" + block + "wait $! 2>/dev/null || true\n")
-    try:
-        r = subprocess.run(["bash", str(script)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0, (r.stdout, r.stderr)
-        assert re.search(r"process \d+: checkpointed \(level full\) in [0-9.]+ s", r.stdout), r.stdout
-        assert "checkpointed (level full) [simcuda]" in r.stdout and "restored and running" in r.stdout, r.stdout
-        assert "Traceback" not in r.stderr and "not running under gpucr" not in r.stderr, r.stderr
-    finally:
-        gpucr_cli("serve", "--simulate", "--stop", env=env)
-
-
-def _script_steps(script: Path) -> tuple[list[str], list[str]]:
-    """What a quick-start script runs: the arguments of its set-up (scripts/install.py) and the module
-    command it then execs with the Python that set-up printed."""
-    text = script.read_text()
-    setup = re.search(r"^PY=\$\(python3 scripts/install\.py([^)]*)\)$", text, re.M)[1].split()
-    run = re.search(r'exec "\$PY" -m (.*)"\$@"', text)[1].split()
-    return setup, run
-
-
-def test_the_readme_quick_start_block_runs_what_it_says():
-    """Each command of the block exists and its steps work, checked cheaply: the set-up as a dry run (it
-    installs nothing) and the command it then runs with --help (running scripts/test inside the suite
-    would run the suite)."""
-    commands = [line.split("#")[0].split() for line in _readme_block("scripts/demo").splitlines()]
-    assert [c[0] for c in commands if c] == ["scripts/demo", "scripts/test"]
-    for cmd in filter(None, commands):
-        script = ROOT / cmd[0]
-        assert script.is_file() and os.access(script, os.X_OK), cmd
-        setup, run = _script_steps(script)
-        r = subprocess.run([sys.executable, "scripts/install.py", *setup, "--dry-run"], cwd=ROOT,
-                           capture_output=True, text=True, timeout=120)
-        assert r.returncode == 0 and "pip install" in r.stderr and str(ROOT) in r.stderr, (cmd, r.stderr)
-        r = subprocess.run([sys.executable, "-m", *run, "--help"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120)
-        assert r.returncode == 0 and "usage:" in r.stdout, (cmd, r.stdout, r.stderr)
-    # how to see why tests skip, as the README says: scripts/test hands its arguments to pytest
-    assert "scripts/test -rs" in (ROOT / "README.md").read_text()
-    assert _script_steps(ROOT / "scripts/test")[1][0] == "pytest"
+from conftest import ROOT, gpucr_cli, user_env
 
 
 def test_links_of_the_readme_and_docs_lead_to_files():
@@ -93,7 +27,7 @@ def test_links_of_the_readme_and_docs_lead_to_files():
 
 def test_simulated_targets_need_no_flag_and_ps_lists_them(sim_app, tmp_path):
     app = sim_app("--sizes", "4M")
-    env = _user_env(tmp_path)
+    env = user_env(tmp_path)
     env[ "GPUCR_NO_SERVER"] = "1"
     r = gpucr_cli("checkpoint", str(app.pid), env=env)
     assert r.returncode == 0, r.stderr
@@ -254,7 +188,7 @@ def test_old_manifests_read_under_todays_names():
 
 
 def test_doctor_simulate_checks_simcuda_and_says_so(tmp_path):
-    env = _user_env(tmp_path)
+    env = user_env(tmp_path)
     env.pop("LD_LIBRARY_PATH", None)
     r = gpucr_cli("doctor", "--simulate", env=env)
     assert r.returncode == 0, (r.stdout, r.stderr)
@@ -267,7 +201,7 @@ def test_doctor_simulate_checks_simcuda_and_says_so(tmp_path):
 
 
 def test_recover_simulate_acts_through_simcuda(tmp_path):
-    env = _user_env(tmp_path)
+    env = user_env(tmp_path)
     env.pop("LD_LIBRARY_PATH", None)
     r = gpucr_cli("recover", "--simulate", "--list", "--no-server", env=env)
     assert r.returncode == 0 and "cannot load" not in r.stderr, r.stderr
