@@ -47,7 +47,6 @@ static struct {
 static pthread_mutex_t g_dp_mu = PTHREAD_MUTEX_INITIALIZER;
 #define DP_SET(...) do { pthread_mutex_lock(&g_dp_mu); __VA_ARGS__; pthread_mutex_unlock(&g_dp_mu); } while (0)
 
-
 static double ms_since(int64_t t0) { return (double)(gpucr_now_ns() - t0) / 1e6; }
 
 /* ---- progress, read by status on another connection while an operation runs ---- */
@@ -808,14 +807,12 @@ void dp_reset_after_fork(void)
  * the memory on the GPU until the server says its copy is in staging (dp_handed_done): a server that
  * dies before leaves nothing lost, the agent takes the memory back (dp_take_back). ---- */
 
-/* Memory the server can make again as it was: device memory with the agent's fd of it. Its allocation
- * flags (PyTorch's expandable segments ask for GPUDirect RDMA where the GPU has it) are listed with it
- * (memory_entry), and the server makes the new memory with the same. */
+/* Memory the server can make again as it was: device memory with the agent's fd of it (its allocation
+ * flags, e.g. GPUDirect RDMA as PyTorch's expandable segments ask, are listed for the server: memory_entry) */
 static bool handable(const struct phys *p)
 {
-    const CUmemAllocationProp *pr = &p->prop;
-    return p->own_fd >= 0 && !p->share_sid && pr->type == CU_MEM_ALLOCATION_TYPE_PINNED &&
-           pr->location.type == CU_MEM_LOCATION_TYPE_DEVICE;
+    return p->own_fd >= 0 && !p->share_sid && p->prop.type == CU_MEM_ALLOCATION_TYPE_PINNED &&
+           p->prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE;
 }
 
 int dp_handover(int timeout_ms, char *err, size_t errlen)
@@ -1100,9 +1097,8 @@ static int memory_entry(struct jb *j, const struct phys *p, int index)
     jb_str(j, "uuid", uuid);   /* the same GPU for a process that numbers them otherwise (a server) */
     jb_bool(j, "released", p->released);
     jb_bool(j, "not_exportable", p->own_fd_missing);
-    /* whether a server can take it at a handover (the rest is not moved, or makes handover refuse) */
     jb_bool(j, "movable", reg_phys_movable(p));
-    jb_bool(j, "handable", handable(p));
+    jb_bool(j, "handable", handable(p));   /* a server can take it at a handover (else it refuses) */
     jb_int(j, "rdma", p->prop.allocFlags.gpuDirectRDMACapable);
     jb_int(j, "compression", p->prop.allocFlags.compressionType);
     jb_int(j, "usage", p->prop.allocFlags.usage);

@@ -12,8 +12,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
-from . import coverage, gpus, paths
-from .version import __version__
+from . import coverage, gpus, paths, version
 from .levels import LEVELS
 from .server import route
 from .driver import SIMULATE_ENV
@@ -598,7 +597,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="gpucr", description="Checkpoint and restore the GPU state of running CUDA processes.")
-    p.add_argument("--version", action="version", version=f"gpucr {__version__}")
+    p.add_argument("--version", action="version", version=f"gpucr {version.__version__}")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     r = sub.add_parser("run", help="run a command under gpucr's agent")
