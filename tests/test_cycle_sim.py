@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import threading
 import time
 
@@ -388,31 +387,3 @@ def test_the_clis_ring_makes_no_pageable_copy(sim_app, monkeypatch):
     assert app.ask("digest") == before
     assert process_gpu_memory(drv, os.getpid(), 0) == 0, "the CLI's context and memory are given back"
     assert not [t for t in threading.enumerate() if t.name.startswith("gpucr-ring")]
-
-
-@pytest.mark.in_process   # the CLI is the one killed
-@pytest.mark.parametrize("point,after", [
-    ("after-handover", "running"),           # the agent's lease maps its memory again from its fds
-    ("during-server-copy", "running"),       # ... with the CLI's copy under way: nothing left the GPU
-    ("after-driver-checkpoint", "restorable"),
-    ("after-data-out", "restorable"),        # copied, the driver holds it: a restore brings it back
-])
-def test_a_cli_killed_mid_checkpoint_leaves_the_process_whole(sim_app, point, after):
-    """A `--no-server` CLI SIGKILLed at each step of its mover's checkpoint: the process runs on, or is
-    restorable by the next CLI, with every byte; and it cycles again through the CLI's mover."""
-    app = sim_app("--sizes", "32M,4M", "--vmm-mib", "8")
-    before = app.ask("digest")
-    r = gpucr_cli("checkpoint", "--no-server", str(app.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT=point))
-    assert r.returncode == -signal.SIGKILL, r.stderr
-    if after == "running":
-        deadline = time.time() + 30
-        while (gpucr.status(app.pid).state != "running" or gpucr.status(app.pid).busy) and time.time() < deadline:
-            time.sleep(0.05)
-    else:
-        assert sim_driver().state(app.pid) != ProcessState.RUNNING
-        assert gpucr_cli("restore", "--no-server", str(app.pid)).returncode == 0
-    assert gpucr.status(app.pid).state == "running" and sim_driver().state(app.pid) == ProcessState.RUNNING
-    assert app.ask("digest") == before
-    assert _cli_json("checkpoint", str(app.pid))["processes"][0]["data_plane"] == "cli"
-    assert _cli_json("restore", str(app.pid))["processes"][0]["data_plane"] == "cli"
-    assert app.ask("digest") == before
