@@ -10,7 +10,6 @@ four streams: 1.08x the link on the H200, docs/server.md); the issue asks the CL
 from __future__ import annotations
 
 import argparse
-import ctypes
 import fcntl
 import json
 import mmap
