@@ -1,14 +1,17 @@
 """Checkpoint/restore of a real process on simcuda: memory given back, bytes and addresses kept."""
 from __future__ import annotations
 
+import json
 import os
+import threading
 import time
 
 import pytest
 
 import gpucr
+from gpucr import coordinator as agents_plane   # called with no mover: the agent's own plane, until issue 25 deletes it
 from gpucr import target as targets
-from gpucr.driver import ProcessState, gpu_memory
+from gpucr.driver import ProcessState, gpu_memory, process_gpu_memory
 
 from conftest import gpucr_cli, sim_driver
 
@@ -187,13 +190,13 @@ def test_staging_prepared_ahead_as_allocations_grow(sim_app):
     assert app.ask("digest") == before
 
 
-@pytest.mark.in_process   # the in-process controller's phases
+@pytest.mark.in_process   # the agent's own plane's phases
 def test_each_phase_is_reported_by_the_side_that_times_it(sim_app):
     """The agent's phases in its status; the driver's steps, which only the controller times, in the
     controller's results (never pushed into the agent to be read back)."""
     app = sim_app("--sizes", "8M")
-    ck = gpucr.checkpoint(app.pid)
-    rs = gpucr.restore(app.pid)
+    ck = agents_plane.checkpoint(app.pid)
+    rs = agents_plane.restore(app.pid)
     cyc = gpucr.status(app.pid).last_cycle
     for k in ("staging", "gate", "sync", "copy_out", "release", "data_in"):
         assert getattr(cyc, f"{k}_s") >= 0
@@ -205,20 +208,20 @@ def test_each_phase_is_reported_by_the_side_that_times_it(sim_app):
         agent.call("note", driver_lock_us=5)
 
 
-@pytest.mark.in_process   # the in-process controller's phases
+@pytest.mark.in_process   # the agent's own plane's phases
 def test_a_results_phases_cover_its_whole_call(sim_app):
-    """In process the controller's phases follow one another: vet, prepare, data out, driver lock,
-    control out, commit, settle (restore: vet, control in, driver unlock, data in, settle). Together they
+    """With the agent's own plane the controller's phases follow one another: vet, prepare, data out, driver
+    lock, control out, commit, settle (restore: vet, control in, driver unlock, data in, settle). Together they
     are the call's time, so a slow cycle shows where it went instead of leaving time no phase accounts for."""
     app = sim_app("--sizes", "24M,8M")
     for _ in range(2):
         t0 = time.perf_counter()
-        ck = gpucr.checkpoint(app.pid)
+        ck = agents_plane.checkpoint(app.pid)
         wall = time.perf_counter() - t0
         assert list(ck.phases_s) == ["vet", "prepare", "data_out", "driver_lock", "control_out", "commit", "settle"], ck.phases_s
         assert wall - 0.05 <= sum(ck.phases_s.values()) <= wall, (wall, ck.phases_s)
         t0 = time.perf_counter()
-        rs = gpucr.restore(app.pid)
+        rs = agents_plane.restore(app.pid)
         wall = time.perf_counter() - t0
         assert list(rs.phases_s) == ["vet", "control_in", "driver_unlock", "data_in", "settle"], rs.phases_s
         assert wall - 0.05 <= sum(rs.phases_s.values()) <= wall, (wall, rs.phases_s)
@@ -234,10 +237,10 @@ def test_staging_unpinned_for_the_driver_and_pinned_again_at_restore(sim_app, mo
                                                    "GPUCR_STAGING_SEGMENT_MIB": "32", "GPUCR_BOUNCE_MIB": "0"})
     before = app.ask("digest")
     for _ in range(3):
-        gpucr.checkpoint(app.pid)
+        agents_plane.checkpoint(app.pid)
         st = gpucr.status(app.pid)
         assert st.staging_pinned_bytes == 0 and st.staging_segments >= 3, "segments of about 32 MiB, unpinned"
-        r = gpucr.restore(app.pid)
+        r = agents_plane.restore(app.pid)
         assert r.agent_phases_s["pin_wait"] >= 0
         st = gpucr.status(app.pid)
         assert st.staging_pinned_bytes == st.staging_bytes > 0
@@ -251,12 +254,12 @@ def test_bounce_ring_keeps_staging_unpinned(sim_app, tmp_path):
                   env={**os.environ, "GPUCR_BOUNCE_MIB": "128", "GPUCR_BOUNCE_THREADS": "3"})
     before = app.ask("digest")
     for i, level in enumerate(["full", "data", "full"]):
-        gpucr.checkpoint(app.pid, level=level)
+        agents_plane.checkpoint(app.pid, level=level)
         st = gpucr.status(app.pid)
         assert st.staging_pinned_bytes == 0 and st.bounce_pinned_bytes == 128 * MiB
         if level == "full":
             assert used() - idle <= 16 * MiB
-        gpucr.restore(app.pid)
+        agents_plane.restore(app.pid)
         assert app.ask("digest") == before, f"cycle {i}"
     gpucr.checkpoint(app.pid, image=tmp_path / "img")   # an image goes through staging as before
     gpucr.restore(app.pid, image=tmp_path / "img")
@@ -266,16 +269,16 @@ def test_bounce_ring_keeps_staging_unpinned(sim_app, tmp_path):
 def test_bounce_ring_is_the_default_and_sized_to_the_data(sim_app):
     app = sim_app("--sizes", "8M,3M")
     before = app.ask("digest")
-    gpucr.checkpoint(app.pid)
+    agents_plane.checkpoint(app.pid)
     st = gpucr.status(app.pid)
     assert st.staging_pinned_bytes == 0 and st.bounce_pinned_bytes == 12 * MiB, "two slots that hold the 11 MiB"
-    gpucr.restore(app.pid)
+    agents_plane.restore(app.pid)
     assert app.ask("digest") == before
     app.ask(f"alloc {300 * MiB}")   # 311 MiB to move now: the ring grows to five slots
     before = app.ask("digest")
-    gpucr.checkpoint(app.pid)
+    agents_plane.checkpoint(app.pid)
     assert gpucr.status(app.pid).bounce_pinned_bytes == 320 * MiB
-    gpucr.restore(app.pid)
+    agents_plane.restore(app.pid)
     assert app.ask("digest") == before
     r = gpucr_cli("run", "--bounce", "1", "--", "true")
     assert r.returncode == 2 and "0 (no ring, all of staging pinned) or a size in MiB from 4 to 16384" in r.stderr
@@ -315,11 +318,72 @@ def test_no_pinned_ring_means_slower_copies_not_a_refusal(sim_app):
     idle = used()
     app = sim_app("--sizes", "40M,3M", "--vmm-mib", "8", env={**os.environ, "GPUCR_TEST_FAIL_RING": "1"})
     before = app.ask("digest")
-    r = gpucr.checkpoint(app.pid)
+    r = agents_plane.checkpoint(app.pid)
     assert any("pageable memory" in w for w in r.warnings), r.warnings
     st = gpucr.status(app.pid)
     assert st.bounce_pinned_bytes == 0 and st.staging_pinned_bytes == 0 and "cannot pin" in st.bounce_problem
     assert "ring         none: cannot pin" in gpucr_cli("status", str(app.pid)).stdout
     assert used() - idle <= 16 * MiB
-    gpucr.restore(app.pid)
+    agents_plane.restore(app.pid)
     assert app.ask("digest") == before
+
+
+# ---- with no server: the same mover as the server's, in the CLI process (issue 25) ----
+
+def _cli_json(*args: str, env: dict[str, str] | None = None) -> dict:
+    r = gpucr_cli(*args, "--no-server", "--json", env=env)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)
+
+
+def _pinned_in_the_app(pid: int) -> int:
+    st = _cli_json("status", str(pid))["processes"][0]
+    return st["staging_pinned_bytes"] + st["bounce_pinned_bytes"]
+
+
+@pytest.mark.in_process   # no server: the CLI's own mover
+def test_no_server_cycles_go_through_the_clis_own_mover(sim_app):
+    """`gpucr checkpoint/restore --no-server`: the agent hands its memory over and the CLI process copies it,
+    through its own pinned ring, into the agent's staging and back; every byte back at the same addresses,
+    the memory off the GPU while checkpointed, and nothing pinned in the application, cycle after cycle."""
+    app = sim_app("--sizes", "32M,4M,6M", "--vmm-mib", "8")
+    before = app.ask("digest")
+    for i in range(2):
+        ck = _cli_json("checkpoint", str(app.pid))["processes"][0]
+        assert ck["data_plane"] == "cli" and ck["bytes_moved"] == 50 * MiB, ck
+        assert "handover" in ck["phases_s"] and ck["phases_s"]["data_out"] > 0, ck["phases_s"]
+        assert process_gpu_memory(sim_driver(), app.pid, 0) == 0, "its memory left the GPU with the fds"
+        assert _pinned_in_the_app(app.pid) == 0, "the CLI pinned its own ring, not the application's"
+        rs = _cli_json("restore", str(app.pid))["processes"][0]
+        assert rs["data_plane"] == "cli" and rs["bytes_moved"] == 50 * MiB and "adopt" in rs["phases_s"], rs
+        assert app.ask("digest") == before, f"cycle {i}: bytes or addresses differ"
+        assert _pinned_in_the_app(app.pid) == 0
+        app.ask("work 1")   # the next computation runs on the memory the CLI made and filled
+        before = app.ask("digest")
+
+
+@pytest.mark.in_process   # the mover runs in this process, whose pageable copies simcuda counts
+def test_the_clis_ring_makes_no_pageable_copy(sim_app, monkeypatch):
+    """The API with no server runs the same mover here; its copies go through a ring of 4 pinned 1 MiB slots,
+    each reused many times in both directions, with odd sizes: no asynchronous copy is pageable, nothing but
+    the ring is pinned (the staging is not), every byte is back, and once done this process holds nothing on
+    the GPU and no thread of the ring."""
+    from gpucr.dataplane import mover as mv
+    from gpucr.driver import Vmm, sim_pageable_async_copies
+    monkeypatch.setenv("GPUCR_NO_SERVER", "1")
+    monkeypatch.setattr(mv, "CHUNK", 1 * MiB)
+    pins: list[int] = []
+    real_pin = Vmm.pin
+    monkeypatch.setattr(Vmm, "pin", lambda self, addr, size: (pins.append(size), real_pin(self, addr, size))[1])
+    app = sim_app("--sizes", "9M,3M,5000,7340033", "--vmm-mib", "4")
+    before = app.ask("digest")
+    drv = sim_driver()
+    copies = sim_pageable_async_copies(drv)
+    ck = gpucr.checkpoint(app.pid)
+    rs = gpucr.restore(app.pid)
+    assert ck.data_plane == rs.data_plane == "cli" and ck.bytes_moved == rs.bytes_moved > 20 * MiB, (ck, rs)
+    assert sim_pageable_async_copies(drv) == copies
+    assert pins == [1 * MiB] * 8, "the ring's four slots, once per request"
+    assert app.ask("digest") == before
+    assert process_gpu_memory(drv, os.getpid(), 0) == 0, "the CLI's context and memory are given back"
+    assert not [t for t in threading.enumerate() if t.name.startswith("gpucr-ring")]

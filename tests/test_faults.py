@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 import gpucr
+from gpucr import coordinator as agents_plane   # called with no mover: the agent's own plane, until issue 25 deletes it
 from gpucr import paths
 from gpucr.workloads.runner import Workload
 from gpucr.target import agent_socket_name
@@ -101,15 +102,16 @@ def test_a_driver_call_failing_during_a_cycle_is_logged_by_name(sim_app, capfd):
     assert logged and "failed: CUDA_ERROR_UNKNOWN (unknown error)" in logged[0], logged
 
 
-@pytest.mark.in_process   # the failure is counted in the app's own driver calls
+@pytest.mark.in_process   # the failure is counted in the app's own driver calls: the agent's own restore
 def test_a_driver_call_failing_in_a_restore_is_reported_by_name(sim_app):
-    """The restore's cuMemCreate fails (the app's own allocation was the first): the error names it, the
-    process stays checkpointed, and the next restore completes."""
+    """The agent's restore's cuMemCreate fails (the app's own allocation was the first): the error names it,
+    the process stays checkpointed, and the next restore completes."""
     app = sim_app("--sizes", "16M", env=dict(os.environ, SIMCUDA_FAIL_CALL="cuMemCreate:2"))
     before = app.ask("digest")
-    gpucr.checkpoint(app.pid)
-    r = gpucr_cli("restore", str(app.pid))
-    assert r.returncode != 0 and "CUDA_ERROR_UNKNOWN" in r.stderr and "stays checkpointed" in r.stderr, r.stderr
+    agents_plane.checkpoint(app.pid)
+    with pytest.raises(gpucr.GpucrError) as failed:
+        agents_plane.restore(app.pid)
+    assert "CUDA_ERROR_UNKNOWN" in str(failed.value) and "stays checkpointed" in str(failed.value), failed.value
     assert gpucr.status(app.pid).state == "checkpointed"
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
@@ -117,12 +119,14 @@ def test_a_driver_call_failing_in_a_restore_is_reported_by_name(sim_app):
 
 # ---- a controller killed at every phase ----
 
-@pytest.mark.in_process   # the in-process controller is the one killed
+@pytest.mark.in_process   # the in-process controller is the one killed: the CLI, its own mover copying (no server)
 @pytest.mark.parametrize("point,after,bounce", [
-    ("after-data-out", "running", None),            # the agent's lease rolls it back by itself
+    ("after-handover", "running", None),            # the agent's lease maps its memory again from its fds
+    ("during-server-copy", "running", None),        # ... with the CLI's copy under way: nothing left the GPU
     ("after-driver-lock", "restorable", None),      # the driver holds it: a new controller finishes the job
     ("after-driver-checkpoint", "restorable", None),
-    ("after-data-out", "running", "0"),             # the same with pinned staging (the bounce ring off)
+    ("after-data-out", "restorable", None),         # copied beside the driver's checkpoint: a restore brings it back
+    ("after-data-out", "restorable", "0"),          # the same with the application's staging pinned (its ring off)
     ("after-driver-checkpoint", "restorable", "0"),
 ])
 def test_controller_killed_during_checkpoint(sim_app, point, after, bounce):
@@ -132,8 +136,8 @@ def test_controller_killed_during_checkpoint(sim_app, point, after, bounce):
     r = gpucr_cli("checkpoint", str(app.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT=point))
     assert r.returncode == -signal.SIGKILL
     if after == "running":
-        deadline = time.time() + 10
-        while gpucr.status(app.pid).state != "running" and time.time() < deadline:
+        deadline = time.time() + 30
+        while (gpucr.status(app.pid).state != "running" or gpucr.status(app.pid).busy) and time.time() < deadline:
             time.sleep(0.05)
     else:
         assert sim_driver().state(app.pid) != ProcessState.RUNNING
@@ -141,8 +145,8 @@ def test_controller_killed_during_checkpoint(sim_app, point, after, bounce):
     assert gpucr.status(app.pid).state == "running"
     assert sim_driver().state(app.pid) == ProcessState.RUNNING
     assert app.ask("digest") == before
-    gpucr.checkpoint(app.pid)   # and it can be checkpointed again
-    gpucr.restore(app.pid)
+    assert gpucr.checkpoint(app.pid).data_plane == "cli"   # and it can be checkpointed again, by the CLI's mover
+    assert gpucr.restore(app.pid).data_plane == "cli"
     assert app.ask("digest") == before
 
 

@@ -220,6 +220,7 @@ struct deadline_job {
     size_t *sizes;              /* staging job: the allocations to place */
     int nsizes;
     CUcontext ctx;              /* staging job: context to register with */
+    bool ring;                  /* staging job: the agent copies itself, through its bounce ring (not a handover) */
     CUcontext *ctxs;            /* sync job: contexts to synchronise (malloc'd) */
     int nctx;
 };
@@ -289,7 +290,7 @@ static int staging_job(struct deadline_job *j)
     pthread_mutex_lock(&g_staging_mu);
     gpucr_use_ctx(j->ctx);
     int rc = staging_fit(j->sizes, j->nsizes, j->err, sizeof j->err);
-    if (rc == 0 && bounce_enabled()) {
+    if (rc == 0 && j->ring && bounce_enabled()) {
         /* no ring is no reason to refuse: the copies then go to pageable staging, slower (status says why) */
         if (bounce_prepare(j->ctx, j->sizes, j->nsizes, j->err, sizeof j->err))
             gpucr_warn("%s: copies go through pageable memory", j->err);
@@ -536,7 +537,9 @@ static CUresult release_one(struct phys *p, bool keep_own_fd)
     return CUDA_SUCCESS;
 }
 
-int dp_quiesce(int timeout_ms, char *err, size_t errlen)
+/* own_copy: the agent copies the data itself; else a controller does (a handover), and the agent pins nothing
+ * for it: its bounce ring would be pinned in the application for nothing. */
+static int quiesce(int timeout_ms, bool own_copy, char *err, size_t errlen)
 {
     if (g_dp.state != AGENT_RUNNING) { seterr(err, errlen, "the process is already checkpointed"); return -1; }
     if (g_dp.quiesced || g_dp.copied) { seterr(err, errlen, "the process is already quiesced for a checkpoint"); return -1; }
@@ -561,6 +564,7 @@ int dp_quiesce(int timeout_ms, char *err, size_t errlen)
         if (!j) { seterr(err, errlen, "out of host memory"); return -1; }
         j->sizes = staging_movable_sizes(&j->nsizes, NULL);
         j->ctx = any_ctx;
+        j->ring = own_copy;
         int late = job_run(j, deadline), rc = j->rc;
         if (!late && rc) seterr(err, errlen, "%s; checkpoint refused, the application runs on", j->err);
         job_put(j);
@@ -621,6 +625,8 @@ int dp_abort(char *err, size_t errlen)
     gpucr_gate_open();
     return 0;
 }
+
+int dp_quiesce(int timeout_ms, char *err, size_t errlen) { return quiesce(timeout_ms, true, err, errlen); }
 
 /* Each movable allocation's place in staging, from its start (made ready by dp_quiesce); *need: their bytes. */
 static CUresult place_in_staging(size_t *need)
@@ -831,7 +837,7 @@ int dp_handover(int timeout_ms, char *err, size_t errlen)
                "not plain device memory, %ld shared with other processes)", no, shared);
         return -1;
     }
-    if (!g_dp.quiesced && dp_quiesce(timeout_ms, err, errlen)) return -1;
+    if (!g_dp.quiesced && quiesce(timeout_ms, false, err, errlen)) return -1;
     DP_SET(g_dp.quiesced = false);
     struct phase_times t = g_dp.pending;
     CUcontext saved = NULL;

@@ -186,10 +186,16 @@ static void acct_atexit(void)
 static int node_fd[SIM_MAX_DEVICES] = {[0 ... SIM_MAX_DEVICES - 1] = -1};
 static int ctl_fd = -1;
 
+/* The control file of the dir SIMCUDA_DIR names now, the one obj_dir (objects.c) keeps the memory objects
+ * in: a process that is pointed at another dir after cuInit (the test suite's own, a controller of each
+ * test's dir, which imports that test's processes' memory) names objects and their holders in that dir.
+ * Its accounting and control socket stay in the first. */
 int sim_acct_open_ctl(void)
 {
-    char path[PATH_MAX + 16];
-    snprintf(path, sizeof(path), "%s/nvidiactl", usage.dir);
+    char dir[PATH_MAX], path[PATH_MAX + 16];
+    if (sim_rundir(dir, sizeof(dir)) != CUDA_SUCCESS)
+        return -1;
+    snprintf(path, sizeof(path), "%s/nvidiactl", dir);
     return open(path, O_RDWR | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0600);
 }
 

@@ -93,6 +93,10 @@ static bool hold(uint64_t id, short type)
     } else if (h) {
         h->count++;
     } else {
+        if (!helds && hold_fd >= 0) { /* holding nothing: the control file of the dir named now (sim_acct_open_ctl) */
+            close(hold_fd);
+            hold_fd = -1;
+        }
         if (hold_fd < 0)
             hold_fd = sim_acct_open_ctl();
         h = hold_fd >= 0 ? calloc(1, sizeof(*h)) : NULL;

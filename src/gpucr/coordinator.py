@@ -377,6 +377,7 @@ def _data_out_by_server(m: _Member, timeout: float, level: str, mover: Mover) ->
     out = m.agent.call("handed_done", timeout=60.0)
     m.held = False
     _data_out_done(m, out)
+    m.result["data_plane"] = mover.plane
     m.result["phases_s"]["data_out"] = st.seconds   # the server's copy (the handover has its own phase)
     _server_phases(m, st)
     return True
@@ -748,9 +749,11 @@ def _driver_restore(m: _Member) -> None:
 
 
 def _server_restorable(m: _Member) -> bool:
+    """Whether the mover can fill the process. Not while its agent rolls back a checkpoint whose controller died:
+    it restores from staging itself once the driver lets go, and answers no layout meanwhile."""
     st = m.status
     return (st.get("state") == "checkpointed" and bool(st.get("staged")) and not st.get("shared") and not m.gpu_moves
-            and m.image_dir is None)
+            and m.image_dir is None and not st.get("rolling_back"))
 
 
 def _restore_with_server(m: _Member, timeout: float, mover: Mover) -> None:
@@ -776,6 +779,7 @@ def _restore_with_server(m: _Member, timeout: float, mover: Mover) -> None:
                 m.agent.call_sending_fds("adopt", [fd for _, fd in batch], timeout=60.0, **{"from": batch[0][0]})
                 taken = {i for i, _ in batch}
                 m.server_bytes_in += sum(int(a["bytes"]) for a in layout["allocations"] if int(a["index"]) in taken)
+                m.result["data_plane"] = mover.plane
     except GpucrError as exc:   # the agent's own restore brings back what was not adopted
         note(f"process {m.pid}: {exc}; its agent's own restore from staging brings the rest back")
     finally:

@@ -27,6 +27,7 @@ from .lanes import Routing
 from .links import Links, Neighbour
 from .memory import Managed
 from .pinned import Segment, drop, open_segment, pin, same_file
+from .ring import Piece, Ring
 
 Owner = tuple[int, int]   # (pid, start time): a pid reused by another process never meets the dead one's staging
 # No wait in the server is without end: a copy from a `file:` staging on a stalled filesystem holds the
@@ -92,12 +93,16 @@ class Stats:
 
 class Mover:
     """One per server: a context per GPU it copies on (kept: restores need no new one), and each
-    process's staging mapped and pinned once. One copy at a time: the link is the limit anyway."""
+    process's staging mapped and pinned once. One copy at a time: the link is the limit anyway.
+    pinned_staging=False: the CLI's own mover, for one request with no server running (cli_plane): the
+    staging is only mapped, and every copy goes through a small pinned ring (ring.py)."""
 
-    def __init__(self, drv: Driver, routes: bool = True, keep_context: bool = True) -> None:
+    def __init__(self, drv: Driver, routes: bool = True, keep_context: bool = True,
+                 pinned_staging: bool = True) -> None:
         self.keep_context = keep_context
         self.vmm = Vmm(drv)
-        self.links = Links(drv, self.vmm, enabled=routes)
+        self.ring = None if pinned_staging else Ring(self.vmm, CHUNK)
+        self.links = Links(drv, self.vmm, enabled=routes and pinned_staging)   # a route's pieces need pinned staging
         self._neighbours: set[int] = set()   # GPUs on which the server holds a context only to lend their link
         self._lock = threading.Lock()
         self._holder = ""   # what holds the data plane's lock (said to a wait that gives up)
@@ -111,6 +116,16 @@ class Mover:
         self._idle = threading.Condition()   # a segment's pinning ahead ended (Segment.busy cleared)
         self._taken: dict[Owner, list[tuple[int, int, int, int]]] = {}   # process -> what its last copy out took
         self.said: Callable[[str], None] = lambda line: None   # where the server's log lines go
+
+    @property
+    def plane(self) -> str:
+        """Where this data plane runs, as every result records it: the server, or the CLI (no server)."""
+        return "server" if self.ring is None else "cli"
+
+    @property
+    def name(self) -> str:
+        """The mover as its errors name it."""
+        return "the gpucr server" if self.ring is None else "the gpucr command's own data plane (no server)"
 
     # ---- what it holds ----
     def context_uuids(self) -> list[str]:
@@ -183,6 +198,8 @@ class Mover:
 
     def close(self) -> None:
         with self._plane("the server's stop"):
+            if self.ring is not None:
+                self.ring.close()   # unpinned while its context is still there
             for o in list(self._staging):
                 self._forget(o)
             for dev in list(self._ctx):
@@ -300,10 +317,9 @@ class Mover:
         st = Stats()
         t0 = time.perf_counter()
         declared, plan = _checked_plan(layout)
-        # at a restore, exactly what the server took from it at its checkpoint (else the agent's own restore runs)
-        if not out and self._taken.get(who) != plan:
-            raise GpucrError("the process's layout is not what the server took from it at its checkpoint")
         by_index = {m.index: m for m in memory}
+        if not out:
+            self._check_fill(who, plan, by_index)
         mapped: list[tuple[int, int, int]] = []   # (handle, va, bytes) to unmap and release afterwards
         made: list[tuple[int, int]] = []          # (index, handle) of new memory (fill)
         fds: list[tuple[int, int]] = []           # (index, fd) of it, exported as it is made
@@ -330,15 +346,19 @@ class Mover:
             ctx, streams = self._ctx[dev]
             self.vmm.use(ctx)
             g = staged[seg]
-            share = routing.share(dev)
-            for k, n in g.cuts(off, size, CHUNK):   # never over a pinned piece's end
-                host, dva = g.addr + k, va + k - off
-                route, turn = turn % share, turn + 1
-                if route:
-                    routing.put(dev, host, dva, n)
-                else:
-                    s = streams[turn % len(streams)]
-                    (self.vmm.d2h(host, dva, n, s) if out else self.vmm.h2d(dva, host, n, s))
+            if self.ring is not None:   # the staging is not pinned here: through the ring, a piece at a time
+                for k in range(off, off + size, CHUNK):
+                    self.ring.put(Piece(ctx, g.addr + k, va + k - off, min(CHUNK, off + size - k), out))
+            else:
+                share = routing.share(dev)
+                for k, n in g.cuts(off, size, CHUNK):   # never over a pinned piece's end
+                    host, dva = g.addr + k, va + k - off
+                    route, turn = turn % share, turn + 1
+                    if route:
+                        routing.put(dev, host, dva, n)
+                    else:
+                        s = streams[turn % len(streams)]
+                        (self.vmm.d2h(host, dva, n, s) if out else self.vmm.h2d(dva, host, n, s))
             st.bytes += size
             st.allocations += 1
             st.queue_s += time.perf_counter() - tq
@@ -391,7 +411,7 @@ class Mover:
             routing.close()
             self._sync(placed, quiet=True)   # nothing may still copy into what is unmapped next
             self._undo(mapped, made, out)
-            raise GpucrError(f"the gpucr server's copy {'out' if out else 'in'} failed: {exc}") from exc
+            raise GpucrError(f"{self.name}'s copy {'out' if out else 'in'} failed: {exc}") from exc
         finally:
             routing.close()
         self._undo(mapped, made, out)   # our mappings go; the fds (theirs or ours) keep the memory
@@ -400,9 +420,26 @@ class Mover:
         st.seconds = time.perf_counter() - t0
         return st, fds
 
+    def _check_fill(self, who: Owner, plan: list[tuple[int, int, int, int]], by_index: dict[int, Managed]) -> None:
+        """What a fill may make: through the server, exactly what it took from the process at its checkpoint
+        (else the agent's own restore runs). The CLI's mover took nothing itself (its checkpoint was another
+        process's): each allocation must be one the agent lists, released, of the same size. It pins no staging,
+        and what it makes goes to that process alone, which could make as much memory itself."""
+        if self.ring is None:
+            if self._taken.get(who) != plan:
+                raise GpucrError("the process's layout is not what the server took from it at its checkpoint")
+            return
+        for idx, size, _seg, _off in plan:
+            m = by_index.get(idx)
+            if m is None or not m.released or m.bytes != size:
+                raise GpucrError(f"the process's layout names allocation {idx} ({size} bytes), which it does not "
+                                 "list as released memory of that size")
+
     def _sync(self, placed: list[tuple[int, int, int, int, int]], quiet: bool = False) -> None:
         """Every straight copy queued so far on the process's GPUs done; quiet: errors aside, each GPU still
         waited for (a path already failing: the memory the copies touch is unmapped next)."""
+        if self.ring is not None:
+            self.ring.drain(quiet)
         for ctx, streams in [self._ctx[d] for d in {p[4] for p in placed} if d in self._ctx]:
             try:
                 self.vmm.use(ctx)
@@ -455,7 +492,7 @@ class Mover:
             self._ordinals = self.vmm.device_by_uuid()
         if uuid in self._ordinals:
             return self._ordinals[uuid]
-        raise GpucrError(f"the process's GPU {uuid or '(unknown)'} is not one the gpucr server sees")
+        raise GpucrError(f"the process's GPU {uuid or '(unknown)'} is not one {self.name} sees")
 
     def _uuids(self) -> dict[int, str]:
         """{ordinal: UUID} of the GPUs this server has looked up (all it sees, once it has looked up one)."""
@@ -485,7 +522,8 @@ class Mover:
                     self._drop(who, segs.pop(i))
                 have = segs[i] = open_segment(self._segment_fd(seg_fds, i), i, declared[i])
             t0 = time.perf_counter()
-            if pin(self.vmm, have, size):   # in the current context (one on the process's GPU)
+            # in the current context (one on the process's GPU); the CLI's copies go through its ring instead
+            if self.ring is None and pin(self.vmm, have, size):
                 st.pin_s += time.perf_counter() - t0
             out[i] = have
         return out
@@ -533,3 +571,16 @@ class Mover:
         except GpucrError as exc:
             self._stuck.append((who, seg))
             self.said(f"process {who[0]}'s staging: {exc}")
+
+
+@contextmanager
+def cli_plane(drv: Driver) -> Iterator[Mover]:
+    """The data plane of one request run in the CLI process, with no server (`--no-server`, or none running):
+    the same mover, with no routes, its staging mapped but not pinned (a fresh process cannot pin tens of GiB
+    in time) and its copies through a small pinned ring (ring.py); its contexts, ring and mappings given back
+    at the end, so that the process is left as the server leaves it."""
+    mover = Mover(drv, routes=False, keep_context=False, pinned_staging=False)
+    try:
+        yield mover
+    finally:
+        mover.close()

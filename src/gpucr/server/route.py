@@ -1,5 +1,6 @@
 """What the CLI and `import gpucr` call: each request goes to the user's gpucr server when one runs,
-else it runs here, in-process, as it always could.
+else it runs here, in-process, as it always could: a checkpoint or restore then with the same data plane as
+the server's, run in this process (gpucr.dataplane.mover.cli_plane), never the application's.
 
 In-process is chosen, silently, when no server was started, or when told (`--no-server`,
 GPUCR_NO_SERVER=1); with a one-line note on stderr when a server is named but cannot be used (killed,
@@ -10,14 +11,18 @@ simply asked again in-process.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 
-from ..driver import controller_simulated
+from ..driver import controller_driver, controller_simulated
 from ..errors import GpucrError, note
 from ..results import (CheckpointResult, ProcessCheckpoint, ProcessRestore, ProcessStatus, RestoreResult,
                        StatusResult, Stuck, from_json)
 from . import client, wire
+
+if TYPE_CHECKING:
+    from ..dataplane.mover import Mover
 
 NO_SERVER_ENV = "GPUCR_NO_SERVER"
 T = TypeVar("T")
@@ -69,6 +74,21 @@ def _reading(op: str, args: dict[str, Any]) -> tuple[bool, Any]:
         return False, None
 
 
+@contextmanager
+def here_plane() -> Iterator[Mover | None]:
+    """The data plane for a checkpoint or restore run in this process: the server's mover, here (its context,
+    ring and mappings given back when the request ends). None when this process has no driver: the coordinator,
+    which needs it too, then says so after its own checks of the request."""
+    from ..dataplane.mover import cli_plane
+    try:
+        drv = controller_driver()
+    except GpucrError:
+        yield None
+        return
+    with cli_plane(drv) as mover:
+        yield mover
+
+
 def _abs_images(images: dict[int, str | Path] | None) -> dict[str, str] | None:
     # the server's cwd is not the client's: an image dir travels as an absolute path
     return {str(k): os.path.abspath(str(v)) for k, v in images.items()} if images else None
@@ -92,7 +112,8 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
     if done:
         return _typed(CheckpointResult, out)
     from .. import coordinator
-    return coordinator.checkpoint_many(pids, level, timeout, images)
+    with here_plane() as mover:
+        return coordinator.checkpoint_many(pids, level, timeout, images, mover=mover)
 
 
 def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,
@@ -104,7 +125,8 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
     if done:
         return _typed(RestoreResult, out)
     from .. import coordinator
-    return coordinator.restore_many(pids, timeout, drop_staging, images, force, gpu_map)
+    with here_plane() as mover:
+        return coordinator.restore_many(pids, timeout, drop_staging, images, force, gpu_map, mover=mover)
 
 
 def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str | Path | None = None) -> ProcessCheckpoint:
