@@ -64,6 +64,7 @@ class ImageTransfer:
     gbps: float | None                # bytes / transfer_s / 1e9 (zero chunks included, which are neither written nor read)
     direct_io: bool
     bytes_read: int | None = None     # read from disk (zero chunks are not); null on a write
+    bytes_zeroed: int | None = None   # zero chunks set on the GPU at a restore (memset, not copied); null on a write
 
 
 @dataclass
@@ -127,6 +128,7 @@ class ProcessCheckpoint:
     warnings: list[str]
     coverage: Coverage | None = None  # what went which way, by kind (null from an agent that does not say)
     routes: dict[str, int] = field(default_factory=dict)   # bytes the server moved through each neighbour GPU
+    data_plane: str = "agent"         # what moved the data: "server" (the gpucr server's plane) or "agent" (in-process)
 
 
 @dataclass
@@ -134,13 +136,15 @@ class ProcessRestore:
     pid: int
     state: str                        # running
     bytes_moved: int                  # copied back by gpucr
-    phases_s: dict[str, float]        # vet, control_in, driver_unlock, data_in (or stage, image_read_and_data_in), settle
+    phases_s: dict[str, float]        # vet, control_in, driver_unlock, data_in (or stage, image_read_and_data_in;
+                                      # through the server: stage, image_read, data_in, adopt, finish), settle
     agent_phases_s: dict[str, float]  # inside the process: data_in, pin_wait
     gpus: list[GpuMemoryChange]       # every GPU it was on or moved to
     moved: dict[str, str]             # {old UUID: new UUID} for each GPU it was moved off (restore --map)
     image: ImageTransfer | None
     warnings: list[str]
     routes: dict[str, int] = field(default_factory=dict)   # bytes the server moved through each neighbour GPU
+    data_plane: str = "agent"         # what put the data back: "server" (the gpucr server's plane) or "agent"
 
 
 @dataclass

@@ -28,6 +28,7 @@ from .links import Links, Neighbour
 from .memory import Managed
 from .pinned import Segment, drop, open_segment, pin, same_file
 
+Spans = dict[int, list[tuple[int, int]]]   # allocation index -> [(offset, bytes)] in it
 Owner = tuple[int, int]   # (pid, start time): a pid reused by another process never meets the dead one's staging
 # No wait in the server is without end: a copy from a `file:` staging on a stalled filesystem holds the
 # data plane as long as the filesystem stalls, and every request behind it would wait as long.
@@ -62,6 +63,21 @@ def _plan_of(layout: dict[str, Any]) -> tuple[dict[int, int], list[tuple[int, in
     return declared, plan
 
 
+def _spans(size: int, zero: list[tuple[int, int]]) -> Iterator[tuple[int, int, bool]]:
+    """[0, size) as (start, bytes, zero) spans in order, `zero` ([(offset, bytes)]) marking those to set to zero."""
+    at = 0
+    for off, n in sorted(zero):
+        off, end = max(off, at), min(off + n, size)
+        if end <= off:
+            continue
+        if off > at:
+            yield at, off - at, False
+        yield off, end - off, True
+        at = end
+    if at < size:
+        yield at, size - at, False
+
+
 def _reach(plan: list[tuple[int, int, int, int]]) -> dict[int, int]:
     """What of each segment a copy needs pinned: as far as its allocations reach."""
     reach: dict[int, int] = {}
@@ -73,6 +89,7 @@ def _reach(plan: list[tuple[int, int, int, int]]) -> dict[int, int]:
 @dataclass
 class Stats:
     bytes: int = 0
+    zeroed: int = 0               # of those, set to zero on the GPU (an image's zero chunks) rather than copied
     seconds: float = 0.0
     pin_s: float = 0.0            # pinning staging not pinned here before (the first cycle of a process)
     wait_s: float = 0.0           # waiting for the data plane (another copy, or pinning ahead, holding it)
@@ -201,11 +218,15 @@ class Mover:
         return self._locked(f"the copy out of process {pid}",
                             lambda: self._move(owner(pid), layout, seg_fds, memory, out=True))[0]
 
-    def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed]) -> tuple[Stats, list[tuple[int, int]]]:
-        """New memory for every allocation of `layout`, on its GPU, filled from staging; returns [(index, fd)]
-        in index order (the caller hands the fds to the agent, then closes them)."""
+    def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
+             image: Spans | None = None) -> tuple[Stats, list[tuple[int, int]]]:
+        """New memory for every allocation of `layout`, on its GPU (each Managed's UUID), filled from staging;
+        returns [(index, fd)] in index order (the caller hands the fds to the agent, then closes them).
+        The layout must be what the server took at the process's checkpoint, or, with `image`, one the caller
+        read an image into and checked against its manifest; `image` then names each allocation's zero chunks
+        ({index: [(offset, bytes)]}), set to zero on the GPU instead of copied."""
         return self._locked(f"the fill of process {pid}",
-                            lambda: self._move(owner(pid), layout, seg_fds, memory, out=False))
+                            lambda: self._move(owner(pid), layout, seg_fds, memory, out=False, image=image))
 
     def pin_ahead(self, pid: int, layout: dict[str, Any], seg_fds: list[int], uuid: str) -> int:
         """Map and pin the staging a running process prepared ahead (`gpucr run --staging-ahead`), so its
@@ -296,13 +317,15 @@ class Mover:
 
     # ---- inside ----
     def _move(self, who: Owner, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
-              out: bool) -> tuple[Stats, list[tuple[int, int]]]:
+              out: bool, image: Spans | None = None) -> tuple[Stats, list[tuple[int, int]]]:
         st = Stats()
         t0 = time.perf_counter()
         declared, plan = _checked_plan(layout)
-        # at a restore, exactly what the server took from it at its checkpoint (else the agent's own restore runs)
-        if not out and self._taken.get(who) != plan:
+        # at a restore, exactly what the server took from it at its checkpoint, or what an image holds (the
+        # caller checked the sizes against its manifest); else the agent's own restore runs
+        if not out and image is None and self._taken.get(who) != plan:
             raise GpucrError("the process's layout is not what the server took from it at its checkpoint")
+        zeros = image or {}
         by_index = {m.index: m for m in memory}
         mapped: list[tuple[int, int, int]] = []   # (handle, va, bytes) to unmap and release afterwards
         made: list[tuple[int, int]] = []          # (index, handle) of new memory (fill)
@@ -324,21 +347,27 @@ class Mover:
             st.stage_s += time.perf_counter() - ts
             return staged
 
-        def enqueue(staged: dict[int, Segment], size: int, seg: int, off: int, va: int, dev: int) -> None:
+        def enqueue(staged: dict[int, Segment], idx: int, size: int, seg: int, off: int, va: int, dev: int) -> None:
             nonlocal turn
             tq = time.perf_counter()
             ctx, streams = self._ctx[dev]
             self.vmm.use(ctx)
             g = staged[seg]
             share = routing.share(dev)
-            for k, n in g.cuts(off, size, CHUNK):   # never over a pinned piece's end
-                host, dva = g.addr + k, va + k - off
-                route, turn = turn % share, turn + 1
-                if route:
-                    routing.put(dev, host, dva, n)
-                else:
-                    s = streams[turn % len(streams)]
-                    (self.vmm.d2h(host, dva, n, s) if out else self.vmm.h2d(dva, host, n, s))
+            for start, length, zero in _spans(size, zeros.get(idx, [])):
+                if zero:   # nothing to carry over the link
+                    turn += 1
+                    self.vmm.memset(va + start, length, streams[turn % len(streams)])
+                    st.zeroed += length
+                    continue
+                for k, n in g.cuts(off + start, length, CHUNK):   # never over a pinned piece's end
+                    host, dva = g.addr + k, va + k - off
+                    route, turn = turn % share, turn + 1
+                    if route:
+                        routing.put(dev, host, dva, n)
+                    else:
+                        s = streams[turn % len(streams)]
+                        (self.vmm.d2h(host, dva, n, s) if out else self.vmm.h2d(dva, host, n, s))
             st.bytes += size
             st.allocations += 1
             st.queue_s += time.perf_counter() - tq
@@ -371,13 +400,13 @@ class Mover:
                     st.export_s += time.perf_counter() - te
                 placed.append((size, seg, off, va, dev))
                 if staged is not None:
-                    enqueue(staged, size, seg, off, va, dev)
+                    enqueue(staged, idx, size, seg, off, va, dev)
             if staged is None:
                 # a copy out: every import is mapped first, the driver checking each size against the real
                 # memory, so the staging pinned next is no more than the process has on the GPU
                 staged = staging()
-                for size, seg, off, va, dev in placed:
-                    enqueue(staged, size, seg, off, va, dev)
+                for (idx, *_rest), (size, seg, off, va, dev) in zip(plan, placed):
+                    enqueue(staged, idx, size, seg, off, va, dev)
             td = time.perf_counter()
             self._sync(placed)
             st.straight_s = time.perf_counter() - t0
