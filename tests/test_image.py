@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -13,7 +14,8 @@ import pytest
 import gpucr
 from gpucr.driver import ProcessState
 
-from conftest import gpucr_cli, sim_driver
+from conftest import RunningServer, gpucr_cli, sim_driver
+from test_server import wait_for
 
 # every test here goes through one gpucr server reused by the module, as a user's requests do; those marked
 # in_process run the in-process plane, a fallback until it is deleted
@@ -197,3 +199,59 @@ def test_status_shows_the_live_certificate(sim_app):
     r = gpucr_cli("status", "--json", str(app.pid))
     assert json.loads(r.stdout)["processes"][0]["certificate"]["processes"][0]["pid"] == app.pid
     gpucr.restore(app.pid)
+
+
+def _own_server(monkeypatch, **env: str) -> RunningServer:
+    """A gpucr server of the test's own, started with these settings in its environment only."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    try:
+        return RunningServer(True)
+    finally:
+        for k in env:
+            monkeypatch.delenv(k)
+
+
+@pytest.mark.in_process   # a server of its own, killed
+def test_server_killed_reading_an_image_leaves_it_restorable_from_the_image(sim_app, tmp_path, monkeypatch):
+    """The server SIGKILLed while it reads the image into staging: what it read in part is dropped by the agent
+    (never restored from), and the process, checkpointed, comes back from the image through the next server."""
+    app = sim_app("--sizes", "200M,8M")
+    before = app.ask("digest")
+    img = tmp_path / "img"
+    srv = _own_server(monkeypatch, GPUCR_TEST_KILL_AT="during-image-read")
+    try:
+        assert gpucr.checkpoint(app.pid, image=img).data_plane == "server"
+        r = gpucr_cli("restore", "--image", str(img), str(app.pid))
+        assert r.returncode == 1 and "died during 'restore'" in r.stderr, r.stderr
+        assert srv.proc.wait(timeout=30) == -signal.SIGKILL
+        wait_for(lambda: not gpucr.status(app.pid).staged, what="the agent dropping the staging read in part")
+        st = gpucr.status(app.pid)
+        assert st.state == "checkpointed" and st.gate_closed and not st.busy, st
+        with pytest.raises(gpucr.GpucrError, match="--image"):
+            gpucr.restore(app.pid)
+        srv = RunningServer(True)
+        assert gpucr.restore(app.pid, image=img).data_plane == "server"
+        assert app.ask("digest") == before
+    finally:
+        srv.stop()
+
+
+@pytest.mark.in_process   # a server of its own, whose fill fails
+def test_a_failed_fill_leaves_the_agent_to_restore_from_the_image_read(sim_app, tmp_path, monkeypatch):
+    """The server cannot make the new memory: the agent restores from the staging the image was read into,
+    zero chunks included (it was told of them), every byte back."""
+    app = sim_app("--sizes", "8M,192M")
+    app.ask("zero 1")
+    before = app.ask("digest")
+    img = tmp_path / "img"
+    srv = _own_server(monkeypatch, SIMCUDA_FAIL_CALL="cuMemCreate")
+    try:
+        assert gpucr.checkpoint(app.pid, image=img).data_plane == "server"
+        rs = gpucr.restore(app.pid, image=img)
+        assert rs.data_plane == "agent" and rs.image.bytes_zeroed == 192 * MiB, rs
+        assert app.ask("digest") == before
+        assert gpucr.checkpoint(app.pid).data_plane == "server"   # the fault fired once: the next cycle is the server's
+        assert gpucr.restore(app.pid).data_plane == "server" and app.ask("digest") == before
+    finally:
+        srv.stop()

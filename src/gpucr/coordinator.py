@@ -847,6 +847,8 @@ def _data_in(m: _Member, timeout: float, drop_staging: bool) -> None:
     cyc = out["last_cycle_ms"]
     m.result["bytes_moved"] = m.server_bytes_in + cyc.get("bytes_in", 0)
     m.result["data_plane"] = "server" if m.server_bytes_in and not cyc.get("bytes_in") else "agent"
+    if "image" in m.result:   # zero chunks the agent set, where the server's fill did not (_read_then_fill)
+        m.result["image"]["bytes_zeroed"] += cyc.get("bytes_zeroed", 0)
     m.result["agent_ms"] = {"data_in": cyc.get("data_in", 0.0), "pin_wait": cyc.get("pin_wait", 0.0)}
 
 
@@ -929,8 +931,7 @@ def _read_then_fill(m: _Member, idir: imagefs.ImageDir, entry: dict, layout: dic
         made = exc
     finally:
         server_memory.close_all(memory)
-    if not isinstance(made, GpucrError):
-        m.result["image"]["bytes_zeroed"] = made[0].zeroed
+    m.result["image"]["bytes_zeroed"] = 0 if isinstance(made, GpucrError) else made[0].zeroed
     _adopt(m, layout, made)
 
 
