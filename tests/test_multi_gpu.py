@@ -117,8 +117,11 @@ def test_restore_from_host_memory_onto_the_swapped_gpus(plane, sim_app):
     before = app.ask("digest")
     ck = gpucr.checkpoint(app.pid)
     assert ck.data_plane == plane
-    rs = gpucr.restore(app.pid, gpu_map={u0: u1, u1: u0})
-    assert rs.data_plane == plane and rs.moved == {u0: u1, u1: u0} and rs.bytes_moved == ck.bytes_moved, rs
+    # (a command of its own: this test process's simulated driver may have started with one GPU, earlier)
+    r = gpucr_cli("restore", "--json", "--map", f"{u0}={u1}", "--map", f"{u1}={u0}", str(app.pid))
+    assert r.returncode == 0, r.stderr
+    rs = json.loads(r.stdout)["processes"][0]
+    assert rs["data_plane"] == plane and rs["moved"] == {u0: u1, u1: u0} and rs["bytes_moved"] == ck.bytes_moved, rs
     assert app.ask("uuids")["uuids"] == [u1, u0] and app.ask("digest") == before
     assert [used_but_server(0) - idle[0], used_but_server(1) - idle[1]] == held[::-1], "each card holds what the other held"
     assert {d.ordinal: d.uuid for d in gpucr.status(app.pid).gpus} == {0: u1, 1: u0}
