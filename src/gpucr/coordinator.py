@@ -883,8 +883,9 @@ def _data_in_from_image(m: _Member, entry: dict, timeout: float, drop_staging: b
     limit = max(timeout, IMAGE_STALL_MIN_S) + STALL_GRACE_S
     try:
         with imagefs.ImageDir(m.image_dir, imagefs.owner_for(m.t.uid, m.pid)) as idir:
-            if m.plane is not None and _image_fillable(m, timeout):
-                _read_then_fill(m, idir, entry, layout, fds, timeout)
+            memory = _fillable_memory(m, timeout) if m.plane is not None else None
+            if memory is not None:
+                _read_then_fill(m, idir, entry, layout, fds, memory)
                 return True
             m.plane = None
             out = _restore_reading(m, idir, entry, layout, fds, limit, drop_staging)
@@ -897,15 +898,16 @@ def _data_in_from_image(m: _Member, entry: dict, timeout: float, drop_staging: b
     return False
 
 
-def _image_fillable(m: _Member, timeout: float) -> bool:
-    """Whether the server can make again every allocation the image holds (plain device memory)."""
+def _fillable_memory(m: _Member, timeout: float) -> list[Managed] | None:
+    """The process's memory (no fd held: the server makes it anew), or None when the server cannot make again
+    every allocation the image holds (plain device memory)."""
     memory = server_memory.gather(m.agent, timeout)
     server_memory.close_all(memory)
-    return all(e.handable for e in memory if e.released and e.movable)
+    return memory if all(e.handable for e in memory if e.released and e.movable) else None
 
 
 def _read_then_fill(m: _Member, idir: imagefs.ImageDir, entry: dict, layout: dict[str, Any], seg_fds: list[int],
-                    timeout: float) -> None:
+                    memory: list[Managed]) -> None:
     """The image read into staging, every chunk verified (the disk is the bound: the server's fill, at the
     link's speed, comes after); then the server makes new memory from it, zero chunks set on the GPU, and
     the agent adopts it. Should the read fail, the staging goes and the process stays checkpointed."""
@@ -923,14 +925,11 @@ def _read_then_fill(m: _Member, idir: imagefs.ImageDir, entry: dict, layout: dic
             pass   # its lease on the staging drops it once this connection ends
         raise GpucrError(f"{exc}; it stays checkpointed: restore it from an intact image") from exc
     m.result["phases_s"]["image_read"] = time.perf_counter() - t0
-    memory = server_memory.gather(m.agent, timeout)
     try:
         made: tuple[ServerStats, list[tuple[int, int]]] | GpucrError = m.plane.fill(
             m.pid, layout, seg_fds, _moved(memory, m.gpu_moves), image=_zero_chunks(entry["data"], layout))
     except GpucrError as exc:
         made = exc
-    finally:
-        server_memory.close_all(memory)
     m.result["image"]["bytes_zeroed"] = 0 if isinstance(made, GpucrError) else made[0].zeroed
     _adopt(m, layout, made)
 
