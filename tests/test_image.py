@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import time
 from pathlib import Path
 
@@ -13,12 +14,15 @@ import pytest
 import gpucr
 from gpucr.driver import ProcessState
 
-from conftest import gpucr_cli, sim_driver
+from conftest import RunningServer, gpucr_cli, sim_driver
+from test_server import wait_for
 
-# every test here goes through one gpucr server reused by the module, as a user's requests do
+# every test here goes through one gpucr server reused by the module, as a user's requests do; those marked
+# in_process run the in-process plane, a fallback until it is deleted
 pytestmark = pytest.mark.usefixtures("reused_server")
 
 MiB = 1 << 20
+PLANES = ["server", pytest.param("agent", marks=pytest.mark.in_process)]
 
 
 def rss_shmem(pid: int) -> int:
@@ -37,16 +41,24 @@ def chunk_file_offset(image: Path, zero: bool = False) -> int:
     raise AssertionError("no such chunk")
 
 
-def test_image_frees_host_memory_and_restores_byte_exact(sim_app, tmp_path):
+def server_staging_of(server, pid: int) -> list[dict]:
+    """What the gpucr server still maps or pins of process pid's staging (none without a server)."""
+    return [h for h in server.info()["staging"] if h["pid"] == pid] if server is not None else []
+
+
+@pytest.mark.parametrize("plane", PLANES)
+def test_image_frees_host_memory_and_restores_byte_exact(sim_app, tmp_path, reused_server, plane):
     app = sim_app("--sizes", "64M,16M,3M,100K", "--vmm-mib", "16")
     app.ask(f"alloc {32 * MiB}")   # filled with a pattern; plus a zero buffer below
     before = app.ask("digest")
     img = tmp_path / "img"
     ck = gpucr.checkpoint(app.pid, image=img)
+    assert ck.data_plane == plane, ck
     assert (img / "manifest.json").exists() and (img / "data.bin").exists()
     st = gpucr.status(app.pid)
     assert st.staging_bytes == 0 and st.staged is False
     assert rss_shmem(app.pid) < 16 * MiB, "the staging must be released after the image is written"
+    assert server_staging_of(reused_server, app.pid) == [], "the server must let go of the staging too"
     assert ck.image.bytes >= 64 * MiB
     m = json.loads((img / "manifest.json").read_text())
     p = m["processes"][0]
@@ -58,8 +70,9 @@ def test_image_frees_host_memory_and_restores_byte_exact(sim_app, tmp_path):
     with pytest.raises(gpucr.GpucrError, match="--image"):
         gpucr.restore(app.pid)
     rs = gpucr.restore(app.pid, image=img)
+    assert rs.data_plane == plane and rs.bytes_moved == ck.bytes_moved, rs
     assert rs.image.bytes == ck.image.bytes
-    assert app.ask("digest") == before
+    assert app.ask("digest") == before   # every buffer's bytes, read at its own address
 
 
 def test_zero_chunks_are_recorded_not_written(sim_app, tmp_path):
@@ -150,15 +163,19 @@ def test_app_prepare_failing_or_hanging_aborts_and_app_runs_on(sim_app, mode, wh
     assert app.ask("digest")["digest"] == before["digest"]
 
 
-def test_zero_chunks_are_set_on_the_device_at_restore(sim_app, tmp_path):
+@pytest.mark.parametrize("plane", PLANES)
+def test_zero_chunks_are_set_on_the_device_at_restore(sim_app, tmp_path, plane):
     app = sim_app("--sizes", "8M,192M")
     app.ask("zero 1")
     before = app.ask("digest")
     img = tmp_path / "z2"
     gpucr.checkpoint(app.pid, image=img)
     rs = gpucr.restore(app.pid, image=img)
+    assert rs.data_plane == plane
     assert app.ask("digest") == before
-    assert gpucr.status(app.pid).last_cycle.bytes_zeroed == 192 * MiB, "zero chunks set by memset, not copied"
+    assert rs.image.bytes_zeroed == 192 * MiB, "zero chunks set by memset, not copied"
+    if plane == "agent":
+        assert gpucr.status(app.pid).last_cycle.bytes_zeroed == 192 * MiB
     # then the buffer is changed and checkpointed to memory: no zero-chunk marks may linger
     app.ask("work 3")
     after_work = app.ask("digest")
@@ -182,3 +199,59 @@ def test_status_shows_the_live_certificate(sim_app):
     r = gpucr_cli("status", "--json", str(app.pid))
     assert json.loads(r.stdout)["processes"][0]["certificate"]["processes"][0]["pid"] == app.pid
     gpucr.restore(app.pid)
+
+
+def _own_server(monkeypatch, **env: str) -> RunningServer:
+    """A gpucr server of the test's own, started with these settings in its environment only."""
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    try:
+        return RunningServer(True)
+    finally:
+        for k in env:
+            monkeypatch.delenv(k)
+
+
+@pytest.mark.in_process   # a server of its own, killed
+def test_server_killed_reading_an_image_leaves_it_restorable_from_the_image(sim_app, tmp_path, monkeypatch):
+    """The server SIGKILLed while it reads the image into staging: what it read in part is dropped by the agent
+    (never restored from), and the process, checkpointed, comes back from the image through the next server."""
+    app = sim_app("--sizes", "200M,8M")
+    before = app.ask("digest")
+    img = tmp_path / "img"
+    srv = _own_server(monkeypatch, GPUCR_TEST_KILL_AT="during-image-read")
+    try:
+        assert gpucr.checkpoint(app.pid, image=img).data_plane == "server"
+        r = gpucr_cli("restore", "--image", str(img), str(app.pid))
+        assert r.returncode == 1 and "died during 'restore'" in r.stderr, r.stderr
+        assert srv.proc.wait(timeout=30) == -signal.SIGKILL
+        wait_for(lambda: not gpucr.status(app.pid).staged, what="the agent dropping the staging read in part")
+        st = gpucr.status(app.pid)
+        assert st.state == "checkpointed" and st.gate_closed and not st.busy, st
+        with pytest.raises(gpucr.GpucrError, match="--image"):
+            gpucr.restore(app.pid)
+        srv = RunningServer(True)
+        assert gpucr.restore(app.pid, image=img).data_plane == "server"
+        assert app.ask("digest") == before
+    finally:
+        srv.stop()
+
+
+@pytest.mark.in_process   # a server of its own, whose fill fails
+def test_a_failed_fill_leaves_the_agent_to_restore_from_the_image_read(sim_app, tmp_path, monkeypatch):
+    """The server cannot make the new memory: the agent restores from the staging the image was read into,
+    zero chunks included (it was told of them), every byte back."""
+    app = sim_app("--sizes", "8M,192M")
+    app.ask("zero 1")
+    before = app.ask("digest")
+    img = tmp_path / "img"
+    srv = _own_server(monkeypatch, SIMCUDA_FAIL_CALL="cuMemCreate")
+    try:
+        assert gpucr.checkpoint(app.pid, image=img).data_plane == "server"
+        rs = gpucr.restore(app.pid, image=img)
+        assert rs.data_plane == "agent" and rs.image.bytes_zeroed == 192 * MiB, rs
+        assert app.ask("digest") == before
+        assert gpucr.checkpoint(app.pid).data_plane == "server"   # the fault fired once: the next cycle is the server's
+        assert gpucr.restore(app.pid).data_plane == "server" and app.ask("digest") == before
+    finally:
+        srv.stop()

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, strategies as st
 
 import gpucr
-from gpucr.driver import gpu_memory
+from gpucr.driver import gpu_memory, process_gpu_memory
 
 from conftest import gpucr_cli, sim_driver
 
@@ -22,8 +22,25 @@ def two_gpus(monkeypatch):
     monkeypatch.setenv("SIMCUDA_DEVICES", "2")
 
 
+@pytest.fixture(params=["server", "agent"])
+def plane(request, two_gpus):
+    """The data plane a test's requests go through: the module's reused gpucr server's (on the same two GPUs), or
+    the agent's in-process one (a fallback until it is deleted)."""
+    if request.param == "server":
+        request.getfixturevalue("reused_server")
+    return request.param
+
+
 def dev_used(d: int) -> int:
     return gpu_memory(sim_driver(), d).used
+
+
+def used_but_server(d: int) -> int:
+    """Device d's memory in use, less what the gpucr server holds there itself (its context, once it copied on d)."""
+    from gpucr.server import client
+    info = client.info(True)
+    server = process_gpu_memory(sim_driver(), info["pid"], d) or 0 if info is not None else 0
+    return dev_used(d) - server
 
 
 def test_process_on_two_gpus_keeps_peer_access(sim_app):
@@ -58,12 +75,12 @@ def test_process_on_two_gpus_keeps_peer_access(sim_app):
     assert app.ask("digest") == before
 
 
-def test_restore_onto_the_swapped_gpus(sim_app, tmp_path):
-    idle = [dev_used(0), dev_used(1)]
+def test_restore_onto_the_swapped_gpus(plane, sim_app, tmp_path):
+    idle = [used_but_server(0), used_but_server(1)]
     app = sim_app("--sizes", "16M,3M")
     app.ask("device 1 40M")
     u0, u1 = app.ask("uuids")["uuids"]
-    held = [dev_used(0) - idle[0], dev_used(1) - idle[1]]
+    held = [used_but_server(0) - idle[0], used_but_server(1) - idle[1]]
     before = app.ask("digest")
     assert gpucr_cli("checkpoint", "--image", str(tmp_path / "img"), str(app.pid)).returncode == 0
     taken = json.loads(gpucr_cli("inspect", "--json", str(tmp_path / "img")).stdout)
@@ -73,17 +90,43 @@ def test_restore_onto_the_swapped_gpus(sim_app, tmp_path):
         r = gpucr_cli("restore", "--image", str(tmp_path / "img"), *bad, str(app.pid))
         assert r.returncode == 1 and why in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert gpucr.status(app.pid).state == "checkpointed"
-    r = gpucr_cli("restore", "--image", str(tmp_path / "img"), "--map", f"{u0}={u1}", "--map", f"{u1}={u0}", str(app.pid))
+    r = gpucr_cli("restore", "--json", "--image", str(tmp_path / "img"), "--map", f"{u0}={u1}", "--map", f"{u1}={u0}",
+                  str(app.pid))
     assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["processes"][0]["data_plane"] == plane
     assert app.ask("uuids")["uuids"] == [u1, u0], "the process's device 0 is now the other card"
     assert app.ask("digest") == before
-    assert [dev_used(0) - idle[0], dev_used(1) - idle[1]] == held[::-1], "each card holds what the other held"
+    assert [used_but_server(0) - idle[0], used_but_server(1) - idle[1]] == held[::-1], "each card holds what the other held"
     assert {d.ordinal: d.uuid for d in gpucr.status(app.pid).gpus} == {0: u1, 1: u0}
     out = gpucr_cli("status", str(app.pid)).stdout
     assert f"gpu          device 0 {u1}: this process" in out and f"gpu          device 1 {u0}: this process" in out, out
     # and a plain cycle afterwards keeps it where it now is
     assert gpucr_cli("checkpoint", str(app.pid)).returncode == 0
     assert gpucr_cli("restore", str(app.pid)).returncode == 0
+    assert app.ask("uuids")["uuids"] == [u1, u0] and app.ask("digest") == before
+
+
+def test_restore_from_host_memory_onto_the_swapped_gpus(plane, sim_app):
+    """--map of a checkpoint held in host memory: the new memory is made (by the server, when it runs) on the
+    GPU each card moves to, every byte back at its address, and each card holds what the other held."""
+    idle = [used_but_server(0), used_but_server(1)]
+    app = sim_app("--sizes", "16M,3M")
+    app.ask("device 1 40M")
+    u0, u1 = app.ask("uuids")["uuids"]
+    held = [used_but_server(0) - idle[0], used_but_server(1) - idle[1]]
+    before = app.ask("digest")
+    ck = gpucr.checkpoint(app.pid)
+    assert ck.data_plane == plane
+    # (a command of its own: this test process's simulated driver may have started with one GPU, earlier)
+    r = gpucr_cli("restore", "--json", "--map", f"{u0}={u1}", "--map", f"{u1}={u0}", str(app.pid))
+    assert r.returncode == 0, r.stderr
+    rs = json.loads(r.stdout)["processes"][0]
+    assert rs["data_plane"] == plane and rs["moved"] == {u0: u1, u1: u0} and rs["bytes_moved"] == ck.bytes_moved, rs
+    assert app.ask("uuids")["uuids"] == [u1, u0] and app.ask("digest") == before
+    assert [used_but_server(0) - idle[0], used_but_server(1) - idle[1]] == held[::-1], "each card holds what the other held"
+    assert {d.ordinal: d.uuid for d in gpucr.status(app.pid).gpus} == {0: u1, 1: u0}
+    assert gpucr.checkpoint(app.pid).data_plane == plane   # and the next cycle keeps it where it now is
+    assert gpucr.restore(app.pid).data_plane == plane
     assert app.ask("uuids")["uuids"] == [u1, u0] and app.ask("digest") == before
 
 

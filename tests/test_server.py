@@ -215,18 +215,16 @@ def test_level_data_goes_through_the_server(server, sim_app):
     assert app.ask("digest") == before
 
 
-def test_a_process_the_server_cannot_take_goes_the_agents_way(server, sim_app, tmp_path):
-    """An image checkpoint (the agent writes staging to disk) is copied by the agent as in-process, and a
-    restore of it through the server still puts every byte back; the next cycle goes through the server."""
+def test_a_process_the_server_cannot_take_goes_the_agents_way(server, sim_app):
+    """Memory exported for other processes (the agents relink it) is copied by the agent as in-process, and
+    so is its restore through the server, every byte back; the result says which plane moved the data."""
     app = sim_app("--sizes", "16M")
+    app.ask("share 8")
     before = app.ask("digest")
-    ck = gpucr.checkpoint(app.pid, image=tmp_path / "img")
-    assert "handover" not in ck.phases_s, ck.phases_s
-    gpucr.restore(app.pid, image=tmp_path / "img")
-    assert app.ask("digest") == before
-    assert "handover" in gpucr.checkpoint(app.pid).phases_s
-    gpucr.restore(app.pid)
-    assert app.ask("digest") == before
+    ck = gpucr.checkpoint(app.pid)
+    assert "handover" not in ck.phases_s and ck.data_plane == "agent", ck
+    rs = gpucr.restore(app.pid)
+    assert rs.data_plane == "agent" and app.ask("digest") == before
 
 
 def test_server_that_gives_back_its_context_holds_nothing_between_cycles(sim_app):

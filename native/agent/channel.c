@@ -313,6 +313,7 @@ static int arg_int(const char *req, const char *key, int dflt)
 struct client {
     int fd;
     bool lease;                 /* this connection's checkpoint is not committed yet */
+    bool stage_lease;           /* it made staging to fill from an image, not used yet: dropped if it ends first */
     int fds[STAGING_MAX_SEGS];  /* to send with the answer (SCM_RIGHTS) */
     int nfds;
     bool close_sent;            /* the fds sent are ours to close afterwards (a re-export) */
@@ -397,8 +398,11 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
         rc = dp_quiesce(timeout_ms, err, sizeof err);
         if (rc == 0 && lease) c->lease = true;
     } else if (!strcmp(verb, "handover")) {
-        /* the gpucr server copies the data (docs/server.md); under a lease like a checkpoint */
-        rc = dp_handover(timeout_ms, err, sizeof err);
+        /* the gpucr server copies the data (docs/server.md); under a lease like a checkpoint; unpin=1: for
+         * an image, the process's own staging unpinned (the server pins it in its context) */
+        int unpin = arg_int(req, "unpin", 0);
+        rc = unpin < 0 || unpin > 1 ? (snprintf(err, sizeof err, "unpin must be 0 or 1"), -1)
+                                    : dp_handover(timeout_ms, unpin == 1, err, sizeof err);
         if (rc == 0 && lease) c->lease = true;
     } else if (!strcmp(verb, "handed_done")) {
         rc = dp_handed_done(err, sizeof err);
@@ -442,9 +446,12 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
         status_after = false;
     } else if (!strcmp(verb, "resume")) {
         rc = dp_resume(err, sizeof err);
-    } else {   /* stage */
+    } else {   /* stage; lease=1: a controller fills it from an image itself, then adopts or restores */
         rc = dp_stage(err, sizeof err);
+        if (rc == 0 && lease) c->stage_lease = true;
     }
+    /* staging filled in part must never be restored from: once used (or dropped), it is no longer at stake */
+    if (rc == 0 && (!strcmp(verb, "adopt") || !strcmp(verb, "restore") || !strcmp(verb, "drop"))) c->stage_lease = false;
     dp_watch_requester(-1);
     end_change();
     if (rc) { c->nfds = 0; reply_error(j, err); return; }
@@ -572,6 +579,20 @@ static void send_answer(struct client *c, struct jb *j)
         if (n <= 0) return;
         off += (size_t)n;
     }
+}
+
+/* The controller that made staging for an image's data (stage lease=1) is gone before it used it: what it read
+ * may be in part, so it is dropped; the process stays checkpointed, the image its source. */
+static void drop_abandoned_staging(void)
+{
+    begin_change(true);
+    struct dp_status st;
+    dp_get_status(&st);
+    char err[200];
+    if (st.state == AGENT_CHECKPOINTED && st.staged && dp_drop_staged(err, sizeof err) == 0)
+        gpucr_warn("the controller went away while it read an image: the staging it filled in part is dropped, "
+                   "restore from the image");
+    end_change();
 }
 
 /* The controller that checkpointed under a lease is gone before committing: undo it. */
@@ -714,6 +735,7 @@ out:
     for (int i = 0; i < c.nin; i++) close(c.in[i]);
     leave_slot(&c);
     if (c.lease) roll_back_abandoned();
+    if (c.stage_lease) drop_abandoned_staging();
     jb_free(&j);
     free(req);
     close(c.fd);

@@ -813,15 +813,18 @@ void dp_reset_after_fork(void)
  * the memory on the GPU until the server says its copy is in staging (dp_handed_done): a server that
  * dies before leaves nothing lost, the agent takes the memory back (dp_take_back). ---- */
 
-/* Memory the server can make again as it was: device memory with the agent's fd of it (its allocation
+/* Memory the server can make again as it was: device memory shared with no other process (its allocation
  * flags, e.g. GPUDirect RDMA as PyTorch's expandable segments ask, are listed for the server: memory_entry) */
-static bool handable(const struct phys *p)
+static bool makeable(const struct phys *p)
 {
-    return p->own_fd >= 0 && !p->share_sid && p->prop.type == CU_MEM_ALLOCATION_TYPE_PINNED &&
+    return !p->share_sid && p->prop.type == CU_MEM_ALLOCATION_TYPE_PINNED &&
            p->prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE;
 }
 
-int dp_handover(int timeout_ms, char *err, size_t errlen)
+/* ... and that it can take at a handover: with the agent's fd of it. */
+static bool handable(const struct phys *p) { return p->own_fd >= 0 && makeable(p); }
+
+int dp_handover(int timeout_ms, bool unpin, char *err, size_t errlen)
 {
     if (g_dp.copied) { seterr(err, errlen, "the data is copied already: release it or abort"); return -1; }
     /* checked before anything is touched: what the server cannot take goes the in-process way */
@@ -858,6 +861,9 @@ int dp_handover(int timeout_ms, char *err, size_t errlen)
                gpucr_cu_errstr(rc), e2[0] ? " (" : "", e2);
         return -1;
     }
+    /* the server pins staging in its own context; for an image the process's pins must go now, while the
+     * driver does not hold the process: its staging is dropped once on disk, and an unpin then would wait */
+    for (int i = 0, n = unpin ? staging_count() : 0; i < n; i++) staging_unpin_segment(i);
     if (saved) gpucr_use_ctx(saved);
     DP_SET(g_dp.pending = t, g_dp.handed = true, g_dp.state = AGENT_CHECKPOINTED, g_dp.staged = false);
     return 0;
@@ -1104,7 +1110,8 @@ static int memory_entry(struct jb *j, const struct phys *p, int index)
     jb_bool(j, "released", p->released);
     jb_bool(j, "not_exportable", p->own_fd_missing);
     jb_bool(j, "movable", reg_phys_movable(p));
-    jb_bool(j, "handable", handable(p));   /* a server can take it at a handover (else it refuses) */
+    /* a server can take it at a handover (else it refuses), or, released, make it again at a restore */
+    jb_bool(j, "handable", p->released ? makeable(p) : handable(p));
     jb_int(j, "rdma", p->prop.allocFlags.gpuDirectRDMACapable);
     jb_int(j, "compression", p->prop.allocFlags.compressionType);
     jb_int(j, "usage", p->prop.allocFlags.usage);

@@ -66,7 +66,7 @@ int dp_resume(char *err, size_t errlen);
  * keeping the agent's own fd of each so the memory stays on the GPU for the server to copy; refused,
  * nothing touched, when any allocation cannot be handed over. dp_handed_done: the server's copy is in
  * staging, the fds let go. dp_abort takes a handed process back. dp_adopt maps the server's new memory. */
-int dp_handover(int timeout_ms, char *err, size_t errlen);
+int dp_handover(int timeout_ms, bool unpin, char *err, size_t errlen);
 int dp_handed_done(char *err, size_t errlen);
 int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t errlen);
 /* A context ends (context.c): drop the copy streams made in it. */

@@ -10,6 +10,7 @@ every process it can; one that fails stays checkpointed and restorable, and the 
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
@@ -170,6 +171,7 @@ class _Member:
     gpu_moves: dict[str, str] = field(default_factory=dict)   # restore: {old UUID: new UUID} for the driver
     gpu_before: dict[str, gpus.Usage] = field(default_factory=dict)   # its GPUs' memory before it all began
     server_bytes_in: int = 0      # restore: bytes the gpucr server put back itself (its data plane)
+    plane: Mover | None = None    # the gpucr server's data plane, when it moves this process's data
 
     def uuids(self) -> list[str]:
         """The GPUs it is on, and those a restore moves it to."""
@@ -344,8 +346,9 @@ def _data_out(m: _Member, timeout: float, level: str, hold: bool = False, mover:
 
 def _handable(m: _Member, memory: list[Managed]) -> bool:
     """Whether the server can take all of the process's data: nothing shared with other processes (that
-    is relinked by the agents), an fd of every allocation it moves, and plain device memory."""
-    return not m.status.get("shared") and m.image_dir is None and all(e.handable for e in memory if e.movable)
+    is relinked by the agents), an fd of every allocation it moves, and plain device memory. (At a restore,
+    a released allocation is handable when the server can make it again.)"""
+    return not m.status.get("shared") and all(e.handable for e in memory if e.movable)
 
 
 def _data_out_by_server(m: _Member, timeout: float, level: str, mover: Mover) -> bool:
@@ -358,8 +361,10 @@ def _data_out_by_server(m: _Member, timeout: float, level: str, mover: Mover) ->
         return False
     _test_kill_target(m.pid, "data-out")
     m.data_out_t0 = time.perf_counter()
-    # lease=1: should this controller die before handed_done, the agent takes its memory back itself
-    _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1)
+    # lease=1: should this controller die before handed_done, the agent takes its memory back itself.
+    # unpin=1 for an image: the process's staging goes once on disk, when the driver may hold the process
+    _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1,
+                  unpin=int(m.image_dir is not None))
     m.held = True   # "abort" maps the memory again from the agent's fds: nothing left the GPU
     m.result["phases_s"]["handover"] = time.perf_counter() - m.data_out_t0
     _test_kill_point("after-handover")
@@ -377,7 +382,7 @@ def _data_out_by_server(m: _Member, timeout: float, level: str, mover: Mover) ->
     out = m.agent.call("handed_done", timeout=60.0)
     m.held = False
     _data_out_done(m, out)
-    m.result["data_plane"] = mover.plane
+    m.plane, m.result["data_plane"] = mover, mover.plane
     m.result["phases_s"]["data_out"] = st.seconds   # the server's copy (the handover has its own phase)
     _server_phases(m, st)
     return True
@@ -646,6 +651,8 @@ def _write_image(m: _Member, level: str, epoch) -> dict:
         for fd in fds:
             os.close(fd)
     m.agent.call("drop", timeout=60.0)   # the data is safe on disk: free the host memory too
+    if m.plane is not None:
+        m.plane.forget(m.pid)   # its mapping and pins of the staging would keep that memory alive
     return {"dir": str(m.image_dir), "id": man["id"], **stats}
 
 
@@ -749,24 +756,40 @@ def _driver_restore(m: _Member) -> None:
 
 
 def _server_restorable(m: _Member) -> bool:
-    """Whether the mover can fill the process. Not while its agent rolls back a checkpoint whose controller died:
-    it restores from staging itself once the driver lets go, and answers no layout meanwhile."""
+    """Whether the mover may put the data back: from staging in host memory or from an image, onto the process's
+    GPUs or those --map names; nothing shared with other processes (the agents relink that). Not while its agent
+    rolls back a checkpoint whose controller died: it restores from staging itself once the driver lets go, and
+    answers no layout meanwhile."""
     st = m.status
-    return (st.get("state") == "checkpointed" and bool(st.get("staged")) and not st.get("shared") and not m.gpu_moves
-            and m.image_dir is None and not st.get("rolling_back"))
+    return (st.get("state") == "checkpointed" and not st.get("shared") and not st.get("rolling_back")
+            and (bool(st.get("staged")) or m.image_dir is not None))
+
+
+def _moved(memory: list[Managed], moves: dict[str, str]) -> list[Managed]:
+    """The process's memory as the server makes it again: on the GPU --map moves it to (the driver's restore moves
+    the process's context there, keeping its ordinal; the agent learns the new UUID only at its own restore)."""
+    return [dataclasses.replace(e, uuid=moves.get(e.uuid, e.uuid)) for e in memory]
 
 
 def _restore_with_server(m: _Member, timeout: float, mover: Mover) -> None:
     """The server makes new memory and fills it from the process's staging while the driver restores the
     process; once the driver lets go, the agent maps that memory at the old addresses (adopt). Whatever
     the server could not put back, the agent's own restore from staging brings back next (_data_in)."""
+    m.plane = mover
+
     def driver_steps() -> None:
         _driver_restore(m)
         _driver_unlock(m, timeout)
     with _server_inputs(m, timeout) as (layout, seg_fds, memory):
         # the new memory's fds keep it on the GPU: closed when the driver's restore fails
-        made = _beside(lambda: mover.fill(m.pid, layout, seg_fds, memory), "gpucr-server-fill", driver_steps,
-                       undo=lambda r: [os.close(fd) for _, fd in r[1]])
+        made = _beside(lambda: mover.fill(m.pid, layout, seg_fds, _moved(memory, m.gpu_moves)), "gpucr-server-fill",
+                       driver_steps, undo=lambda r: [os.close(fd) for _, fd in r[1]])
+    _adopt(m, layout, made)
+
+
+def _adopt(m: _Member, layout: dict[str, Any], made: tuple[ServerStats, list[tuple[int, int]]] | GpucrError) -> None:
+    """The agent maps the memory the server made and filled (`made`) at the old addresses; whatever was not
+    made or adopted, the agent's own restore from staging brings back next (_data_in)."""
     if isinstance(made, GpucrError):
         note(f"process {m.pid}: {made}; its agent's own restore from staging brings it back")
         return
@@ -779,7 +802,7 @@ def _restore_with_server(m: _Member, timeout: float, mover: Mover) -> None:
                 m.agent.call_sending_fds("adopt", [fd for _, fd in batch], timeout=60.0, **{"from": batch[0][0]})
                 taken = {i for i, _ in batch}
                 m.server_bytes_in += sum(int(a["bytes"]) for a in layout["allocations"] if int(a["index"]) in taken)
-                m.result["data_plane"] = mover.plane
+                m.result["data_plane"] = m.plane.plane if m.plane is not None else "server"
     except GpucrError as exc:   # the agent's own restore brings back what was not adopted
         note(f"process {m.pid}: {exc}; its agent's own restore from staging brings the rest back")
     finally:
@@ -812,8 +835,7 @@ def _data_in(m: _Member, timeout: float, drop_staging: bool) -> None:
     if m.status["state"] != "checkpointed":
         return
     entry = m.result.pop("manifest_entry", None)
-    if entry is not None:
-        _data_in_from_image(m, entry, timeout, drop_staging)
+    if entry is not None and not _data_in_from_image(m, entry, timeout, drop_staging):
         return
     pause = os.environ.get("GPUCR_TEST_PAUSE_BEFORE_DATA_IN")
     if pause:   # the test suite's: lets an agent's own roll-back get there first (see _rolled_back_meanwhile)
@@ -830,6 +852,10 @@ def _data_in(m: _Member, timeout: float, drop_staging: bool) -> None:
     m.result["phases_s"]["finish" if m.server_bytes_in else "data_in"] = time.perf_counter() - t0
     cyc = out["last_cycle_ms"]
     m.result["bytes_moved"] = m.server_bytes_in + cyc.get("bytes_in", 0)
+    if cyc.get("bytes_in") or not m.server_bytes_in:   # the agent put (some of) the data back itself
+        m.result["data_plane"] = "agent"
+    if "image" in m.result:   # zero chunks the agent set, where the server's fill did not (_read_then_fill)
+        m.result["image"]["bytes_zeroed"] += cyc.get("bytes_zeroed", 0)
     m.result["agent_ms"] = {"data_in": cyc.get("data_in", 0.0), "pin_wait": cyc.get("pin_wait", 0.0)}
 
 
@@ -848,25 +874,78 @@ def _rolled_back_meanwhile(m: _Member, timeout: float) -> dict[str, Any] | None:
     return {"last_cycle_ms": st.get("last_cycle_ms") or {}}
 
 
-def _data_in_from_image(m: _Member, entry: dict, timeout: float, drop_staging: bool) -> None:
-    from . import image as images
+def _data_in_from_image(m: _Member, entry: dict, timeout: float, drop_staging: bool) -> bool:
+    """The image read into new staging; through the server's plane (m.plane), which then fills new memory from
+    it, True: the agent's own restore is still to finish (_data_in). Else the agent restores while the image is
+    read (the in-process plane), False. A read that fails leaves the process checkpointed, the image its source."""
     if m.status.get("staged"):
         m.agent.call("drop", timeout=60.0)   # the image is the source now
     t0 = time.perf_counter()
-    # staging is made before any data arrives; it reports no progress of its own, so its limit is wide
-    _watched_call(m, "stage", max(timeout, IMAGE_STAGE_MIN_S) + STALL_GRACE_S)
+    # staging is made before any data arrives; it reports no progress of its own, so its limit is wide.
+    # lease=1: should this controller die before the staging is used, the agent drops what was read of it
+    _watched_call(m, "stage", max(timeout, IMAGE_STAGE_MIN_S) + STALL_GRACE_S, lease=int(m.plane is not None))
     layout, fds = m.agent.call_with_fds("layout", timeout=60.0)
     m.result["phases_s"]["stage"] = time.perf_counter() - t0
     t0 = time.perf_counter()
     limit = max(timeout, IMAGE_STALL_MIN_S) + STALL_GRACE_S
     try:
         with imagefs.ImageDir(m.image_dir, imagefs.owner_for(m.t.uid, m.pid)) as idir:
+            memory = _fillable_memory(m, timeout) if m.plane is not None else None
+            if memory is not None:
+                _read_then_fill(m, idir, entry, layout, fds, memory)
+                return True
+            m.plane = None
             out = _restore_reading(m, idir, entry, layout, fds, limit, drop_staging)
     finally:
         for fd in fds:
             os.close(fd)
     m.result["phases_s"]["image_read_and_data_in"] = time.perf_counter() - t0
     m.result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
+    m.result["image"]["bytes_zeroed"] = out["last_cycle_ms"].get("bytes_zeroed", 0)
+    return False
+
+
+def _fillable_memory(m: _Member, timeout: float) -> list[Managed] | None:
+    """The process's memory (no fd held: the server makes it anew), or None when the server cannot make again
+    every allocation the image holds (plain device memory)."""
+    memory = server_memory.gather(m.agent, timeout)
+    server_memory.close_all(memory)
+    return memory if all(e.handable for e in memory if e.released and e.movable) else None
+
+
+def _read_then_fill(m: _Member, idir: imagefs.ImageDir, entry: dict, layout: dict[str, Any], seg_fds: list[int],
+                    memory: list[Managed]) -> None:
+    """The image read into staging, every chunk verified (the disk is the bound: the server's fill, at the
+    link's speed, comes after); then the server makes new memory from it, zero chunks set on the GPU, and
+    the agent adopts it. Should the read fail, the staging goes and the process stays checkpointed."""
+    from . import image as images
+    t0 = time.perf_counter()
+    try:
+        # each zero chunk is also told to the agent: should the fill fail, its own restore sets them
+        m.result["image"] = images.read(idir, entry["data"], layout, seg_fds,
+                                        on_zero=lambda va, off: m.agent.call("zero", timeout=60.0, va=va, offset=off),
+                                        on_chunk=lambda: _test_kill_point("during-image-read"))
+    except GpucrError as exc:
+        try:
+            m.agent.call("drop", timeout=60.0)
+        except GpucrError:
+            pass   # its lease on the staging drops it once this connection ends
+        raise GpucrError(f"{exc}; it stays checkpointed: restore it from an intact image") from exc
+    m.result["phases_s"]["image_read"] = time.perf_counter() - t0
+    try:
+        made: tuple[ServerStats, list[tuple[int, int]]] | GpucrError = m.plane.fill(
+            m.pid, layout, seg_fds, _moved(memory, m.gpu_moves), image=_zero_chunks(entry["data"], layout))
+    except GpucrError as exc:
+        made = exc
+    m.result["image"]["bytes_zeroed"] = 0 if isinstance(made, GpucrError) else made[0].zeroed
+    _adopt(m, layout, made)
+
+
+def _zero_chunks(allocs: list[dict[str, Any]], layout: dict[str, Any]) -> dict[int, list[tuple[int, int]]]:
+    """{allocation index in the layout: [(offset, bytes)]} of the image's zero chunks (images.read matched the two)."""
+    index = {int(a["va"]): int(a["index"]) for a in layout["allocations"]}
+    return {index[int(a["va"])]: [(int(c["offset"]), int(c["bytes"])) for c in a["chunks"] if c.get("zero")]
+            for a in allocs}
 
 
 def _restore_reading(m: _Member, idir: imagefs.ImageDir, entry: dict, layout: dict, fds: list[int], limit: float,
@@ -1054,6 +1133,8 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
             for f in _phase_failures(name, [m for m in members if m.pid not in failed], fn):
                 failed[f.pid] = f
         if mover is not None and len(members) == 1 and _server_restorable(members[0]):
+            members[0].plane = mover   # from an image, it fills once the driver has let the process go (_data_in)
+        if members[0].plane is not None and members[0].image_dir is None:
             phase("restore", lambda m: _restore_with_server(m, timeout, mover))
         else:
             phase("driver restore", _driver_restore)

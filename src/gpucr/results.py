@@ -64,6 +64,7 @@ class ImageTransfer:
     gbps: float | None                # bytes / transfer_s / 1e9 (zero chunks included, which are neither written nor read)
     direct_io: bool
     bytes_read: int | None = None     # read from disk (zero chunks are not); null on a write
+    bytes_zeroed: int | None = None   # zero chunks set on the GPU at a restore (memset, not copied); null on a write
 
 
 @dataclass
@@ -135,7 +136,8 @@ class ProcessRestore:
     pid: int
     state: str                        # running
     bytes_moved: int                  # copied back by gpucr
-    phases_s: dict[str, float]        # vet, control_in, driver_unlock, data_in (or stage, image_read_and_data_in), settle
+    phases_s: dict[str, float]        # vet, control_in, driver_unlock, data_in (or stage, image_read_and_data_in;
+                                      # through the server: stage, image_read, data_in, adopt, finish), settle
     agent_phases_s: dict[str, float]  # inside the process: data_in, pin_wait
     gpus: list[GpuMemoryChange]       # every GPU it was on or moved to
     moved: dict[str, str]             # {old UUID: new UUID} for each GPU it was moved off (restore --map)

@@ -40,7 +40,7 @@ def image(raw: dict[str, Any] | None, where: str, image_id: str | None) -> Image
         return None
     return ImageTransfer(dir=where, id=image_id, bytes=raw["bytes"], bytes_written=raw.get("bytes_written"),
                          bytes_read=raw.get("bytes_read"), transfer_s=float(raw["transfer_s"]), gbps=raw["gbps"],
-                         direct_io=bool(raw["direct_io"]))
+                         direct_io=bool(raw["direct_io"]), bytes_zeroed=raw.get("bytes_zeroed"))
 
 
 def checkpoint(r: dict[str, Any], changes: list[GpuMemoryChange]) -> ProcessCheckpoint:

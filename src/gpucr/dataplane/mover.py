@@ -29,6 +29,7 @@ from .memory import Managed
 from .pinned import Segment, drop, open_segment, pin, same_file
 from .ring import Piece, Ring
 
+Spans = dict[int, list[tuple[int, int]]]   # allocation index -> [(offset, bytes)] in it
 Owner = tuple[int, int]   # (pid, start time): a pid reused by another process never meets the dead one's staging
 # No wait in the server is without end: a copy from a `file:` staging on a stalled filesystem holds the
 # data plane as long as the filesystem stalls, and every request behind it would wait as long.
@@ -63,6 +64,21 @@ def _plan_of(layout: dict[str, Any]) -> tuple[dict[int, int], list[tuple[int, in
     return declared, plan
 
 
+def _spans(size: int, zero: list[tuple[int, int]]) -> Iterator[tuple[int, int, bool]]:
+    """[0, size) as (start, bytes, zero) spans in order, `zero` ([(offset, bytes)]) marking those to set to zero."""
+    at = 0
+    for off, n in sorted(zero):
+        off, end = max(off, at), min(off + n, size)
+        if end <= off:
+            continue
+        if off > at:
+            yield at, off - at, False
+        yield off, end - off, True
+        at = end
+    if at < size:
+        yield at, size - at, False
+
+
 def _reach(plan: list[tuple[int, int, int, int]]) -> dict[int, int]:
     """What of each segment a copy needs pinned: as far as its allocations reach."""
     reach: dict[int, int] = {}
@@ -74,6 +90,7 @@ def _reach(plan: list[tuple[int, int, int, int]]) -> dict[int, int]:
 @dataclass
 class Stats:
     bytes: int = 0
+    zeroed: int = 0               # of those, set to zero on the GPU (an image's zero chunks) rather than copied
     seconds: float = 0.0
     pin_s: float = 0.0            # pinning staging not pinned here before (the first cycle of a process)
     wait_s: float = 0.0           # waiting for the data plane (another copy, or pinning ahead, holding it)
@@ -218,11 +235,15 @@ class Mover:
         return self._locked(f"the copy out of process {pid}",
                             lambda: self._move(owner(pid), layout, seg_fds, memory, out=True))[0]
 
-    def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed]) -> tuple[Stats, list[tuple[int, int]]]:
-        """New memory for every allocation of `layout`, on its GPU, filled from staging; returns [(index, fd)]
-        in index order (the caller hands the fds to the agent, then closes them)."""
+    def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
+             image: Spans | None = None) -> tuple[Stats, list[tuple[int, int]]]:
+        """New memory for every allocation of `layout`, on its GPU (each Managed's UUID), filled from staging;
+        returns [(index, fd)] in index order (the caller hands the fds to the agent, then closes them).
+        The layout must be what the server took at the process's checkpoint, or, with `image`, one the caller
+        read an image into and checked against its manifest; `image` then names each allocation's zero chunks
+        ({index: [(offset, bytes)]}), set to zero on the GPU instead of copied."""
         return self._locked(f"the fill of process {pid}",
-                            lambda: self._move(owner(pid), layout, seg_fds, memory, out=False))
+                            lambda: self._move(owner(pid), layout, seg_fds, memory, out=False, image=image))
 
     def pin_ahead(self, pid: int, layout: dict[str, Any], seg_fds: list[int], uuid: str) -> int:
         """Map and pin the staging a running process prepared ahead (`gpucr run --staging-ahead`), so its
@@ -313,13 +334,14 @@ class Mover:
 
     # ---- inside ----
     def _move(self, who: Owner, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
-              out: bool) -> tuple[Stats, list[tuple[int, int]]]:
+              out: bool, image: Spans | None = None) -> tuple[Stats, list[tuple[int, int]]]:
         st = Stats()
         t0 = time.perf_counter()
         declared, plan = _checked_plan(layout)
+        zeros = image or {}
         by_index = {m.index: m for m in memory}
         if not out:
-            self._check_fill(who, plan, by_index)
+            self._check_fill(who, plan, by_index, image is not None)
         mapped: list[tuple[int, int, int]] = []   # (handle, va, bytes) to unmap and release afterwards
         made: list[tuple[int, int]] = []          # (index, handle) of new memory (fill)
         fds: list[tuple[int, int]] = []           # (index, fd) of it, exported as it is made
@@ -340,18 +362,24 @@ class Mover:
             st.stage_s += time.perf_counter() - ts
             return staged
 
-        def enqueue(staged: dict[int, Segment], size: int, seg: int, off: int, va: int, dev: int) -> None:
+        def enqueue(staged: dict[int, Segment], idx: int, size: int, seg: int, off: int, va: int, dev: int) -> None:
             nonlocal turn
             tq = time.perf_counter()
             ctx, streams = self._ctx[dev]
             self.vmm.use(ctx)
             g = staged[seg]
-            if self.ring is not None:   # the staging is not pinned here: through the ring, a piece at a time
-                for k in range(off, off + size, CHUNK):
-                    self.ring.put(Piece(ctx, g.addr + k, va + k - off, min(CHUNK, off + size - k), out))
-            else:
-                share = routing.share(dev)
-                for k, n in g.cuts(off, size, CHUNK):   # never over a pinned piece's end
+            share = routing.share(dev)
+            for start, length, zero in _spans(size, zeros.get(idx, [])):
+                if zero:   # nothing to carry over the link
+                    turn += 1
+                    self.vmm.memset(va + start, length, streams[turn % len(streams)])
+                    st.zeroed += length
+                    continue
+                if self.ring is not None:   # the staging is not pinned here: through the ring, a piece at a time
+                    for k in range(off + start, off + start + length, CHUNK):
+                        self.ring.put(Piece(ctx, g.addr + k, va + k - off, min(CHUNK, off + start + length - k), out))
+                    continue
+                for k, n in g.cuts(off + start, length, CHUNK):   # never over a pinned piece's end
                     host, dva = g.addr + k, va + k - off
                     route, turn = turn % share, turn + 1
                     if route:
@@ -391,13 +419,13 @@ class Mover:
                     st.export_s += time.perf_counter() - te
                 placed.append((size, seg, off, va, dev))
                 if staged is not None:
-                    enqueue(staged, size, seg, off, va, dev)
+                    enqueue(staged, idx, size, seg, off, va, dev)
             if staged is None:
                 # a copy out: every import is mapped first, the driver checking each size against the real
                 # memory, so the staging pinned next is no more than the process has on the GPU
                 staged = staging()
-                for size, seg, off, va, dev in placed:
-                    enqueue(staged, size, seg, off, va, dev)
+                for (idx, *_rest), (size, seg, off, va, dev) in zip(plan, placed):
+                    enqueue(staged, idx, size, seg, off, va, dev)
             td = time.perf_counter()
             self._sync(placed)
             st.straight_s = time.perf_counter() - t0
@@ -420,12 +448,14 @@ class Mover:
         st.seconds = time.perf_counter() - t0
         return st, fds
 
-    def _check_fill(self, who: Owner, plan: list[tuple[int, int, int, int]], by_index: dict[int, Managed]) -> None:
+    def _check_fill(self, who: Owner, plan: list[tuple[int, int, int, int]], by_index: dict[int, Managed],
+                    from_image: bool) -> None:
         """What a fill may make: through the server, exactly what it took from the process at its checkpoint
         (else the agent's own restore runs). The CLI's mover took nothing itself (its checkpoint was another
-        process's): each allocation must be one the agent lists, released, of the same size. It pins no staging,
-        and what it makes goes to that process alone, which could make as much memory itself."""
-        if self.ring is None:
+        process's), nor did anyone for an image (the caller matched its layout to the manifest): each allocation
+        must be one the agent lists, released, of the same size. It pins no staging, and what it makes goes to
+        that process alone, which could make as much memory itself."""
+        if self.ring is None and not from_image:
             if self._taken.get(who) != plan:
                 raise GpucrError("the process's layout is not what the server took from it at its checkpoint")
             return
