@@ -22,13 +22,21 @@ def two_gpus(monkeypatch):
     monkeypatch.setenv("SIMCUDA_DEVICES", "2")
 
 
-@pytest.fixture(params=["server", "agent"])
+@pytest.fixture(params=["server", "cli"])
 def plane(request, two_gpus):
-    """The data plane a test's requests go through: the module's reused gpucr server's (on the same two GPUs), or
-    the agent's in-process one (a fallback until it is deleted)."""
+    """The data plane a test's requests go through: the module's reused gpucr server's (on the same two GPUs), or,
+    with no server, the same mover in the requesting process."""
     if request.param == "server":
         request.getfixturevalue("reused_server")
     return request.param
+
+
+def cli(verb: str, pid: int, *args: str) -> dict:
+    """A checkpoint or restore by a gpucr command of its own, its result: with no server, the command's own mover
+    sees the GPUs as a fresh process does (this test process's simulated driver may have started with one, earlier)."""
+    r = gpucr_cli(verb, "--json", *args, str(pid))
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout)["processes"][0]
 
 
 def dev_used(d: int) -> int:
@@ -58,19 +66,19 @@ def test_process_on_two_gpus_keeps_peer_access(sim_app):
     assert {d.ordinal: d.driver_bytes for d in st.gpus} == {0: 0, 1: 64 << 10}
     before = app.ask("digest")
     for cycle in range(2):
-        gpucr.checkpoint(app.pid)
+        cli("checkpoint", app.pid)
         st = gpucr.status(app.pid)
         assert sorted(d.ordinal for d in st.gpus) == [0, 1]
         assert {d.ordinal: d.vmm_bytes for d in st.gpus}[1] == 32 * MiB
         for d in (0, 1):
             assert dev_used(d) - idle[d] <= 16 * MiB, f"cycle {cycle}: device {d} not given back"
-        gpucr.restore(app.pid)
+        cli("restore", app.pid)
         assert app.ask("digest") == before
         assert app.ask("peer-add 0")["rc"] == 0 and app.ask("peer-add 4")["rc"] == 0, "peer access lost by the restore"
     assert app.ask("peer off")["rc"] == 0
     assert app.ask("peer-add 0")["rc"] == ILLEGAL_ADDRESS
-    gpucr.checkpoint(app.pid)
-    gpucr.restore(app.pid)
+    cli("checkpoint", app.pid)
+    cli("restore", app.pid)
     assert app.ask("peer-add 0")["rc"] == ILLEGAL_ADDRESS, "a restore must not give back access the application took away"
     assert app.ask("digest") == before
 
@@ -115,18 +123,15 @@ def test_restore_from_host_memory_onto_the_swapped_gpus(plane, sim_app):
     u0, u1 = app.ask("uuids")["uuids"]
     held = [used_but_server(0) - idle[0], used_but_server(1) - idle[1]]
     before = app.ask("digest")
-    ck = gpucr.checkpoint(app.pid)
-    assert ck.data_plane == plane
-    # (a command of its own: this test process's simulated driver may have started with one GPU, earlier)
-    r = gpucr_cli("restore", "--json", "--map", f"{u0}={u1}", "--map", f"{u1}={u0}", str(app.pid))
-    assert r.returncode == 0, r.stderr
-    rs = json.loads(r.stdout)["processes"][0]
-    assert rs["data_plane"] == plane and rs["moved"] == {u0: u1, u1: u0} and rs["bytes_moved"] == ck.bytes_moved, rs
+    ck = cli("checkpoint", app.pid)
+    assert ck["data_plane"] == plane
+    rs = cli("restore", app.pid, "--map", f"{u0}={u1}", "--map", f"{u1}={u0}")
+    assert rs["data_plane"] == plane and rs["moved"] == {u0: u1, u1: u0} and rs["bytes_moved"] == ck["bytes_moved"], rs
     assert app.ask("uuids")["uuids"] == [u1, u0] and app.ask("digest") == before
     assert [used_but_server(0) - idle[0], used_but_server(1) - idle[1]] == held[::-1], "each card holds what the other held"
     assert {d.ordinal: d.uuid for d in gpucr.status(app.pid).gpus} == {0: u1, 1: u0}
-    assert gpucr.checkpoint(app.pid).data_plane == plane   # and the next cycle keeps it where it now is
-    assert gpucr.restore(app.pid).data_plane == plane
+    assert cli("checkpoint", app.pid)["data_plane"] == plane   # and the next cycle keeps it where it now is
+    assert cli("restore", app.pid)["data_plane"] == plane
     assert app.ask("uuids")["uuids"] == [u1, u0] and app.ask("digest") == before
 
 
