@@ -16,7 +16,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
@@ -416,12 +416,9 @@ def _quiesce(m: _Member, timeout: float) -> None:
     m.held = True
 
 
-def _data_out(m: _Member, timeout: float, level: str, hold: bool = False, mover: Mover | None = None) -> None:
-    """Copy the data out and (unless `hold`: several processes release only once all are copied)
-    give the memory back. With a mover (inside the gpucr server), the server copies the data while the
-    driver checkpoints the process, when every allocation can be handed to it."""
-    if mover is not None and not hold and _data_out_by_server(m, timeout, level, mover):
-        return
+def _data_out(m: _Member, timeout: float, level: str, hold: bool = False) -> None:
+    """The agent's own copy out, then (unless `hold`: several processes release only once all are copied)
+    the memory given back."""
     _test_kill_target(m.pid, "data-out")
     if not hold:
         m.data_out_t0 = time.perf_counter()
@@ -438,43 +435,97 @@ def _data_out(m: _Member, timeout: float, level: str, hold: bool = False, mover:
 
 
 def _handable(m: _Member, memory: list[Managed]) -> bool:
-    """Whether the server can take all of the process's data: nothing shared with other processes (that
-    is relinked by the agents), an fd of every allocation it moves, and plain device memory."""
-    return not m.status.get("shared") and m.image_dir is None and all(e.handable for e in memory if e.movable)
+    """Whether the server can take all of the process's data: plain device memory with an fd of the agent's
+    for every allocation it moves (an exporter's too: copied once, from it), and an fd of every import it
+    unlinks (which keeps that memory on the GPU until every copy is confirmed)."""
+    return (m.image_dir is None and all(e.handable for e in memory if e.movable)
+            and all(e.fd is not None for e in memory if e.kind == "imported" and e.maps))
 
 
-def _data_out_by_server(m: _Member, timeout: float, level: str, mover: Mover) -> bool:
-    """The server's checkpoint (docs/server.md): the agent releases the memory but keeps an fd of each
-    allocation; the server copies it into the process's staging while the driver checkpoints the process
-    (level full). False, with nothing touched, when the process has memory the server cannot take."""
-    before = server_memory.gather(m.agent, timeout)
-    server_memory.close_all(before)
-    if not _handable(m, before):
-        return False
+def _server_takes(members: list[_Member], timeout: float) -> bool:
+    """Whether the server's data plane can take every process's data; nothing is touched to find out."""
+    takes: dict[int, bool] = {}
+
+    def look(m: _Member) -> None:
+        memory = server_memory.gather(m.agent, timeout)
+        takes[m.pid] = _handable(m, memory)   # (before our fds are closed: an import needs the agent's)
+        server_memory.close_all(memory)
+    _each("data out", members, look)
+    return all(takes.values())
+
+
+def _data_out_by_server(members: list[_Member], timeout: float, level: str, mover: Mover) -> None:
+    """The server's checkpoint (docs/server.md), of one process or several: every agent releases its memory
+    but keeps an fd of each allocation, which keeps it on the GPU (several are quiesced first, so nothing is
+    copied while a peer still writes to memory they share); the server copies each process into its staging,
+    one after another (the link is the bound), while the driver locks and checkpoints every one (level full);
+    then every agent lets go of its fds. Until then "abort" maps the memory again from those fds, with no
+    copy: no process gives memory back before every one is copied."""
+    if len(members) > 1:
+        _each("quiesce", members, lambda m: _quiesce(m, timeout))
+    _each("data out", members, lambda m: _handover(m, timeout))
+    _test_kill_point("after-handover")
+    stop = threading.Event()   # a driver step failed: the copies not begun yet are not needed
+
+    def driver_steps() -> None:
+        _test_kill_point("during-server-copy")
+        if level != "full":
+            return
+        try:   # the control state, at the same time
+            _each("driver lock", members, lambda m: _driver_lock(m, timeout))
+            _each("driver checkpoint", members, _driver_checkpoint)
+        except BaseException:
+            stop.set()
+            raise
+    with ExitStack() as held:
+        # listed now, after the handover (it trims pools first, so the list and its numbering are the
+        # layout's), and before the driver holds any process (its agent may not answer then)
+        inputs = {m.pid: _held_inputs(held, m, timeout, "data out") for m in members}
+        copied = _beside(lambda: _copy_all_out(members, inputs, mover, stop), "gpucr-server-copy-out", driver_steps)
+    if isinstance(copied, GpucrError):
+        raise copied
+    _each("release", members, lambda m: _handed_done(m, copied[m.pid]))
+
+
+def _handover(m: _Member, timeout: float) -> None:
+    """The agent quiesces (unless it is already) and releases its memory, keeping its own fd of each allocation."""
     _test_kill_target(m.pid, "data-out")
-    m.data_out_t0 = time.perf_counter()
+    if not m.held:
+        m.data_out_t0 = time.perf_counter()
     # lease=1: should this controller die before handed_done, the agent takes its memory back itself
     _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1)
     m.held = True   # "abort" maps the memory again from the agent's fds: nothing left the GPU
     m.result["phases_s"]["handover"] = time.perf_counter() - m.data_out_t0
-    _test_kill_point("after-handover")
 
-    def driver_steps() -> None:
-        _test_kill_point("during-server-copy")
-        if level == "full":   # the control state, at the same time
-            _driver_lock(m, timeout)
-            _driver_checkpoint(m)
-    # listed now, after the handover: it trims pools first, so the list (and its numbering) is the layout's
-    with _server_inputs(m, timeout) as (layout, seg_fds, memory):
-        st = _beside(lambda: mover.copy_out(m.pid, layout, seg_fds, memory), "gpucr-server-copy-out", driver_steps)
-    if isinstance(st, GpucrError):
-        raise st
-    out = m.agent.call("handed_done", timeout=60.0)
-    m.held = False
-    _data_out_done(m, out)
+
+def _held_inputs(held: ExitStack, m: _Member, timeout: float, phase: str) -> tuple[dict[str, Any], list[int], list[Managed]]:
+    """m's _server_inputs, kept open until `held` closes; a failure is m's, at `phase`."""
+    try:
+        return held.enter_context(_server_inputs(m, timeout))
+    except GpucrError as exc:
+        raise PhaseError(m.pid, phase, exc) from exc
+
+
+def _copy_all_out(members: list[_Member], inputs: dict[int, tuple[dict[str, Any], list[int], list[Managed]]],
+                  mover: Mover, stop: threading.Event) -> dict[int, ServerStats]:
+    """Each process's memory copied into its staging by the server, one after another."""
+    done: dict[int, ServerStats] = {}
+    for m in members:
+        if stop.is_set():
+            break
+        try:
+            done[m.pid] = mover.copy_out(m.pid, *inputs[m.pid])
+        except GpucrError as exc:
+            raise PhaseError(m.pid, "data out", exc) from exc
+    return done
+
+
+def _handed_done(m: _Member, st: ServerStats) -> None:
+    """The server's copy of m is in staging: its agent lets go of its fds, and the memory leaves the GPU."""
+    _data_out_done(m, m.agent.call("handed_done", timeout=60.0))
     m.result["phases_s"]["data_out"] = st.seconds   # the server's copy (the handover has its own phase)
+    m.result["data_plane"] = "server"
     _server_phases(m, st)
-    return True
 
 
 def _server_phases(m: _Member, st: ServerStats) -> None:
@@ -657,7 +708,8 @@ def _roll_back(members: list[_Member]) -> None:
 def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
                     images: dict[int, str | Path] | None = None, mover: Mover | None = None) -> CheckpointResult:
     """Checkpoint several processes together, all or nothing (see the module's doc). `mover`: the gpucr
-    server's data plane, which copies the data of a lone process while the driver takes its control state."""
+    server's data plane, which copies the data while the driver takes the control state, when it can take
+    every process's data (else the agents copy it, each in its process)."""
     if level not in LEVELS:
         raise GpucrError(f"unknown level '{level}': use one of {', '.join(LEVELS)}")
     _check_request(pids, timeout)
@@ -675,14 +727,16 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
         try:
             _each("prepare", members, lambda m: _prepare(m, timeout))
             t0 = _lap(members, "prepare", t0)
-            if len(members) > 1:
+            if mover is not None and _server_takes(members, timeout):
+                _data_out_by_server(members, timeout, level, mover)
+            elif len(members) > 1:
                 # no process gives memory back before every one is still and copied: memory they share
                 # stays whole if any of them fails, and nothing is copied while a peer still writes to it
                 _each("quiesce", members, lambda m: _quiesce(m, timeout))
                 _each("data out", members, lambda m: _data_out(m, timeout, level, hold=True))
                 _each("release", members, _release)
             else:
-                _each("data out", members, lambda m: _data_out(m, timeout, level, mover=mover))
+                _each("data out", members, lambda m: _data_out(m, timeout, level))
             if level == "full":   # (the server's data out took the control state already, side by side)
                 _each("driver lock", [m for m in members if not m.checkpointed], lambda m: _driver_lock(m, timeout))
                 _each("driver checkpoint", [m for m in members if not m.checkpointed], _driver_checkpoint)
@@ -844,25 +898,61 @@ def _driver_restore(m: _Member) -> None:
 
 def _server_restorable(m: _Member) -> bool:
     st = m.status
-    return (st.get("state") == "checkpointed" and bool(st.get("staged")) and not st.get("shared") and not m.gpu_moves
-            and m.image_dir is None)
+    return st.get("state") == "checkpointed" and bool(st.get("staged")) and not m.gpu_moves and m.image_dir is None
 
 
-def _restore_with_server(m: _Member, timeout: float, mover: Mover) -> None:
-    """The server makes new memory and fills it from the process's staging while the driver restores the
-    process; once the driver lets go, the agent maps that memory at the old addresses (adopt). Whatever
-    the server could not put back, the agent's own restore from staging brings back next (_data_in)."""
-    def driver_steps() -> None:
-        _driver_restore(m)
-        _driver_unlock(m, timeout)
-    with _server_inputs(m, timeout) as (layout, seg_fds, memory):
-        # the new memory's fds keep it on the GPU: closed when the driver's restore fails
-        made = _beside(lambda: mover.fill(m.pid, layout, seg_fds, memory), "gpucr-server-fill", driver_steps,
-                       undo=lambda r: [os.close(fd) for _, fd in r[1]])
-    if isinstance(made, GpucrError):
-        note(f"process {m.pid}: {made}; its agent's own restore from staging brings it back")
-        return
-    st, fds = made
+def _restore_with_server(members: list[_Member], timeout: float, mover: Mover, driver_steps: Callable[[], None],
+                         failed: dict[int, PhaseError]) -> None:
+    """The server makes new memory for each of `members` and fills it from its staging, one process after
+    another, while `driver_steps` restore every process of the request (those that fail land in `failed`);
+    then each agent the driver let go maps that memory at its old addresses (adopt). Whatever the server
+    could not put back, the agent's own restore from staging brings back next (_data_in)."""
+    with ExitStack() as held:
+        inputs = {}
+        for m in members:
+            try:
+                inputs[m.pid] = held.enter_context(_server_inputs(m, timeout))
+            except GpucrError as exc:
+                note(f"process {m.pid}: {exc}; its agent's own restore from staging brings it back")
+        # the new memory's fds keep it on the GPU: closed whatever becomes of the driver's steps
+        made = _beside(lambda: _fill_all([m for m in members if m.pid in inputs], inputs, mover), "gpucr-server-fill",
+                       driver_steps, undo=_close_made)
+    try:
+        for m in members:
+            filled = made.get(m.pid)
+            if isinstance(filled, GpucrError):
+                note(f"process {m.pid}: {filled}; its agent's own restore from staging brings it back")
+            elif filled is not None and m.pid not in failed:
+                _adopt(m, inputs[m.pid][0], *filled)
+    finally:
+        _close_made(made)
+
+
+def _fill_all(members: list[_Member], inputs: dict[int, tuple[dict[str, Any], list[int], list[Managed]]],
+              mover: Mover) -> dict[int, tuple[ServerStats, list[tuple[int, int]]] | GpucrError]:
+    """Each process's new memory made and filled by the server, one after another: [(index, fd)] of it, or
+    what went wrong (that process's agent then restores it itself)."""
+    made: dict[int, tuple[ServerStats, list[tuple[int, int]]] | GpucrError] = {}
+    for m in members:
+        try:
+            made[m.pid] = mover.fill(m.pid, *inputs[m.pid])
+        except GpucrError as exc:
+            made[m.pid] = exc
+    return made
+
+
+def _close_made(made: dict[int, Any]) -> None:
+    """Our fds of the memory the server made, closed (the agents that adopted it hold their own): once
+    closed, memory nobody adopted leaves the GPU."""
+    for filled in made.values():
+        if not isinstance(filled, GpucrError):
+            for _i, fd in filled[1]:
+                os.close(fd)
+            filled[1].clear()
+
+
+def _adopt(m: _Member, layout: dict[str, Any], st: ServerStats, fds: list[tuple[int, int]]) -> None:
+    """The agent maps the server's new memory at the old addresses, ADOPT_BATCH fds a request."""
     t0 = time.perf_counter()
     try:
         if m.status.get("state") == "checkpointed":
@@ -871,11 +961,9 @@ def _restore_with_server(m: _Member, timeout: float, mover: Mover) -> None:
                 m.agent.call_sending_fds("adopt", [fd for _, fd in batch], timeout=60.0, **{"from": batch[0][0]})
                 taken = {i for i, _ in batch}
                 m.server_bytes_in += sum(int(a["bytes"]) for a in layout["allocations"] if int(a["index"]) in taken)
+            m.result["data_plane"] = "server"
     except GpucrError as exc:   # the agent's own restore brings back what was not adopted
         note(f"process {m.pid}: {exc}; its agent's own restore from staging brings the rest back")
-    finally:
-        for _, fd in fds:
-            os.close(fd)
     m.result["phases_s"]["data_in"] = st.seconds
     _server_phases(m, st)
     m.result["phases_s"]["adopt"] = time.perf_counter() - t0
@@ -918,9 +1006,11 @@ def _data_in(m: _Member, timeout: float, drop_staging: bool) -> None:
         if out is None:
             raise
     # after the server's restore, the agent only finishes (and brings back what was not adopted)
-    m.result["phases_s"]["finish" if m.server_bytes_in else "data_in"] = time.perf_counter() - t0
+    m.result["phases_s"]["finish" if m.result.get("data_plane") == "server" else "data_in"] = time.perf_counter() - t0
     cyc = out["last_cycle_ms"]
     m.result["bytes_moved"] = m.server_bytes_in + cyc.get("bytes_in", 0)
+    if cyc.get("bytes_in", 0):
+        m.result["data_plane"] = "agent"   # it brought back what the server did not
     m.result["agent_ms"] = {"data_in": cyc.get("data_in", 0.0), "pin_wait": cyc.get("pin_wait", 0.0)}
 
 
@@ -1125,7 +1215,7 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
                  gpu_map: dict[str, str] | None = None, mover: Mover | None = None) -> RestoreResult:
     """Restore several processes together; each that can be is brought back (see the module's doc).
     `gpu_map` {old UUID: new UUID}, as --map takes them, moves them to other GPUs of this machine.
-    `mover`: the gpucr server's data plane, which fills a lone process's memory while the driver restores it."""
+    `mover`: the gpucr server's data plane, which fills the processes' memory while the driver restores them."""
     _check_request(pids, timeout)
     images = images or {}
     gpu_map = gpus.check_map(gpu_map or {})
@@ -1144,11 +1234,15 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
         def phase(name: str, fn) -> None:
             for f in _phase_failures(name, [m for m in members if m.pid not in failed], fn):
                 failed[f.pid] = f
-        if mover is not None and len(members) == 1 and _server_restorable(members[0]):
-            phase("restore", lambda m: _restore_with_server(m, timeout, mover))
-        else:
+
+        def driver_steps() -> None:
             phase("driver restore", _driver_restore)
             phase("driver unlock", lambda m: _driver_unlock(m, timeout))
+        by_server = [m for m in members if _server_restorable(m)] if mover is not None else []
+        if by_server:
+            _restore_with_server(by_server, timeout, mover, driver_steps, failed)
+        else:
+            driver_steps()
         live = [m for m in members if m.pid not in failed]
         try:
             _data_in_all(live, timeout, drop_staging, "data in")

@@ -127,6 +127,7 @@ class ProcessCheckpoint:
     warnings: list[str]
     coverage: Coverage | None = None  # what went which way, by kind (null from an agent that does not say)
     routes: dict[str, int] = field(default_factory=dict)   # bytes the server moved through each neighbour GPU
+    data_plane: str = "agent"         # which plane moved its data: server | agent
 
 
 @dataclass
@@ -141,6 +142,7 @@ class ProcessRestore:
     image: ImageTransfer | None
     warnings: list[str]
     routes: dict[str, int] = field(default_factory=dict)   # bytes the server moved through each neighbour GPU
+    data_plane: str = "agent"         # which plane put its data back: server | agent (all or part of it)
 
 
 @dataclass

@@ -50,7 +50,7 @@ def checkpoint(r: dict[str, Any], changes: list[GpuMemoryChange]) -> ProcessChec
                              phases_s=dict(r["phases_s"]), agent_phases_s=_seconds(r.get("agent_ms", {})),
                              gpus=changes, image=image(im, im["dir"], im["id"]) if im else None,
                              warnings=list(r.get("warnings", [])), coverage=coverage.from_agent(r.get("coverage")),
-                             routes=dict(r.get("routes", {})))
+                             routes=dict(r.get("routes", {})), data_plane=r.get("data_plane", "agent"))
 
 
 def restore(r: dict[str, Any], changes: list[GpuMemoryChange], moved: dict[str, str],
@@ -59,7 +59,8 @@ def restore(r: dict[str, Any], changes: list[GpuMemoryChange], moved: dict[str, 
                           phases_s=dict(r["phases_s"]), agent_phases_s=_seconds(r.get("agent_ms", {})),
                           gpus=changes, moved={o: n for o, n in moved.items() if o != n},
                           image=image(r.get("image"), image_dir or "", r.get("image_id")),
-                          warnings=list(r.get("warnings", [])), routes=dict(r.get("routes", {})))
+                          warnings=list(r.get("warnings", [])), routes=dict(r.get("routes", {})),
+                          data_plane=r.get("data_plane", "agent"))
 
 
 def process_status(st: dict[str, Any], now: dict[str, gpus.Usage]) -> ProcessStatus:
