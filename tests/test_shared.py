@@ -71,6 +71,23 @@ def test_shared_buffer_checkpointed_together(plane, pair):
     assert exp.ask("read-shared")["sha256"] == imp.ask("read-shared")["sha256"]
 
 
+def test_an_importer_with_nothing_of_its_own_to_move(plane, sim_app):
+    """An importer whose only movable memory is its exporter's (its own buffer is below a granule: the
+    driver's): it is handed over (unlinked) or released with nothing to copy, and relinked at restore."""
+    env = dict(os.environ, GPUCR_GROUP="shared")
+    exp, imp = sim_app("--sizes", "8M", env=env), sim_app("--sizes", "1000", env=env)
+    fd = exp.ask("share 32")["fd"]
+    imp.ask(f"import pidfd:{exp.pid}:{fd} 32")
+    exp.ask(f"close-fd {fd}")
+    for i in range(2):
+        exp.ask(f"write-shared {5 + i}")
+        before = [exp.ask("digest"), imp.ask("digest")]
+        ck = moved_by(plane, checkpoint_many([exp.pid, imp.pid]))
+        assert [p.bytes_moved for p in ck.processes] == [40 * MiB, 0], ck
+        moved_by(plane, restore_many([exp.pid, imp.pid]))
+        assert [exp.ask("digest"), imp.ask("digest")] == before
+
+
 def test_sharing_process_alone_is_refused(pair):
     exp, imp, _ = pair
     with pytest.raises(gpucr.GpucrError, match="not in this checkpoint"):
