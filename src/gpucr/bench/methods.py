@@ -283,7 +283,9 @@ def combine(results: list[ProcessCheckpoint] | list[ProcessRestore]) -> dict[str
             routes[k] = routes.get(k, 0) + v
     return {"steps_s": steps, "agent_ms": agent_ms, "bytes_moved": sum(r.bytes_moved for r in results),
             "bytes_left_to_driver": sum(getattr(r, "bytes_left_to_driver", 0) for r in results),
-            "warnings": [w for r in results for w in r.warnings], "routes": routes}
+            "warnings": [w for r in results for w in r.warnings], "routes": routes,
+            # which plane moved the job's data: "server", "agent", or both ("agent+server")
+            "data_plane": "+".join(sorted({r.data_plane for r in results}))}
 
 
 class GpucrMethod(Method):
@@ -633,7 +635,8 @@ def metrics(method: Method, ck: dict, rs: dict, footprint: int | None, ceiling: 
                    control_in_s=(rsteps["control_in"] + rsteps.get("driver_unlock", 0.0)) if "control_in" in rsteps else None,
                    data_in_s=rsteps["data_in"], bytes_out=ck["bytes_moved"], bytes_in=rs["bytes_moved"],
                    bytes_left_to_driver=ck["bytes_left_to_driver"], agent_ms=am,
-                   pin_wait_s=rs.get("agent_ms", {}).get("pin_wait", 0.0) / 1000)
+                   pin_wait_s=rs.get("agent_ms", {}).get("pin_wait", 0.0) / 1000,
+                   data_plane={"checkpoint": ck.get("data_plane"), "restore": rs.get("data_plane")})
         out_s, in_s = row["data_out_s"], row["data_in_s"]
     else:
         row.update(driver_out_s=cs["lock"] + cs["checkpoint"], driver_in_s=rsteps["restore"] + rsteps["unlock"],
