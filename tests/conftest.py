@@ -307,6 +307,22 @@ def reused_server(request, _module_server, monkeypatch):
     _module_server.check_clean()
 
 
+@pytest.fixture(params=["server", "agent"])
+def plane(request):
+    """The data plane a test's checkpoints and restores go through: the module's gpucr server (reused_server,
+    the path users get), or the agent's in-process one (the fallback, until it is deleted). Request it before
+    the processes' fixtures: they must start in the server's dirs."""
+    if request.param == "server":
+        request.getfixturevalue("reused_server")
+    return request.param
+
+
+def moved_by(plane: str, result):
+    """`result` (a CheckpointResult or RestoreResult), having checked that `plane` moved every process's data."""
+    assert [p.data_plane for p in result.processes] == [plane] * len(result.processes), result
+    return result
+
+
 def server_gpu_bytes() -> int:
     """GPU memory the running gpucr server holds itself (its data plane's context), counted apart when a test
     asks for the card within a few MiB of idle while a process is parked (issue 13); 0 when none runs."""

@@ -85,6 +85,8 @@ def test_bytes_and_memory_are_what_the_workload_holds(bench_run):
         # the host memory its staging holds after the cycle: at least what it moved (the budget used)
         assert s["staging_bytes"] >= moved and ms[name]["median"]["staging_bytes"] == s["staging_bytes"], name
         assert ms[name]["warmup"]["staging_bytes"] >= moved, name
+    for name, plane in (("gpucr-full", "agent"), ("gpucr-server-full", "server"), ("gpucr-server-data", "server")):
+        assert ms[name]["samples"][0]["data_plane"] == {"checkpoint": plane, "restore": plane}, name
     full, data = ms["gpucr-full"]["samples"][0], ms["gpucr-data"]["samples"][0]
     assert full["control_out_s"] > 0 and full["control_in_s"] > 0
     assert data["control_out_s"] is None and data["control_in_s"] is None
@@ -373,6 +375,9 @@ def test_job_results_are_shaped_per_job_and_per_gpu():
     assert c["steps_s"] == {"data_out": 1.5, "control_out": 0.5}         # ranks go through a phase together
     assert c["agent_ms"] == {"gate": 2.0, "staging": 3.0}
     assert (c["bytes_moved"], c["bytes_left_to_driver"], c["warnings"]) == (30, 3, ["w1"])
+    assert c["data_plane"] == "agent"
+    rs[1].data_plane = "server"
+    assert M.combine(rs)["data_plane"] == "agent+server"
     gpucr_full = M.make("gpucr-full", sim_driver(), True)
     row = {"data_out_s": 2.0, "data_in_s": 4.0, "driver_out_s": None, "driver_in_s": None}
     g = R.per_gpu(row, gpucr_full, {"GPU-a": 8_000_000_000, "GPU-b": 4_000_000_000})

@@ -164,6 +164,7 @@ def test_the_server_copies_the_data_while_the_driver_checkpoints(server, sim_app
             assert all(v >= 0 for v in parts) and sum(parts) <= r.phases_s[key], r.phases_s
         assert ck.phases_s["server_export"] == 0 and rs.phases_s["server_make"] > 0, "out imports, in makes and exports"
         assert rs.bytes_moved == 50 << 20 and rs.agent_phases_s.get("data_in", 0) < 1.0, rs
+        assert ck.data_plane == rs.data_plane == "server"
         after = app.ask("digest")
         assert after == before, f"cycle {i}: bytes or addresses differ"
         app.ask("work 1")   # the next computation runs on the adopted memory

@@ -1,5 +1,6 @@
 """Two processes on one (simulated) GPU sharing a buffer through an exported POSIX-fd handle:
-checkpointed together, the exporter's data saved once, both see the same memory after restore."""
+checkpointed together, the exporter's data saved once, both see the same memory after restore. Each test
+runs through the gpucr server's data plane and through the agents' own (the `plane` fixture)."""
 from __future__ import annotations
 
 import hashlib
@@ -8,21 +9,22 @@ import os
 import pytest
 
 import gpucr
-from gpucr.coordinator import checkpoint_many, restore_many
+from gpucr import checkpoint_many, restore_many   # through the module's gpucr server when one runs
 from gpucr import target as targets
 from gpucr.driver import gpu_memory
 
-from conftest import sim_driver
+from conftest import moved_by, server_gpu_bytes, sim_driver
 
 MiB = 1 << 20
 
 
 def used() -> int:
-    return gpu_memory(sim_driver()).used
+    """The simulated GPU's memory in use, apart from the gpucr server's own context."""
+    return gpu_memory(sim_driver()).used - server_gpu_bytes()
 
 
 @pytest.fixture
-def pair(sim_app):
+def pair(plane, sim_app):
     idle = used()
     env = dict(os.environ, GPUCR_GROUP="shared")
     exp = sim_app("--sizes", "8M", env=env)
@@ -33,7 +35,7 @@ def pair(sim_app):
     return exp, imp, idle
 
 
-def test_shared_buffer_checkpointed_together(pair):
+def test_shared_buffer_checkpointed_together(plane, pair):
     exp, imp, idle = pair
     exp.ask("write-shared 7")
     assert imp.ask("read-shared")["sha256"] == exp.ask("read-shared")["sha256"]
@@ -42,7 +44,7 @@ def test_shared_buffer_checkpointed_together(pair):
     before = [exp.ask("digest"), imp.ask("digest")]
     va = [exp.ask("read-shared")["va"], imp.ask("read-shared")["va"]]
 
-    res = checkpoint_many([exp.pid, imp.pid]).processes
+    res = moved_by(plane, checkpoint_many([exp.pid, imp.pid])).processes
     # the exporter still holds the exported fd: as on the driver, that keeps the shared buffer on the
     # GPU (simcuda models it); everything else is given back
     assert used() == idle + 32 * MiB
@@ -52,7 +54,7 @@ def test_shared_buffer_checkpointed_together(pair):
     warned = {r.pid: r.warnings for r in res}
     assert len(warned[exp.pid]) == 1 and "open file descriptor" in warned[exp.pid][0] and warned[imp.pid] == []
 
-    restore_many([exp.pid, imp.pid])
+    moved_by(plane, restore_many([exp.pid, imp.pid]))
     assert [exp.ask("digest"), imp.ask("digest")] == before
     assert [exp.ask("read-shared")["va"], imp.ask("read-shared")["va"]] == va
     exp.ask("write-shared 11")   # still one buffer, not two copies
@@ -61,12 +63,29 @@ def test_shared_buffer_checkpointed_together(pair):
     assert exp.ask("read-shared")["sha256"] == imp.ask("read-shared")["sha256"]
     # and again, with the fd closed as NCCL does: nothing to warn about, nothing left on the GPU
     exp.ask(f"close-fd {exp.fd}")
-    assert all(r.warnings == [] for r in checkpoint_many([exp.pid, imp.pid]).processes)
+    assert all(r.warnings == [] for r in moved_by(plane, checkpoint_many([exp.pid, imp.pid])).processes)
     assert used() == idle
-    restore_many([exp.pid, imp.pid])
-    assert all(r.warnings == [] for r in checkpoint_many([exp.pid, imp.pid], level="data").processes)
-    restore_many([exp.pid, imp.pid])
+    moved_by(plane, restore_many([exp.pid, imp.pid]))
+    assert all(r.warnings == [] for r in moved_by(plane, checkpoint_many([exp.pid, imp.pid], level="data")).processes)
+    moved_by(plane, restore_many([exp.pid, imp.pid]))
     assert exp.ask("read-shared")["sha256"] == imp.ask("read-shared")["sha256"]
+
+
+def test_an_importer_with_nothing_of_its_own_to_move(plane, sim_app):
+    """An importer whose only movable memory is its exporter's (its own buffer is below a granule: the
+    driver's): it is handed over (unlinked) or released with nothing to copy, and relinked at restore."""
+    env = dict(os.environ, GPUCR_GROUP="shared")
+    exp, imp = sim_app("--sizes", "8M", env=env), sim_app("--sizes", "1000", env=env)
+    fd = exp.ask("share 32")["fd"]
+    imp.ask(f"import pidfd:{exp.pid}:{fd} 32")
+    exp.ask(f"close-fd {fd}")
+    for i in range(2):
+        exp.ask(f"write-shared {5 + i}")
+        before = [exp.ask("digest"), imp.ask("digest")]
+        ck = moved_by(plane, checkpoint_many([exp.pid, imp.pid]))
+        assert [p.bytes_moved for p in ck.processes] == [40 * MiB, 0], ck
+        moved_by(plane, restore_many([exp.pid, imp.pid]))
+        assert [exp.ask("digest"), imp.ask("digest")] == before
 
 
 def test_sharing_process_alone_is_refused(pair):
@@ -78,7 +97,7 @@ def test_sharing_process_alone_is_refused(pair):
     assert gpucr.status(exp.pid).state == gpucr.status(imp.pid).state == "running"
 
 
-def test_two_processes_sharing_several_buffers_both_ways(sim_app):
+def test_two_processes_sharing_several_buffers_both_ways(plane, sim_app):
     """As two NCCL ranks do: each exports several buffers and imports the other's, closing every fd
     once imported. On the real driver every exported fd looks the same to fstat (one inode of
     /dev/nvidiactl), and simcuda's exports do too: the buffers are told apart by the open file
@@ -100,11 +119,11 @@ def test_two_processes_sharing_several_buffers_both_ways(sim_app):
     digests = [a.ask("digest"), b.ask("digest")]
 
     for level in ("full", "data", "full"):
-        res = checkpoint_many([a.pid, b.pid], level=level)
+        res = moved_by(plane, checkpoint_many([a.pid, b.pid], level=level))
         assert all(r.warnings == [] for r in res.processes), res
         if level == "full":
             assert used() == idle, "every buffer is given back: no fd keeps one on the GPU"
-        restore_many([a.pid, b.pid])
+        moved_by(plane, restore_many([a.pid, b.pid]))
         assert [a.ask("digest"), b.ask("digest")] == digests
         for k, (exp, i, imp, j) in enumerate(pairs):
             assert (exp.ask(f"read-shared {i}")["va"], imp.ask(f"read-shared {j}")["va"]) == vas[k]
@@ -187,18 +206,30 @@ def test_exporter_killed_during_data_out_leaves_the_importer_running(pair, monke
         gpucr.checkpoint(imp.pid)
 
 
-def test_exporter_killed_after_release_leaves_the_importer_running_on_zeroed_memory(pair, monkeypatch):
-    """Killed once every process gave its memory back (at the driver lock): the other is rolled back
-    with its own data; what it imported from the dead one is gone for good, so zeroed memory takes
-    its place at the same addresses (the error says so) instead of a gate closed for ever."""
+def test_exporter_killed_at_the_driver_lock(plane, pair, monkeypatch):
+    """Killed at the driver lock. The agents' plane has every process give its memory back before the
+    driver's steps: the other is rolled back with its own data, and what it imported from the dead one
+    is gone for good, so zeroed memory takes its place at the same addresses (the error says so) instead
+    of a gate closed for ever. Through the server, the driver's steps run beside the copies, before any
+    agent lets go of its fds: the importer's fd of the shared memory still holds it, so it is mapped
+    again as it was, every byte intact; alone, it is then refused, as any importer of a dead exporter."""
     exp, imp, _ = pair
     exp.ask(f"close-fd {exp.fd}")
+    exp.ask("write-shared 7")
+    shared = imp.ask("read-shared")["sha256"]
     monkeypatch.setenv("GPUCR_TEST_KILL_TARGET", f"driver-lock:{exp.pid}")
-    with pytest.raises(gpucr.GpucrError, match=f"process {exp.pid}.*replaced by zeroed memory"):
+    with pytest.raises(gpucr.GpucrError, match=f"process {exp.pid}") as failed:
         checkpoint_many([exp.pid, imp.pid])
     exp.proc.wait(timeout=30)
     st = gpucr.status(imp.pid)
     assert st.state == "running" and not st.gate_closed
+    if plane == "server":
+        assert "zeroed" not in str(failed.value), failed.value
+        assert imp.ask("read-shared")["sha256"] == shared
+        with pytest.raises(gpucr.GpucrError, match="imported from a process gpucr cannot find"):
+            gpucr.checkpoint(imp.pid)
+        return
+    assert "replaced by zeroed memory" in str(failed.value), failed.value
     assert imp.ask("read-shared")["sha256"] == hashlib.sha256(bytes(32 * MiB)).hexdigest()
     imp.ask("write-shared 5")   # the process runs on, its addresses usable
     gpucr.checkpoint(imp.pid)   # and can be checkpointed alone now: it shares nothing any more
@@ -242,7 +273,7 @@ def test_recover_brings_back_processes_that_share_memory(pair, point):
     before = [exp.ask("digest"), imp.ask("digest")]
     r = gpucr_cli("checkpoint", str(exp.pid), str(imp.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT=point))
     assert r.returncode != 0
-    r = gpucr_cli("recover")
+    r = gpucr_cli("recover", str(exp.pid), str(imp.pid), env=dict(os.environ, GPUCR_NO_SERVER="1"))
     assert r.returncode == 0, r.stdout + r.stderr
     for p in (exp.pid, imp.pid):
         st = gpucr.status(p)

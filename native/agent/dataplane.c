@@ -457,6 +457,17 @@ static void back_in_place(struct phys *p, CUmemGenericAllocationHandle h, int ow
     }
 }
 
+/* p's memory is back, as handle h: record it; the application's handle count decides whether h is kept. */
+static void linked(struct phys *p, CUmemGenericAllocationHandle h)
+{
+    reg_lock();
+    reg_set_real(p, h);
+    int refs = p->app_refs;
+    p->released = false;
+    reg_unlock();
+    if (refs == 0) release_handle(h, 1, p);   /* the application had released its handle: mappings hold it */
+}
+
 /* Memory handed over as a POSIX fd, imported and mapped at every mapping of p with its access; all or
  * nothing (*h is the new handle). */
 static CUresult import_at(const struct phys *p, int fd, CUmemGenericAllocationHandle *h)
@@ -506,6 +517,10 @@ static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_id
     }
     return first;
 }
+
+/* Memory this process imported and mapped: a checkpoint unlinks it (its exporter saves the data, and a
+ * restore relinks it from there). */
+static bool unlinked_at_checkpoint(const struct phys *p) { return p->kind == PHYS_IMPORTED && p->maps; }
 
 /* Give back the physical memory of an allocation whose data is in staging. */
 static CUresult release_one(struct phys *p, bool keep_own_fd)
@@ -701,7 +716,7 @@ int dp_release(char *err, size_t errlen)
     int turn = 0;
     int64_t t0 = gpucr_now_ns();
     for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
-        if (reg_phys_movable(p) || (p->kind == PHYS_IMPORTED && p->maps)) rc = release_one(p, false);
+        if (reg_phys_movable(p) || unlinked_at_checkpoint(p)) rc = release_one(p, false);
     t.release = ms_since(t0);
     if (rc != CUDA_SUCCESS) {
         char e2[256] = "";
@@ -813,11 +828,12 @@ void dp_reset_after_fork(void)
  * the memory on the GPU until the server says its copy is in staging (dp_handed_done): a server that
  * dies before leaves nothing lost, the agent takes the memory back (dp_take_back). ---- */
 
-/* Memory the server can make again as it was: device memory shared with no other process (its allocation
- * flags, e.g. GPUDirect RDMA as PyTorch's expandable segments ask, are listed for the server: memory_entry) */
+/* Memory the server can make again as it was: device memory shared with no other process in a way gpucr cannot
+ * relink (its allocation flags, e.g. GPUDirect RDMA as PyTorch's expandable segments ask, are listed for the
+ * server: memory_entry). Memory exported to other processes is too: copied once, from its exporter. */
 static bool makeable(const struct phys *p)
 {
-    return !p->share_sid && p->prop.type == CU_MEM_ALLOCATION_TYPE_PINNED &&
+    return !p->share_unknown && p->prop.type == CU_MEM_ALLOCATION_TYPE_PINNED &&
            p->prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE;
 }
 
@@ -827,17 +843,19 @@ static bool handable(const struct phys *p) { return p->own_fd >= 0 && makeable(p
 int dp_handover(int timeout_ms, bool unpin, char *err, size_t errlen)
 {
     if (g_dp.copied) { seterr(err, errlen, "the data is copied already: release it or abort"); return -1; }
-    /* checked before anything is touched: what the server cannot take goes the in-process way */
+    /* checked before anything is touched: what the server cannot take goes the in-process way. An import is
+     * unlinked with no copy (its exporter's memory), kept on the GPU by the agent's fd of it until the
+     * exporter's copy is confirmed, so an abort maps it again from that fd. */
     reg_lock();
-    long no = 0, shared = 0;
+    long no = 0, imports = 0;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (p->share_sid) shared++;
-        else if (reg_phys_movable(p) && !handable(p)) no++;
+        if (reg_phys_movable(p) && !handable(p)) no++;
+        else if (unlinked_at_checkpoint(p) && p->own_fd < 0) imports++;
     }
     reg_unlock();
-    if (no || shared) {
+    if (no || imports) {
         seterr(err, errlen, "not every allocation can be handed to the gpucr server (%ld without an fd of the agent's or "
-               "not plain device memory, %ld shared with other processes)", no, shared);
+               "not plain device memory, %ld imported without one)", no, imports);
         return -1;
     }
     if (!g_dp.quiesced && quiesce(timeout_ms, false, err, errlen)) return -1;
@@ -849,7 +867,7 @@ int dp_handover(int timeout_ms, bool unpin, char *err, size_t errlen)
     CUresult rc = place_in_staging(&need);
     int64_t t0 = gpucr_now_ns();
     for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
-        if (reg_phys_movable(p)) rc = release_one(p, true);
+        if (reg_phys_movable(p) || unlinked_at_checkpoint(p)) rc = release_one(p, true);
     t.release = ms_since(t0);
     t.copy_out = 0;
     t.bytes_out = need;
@@ -869,13 +887,14 @@ int dp_handover(int timeout_ms, bool unpin, char *err, size_t errlen)
     return 0;
 }
 
-/* Every released allocation mapped again from the agent's own fd of it (the memory never left the GPU),
- * the gate opened: the handover undone. Those whose memory cannot be had back stay released and are said. */
+/* Every released allocation mapped again from the agent's own fd of it (the memory never left the GPU;
+ * an import is its exporter's memory, held by the same fd it was imported from), the gate opened: the
+ * handover undone. Those whose memory cannot be had back stay released and are said. */
 static int take_back(char *err, size_t errlen)
 {
     CUresult first = CUDA_SUCCESS;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (!p->released || p->kind == PHYS_IMPORTED || p->own_fd < 0) continue;
+        if (!p->released || p->own_fd < 0) continue;
         gpucr_use_ctx(p->ctx);
         CUmemGenericAllocationHandle h = 0;
         CUresult rc = import_at(p, p->own_fd, &h);
@@ -886,7 +905,8 @@ static int take_back(char *err, size_t errlen)
             first = rc;
             continue;
         }
-        back_in_place(p, h, p->own_fd, true, p->adopted);   /* the same fd: the same memory */
+        if (p->kind == PHYS_IMPORTED) linked(p, h);
+        else back_in_place(p, h, p->own_fd, true, p->adopted);   /* the same fd: the same memory */
     }
     if (first != CUDA_SUCCESS) return -1;
     staging_rewind();
@@ -900,9 +920,11 @@ static int take_back(char *err, size_t errlen)
 int dp_handed_done(char *err, size_t errlen)
 {
     if (!g_dp.handed) { seterr(err, errlen, "the process's data is not handed to a server"); return -1; }
+    /* the fds of exported and imported memory too, as a checkpoint's release closes them (the application's
+     * own fds still open are counted first, for the warning) */
     reg_lock();
     for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if (p->released && p->kind != PHYS_IMPORTED) share_adopt_own(p, -1, false);
+        if (p->released) share_release(p);
     reg_unlock();
     struct phase_times t = g_dp.pending;
     DP_SET(g_dp.handed = false, g_dp.staged = true, g_dp.last = t, g_dp.generation++);
@@ -1193,12 +1215,16 @@ int dp_export(unsigned long long key, int *fd_out, struct jb *j, char *err, size
     struct phys *p = exported_with_key(key);
     CUmemGenericAllocationHandle real = p ? p->real : 0;
     CUcontext ctx = p ? p->ctx : NULL;
+    /* a dup of the agent's own fd when it has one: memory the gpucr server made is imported here, and the
+     * driver does not export an imported handle again */
+    int fd = real ? share_dup_own(p) : -1;
     reg_unlock();
     if (!real) { seterr(err, errlen, "no restored exported allocation with key %llu", key); return -1; }
-    gpucr_use_ctx(ctx);
-    int fd = -1;
-    CUresult rc = REAL(cuMemExportToShareableHandle)(&fd, real, 1, 0);
-    if (rc != CUDA_SUCCESS) { seterr(err, errlen, "re-exporting failed: %s", gpucr_cu_errstr(rc)); return -1; }
+    if (fd < 0) {
+        gpucr_use_ctx(ctx);
+        CUresult rc = REAL(cuMemExportToShareableHandle)(&fd, real, 1, 0);
+        if (rc != CUDA_SUCCESS) { seterr(err, errlen, "re-exporting failed: %s", gpucr_cu_errstr(rc)); return -1; }
+    }
     reg_lock();
     if ((p = exported_with_key(key))) share_keep_fd(p, fd);   /* for the next checkpoint's matching */
     reg_unlock();
@@ -1216,17 +1242,6 @@ static bool unlinked_import(struct phys *p, unsigned long long key)
     bool yes = p->kind == PHYS_IMPORTED && p->share_key == key && p->released;
     reg_unlock();
     return yes;
-}
-
-/* p's memory is back, as handle h: record it; the application's handle count decides whether h is kept. */
-static void linked(struct phys *p, CUmemGenericAllocationHandle h)
-{
-    reg_lock();
-    reg_set_real(p, h);
-    int refs = p->app_refs;
-    p->released = false;
-    reg_unlock();
-    if (refs == 0) release_handle(h, 1, p);   /* the application had released its handle: mappings hold it */
 }
 
 /* Map the exporter's re-exported memory (fd) at the old addresses of every allocation this process

@@ -1,8 +1,13 @@
-"""Checkpoint and restore of one or many processes: each agent moves its data, the driver the
-control state. Many processes go through each phase together, like a two-phase commit:
+"""Checkpoint and restore of one or many processes: the gpucr server's data plane (a mover, when the
+request runs in the server) or each agent moves the data, the driver the control state. Many processes go
+through each phase together, like a two-phase commit:
 
 checkpoint: prepare all -> data out all -> driver lock all -> driver checkpoint all -> commit all
+  through the server: prepare all -> quiesce all -> hand over all -> the server copies each, beside the
+              driver's lock and checkpoint of all -> handed_done all -> commit all
 restore:    driver restore all -> driver unlock all -> data in all -> resume all
+  through the server: the server fills each, beside the driver's restore and unlock of all -> adopt each
+              -> data in all (relink) -> resume all
 
 A checkpoint is all or nothing: if any process fails at any phase, every process is rolled back to
 running with its data intact, and the error names the process and the phase. A restore brings back
@@ -17,7 +22,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Iterator, TypeVar
@@ -323,12 +328,9 @@ def _quiesce(m: _Member, timeout: float) -> None:
     m.held = True
 
 
-def _data_out(m: _Member, timeout: float, level: str, hold: bool = False, mover: Mover | None = None) -> None:
-    """Copy the data out and (unless `hold`: several processes release only once all are copied)
-    give the memory back. With a mover (inside the gpucr server), the server copies the data while the
-    driver checkpoints the process, when every allocation can be handed to it."""
-    if mover is not None and not hold and _data_out_by_server(m, timeout, level, mover):
-        return
+def _data_out(m: _Member, timeout: float, level: str, hold: bool = False) -> None:
+    """The agent's own copy out, then (unless `hold`: several processes release only once all are copied)
+    the memory given back."""
     _test_kill_target(m.pid, "data-out")
     if not hold:
         m.data_out_t0 = time.perf_counter()
@@ -345,47 +347,102 @@ def _data_out(m: _Member, timeout: float, level: str, hold: bool = False, mover:
 
 
 def _handable(m: _Member, memory: list[Managed]) -> bool:
-    """Whether the server can take all of the process's data: nothing shared with other processes (that
-    is relinked by the agents), an fd of every allocation it moves, and plain device memory. (At a restore,
-    a released allocation is handable when the server can make it again.)"""
-    return not m.status.get("shared") and all(e.handable for e in memory if e.movable)
+    """Whether the server can take all of the process's data: device memory with an fd of the agent's for every
+    allocation it moves (an exporter's too: copied once, from it), and an fd of every import it unlinks (which
+    keeps that memory on the GPU until every copy is confirmed). (At a restore, a released allocation is
+    handable when the server can make it again.)"""
+    return (all(e.handable for e in memory if e.movable)
+            and all(e.fd is not None for e in memory if e.kind == "imported" and e.maps))
 
 
-def _data_out_by_server(m: _Member, timeout: float, level: str, mover: Mover) -> bool:
-    """The server's checkpoint (docs/server.md): the agent releases the memory but keeps an fd of each
-    allocation; the server copies it into the process's staging while the driver checkpoints the process
-    (level full). False, with nothing touched, when the process has memory the server cannot take."""
-    before = server_memory.gather(m.agent, timeout)
-    server_memory.close_all(before)
-    if not _handable(m, before):
-        return False
+def _server_takes(members: list[_Member], timeout: float) -> bool:
+    """Whether the server's data plane can take every process's data; nothing is touched to find out."""
+    takes: dict[int, bool] = {}
+
+    def look(m: _Member) -> None:
+        memory = server_memory.gather(m.agent, timeout)
+        takes[m.pid] = _handable(m, memory)   # (before our fds are closed: an import needs the agent's)
+        server_memory.close_all(memory)
+    _each("data out", members, look)
+    return all(takes.values())
+
+
+def _data_out_by_server(members: list[_Member], timeout: float, level: str, mover: Mover) -> None:
+    """The server's checkpoint (docs/server.md), of one process or several: every agent releases its memory
+    but keeps an fd of each allocation, which keeps it on the GPU (several are quiesced first, so nothing is
+    copied while a peer still writes to memory they share); the server copies each process into its staging,
+    one after another (the link is the bound), while the driver locks and checkpoints every one (level full);
+    then every agent lets go of its fds. Until then "abort" maps the memory again from those fds, with no
+    copy: no process gives memory back before every one is copied."""
+    for m in members:
+        m.plane = mover
+    if len(members) > 1:
+        _each("quiesce", members, lambda m: _quiesce(m, timeout))
+    _each("data out", members, lambda m: _handover(m, timeout))
+    _test_kill_point("after-handover")
+    stop = threading.Event()   # a driver step failed: the copies not begun yet are not needed
+
+    def driver_steps() -> None:
+        _test_kill_point("during-server-copy")
+        if level != "full":
+            return
+        try:   # the control state, at the same time
+            _each("driver lock", members, lambda m: _driver_lock(m, timeout))
+            _each("driver checkpoint", members, _driver_checkpoint)
+        except BaseException:
+            stop.set()
+            raise
+    with ExitStack() as held:
+        # listed now, after the handover (it trims pools first, so the list and its numbering are the
+        # layout's), and before the driver holds any process (its agent may not answer then)
+        inputs = {m.pid: _held_inputs(held, m, timeout, "data out") for m in members}
+        copied = _beside(lambda: _copy_all_out(members, inputs, mover, stop), "gpucr-server-copy-out", driver_steps)
+    if isinstance(copied, GpucrError):
+        raise copied
+    _each("release", members, lambda m: _handed_done(m, copied[m.pid]))
+
+
+def _handover(m: _Member, timeout: float) -> None:
+    """The agent quiesces (unless it is already) and releases its memory, keeping its own fd of each allocation."""
     _test_kill_target(m.pid, "data-out")
-    m.data_out_t0 = time.perf_counter()
+    if not m.held:
+        m.data_out_t0 = time.perf_counter()
     # lease=1: should this controller die before handed_done, the agent takes its memory back itself.
     # unpin=1 for an image: the process's staging goes once on disk, when the driver may hold the process
     _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1,
                   unpin=int(m.image_dir is not None))
     m.held = True   # "abort" maps the memory again from the agent's fds: nothing left the GPU
     m.result["phases_s"]["handover"] = time.perf_counter() - m.data_out_t0
-    _test_kill_point("after-handover")
 
-    def driver_steps() -> None:
-        _test_kill_point("during-server-copy")
-        if level == "full":   # the control state, at the same time
-            _driver_lock(m, timeout)
-            _driver_checkpoint(m)
-    # listed now, after the handover: it trims pools first, so the list (and its numbering) is the layout's
-    with _server_inputs(m, timeout) as (layout, seg_fds, memory):
-        st = _beside(lambda: mover.copy_out(m.pid, layout, seg_fds, memory), "gpucr-server-copy-out", driver_steps)
-    if isinstance(st, GpucrError):
-        raise st
-    out = m.agent.call("handed_done", timeout=60.0)
-    m.held = False
-    _data_out_done(m, out)
-    m.plane, m.result["data_plane"] = mover, mover.plane
+
+def _held_inputs(held: ExitStack, m: _Member, timeout: float, phase: str) -> tuple[dict[str, Any], list[int], list[Managed]]:
+    """m's _server_inputs, kept open until `held` closes; a failure is m's, at `phase`."""
+    try:
+        return held.enter_context(_server_inputs(m, timeout))
+    except GpucrError as exc:
+        raise PhaseError(m.pid, phase, exc) from exc
+
+
+def _copy_all_out(members: list[_Member], inputs: dict[int, tuple[dict[str, Any], list[int], list[Managed]]],
+                  mover: Mover, stop: threading.Event) -> dict[int, ServerStats]:
+    """Each process's memory copied into its staging by the server, one after another."""
+    done: dict[int, ServerStats] = {}
+    for m in members:
+        if stop.is_set():
+            break
+        try:
+            done[m.pid] = mover.copy_out(m.pid, *inputs[m.pid])
+        except GpucrError as exc:
+            raise PhaseError(m.pid, "data out", exc) from exc
+    return done
+
+
+def _handed_done(m: _Member, st: ServerStats) -> None:
+    """The server's copy of m is in staging: its agent lets go of its fds, and the memory leaves the GPU."""
+    _data_out_done(m, m.agent.call("handed_done", timeout=60.0))
     m.result["phases_s"]["data_out"] = st.seconds   # the server's copy (the handover has its own phase)
+    m.result["data_plane"] = m.plane.plane if m.plane is not None else "server"
     _server_phases(m, st)
-    return True
 
 
 def _server_phases(m: _Member, st: ServerStats) -> None:
@@ -568,7 +625,8 @@ def _roll_back(members: list[_Member]) -> None:
 def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
                     images: dict[int, str | Path] | None = None, mover: Mover | None = None) -> CheckpointResult:
     """Checkpoint several processes together, all or nothing (see the module's doc). `mover`: the gpucr
-    server's data plane, which copies the data of a lone process while the driver takes its control state."""
+    server's data plane, which copies the data while the driver takes the control state, when it can take
+    every process's data (else the agents copy it, each in its process)."""
     if level not in LEVELS:
         raise GpucrError(f"unknown level '{level}': use one of {', '.join(LEVELS)}")
     _check_request(pids, timeout)
@@ -586,14 +644,16 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
         try:
             _each("prepare", members, lambda m: _prepare(m, timeout))
             t0 = _lap(members, "prepare", t0)
-            if len(members) > 1:
+            if mover is not None and _server_takes(members, timeout):
+                _data_out_by_server(members, timeout, level, mover)
+            elif len(members) > 1:
                 # no process gives memory back before every one is still and copied: memory they share
                 # stays whole if any of them fails, and nothing is copied while a peer still writes to it
                 _each("quiesce", members, lambda m: _quiesce(m, timeout))
                 _each("data out", members, lambda m: _data_out(m, timeout, level, hold=True))
                 _each("release", members, _release)
             else:
-                _each("data out", members, lambda m: _data_out(m, timeout, level, mover=mover))
+                _each("data out", members, lambda m: _data_out(m, timeout, level))
             if level == "full":   # (the server's data out took the control state already, side by side)
                 _each("driver lock", [m for m in members if not m.checkpointed], lambda m: _driver_lock(m, timeout))
                 _each("driver checkpoint", [m for m in members if not m.checkpointed], _driver_checkpoint)
@@ -757,11 +817,11 @@ def _driver_restore(m: _Member) -> None:
 
 def _server_restorable(m: _Member) -> bool:
     """Whether the mover may put the data back: from staging in host memory or from an image, onto the process's
-    GPUs or those --map names; nothing shared with other processes (the agents relink that). Not while its agent
+    GPUs or those --map names (memory imported from other processes is relinked by the agents next). Not while its agent
     rolls back a checkpoint whose controller died: it restores from staging itself once the driver lets go, and
     answers no layout meanwhile."""
     st = m.status
-    return (st.get("state") == "checkpointed" and not st.get("shared") and not st.get("rolling_back")
+    return (st.get("state") == "checkpointed" and not st.get("rolling_back")
             and (bool(st.get("staged")) or m.image_dir is not None))
 
 
@@ -771,29 +831,59 @@ def _moved(memory: list[Managed], moves: dict[str, str]) -> list[Managed]:
     return [dataclasses.replace(e, uuid=moves.get(e.uuid, e.uuid)) for e in memory]
 
 
-def _restore_with_server(m: _Member, timeout: float, mover: Mover) -> None:
-    """The server makes new memory and fills it from the process's staging while the driver restores the
-    process; once the driver lets go, the agent maps that memory at the old addresses (adopt). Whatever
-    the server could not put back, the agent's own restore from staging brings back next (_data_in)."""
-    m.plane = mover
+def _restore_with_server(members: list[_Member], timeout: float, mover: Mover, driver_steps: Callable[[], None],
+                         failed: dict[int, PhaseError]) -> None:
+    """The server makes new memory for each of `members` and fills it from its staging, one process after
+    another, while `driver_steps` restore every process of the request (those that fail land in `failed`);
+    then each agent the driver let go maps that memory at its old addresses (adopt). Whatever the server
+    could not put back, the agent's own restore from staging brings back next (_data_in)."""
+    with ExitStack() as held:
+        inputs = {}
+        for m in members:
+            try:
+                inputs[m.pid] = held.enter_context(_server_inputs(m, timeout))
+            except GpucrError as exc:
+                note(f"process {m.pid}: {exc}; its agent's own restore from staging brings it back")
+        # the new memory's fds keep it on the GPU: closed whatever becomes of the driver's steps
+        made = _beside(lambda: _fill_all([m for m in members if m.pid in inputs], inputs, mover), "gpucr-server-fill",
+                       driver_steps, undo=_close_made)
+    try:
+        for m in members:
+            filled = made.get(m.pid)
+            if isinstance(filled, GpucrError):
+                note(f"process {m.pid}: {filled}; its agent's own restore from staging brings it back")
+            elif filled is not None and m.pid not in failed:
+                _adopt(m, inputs[m.pid][0], *filled)
+    finally:
+        _close_made(made)
 
-    def driver_steps() -> None:
-        _driver_restore(m)
-        _driver_unlock(m, timeout)
-    with _server_inputs(m, timeout) as (layout, seg_fds, memory):
-        # the new memory's fds keep it on the GPU: closed when the driver's restore fails
-        made = _beside(lambda: mover.fill(m.pid, layout, seg_fds, _moved(memory, m.gpu_moves)), "gpucr-server-fill",
-                       driver_steps, undo=lambda r: [os.close(fd) for _, fd in r[1]])
-    _adopt(m, layout, made)
+
+def _fill_all(members: list[_Member], inputs: dict[int, tuple[dict[str, Any], list[int], list[Managed]]],
+              mover: Mover) -> dict[int, tuple[ServerStats, list[tuple[int, int]]] | GpucrError]:
+    """Each process's new memory made and filled by the server, one after another: [(index, fd)] of it, or
+    what went wrong (that process's agent then restores it itself)."""
+    made: dict[int, tuple[ServerStats, list[tuple[int, int]]] | GpucrError] = {}
+    for m in members:
+        try:
+            layout, seg_fds, memory = inputs[m.pid]
+            made[m.pid] = mover.fill(m.pid, layout, seg_fds, _moved(memory, m.gpu_moves))
+        except GpucrError as exc:
+            made[m.pid] = exc
+    return made
 
 
-def _adopt(m: _Member, layout: dict[str, Any], made: tuple[ServerStats, list[tuple[int, int]]] | GpucrError) -> None:
-    """The agent maps the memory the server made and filled (`made`) at the old addresses; whatever was not
-    made or adopted, the agent's own restore from staging brings back next (_data_in)."""
-    if isinstance(made, GpucrError):
-        note(f"process {m.pid}: {made}; its agent's own restore from staging brings it back")
-        return
-    st, fds = made
+def _close_made(made: dict[int, Any]) -> None:
+    """Our fds of the memory the server made, closed (the agents that adopted it hold their own): once
+    closed, memory nobody adopted leaves the GPU."""
+    for filled in made.values():
+        if not isinstance(filled, GpucrError):
+            for _i, fd in filled[1]:
+                os.close(fd)
+            filled[1].clear()
+
+
+def _adopt(m: _Member, layout: dict[str, Any], st: ServerStats, fds: list[tuple[int, int]]) -> None:
+    """The agent maps the server's new memory at the old addresses, ADOPT_BATCH fds a request."""
     t0 = time.perf_counter()
     try:
         if m.status.get("state") == "checkpointed":
@@ -802,12 +892,9 @@ def _adopt(m: _Member, layout: dict[str, Any], made: tuple[ServerStats, list[tup
                 m.agent.call_sending_fds("adopt", [fd for _, fd in batch], timeout=60.0, **{"from": batch[0][0]})
                 taken = {i for i, _ in batch}
                 m.server_bytes_in += sum(int(a["bytes"]) for a in layout["allocations"] if int(a["index"]) in taken)
-                m.result["data_plane"] = m.plane.plane if m.plane is not None else "server"
+            m.result["data_plane"] = m.plane.plane if m.plane is not None else "server"
     except GpucrError as exc:   # the agent's own restore brings back what was not adopted
         note(f"process {m.pid}: {exc}; its agent's own restore from staging brings the rest back")
-    finally:
-        for _, fd in fds:
-            os.close(fd)
     m.result["phases_s"]["data_in"] = st.seconds
     _server_phases(m, st)
     m.result["phases_s"]["adopt"] = time.perf_counter() - t0
@@ -937,8 +1024,15 @@ def _read_then_fill(m: _Member, idir: imagefs.ImageDir, entry: dict, layout: dic
             m.pid, layout, seg_fds, _moved(memory, m.gpu_moves), image=_zero_chunks(entry["data"], layout))
     except GpucrError as exc:
         made = exc
-    m.result["image"]["bytes_zeroed"] = 0 if isinstance(made, GpucrError) else made[0].zeroed
-    _adopt(m, layout, made)
+    if isinstance(made, GpucrError):
+        m.result["image"]["bytes_zeroed"] = 0
+        note(f"process {m.pid}: {made}; its agent's own restore from the staging read brings it back")
+        return
+    m.result["image"]["bytes_zeroed"] = made[0].zeroed
+    try:
+        _adopt(m, layout, *made)
+    finally:
+        _close_made({m.pid: made})
 
 
 def _zero_chunks(allocs: list[dict[str, Any]], layout: dict[str, Any]) -> dict[int, list[tuple[int, int]]]:
@@ -1113,7 +1207,7 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
                  gpu_map: dict[str, str] | None = None, mover: Mover | None = None) -> RestoreResult:
     """Restore several processes together; each that can be is brought back (see the module's doc).
     `gpu_map` {old UUID: new UUID}, as --map takes them, moves them to other GPUs of this machine.
-    `mover`: the gpucr server's data plane, which fills a lone process's memory while the driver restores it."""
+    `mover`: the gpucr server's data plane, which fills the processes' memory while the driver restores them."""
     _check_request(pids, timeout)
     images = images or {}
     gpu_map = gpus.check_map(gpu_map or {})
@@ -1132,13 +1226,19 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
         def phase(name: str, fn) -> None:
             for f in _phase_failures(name, [m for m in members if m.pid not in failed], fn):
                 failed[f.pid] = f
-        if mover is not None and len(members) == 1 and _server_restorable(members[0]):
-            members[0].plane = mover   # from an image, it fills once the driver has let the process go (_data_in)
-        if members[0].plane is not None and members[0].image_dir is None:
-            phase("restore", lambda m: _restore_with_server(m, timeout, mover))
-        else:
+
+        def driver_steps() -> None:
             phase("driver restore", _driver_restore)
             phase("driver unlock", lambda m: _driver_unlock(m, timeout))
+        for m in members if mover is not None else []:
+            m.plane = mover if _server_restorable(m) else None
+        # from host memory the server fills beside the driver's steps; from an image once the driver has let
+        # the process go (_data_in: making staging may pin it, which waits or fails while the driver holds it)
+        by_server = [m for m in members if m.plane is not None and m.image_dir is None]
+        if by_server:
+            _restore_with_server(by_server, timeout, mover, driver_steps, failed)
+        else:
+            driver_steps()
         live = [m for m in members if m.pid not in failed]
         try:
             _data_in_all(live, timeout, drop_staging, "data in")

@@ -20,6 +20,7 @@ from conftest import RunningServer, bring_back_on_the_gpu, gpu
 from test_gpu_cycles import RESULTS, SLACK, used
 
 pytestmark = [gpu, pytest.mark.gpu]
+MiB = 1 << 20
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -102,6 +103,37 @@ def test_a_server_that_gives_back_its_context_leaves_the_card_idle():
                 assert app.ask("digest") == before
     finally:
         s.stop()
+
+
+def test_a_group_sharing_a_buffer_goes_through_the_server(gpu_server):
+    """Issue 25 on the driver: an exporter of a VMM buffer (POSIX fd), its importer and a process sharing
+    nothing, checkpointed together through the server's data plane: every process handed over and copied
+    by the server beside the driver's checkpoint of all three, the shared buffer copied once (from the
+    exporter), the importer relinked at restore to the memory the exporter adopted (an imported handle,
+    which the driver will not export again: the agent hands a dup of its own fd), every byte back at its
+    old address, one buffer still shared, and the card within SLACK of idle while parked."""
+    idle = used()
+    with Workload("driver_app", "--sizes", "64M") as exp, Workload("driver_app", "--sizes", "32M") as imp, \
+            Workload("torch_app", "--gib", "1") as lone:
+        fd = exp.ask("share 256")["fd"]
+        imp.ask(f"import pidfd:{exp.pid}:{fd} 256")
+        exp.ask(f"close-fd {fd}")   # as NCCL does: an open fd would keep the buffer on the GPU
+        apps = [exp, imp, lone]
+        pids = [a.pid for a in apps]
+        for i in range(2):
+            exp.ask(f"write-shared {7 + i}")
+            before = [a.ask("digest") for a in apps]
+            ck = gpucr.checkpoint_many(pids, timeout=60)
+            assert [p.data_plane for p in ck.processes] == ["server"] * 3, ck
+            moved = {p.pid: p.bytes_moved for p in ck.processes}
+            assert moved[imp.pid] < 256 * MiB <= moved[exp.pid], moved
+            info = gpu_server.info()
+            assert used() - info["gpu_bytes"] - idle <= SLACK + info["pinned_staging_bytes"] // 100
+            rs = gpucr.restore_many(pids, timeout=60)
+            assert [p.data_plane for p in rs.processes] == ["server"] * 3, rs
+            assert [a.ask("digest") for a in apps] == before
+            imp.ask(f"write-shared {20 + i}")
+            assert exp.ask("read-shared")["sha256"] == imp.ask("read-shared")["sha256"], "one buffer, still shared"
 
 
 @pytest.mark.parametrize("point", ["after-handover", "during-server-copy", "after-driver-lock", "after-driver-checkpoint",
