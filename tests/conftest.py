@@ -307,11 +307,11 @@ def reused_server(request, _module_server, monkeypatch):
     _module_server.check_clean()
 
 
-@pytest.fixture(params=["server", "agent"])
+@pytest.fixture(params=["server", "cli"])
 def plane(request):
     """The data plane a test's checkpoints and restores go through: the module's gpucr server (reused_server,
-    the path users get), or the agent's in-process one (the fallback, until it is deleted). Request it before
-    the processes' fixtures: they must start in the server's dirs."""
+    the path users get), or, with no server, the same mover in the requesting process ("cli"). Request it
+    before the processes' fixtures: they must start in the server's dirs."""
     if request.param == "server":
         request.getfixturevalue("reused_server")
     return request.param

@@ -368,7 +368,7 @@ def test_job_results_are_shaped_per_job_and_per_gpu():
     def ck(pid: int, phases: dict, agent: dict, moved: int, left: int, warnings: list) -> ProcessCheckpoint:
         return ProcessCheckpoint(pid=pid, state="checkpointed", level="full", generation=1, bytes_moved=moved,
                                  bytes_left_to_driver=left, phases_s=phases, agent_phases_s=agent, gpus=[], image=None,
-                                 warnings=warnings)
+                                 warnings=warnings, data_plane="agent")
     rs = [ck(1, {"data_out": 1.0, "control_out": 0.5}, {"gate": 0.002, "staging": 0.0}, 10, 1, ["w1"]),
           ck(2, {"data_out": 1.5, "control_out": 0.25}, {"gate": 0.001, "staging": 0.003}, 20, 2, [])]
     c = R.combine(rs)

@@ -352,7 +352,10 @@ def _handable(m: _Member, memory: list[Managed]) -> bool:
     keeps that memory on the GPU until every copy is confirmed). (At a restore, a released allocation is
     handable when the server can make it again.)"""
     return (all(e.handable for e in memory if e.movable)
-            and all(e.fd is not None for e in memory if e.kind == "imported" and e.maps))
+            and all(e.fd is not None for e in memory if e.kind == "imported" and e.maps)
+            # an image of memory shared between processes: its importer's staging at the image's restore does not
+            # match the image yet (issue 25 notes), so that one still goes the agents' way
+            and not (m.image_dir is not None and m.status.get("shared")))
 
 
 def _server_takes(members: list[_Member], timeout: float) -> bool:
@@ -822,7 +825,7 @@ def _server_restorable(m: _Member) -> bool:
     answers no layout meanwhile."""
     st = m.status
     return (st.get("state") == "checkpointed" and not st.get("rolling_back")
-            and (bool(st.get("staged")) or m.image_dir is not None))
+            and (bool(st.get("staged")) or (m.image_dir is not None and not st.get("shared"))))
 
 
 def _moved(memory: list[Managed], moves: dict[str, str]) -> list[Managed]:
@@ -939,7 +942,7 @@ def _data_in(m: _Member, timeout: float, drop_staging: bool) -> None:
     m.result["phases_s"]["finish" if m.server_bytes_in else "data_in"] = time.perf_counter() - t0
     cyc = out["last_cycle_ms"]
     m.result["bytes_moved"] = m.server_bytes_in + cyc.get("bytes_in", 0)
-    if cyc.get("bytes_in") or not m.server_bytes_in:   # the agent put (some of) the data back itself
+    if cyc.get("bytes_in"):   # the agent put (some of) the data back itself
         m.result["data_plane"] = "agent"
     if "image" in m.result:   # zero chunks the agent set, where the server's fill did not (_read_then_fill)
         m.result["image"]["bytes_zeroed"] += cyc.get("bytes_zeroed", 0)
@@ -988,7 +991,8 @@ def _data_in_from_image(m: _Member, entry: dict, timeout: float, drop_staging: b
             os.close(fd)
     m.result["phases_s"]["image_read_and_data_in"] = time.perf_counter() - t0
     m.result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
-    m.result["image"]["bytes_zeroed"] = out["last_cycle_ms"].get("bytes_zeroed", 0)
+    if "image" in m.result:   # (an importer's read can fail while its restore, which waits for nothing, succeeds)
+        m.result["image"]["bytes_zeroed"] = out["last_cycle_ms"].get("bytes_zeroed", 0)
     return False
 
 
@@ -1232,6 +1236,8 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
             phase("driver unlock", lambda m: _driver_unlock(m, timeout))
         for m in members if mover is not None else []:
             m.plane = mover if _server_restorable(m) else None
+            if m.plane is not None:   # unless the agent puts (some of) the data back itself (_data_in)
+                m.result["data_plane"] = mover.plane
         # from host memory the server fills beside the driver's steps; from an image once the driver has let
         # the process go (_data_in: making staging may pin it, which waits or fails while the driver holds it)
         by_server = [m for m in members if m.plane is not None and m.image_dir is None]
