@@ -324,7 +324,7 @@ def test_controller_killed_before_the_gate_reopens(sim_app):
     before = app.ask("digest")
     gpucr.checkpoint(app.pid)
     from gpucr.coordinator import restore
-    import gpucr.coordinator as co
+    from gpucr.coordinator import restoring as co   # whose resume step asks _agent_restored
     # data back in, gate still closed: as if the controller died just before its last step
     real = co._agent_restored
     co._agent_restored = lambda m: False

@@ -11,11 +11,10 @@ SOURCES = [(ROOT / "src" / "gpucr", ("*.py", "*.c", "*.h")), (ROOT / "native" / 
 # The files over the limit today, each with its length today as its ceiling: each may shrink, none may
 # grow. Issue 25 is done when this list is empty; a file that comes down to the limit leaves it.
 OVER_TODAY = {
-    "native/agent/channel.c": 885,
-    "native/agent/dataplane.c": 1289,
+    "native/agent/channel.c": 866,
+    "native/agent/dataplane.c": 1196,
     "native/agent/pool.c": 1007,
     "src/gpucr/cli.py": 787,
-    "src/gpucr/coordinator.py": 1147,
 }
 
 

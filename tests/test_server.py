@@ -216,16 +216,16 @@ def test_level_data_goes_through_the_server(server, sim_app):
     assert app.ask("digest") == before
 
 
-def test_a_process_the_server_cannot_take_goes_the_agents_way(server, sim_app):
-    """Memory exported for other processes (the agents relink it) is copied by the agent as in-process, and
-    so is its restore through the server, every byte back; the result says which plane moved the data."""
+def test_memory_exported_for_other_processes_goes_through_the_server_too(server, sim_app):
+    """Memory exported for other processes (the agents relink it) is copied by the server, once, from its
+    exporter, and put back by it; the result says which plane moved the data."""
     app = sim_app("--sizes", "16M")
     app.ask("share 8")
     before = app.ask("digest")
     ck = gpucr.checkpoint(app.pid)
-    assert "handover" not in ck.phases_s and ck.data_plane == "agent", ck
+    assert "handover" in ck.phases_s and ck.data_plane == "server", ck
     rs = gpucr.restore(app.pid)
-    assert rs.data_plane == "agent" and app.ask("digest") == before
+    assert rs.data_plane == "server" and app.ask("digest") == before
 
 
 def test_server_that_gives_back_its_context_holds_nothing_between_cycles(sim_app):

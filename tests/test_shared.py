@@ -3,7 +3,6 @@ checkpointed together, the exporter's data saved once, both see the same memory 
 runs through the gpucr server's data plane and through the agents' own (the `plane` fixture)."""
 from __future__ import annotations
 
-import hashlib
 import os
 
 import pytest

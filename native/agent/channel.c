@@ -150,47 +150,6 @@ static void reply_hello(struct jb *j)
     jb_str(j, "group", g_group);
 }
 
-/* Bytes of the plain allocations in `map` that are on device dev. */
-static size_t native_on(const struct hmap *map, int dev)
-{
-    size_t n = 0;
-    uint64_t key;
-    void *val;
-    for (size_t i = 0; (i = hmap_next(map, i, &key, &val)) < map->cap; i++)
-        if (reg_native_dev(val) == dev) n += reg_native_size(val);
-    return n;
-}
-
-/* The GPUs the process uses, as its contexts were made (the controller checks a restore's
- * --map against them); the caller holds the registry lock. */
-static void devices_json(struct jb *j)
-{
-    jb_arr(j, "devices");
-    for (int i = 0; i < g_reg.nctx; i++) {
-        int k = 0, dev = g_reg.ctxs[i].dev;
-        while (k < i && g_reg.ctxs[k].dev != dev) k++;
-        if (k < i) continue;   /* a second context on the same device */
-        const unsigned char *u = g_reg.ctxs[i].uuid;
-        char uuid[48];
-        reg_uuid_text(u, uuid);
-        size_t bytes = 0, adopted = 0;
-        for (struct phys *p = g_reg.all; p; p = p->next_all)
-            if (p->kind != PHYS_IMPORTED && p->prop.location.id == dev) {
-                bytes += p->size;
-                if (p->adopted && !p->released) adopted += p->size;
-            }
-        jb_sub(j, NULL);
-        jb_int(j, "ordinal", dev);
-        jb_str(j, "uuid", uuid);
-        jb_int(j, "vmm_bytes", (long long)bytes);
-        /* held now but made by the gpucr server: per-process counts leave it out, the controller adds it */
-        jb_int(j, "adopted_bytes", (long long)adopted);
-        jb_int(j, "driver_bytes", (long long)(native_on(&g_reg.native_by_va, dev) + native_on(&g_reg.pool_by_va, dev)));
-        jb_end(j);
-    }
-    jb_arr_end(j);
-}
-
 static void reply_status(struct jb *j)
 {
     struct dp_status st;
@@ -247,7 +206,7 @@ static void reply_status(struct jb *j)
     jb_int(j, "not_exportable", g_reg.unexportable);
     jb_end(j);
     coverage_json(j, &ps);
-    devices_json(j);
+    dp_devices_json(j);
     reg_unlock();
     struct staging_info si;
     staging_get_info(&si);

@@ -831,14 +831,14 @@ void dp_reset_after_fork(void)
 /* Memory the server can make again as it was: device memory shared with no other process in a way gpucr cannot
  * relink (its allocation flags, e.g. GPUDirect RDMA as PyTorch's expandable segments ask, are listed for the
  * server: memory_entry). Memory exported to other processes is too: copied once, from its exporter. */
-static bool makeable(const struct phys *p)
+bool dp_makeable(const struct phys *p)
 {
     return !p->share_unknown && p->prop.type == CU_MEM_ALLOCATION_TYPE_PINNED &&
            p->prop.location.type == CU_MEM_LOCATION_TYPE_DEVICE;
 }
 
 /* ... and that it can take at a handover: with the agent's fd of it. */
-static bool handable(const struct phys *p) { return p->own_fd >= 0 && makeable(p); }
+bool dp_handable(const struct phys *p) { return p->own_fd >= 0 && dp_makeable(p); }
 
 int dp_handover(int timeout_ms, bool unpin, char *err, size_t errlen)
 {
@@ -849,7 +849,7 @@ int dp_handover(int timeout_ms, bool unpin, char *err, size_t errlen)
     reg_lock();
     long no = 0, imports = 0;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (reg_phys_movable(p) && !handable(p)) no++;
+        if (reg_phys_movable(p) && !dp_handable(p)) no++;
         else if (unlinked_at_checkpoint(p) && p->own_fd < 0) imports++;
     }
     reg_unlock();
@@ -1055,127 +1055,6 @@ int dp_stage(char *err, size_t errlen)
     pthread_mutex_unlock(&g_ready_mu);
     DP_SET(g_dp.staged = true);
     return 0;
-}
-
-/* ---- memory shared with other processes through POSIX fds (share.c says how it is named) ---- */
-
-/* One page of a listing of the allocations `listed` picks (all when NULL), from the from-th of them on,
- * with at most maxfds fds: `entry` writes one allocation's fields and gives the fd to send with it (-1:
- * none); "total", "fd_index", the closing "next" (-1 after the last page) and the registry lock are the
- * pager's. "total" (how many the whole listing has) comes first: a controller bounds the listing by it. */
-static void fd_page(struct jb *j, const char *key, int from, int *fds, int *nfds, int maxfds,
-                    bool (*listed)(const struct phys *), int (*entry)(struct jb *, const struct phys *, int index))
-{
-    *nfds = 0;
-    jb_bool(j, "ok", true);
-    reg_lock();
-    int total = 0;
-    for (struct phys *p = g_reg.all; p; p = p->next_all) total += !listed || listed(p);
-    jb_int(j, "total", total);
-    jb_arr(j, key);
-    int k = 0, next = -1;
-    for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (listed && !listed(p)) continue;
-        if (k++ < from) continue;
-        if (*nfds >= maxfds) { next = k - 1; break; }
-        jb_sub(j, NULL);
-        int fd = entry(j, p, k - 1);
-        jb_int(j, "fd_index", fd >= 0 ? *nfds : -1);
-        jb_end(j);
-        if (fd >= 0) fds[(*nfds)++] = fd;
-    }
-    reg_unlock();
-    jb_arr_end(j);
-    jb_int(j, "next", next);
-}
-
-static bool is_shared(const struct phys *p) { return p->share_sid != 0; }
-
-/* a shared allocation, with the agent's own dup of its fd when it still has one (never ours to close) */
-static int shared_entry(struct jb *j, const struct phys *p, int index)
-{
-    (void)index;
-    jb_int(j, "sid", p->share_sid);
-    jb_str(j, "role", p->kind == PHYS_IMPORTED ? "importer" : "exporter");
-    jb_int(j, "key", (long long)p->share_key);
-    if (p->kind == PHYS_IMPORTED) jb_int(j, "owner", p->share_owner_pid);
-    jb_int(j, "bytes", (long long)p->size);
-    return p->share_ndups ? p->share_dups[0] : -1;
-}
-
-/* The shared allocations from the n-th on, with the agent's fd of each that still has one (for a
- * controller to compare with other processes'; at most maxfds fds, the rest on a later call). */
-int dp_shared_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds)
-{
-    fd_page(j, "shared", from, fds, nfds, maxfds, is_shared, shared_entry);
-    return 0;
-}
-
-static const char *kind_name(const struct phys *p)
-{
-    if (p->pool_seg) return "pool";
-    return p->kind == PHYS_CONVERTED ? "converted" : p->kind == PHYS_APP_VMM ? "app_vmm" : "imported";
-}
-
-/* a managed allocation, with a dup of the agent's fd of it, sent and then closed: a free on another
- * thread meanwhile cannot make it another file */
-static int memory_entry(struct jb *j, const struct phys *p, int index)
-{
-    int fd = share_dup_own(p);
-    jb_int(j, "index", index);
-    jb_str(j, "kind", kind_name(p));
-    jb_int(j, "bytes", (long long)p->size);
-    jb_int(j, "device", reg_ctx_device(p->ctx));   /* the GPU of the context it was made in */
-    char uuid[48];
-    reg_ctx_uuid(p->ctx, uuid);
-    jb_str(j, "uuid", uuid);   /* the same GPU for a process that numbers them otherwise (a server) */
-    jb_bool(j, "released", p->released);
-    jb_bool(j, "not_exportable", p->own_fd_missing);
-    jb_bool(j, "movable", reg_phys_movable(p));
-    /* a server can take it at a handover (else it refuses), or, released, make it again at a restore */
-    jb_bool(j, "handable", p->released ? makeable(p) : handable(p));
-    jb_int(j, "rdma", p->prop.allocFlags.gpuDirectRDMACapable);
-    jb_int(j, "compression", p->prop.allocFlags.compressionType);
-    jb_int(j, "usage", p->prop.allocFlags.usage);
-    jb_arr(j, "maps");
-    for (const struct mapping *m = p->maps; m; m = m->next) {
-        jb_sub(j, NULL);
-        jb_int(j, "va", (long long)m->va);
-        jb_int(j, "bytes", (long long)m->size);
-        jb_int(j, "offset", (long long)m->offset);
-        jb_end(j);
-    }
-    jb_arr_end(j);
-    return fd;
-}
-
-int dp_memory_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds)
-{
-    fd_page(j, "memory", from, fds, nfds, maxfds, NULL, memory_entry);
-    return 0;
-}
-
-void dp_shared_json(struct jb *j)
-{
-    jb_arr(j, "shared");
-    reg_lock();
-    for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (!p->share_sid) continue;
-        jb_sub(j, NULL);
-        jb_int(j, "sid", p->share_sid);
-        jb_str(j, "role", p->kind == PHYS_IMPORTED ? "importer" : "exporter");
-        jb_int(j, "key", (long long)p->share_key);
-        if (p->kind == PHYS_IMPORTED) {
-            jb_int(j, "owner", p->share_owner_pid);
-            jb_int(j, "owner_start", (long long)p->share_owner_start);
-        }
-        jb_int(j, "bytes", (long long)p->size);
-        jb_bool(j, "unlinked", p->released);
-        jb_int(j, "open_fds", share_open_fds(p));
-        jb_end(j);
-    }
-    reg_unlock();
-    jb_arr_end(j);
 }
 
 /* A controller found which exporter's memory an imported allocation is: give it that key. */

@@ -57,6 +57,12 @@ int dp_shared_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds);
 /* For a gpucr server: every device allocation the agent manages from the n-th on, with its mappings
  * and a dup of the agent's own fd of it (closed once sent); at most maxfds fds, the rest later. */
 int dp_memory_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds);
+/* The GPUs the process uses, with its bytes on each (status's "devices"); the caller holds the registry lock. */
+void dp_devices_json(struct jb *j);
+/* whether a gpucr data plane can take p at a handover (dp_handable), or make it again at a restore (dp_makeable) */
+struct phys;
+bool dp_makeable(const struct phys *p);
+bool dp_handable(const struct phys *p);
 int dp_bind(unsigned sid, unsigned long long key, long owner, unsigned long long owner_start, char *err, size_t errlen);
 int dp_export(unsigned long long key, int *fd_out, struct jb *j, char *err, size_t errlen);
 int dp_relink(unsigned long long key, int fd, char *err, size_t errlen);

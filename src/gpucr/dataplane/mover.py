@@ -464,6 +464,9 @@ class Mover:
             if m is None or not m.released or m.bytes != size:
                 raise GpucrError(f"the process's layout names allocation {idx} ({size} bytes), which it does not "
                                  "list as released memory of that size")
+            if m.not_exportable:   # it had no room for an fd of it (RLIMIT_NOFILE): nor has it for ours now
+                raise GpucrError(f"the process could keep no fd of its allocation {idx}: the mover's memory could "
+                                 "not reach it")
 
     def _sync(self, placed: list[tuple[int, int, int, int, int]], quiet: bool = False) -> None:
         """Every straight copy queued so far on the process's GPUs done; quiet: errors aside, each GPU still

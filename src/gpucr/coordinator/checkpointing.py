@@ -1,0 +1,124 @@
+"""The checkpoint of one or many processes, all or nothing, and its roll-back."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from .. import shape
+from .. import target as targets
+from ..errors import GpucrError
+from ..results import SCHEMA_VERSION, CheckpointResult, ProcessCheckpoint
+from ..levels import LEVELS
+from .members import PhaseError, _Member, _app_resume, _check_request, _each, _lap, _run_all, _usage, _usage_at_end
+from .steps import (_abort_held, _data_out, _driver_checkpoint, _driver_lock, _prepare, _quiesce, _release,
+                    _roll_back_driver, _vet_for_checkpoint, _warnings)
+from .through_plane import _data_out_by_server, _server_takes
+from .image_steps import _write_image
+from .relink import _check_sharing
+from .restoring import _data_in_all
+
+if TYPE_CHECKING:
+    from ..dataplane.mover import Mover
+
+
+def _commit(m: _Member, level: str) -> None:
+    m.agent.call("commit", timeout=10.0, full=int(level == "full"))
+    epoch = None
+    if m.app is not None:
+        try:
+            epoch = m.app.ask("epoch", 5.0).get("epoch")
+        except (OSError, ValueError):
+            epoch = None
+        m.app.close()
+        m.app = None
+    m.result["state"] = "checkpointed"
+    m.result["level"] = level
+    m.result["warnings"] = m.result.get("warnings", []) + _warnings(m)
+    if m.image_dir is not None:
+        m.result["image"] = _write_image(m, level, epoch)
+
+
+def _roll_back(members: list[_Member]) -> None:
+    """Undo a partial checkpoint of these processes, last step first; never raises."""
+    _run_all(members, _roll_back_driver)   # it never raises
+    _run_all(members, _abort_held)   # it never raises
+    back = [m for m in members if m.data_out and not targets.process_ended(m.pid)]
+    for m in back:
+        m.status = {**m.status, "state": "checkpointed"}
+    try:
+        _data_in_all(back, 600.0, False, "roll-back", sources=members, drop_ended=True)
+    except GpucrError:
+        pass
+    for m in members:
+        _app_resume(m.app)
+        m.app = None
+
+
+def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
+                    images: dict[int, str | Path] | None = None, mover: Mover | None = None) -> CheckpointResult:
+    """Checkpoint several processes together, all or nothing (see the module's doc). `mover`: the gpucr
+    server's data plane, which copies the data while the driver takes the control state, when it can take
+    every process's data (else the agents copy it, each in its process)."""
+    if level not in LEVELS:
+        raise GpucrError(f"unknown level '{level}': use one of {', '.join(LEVELS)}")
+    _check_request(pids, timeout)
+    images = images or {}
+    members: list[_Member] = []
+    t0 = time.perf_counter()
+    try:
+        for pid in pids:   # vet everyone before touching anyone
+            img = images.get(pid)
+            members.append(_vet_for_checkpoint(pid, Path(img) if img is not None else None, timeout))
+        _check_sharing(members, timeout)
+        for m in members:
+            m.gpu_before = _usage(m, m.status, mover)
+        t0 = _lap(members, "vet", t0)
+        try:
+            _each("prepare", members, lambda m: _prepare(m, timeout))
+            t0 = _lap(members, "prepare", t0)
+            if mover is not None and _server_takes(members, timeout):
+                _data_out_by_server(members, timeout, level, mover)
+            elif len(members) > 1:
+                # no process gives memory back before every one is still and copied: memory they share
+                # stays whole if any of them fails, and nothing is copied while a peer still writes to it
+                _each("quiesce", members, lambda m: _quiesce(m, timeout))
+                _each("data out", members, lambda m: _data_out(m, timeout, level, hold=True))
+                _each("release", members, _release)
+            else:
+                _each("data out", members, lambda m: _data_out(m, timeout, level))
+            if level == "full":   # (the server's data out took the control state already, side by side)
+                _each("driver lock", [m for m in members if not m.checkpointed], lambda m: _driver_lock(m, timeout))
+                _each("driver checkpoint", [m for m in members if not m.checkpointed], _driver_checkpoint)
+        except PhaseError as exc:
+            _roll_back(members)
+            if len(members) > 1:
+                alive = [m for m in members if not targets.process_ended(m.pid)]
+                lost = "".join(f"; process {m.pid}: {w}" for m in alive for w in m.result.get("warnings", []))
+                ended = [str(m.pid) for m in members if m not in alive]
+                who = (f"all {len(members)} processes run on" if not ended else
+                       f"{len(alive)} of {len(members)} processes run on (process {', '.join(ended)} ended)")
+                raise GpucrError(f"{exc}; rolled back: {who} with their data intact{lost}") from exc
+            if exc.phase in ("prepare", "data out"):
+                raise GpucrError(str(exc)) from exc   # nothing was released: its own words say it runs on
+            raise GpucrError(f"{exc}; rolled back, process {exc.pid} runs on with its data intact") from exc
+        t0 = time.perf_counter()
+        _each("commit", members, lambda m: _commit(m, level))
+        t0 = _lap(members, "commit", t0)
+        if mover is not None:
+            mover.settle()   # the server's context given back first, when it does not keep it
+        changes = [shape.gpu_changes(m.gpu_before, _usage_at_end(m, mover)) for m in members]
+        _lap(members, "settle", t0)
+        return CheckpointResult(SCHEMA_VERSION, "checkpoint", [shape.checkpoint(m.result, c) for m, c in zip(members, changes)])
+    finally:
+        for m in members:
+            m.close()
+
+
+def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str | Path | None = None) -> ProcessCheckpoint:
+    """Save the process's GPU memory and give it back; the process stays alive, parked.
+
+    With `image`, the data is also written to that directory (with its manifest) and the host
+    staging is released, so host memory is freed too.
+    """
+    return checkpoint_many([pid], level, timeout, {pid: image} if image is not None else None).processes[0]

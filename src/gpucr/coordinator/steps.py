@@ -1,0 +1,300 @@
+"""One process's steps, each a request to its agent or a call of the driver: vetting, quiesce, the agent's own
+copy (until the one data plane takes every case), the driver's lock, checkpoint, restore and unlock, and their undoing."""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from .. import gpus, manifest
+from .. import imagefs
+from .. import target as targets
+from ..driver import CUDA_ERROR_OUT_OF_MEMORY, DriverError, ProcessState
+from ..errors import GpucrError
+from .members import (STALL_GRACE_S, _Member, _app_prepare, _driver_state, _need_cuda, _settled_status,
+                      _test_kill_point, _test_kill_target, _watched_call)
+
+
+def _vetting_status(m: _Member, timeout: float) -> dict[str, Any]:
+    """The agent's status before anything is touched, within the request's own deadline: a process busy
+    starting up (loading gigabytes) may answer late."""
+    try:
+        return m.agent.call("status", timeout=timeout)
+    except GpucrError as exc:
+        m.close()
+        raise GpucrError(f"{exc} (--timeout); nothing was touched. Is it still starting up? Wait until it is up "
+                         f"('gpucr wait {m.pid}' and its own output), or give a longer --timeout, then retry") from exc
+
+
+def _vet_for_checkpoint(pid: int, image_dir: Path | None, timeout: float) -> _Member:
+    t = targets.resolve(pid)
+    _need_cuda(t)
+    drv = t.driver()
+    dstate = _driver_state(drv, pid)
+    if dstate != ProcessState.RUNNING:
+        raise GpucrError(f"process {pid} is already checkpointed (driver state {dstate.name.lower()}); "
+                         f"restore it with 'gpucr restore {pid}'")
+    if image_dir is not None:
+        _check_image_dir(image_dir, imagefs.owner_for(t.uid, pid))
+    m = _Member(t, drv, image_dir=image_dir, result={"pid": pid, "phases_s": {}})
+    m.agent = t.connect()
+    m.status = _vetting_status(m, timeout)
+    if m.status["state"] != "running":
+        m.close()
+        raise GpucrError(f"process {pid} is already checkpointed (level data); restore it with 'gpucr restore {pid}'")
+    return m
+
+
+def _check_image_dir(d: Path, owner: imagefs.Owner | None) -> None:
+    """An image goes to a new or empty directory that the process's user can write (root acting for
+    another user writes as that user): known before anything is touched."""
+    with imagefs.fs_identity(owner):
+        if d.is_symlink():
+            raise GpucrError(f"the image directory {d} is a symbolic link; give the directory itself")
+        if d.exists() and not d.is_dir():
+            raise GpucrError(f"{d} is not a directory; give a new or empty directory for the image")
+        if d.exists() and any(d.iterdir()):
+            raise GpucrError(f"the image directory {d} is not empty; give a new or empty directory")
+        parent = d if d.exists() else next((p for p in d.absolute().parents if p.exists()), Path("/"))
+        # effective_ids: checked with this thread's file-system identity, the one the image is written with
+        if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK, effective_ids=True):
+            who = f" as uid {owner[0]}, the process's user" if owner else ""
+            raise GpucrError(f"cannot write the image under {parent}{who}: permission denied or not a directory")
+
+
+def _prepare(m: _Member, timeout: float) -> None:
+    m.app = _app_prepare(m.t, timeout)
+
+
+def _unpin_for_driver() -> bool:
+    """GPUCR_UNPIN_FOR_DRIVER=1: unpin the staging before the driver's checkpoint and pin it again
+    during the restore's copies (pin-ahead threads), instead of leaving it pinned through the
+    driver's checkpoint. Off by default: on the H200 (Llama-3-8B shape, 69 GiB) it moved the pinning
+    cost rather than removing it (unregistering does not overlap the copies; re-pinning runs at
+    about 16-21 GB/s against the driver's own re-pin at about 25 GB/s): checkpoint 2.98 s vs 2.95 s,
+    restore 4.73 s vs 4.24 s (bench/results/2026-11-29-h200-bench-llama-huge.json)."""
+    return os.environ.get("GPUCR_UNPIN_FOR_DRIVER", "0") not in ("", "0")
+
+
+def _quiesce(m: _Member, timeout: float) -> None:
+    """First phase of a checkpoint of several processes: staging ready, gate closed, device still;
+    nothing copied or released (an "abort" undoes it). lease=1 as for _data_out."""
+    m.data_out_t0 = time.perf_counter()
+    _watched_call(m, "quiesce", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1)
+    m.held = True
+
+
+def _data_out(m: _Member, timeout: float, level: str, hold: bool = False) -> None:
+    """The agent's own copy out, then (unless `hold`: several processes release only once all are copied)
+    the memory given back."""
+    _test_kill_target(m.pid, "data-out")
+    if not hold:
+        m.data_out_t0 = time.perf_counter()
+    # lease=1: should this controller die before it commits, the agent rolls the process back itself.
+    # unpin=1: staging is unpinned segment by segment behind the copies, for an image (its memory goes
+    # away once on disk, and the driver must not be needed then) or for the driver's checkpoint.
+    unpin = m.image_dir is not None or (level == "full" and _unpin_for_driver())
+    out = _watched_call(m, "checkpoint", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1,
+                        unpin=int(unpin), hold=int(hold))
+    if hold:
+        m.held = True
+        return
+    _data_out_done(m, out)
+
+
+def _release(m: _Member) -> None:
+    """Last phase of a checkpoint of several processes: every one is copied, so memory may go."""
+    _data_out_done(m, m.agent.call("release", timeout=120.0))
+
+
+def _data_out_done(m: _Member, out: dict[str, Any]) -> None:
+    m.data_out, m.held = True, False
+    r = m.result
+    r["phases_s"]["data_out"] = time.perf_counter() - m.data_out_t0
+    cyc = out["last_cycle_ms"]
+    r["agent_ms"] = {k: cyc[k] for k in ("staging", "gate", "sync", "copy_out", "release")}
+    r["bytes_moved"] = cyc["bytes_out"]
+    r["bytes_left_to_driver"] = out["bytes_left_to_driver"]
+    r["coverage"] = out.get("coverage")
+    r["generation"] = out["generation"]
+    m.status = out
+    _test_kill_point("after-data-out")
+
+
+def _driver_lock(m: _Member, timeout: float) -> None:
+    _test_kill_target(m.pid, "driver-lock")
+    t0 = time.perf_counter()
+    m.drv.lock(m.pid, int(timeout * 1000))
+    m.locked = True
+    m.result["phases_s"]["driver_lock"] = time.perf_counter() - t0
+    _test_kill_point("after-driver-lock")
+
+
+def _driver_checkpoint(m: _Member) -> None:
+    t0 = time.perf_counter()
+    m.drv.checkpoint(m.pid)
+    m.checkpointed = True
+    m.result["phases_s"]["control_out"] = time.perf_counter() - t0
+    _test_kill_point("after-driver-checkpoint")
+    final = m.drv.state(m.pid)
+    if final != ProcessState.CHECKPOINTED:
+        raise GpucrError(f"the driver left it in state {final.name.lower()} instead of checkpointed")
+
+
+def _warnings(m: _Member) -> list[str]:
+    """What the checkpoint did less well than it claims by default: shared memory whose POSIX fd is
+    still open in the process stays allocated in the driver (the fd holds it), so it is not given back
+    while checkpointed; and copies that went through pageable memory because no ring could be pinned."""
+    try:
+        st = m.agent.call("status", timeout=10.0)
+    except GpucrError:
+        return []
+    out = [f"{s['bytes'] >> 20} MiB of memory it {'exported' if s['role'] == 'exporter' else 'imported'} stays on "
+           f"the GPU while checkpointed: process {m.pid} still holds {s['open_fds']} open file descriptor(s) of it; "
+           "close them once the memory is imported (as NCCL does)" for s in st.get("shared", []) if s.get("open_fds")]
+    if st.get("bounce_problem"):
+        out.append(f"process {m.pid}: {st['bounce_problem']}, so its data went through pageable memory (slower); "
+                   "check pinned-memory limits with 'gpucr doctor'")
+    return out
+
+
+def _roll_back_driver(m: _Member) -> None:
+    """Undo the driver's steps for this process; never raises (the process may be gone)."""
+    try:
+        if not os.path.exists(f"/proc/{m.pid}"):
+            m.data_out = False
+            return
+        targets.check_not_stopped(m.pid)   # a stopped process cannot answer the driver: left restorable
+        s = m.drv.state(m.pid)
+        if s == ProcessState.CHECKPOINTED:
+            m.drv.restore(m.pid)
+            s = m.drv.state(m.pid)
+        if s == ProcessState.LOCKED:
+            m.drv.unlock(m.pid)
+    except GpucrError:
+        pass
+
+
+def _abort_held(m: _Member) -> None:
+    """A process quiesced or copied but not released: reopening its gate undoes it."""
+    if m.held and os.path.exists(f"/proc/{m.pid}"):
+        try:
+            m.agent.call("abort", timeout=60.0)
+        except GpucrError:
+            pass   # its lease ends with this connection and the agent aborts by itself
+        m.held = False
+
+
+def _vet_for_restore(pid: int, image_dir: Path | None, force: bool, gpu_map: dict[str, str]) -> _Member:
+    t = targets.resolve(pid)
+    _need_cuda(t)
+    drv = t.driver()
+    dstate = _driver_state(drv, pid)
+    m = _Member(t, drv, image_dir=image_dir, result={"pid": pid, "phases_s": {}})
+    m.agent = t.connect()
+    m.status = m.agent.call("status", timeout=10.0)
+    if m.status.get("rolling_back") and dstate == ProcessState.RUNNING:
+        # its checkpoint's controller died after data out: the agent is undoing it alone, wait for that
+        # (with the driver holding the process, the roll-back waits for this restore instead)
+        m.status = _settled_status(m.agent, 60.0)
+    st = m.status
+    if dstate == ProcessState.RUNNING and st["state"] == "running" and not st.get("gate_closed"):
+        m.close()
+        raise GpucrError(f"process {pid} is not checkpointed: nothing to restore")
+    machine = gpus.machine_gpus(drv)
+    m.gpus = gpus.process_gpus(st, machine)
+    if gpu_map and dstate != ProcessState.CHECKPOINTED:
+        m.close()
+        raise GpucrError(f"process {pid} is not held by the driver (its CUDA context stayed on its GPU, --level data, or "
+                         "its driver restore is done): --map applies only to a restore of a --level full checkpoint")
+    try:
+        m.gpu_moves = gpus.moves_for(pid, m.gpus, gpu_map, machine)
+    except GpucrError:
+        m.close()
+        raise
+    # (running with its gate still closed: a restore stopped before its last step; it is finished below)
+    if image_dir is not None:
+        with imagefs.ImageDir(image_dir, imagefs.owner_for(t.uid, pid)) as idir:
+            man = manifest.load(idir)
+        m.result["image_id"] = man.get("id")
+        m.result["manifest_entry"] = manifest.check_restore(man, pid=pid, start_time=t.start_time,
+                                                            generation=st["generation"], gpus=_restored_on(m, machine),
+                                                            force=force)
+    elif st["state"] == "checkpointed" and not st.get("staged", True) and st.get("checkpoint_phase") != "handed":
+        m.close()
+        raise GpucrError(f"process {pid}'s data was written to an image and is no longer in host memory: "
+                         f"restore it with 'gpucr restore --image DIR {pid}'")
+    m.checkpointed = dstate == ProcessState.CHECKPOINTED
+    m.locked = dstate == ProcessState.LOCKED
+    return m
+
+
+def _restored_on(m: _Member, machine: list[gpus.Gpu]) -> list[dict[str, Any]]:
+    """The GPUs a process will run on after its restore (its own, or the --map targets)."""
+    names = {g.uuid: g.name for g in machine}
+    out = []
+    for d in m.gpus:
+        where = m.gpu_moves.get(d["uuid"], d["uuid"])
+        out.append({**d, "uuid": where, "name": names.get(where, d["name"])})
+    return out
+
+
+def _check_room(members: list[_Member]) -> None:
+    """Refuse, before anything is re-created, a restore that does not fit on its GPUs: what every
+    process in it puts back on each GPU, against that GPU's free memory now."""
+    need: dict[str, int] = {}
+    who: dict[str, list[int]] = {}
+    for m in members:
+        if not m.checkpointed and m.status.get("state") != "checkpointed":
+            continue
+        for d in m.gpus:
+            where = m.gpu_moves.get(d["uuid"], d["uuid"])
+            # the driver's own part (small plain allocations, pools) comes back only from a full checkpoint
+            need[where] = need.get(where, 0) + d["vmm_bytes"] + (d["driver_bytes"] if m.checkpointed else 0)
+            who.setdefault(where, []).append(m.pid)
+    if not need:
+        return
+    drv = members[0].drv
+    machine = gpus.machine_gpus(drv)
+    for uuid, n in need.items():
+        mem = gpus.memory_of(drv, uuid, machine)
+        if mem is not None and mem.free < n:
+            procs = ", ".join(map(str, who[uuid]))
+            raise GpucrError(f"not enough free GPU memory on {uuid} to restore process{'es' if len(who[uuid]) > 1 else ''} "
+                             f"{procs}: {n >> 20} MiB are needed, {mem.free >> 20} MiB are free; free GPU memory and "
+                             "retry (nothing was restored; the processes stay checkpointed)")
+
+
+def _driver_restore(m: _Member) -> None:
+    if not m.checkpointed:
+        return
+    t0 = time.perf_counter()
+    try:
+        pairs = gpus.restore_pairs(m.gpu_moves, gpus.machine_gpus(m.drv)) if m.gpu_moves else []
+        m.drv.restore(m.pid, [(gpus.to_bytes(o), gpus.to_bytes(n)) for o, n in pairs] or None)
+    except DriverError as exc:
+        if exc.rc == CUDA_ERROR_OUT_OF_MEMORY:
+            raise GpucrError("not enough free GPU memory to restore its CUDA context; free GPU memory and retry "
+                             "(the process stays checkpointed)") from exc
+        raise GpucrError(f"{exc}; it stays checkpointed, retry 'gpucr restore {m.pid}'") from exc
+    m.result["phases_s"]["control_in"] = time.perf_counter() - t0
+    _test_kill_point("after-driver-restore")
+    m.checkpointed, m.locked = False, m.drv.state(m.pid) == ProcessState.LOCKED
+
+
+def _driver_unlock(m: _Member, timeout: float) -> None:
+    if not m.locked:
+        return
+    t0 = time.perf_counter()
+    m.drv.unlock(m.pid)
+    m.locked = False
+    m.result["phases_s"]["driver_unlock"] = time.perf_counter() - t0
+    _test_kill_point("after-driver-unlock")
+    # a checkpoint whose controller died before committing rolls itself back once the driver lets
+    # go of the process: look again before asking for the data
+    m.status = _settled_status(m.agent, timeout)
+
+
+def _agent_restored(m: _Member) -> bool:
+    return m.agent.call("status", timeout=10.0)["state"] == "running"

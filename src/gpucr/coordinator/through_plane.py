@@ -1,0 +1,252 @@
+"""Data through the mover (gpucr.dataplane: the server's, or the CLI's own with no server): every agent hands its
+memory over keeping an fd of each allocation, the mover copies it beside the driver's steps, then each agent lets go;
+at restore the mover makes and fills new memory beside the driver's restore, and each agent adopts it."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import threading
+import time
+from contextlib import ExitStack, contextmanager
+from typing import TYPE_CHECKING, Any, Callable, Iterator
+
+from ..errors import GpucrError, note
+from ..dataplane import memory as server_memory
+from ..dataplane.memory import Managed
+from .members import (ADOPT_BATCH, PhaseError, STALL_GRACE_S, _Member, _beside, _each, _test_kill_point,
+                      _test_kill_target, _watched_call)
+from .steps import _data_out_done, _driver_checkpoint, _driver_lock, _quiesce
+
+if TYPE_CHECKING:
+    from ..dataplane.mover import Mover, Stats as ServerStats
+
+
+def _handable(m: _Member, memory: list[Managed]) -> bool:
+    """Whether the server can take all of the process's data: device memory with an fd of the agent's for every
+    allocation it moves (an exporter's too: copied once, from it), and an fd of every import it unlinks (which
+    keeps that memory on the GPU until every copy is confirmed). (At a restore, a released allocation is
+    handable when the server can make it again.)"""
+    return (all(e.handable for e in memory if e.movable)
+            and all(e.fd is not None for e in memory if e.kind == "imported" and e.maps)
+            # an image of memory shared between processes: its importer's staging at the image's restore does not
+            # match the image yet (issue 25 notes), so that one still goes the agents' way
+            and not (m.image_dir is not None and m.status.get("shared")))
+
+
+def _server_takes(members: list[_Member], timeout: float) -> bool:
+    """Whether the server's data plane can take every process's data; nothing is touched to find out."""
+    takes: dict[int, bool] = {}
+
+    def look(m: _Member) -> None:
+        memory = server_memory.gather(m.agent, timeout)
+        takes[m.pid] = _handable(m, memory)   # (before our fds are closed: an import needs the agent's)
+        server_memory.close_all(memory)
+    _each("data out", members, look)
+    return all(takes.values())
+
+
+def _data_out_by_server(members: list[_Member], timeout: float, level: str, mover: Mover) -> None:
+    """The server's checkpoint (docs/server.md), of one process or several: every agent releases its memory
+    but keeps an fd of each allocation, which keeps it on the GPU (several are quiesced first, so nothing is
+    copied while a peer still writes to memory they share); the server copies each process into its staging,
+    one after another (the link is the bound), while the driver locks and checkpoints every one (level full);
+    then every agent lets go of its fds. Until then "abort" maps the memory again from those fds, with no
+    copy: no process gives memory back before every one is copied."""
+    for m in members:
+        m.plane = mover
+    if len(members) > 1:
+        _each("quiesce", members, lambda m: _quiesce(m, timeout))
+    _each("data out", members, lambda m: _handover(m, timeout))
+    _test_kill_point("after-handover")
+    stop = threading.Event()   # a driver step failed: the copies not begun yet are not needed
+
+    def driver_steps() -> None:
+        _test_kill_point("during-server-copy")
+        if level != "full":
+            return
+        try:   # the control state, at the same time
+            _each("driver lock", members, lambda m: _driver_lock(m, timeout))
+            _each("driver checkpoint", members, _driver_checkpoint)
+        except BaseException:
+            stop.set()
+            raise
+    with ExitStack() as held:
+        # listed now, after the handover (it trims pools first, so the list and its numbering are the
+        # layout's), and before the driver holds any process (its agent may not answer then)
+        inputs = {m.pid: _held_inputs(held, m, timeout, "data out") for m in members}
+        copied = _beside(lambda: _copy_all_out(members, inputs, mover, stop), "gpucr-server-copy-out", driver_steps)
+    if isinstance(copied, GpucrError):
+        raise copied
+    _each("release", members, lambda m: _handed_done(m, copied[m.pid]))
+
+
+def _handover(m: _Member, timeout: float) -> None:
+    """The agent quiesces (unless it is already) and releases its memory, keeping its own fd of each allocation."""
+    _test_kill_target(m.pid, "data-out")
+    if not m.held:
+        m.data_out_t0 = time.perf_counter()
+    # lease=1: should this controller die before handed_done, the agent takes its memory back itself.
+    # unpin=1 for an image: the process's staging goes once on disk, when the driver may hold the process
+    _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1,
+                  unpin=int(m.image_dir is not None))
+    m.held = True   # "abort" maps the memory again from the agent's fds: nothing left the GPU
+    m.result["phases_s"]["handover"] = time.perf_counter() - m.data_out_t0
+
+
+def _held_inputs(held: ExitStack, m: _Member, timeout: float, phase: str) -> tuple[dict[str, Any], list[int], list[Managed]]:
+    """m's _server_inputs, kept open until `held` closes; a failure is m's, at `phase`."""
+    try:
+        return held.enter_context(_server_inputs(m, timeout))
+    except GpucrError as exc:
+        raise PhaseError(m.pid, phase, exc) from exc
+
+
+def _copy_all_out(members: list[_Member], inputs: dict[int, tuple[dict[str, Any], list[int], list[Managed]]],
+                  mover: Mover, stop: threading.Event) -> dict[int, ServerStats]:
+    """Each process's memory copied into its staging by the server, one after another."""
+    done: dict[int, ServerStats] = {}
+    for m in members:
+        if stop.is_set():
+            break
+        try:
+            done[m.pid] = mover.copy_out(m.pid, *inputs[m.pid])
+        except GpucrError as exc:
+            raise PhaseError(m.pid, "data out", exc) from exc
+    return done
+
+
+def _handed_done(m: _Member, st: ServerStats) -> None:
+    """The server's copy of m is in staging: its agent lets go of its fds, and the memory leaves the GPU."""
+    _data_out_done(m, m.agent.call("handed_done", timeout=60.0))
+    m.result["phases_s"]["data_out"] = st.seconds   # the server's copy (the handover has its own phase)
+    m.result["data_plane"] = m.plane.plane if m.plane is not None else "server"
+    _server_phases(m, st)
+
+
+def _server_phases(m: _Member, st: ServerStats) -> None:
+    """What the server's copy cost besides the copy itself, when it did: pinning staging it had not pinned
+    yet, and waiting for the data plane (another process's copy, or pinning ahead)."""
+    if st.pin_s:
+        m.result["phases_s"]["server_pin"] = st.pin_s
+    if st.wait_s >= 0.001:
+        m.result["phases_s"]["server_wait"] = st.wait_s
+    # where the copy's own seconds went on the server's thread (the copy engines ran meanwhile): a copy
+    # slower than the link shows whether the server made, queued, waited or exported
+    m.result["phases_s"].update(server_stage=st.stage_s, server_make=st.make_s, server_queue=st.queue_s,
+                                server_drain=st.drain_s, server_export=st.export_s)
+    if st.routes:
+        m.result["routes"] = dict(st.routes)
+        # which of the two ways set the pace, and what watching the neighbours cost
+        m.result["phases_s"].update(server_straight=st.straight_s, server_route=st.route_s, route_looks=st.looks_s)
+    for uuid in st.dropped:
+        m.result.setdefault("warnings", []).append(f"the route through GPU {uuid} was given up mid-copy: a process "
+                                                   "started on it (the rest went straight)")
+
+
+@contextmanager
+def _server_inputs(m: _Member, timeout: float) -> Iterator[tuple[dict[str, Any], list[int], list[Managed]]]:
+    """The process's staging layout with its files, and its memory with our fds of it, for the server's
+    data plane; every fd closed afterwards (ours of the memory keep it on the GPU while open)."""
+    memory = server_memory.gather(m.agent, timeout)
+    try:
+        layout, seg_fds = m.agent.call_with_fds("layout", timeout=60.0)
+        try:
+            yield layout, seg_fds, memory
+        finally:
+            for fd in seg_fds:
+                os.close(fd)
+    finally:
+        server_memory.close_all(memory)
+
+
+def _server_restorable(m: _Member) -> bool:
+    """Whether the mover may put the data back: from staging in host memory or from an image, onto the process's
+    GPUs or those --map names (memory imported from other processes is relinked by the agents next). Not while its agent
+    rolls back a checkpoint whose controller died: it restores from staging itself once the driver lets go, and
+    answers no layout meanwhile."""
+    st = m.status
+    return (st.get("state") == "checkpointed" and not st.get("rolling_back")
+            and (bool(st.get("staged")) or (m.image_dir is not None and not st.get("shared"))))
+
+
+def _moved(memory: list[Managed], moves: dict[str, str]) -> list[Managed]:
+    """The process's memory as the server makes it again: on the GPU --map moves it to (the driver's restore moves
+    the process's context there, keeping its ordinal; the agent learns the new UUID only at its own restore)."""
+    return [dataclasses.replace(e, uuid=moves.get(e.uuid, e.uuid)) for e in memory]
+
+
+def _restore_with_server(members: list[_Member], timeout: float, mover: Mover, driver_steps: Callable[[], None],
+                         failed: dict[int, PhaseError]) -> None:
+    """The server makes new memory for each of `members` and fills it from its staging, one process after
+    another, while `driver_steps` restore every process of the request (those that fail land in `failed`);
+    then each agent the driver let go maps that memory at its old addresses (adopt). Whatever the server
+    could not put back, the agent's own restore from staging brings back next (_data_in)."""
+    with ExitStack() as held:
+        inputs = {}
+        for m in members:
+            try:
+                inputs[m.pid] = held.enter_context(_server_inputs(m, timeout))
+            except GpucrError as exc:
+                note(f"process {m.pid}: {exc}; its agent's own restore from staging brings it back")
+        # the new memory's fds keep it on the GPU: closed whatever becomes of the driver's steps
+        made = _beside(lambda: _fill_all([m for m in members if m.pid in inputs], inputs, mover), "gpucr-server-fill",
+                       driver_steps, undo=_close_made)
+    try:
+        for m in members:
+            filled = made.get(m.pid)
+            if isinstance(filled, GpucrError):
+                note(f"process {m.pid}: {filled}; its agent's own restore from staging brings it back")
+            elif filled is not None and m.pid not in failed:
+                _adopt(m, inputs[m.pid][0], *filled)
+    finally:
+        _close_made(made)
+
+
+def _fill_all(members: list[_Member], inputs: dict[int, tuple[dict[str, Any], list[int], list[Managed]]],
+              mover: Mover) -> dict[int, tuple[ServerStats, list[tuple[int, int]]] | GpucrError]:
+    """Each process's new memory made and filled by the server, one after another: [(index, fd)] of it, or
+    what went wrong (that process's agent then restores it itself)."""
+    made: dict[int, tuple[ServerStats, list[tuple[int, int]]] | GpucrError] = {}
+    for m in members:
+        try:
+            layout, seg_fds, memory = inputs[m.pid]
+            made[m.pid] = mover.fill(m.pid, layout, seg_fds, _moved(memory, m.gpu_moves))
+        except GpucrError as exc:
+            made[m.pid] = exc
+    return made
+
+
+def _close_made(made: dict[int, Any]) -> None:
+    """Our fds of the memory the server made, closed (the agents that adopted it hold their own): once
+    closed, memory nobody adopted leaves the GPU."""
+    for filled in made.values():
+        if not isinstance(filled, GpucrError):
+            for _i, fd in filled[1]:
+                os.close(fd)
+            filled[1].clear()
+
+
+def _adopt(m: _Member, layout: dict[str, Any], st: ServerStats, fds: list[tuple[int, int]]) -> None:
+    """The agent maps the server's new memory at the old addresses, ADOPT_BATCH fds a request."""
+    t0 = time.perf_counter()
+    try:
+        if m.status.get("state") == "checkpointed":
+            for k in range(0, len(fds), ADOPT_BATCH):
+                batch = fds[k:k + ADOPT_BATCH]
+                m.agent.call_sending_fds("adopt", [fd for _, fd in batch], timeout=60.0, **{"from": batch[0][0]})
+                taken = {i for i, _ in batch}
+                m.server_bytes_in += sum(int(a["bytes"]) for a in layout["allocations"] if int(a["index"]) in taken)
+            m.result["data_plane"] = m.plane.plane if m.plane is not None else "server"
+    except GpucrError as exc:   # the agent's own restore brings back what was not adopted
+        note(f"process {m.pid}: {exc}; its agent's own restore from staging brings the rest back")
+    m.result["phases_s"]["data_in"] = st.seconds
+    _server_phases(m, st)
+    m.result["phases_s"]["adopt"] = time.perf_counter() - t0
+
+
+def _fillable_memory(m: _Member, timeout: float) -> list[Managed] | None:
+    """The process's memory (no fd held: the server makes it anew), or None when the server cannot make again
+    every allocation the image holds (plain device memory)."""
+    memory = server_memory.gather(m.agent, timeout)
+    server_memory.close_all(memory)
+    return memory if all(e.handable for e in memory if e.released and e.movable) else None
