@@ -59,7 +59,8 @@ def cycles(name: str, module: str, args: list[str], n: int, env: dict | None = N
             assert app.ask("compute") == result, f"{name} cycle {i}: computation differs"
             record(test=name, cycle=i, held_mib=held / MiB, above_idle_while_ckpt_mib=(during - idle) / MiB,
                    bytes_moved=ck.bytes_moved, left_to_driver=ck.bytes_left_to_driver,
-                   ckpt=ck.phases_s, agent_s=ck.agent_phases_s, restore=rs.phases_s)
+                   ckpt=ck.phases_s, agent_s=ck.agent_phases_s, restore=rs.phases_s,
+                   data_plane={"checkpoint": ck.data_plane, "restore": rs.data_plane})
 
 
 def test_torch_default_allocator_20gib_ten_cycles():
