@@ -83,13 +83,17 @@ def test_process_on_two_gpus_keeps_peer_access(sim_app):
     assert app.ask("digest") == before
 
 
-def test_restore_onto_the_swapped_gpus(plane, sim_app, tmp_path):
+def on_two_gpus(sim_app):
+    """A process with memory on both GPUs: it, each GPU's idle use, what it holds on each, their UUIDs, its digest."""
     idle = [used_but_server(0), used_but_server(1)]
     app = sim_app("--sizes", "16M,3M")
     app.ask("device 1 40M")
-    u0, u1 = app.ask("uuids")["uuids"]
     held = [used_but_server(0) - idle[0], used_but_server(1) - idle[1]]
-    before = app.ask("digest")
+    return app, idle, held, app.ask("uuids")["uuids"], app.ask("digest")
+
+
+def test_restore_onto_the_swapped_gpus(plane, sim_app, tmp_path):
+    app, idle, held, (u0, u1), before = on_two_gpus(sim_app)
     assert gpucr_cli("checkpoint", "--image", str(tmp_path / "img"), str(app.pid)).returncode == 0
     taken = json.loads(gpucr_cli("inspect", "--json", str(tmp_path / "img")).stdout)
     assert [g["uuid"] for g in sorted(taken["gpus"], key=lambda g: g["ordinal"])] == [u0, u1]
@@ -117,12 +121,7 @@ def test_restore_onto_the_swapped_gpus(plane, sim_app, tmp_path):
 def test_restore_from_host_memory_onto_the_swapped_gpus(plane, sim_app):
     """--map of a checkpoint held in host memory: the new memory is made (by the server, when it runs) on the
     GPU each card moves to, every byte back at its address, and each card holds what the other held."""
-    idle = [used_but_server(0), used_but_server(1)]
-    app = sim_app("--sizes", "16M,3M")
-    app.ask("device 1 40M")
-    u0, u1 = app.ask("uuids")["uuids"]
-    held = [used_but_server(0) - idle[0], used_but_server(1) - idle[1]]
-    before = app.ask("digest")
+    app, idle, held, (u0, u1), before = on_two_gpus(sim_app)
     ck = cli("checkpoint", app.pid)
     assert ck["data_plane"] == plane
     rs = cli("restore", app.pid, "--map", f"{u0}={u1}", "--map", f"{u1}={u0}")
