@@ -70,6 +70,22 @@ def test_shared_buffer_checkpointed_together(plane, pair):
     assert exp.ask("read-shared")["sha256"] == imp.ask("read-shared")["sha256"]
 
 
+def test_processes_sharing_memory_written_to_images_come_back_from_them(plane, pair, tmp_path):
+    """Each process to its own image: the exporter's holds the shared buffer, the importer's only its own memory
+    (its import is unlinked, and relinked from the exporter at the restore). Read back from the images, both
+    run on with one buffer between them, every byte back at the same addresses."""
+    exp, imp, _ = pair
+    exp.ask(f"close-fd {exp.fd}")
+    exp.ask("write-shared 7")
+    before = [exp.ask("digest"), imp.ask("digest"), imp.ask("read-shared")]
+    images = {exp.pid: tmp_path / "exp", imp.pid: tmp_path / "imp"}
+    moved_by(plane, checkpoint_many([exp.pid, imp.pid], images=images))
+    moved_by(plane, restore_many([exp.pid, imp.pid], images=images))
+    assert [exp.ask("digest"), imp.ask("digest"), imp.ask("read-shared")] == before
+    exp.ask("write-shared 11")   # still one buffer, not two copies
+    assert imp.ask("read-shared")["sha256"] == exp.ask("read-shared")["sha256"]
+
+
 def test_an_importer_with_nothing_of_its_own_to_move(plane, sim_app):
     """An importer whose only movable memory is its exporter's (its own buffer is below a granule: the
     driver's): it is handed over (unlinked) or released with nothing to copy, and relinked at restore."""

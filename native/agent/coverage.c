@@ -1,6 +1,9 @@
 /* Coverage: which bytes gpucr's data plane moves and which it leaves to the driver's checkpoint
- * (correct, but ~2 GB/s), each kind with its reason, so that nothing is ever silently slow. One home
- * for the rule: `gpucr status`, a checkpoint's answer and the manifest all read this. */
+ * (correct, but ~2 GB/s), each kind with its reason, so that nothing is ever silently slow; and what
+ * no checkpoint can cover, refused before anything is touched (dp_preflight). One home for the rule:
+ * `gpucr status`, a checkpoint's answer and the manifest all read this. */
+#include <stdio.h>
+#include "dataplane.h"
 #include "pool.h"
 #include "registry.h"
 
@@ -57,4 +60,34 @@ void coverage_json(struct jb *j, const struct pool_stats *ps)
     jb_int(j, "ipc_imports", ps->ipc_imports);
     jb_end(j);
     jb_end(j);
+}
+
+void dp_preflight(char *why, size_t len)
+{
+    why[0] = 0;
+    reg_lock();
+    long shared = 0;
+    for (struct phys *p = g_reg.all; p; p = p->next_all)
+        if (p->share_unknown) shared++;   /* shared some other way than a POSIX fd the agent could keep */
+    if (g_reg.lost)
+        snprintf(why, len, "the agent could not record everything this process did (%ld times; first: %s), so a "
+                 "checkpoint would miss it; restart the process", g_reg.lost, g_reg.lost_why);
+    else if (g_reg.multicast_objects)
+        snprintf(why, len, "the process uses multicast objects (cuMulticastCreate: %ld; NCCL's NVLS makes them), which no "
+                 "CUDA checkpoint covers; run the job with NCCL_NVLS_ENABLE=0", g_reg.multicast_objects);
+    else if (g_reg.fabric_shares)
+        snprintf(why, len, "the process shares memory as fabric handles (%ld exports or imports), which gpucr cannot relink; "
+                 "share it as POSIX file descriptors (NCCL: NCCL_CUMEM_ENABLE=1 on one host uses them)", g_reg.fabric_shares);
+    else if (g_reg.managed_count)
+        snprintf(why, len, "the process uses managed memory (cuMemAllocManaged / cudaMallocManaged: %ld allocations, %zu MiB), "
+                 "which no CUDA checkpoint can save; allocate with cudaMalloc instead",
+                 g_reg.managed_count, g_reg.managed_bytes >> 20);
+    else if (g_reg.ipc_exports)
+        snprintf(why, len, "the process exported memory with legacy CUDA IPC (cuIpcGetMemHandle, %ld exports), which the "
+                 "driver's checkpoint cannot cover; share memory through VMM POSIX-fd handles instead", g_reg.ipc_exports);
+    else if (shared)
+        snprintf(why, len, "the process shares %ld VMM allocations with other processes through handles other than POSIX "
+                 "file descriptors, which gpucr cannot relink", shared);
+    reg_unlock();
+    if (!why[0]) pool_refusal(why, len);
 }

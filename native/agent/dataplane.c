@@ -300,36 +300,6 @@ static int staging_job(struct deadline_job *j)
     return rc;
 }
 
-void dp_preflight(char *why, size_t len)
-{
-    why[0] = 0;
-    reg_lock();
-    long shared = 0;
-    for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if (p->share_unknown) shared++;   /* shared some other way than a POSIX fd the agent could keep */
-    if (g_reg.lost)
-        snprintf(why, len, "the agent could not record everything this process did (%ld times; first: %s), so a "
-                 "checkpoint would miss it; restart the process", g_reg.lost, g_reg.lost_why);
-    else if (g_reg.multicast_objects)
-        snprintf(why, len, "the process uses multicast objects (cuMulticastCreate: %ld; NCCL's NVLS makes them), which no "
-                 "CUDA checkpoint covers; run the job with NCCL_NVLS_ENABLE=0", g_reg.multicast_objects);
-    else if (g_reg.fabric_shares)
-        snprintf(why, len, "the process shares memory as fabric handles (%ld exports or imports), which gpucr cannot relink; "
-                 "share it as POSIX file descriptors (NCCL: NCCL_CUMEM_ENABLE=1 on one host uses them)", g_reg.fabric_shares);
-    else if (g_reg.managed_count)
-        snprintf(why, len, "the process uses managed memory (cuMemAllocManaged / cudaMallocManaged: %ld allocations, %zu MiB), "
-                 "which no CUDA checkpoint can save; allocate with cudaMalloc instead",
-                 g_reg.managed_count, g_reg.managed_bytes >> 20);
-    else if (g_reg.ipc_exports)
-        snprintf(why, len, "the process exported memory with legacy CUDA IPC (cuIpcGetMemHandle, %ld exports), which the "
-                 "driver's checkpoint cannot cover; share memory through VMM POSIX-fd handles instead", g_reg.ipc_exports);
-    else if (shared)
-        snprintf(why, len, "the process shares %ld VMM allocations with other processes through handles other than POSIX "
-                 "file descriptors, which gpucr cannot relink", shared);
-    reg_unlock();
-    if (!why[0]) pool_refusal(why, len);
-}
-
 /* ---- restore from an image: the controller fills staging while re-mapping and copying run; it
  * marks each allocation ready as its chunks are verified, and the copy of that allocation waits for it ---- */
 static pthread_mutex_t g_ready_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -993,7 +963,7 @@ int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t e
         index++;
         if (!p->released) continue;
         int seg = -1;
-        size_t off = 0;
+        size_t off = 0;   /* where in staging: an allocation with none was not moved (an import) */
         if (!p->staging || staging_locate(p->staging, &seg, &off)) continue;
         jb_sub(j, NULL);
         jb_int(j, "index", index);   /* as the memory verb numbers it */
@@ -1023,6 +993,9 @@ int dp_drop_staged(char *err, size_t errlen)
     return 0;
 }
 
+/* what a checkpoint placed in staging (place_in_staging): an import it unlinked is its exporter's to save */
+static bool staged_at_checkpoint(const struct phys *p) { return p->released && reg_phys_movable(p); }
+
 int dp_stage(char *err, size_t errlen)
 {
     if (g_dp.state != AGENT_CHECKPOINTED || g_dp.staged) {
@@ -1031,10 +1004,10 @@ int dp_stage(char *err, size_t errlen)
     }
     int n = 0, k = 0;
     CUcontext ctx = NULL;
-    for (struct phys *p = g_reg.all; p; p = p->next_all) if (p->released) { n++; ctx = p->ctx; }
+    for (struct phys *p = g_reg.all; p; p = p->next_all) if (staged_at_checkpoint(p)) { n++; ctx = p->ctx; }
     size_t *sizes = malloc(sizeof *sizes * (size_t)(n ? n : 1));
     if (!sizes) { seterr(err, errlen, "out of host memory"); return -1; }
-    for (struct phys *p = g_reg.all; p; p = p->next_all) if (p->released) sizes[k++] = p->size;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) if (staged_at_checkpoint(p)) sizes[k++] = p->size;
     if (ctx) gpucr_use_ctx(ctx);
     int rc = staging_fit(sizes, n, err, errlen);
     free(sizes);
@@ -1044,12 +1017,12 @@ int dp_stage(char *err, size_t errlen)
     pthread_mutex_lock(&g_ready_mu);
     g_ready_abort = false;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        void *at = p->released ? staging_take(p->size) : NULL;
+        void *at = staged_at_checkpoint(p) ? staging_take(p->size) : NULL;
         reg_lock();
         p->ready = false;
         free(p->zero_chunks);
         p->zero_chunks = NULL;
-        if (p->released) p->staging = at;
+        if (staged_at_checkpoint(p)) p->staging = at;
         reg_unlock();
     }
     pthread_mutex_unlock(&g_ready_mu);

@@ -69,8 +69,7 @@ def _data_in_from_image(m: _Member, entry: dict, timeout: float, drop_staging: b
             os.close(fd)
     m.result["phases_s"]["image_read_and_data_in"] = time.perf_counter() - t0
     m.result["bytes_moved"] = out["last_cycle_ms"]["bytes_in"]
-    if "image" in m.result:   # (an importer's read can fail while its restore, which waits for nothing, succeeds)
-        m.result["image"]["bytes_zeroed"] = out["last_cycle_ms"].get("bytes_zeroed", 0)
+    m.result["image"]["bytes_zeroed"] = out["last_cycle_ms"].get("bytes_zeroed", 0)
     return False
 
 

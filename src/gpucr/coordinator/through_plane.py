@@ -27,10 +27,7 @@ def _handable(m: _Member, memory: list[Managed]) -> bool:
     keeps that memory on the GPU until every copy is confirmed). (At a restore, a released allocation is
     handable when the server can make it again.)"""
     return (all(e.handable for e in memory if e.movable)
-            and all(e.fd is not None for e in memory if e.kind == "imported" and e.maps)
-            # an image of memory shared between processes: its importer's staging at the image's restore does not
-            # match the image yet (issue 25 notes), so that one still goes the agents' way
-            and not (m.image_dir is not None and m.status.get("shared")))
+            and all(e.fd is not None for e in memory if e.kind == "imported" and e.maps))
 
 
 def _server_takes(members: list[_Member], timeout: float) -> bool:
@@ -166,7 +163,7 @@ def _server_restorable(m: _Member) -> bool:
     answers no layout meanwhile."""
     st = m.status
     return (st.get("state") == "checkpointed" and not st.get("rolling_back")
-            and (bool(st.get("staged")) or (m.image_dir is not None and not st.get("shared"))))
+            and (bool(st.get("staged")) or m.image_dir is not None))
 
 
 def _moved(memory: list[Managed], moves: dict[str, str]) -> list[Managed]:
