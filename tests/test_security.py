@@ -346,7 +346,7 @@ def test_runtime_dir_table_default_rule_falls_back_to_a_private_dir(users):
 # ---- 3: image files: planted links, hard links, another user's identity ----
 
 def test_a_link_planted_in_the_image_dir_is_never_followed(sim_app, tmp_path, monkeypatch):
-    import gpucr.coordinator as co
+    from gpucr.coordinator import steps as co
     app = sim_app("--sizes", "16M")
     before = app.ask("digest")
     precious = tmp_path / "precious"

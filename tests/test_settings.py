@@ -110,15 +110,16 @@ def test_agent_is_quiet_about_good_settings_and_when_disabled():
 def test_bad_settings_keep_the_defaults(sim_app):
     bad = {"GPUCR_BOUNCE_MIB": "abc", "GPUCR_GROUP": "g" * 128, "GPUCR_STAGING": "bogus",
            "GPUCR_STAGING_POLICY": "junk", "GPUCR_PIN_THREADS": "-1"}
+    from gpucr import coordinator   # with no mover: the agent's own plane, whose ring the settings size
     app = sim_app("--sizes", "16M", env={**os.environ, **bad})
     before = app.ask("digest")
-    gpucr.checkpoint(app.pid)
+    coordinator.checkpoint(app.pid)
     st = gpucr.status(app.pid)
     # the default ring (was: the ring off, all of staging pinned)
     assert st.bounce_pinned_bytes > 0 and st.staging_pinned_bytes == 0, st
     assert st.staging_kind in ("shm", "hugetlbfs"), st.staging_kind
     assert not st.group, "a group name too long is refused, not cut"
-    gpucr.restore(app.pid)
+    coordinator.restore(app.pid)
     assert app.ask("digest") == before
     assert gpucr.status(app.pid).staging_bytes > 0, "staging kept after the restore (the default policy)"
 

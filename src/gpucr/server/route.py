@@ -75,11 +75,15 @@ def _reading(op: str, args: dict[str, Any]) -> tuple[bool, Any]:
 
 
 @contextmanager
-def here_plane() -> Iterator[Mover | None]:
+def here_plane(pids: list[int] = ()) -> Iterator[Mover | None]:
     """The data plane for a checkpoint or restore run in this process: the server's mover, here (its context,
     ring and mappings given back when the request ends). None when this process has no driver: the coordinator,
-    which needs it too, then says so after its own checks of the request."""
+    which needs it too, then says so after its own checks of the request. Each of `pids` is found and vetted
+    first (target.resolve), as the coordinator would: a request refused there loads no driver here."""
     from ..dataplane.mover import cli_plane
+    from ..target import resolve
+    for pid in pids:
+        resolve(pid)
     try:
         drv = controller_driver()
     except GpucrError:
@@ -112,7 +116,7 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
     if done:
         return _typed(CheckpointResult, out)
     from .. import coordinator
-    with here_plane() as mover:
+    with here_plane(pids) as mover:
         return coordinator.checkpoint_many(pids, level, timeout, images, mover=mover)
 
 
@@ -125,7 +129,7 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
     if done:
         return _typed(RestoreResult, out)
     from .. import coordinator
-    with here_plane() as mover:
+    with here_plane(pids) as mover:
         return coordinator.restore_many(pids, timeout, drop_staging, images, force, gpu_map, mover=mover)
 
 
