@@ -18,7 +18,7 @@ import statistics
 import time
 
 from gpucr.dataplane import mover as mv, ring
-from gpucr.dataplane.memory import Managed
+from gpucr.memory import Managed
 from gpucr.driver import driver_for
 
 GiB = 1 << 30

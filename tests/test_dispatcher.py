@@ -18,7 +18,7 @@ import pytest
 
 from gpucr import coordinator, gpus
 from gpucr import target as targets
-from gpucr.dataplane.mover import Stats
+from gpucr.plane import Stats
 from gpucr.driver import DriverError, ProcessState
 from gpucr.errors import GpucrError
 

@@ -20,7 +20,7 @@ from gpucr import reading
 from gpucr import target as targets
 from gpucr.agent import MAX_LISTING_ENTRIES
 from gpucr.errors import GpucrError
-from gpucr.dataplane import memory as server_memory
+from gpucr import memory as server_memory
 from gpucr.workloads.runner import Workload
 
 from conftest import ROOT, RunningServer, gpucr_cli

@@ -319,7 +319,7 @@ def test_the_data_plane_refuses_a_layout_outside_the_staging(tmp_path):
     """The process is not trusted: a layout that would have the server copy past its staging file, a restore
     of anything but what the server took from it, or a staging fd that is not a plain file of the size said,
     is refused before any copy (and the staging pinned is no more than the GPU memory really imported)."""
-    from gpucr.dataplane.memory import Managed
+    from gpucr.memory import Managed
     from gpucr.dataplane.mover import Mover
     mover = Mover(sim_driver())
     sim_uuid = next(iter(mover.vmm.device_by_uuid()))
@@ -578,7 +578,7 @@ def _exported_memory(vmm, dev: int, uuid: str, sizes: list[int]) -> tuple[list, 
     """Device memory of `sizes` on simcuda, each filled with its own bytes and exported: [Managed] with our
     fd of each (what the agent hands the server at a checkpoint), and the bytes."""
     import ctypes
-    from gpucr.dataplane.memory import Managed
+    from gpucr.memory import Managed
     memory, data = [], []
     for i, size in enumerate(sizes):
         h = vmm.create(size, dev)

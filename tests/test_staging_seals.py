@@ -56,7 +56,7 @@ def test_the_server_refuses_an_unsealed_memfd_and_survives_a_file_shrunk_under_i
         from gpucr import paths
         from gpucr.driver import driver_for
         from gpucr.errors import GpucrError
-        from gpucr.dataplane.memory import Managed
+        from gpucr.memory import Managed
         from gpucr.dataplane.mover import Mover
         mover = Mover(driver_for(str(paths.simcuda_dir() / "libcuda.so.1")))
         uuid = next(iter(mover.vmm.device_by_uuid()))

@@ -1,4 +1,4 @@
-"""Test helper: a controller that asks a process's agent for its GPU memory (gpucr.dataplane.memory.gather),
+"""Test helper: a controller that asks a process's agent for its GPU memory (gpucr.memory.gather),
 imports every fd through simcuda in its own process, maps it, and prints one JSON line: for each mapping
 of the process, its address -> the sha256 of its first BYTES bytes (BYTES from argv: {"va": bytes}),
 read here through the import; plus what the agent said of each allocation.
@@ -17,7 +17,7 @@ import sys
 
 from gpucr import paths
 from gpucr import target as targets
-from gpucr.dataplane import memory
+from gpucr import memory
 
 u64, sz, vp = ctypes.c_uint64, ctypes.c_size_t, ctypes.c_void_p
 

@@ -3,13 +3,13 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from .. import shape
 from .. import target as targets
 from ..errors import GpucrError
 from ..results import SCHEMA_VERSION, CheckpointResult, ProcessCheckpoint
 from ..levels import LEVELS
+from ..plane import DataPlane
 from .members import PhaseError, _Member, _app_resume, _check_request, _each, _lap, _run_all, _usage, _usage_at_end
 from .steps import (_abort_held, _data_out, _driver_checkpoint, _driver_lock, _prepare, _quiesce, _release,
                     _roll_back_driver, _vet_for_checkpoint, _warnings)
@@ -17,9 +17,6 @@ from .through_plane import _data_out_by_server, _server_takes
 from .image_steps import _write_image
 from .relink import _check_sharing
 from .restoring import _data_in_all
-
-if TYPE_CHECKING:
-    from ..dataplane.mover import Mover
 
 
 def _commit(m: _Member, level: str) -> None:
@@ -56,7 +53,7 @@ def _roll_back(members: list[_Member]) -> None:
 
 
 def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
-                    images: dict[int, str | Path] | None = None, mover: Mover | None = None) -> CheckpointResult:
+                    images: dict[int, str | Path] | None = None, mover: DataPlane | None = None) -> CheckpointResult:
     """Checkpoint several processes together, all or nothing (see the module's doc). `mover`: the gpucr
     server's data plane, which copies the data while the driver takes the control state, when it can take
     every process's data (else the agents copy it, each in its process)."""

@@ -4,17 +4,15 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import gpus, manifest
 from .. import imagefs
 from ..errors import GpucrError, note
-from ..dataplane.memory import Managed
+from ..memory import Managed
+from ..plane import Made
 from .members import IMAGE_STAGE_MIN_S, IMAGE_STALL_MIN_S, STALL_GRACE_S, _Member, _test_kill_point, _watched_call
 from .through_plane import _adopt, _close_made, _fillable_memory, _moved
-
-if TYPE_CHECKING:
-    from ..dataplane.mover import Stats as ServerStats
 
 
 def _write_image(m: _Member, level: str, epoch) -> dict:
@@ -93,7 +91,7 @@ def _read_then_fill(m: _Member, idir: imagefs.ImageDir, entry: dict, layout: dic
         raise GpucrError(f"{exc}; it stays checkpointed: restore it from an intact image") from exc
     m.result["phases_s"]["image_read"] = time.perf_counter() - t0
     try:
-        made: tuple[ServerStats, list[tuple[int, int]]] | GpucrError = m.plane.fill(
+        made: Made | GpucrError = m.plane.fill(
             m.pid, layout, seg_fds, _moved(memory, m.gpu_moves), image=_zero_chunks(entry["data"], layout))
     except GpucrError as exc:
         made = exc

@@ -10,7 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, TypeVar
+from typing import Any, Callable, TypeVar
 
 from .. import gpus
 from .. import target as targets
@@ -18,9 +18,7 @@ from ..app import AppChannel
 from ..driver import CUDA_ERROR_NOT_INITIALIZED, Driver, DriverError, ProcessState
 from ..errors import GpucrError
 from ..abandon import why_abandoned as abandoned
-
-if TYPE_CHECKING:
-    from ..dataplane.mover import Mover
+from ..plane import DataPlane
 
 
 T = TypeVar("T")
@@ -122,12 +120,12 @@ def _watched_call(m: "_Member", verb: str, limit: float, **args: int) -> dict[st
         watch.close()
 
 
-def _usage(m: _Member, status: dict[str, Any], mover: Mover | None) -> dict[str, gpus.Usage]:
+def _usage(m: _Member, status: dict[str, Any], mover: DataPlane | None) -> dict[str, gpus.Usage]:
     """m's GPUs' memory now, with, through the server (`mover`), the server's own part: this process runs it."""
     return gpus.process_usage(m.pid, m.uuids(), status, os.getpid() if mover is not None else None)
 
 
-def _usage_at_end(m: _Member, mover: Mover | None) -> dict[str, gpus.Usage]:
+def _usage_at_end(m: _Member, mover: DataPlane | None) -> dict[str, gpus.Usage]:
     """m's GPUs' memory once its checkpoint or restore is done: its agent says again what the server made."""
     try:
         st = m.agent.call("status", timeout=10.0)
@@ -164,7 +162,7 @@ class _Member:
     gpu_moves: dict[str, str] = field(default_factory=dict)   # restore: {old UUID: new UUID} for the driver
     gpu_before: dict[str, gpus.Usage] = field(default_factory=dict)   # its GPUs' memory before it all began
     server_bytes_in: int = 0      # restore: bytes the gpucr server put back itself (its data plane)
-    plane: Mover | None = None    # the gpucr server's data plane, when it moves this process's data
+    plane: DataPlane | None = None    # the gpucr server's data plane, when it moves this process's data
 
     def uuids(self) -> list[str]:
         """The GPUs it is on, and those a restore moves it to."""

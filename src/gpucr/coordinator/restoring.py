@@ -4,22 +4,20 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from .. import gpus, shape
 from .. import target as targets
 from ..app import AppChannel
 from ..errors import GpucrError
 from ..results import SCHEMA_VERSION, ProcessRestore, RestoreResult
+from ..plane import DataPlane
 from .members import (PhaseError, STALL_GRACE_S, _Member, _app_resume, _check_request, _each, _lap, _phase_failures,
                       _settled_status, _usage, _usage_at_end, _watched_call)
 from .steps import _agent_restored, _check_room, _driver_restore, _driver_unlock, _vet_for_restore
 from .through_plane import _restore_with_server, _server_restorable
 from .image_steps import _data_in_from_image
 from .relink import _ends_soon, _orphans, _relink
-
-if TYPE_CHECKING:
-    from ..dataplane.mover import Mover
 
 
 def _data_in(m: _Member, timeout: float, drop_staging: bool) -> None:
@@ -95,7 +93,7 @@ def _data_in_all(members: list[_Member], timeout: float, drop_staging: bool, pha
 
 def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,
                  images: dict[int, str | Path] | None = None, force: bool = False,
-                 gpu_map: dict[str, str] | None = None, mover: Mover | None = None) -> RestoreResult:
+                 gpu_map: dict[str, str] | None = None, mover: DataPlane | None = None) -> RestoreResult:
     """Restore several processes together; each that can be is brought back (see the module's doc).
     `gpu_map` {old UUID: new UUID}, as --map takes them, moves them to other GPUs of this machine.
     `mover`: the gpucr server's data plane, which fills the processes' memory while the driver restores them."""

@@ -8,17 +8,15 @@ import os
 import threading
 import time
 from contextlib import ExitStack, contextmanager
-from typing import TYPE_CHECKING, Any, Callable, Iterator
+from typing import Any, Callable, Iterator
 
 from ..errors import GpucrError, note
-from ..dataplane import memory as server_memory
-from ..dataplane.memory import Managed
+from .. import memory as server_memory
+from ..memory import Managed
+from ..plane import DataPlane, Made, Stats
 from .members import (ADOPT_BATCH, PhaseError, STALL_GRACE_S, _Member, _beside, _each, _test_kill_point,
                       _test_kill_target, _watched_call)
 from .steps import _data_out_done, _driver_checkpoint, _driver_lock, _quiesce
-
-if TYPE_CHECKING:
-    from ..dataplane.mover import Mover, Stats as ServerStats
 
 
 def _handable(m: _Member, memory: list[Managed]) -> bool:
@@ -42,7 +40,7 @@ def _server_takes(members: list[_Member], timeout: float) -> bool:
     return all(takes.values())
 
 
-def _data_out_by_server(members: list[_Member], timeout: float, level: str, mover: Mover) -> None:
+def _data_out_by_server(members: list[_Member], timeout: float, level: str, mover: DataPlane) -> None:
     """The server's checkpoint (docs/server.md), of one process or several: every agent releases its memory
     but keeps an fd of each allocation, which keeps it on the GPU (several are quiesced first, so nothing is
     copied while a peer still writes to memory they share); the server copies each process into its staging,
@@ -99,9 +97,9 @@ def _held_inputs(held: ExitStack, m: _Member, timeout: float, phase: str) -> tup
 
 
 def _copy_all_out(members: list[_Member], inputs: dict[int, tuple[dict[str, Any], list[int], list[Managed]]],
-                  mover: Mover, stop: threading.Event) -> dict[int, ServerStats]:
+                  mover: DataPlane, stop: threading.Event) -> dict[int, Stats]:
     """Each process's memory copied into its staging by the server, one after another."""
-    done: dict[int, ServerStats] = {}
+    done: dict[int, Stats] = {}
     for m in members:
         if stop.is_set():
             break
@@ -112,7 +110,7 @@ def _copy_all_out(members: list[_Member], inputs: dict[int, tuple[dict[str, Any]
     return done
 
 
-def _handed_done(m: _Member, st: ServerStats) -> None:
+def _handed_done(m: _Member, st: Stats) -> None:
     """The server's copy of m is in staging: its agent lets go of its fds, and the memory leaves the GPU."""
     _data_out_done(m, m.agent.call("handed_done", timeout=60.0))
     m.result["phases_s"]["data_out"] = st.seconds   # the server's copy (the handover has its own phase)
@@ -120,7 +118,7 @@ def _handed_done(m: _Member, st: ServerStats) -> None:
     _server_phases(m, st)
 
 
-def _server_phases(m: _Member, st: ServerStats) -> None:
+def _server_phases(m: _Member, st: Stats) -> None:
     """What the server's copy cost besides the copy itself, when it did: pinning staging it had not pinned
     yet, and waiting for the data plane (another process's copy, or pinning ahead)."""
     if st.pin_s:
@@ -172,7 +170,7 @@ def _moved(memory: list[Managed], moves: dict[str, str]) -> list[Managed]:
     return [dataclasses.replace(e, uuid=moves.get(e.uuid, e.uuid)) for e in memory]
 
 
-def _restore_with_server(members: list[_Member], timeout: float, mover: Mover, driver_steps: Callable[[], None],
+def _restore_with_server(members: list[_Member], timeout: float, mover: DataPlane, driver_steps: Callable[[], None],
                          failed: dict[int, PhaseError]) -> None:
     """The server makes new memory for each of `members` and fills it from its staging, one process after
     another, while `driver_steps` restore every process of the request (those that fail land in `failed`);
@@ -200,10 +198,10 @@ def _restore_with_server(members: list[_Member], timeout: float, mover: Mover, d
 
 
 def _fill_all(members: list[_Member], inputs: dict[int, tuple[dict[str, Any], list[int], list[Managed]]],
-              mover: Mover) -> dict[int, tuple[ServerStats, list[tuple[int, int]]] | GpucrError]:
+              mover: DataPlane) -> dict[int, Made | GpucrError]:
     """Each process's new memory made and filled by the server, one after another: [(index, fd)] of it, or
     what went wrong (that process's agent then restores it itself)."""
-    made: dict[int, tuple[ServerStats, list[tuple[int, int]]] | GpucrError] = {}
+    made: dict[int, Made | GpucrError] = {}
     for m in members:
         try:
             layout, seg_fds, memory = inputs[m.pid]
@@ -223,7 +221,7 @@ def _close_made(made: dict[int, Any]) -> None:
             filled[1].clear()
 
 
-def _adopt(m: _Member, layout: dict[str, Any], st: ServerStats, fds: list[tuple[int, int]]) -> None:
+def _adopt(m: _Member, layout: dict[str, Any], st: Stats, fds: list[tuple[int, int]]) -> None:
     """The agent maps the server's new memory at the old addresses, ADOPT_BATCH fds a request."""
     t0 = time.perf_counter()
     try:

@@ -1,6 +1,7 @@
 """The one data plane: the mover that copies a process's GPU memory into its staging and back, at the
 link's speed, while the driver takes the control state. The gpucr server runs one; with no server, the
-CLI process runs the same (docs/server.md). Imports nothing above driver.py, agent.py and errors.py.
+CLI process runs the same (docs/server.md). It implements gpucr.plane.DataPlane, the one interface the
+coordinator reaches the data through, and imports nothing above driver.py, agent.py, memory.py and plane.py.
 
 Who owns staging (decided in issue 25; ../shared/ARCHITECTURE.md, "Staging: one owner"): each app's
 agent *holds* its staging files, so a parked app's data outlives any server; the plane *makes, fills,

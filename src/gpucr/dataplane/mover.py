@@ -17,7 +17,6 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Iterator
 
 from ..driver import Driver, DriverError, Vmm, process_gpu_memory
@@ -25,7 +24,8 @@ from ..errors import GpucrError
 from ..target import process_ended, process_start_time
 from .lanes import Routing
 from .links import Links, Neighbour
-from .memory import Managed
+from ..memory import Managed
+from ..plane import Stats
 from .pinned import Segment, drop, open_segment, pin, same_file
 from .ring import Piece, Ring
 
@@ -85,27 +85,6 @@ def _reach(plan: list[tuple[int, int, int, int]]) -> dict[int, int]:
     for _idx, size, seg, off in plan:
         reach[seg] = max(reach.get(seg, 0), off + size)
     return reach
-
-
-@dataclass
-class Stats:
-    bytes: int = 0
-    zeroed: int = 0               # of those, set to zero on the GPU (an image's zero chunks) rather than copied
-    seconds: float = 0.0
-    pin_s: float = 0.0            # pinning staging not pinned here before (the first cycle of a process)
-    wait_s: float = 0.0           # waiting for the data plane (another copy, or pinning ahead, holding it)
-    allocations: int = 0
-    straight_s: float = 0.0       # with routes: until the copies over the process's own GPU's link were done
-    route_s: float = 0.0          # ... and until those through the neighbours were (the slower one sets seconds)
-    looks_s: float = 0.0          # ... of which asking NVML whether each neighbour is still idle
-    # where a copy's seconds went on the server's own thread (what the copy engines did meanwhile is the rest):
-    stage_s: float = 0.0          # mapping (and pinning, pin_s) the process's staging here
-    make_s: float = 0.0           # importing (out) or making (in) each allocation, and mapping it
-    queue_s: float = 0.0          # queueing its copies on the streams
-    drain_s: float = 0.0          # waiting, after the last was queued, for the straight copies to finish
-    export_s: float = 0.0         # exporting the new memory's fds (in), handed to the process to map
-    routes: dict[str, int] = field(default_factory=dict)   # bytes moved through each neighbour GPU, by UUID
-    dropped: list[str] = field(default_factory=list)       # neighbours given up mid-copy (a process appeared)
 
 
 class Mover:

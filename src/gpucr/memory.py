@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..agent import close_held
-from ..driver import AllocFlags
+from .agent import close_held
+from .driver import AllocFlags
 
 
 @dataclass

@@ -1,0 +1,53 @@
+"""The one interface through which the coordinator reaches the data (../shared/ARCHITECTURE.md: the coordinator
+imports nothing of the server or of gpucr.dataplane). The mover (gpucr.dataplane.mover) implements it, run by the
+gpucr server ("server") or, with no server, by the requesting command itself ("cli"); each result records which
+(`data_plane`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from .memory import Managed
+
+
+@dataclass
+class Stats:
+    bytes: int = 0
+    zeroed: int = 0               # of those, set to zero on the GPU (an image's zero chunks) rather than copied
+    seconds: float = 0.0
+    pin_s: float = 0.0            # pinning staging not pinned here before (the first cycle of a process)
+    wait_s: float = 0.0           # waiting for the data plane (another copy, or pinning ahead, holding it)
+    allocations: int = 0
+    straight_s: float = 0.0       # with routes: until the copies over the process's own GPU's link were done
+    route_s: float = 0.0          # ... and until those through the neighbours were (the slower one sets seconds)
+    looks_s: float = 0.0          # ... of which asking NVML whether each neighbour is still idle
+    # where a copy's seconds went on the server's own thread (what the copy engines did meanwhile is the rest):
+    stage_s: float = 0.0          # mapping (and pinning, pin_s) the process's staging here
+    make_s: float = 0.0           # importing (out) or making (in) each allocation, and mapping it
+    queue_s: float = 0.0          # queueing its copies on the streams
+    drain_s: float = 0.0          # waiting, after the last was queued, for the straight copies to finish
+    export_s: float = 0.0         # exporting the new memory's fds (in), handed to the process to map
+    routes: dict[str, int] = field(default_factory=dict)   # bytes moved through each neighbour GPU, by UUID
+    dropped: list[str] = field(default_factory=list)       # neighbours given up mid-copy (a process appeared)
+
+
+Made = tuple[Stats, list[tuple[int, int]]]   # a fill: what it cost, and (allocation index, fd) of each memory made
+
+
+class DataPlane(Protocol):
+    """What the coordinator asks of a data plane. Each call raises GpucrError when it fails, having undone what
+    it did (no memory made is left behind, no copy is left running)."""
+    plane: str   # "server" | "cli": recorded in every result as data_plane
+
+    def copy_out(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed]) -> Stats:
+        """Every allocation of `memory` (our fds of it, handed over) copied into the process's staging."""
+
+    def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
+             image: dict[int, list[tuple[int, int]]] | None = None) -> Made:
+        """New memory for each allocation of `layout`, filled from staging (zero spans of an image set by memset)."""
+
+    def forget(self, pid: int) -> None:
+        """Let go of what it holds of the process's staging (mappings, pins): the process gave it back."""
+
+    def settle(self) -> None:
+        """A request is done: give back what it does not keep between requests."""
