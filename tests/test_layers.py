@@ -25,17 +25,18 @@ def test_the_rooms_import_only_downwards(tmp_path):
 
 
 def test_a_broken_layer_is_caught(tmp_path):
-    """The contract is live: a module of a lower room that imports a higher one fails it."""
+    """The contract is live: a module of a lower room that imports a higher one fails it. (A copy of the rooms
+    named `fakegpucr`: an installed gpucr, editable ones included, would be found before a `gpucr` here.)"""
     pytest.importorskip("importlinter", reason="import-linter is in the test extra: pip install -e .[test]")
-    src = tmp_path / "src"
-    (src / "gpucr" / "dataplane").mkdir(parents=True)
-    (src / "gpucr" / "__init__.py").write_text("")
+    pkg = tmp_path / "src" / "fakegpucr"
+    (pkg / "dataplane").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
     for name in ("cli", "bench", "demo", "server", "recover", "coordinator", "reading"):
-        (src / "gpucr" / f"{name}.py").write_text("")
-    (src / "gpucr" / "dataplane" / "__init__.py").write_text("from .. import coordinator\n")
-    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text())
+        (pkg / f"{name}.py").write_text("")
+    (pkg / "dataplane" / "__init__.py").write_text("from .. import coordinator\n")
+    (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text().replace("gpucr", "fakegpucr"))
     run = ("import sys; from importlinter.cli import lint_imports; "
            "sys.exit(lint_imports(config_filename='pyproject.toml', no_cache=True, no_logo=True))")
-    r = subprocess.run([sys.executable, "-c", run], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(src)},
+    r = subprocess.run([sys.executable, "-c", run], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(tmp_path / "src")},
                        capture_output=True, text=True, timeout=300)
-    assert r.returncode != 0 and "gpucr.dataplane is not allowed to import gpucr.coordinator" in r.stdout, r.stdout
+    assert r.returncode != 0 and "fakegpucr.dataplane is not allowed to import fakegpucr.coordinator" in r.stdout, r.stdout

@@ -19,7 +19,7 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
-from ..driver import Driver, DriverError, Vmm, process_gpu_memory
+from ..driver import controller_driver, Driver, DriverError, Vmm, process_gpu_memory
 from ..errors import GpucrError
 from ..target import process_ended, process_start_time
 from .lanes import Routing
@@ -196,8 +196,8 @@ class Mover:
         with self._plane("the server's stop"):
             if self.ring is not None:
                 self.ring.close()   # unpinned while its context is still there
-            for o in list(self._staging):
-                self._forget(o)
+            for o in list(self._staging):   # what it took stays on record: a restore after this one still fills
+                self._forget(o, keep_record=True)
             for dev in list(self._ctx):
                 try:
                     self.vmm.release_context(dev)
@@ -557,8 +557,9 @@ class Mover:
         """Whether `have` is segment i as the process states it now: its file (fd now), of `size` bytes."""
         return have is not None and 0 <= i < len(seg_fds) and have.declared == size and same_file(have, seg_fds[i])
 
-    def _forget(self, who: Owner) -> None:
-        self._taken.pop(who, None)
+    def _forget(self, who: Owner, keep_record: bool = False) -> None:
+        if not keep_record:
+            self._taken.pop(who, None)
         # one deadline for all its segments: a pin ahead that stalls holds every one it works on
         until = time.monotonic() + self.plane_wait_s
         for seg in self._staging.pop(who, {}).values():
@@ -583,6 +584,38 @@ class Mover:
         except GpucrError as exc:
             self._stuck.append((who, seg))
             self.said(f"process {who[0]}'s staging: {exc}")
+
+
+class LaterPlane:
+    """The CLI's mover (see cli_plane), made at its first copy: after the coordinator's checks of the request, so
+    that a request refused there (another user's process, a bad argument) loads no driver in this process."""
+    plane = "cli"
+
+    def __init__(self) -> None:
+        self._mover: Mover | None = None
+
+    def _made(self) -> Mover:
+        if self._mover is None:
+            self._mover = Mover(controller_driver(), routes=False, keep_context=False, pinned_staging=False)
+        return self._mover
+
+    def copy_out(self, *args: Any, **kwargs: Any) -> Stats:
+        return self._made().copy_out(*args, **kwargs)
+
+    def fill(self, *args: Any, **kwargs: Any) -> tuple[Stats, list[tuple[int, int]]]:
+        return self._made().fill(*args, **kwargs)
+
+    def forget(self, pid: int) -> None:
+        if self._mover is not None:
+            self._mover.forget(pid)
+
+    def settle(self) -> None:
+        if self._mover is not None:
+            self._mover.settle()
+
+    def close(self) -> None:
+        if self._mover is not None:
+            self._mover.close()
 
 
 @contextmanager

@@ -15,14 +15,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, TypeVar
 
-from ..driver import controller_driver, controller_simulated
+from ..driver import controller_simulated
 from ..errors import GpucrError, note
 from ..results import (CheckpointResult, ProcessCheckpoint, ProcessRestore, ProcessStatus, RestoreResult,
                        StatusResult, Stuck, from_json)
 from . import client, wire
 
 if TYPE_CHECKING:
-    from ..dataplane.mover import Mover
+    from ..dataplane.mover import LaterPlane
 
 NO_SERVER_ENV = "GPUCR_NO_SERVER"
 T = TypeVar("T")
@@ -75,22 +75,16 @@ def _reading(op: str, args: dict[str, Any]) -> tuple[bool, Any]:
 
 
 @contextmanager
-def here_plane(pids: list[int] = ()) -> Iterator[Mover | None]:
-    """The data plane for a checkpoint or restore run in this process: the server's mover, here (its context,
-    ring and mappings given back when the request ends). None when this process has no driver: the coordinator,
-    which needs it too, then says so after its own checks of the request. Each of `pids` is found and vetted
-    first (target.resolve), as the coordinator would: a request refused there loads no driver here."""
-    from ..dataplane.mover import cli_plane
-    from ..target import resolve
-    for pid in pids:
-        resolve(pid)
+def here_plane() -> Iterator[LaterPlane]:
+    """The data plane for a checkpoint or restore run in this process: the server's mover, here, made at its first
+    copy (after the coordinator's checks of the request) and given back when the request ends (its context, ring
+    and mappings)."""
+    from ..dataplane.mover import LaterPlane
+    plane = LaterPlane()
     try:
-        drv = controller_driver()
-    except GpucrError:
-        yield None
-        return
-    with cli_plane(drv) as mover:
-        yield mover
+        yield plane
+    finally:
+        plane.close()
 
 
 def _abs_images(images: dict[int, str | Path] | None) -> dict[str, str] | None:
@@ -116,7 +110,7 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
     if done:
         return _typed(CheckpointResult, out)
     from .. import coordinator
-    with here_plane(pids) as mover:
+    with here_plane() as mover:
         return coordinator.checkpoint_many(pids, level, timeout, images, mover=mover)
 
 
@@ -129,7 +123,7 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
     if done:
         return _typed(RestoreResult, out)
     from .. import coordinator
-    with here_plane(pids) as mover:
+    with here_plane() as mover:
         return coordinator.restore_many(pids, timeout, drop_staging, images, force, gpu_map, mover=mover)
 
 
