@@ -352,8 +352,6 @@ def test_no_server_cycles_go_through_the_clis_own_mover(sim_app):
         ck = _cli_json("checkpoint", str(app.pid))["processes"][0]
         assert ck["data_plane"] == "cli" and ck["bytes_moved"] == 50 * MiB, ck
         assert "handover" in ck["phases_s"] and ck["phases_s"]["data_out"] > 0, ck["phases_s"]
-        # its mapping of the unpinned staging faulted in at once, in threads, before the ring's copies
-        assert 0 < ck["phases_s"]["cli_populate"] < ck["phases_s"]["data_out"], ck["phases_s"]
         assert process_gpu_memory(sim_driver(), app.pid, 0) == 0, "its memory left the GPU with the fds"
         assert _pinned_in_the_app(app.pid) == 0, "the CLI pinned its own ring, not the application's"
         rs = _cli_json("restore", str(app.pid))["processes"][0]

@@ -16,7 +16,6 @@ class Stats:
     zeroed: int = 0               # of those, set to zero on the GPU (an image's zero chunks) rather than copied
     seconds: float = 0.0
     pin_s: float = 0.0            # pinning staging not pinned here before (the first cycle of a process)
-    populate_s: float = 0.0       # the CLI's: faulting its unpinned mapping of the staging in, in threads
     wait_s: float = 0.0           # waiting for the data plane (another copy, or pinning ahead, holding it)
     allocations: int = 0
     straight_s: float = 0.0       # with routes: until the copies over the process's own GPU's link were done

@@ -123,8 +123,6 @@ def _server_phases(m: _Member, st: Stats) -> None:
     yet, and waiting for the data plane (another process's copy, or pinning ahead)."""
     if st.pin_s:
         m.result["phases_s"]["server_pin"] = st.pin_s
-    if st.populate_s:
-        m.result["phases_s"]["cli_populate"] = st.populate_s
     if st.wait_s >= 0.001:
         m.result["phases_s"]["server_wait"] = st.wait_s
     # where the copy's own seconds went on the server's thread (the copy engines ran meanwhile): a copy

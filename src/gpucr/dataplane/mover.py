@@ -26,7 +26,7 @@ from .lanes import Routing
 from .links import Links, Neighbour
 from ..memory import Managed
 from ..plane import Stats
-from .pinned import Segment, drop, open_segment, pin, populate, same_file
+from .pinned import Segment, drop, open_segment, pin, same_file
 from .ring import Piece, Ring
 
 Spans = dict[int, list[tuple[int, int]]]   # allocation index -> [(offset, bytes)] in it
@@ -537,9 +537,6 @@ class Mover:
             # in the current context (one on the process's GPU); the CLI's copies go through its ring instead
             if self.ring is None and pin(self.vmm, have, size):
                 st.pin_s += time.perf_counter() - t0
-            elif self.ring is not None:   # not pinned here: faulted in at once, not a page per ring copy
-                populate(have, size)
-                st.populate_s += time.perf_counter() - t0
             out[i] = have
         return out
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 import ctypes
 import os
 import stat
-import threading
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
@@ -86,29 +85,6 @@ def open_segment(fd: int, i: int, declared: int) -> Segment:
     if addr in (None, _MAP_FAILED):
         raise GpucrError(f"mapping the process's staging ({declared >> 20} MiB) failed: {os.strerror(ctypes.get_errno())}")
     return Segment((fs.st_dev, fs.st_ino), addr, declared, page=file_page(fs.st_blksize))
-
-
-_libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-_MADV_POPULATE_WRITE = 23   # Linux 5.14: fault the range in writable, in one call
-POPULATE_THREADS = max(1, min(8, (os.cpu_count() or 1)))
-
-
-def populate(seg: Segment, upto: int) -> None:
-    """Fault `seg` in, writable, to `upto` bytes, in POPULATE_THREADS threads at once (ctypes lets the GIL go).
-    A mapping of a file another process filled still takes a fault per 4 KiB page at its first touch here; the
-    CLI's copies through its ring then paid them one memmove at a time (on the H200, 16 GiB out in 3.1 s through
-    4 slots against 0.32 s pinned; here, the faults in batches cost about a third of that). A kernel without
-    MADV_POPULATE_WRITE leaves the faults to the copies."""
-    upto = min(-(-upto // seg.page) * seg.page, seg.declared)
-    n = POPULATE_THREADS
-    step = -(-upto // n // seg.page) * seg.page
-    spans = [(k, min(step, upto - k)) for k in range(0, upto, step)] if step else []
-    threads = [threading.Thread(target=_libc.madvise, args=(seg.addr + k, size, _MADV_POPULATE_WRITE),
-                                name="gpucr-populate") for k, size in spans]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
 
 
 def file_page(blksize: int) -> int:
