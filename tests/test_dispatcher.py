@@ -71,7 +71,9 @@ class World:
 class FakeTarget:
     def __init__(self, pid: int, world: World) -> None:
         self.pid, self.world = pid, world
-        self.uid, self.start_time, self.hello = os.getuid(), 0, {"cuda": True, "simulated": True}
+        # its real start time: with the pid, it names the (real, sleeping) process, as target.resolve's does
+        self.uid, self.start_time = os.getuid(), targets.process_start_time(pid)
+        self.hello = {"cuda": True, "simulated": True}
 
     def connect(self) -> FakeAgent:
         return self.world.agents[self.pid]
@@ -342,6 +344,24 @@ def test_a_failure_at_any_step_rolls_every_process_back(live_pids, n, which, poi
     for pid in pids:
         undone = [v for v in world.verbs(pid) if v in ("abort", "restore", "resume")]
         assert undone == undo_expected(world, pid, (point, bad)), (pid, world.verbs(pid))
+
+
+def test_a_mistake_of_ours_in_a_roll_back_is_raised_once_every_process_is_undone(live_pids):
+    """A roll-back step that fails with anything but a GpucrError is a bug: it is raised, not swallowed (it was, for
+    several processes, in _run_all's threads), and only once the other steps ran for every process."""
+    pids = live_pids[:2]
+    with fake_world(pids, {("driver:checkpoint", pids[1])}) as world:
+        real = world.driver.restore
+
+        def broken(pid: int, pairs=None) -> None:
+            if pid == pids[0]:
+                raise TypeError("a mistake of ours")
+            real(pid, pairs)
+        world.driver.restore = broken
+        with pytest.raises(TypeError, match="a mistake of ours"):
+            coordinator.checkpoint_many(pids, mover=world.plane)
+    assert all("abort" in world.verbs(pid) for pid in pids), [world.verbs(pid) for pid in pids]
+    assert world.driver.state(pids[1]) == ProcessState.RUNNING   # the other one's driver steps were undone
 
 
 def test_a_failed_driver_checkpoint_is_undone_on_the_driver(live_pids):

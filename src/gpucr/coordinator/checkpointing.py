@@ -37,9 +37,12 @@ def _commit(m: _Member, level: str) -> None:
 
 
 def _roll_back(members: list[_Member]) -> None:
-    """Undo a partial checkpoint of these processes, last step first; never raises."""
-    _run_all(members, _roll_back_driver)   # it never raises
-    _run_all(members, _abort_held)   # it never raises
+    """Undo a partial checkpoint of these processes, last step first. A process that cannot be undone is left
+    as its agent and the driver leave it (their own roll-back); only a mistake of ours (not a GpucrError) is
+    raised, once every step has been tried for every process."""
+    # each step catches what a process's failure raises: anything else came back from the threads (_run_all)
+    bugs = [exc for step in (_roll_back_driver, _abort_held) for _m, exc in _run_all(members, step)
+            if not isinstance(exc, GpucrError)]
     back = [m for m in members if m.data_out and not targets.process_ended(m.pid)]
     for m in back:
         m.status = {**m.status, "state": "checkpointed"}
@@ -50,6 +53,8 @@ def _roll_back(members: list[_Member]) -> None:
     for m in members:
         _app_resume(m.app)
         m.app = None
+    if bugs:
+        raise bugs[0]
 
 
 def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,

@@ -81,7 +81,7 @@ class _Watch:
 
     def __call__(self) -> None:
         pid = self.t.pid
-        if not os.path.exists(f"/proc/{pid}"):
+        if targets.process_ended(pid, self.t.start_time):
             raise GpucrError(f"process {pid} exited during '{self.verb}'")
         targets.check_not_stopped(pid)
         now = time.monotonic()

@@ -162,7 +162,7 @@ def _warnings(m: _Member) -> list[str]:
 def _roll_back_driver(m: _Member) -> None:
     """Undo the driver's steps for this process; never raises (the process may be gone)."""
     try:
-        if not os.path.exists(f"/proc/{m.pid}"):
+        if targets.process_ended(m.pid, m.t.start_time):
             m.data_out = False
             return
         targets.check_not_stopped(m.pid)   # a stopped process cannot answer the driver: left restorable
@@ -178,7 +178,7 @@ def _roll_back_driver(m: _Member) -> None:
 
 def _abort_held(m: _Member) -> None:
     """A process quiesced or copied but not released: reopening its gate undoes it."""
-    if m.held and os.path.exists(f"/proc/{m.pid}"):
+    if m.held and not targets.process_ended(m.pid, m.t.start_time):
         try:
             m.agent.call("abort", timeout=60.0)
         except GpucrError:
