@@ -216,6 +216,25 @@ def test_level_data_goes_through_the_server(server, sim_app):
     assert app.ask("digest") == before
 
 
+def test_what_the_server_took_is_kept_past_its_context_and_forgotten_with_its_process(sim_app):
+    """A server that gives its context back after each request keeps its record of what it took from each process
+    (its next restore fills from it), and lets the record go once that process has ended, as it lets go of staging:
+    a long-lived server keeps nothing of the processes it served."""
+    from gpucr.dataplane.mover import Mover, owner
+    mover = Mover(sim_driver(), keep_context=False)
+    app = sim_app("--sizes", "4M")
+    who = owner(app.pid)
+    mover._taken[who] = [(0, 4 << 20, 0, 0)]   # as its copy out records it
+    mover.settle()   # the context given back, as after each request
+    assert who in mover._taken
+    mover.forget_ended()
+    assert who in mover._taken, "the process runs on: its record stays"
+    app.proc.kill()
+    app.proc.wait(timeout=30)
+    mover.forget_ended()
+    assert who not in mover._taken
+
+
 def test_memory_exported_for_other_processes_goes_through_the_server_too(server, sim_app):
     """Memory exported for other processes (the agents relink it) is copied by the server, once, from its
     exporter, and put back by it; the result says which plane moved the data."""

@@ -14,7 +14,7 @@ from .driver import Driver, driver_for, gpu_memory
 from .errors import GpucrError
 from .paths import simcuda_dir
 from .results import SCHEMA_VERSION, to_json
-from .server.route import here_plane
+from .dataplane.mover import cli_plane
 from .workloads.runner import Workload
 
 
@@ -79,14 +79,14 @@ def main(simulate: bool = False, as_json: bool = False) -> int:
         fig["gpu_used_running_bytes"] = _used(drv)
         say(f"  started pid {app.pid}; GPU memory used: {fig['gpu_used_before_start_bytes'] / 2**20:,.0f} MiB before it, "
             f"{fig['gpu_used_running_bytes'] / 2**20:,.0f} MiB with it")
-        with here_plane() as mover:   # in this process, with the same data plane as the server's
+        with cli_plane() as mover:   # in this process, with the same data plane as the server's
             ck = coordinator.checkpoint_many([app.pid], level="full", mover=mover).processes[0]
         fig["gpu_used_checkpointed_bytes"] = _used(drv)
         fig["checkpoint"] = to_json(ck)
         say(f"  checkpointed: {ck.bytes_moved / 2**20:,.0f} MiB moved by gpucr; GPU memory used now "
             f"{fig['gpu_used_checkpointed_bytes'] / 2**20:,.0f} MiB; "
             + ", ".join(f"{k} {v:.3f} s" for k, v in ck.phases_s.items()))
-        with here_plane() as mover:
+        with cli_plane() as mover:
             rs = coordinator.restore_many([app.pid], mover=mover).processes[0]
         fig["restore"] = to_json(rs)
         fig["gpu_used_restored_bytes"] = _used(drv)

@@ -90,7 +90,7 @@ def _reach(plan: list[tuple[int, int, int, int]]) -> dict[int, int]:
 class Mover:
     """One per server: a context per GPU it copies on (kept: restores need no new one), and each
     process's staging mapped and pinned once. One copy at a time: the link is the limit anyway.
-    pinned_staging=False: the CLI's own mover, for one request with no server running (cli_plane): the
+    pinned_staging=False: the CLI's own mover, for one request with no server running (LaterPlane): the
     staging is only mapped, and every copy goes through a small pinned ring (ring.py)."""
 
     def __init__(self, drv: Driver, routes: bool = True, keep_context: bool = True,
@@ -166,7 +166,8 @@ class Mover:
                 self._forget_ended()
 
     def _forget_ended(self) -> None:
-        for o in [o for o in self._staging if process_ended(*o)]:
+        # _taken too: a server that gives its context back keeps no staging between requests, only these records
+        for o in [o for o in {*self._staging, *self._taken} if process_ended(*o)]:
             self._forget(o)
 
     def settle(self) -> None:
@@ -587,16 +588,21 @@ class Mover:
 
 
 class LaterPlane:
-    """The CLI's mover (see cli_plane), made at its first copy: after the coordinator's checks of the request, so
-    that a request refused there (another user's process, a bad argument) loads no driver in this process."""
+    """The mover of one request run in the CLI process, with no server (`--no-server`, or none running): the same
+    mover, with no routes, its staging mapped but not pinned (a fresh process cannot pin tens of GiB in time) and
+    its copies through a small pinned ring (ring.py). Made at its first copy, after the coordinator's checks of
+    the request, so that a request refused there (another user's process, a bad argument) loads no driver here;
+    `drv`, else the controller's driver."""
     plane = "cli"
 
-    def __init__(self) -> None:
+    def __init__(self, drv: Driver | None = None) -> None:
+        self._drv = drv
         self._mover: Mover | None = None
 
     def _made(self) -> Mover:
         if self._mover is None:
-            self._mover = Mover(controller_driver(), routes=False, keep_context=False, pinned_staging=False)
+            self._mover = Mover(self._drv or controller_driver(), routes=False, keep_context=False,
+                                pinned_staging=False)
         return self._mover
 
     def copy_out(self, *args: Any, **kwargs: Any) -> Stats:
@@ -619,13 +625,11 @@ class LaterPlane:
 
 
 @contextmanager
-def cli_plane(drv: Driver) -> Iterator[Mover]:
-    """The data plane of one request run in the CLI process, with no server (`--no-server`, or none running):
-    the same mover, with no routes, its staging mapped but not pinned (a fresh process cannot pin tens of GiB
-    in time) and its copies through a small pinned ring (ring.py); its contexts, ring and mappings given back
-    at the end, so that the process is left as the server leaves it."""
-    mover = Mover(drv, routes=False, keep_context=False, pinned_staging=False)
+def cli_plane(drv: Driver | None = None) -> Iterator[LaterPlane]:
+    """The CLI's mover for one request (LaterPlane), its contexts, ring and mappings given back at the end, so that
+    the process is left as the server leaves it."""
+    plane = LaterPlane(drv)
     try:
-        yield mover
+        yield plane
     finally:
-        mover.close()
+        plane.close()

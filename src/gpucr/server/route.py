@@ -1,6 +1,6 @@
 """What the CLI and `import gpucr` call: each request goes to the user's gpucr server when one runs,
 else it runs here, in-process, as it always could: a checkpoint or restore then with the same data plane as
-the server's, run in this process (gpucr.dataplane.mover.cli_plane), never the application's.
+the server's, run in this process (gpucr.dataplane.mover.LaterPlane), never the application's.
 
 In-process is chosen, silently, when no server was started, or when told (`--no-server`,
 GPUCR_NO_SERVER=1); with a one-line note on stderr when a server is named but cannot be used (killed,
@@ -11,18 +11,14 @@ simply asked again in-process.
 from __future__ import annotations
 
 import os
-from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, TypeVar
+from typing import Any, TypeVar
 
 from ..driver import controller_simulated
 from ..errors import GpucrError, note
 from ..results import (CheckpointResult, ProcessCheckpoint, ProcessRestore, ProcessStatus, RestoreResult,
                        StatusResult, Stuck, from_json)
 from . import client, wire
-
-if TYPE_CHECKING:
-    from ..dataplane.mover import LaterPlane
 
 NO_SERVER_ENV = "GPUCR_NO_SERVER"
 T = TypeVar("T")
@@ -74,19 +70,6 @@ def _reading(op: str, args: dict[str, Any]) -> tuple[bool, Any]:
         return False, None
 
 
-@contextmanager
-def here_plane() -> Iterator[LaterPlane]:
-    """The data plane for a checkpoint or restore run in this process: the server's mover, here, made at its first
-    copy (after the coordinator's checks of the request) and given back when the request ends (its context, ring
-    and mappings)."""
-    from ..dataplane.mover import LaterPlane
-    plane = LaterPlane()
-    try:
-        yield plane
-    finally:
-        plane.close()
-
-
 def _abs_images(images: dict[int, str | Path] | None) -> dict[str, str] | None:
     # the server's cwd is not the client's: an image dir travels as an absolute path
     return {str(k): os.path.abspath(str(v)) for k, v in images.items()} if images else None
@@ -110,7 +93,8 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
     if done:
         return _typed(CheckpointResult, out)
     from .. import coordinator
-    with here_plane() as mover:
+    from ..dataplane.mover import cli_plane
+    with cli_plane() as mover:
         return coordinator.checkpoint_many(pids, level, timeout, images, mover=mover)
 
 
@@ -123,7 +107,8 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
     if done:
         return _typed(RestoreResult, out)
     from .. import coordinator
-    with here_plane() as mover:
+    from ..dataplane.mover import cli_plane
+    with cli_plane() as mover:
         return coordinator.restore_many(pids, timeout, drop_staging, images, force, gpu_map, mover=mover)
 
 
