@@ -114,7 +114,7 @@ def _handed_done(m: _Member, st: Stats) -> None:
     """The server's copy of m is in staging: its agent lets go of its fds, and the memory leaves the GPU."""
     _data_out_done(m, m.agent.call("handed_done", timeout=60.0))
     m.result["phases_s"]["data_out"] = st.seconds   # the server's copy (the handover has its own phase)
-    m.result["data_plane"] = m.plane.plane if m.plane is not None else "server"
+    m.result["data_plane"] = m.plane.plane
     _server_phases(m, st)
 
 
@@ -222,7 +222,8 @@ def _close_made(made: dict[int, Any]) -> None:
 
 
 def _adopt(m: _Member, layout: dict[str, Any], st: Stats, fds: list[tuple[int, int]]) -> None:
-    """The agent maps the server's new memory at the old addresses, ADOPT_BATCH fds a request."""
+    """The agent maps the server's new memory at the old addresses, ADOPT_BATCH fds a request. (The result names
+    the plane already, restore_many; _data_in names the agent's instead where it brought bytes back itself.)"""
     t0 = time.perf_counter()
     try:
         if m.status.get("state") == "checkpointed":
@@ -231,7 +232,6 @@ def _adopt(m: _Member, layout: dict[str, Any], st: Stats, fds: list[tuple[int, i
                 m.agent.call_sending_fds("adopt", [fd for _, fd in batch], timeout=60.0, **{"from": batch[0][0]})
                 taken = {i for i, _ in batch}
                 m.server_bytes_in += sum(int(a["bytes"]) for a in layout["allocations"] if int(a["index"]) in taken)
-            m.result["data_plane"] = m.plane.plane if m.plane is not None else "server"
     except GpucrError as exc:   # the agent's own restore brings back what was not adopted
         note(f"process {m.pid}: {exc}; its agent's own restore from staging brings the rest back")
     m.result["phases_s"]["data_in"] = st.seconds
