@@ -130,16 +130,6 @@ class AppChannel:
         self.sock.connect(path)
 
     @classmethod
-    def open(cls, pid: int, environ: dict[str, str] | None = None) -> "AppChannel | None":
-        path = socket_path(pid, environ)
-        if not os.path.exists(path):
-            return None
-        try:
-            return cls(path)
-        except OSError:
-            return None
-
-    @classmethod
     def at(cls, path: Path) -> "AppChannel | None":
         """The channel listening at `path`, or None: the application did not join the cut, or has gone."""
         try:

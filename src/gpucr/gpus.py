@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .driver import (Driver, controller_driver, GpuMemory, device_count, device_info, gpu_memory, nvml_device_node, nvml_gpu_list,
-                     process_gpu_memory, simulated_device_node, uuid_text)
+from .driver import (Driver, GpuMemory, controller_driver, device_count, device_info, gpu_memory, nvml_device_node,
+                     nvml_gpu_list, process_gpu_memory, simulated_device_node, uuid_text)
 from .errors import GpucrError
 
 

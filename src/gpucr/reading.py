@@ -1,5 +1,5 @@
 """What a process under gpucr is now, read and never changed: `gpucr status` and `gpucr ps`, with the live
-certificate of a checkpoint held in host memory. Each asks the process's agent and the driver once."""
+certificate of a checkpoint held in host memory."""
 from __future__ import annotations
 
 import os

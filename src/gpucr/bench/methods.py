@@ -18,7 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..coordinator import checkpoint_many, restore_many
-from ..driver import Driver, device_count, device_info
+from .. import gpus
+from ..driver import Driver
 from ..errors import GpucrError
 from ..workloads import tms_app
 from ..workloads.job import Job
@@ -483,8 +484,8 @@ class ServerMapMethod(ServerMethod):
         self.name, self.drv = ServerMapMethod.name, drv   # not the level's name
 
     def identity_map(self) -> dict[str, str]:
-        uuids = [device_info(self.drv, i)["uuid"] for i in range(device_count(self.drv))]
-        return {u: u for u in uuids}
+        """Every GPU of the machine onto itself, as --map names them (gpus.machine_gpus, as the restore checks it)."""
+        return {g.uuid: g.uuid for g in gpus.machine_gpus(self.drv)}
 
     def restore(self, pids: list[int]) -> dict[str, Any]:
         gpu_map = self.identity_map()
