@@ -373,8 +373,11 @@ class Mover:
 
         try:
             # a fill: the staging first (what the server took at the checkpoint, whose sizes the driver checked
-            # then), and each allocation's copies queued as soon as it is made, overlapping the making of the next
-            staged = staging() if not out else None
+            # then), and each allocation's copies queued as soon as it is made, overlapping the making of the next.
+            # A copy out likewise when its staging is held pinned already (the cycles after the first): nothing is
+            # pinned on the process's word then, so each allocation's copies start once it is imported
+            staged = staging() if not out or self._held_already(who, plan, seg_fds, declared) else None
+            early = staged is not None
             for idx, size, seg, off in plan:
                 m = by_index.get(idx)
                 if m is None or (out and m.fd is None):
@@ -398,7 +401,7 @@ class Mover:
                     fds.append((idx, self.vmm.export_fd(h)))
                     st.export_s += time.perf_counter() - te
                 placed.append((size, seg, off, va, dev))
-                if staged is not None:
+                if early:
                     enqueue(staged, idx, size, seg, off, va, dev)
             if staged is None:
                 # a copy out: every import is mapped first, the driver checking each size against the real
@@ -540,6 +543,15 @@ class Mover:
                 st.pin_s += time.perf_counter() - t0
             out[i] = have
         return out
+
+    def _held_already(self, who: Owner, plan: list[tuple[int, int, int, int]], seg_fds: list[int],
+                      declared: dict[int, int]) -> bool:
+        """Whether every segment a copy out needs is mapped and pinned here already, as far as it reaches: the
+        same file of the same size (the CLI's ring pins no staging: never)."""
+        segs = self._staging.get(who, {})
+        return self.ring is None and all(
+            self._is_segment(segs.get(i), seg_fds, i, declared.get(i, -1)) and segs[i].bytes >= need
+            for i, need in _reach(plan).items())
 
     def _let_go_absent(self, who: Owner, segs: dict[int, Segment], present: Iterable[int]) -> None:
         """Unpin and unmap the cached segments the process no longer has."""
