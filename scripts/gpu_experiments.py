@@ -7,8 +7,8 @@
 3. How fast host memory is pinned (cuMemHostRegister) by 1, 2, 4 and 8 threads at once, 2 GiB
    segments of shared memory (and of hugetlbfs when hugepages are free), and unpinned again: the
    rate the restore's pin-ahead threads must keep ahead of the copies with.
-4. How fast CPU threads copy between host buffers (memcpy, 1-16 threads): what the bounce ring
-   (GPUCR_BOUNCE_MIB) needs to keep up with the 55 GB/s copy engine.
+4. How fast CPU threads copy between host buffers (memcpy, 1-16 threads): what a ring between
+   pinned slots and pageable staging (the CLI's mover, no server) needs to keep up with the 55 GB/s link.
 5. fill-rate: how the gpucr server's copies between pinned staging and VMM memory of its own depend on
    streams, piece size and whether the memory is made (cuMemCreate + map) inside the timed fill, for
    one large allocation and for many small ones: why the fill ran at 90 % of the link when the copy
@@ -57,11 +57,8 @@ def rss_shmem(pid: int) -> int:
 
 
 def staging_experiment(kind: str, cycles: int = int(os.environ.get("EXP_CYCLES", "3"))) -> None:
-    """kind: shm | hugetlbfs (staging pinned through the driver's checkpoint), or unpin-shm |
-    unpin-hugetlbfs (unpinned before the driver's lock, pinned again during the restore's copies)."""
-    unpin = kind.startswith("unpin-")
-    env = dict(os.environ, GPUCR_STAGING=kind.removeprefix("unpin-"), GPUCR_UNPIN_FOR_DRIVER="1" if unpin else "0")
-    os.environ["GPUCR_UNPIN_FOR_DRIVER"] = env["GPUCR_UNPIN_FOR_DRIVER"]   # read by this controller
+    """kind: shm | hugetlbfs, the staging the data plane pins (through the driver's checkpoint)."""
+    env = dict(os.environ, GPUCR_STAGING=kind)
     with Workload("torch_app", "--gib", str(GIB), env=env) as app:
         before = app.ask("digest")
         samples = []
@@ -71,10 +68,9 @@ def staging_experiment(kind: str, cycles: int = int(os.environ.get("EXP_CYCLES",
             assert app.ask("digest") == before
             if i:
                 samples.append({"control_out": ck.phases_s["control_out"], "control_in": rs.phases_s["control_in"],
-                                "data_out": ck.phases_s["data_out"], "data_in": rs.phases_s["data_in"],
-                                "pin_wait": rs.agent_phases_s.get("pin_wait", 0.0)})
+                                "data_out": ck.phases_s["data_out"], "data_in": rs.phases_s["data_in"]})
         st = gpucr.status(app.pid)
-        emit(experiment="control-vs-staging", staging=st.staging_kind, unpinned_for_driver=unpin,
+        emit(experiment="control-vs-staging", staging=st.staging_kind,
              staging_gib=st.staging_bytes / 2**30,
              bytes_moved=ck.bytes_moved, median={k: statistics.median(s[k] for s in samples) for k in samples[0]},
              samples=samples)

@@ -85,7 +85,7 @@ def test_bytes_and_memory_are_what_the_workload_holds(bench_run):
         # the host memory its staging holds after the cycle: at least what it moved (the budget used)
         assert s["staging_bytes"] >= moved and ms[name]["median"]["staging_bytes"] == s["staging_bytes"], name
         assert ms[name]["warmup"]["staging_bytes"] >= moved, name
-    for name, plane in (("gpucr-full", "agent"), ("gpucr-server-full", "server"), ("gpucr-server-data", "server")):
+    for name, plane in (("gpucr-full", "cli"), ("gpucr-server-full", "server"), ("gpucr-server-data", "server")):
         assert ms[name]["samples"][0]["data_plane"] == {"checkpoint": plane, "restore": plane}, name
     full, data = ms["gpucr-full"]["samples"][0], ms["gpucr-data"]["samples"][0]
     assert full["control_out_s"] > 0 and full["control_in_s"] > 0
@@ -247,17 +247,6 @@ def test_results_are_saved_after_every_method():
     assert seen == [["driver"], ["driver", "driver-fresh"]]
 
 
-def test_methods_with_other_agent_settings_get_a_process_of_their_own():
-    from gpucr.bench import run
-    from gpucr.driver import driver_for
-    drv = driver_for(str(paths.simcuda_dir() / "libcuda.so.1"))
-    ms = [M.make(n, drv, True) for n in ("driver", "gpucr-full", "gpucr-full-pinned", "gpucr-data", "driver-fresh",
-                                         "gpucr-full-unpinned")]
-    assert [[m.name for m in g] for g in run._groups(ms)] == [
-        ["driver", "driver-fresh"], ["gpucr-full", "gpucr-data"], ["gpucr-full-pinned", "gpucr-full-unpinned"]]
-    assert ms[2].agent_env == ms[5].agent_env == {"GPUCR_BOUNCE_MIB": "0"} and ms[1].agent_env == {}
-
-
 # ---- multi-GPU jobs: what can be checked without a GPU ----
 
 def test_job_workload_names():
@@ -368,16 +357,16 @@ def test_job_results_are_shaped_per_job_and_per_gpu():
     def ck(pid: int, phases: dict, agent: dict, moved: int, left: int, warnings: list) -> ProcessCheckpoint:
         return ProcessCheckpoint(pid=pid, state="checkpointed", level="full", generation=1, bytes_moved=moved,
                                  bytes_left_to_driver=left, phases_s=phases, agent_phases_s=agent, gpus=[], image=None,
-                                 warnings=warnings, data_plane="agent")
+                                 warnings=warnings, data_plane="cli")
     rs = [ck(1, {"data_out": 1.0, "control_out": 0.5}, {"gate": 0.002, "staging": 0.0}, 10, 1, ["w1"]),
           ck(2, {"data_out": 1.5, "control_out": 0.25}, {"gate": 0.001, "staging": 0.003}, 20, 2, [])]
     c = R.combine(rs)
     assert c["steps_s"] == {"data_out": 1.5, "control_out": 0.5}         # ranks go through a phase together
     assert c["agent_ms"] == {"gate": 2.0, "staging": 3.0}
     assert (c["bytes_moved"], c["bytes_left_to_driver"], c["warnings"]) == (30, 3, ["w1"])
-    assert c["data_plane"] == "agent"
+    assert c["data_plane"] == "cli"
     rs[1].data_plane = "server"
-    assert M.combine(rs)["data_plane"] == "agent+server"
+    assert M.combine(rs)["data_plane"] == "cli+server"
     gpucr_full = M.make("gpucr-full", sim_driver(), True)
     row = {"data_out_s": 2.0, "data_in_s": 4.0, "driver_out_s": None, "driver_in_s": None}
     g = R.per_gpu(row, gpucr_full, {"GPU-a": 8_000_000_000, "GPU-b": 4_000_000_000})
@@ -424,28 +413,25 @@ def test_rank_answers_merge_with_every_error_named():
     assert "error" not in merge([{"a": 1}, {"a": 1, "error": None}])
 
 
-def test_server_methods_time_the_first_checkpoint_after_staging_ahead(tmp_path):
-    """gpucr-server-full-ahead: its process prepares staging ahead and the bench's server pins it; the
-    first checkpoint waits for that (prepared_ahead_s, not timed) and is its warm-up, with nothing pinned in
-    it; gpucr-server-data's own first cycle (the server pinning) is reported apart from its samples."""
+def test_server_methods_report_their_first_cycle_and_log_apart(tmp_path):
+    """gpucr-server-data's own first cycle (the server pinning) is reported apart from its samples, and the
+    server's log is kept with each server method's results; the server-less gpucr-full has none."""
     (tmp_path / "rt").mkdir(mode=0o700)
     (tmp_path / "sim").mkdir(mode=0o700)
     env = dict(os.environ, GPUCR_RUNTIME_DIR=str(tmp_path / "rt"), SIMCUDA_DIR=str(tmp_path / "sim"),
                SIMCUDA_TOTAL_MEM=str(4 << 30))
     out = tmp_path / "r.json"
     r = gpucr_cli("bench", "--simulate", "--workloads", "raw:0.05", "--repeat", "1", "--methods",
-                  "gpucr-server-full-ahead,gpucr-full,gpucr-server-data", "--out", str(out),
+                  "gpucr-server-full,gpucr-full,gpucr-server-data", "--out", str(out),
                   "--chart", str(tmp_path / "r.png"), env=env, timeout=180)
     assert r.returncode == 0, r.stderr
     ms = next(iter(json.loads(out.read_text())["workloads"].values()))["methods"]
-    ahead = ms["gpucr-server-full-ahead"]
-    assert ahead["correct"] and ahead["prepared_ahead_s"] is not None, ahead
-    steps = ahead["warmup"]["checkpoint"]["steps_s"]
-    assert "handover" in steps and "server_pin" not in steps, steps
+    full = ms["gpucr-server-full"]
+    assert full["correct"] and "server_pin" in full["warmup"]["checkpoint"]["steps_s"], full["warmup"]
+    assert "server_pin" not in full["samples"][0]["steps_s"]["checkpoint"], full["samples"][0]["steps_s"]
     # the server's own log is kept with the method's results, to read a slow cycle beside
-    assert any("gpucr serve" in line and "serving uid" in line for line in ahead["server_log"]), ahead["server_log"]
-    assert any("staging ahead of its checkpoint" in line for line in ahead["server_log"]), ahead["server_log"]
-    assert ms["gpucr-full"]["server_log"] is None, "in process: no server, no log"
+    assert any("gpucr serve" in line and "serving uid" in line for line in full["server_log"]), full["server_log"]
+    assert ms["gpucr-full"]["server_log"] is None, "no server, no log"
     assert any("serving uid" in line for line in ms["gpucr-server-data"]["server_log"]), "its own server, its own log"
     data = ms["gpucr-server-data"]
     assert data["correct"] and data["first_cycle"]["checkpoint_s"] > 0, data

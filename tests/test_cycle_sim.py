@@ -9,7 +9,6 @@ import time
 import pytest
 
 import gpucr
-from gpucr import coordinator as agents_plane   # called with no mover: the agent's own plane, until issue 25 deletes it
 from gpucr import target as targets
 from gpucr.driver import ProcessState, gpu_memory, process_gpu_memory
 
@@ -170,129 +169,22 @@ def test_staging_file_backend_and_drop_policy(sim_app, tmp_path):
     assert not any(str(sdir) in f for f in fds)
 
 
-def test_staging_prepared_ahead_as_allocations_grow(sim_app):
-    import os
-    app = sim_app("--sizes", "32M", env=dict(os.environ, GPUCR_STAGING_AHEAD="1"))
-    deadline = time.time() + 10
-    while gpucr.status(app.pid).staging_bytes < 32 * MiB and time.time() < deadline:
-        time.sleep(0.1)
-    st = gpucr.status(app.pid)
-    assert st.staging_ahead and st.staging_bytes >= 32 * MiB and st.generation == 0
-    app.ask(f"alloc {300 * MiB}")
-    deadline = time.time() + 10
-    while gpucr.status(app.pid).staging_bytes < 332 * MiB and time.time() < deadline:
-        time.sleep(0.1)
-    assert gpucr.status(app.pid).staging_bytes >= 332 * MiB
-    before = app.ask("digest")
-    ck = gpucr.checkpoint(app.pid)
-    assert ck.agent_phases_s["staging"] < 0.050, "staging was ready: the checkpoint must not prepare it"
-    gpucr.restore(app.pid)
-    assert app.ask("digest") == before
-
-
-@pytest.mark.in_process   # the agent's own plane's phases
 def test_each_phase_is_reported_by_the_side_that_times_it(sim_app):
-    """The agent's phases in its status; the driver's steps, which only the controller times, in the
-    controller's results (never pushed into the agent to be read back)."""
+    """The agent's phases in its status; the driver's steps and the data plane's copies, which only the
+    controller times, in the controller's results (never pushed into the agent to be read back)."""
     app = sim_app("--sizes", "8M")
-    ck = agents_plane.checkpoint(app.pid)
-    rs = agents_plane.restore(app.pid)
+    ck = gpucr.checkpoint(app.pid)
+    rs = gpucr.restore(app.pid)
     cyc = gpucr.status(app.pid).last_cycle
-    for k in ("staging", "gate", "sync", "copy_out", "release", "data_in"):
+    for k in ("staging", "gate", "sync", "release"):
         assert getattr(cyc, f"{k}_s") >= 0
-    assert not [f for f in vars(cyc) if f.startswith(("driver_", "control_"))], "the agent times only its own phases"
-    assert cyc.bytes_out == cyc.bytes_in >= 8 * MiB
+    assert not [f for f in vars(cyc) if f.startswith(("driver_", "control_", "copy", "data_"))], \
+        "the agent times only its own phases"
+    assert cyc.bytes_out >= 8 * MiB
     assert ck.phases_s["driver_lock"] > 0 and ck.phases_s["control_out"] > 0
     assert rs.phases_s["control_in"] > 0 and rs.phases_s["driver_unlock"] > 0
     with targets.resolve(app.pid).connect() as agent, pytest.raises(gpucr.GpucrError, match="unknown request verb"):
         agent.call("note", driver_lock_us=5)
-
-
-@pytest.mark.in_process   # the agent's own plane's phases
-def test_a_results_phases_cover_its_whole_call(sim_app):
-    """With the agent's own plane the controller's phases follow one another: vet, prepare, data out, driver
-    lock, control out, commit, settle (restore: vet, control in, driver unlock, data in, settle). Together they
-    are the call's time, so a slow cycle shows where it went instead of leaving time no phase accounts for."""
-    app = sim_app("--sizes", "24M,8M")
-    for _ in range(2):
-        t0 = time.perf_counter()
-        ck = agents_plane.checkpoint(app.pid)
-        wall = time.perf_counter() - t0
-        assert list(ck.phases_s) == ["vet", "prepare", "data_out", "driver_lock", "control_out", "commit", "settle"], ck.phases_s
-        assert wall - 0.05 <= sum(ck.phases_s.values()) <= wall, (wall, ck.phases_s)
-        t0 = time.perf_counter()
-        rs = agents_plane.restore(app.pid)
-        wall = time.perf_counter() - t0
-        assert list(rs.phases_s) == ["vet", "control_in", "driver_unlock", "data_in", "settle"], rs.phases_s
-        assert wall - 0.05 <= sum(rs.phases_s.values()) <= wall, (wall, rs.phases_s)
-
-
-@pytest.mark.in_process   # the agent's own pinning
-@pytest.mark.parametrize("pin_threads", ["1", "3"])
-def test_staging_unpinned_for_the_driver_and_pinned_again_at_restore(sim_app, monkeypatch, pin_threads):
-    # with pinned staging (the ring off) and unpinning asked for: the restore's pin-ahead threads
-    # (one, or several at once) pin every segment again, and every copy waited for its own segment
-    monkeypatch.setenv("GPUCR_UNPIN_FOR_DRIVER", "1")
-    app = sim_app("--sizes", "40M,40M,20M,3M", env={**os.environ, "GPUCR_PIN_THREADS": pin_threads,
-                                                   "GPUCR_STAGING_SEGMENT_MIB": "32", "GPUCR_BOUNCE_MIB": "0"})
-    before = app.ask("digest")
-    for _ in range(3):
-        agents_plane.checkpoint(app.pid)
-        st = gpucr.status(app.pid)
-        assert st.staging_pinned_bytes == 0 and st.staging_segments >= 3, "segments of about 32 MiB, unpinned"
-        r = agents_plane.restore(app.pid)
-        assert r.agent_phases_s["pin_wait"] >= 0
-        st = gpucr.status(app.pid)
-        assert st.staging_pinned_bytes == st.staging_bytes > 0
-        assert app.ask("digest") == before
-
-
-def test_bounce_ring_keeps_staging_unpinned(sim_app, tmp_path):
-    # two 64 MiB slots and three copy threads for 100+ MiB in odd sizes: every slot is reused, both ways
-    idle = used()
-    app = sim_app("--sizes", "100M,40M,3M,5000,7340033",
-                  env={**os.environ, "GPUCR_BOUNCE_MIB": "128", "GPUCR_BOUNCE_THREADS": "3"})
-    before = app.ask("digest")
-    for i, level in enumerate(["full", "data", "full"]):
-        agents_plane.checkpoint(app.pid, level=level)
-        st = gpucr.status(app.pid)
-        assert st.staging_pinned_bytes == 0 and st.bounce_pinned_bytes == 128 * MiB
-        if level == "full":
-            assert used() - idle <= 16 * MiB
-        agents_plane.restore(app.pid)
-        assert app.ask("digest") == before, f"cycle {i}"
-    gpucr.checkpoint(app.pid, image=tmp_path / "img")   # an image goes through staging as before
-    gpucr.restore(app.pid, image=tmp_path / "img")
-    assert app.ask("digest") == before
-
-
-def test_bounce_ring_is_the_default_and_sized_to_the_data(sim_app):
-    app = sim_app("--sizes", "8M,3M")
-    before = app.ask("digest")
-    agents_plane.checkpoint(app.pid)
-    st = gpucr.status(app.pid)
-    assert st.staging_pinned_bytes == 0 and st.bounce_pinned_bytes == 12 * MiB, "two slots that hold the 11 MiB"
-    agents_plane.restore(app.pid)
-    assert app.ask("digest") == before
-    app.ask(f"alloc {300 * MiB}")   # 311 MiB to move now: the ring grows to five slots
-    before = app.ask("digest")
-    agents_plane.checkpoint(app.pid)
-    assert gpucr.status(app.pid).bounce_pinned_bytes == 320 * MiB
-    agents_plane.restore(app.pid)
-    assert app.ask("digest") == before
-    r = gpucr_cli("run", "--bounce", "1", "--", "true")
-    assert r.returncode == 2 and "0 (no ring, all of staging pinned) or a size in MiB from 4 to 16384" in r.stderr
-
-
-def test_staging_kept_pinned_through_the_driver_with_the_ring_off(sim_app, monkeypatch):
-    monkeypatch.delenv("GPUCR_UNPIN_FOR_DRIVER", raising=False)
-    app = sim_app("--sizes", "700M,3M", env={**os.environ, "GPUCR_BOUNCE_MIB": "0"})
-    before = app.ask("digest")
-    gpucr.checkpoint(app.pid)
-    st = gpucr.status(app.pid)
-    assert st.staging_pinned_bytes == st.staging_bytes > 0
-    gpucr.restore(app.pid)
-    assert app.ask("digest") == before
 
 
 def test_threads_allocating_and_launching_through_checkpoints(sim_app):
@@ -314,31 +206,12 @@ def test_threads_allocating_and_launching_through_checkpoints(sim_app):
     assert st.allocations.converted == 2, "every churned allocation was freed and forgotten"
 
 
-def test_no_pinned_ring_means_slower_copies_not_a_refusal(sim_app):
-    idle = used()
-    app = sim_app("--sizes", "40M,3M", "--vmm-mib", "8", env={**os.environ, "GPUCR_TEST_FAIL_RING": "1"})
-    before = app.ask("digest")
-    r = agents_plane.checkpoint(app.pid)
-    assert any("pageable memory" in w for w in r.warnings), r.warnings
-    st = gpucr.status(app.pid)
-    assert st.bounce_pinned_bytes == 0 and st.staging_pinned_bytes == 0 and "cannot pin" in st.bounce_problem
-    assert "ring         none: cannot pin" in gpucr_cli("status", str(app.pid)).stdout
-    assert used() - idle <= 16 * MiB
-    agents_plane.restore(app.pid)
-    assert app.ask("digest") == before
-
-
 # ---- with no server: the same mover as the server's, in the CLI process (issue 25) ----
 
 def _cli_json(*args: str, env: dict[str, str] | None = None) -> dict:
     r = gpucr_cli(*args, "--no-server", "--json", env=env)
     assert r.returncode == 0, r.stderr
     return json.loads(r.stdout)
-
-
-def _pinned_in_the_app(pid: int) -> int:
-    st = _cli_json("status", str(pid))["processes"][0]
-    return st["staging_pinned_bytes"] + st["bounce_pinned_bytes"]
 
 
 @pytest.mark.in_process   # no server: the CLI's own mover
@@ -353,11 +226,9 @@ def test_no_server_cycles_go_through_the_clis_own_mover(sim_app):
         assert ck["data_plane"] == "cli" and ck["bytes_moved"] == 50 * MiB, ck
         assert "handover" in ck["phases_s"] and ck["phases_s"]["data_out"] > 0, ck["phases_s"]
         assert process_gpu_memory(sim_driver(), app.pid, 0) == 0, "its memory left the GPU with the fds"
-        assert _pinned_in_the_app(app.pid) == 0, "the CLI pinned its own ring, not the application's"
         rs = _cli_json("restore", str(app.pid))["processes"][0]
         assert rs["data_plane"] == "cli" and rs["bytes_moved"] == 50 * MiB and "adopt" in rs["phases_s"], rs
         assert app.ask("digest") == before, f"cycle {i}: bytes or addresses differ"
-        assert _pinned_in_the_app(app.pid) == 0
         app.ask("work 1")   # the next computation runs on the memory the CLI made and filled
         before = app.ask("digest")
 

@@ -93,7 +93,7 @@ class FakeAgent:
         self.world, self.pid = world, pid
         self.state = "running"     # or "checkpointed": the data in staging, off the GPU
         self.gate_closed = False
-        self.handed = False        # memory released, kept on the GPU by the agent's fds until handed_done
+        self.handed = False        # memory released, kept on the GPU by the agent's fds until the commit
         self.adopted = 0           # allocations the plane made and filled, mapped here at a restore
         self.generation = 0
 
@@ -119,7 +119,8 @@ class FakeAgent:
 
     def _status(self) -> dict[str, Any]:
         return {"state": self.state, "gate_closed": self.gate_closed, "busy": False, "staged": self.state != "running",
-                "generation": self.generation, "devices": [], "shared": []}
+                "generation": self.generation, "devices": [], "shared": [],
+                "checkpoint_phase": "handed" if self.handed else ""}
 
     def _shared(self, **_: int) -> dict[str, Any]:
         return {"shared": []}
@@ -144,16 +145,20 @@ class FakeAgent:
 
     def _handed_done(self) -> dict[str, Any]:
         assert self.handed, f"handed_done to process {self.pid}, which handed nothing over"
-        self.state, self.handed, self.generation = "checkpointed", False, self.generation + 1
+        self.state, self.generation = "checkpointed", self.generation + 1
         return {**self._status(), "bytes_left_to_driver": 0, "last_cycle_ms": {
-            "staging": 0.0, "gate": 0.0, "sync": 0.0, "copy_out": 0.0, "release": 0.0, "bytes_out": 0}}
+            "staging": 0.0, "gate": 0.0, "sync": 0.0, "release": 0.0, "bytes_out": 0}}
 
     def _abort(self) -> dict[str, Any]:
-        assert self.state == "running", f"abort of process {self.pid}, whose memory has left the GPU"
-        self.handed = self.gate_closed = False
+        """A quiesce undone, or a handover before its commit: the memory mapped again from the agent's fds."""
+        assert self.state == "running" or self.handed, f"abort of process {self.pid}, whose memory has left the GPU"
+        if self.handed:
+            self._need_cuda("abort")
+        self.state, self.handed, self.gate_closed = "running", False, False
         return self._status()
 
     def _commit(self, full: int) -> dict[str, Any]:
+        self.handed = False   # the agent's fds let go: the memory leaves the GPU
         return {}
 
     def _adopt(self, fds: int, **_: int) -> dict[str, Any]:
@@ -161,13 +166,15 @@ class FakeAgent:
         self.adopted += fds
         return {}
 
-    def _restore(self, drop_staging: int, open_gate: int, timeout_ms: int) -> dict[str, Any]:
-        """What the plane did not fill, brought back from staging by the agent itself."""
+    def _restore(self, drop_staging: int, open_gate: int) -> dict[str, Any]:
+        """The end of a restore: every allocation adopted, or it stays checkpointed (the agent copies nothing)."""
         self._need_cuda("restore")
-        assert self.state == "checkpointed" and not open_gate
-        bytes_in = sum(a["bytes"] for a in ALLOCATIONS[self.adopted:])
+        assert self.state == "checkpointed" and not self.handed and not open_gate
+        if self.adopted < len(ALLOCATIONS):
+            raise GpucrError(f"{len(ALLOCATIONS) - self.adopted} allocations were not brought back by gpucr's data "
+                             "plane; the process stays checkpointed")
         self.state, self.adopted = "running", 0
-        return {"last_cycle_ms": {"bytes_in": bytes_in, "data_in": 0.0, "pin_wait": 0.0}}
+        return self._status()
 
     def _resume(self) -> dict[str, Any]:
         self.gate_closed = False
@@ -270,7 +277,7 @@ def test_one_process_checkpoint_through_the_plane(live_pids):
     pid = live_pids[0]
     with fake_world([pid]) as world:
         result = coordinator.checkpoint_many([pid], mover=world.plane)
-    assert world.verbs(pid) == ["shared", "memory", "handover", "memory", "layout", "handed_done", "commit"]
+    assert world.verbs(pid) == ["shared", "handover", "memory", "layout", "handed_done", "commit"]
     assert world.verbs(pid, "driver") == ["lock", "checkpoint"]
     assert world.verbs(pid, "plane") == ["copy_out"]
     assert world.before("agent:layout", "driver:lock")   # listed before the driver holds the process
@@ -315,11 +322,11 @@ def reached(point: str, n: int, level: str) -> bool:
 
 
 def undo_expected(world: World, pid: int, fault: Step) -> list[str]:
-    """What a roll-back asks of a process's agent: memory that left the GPU comes back from staging and the process
-    runs on (restore, resume); memory only held is let go (abort); nothing, where nothing was done."""
+    """What a roll-back asks of a process's agent: abort, where anything was done (its fds kept the memory on the
+    GPU until the commit, so it maps it again: no copy); nothing, where nothing was done."""
     done = [v for v in ("quiesce", "handover", "handed_done")
             if (f"agent:{v}", pid) in world.log and (f"agent:{v}", pid) != fault]
-    return ["restore", "resume"] if "handed_done" in done else ["abort"] if done else []
+    return ["abort"] if done else []
 
 
 @pytest.mark.parametrize("n, which, point, level", FAILURES)
@@ -328,11 +335,11 @@ def test_a_failure_at_any_step_rolls_every_process_back(live_pids, n, which, poi
     bad = pids[which]
     with fake_world(pids, {(point, bad)}) as world:
         if not reached(point, n, level):
-            coordinator.checkpoint_many(pids, level, mover=world.plane)
+            coordinator.checkpoint_many(pids, world.plane, level)
             assert (point, bad) not in world.log and all(a.state == "checkpointed" for a in world.agents.values())
             return
         with pytest.raises(GpucrError) as err:
-            coordinator.checkpoint_many(pids, level, mover=world.plane)
+            coordinator.checkpoint_many(pids, world.plane, level)
     error = str(err.value)
     assert f"process {bad} failed at {FAIL_POINTS[point]}: " in error, error
     if n > 1:
@@ -408,17 +415,16 @@ def test_restore_fills_beside_the_driver_then_adopts_then_resumes(live_pids, pla
     assert made_fds_open() == 0   # ours closed: each agent holds its own of what it adopted
 
 
-def test_a_failed_fill_falls_back_to_the_agents_restore(live_pids, capsys):
+def test_a_failed_fill_leaves_that_process_checkpointed(live_pids):
+    """The plane cannot fill one process: it stays checkpointed, its data still in staging (the agent copies
+    nothing), and the error names it; the other is restored and runs."""
     pids = live_pids[:2]
-    with parked(pids, {("plane:fill", pids[0])}) as world:
-        result = coordinator.restore_many(pids, mover=world.plane)
-    assert world.verbs(pids[0]) == ["memory", "layout", "restore", "resume"]   # no adopt: the agent brought it back
+    with parked(pids, {("plane:fill", pids[0])}) as world, pytest.raises(GpucrError) as err:
+        coordinator.restore_many(pids, mover=world.plane)
+    assert f"process {pids[0]} failed at data in: plane fill failed (injected fault)" in str(err.value), err.value
+    assert f"processes {pids[1]} were restored and run" in str(err.value)
+    assert world.verbs(pids[0]) == ["memory", "layout"] and world.agents[pids[0]].state == "checkpointed"
     assert world.verbs(pids[1]) == ["memory", "layout", "adopt", "restore", "resume"]
-    assert [(p.data_plane, p.bytes_moved) for p in result.processes] == [("agent", TOTAL_BYTES),
-                                                                          ("server", TOTAL_BYTES)]
-    said = capsys.readouterr().err
-    assert "plane fill failed (injected fault); its agent's own restore from staging brings it back" in said
-    check_all_running(world)
     assert made_fds_open() == 0
 
 

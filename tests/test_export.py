@@ -11,6 +11,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 import gpucr
 from gpucr.driver import gpu_memory
 
@@ -152,13 +154,11 @@ def test_no_fd_left_refuses_clearly_and_allocations_still_work(sim_app):
     assert 1500 - 200 <= lacking < 1500, "the agent keeps fds while the table has room, then says so"
     out = gpucr_cli("status", str(app.pid))
     assert out.returncode == 0 and f"{lacking} allocations are not" in out.stdout and "RLIMIT_NOFILE" in out.stdout
-    # the data plane moves them all the same
-    gpucr.checkpoint(app.pid)
-    gpucr.restore(app.pid)
-    assert app.ask("digest") == before
-    app.ask("free-many")
-    # the one left was re-created by the restore while the table was full: it gets its fd when its
-    # memory is made again, at the next restore
+    # the data plane, in another process, can only reach memory through an fd of it: refused before touching
+    with pytest.raises(gpucr.GpucrError, match=rf"{lacking} without an fd of the agent's.*raise 'ulimit -n'"):
+        gpucr.checkpoint(app.pid)
+    assert gpucr.status(app.pid).state == "running" and app.ask("digest") == before
+    app.ask("free-many")   # fds for every allocation again: the checkpoint goes through
     gpucr.checkpoint(app.pid)
     gpucr.restore(app.pid)
     assert gpucr.status(app.pid).allocations.not_exportable == 0

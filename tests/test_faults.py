@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 import gpucr
-from gpucr import coordinator as agents_plane   # called with no mover: the agent's own plane, until issue 25 deletes it
 from gpucr import paths
 from gpucr.workloads.runner import Workload
 from gpucr.target import agent_socket_name
@@ -102,17 +101,22 @@ def test_a_driver_call_failing_during_a_cycle_is_logged_by_name(sim_app, capfd):
     assert logged and "failed: CUDA_ERROR_UNKNOWN (unknown error)" in logged[0], logged
 
 
-@pytest.mark.in_process   # the failure is counted in the app's own driver calls: the agent's own restore
-def test_a_driver_call_failing_in_a_restore_is_reported_by_name(sim_app):
-    """The agent's restore's cuMemCreate fails (the app's own allocation was the first): the error names it,
-    the process stays checkpointed, and the next restore completes."""
-    app = sim_app("--sizes", "16M", env=dict(os.environ, SIMCUDA_FAIL_CALL="cuMemCreate:2"))
+@pytest.mark.in_process   # the mover runs in this process (no server): its cuMemCreate is the one that fails
+def test_a_driver_call_failing_in_a_restore_is_reported_by_name(sim_app, monkeypatch):
+    """The data plane's cuMemCreate fails while it makes the process's memory again: the error names the call,
+    the process stays checkpointed with its data in staging, and the next restore completes."""
+    from gpucr.driver import DriverError, Vmm
+    app = sim_app("--sizes", "16M")
     before = app.ask("digest")
-    agents_plane.checkpoint(app.pid)
+    gpucr.checkpoint(app.pid)
+    real = Vmm.create
+    fails = [DriverError("cuMemCreate", 999, "CUDA_ERROR_UNKNOWN (unknown error)")]
+    monkeypatch.setattr(Vmm, "create", lambda self, *a, **k: (_ for _ in ()).throw(fails.pop()) if fails
+                        else real(self, *a, **k))
     with pytest.raises(gpucr.GpucrError) as failed:
-        agents_plane.restore(app.pid)
-    assert "CUDA_ERROR_UNKNOWN" in str(failed.value) and "stays checkpointed" in str(failed.value), failed.value
-    assert gpucr.status(app.pid).state == "checkpointed"
+        gpucr.restore(app.pid)
+    assert "cuMemCreate failed: CUDA_ERROR_UNKNOWN" in str(failed.value), failed.value
+    assert gpucr.status(app.pid).state == "checkpointed" and sim_driver().state(app.pid) == ProcessState.RUNNING
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
 
@@ -120,18 +124,15 @@ def test_a_driver_call_failing_in_a_restore_is_reported_by_name(sim_app):
 # ---- a controller killed at every phase ----
 
 @pytest.mark.in_process   # the in-process controller is the one killed: the CLI, its own mover copying (no server)
-@pytest.mark.parametrize("point,after,bounce", [
-    ("after-handover", "running", None),            # the agent's lease maps its memory again from its fds
-    ("during-server-copy", "running", None),        # ... with the CLI's copy under way: nothing left the GPU
-    ("after-driver-lock", "restorable", None),      # the driver holds it: a new controller finishes the job
-    ("after-driver-checkpoint", "restorable", None),
-    ("after-data-out", "restorable", None),         # copied beside the driver's checkpoint: a restore brings it back
-    ("after-data-out", "restorable", "0"),          # the same with the application's staging pinned (its ring off)
-    ("after-driver-checkpoint", "restorable", "0"),
+@pytest.mark.parametrize("point,after", [
+    ("after-handover", "running"),            # the agent's lease maps its memory again from its fds
+    ("during-server-copy", "running"),        # ... with the CLI's copy under way: nothing left the GPU
+    ("after-driver-lock", "restorable"),      # the driver holds it: a new controller finishes the job
+    ("after-driver-checkpoint", "restorable"),
+    ("after-data-out", "restorable"),         # copied, not committed: a restore takes it back from the agent's fds
 ])
-def test_controller_killed_during_checkpoint(sim_app, point, after, bounce):
-    env = {**os.environ, "GPUCR_BOUNCE_MIB": bounce} if bounce else None
-    app = sim_app("--sizes", "32M,4M", "--vmm-mib", "8", env=env)
+def test_controller_killed_during_checkpoint(sim_app, point, after):
+    app = sim_app("--sizes", "32M,4M", "--vmm-mib", "8")
     before = app.ask("digest")
     r = gpucr_cli("checkpoint", str(app.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT=point))
     assert r.returncode == -signal.SIGKILL
@@ -319,21 +320,21 @@ def test_eight_processes_cycled_concurrently(sim_app):
     assert [a.ask("digest") for a in apps] == befores
 
 
-def test_controller_killed_before_the_gate_reopens(sim_app):
+@pytest.mark.in_process   # the coordinator runs here, with the CLI's own mover
+def test_controller_killed_before_the_gate_reopens(sim_app, monkeypatch):
     app = sim_app("--sizes", "16M")
     before = app.ask("digest")
     gpucr.checkpoint(app.pid)
-    from gpucr.coordinator import restore
+    from gpucr.coordinator import restore_many
     from gpucr.coordinator import restoring as co   # whose resume step asks _agent_restored
+    from gpucr.dataplane.cli_plane import cli_plane
     # data back in, gate still closed: as if the controller died just before its last step
-    real = co._agent_restored
-    co._agent_restored = lambda m: False
-    try:
-        restore(app.pid)
-    finally:
-        co._agent_restored = real
+    with monkeypatch.context() as mp, cli_plane() as mover:
+        mp.setattr(co, "_agent_restored", lambda m: False)
+        restore_many([app.pid], mover)
     st = gpucr.status(app.pid)
     assert st.state == "running" and st.gate_closed
-    assert gpucr_cli("restore", str(app.pid)).returncode == 0   # finishes the job
+    r = gpucr_cli("restore", str(app.pid))
+    assert r.returncode == 0, r.stderr   # finishes the job
     assert not gpucr.status(app.pid).gate_closed
     assert app.ask("digest") == before

@@ -11,10 +11,10 @@ SOURCES = [(ROOT / "src" / "gpucr", ("*.py", "*.c", "*.h")), (ROOT / "native" / 
 # The files over the limit today, each with its length today as its ceiling: each may shrink, none may
 # grow. Issue 25 is done when this list is empty; a file that comes down to the limit leaves it.
 OVER_TODAY = {
-    "native/agent/channel.c": 866,
-    "native/agent/dataplane.c": 1169,
+    "native/agent/channel.c": 825,
+    "native/agent/dataplane.c": 812,
     "native/agent/pool.c": 1007,
-    "src/gpucr/cli.py": 787,
+    "src/gpucr/cli.py": 781,
 }
 
 

@@ -1,4 +1,4 @@
-"""First use (issue 14, items 3 and 5): a small process pays little for staging and the ring, and
+"""First use (issue 14, items 3 and 5): a small process pays little for staging, and
 gets the memory back when its data shrinks; the set-up script's choices, the editable build's
 layout, the runnable sample, --version, help texts, doctor's exit status, skip reasons."""
 from __future__ import annotations
@@ -23,7 +23,7 @@ from conftest import ROOT, gpucr_cli
 MiB = 1 << 20
 
 
-# ---- item 3: staging and the ring sized to the data ----
+# ---- item 3: staging sized to the data ----
 
 def test_a_small_process_pays_little(sim_app):
     # was: 256 MiB of staging and a 128 MiB pinned ring for 16 MiB of data; the mover (here the command's own,
@@ -35,27 +35,23 @@ def test_a_small_process_pays_little(sim_app):
     moved = st.allocations.tracked_bytes
     assert moved == 16 * MiB and ck.data_plane == "cli"
     assert moved <= st.staging_bytes <= 2 * moved, st.staging_bytes
-    assert st.bounce_pinned_bytes == 0 and st.staging_pinned_bytes == 0, st
     assert ck.bytes_moved == moved
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
 
 
-def test_staging_and_ring_given_back_when_the_data_shrinks(sim_app):
-    """The agent's own plane (the coordinator with no mover; it goes with issue 25): its ring follows the data."""
-    from gpucr import coordinator
+def test_staging_given_back_when_the_data_shrinks(sim_app):
     app = sim_app("--sizes", "16M")
     app.ask(f"alloc {300 * MiB}")
-    coordinator.checkpoint(app.pid)
-    st = gpucr.status(app.pid)
-    assert st.staging_bytes >= 316 * MiB and st.bounce_pinned_bytes == 320 * MiB
-    coordinator.restore(app.pid)
+    gpucr.checkpoint(app.pid)
+    assert gpucr.status(app.pid).staging_bytes >= 316 * MiB
+    gpucr.restore(app.pid)
     app.ask("free 1")                      # the 300 MiB buffer: 16 MiB left to move
     before = app.ask("digest")
-    coordinator.checkpoint(app.pid)
+    gpucr.checkpoint(app.pid)
     st = gpucr.status(app.pid)
-    assert st.staging_bytes <= 32 * MiB and 0 < st.bounce_pinned_bytes <= 32 * MiB, st
-    coordinator.restore(app.pid)
+    assert st.staging_bytes <= 32 * MiB, st
+    gpucr.restore(app.pid)
     assert app.ask("digest") == before
 
 

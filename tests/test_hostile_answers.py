@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from gpucr import coordinator, paths
+from gpucr.dataplane.cli_plane import cli_plane
 from gpucr import reading
 from gpucr import target as targets
 from gpucr.agent import MAX_LISTING_ENTRIES
@@ -25,6 +26,12 @@ from gpucr.workloads.runner import Workload
 
 from conftest import ROOT, RunningServer, gpucr_cli
 from test_security import SYS_PY, as_user, one_line, root_only, user_dir, user_env, users, wait_for  # noqa: F401
+
+
+def checkpoint_here(pid: int, timeout: float) -> None:
+    """A checkpoint at level data by a controller in this process, with its own mover (no server)."""
+    with cli_plane() as mover:
+        coordinator.checkpoint_many([pid], mover, level="data", timeout=timeout)
 
 HOSTILE = ROOT / "tests" / "apps" / "hostile_app.py"
 MiB = 1 << 20
@@ -109,7 +116,7 @@ def test_an_endless_listing_ends_at_the_requests_deadline_in_process(users, host
     before, fds0, rss0 = warm(app), nfds(), rss()
     t0 = time.monotonic()
     with pytest.raises(GpucrError, match=rf"process {app.pid} did not send its whole list of shared memory within 3 s"):
-        coordinator.checkpoint(app.pid, level="data", timeout=3.0)
+        checkpoint_here(app.pid, timeout=3.0)
     assert time.monotonic() - t0 < 3.0 + 2.0
     assert nfds() == fds0
     assert rss() - rss0 < 32 * MiB
@@ -146,7 +153,7 @@ def test_a_listing_out_of_bounds_is_refused_naming_the_process(hostile, mode, re
     app = hostile("shared", HOSTILE_MODE="endless", **mode)
     before, fds0, rss0 = warm(app), nfds(), rss()
     with pytest.raises(GpucrError, match=rf"process {app.pid} {refusal}"):
-        coordinator.checkpoint(app.pid, level="data", timeout=30.0)
+        checkpoint_here(app.pid, timeout=30.0)
     assert nfds() == fds0
     assert rss() - rss0 < 256 * MiB   # the bounds, not the attacker, say where it stops
     left_running(app, before)
@@ -157,9 +164,12 @@ def test_a_listing_out_of_bounds_is_refused_naming_the_process(hostile, mode, re
 @pytest.mark.parametrize("verb", ["memory", "layout"])
 @pytest.mark.parametrize("mode", ["half_line", "nondict", "stall"])
 def test_fds_of_an_answer_that_fails_are_closed(hostile, verb, mode):
-    app = hostile(verb, HOSTILE_MODE=mode)
-    if verb == "layout":   # a layout comes with staging only once a checkpoint made it
-        coordinator.checkpoint(app.pid, level="data", timeout=30.0)
+    # a layout comes with staging only once a checkpoint made it: a cycle first, whose two layouts are honest
+    app = hostile(verb, HOSTILE_MODE=mode, HOSTILE_HONEST="2" if verb == "layout" else "0")
+    if verb == "layout":
+        checkpoint_here(app.pid, timeout=30.0)
+        with cli_plane() as mover:
+            coordinator.restore_many([app.pid], mover, timeout=30.0)
     fds0 = nfds()
     with targets.resolve(app.pid).connect() as agent:
         with pytest.raises(GpucrError, match=f"process {app.pid}"):
@@ -198,7 +208,10 @@ def test_roots_server_keeps_no_fd_of_another_users_failed_answer(users, hostile)
 def test_pinning_ahead_keeps_no_fd_of_a_failed_layout(hostile):
     srv = RunningServer(True)
     try:
-        app = hostile("layout", HOSTILE_MODE="half_line", HOSTILE_MIB="32", GPUCR_STAGING_AHEAD="1")
+        app = hostile("layout", HOSTILE_MODE="half_line", HOSTILE_MIB="32", HOSTILE_HONEST="2")
+        checkpoint_here(app.pid, timeout=30.0)   # staging made (and kept) by a cycle whose two layouts are honest
+        with cli_plane() as mover:
+            coordinator.restore_many([app.pid], mover, timeout=30.0)
         asked = f"pinning ahead for process {app.pid} failed: process {app.pid} closed the control channel during 'layout'"
         wait_for(lambda: asked in srv.log.read_text(), what="the server asking for the layout to pin ahead")
         fds0 = nfds(srv.pid)

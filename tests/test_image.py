@@ -18,7 +18,7 @@ from conftest import RunningServer, gpucr_cli, sim_driver
 from test_server import wait_for
 
 # every test here goes through one gpucr server reused by the module, as a user's requests do; those marked
-# in_process run the in-process plane, a fallback until it is deleted
+# in_process run a server of their own, or the CLI's own mover
 pytestmark = pytest.mark.usefixtures("reused_server")
 
 MiB = 1 << 20
@@ -178,9 +178,9 @@ def test_zero_chunks_are_set_on_the_device_at_restore(sim_app, tmp_path, plane):
     app.ask("work 3")
     after_work = app.ask("digest")
     gpucr.checkpoint(app.pid)
-    gpucr.restore(app.pid)
+    again = gpucr.restore(app.pid)
     assert app.ask("digest") == after_work
-    assert gpucr.status(app.pid).last_cycle.bytes_zeroed == 0
+    assert again.image is None and again.bytes_moved == 200 * MiB, again
     assert rs.image.bytes >= 200 * MiB
 
 
@@ -236,9 +236,9 @@ def test_server_killed_reading_an_image_leaves_it_restorable_from_the_image(sim_
 
 
 @pytest.mark.in_process   # a server of its own, whose fill fails
-def test_a_failed_fill_leaves_the_agent_to_restore_from_the_image_read(sim_app, tmp_path, monkeypatch):
-    """The server cannot make the new memory: the agent restores from the staging the image was read into,
-    zero chunks included (it was told of them), every byte back."""
+def test_a_failed_fill_leaves_the_process_restorable_from_the_image(sim_app, tmp_path, monkeypatch):
+    """The server cannot make the new memory: the restore fails saying so, the process stays checkpointed,
+    and the next restore from the image brings every byte back, zero chunks included."""
     app = sim_app("--sizes", "8M,192M")
     app.ask("zero 1")
     before = app.ask("digest")
@@ -246,8 +246,11 @@ def test_a_failed_fill_leaves_the_agent_to_restore_from_the_image_read(sim_app, 
     srv = _own_server(monkeypatch, SIMCUDA_FAIL_CALL="cuMemCreate")
     try:
         assert gpucr.checkpoint(app.pid, image=img).data_plane == "server"
+        with pytest.raises(gpucr.GpucrError, match="making 192 MiB on GPU 0 failed"):
+            gpucr.restore(app.pid, image=img)
+        assert gpucr.status(app.pid).state == "checkpointed"
         rs = gpucr.restore(app.pid, image=img)
-        assert rs.data_plane == "agent" and rs.image.bytes_zeroed == 192 * MiB, rs
+        assert rs.data_plane == "server" and rs.image.bytes_zeroed == 192 * MiB, rs
         assert app.ask("digest") == before
         assert gpucr.checkpoint(app.pid).data_plane == "server"   # the fault fired once: the next cycle is the server's
         assert gpucr.restore(app.pid).data_plane == "server" and app.ask("digest") == before

@@ -2,6 +2,8 @@
 sockets, real processes under LD_PRELOAD on simcuda. What each test proves is in its name and docstring."""
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import re
@@ -153,7 +155,6 @@ def test_the_server_copies_the_data_while_the_driver_checkpoints(server, sim_app
         st = gpucr.status(app.pid)
         assert st.state == "checkpointed" and st.staged and st.checkpoint_phase == "", st
         assert process_gpu_memory(sim_driver(), app.pid, 0) == 0   # its memory left the GPU with the fds
-        assert st.staging_pinned_bytes == st.bounce_pinned_bytes == 0, "the application pins nothing for the server"
         assert ck.data_plane == "server"
         rs = gpucr.restore(app.pid)
         assert rs.data_plane == "server"
@@ -163,7 +164,7 @@ def test_the_server_copies_the_data_while_the_driver_checkpoints(server, sim_app
             parts = [r.phases_s[f"server_{k}"] for k in ("stage", "make", "queue", "drain", "export")]
             assert all(v >= 0 for v in parts) and sum(parts) <= r.phases_s[key], r.phases_s
         assert ck.phases_s["server_export"] == 0 and rs.phases_s["server_make"] > 0, "out imports, in makes and exports"
-        assert rs.bytes_moved == 50 << 20 and rs.agent_phases_s.get("data_in", 0) < 1.0, rs
+        assert rs.bytes_moved == 50 << 20, rs
         assert ck.data_plane == rs.data_plane == "server"
         after = app.ask("digest")
         assert after == before, f"cycle {i}: bytes or addresses differ"
@@ -182,7 +183,7 @@ def test_memory_made_with_allocation_flags_goes_through_the_server(server, sim_a
     before = app.ask("digest")
     for _ in range(2):
         ck = gpucr.checkpoint(app.pid)
-        assert ck.data_plane == "server" and ck.agent_phases_s.get("copy_out", 0) == 0, (ck.phases_s, ck.agent_phases_s)
+        assert ck.data_plane == "server" and ck.bytes_moved == 20 << 20, ck
         rs = gpucr.restore(app.pid)
         assert rs.data_plane == "server" and rs.bytes_moved == 20 << 20, rs
         assert app.ask("digest") == before
@@ -190,13 +191,14 @@ def test_memory_made_with_allocation_flags_goes_through_the_server(server, sim_a
 
 def test_a_checkpoint_by_either_plane_is_restored_by_the_other(server, sim_app):
     """A `--no-server` checkpoint (the CLI's own mover) is restored through the server, and a checkpoint through
-    the server by a `--no-server` restore: every byte back at the same addresses. The server fills only what it
-    took itself (docs/security.md), so the first restore is the agent's own for now; the CLI's mover fills it."""
+    the server by a `--no-server` restore: every byte back at the same addresses. The server pins no staging it
+    did not take itself (docs/security.md): it fills such a process through a ring, as the CLI's mover does."""
     app = sim_app("--sizes", "16M,6M")
     before = app.ask("digest")
     ck = json.loads(gpucr_cli("checkpoint", "--no-server", "--json", str(app.pid)).stdout)["processes"][0]
     assert ck["data_plane"] == "cli", ck
-    assert gpucr.restore(app.pid).data_plane == "agent"
+    rs = gpucr.restore(app.pid)
+    assert rs.data_plane == "server" and rs.bytes_moved == 22 << 20, rs
     assert app.ask("digest") == before
     assert gpucr.checkpoint(app.pid).data_plane == "server"
     rs = json.loads(gpucr_cli("restore", "--no-server", "--json", str(app.pid)).stdout)["processes"][0]
@@ -355,11 +357,11 @@ def test_the_data_plane_refuses_a_layout_outside_the_staging(tmp_path):
             layout = {"segments": [{"index": 0, "bytes": 4 << 20}], "allocations": [bad]}
             with pytest.raises(gpucr.GpucrError, match="outside its staging"):
                 mover.copy_out(1, layout, [fd], mem)
-        # at a restore, only what the server took from that process at its checkpoint is made and filled
+        # at a restore of what the server did not take itself, only what the agent lists as released, of that size
         ok = {"segments": [{"index": 0, "bytes": 4 << 20}],
               "allocations": [{"index": 0, "bytes": 2 << 20, "segment": 0, "offset": 0}]}
-        with pytest.raises(gpucr.GpucrError, match="not what the server took"):
-            mover.fill(4, ok, [fd], mem)
+        with pytest.raises(gpucr.GpucrError, match="does not list as released memory of that size"):
+            mover.fill(4, ok, [fd], [dataclasses.replace(mem[0], released=False)])
         with pytest.raises(gpucr.GpucrError, match="not a file of"):
             mover.pin_ahead(2, {"segments": [{"index": 0, "bytes": 8 << 20}], "allocations": []}, [fd], sim_uuid)
         r, w = os.pipe()
@@ -978,17 +980,16 @@ def test_server_killed_while_copying_through_a_neighbour(two_gpus, sim_app, op, 
 
 
 def test_a_restore_finds_the_agents_own_roll_back_done(server, sim_app):
-    """The server killed after its data out, the driver holding the process: the agent's own roll-back waits
-    for the driver's restore and may bring the data back before the restore's data in asks. The restore then
-    succeeds (it failed with 'the process is not checkpointed', seen under CI load)."""
-    # the agent starts its roll-back 2.5 s late, as on a loaded machine: the restore finds the process still
-    # checkpointed, and the roll-back runs while the restore pauses before its data in
+    """The server killed after its copy, before the commit, the driver holding the process: the agent's own
+    roll-back (taking its memory back from its fds) fails while the driver holds it, and a restore takes it back
+    after the driver's. The roll-back may retry first, late: the restore then finds it done and succeeds."""
+    # the agent starts its roll-back 2.5 s late, as on a loaded machine
     app = sim_app("--sizes", "32M,4M", env=dict(os.environ, GPUCR_TEST_ROLLBACK_DELAY_MS="2500"))
     before = app.ask("digest")
     r = gpucr_cli("checkpoint", str(app.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT="after-data-out"))
     one_line_error(r, "died during 'checkpoint'")
     assert server.proc.wait(timeout=30) == -signal.SIGKILL
-    r = gpucr_cli("restore", str(app.pid), env=dict(os.environ, GPUCR_TEST_PAUSE_BEFORE_DATA_IN="4"))
+    r = gpucr_cli("restore", str(app.pid))
     assert r.returncode == 0, r.stderr
     assert gpucr.status(app.pid).state == "running" and app.ask("digest") == before
 
@@ -1357,13 +1358,10 @@ def test_gpucr_run_starts_a_detached_server_that_serves_it(tmp_path):
         log = Path(info["log"])
         assert stat.S_IMODE(os.lstat(log).st_mode) == 0o600 and "serving uid" in log.read_text()
         assert info["idle_exit_s"] == client.AUTO_IDLE_EXIT_S
-        # with the server, staging is prepared ahead and pinned by the server: the first checkpoint pins nothing
-        wait_for(lambda: gpucr.status(app.pid).staging_ahead and client.info(True)["pinned_staging_bytes"] >= 16 << 20,
-                 what="staging prepared ahead and pinned by the server")
         before = app.ask("digest")
         r = gpucr_cli("checkpoint", "--json", str(app.pid))
         assert r.returncode == 0, r.stderr
-        assert "server_pin" not in json.loads(r.stdout)["processes"][0]["phases_s"], r.stdout
+        assert json.loads(r.stdout)["processes"][0]["data_plane"] == "server", r.stdout
         assert gpucr_cli("restore", str(app.pid)).returncode == 0
         assert client.info(True)["requests"] >= 2
         assert app.ask("digest") == before
@@ -1377,7 +1375,7 @@ def test_gpucr_run_starts_a_detached_server_that_serves_it(tmp_path):
 
 
 def test_gpucr_run_no_server_starts_none(tmp_path):
-    """--no-server: no server, and staging is not prepared ahead (nothing would pin it ahead)."""
+    """--no-server: no server."""
     argv = [sys.executable, "-m", "gpucr.cli", "run", "--simulate", "--no-server", "--", sys.executable, "-m",
             "gpucr.workloads.driver_app", "--sizes", "4M"]
     app = Workload("driver_app", argv=argv, agent=False, simulate=True)
@@ -1385,19 +1383,6 @@ def test_gpucr_run_no_server_starts_none(tmp_path):
         time.sleep(1.0)
         assert client.info(True) is None
         assert not (paths.runtime_dir() / wire.socket_name(True)).exists()
-        assert not gpucr.status(app.pid).staging_ahead
-    finally:
-        app.close()
-
-
-def test_gpucr_run_no_staging_ahead_with_a_server(server):
-    """--no-staging-ahead: the server runs, staging waits for the first checkpoint."""
-    argv = [sys.executable, "-m", "gpucr.cli", "run", "--simulate", "--no-staging-ahead", "--", sys.executable, "-m",
-            "gpucr.workloads.driver_app", "--sizes", "4M"]
-    app = Workload("driver_app", argv=argv, agent=False, simulate=True)
-    try:
-        st = gpucr.status(app.pid)
-        assert not st.staging_ahead and st.staging_bytes == 0, st
     finally:
         app.close()
 
@@ -1525,12 +1510,21 @@ def test_stream_ordered_pools_through_the_server(server, sim_workload):
         before = app.ask("digest")
 
 
-def test_the_server_pins_staging_prepared_ahead(server, sim_app):
-    """With staging prepared ahead by the agent (`gpucr run --staging-ahead`), the server maps and pins it
-    while the process runs, so the first checkpoint through the server pins nothing (issue 13: the first
-    checkpoint as fast as the rest); it says so in its log and in `pinned_staging_bytes`."""
-    app = sim_app("--sizes", "32M,8M", env=dict(os.environ, GPUCR_STAGING_AHEAD="1"))
+def staged_without_the_server(app) -> None:
+    """A cycle of `app` by the CLI's own mover: its agent then holds staging (kept for the next cycle), which the
+    server did not take and pins ahead."""
+    for verb in ("checkpoint", "restore"):
+        r = gpucr_cli(verb, "--no-server", str(app.pid))
+        assert r.returncode == 0, r.stderr
+
+
+def test_the_server_pins_staging_kept_from_an_earlier_cycle(server, sim_app):
+    """Staging a process kept from a cycle the server did not make: the server maps and pins it while the
+    process runs, so its first checkpoint through the server pins nothing (issue 13: the first checkpoint as
+    fast as the rest); it says so in its log and in `pinned_staging_bytes`."""
+    app = sim_app("--sizes", "32M,8M")
     before = app.ask("digest")
+    staged_without_the_server(app)
     wait_for(lambda: server.info()["pinned_staging_bytes"] >= 40 << 20, what="the server to pin the staging ahead")
     ck = gpucr.checkpoint(app.pid)
     assert "handover" in ck.phases_s and "server_pin" not in ck.phases_s, ck.phases_s
@@ -1544,9 +1538,9 @@ def test_the_server_pins_staging_prepared_ahead(server, sim_app):
     assert re.search(rf"restore of process {app.pid}: done in \d+\.\d{{3}} s", log), log
 
 
-def test_a_checkpoint_without_staging_ahead_pins_in_the_server_first(server, sim_app):
-    """Without staging ahead, the first checkpoint through the server pins the staging then (reported as
-    server_pin) and the next one pins nothing: the cost the option above moves out of the checkpoint."""
+def test_a_first_checkpoint_pins_in_the_server_first(server, sim_app):
+    """With no staging yet, the first checkpoint through the server pins the staging then (reported as
+    server_pin) and the next one pins nothing: the cost pinning ahead moves out of the checkpoint."""
     app = sim_app("--sizes", "32M")
     first = gpucr.checkpoint(app.pid)
     gpucr.restore(app.pid)
@@ -1559,10 +1553,9 @@ def test_a_new_server_takes_up_what_a_killed_one_held(sim_app):
     """Staging is the process's own files, so a server SIGKILLed between cycles loses nothing: a new server
     pins the same staging ahead again and the next cycle through it is right (issue 13, item 5)."""
     first = RunningServer(True)
-    app = sim_app("--sizes", "24M", env=dict(os.environ, GPUCR_STAGING_AHEAD="1"))
+    app = sim_app("--sizes", "24M")
     before = app.ask("digest")
     try:
-        wait_for(lambda: first.info()["pinned_staging_bytes"] >= 24 << 20, what="the first server to pin ahead")
         gpucr.checkpoint(app.pid)
         gpucr.restore(app.pid)
         first.proc.kill()
@@ -1610,9 +1603,9 @@ def test_a_failed_driver_restore_leaves_no_memory_of_the_servers_behind(server, 
 
 
 def test_a_failed_export_in_the_servers_fill_leaves_nothing_behind(sim_app, monkeypatch):
-    """The server's fill exports each new allocation as an fd once all are filled; when one export fails,
-    those already exported are closed (each would keep its memory on the GPU), and the agent's own restore
-    from staging brings every byte back."""
+    """The server's fill exports each new allocation as an fd as it is made; when one export fails, those
+    already exported are closed (each would keep its memory on the GPU) and the process stays checkpointed,
+    nothing of the failed fill left on the GPU; the next restore brings every byte back."""
     app = sim_app("--sizes", "16M,16M,16M")
     before = app.ask("digest")
     running = gpu_memory(sim_driver()).used
@@ -1620,8 +1613,13 @@ def test_a_failed_export_in_the_servers_fill_leaves_nothing_behind(sim_app, monk
     s = RunningServer(True)
     try:
         assert "handover" in gpucr.checkpoint(app.pid).phases_s
-        rs = gpucr.restore(app.pid)
-        assert "adopt" not in rs.phases_s, rs.phases_s   # the agent's own restore did it
+        parked = gpu_memory(sim_driver()).used
+        with pytest.raises(gpucr.GpucrError, match="exporting GPU memory as an fd failed"):
+            gpucr.restore(app.pid)
+        # its context is back (the driver's restore ran beside the fill), none of the memory the fill made
+        assert gpucr.status(app.pid).state == "checkpointed"
+        assert gpu_memory(sim_driver()).used == parked + SIM_CONTEXT_BYTES
+        gpucr.restore(app.pid)
         assert app.ask("digest") == before
         used = gpu_memory(sim_driver()).used - SIM_CONTEXT_BYTES   # the server's context set apart
         assert used == running, f"{(used - running) >> 20} MiB more on the GPU than before the cycle"
@@ -1700,7 +1698,8 @@ def test_an_answer_that_is_not_an_object_ends_nothing_but_its_own_pin_ahead(serv
         assert bad.stdout.readline().strip() == "ready"
         wait_for(lambda: f"pinning ahead for process {bad.pid} failed" in server.log.read_text(), 10,
                  "the bad answer to be refused")
-        app = sim_app("--sizes", "16M", env=dict(os.environ, GPUCR_STAGING_AHEAD="1"))
+        app = sim_app("--sizes", "16M")
+        staged_without_the_server(app)
         wait_for(lambda: any(h["pid"] == app.pid and h["pinned_bytes"] >= 16 << 20 for h in server.info()["staging"]),
                  10, "the well-behaved process's staging to be pinned ahead")
         assert server.log.read_text().count(f"pinning ahead for process {bad.pid} failed") == 1

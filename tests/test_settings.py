@@ -60,19 +60,15 @@ def agent_stderr(env: dict[str, str]) -> list[str]:
 # ---- the agent ----
 
 BAD = [
-    ("GPUCR_BOUNCE_MIB", "abc"),       # was: atol -> 0, the ring off and all of staging pinned, silently
-    ("GPUCR_BOUNCE_MIB", "1"),         # smaller than two slots of the smallest size
-    ("GPUCR_BOUNCE_MIB", "-5"),
-    ("GPUCR_BOUNCE_MIB", "64x"),
-    ("GPUCR_BOUNCE_MIB", "99999999999999999999999"),
-    ("GPUCR_BOUNCE_MIB", " 64"),
+    ("GPUCR_STAGING_SEGMENT_MIB", "abc"),   # was (a ring's size): atol -> 0, silently
+    ("GPUCR_STAGING_SEGMENT_MIB", "-5"),
+    ("GPUCR_STAGING_SEGMENT_MIB", "64x"),
+    ("GPUCR_STAGING_SEGMENT_MIB", "99999999999999999999999"),
+    ("GPUCR_STAGING_SEGMENT_MIB", " 64"),
     ("GPUCR_STAGING", "bogus"),
     ("GPUCR_STAGING", "file:"),
     ("GPUCR_STAGING_POLICY", "junk"),
     ("GPUCR_STAGING_SEGMENT_MIB", "1"),
-    ("GPUCR_STAGING_AHEAD", "yes"),
-    ("GPUCR_PIN_THREADS", "0"),
-    ("GPUCR_BOUNCE_THREADS", "33"),
     ("GPUCR_LOG", "true"),
     ("GPUCR_NATIVE_ALLOC", "2"),
     ("GPUCR_MIN_VMM_BYTES", "2M"),
@@ -98,40 +94,36 @@ def test_agent_warns_in_one_line_about_a_bad_setting(name, value):
 
 
 def test_agent_is_quiet_about_good_settings_and_when_disabled():
-    good = {"GPUCR_BOUNCE_MIB": "0", "GPUCR_BOUNCE_THREADS": "32", "GPUCR_STAGING": "file:/tmp",
-            "GPUCR_STAGING_POLICY": "drop", "GPUCR_PIN_THREADS": "16", "GPUCR_STAGING_SEGMENT_MIB": "2",
-            "GPUCR_LOG": "0", "GPUCR_MIN_VMM_BYTES": "4096", "GPUCR_GROUP": "g" * 127, "GPUCR_STAGING_AHEAD": ""}
+    good = {"GPUCR_STAGING": "file:/tmp", "GPUCR_STAGING_POLICY": "drop", "GPUCR_STAGING_SEGMENT_MIB": "2",
+            "GPUCR_LOG": "0", "GPUCR_MIN_VMM_BYTES": "4096", "GPUCR_GROUP": "g" * 127, "GPUCR_HOST_BUDGET": ""}
     assert agent_stderr(good) == []
     for budget in ("64G", "50%", "100%", "1048576", "3T", "512M", "4K"):
         assert agent_stderr({"GPUCR_HOST_BUDGET": budget}) == [], budget
-    assert agent_stderr({"GPUCR_AGENT_DISABLE": "1", "GPUCR_BOUNCE_MIB": "abc"}) == []
+    assert agent_stderr({"GPUCR_AGENT_DISABLE": "1", "GPUCR_STAGING": "bogus"}) == []
 
 
 def test_bad_settings_keep_the_defaults(sim_app):
-    bad = {"GPUCR_BOUNCE_MIB": "abc", "GPUCR_GROUP": "g" * 128, "GPUCR_STAGING": "bogus",
-           "GPUCR_STAGING_POLICY": "junk", "GPUCR_PIN_THREADS": "-1"}
-    from gpucr import coordinator   # with no mover: the agent's own plane, whose ring the settings size
+    bad = {"GPUCR_STAGING_SEGMENT_MIB": "abc", "GPUCR_GROUP": "g" * 128, "GPUCR_STAGING": "bogus",
+           "GPUCR_STAGING_POLICY": "junk"}
     app = sim_app("--sizes", "16M", env={**os.environ, **bad})
     before = app.ask("digest")
-    coordinator.checkpoint(app.pid)
+    gpucr.checkpoint(app.pid)
     st = gpucr.status(app.pid)
-    # the default ring (was: the ring off, all of staging pinned)
-    assert st.bounce_pinned_bytes > 0 and st.staging_pinned_bytes == 0, st
     assert st.staging_kind in ("shm", "hugetlbfs"), st.staging_kind
     assert not st.group, "a group name too long is refused, not cut"
-    coordinator.restore(app.pid)
+    gpucr.restore(app.pid)
     assert app.ask("digest") == before
     assert gpucr.status(app.pid).staging_bytes > 0, "staging kept after the restore (the default policy)"
 
 
 def test_no_bare_getenv_of_a_setting():
     """Each GPUCR_ setting the agent reads is in settings.def; the files that read through the
-    table (staging, ring, logging) have no getenv of their own."""
+    table (staging, logging) have no getenv of their own."""
     table = agent_settings()
     for c in AGENT.glob("*.c"):
         for name in re.findall(r'getenv\("(GPUCR_\w+)"\)', c.read_text()):
             assert name in table, f"{c.name} reads {name}, which settings.def does not list"
-    for name in ("staging.c", "bounce.c", "util.c"):
+    for name in ("staging.c", "util.c"):
         src = (AGENT / name).read_text()
         assert not re.search(r'getenv\("GPUCR_|gpucr_env_long\("', src), f"{name} reads a setting around the table"
 
@@ -156,9 +148,6 @@ def test_the_docs_list_every_setting_as_the_table_says():
 BAD_ARGS = [
     (["run", "--staging", "bogus", "--", "true"], "--staging"),
     (["run", "--staging", "file:/no/such/dir", "--", "true"], "--staging"),
-    (["run", "--bounce", "1", "--", "true"], "--bounce"),
-    (["run", "--bounce", "abc", "--", "true"], "--bounce"),
-    (["run", "--bounce", "16385", "--", "true"], "--bounce"),
     (["run", "--staging-policy", "junk", "--", "true"], "--staging-policy"),
     (["run", "--group", "g" * 128, "--", "true"], "--group"),
     (["run", "--group", "", "--", "true"], "--group"),
@@ -180,18 +169,29 @@ def test_cli_refuses_a_bad_flag_in_one_line(argv, flag):
 
 
 def test_cli_passes_good_flags_on_to_the_agent(tmp_path):
-    show = [sys.executable, "-c", "import os; print(os.environ['GPUCR_STAGING'], os.environ['GPUCR_BOUNCE_MIB'], "
+    show = [sys.executable, "-c", "import os; print(os.environ['GPUCR_STAGING'], os.environ['GPUCR_STAGING_POLICY'], "
             "len(os.environ['GPUCR_GROUP']))"]
     (tmp_path / "st").mkdir()
-    r = subprocess.run([sys.executable, "-m", "gpucr.cli", "run", "--simulate", "--staging", "file:st", "--bounce", "4",
-                        "--group", "g" * 127, "--", *show], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    r = subprocess.run([sys.executable, "-m", "gpucr.cli", "run", "--simulate", "--staging", "file:st", "--staging-policy",
+                        "drop", "--group", "g" * 127, "--", *show], cwd=tmp_path, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stderr.count("gpucr[") == 0, r.stderr
-    assert r.stdout.split() == [f"file:{tmp_path / 'st'}", "4", "127"], "file:DIR is made absolute"
+    assert r.stdout.split() == [f"file:{tmp_path / 'st'}", "drop", "127"], "file:DIR is made absolute"
+
+
+@pytest.mark.parametrize("argv,word", [(["run", "--bounce", "512"], "--bounce"), (["run", "--staging-ahead"], "--staging-ahead"),
+                                       (["run", "--no-staging-ahead"], "--no-staging-ahead"), ([], "GPUCR_BOUNCE_MIB")])
+def test_settings_of_the_deleted_in_process_copy_engine_are_said_and_ignored(tmp_path, argv, word):
+    """The agent copies nothing any more (issue 25): its ring's and pinning's settings still run, said once."""
+    env = {**os.environ, "GPUCR_BOUNCE_MIB": "64"} if not argv else None
+    r = subprocess.run([sys.executable, "-m", "gpucr.cli", *(argv or ["run"]), "--simulate", "--no-server", "--", "true"],
+                       capture_output=True, text=True, timeout=60, env=env)
+    said = [l for l in r.stderr.splitlines() if word in l]
+    assert r.returncode == 0 and len(said) == 1 and "has no effect and is ignored" in said[0], r.stderr
 
 
 def test_cli_limits_are_the_agents():
     s = agent_settings()
-    assert (cli.BOUNCE_MIB_MIN, cli.BOUNCE_MIB_MAX) == (s["GPUCR_BOUNCE_MIB"].lo, s["GPUCR_BOUNCE_MIB"].hi)
+    assert not set(cli.RETIRED_ENV) & set(s), "a setting retired in the CLI is still the agent's"
     assert cli.GROUP_MAX_BYTES == s["GPUCR_GROUP"].hi
     assert "|".join((*cli.STAGING_KINDS, "file:DIR")) == s["GPUCR_STAGING"].accepted
 

@@ -1,17 +1,17 @@
 /* Shared declarations of the in-process agent (libgpucr.so).
  *
  * Threads: the application's (through the wrappers), the control channel's (one per connection),
- * and the agent's own helpers (deadline jobs, staging preparation and pinning, the bounce ring).
+ * and the agent's own helpers while a checkpoint runs (deadline jobs, threads touching new staging); at rest,
+ * only the channel's. The agent copies and pins nothing: gpucr's data plane runs in another process.
  *
  * Lock order (never take an earlier lock while holding a later one):
  *   g_op (channel.c, one checkpoint or restore at a time)
- *     -> g_ready_mu (dataplane.c, image data arriving during a restore)
  *     -> reg_lock (registry.c, the registry)
  *   g_mu (pool.c, the stream-ordered pools) -> reg_lock; it is taken inside the gate (or by the
  *     checkpoint itself, before the driver holds the process), so no thread waits on a locked driver
  *     while holding it
  *   g_staging_mu (dataplane.c, staging preparation) -> S.mu (staging.c) -> g_ledger_mu (admit.c, the
- *     budget's ledger, with the runtime dir's flock that it stands for within this process), and -> B.mu (bounce.c)
+ *     budget's ledger, with the runtime dir's flock that it stands for within this process)
  * and each of these is held only on its own: g_dp_mu (dataplane.c, what status reports of the data
  * plane), the gate's mutex (gate.c), g_clients_mu (channel.c), a deadline job's mutex (dataplane.c).
  * Rules that keep it so:
@@ -65,7 +65,8 @@ const struct gpucr_entry *gpucr_entry_by_real(void *real);
 bool gpucr_is_wrapper(void *p);
 void *gpucr_real_dlsym(void *handle, const char *name);
 
-/* Driver functions the agent calls itself but does not wrap (resolved in entry.c). */
+/* Driver functions the agent calls itself but does not wrap (resolved in entry.c). None copies or pins: the
+ * data plane runs in another process (tests/test_agent_calls.py holds this list, and REAL()'s, to that). */
 struct gpucr_driver {
     CUresult (*cuGetProcAddress_v2)(const char *, void **, int, cuuint64_t, int *);
     CUresult (*cuCtxGetCurrent)(CUcontext *);
@@ -75,16 +76,9 @@ struct gpucr_driver {
     CUresult (*cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
     CUresult (*cuMemAddressFree)(CUdeviceptr, size_t);
     CUresult (*cuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
-    CUresult (*cuMemGetInfo_v2)(size_t *, size_t *);
-    CUresult (*cuMemHostRegister_v2)(void *, size_t, unsigned);
-    CUresult (*cuMemHostUnregister)(void *);
-    CUresult (*cuStreamCreate)(CUstream *, unsigned);
     CUresult (*cuStreamSynchronize)(CUstream);
-    CUresult (*cuStreamDestroy_v2)(CUstream);
     CUresult (*cuEventCreate)(CUevent *, unsigned);
     CUresult (*cuEventRecord)(CUevent, CUstream);
-    CUresult (*cuEventSynchronize)(CUevent);
-    CUresult (*cuEventDestroy_v2)(CUevent);
     CUresult (*cuGetErrorString)(CUresult, const char **);
     CUresult (*cuGetErrorName)(CUresult, const char **);
     CUresult (*cuDeviceGetAttribute)(int *, int, CUdevice);
@@ -136,7 +130,7 @@ int64_t gpucr_now_ns(void);
 void gpucr_cond_wait_step(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t deadline_ns);
 /* Start fn(arg) in a detached thread that takes none of the application's signals; false if it
  * could not be started. */
-bool gpucr_spawn_detached(void *(*fn)(void *), void *arg);
+bool gpucr_spawn_detached(void *(*fn)(void *), void *arg, const char *name);
 /* An integer setting from the environment; dflt when unset or empty. */
 long gpucr_env_long(const char *name, long dflt);
 void gpucr_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

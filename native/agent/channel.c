@@ -18,7 +18,6 @@
 #include <sys/un.h>
 #include <unistd.h>
 #include "admit.h"
-#include "bounce.h"
 #include "dataplane.h"
 #include "pool.h"
 #include "registry.h"
@@ -160,7 +159,7 @@ static void reply_status(struct jb *j)
     jb_bool(j, "simulated", simulated_driver());
     jb_str(j, "state", st.state == AGENT_RUNNING ? "running" : "checkpointed");
     /* between the phases of a checkpoint of several processes: still (gate closed), nothing released */
-    jb_str(j, "checkpoint_phase", st.handed ? "handed" : st.copied ? "copied" : st.quiesced ? "quiesced" : "");
+    jb_str(j, "checkpoint_phase", st.handed ? "handed" : st.quiesced ? "quiesced" : "");
     jb_str(j, "group", g_group);
     jb_bool(j, "staged", st.staged);
     jb_bool(j, "busy", atomic_load(&g_changing));   /* a checkpoint, restore or roll-back is running now */
@@ -211,25 +210,15 @@ static void reply_status(struct jb *j)
     struct staging_info si;
     staging_get_info(&si);
     jb_int(j, "staging_bytes", (long long)si.bytes);
-    jb_int(j, "staging_pinned_bytes", (long long)si.pinned_bytes);
-    jb_int(j, "bounce_pinned_bytes", (long long)bounce_pinned_bytes());
-    char problem[200];
-    if (bounce_problem(problem, sizeof problem)) jb_str(j, "bounce_problem", problem);
     jb_int(j, "staging_segments", si.segments);
     jb_str(j, "staging", si.kind);
-    jb_bool(j, "staging_ahead", si.ahead);
     admit_status_json(j, si.memory_bytes);
     jb_sub(j, "last_cycle_ms");
     jb_dbl(j, "staging", st.last.staging);
     jb_dbl(j, "gate", st.last.gate);
     jb_dbl(j, "sync", st.last.sync);
-    jb_dbl(j, "copy_out", st.last.copy_out);
     jb_dbl(j, "release", st.last.release);
-    jb_dbl(j, "data_in", st.last.copy_in);
-    jb_dbl(j, "pin_wait", st.last.pin_wait);
     jb_int(j, "bytes_out", (long long)st.last.bytes_out);
-    jb_int(j, "bytes_in", (long long)st.last.bytes_in);
-    jb_int(j, "bytes_zeroed", (long long)st.last.bytes_zeroed);
     jb_end(j);
     char why[512];
     dp_preflight(why, sizeof why);
@@ -318,8 +307,7 @@ static void handle_layout(struct jb *j, struct client *c)
  * (a restore's controller that dies after its `adopt` leaves it half restored, stuck). */
 static bool leaves_a_committed_checkpoint(const char *verb)
 {
-    static const char *const verbs[] = {"checkpoint", "quiesce", "handover", "restore", "adopt", "relink", "orphan",
-                                        "resume", "abort"};
+    static const char *const verbs[] = {"quiesce", "handover", "restore", "adopt", "relink", "orphan", "resume", "abort"};
     for (size_t i = 0; i < sizeof verbs / sizeof *verbs; i++)
         if (!strcmp(verb, verbs[i])) return true;
     return false;
@@ -329,39 +317,27 @@ static bool leaves_a_committed_checkpoint(const char *verb)
 static void handle_op(const char *verb, const char *req, struct jb *j, struct client *c)
 {
     int timeout_ms = arg_int(req, "timeout_ms", 30000);
-    int drop = arg_int(req, "drop_staging", 0), lease = arg_int(req, "lease", 0), wait = arg_int(req, "wait_ready", 0);
+    int drop = arg_int(req, "drop_staging", 0), lease = arg_int(req, "lease", 0);
     if (timeout_ms <= 0) { reply_error(j, "timeout_ms must be a positive number of milliseconds"); return; }
-    if (drop < 0 || drop > 1 || lease < 0 || lease > 1 || wait < 0 || wait > 1) {
-        reply_error(j, "drop_staging, lease and wait_ready must be 0 or 1");
+    if (drop < 0 || drop > 1 || lease < 0 || lease > 1) {
+        reply_error(j, "drop_staging and lease must be 0 or 1");
         return;
     }
     if (!cuda_present()) { reply_error(j, "the process has not loaded the CUDA driver: nothing to checkpoint"); return; }
     c->acted = true;
     if (!begin_change(false)) { reply_error(j, BUSY); return; }
     if (leaves_a_committed_checkpoint(verb)) atomic_store(&g_committed, COMMITTED_NONE);   /* a failed restore leaves it stuck */
-    dp_watch_requester(c->fd);   /* long waits end at once if this connection goes away */
     gpucr_init();
     char err[600] = "";
     int rc;
     bool status_after = true;
-    if (!strcmp(verb, "checkpoint")) {
-        /* hold=1: copy out but release nothing yet ("release" or "abort" follows: several processes
-         * release only once all of them are copied) */
-        int unpin = arg_int(req, "unpin", 0), hold = arg_int(req, "hold", 0);
-        rc = unpin < 0 || unpin > 1 || hold < 0 || hold > 1
-                 ? (snprintf(err, sizeof err, "unpin and hold must be 0 or 1"), -1)
-                 : dp_checkpoint(timeout_ms, unpin == 1, hold == 1, err, sizeof err);
-        if (rc == 0 && lease) c->lease = true;
-    } else if (!strcmp(verb, "quiesce")) {
+    if (!strcmp(verb, "quiesce")) {
         /* staging ready, gate closed, device still: the first phase of a checkpoint of several processes */
         rc = dp_quiesce(timeout_ms, err, sizeof err);
         if (rc == 0 && lease) c->lease = true;
     } else if (!strcmp(verb, "handover")) {
-        /* the gpucr server copies the data (docs/server.md); under a lease like a checkpoint; unpin=1: for
-         * an image, the process's own staging unpinned (the server pins it in its context) */
-        int unpin = arg_int(req, "unpin", 0);
-        rc = unpin < 0 || unpin > 1 ? (snprintf(err, sizeof err, "unpin must be 0 or 1"), -1)
-                                    : dp_handover(timeout_ms, unpin == 1, err, sizeof err);
+        /* gpucr's data plane copies the data (docs/server.md); lease=1: undone unless committed */
+        rc = dp_handover(timeout_ms, err, sizeof err);
         if (rc == 0 && lease) c->lease = true;
     } else if (!strcmp(verb, "handed_done")) {
         rc = dp_handed_done(err, sizeof err);
@@ -372,15 +348,13 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
                       : dp_adopt((int)from, c->in, c->nin, &adopted, err, sizeof err);
         if (rc == 0) { jb_bool(j, "ok", true); jb_int(j, "adopted", adopted); }
         status_after = false;
-    } else if (!strcmp(verb, "release")) {
-        rc = dp_release(err, sizeof err);
     } else if (!strcmp(verb, "abort")) {
         rc = dp_abort(err, sizeof err);
         if (rc == 0) c->lease = false;
     } else if (!strcmp(verb, "restore")) {
         int open_gate = arg_int(req, "open_gate", 1);
         rc = open_gate < 0 || open_gate > 1 ? (snprintf(err, sizeof err, "open_gate must be 0 or 1"), -1)
-                                             : dp_restore(timeout_ms, drop == 1, wait == 1, open_gate == 1, err, sizeof err);
+                                             : dp_restore(drop == 1, open_gate == 1, err, sizeof err);
         if (rc == 0) c->lease = false;
     } else if (!strcmp(verb, "drop")) {
         rc = dp_drop_staged(err, sizeof err);
@@ -411,7 +385,6 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
     }
     /* staging filled in part must never be restored from: once used (or dropped), it is no longer at stake */
     if (rc == 0 && (!strcmp(verb, "adopt") || !strcmp(verb, "restore") || !strcmp(verb, "drop"))) c->stage_lease = false;
-    dp_watch_requester(-1);
     end_change();
     if (rc) { c->nfds = 0; reply_error(j, err); return; }
     if (status_after) reply_status(j);
@@ -423,7 +396,12 @@ static void handle_commit(const char *req, struct jb *j, struct client *c)
 {
     int full = arg_int(req, "full", -1);
     if (full < 0 || full > 1) { reply_error(j, "commit takes full=1 (level full) or full=0 (level data)"); return; }
-    if (c->lease) atomic_store(&g_committed, full ? COMMITTED_FULL : COMMITTED_DATA);
+    if (c->lease) {   /* the agent's fds of the memory let go: from now on the checkpoint is not undone */
+        begin_change(true);
+        dp_commit();
+        end_change();
+        atomic_store(&g_committed, full ? COMMITTED_FULL : COMMITTED_DATA);
+    }
     c->lease = false;
     jb_bool(j, "ok", true);
 }
@@ -440,7 +418,6 @@ static void handle(const char *req, struct jb *j, struct client *c)
     else if (!strcmp(verb, "status")) reply_status(j);
     else if (!strcmp(verb, "commit")) handle_commit(req, j, c);
     else if (!strcmp(verb, "layout")) handle_layout(j, c);
-    else if (!strcmp(verb, "progress")) { dp_mark_progress(); jb_bool(j, "ok", true); }   /* an image chunk read */
     else if (!strcmp(verb, "shared")) {
         /* the agent's own fds of shared memory, for a controller to tell who shares what (never ours to close) */
         long long from = arg_ll(req, "from", 0, INT32_MAX);
@@ -466,21 +443,7 @@ static void handle(const char *req, struct jb *j, struct client *c)
             reply_error(j, err);
         else jb_bool(j, "ok", true);
     }
-    else if (!strcmp(verb, "zero")) {
-        long long va = arg_ll(req, "va", 0, INT64_MAX), off = arg_ll(req, "offset", -1, INT64_MAX);
-        if (va <= 0 || off < 0 || dp_mark_zero((unsigned long long)va, (unsigned long long)off))
-            reply_error(j, "zero takes va= and offset= of a 64 MiB chunk of a staged allocation");
-        else jb_bool(j, "ok", true);
-    }
-    else if (!strcmp(verb, "ready") || !strcmp(verb, "ready_abort")) {
-        /* from a second connection, while a restore waits for the image's data on the first */
-        long long va = arg_ll(req, "va", 0, INT64_MAX);
-        if (va <= 0 && !strcmp(verb, "ready")) reply_error(j, "ready takes va=ADDRESS");
-        else if (dp_mark_ready((unsigned long long)va, !strcmp(verb, "ready_abort"))) reply_error(j, "no released allocation at that address");
-        else jb_bool(j, "ok", true);
-    }
-    else if (!strcmp(verb, "checkpoint") || !strcmp(verb, "quiesce") || !strcmp(verb, "release") ||
-             !strcmp(verb, "abort") || !strcmp(verb, "restore") ||
+    else if (!strcmp(verb, "quiesce") || !strcmp(verb, "abort") || !strcmp(verb, "restore") ||
              !strcmp(verb, "drop") || !strcmp(verb, "stage") || !strcmp(verb, "export") ||
              !strcmp(verb, "relink") || !strcmp(verb, "orphan") || !strcmp(verb, "resume") ||
              !strcmp(verb, "handover") || !strcmp(verb, "handed_done") || !strcmp(verb, "adopt"))
@@ -564,18 +527,15 @@ static void roll_back_abandoned(void)
     struct dp_status st;
     dp_get_status(&st);
     char aerr[200];
-    if (st.handed) {   /* the memory is still on the GPU, held by the agent's fds: mapped again */
+    if (st.handed) {
+        /* the memory is still on the GPU, held by the agent's fds: mapped again, no copy. While the driver holds
+         * the process checkpointed this fails, and 'gpucr recover' (or a restore) takes it back after the driver's */
         if (dp_abort(aerr, sizeof aerr) == 0)
-            gpucr_warn("the controller went away while the gpucr server copied the data: taken back, the application runs on");
-        else gpucr_warn("taking back the memory handed to the gpucr server failed: %s", aerr);
-    } else if (st.quiesced || st.copied) {   /* nothing was released yet: reopening the gate undoes it */
+            gpucr_warn("the controller went away before committing the checkpoint: taken back, the application runs on");
+        else gpucr_warn("taking back the memory handed to gpucr's data plane failed: %s; run 'gpucr recover'", aerr);
+    } else if (st.quiesced) {   /* nothing was released yet: reopening the gate undoes it */
         if (dp_abort(aerr, sizeof aerr) == 0)
             gpucr_warn("the controller went away during a checkpoint: aborted, the application runs on");
-    } else if (st.state == AGENT_CHECKPOINTED && st.staged) {
-        char err[600] = "";
-        /* if the driver holds the process locked, this waits until a new controller unlocks it */
-        if (dp_restore(30000, false, false, true, err, sizeof err)) gpucr_warn("rolling back an abandoned checkpoint failed: %s", err);
-        else gpucr_warn("the controller went away during a checkpoint: rolled back, the application runs on");
     }
     atomic_store(&g_rolling_back, false);
     end_change();
@@ -737,6 +697,7 @@ static void *accept_loop(void *arg)
             refuse(fd, "busy: too many connections");
             continue;
         }
+        pthread_setname_np(th, "gpucr-client");
         pthread_detach(th);
     }
     return NULL;
@@ -809,7 +770,7 @@ void gpucr_channel_start(void)
     struct stat st;
     g_sock_ino = lstat(g_sock, &st) == 0 ? st.st_ino : 0;
     g_listen = fd;
-    gpucr_spawn_detached(accept_loop, NULL);   /* it must not take signals meant for the application */
+    gpucr_spawn_detached(accept_loop, NULL, "gpucr-channel");   /* it must not take signals meant for the application */
     gpucr_log("control channel at %s", g_sock);
 }
 
@@ -847,7 +808,6 @@ void gpucr_channel_first_use(void)
     if (!atomic_load_explicit(&g_start_pending, memory_order_relaxed)) return;
     if (!atomic_exchange(&g_start_pending, false)) return;   /* another thread of the child started it */
     gpucr_channel_start();
-    staging_start_ahead();
 }
 
 __attribute__((constructor)) static void agent_start(void)
@@ -858,7 +818,6 @@ __attribute__((constructor)) static void agent_start(void)
     _Static_assert(sizeof g_group == 127 + 1, "GPUCR_GROUP's most in settings.def");
     snprintf(g_group, sizeof g_group, "%s", gpucr_setting_str(SET_GROUP));
     gpucr_channel_start();
-    staging_start_ahead();
     pthread_atfork(before_fork, after_fork_parent, after_fork_child);
     atexit(remove_socket);
 }

@@ -6,7 +6,6 @@
  * records would make every later checkpoint fail on it. */
 #include <stdlib.h>
 #include "registry.h"
-#include "bounce.h"
 #include "dataplane.h"
 #include "pool.h"
 #include "staging.h"
@@ -40,9 +39,6 @@ static void before_end(CUcontext ctx)
     reg_lock();
     reg_forget_ctx(ctx);
     reg_unlock();
-    dp_forget_context(ctx);
-    bounce_forget_context(ctx);
-    staging_forget_context(ctx);
     gpucr_use_ctx(cur == ctx ? NULL : cur);
 }
 

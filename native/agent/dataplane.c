@@ -1,5 +1,6 @@
-/* The data plane: moves tracked allocations between device memory and pinned host staging, in
- * chunks spread over several streams, and releases / re-creates their physical memory. */
+/* The agent's side of a checkpoint: quiesces the process, hands its memory to gpucr's data plane (which copies
+ * it, in another process: docs/server.md), takes it back or adopts the plane's new memory, and relinks shared
+ * memory. The agent copies nothing and pins nothing itself. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>
@@ -13,36 +14,25 @@
 #include <sys/stat.h>
 #include <unistd.h>
 #include "pool.h"
-#include "bounce.h"
 #include "dataplane.h"
 #include "registry.h"
 #include "settings.h"
 #include "staging.h"
 
-#define NSTREAMS 4
-#define CHUNK ((size_t)64 << 20)   /* the same as an image's chunk (gpucr/image.py) */
-
-struct ctx_streams { CUcontext ctx; CUstream s[NSTREAMS]; };
-
 static struct {
     enum agent_state state;
     long generation;
     bool staged;                /* while checkpointed: the data is in staging (not only in an image) */
-    uint64_t zeroed;            /* bytes of the last restore set by memset instead of copied */
-    double pin_wait_ms;         /* of the last restore: copies waiting for their staging to be pinned again */
     struct phase_times last;
-    struct ctx_streams *streams;    /* one set per context that copies (grown as needed) */
-    int nstreams, streams_cap;
     /* A checkpoint of several processes goes phase by phase (quiesce all, copy all, release all) so
      * no process gives memory back before every process sharing it is still and copied: */
-    bool quiesced;              /* staging ready, gate closed, device synchronised; nothing copied */
-    bool copied;                /* data copied out too; nothing released (the gate stays closed) */
-    bool handed;                /* released, the data handed to a gpucr server that copies it: the agent's own
-                                 * fds keep the memory on the GPU until it says the copy is done (dp_handover) */
+    bool quiesced;              /* staging ready, gate closed, device synchronised; nothing released */
+    bool handed;                /* released, the data handed to gpucr's data plane that copies it: the agent's own
+                                 * fds keep the memory on the GPU until the checkpoint is committed (dp_handover) */
     struct phase_times pending; /* the phases done so far of a checkpoint in progress */
 } g_dp;
 /* The data plane runs in one thread at a time (channel.c's g_op), which reads g_dp freely; what
- * status reports (state, staged, quiesced, copied, generation, last) it changes only under this
+ * status reports (state, staged, quiesced, handed, generation, last) it changes only under this
  * lock, which dp_get_status takes from the channel's other threads. */
 static pthread_mutex_t g_dp_mu = PTHREAD_MUTEX_INITIALIZER;
 #define DP_SET(...) do { pthread_mutex_lock(&g_dp_mu); __VA_ARGS__; pthread_mutex_unlock(&g_dp_mu); } while (0)
@@ -64,18 +54,6 @@ void dp_get_progress(unsigned long long *bytes, unsigned long long *steps)
     *steps = __atomic_load_n(&g_progress_steps, __ATOMIC_RELAXED);
 }
 
-static int g_requester = -1;
-
-void dp_watch_requester(int fd) { __atomic_store_n(&g_requester, fd, __ATOMIC_RELAXED); }
-
-/* The connection that asked for this operation has closed (its controller died or gave up). */
-static bool requester_gone(void)
-{
-    int fd = __atomic_load_n(&g_requester, __ATOMIC_RELAXED);
-    if (fd < 0) return false;
-    struct pollfd pf = {.fd = fd, .events = POLLRDHUP};
-    return poll(&pf, 1, 0) > 0 && (pf.revents & (POLLRDHUP | POLLHUP | POLLERR));
-}
 
 static void seterr(char *err, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static void seterr(char *err, size_t len, const char *fmt, ...)
@@ -84,113 +62,6 @@ static void seterr(char *err, size_t len, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(err, len, fmt, ap);
     va_end(ap);
-}
-
-static struct ctx_streams *streams_for(CUcontext ctx, CUresult *rc)
-{
-    for (int i = 0; i < g_dp.nstreams; i++)
-        if (g_dp.streams[i].ctx == ctx) return &g_dp.streams[i];
-    if (g_dp.nstreams == g_dp.streams_cap) {
-        int cap = g_dp.streams_cap ? g_dp.streams_cap * 2 : 4;
-        struct ctx_streams *a = realloc(g_dp.streams, sizeof *a * (size_t)cap);
-        if (!a) { *rc = CUDA_ERROR_OUT_OF_MEMORY; return NULL; }
-        g_dp.streams = a;
-        g_dp.streams_cap = cap;
-    }
-    struct ctx_streams *cs = &g_dp.streams[g_dp.nstreams];
-    gpucr_use_ctx(ctx);
-    for (int i = 0; i < NSTREAMS; i++) {
-        if ((*rc = gpucr_drv.cuStreamCreate(&cs->s[i], CU_STREAM_NON_BLOCKING)) != CUDA_SUCCESS) {
-            gpucr_cu_warn(*rc, "cuStreamCreate (copy stream %d of context %p)", i, (void *)ctx);
-            while (i-- > 0) gpucr_drv.cuStreamDestroy_v2(cs->s[i]);
-            return NULL;
-        }
-    }
-    cs->ctx = ctx;
-    g_dp.nstreams++;
-    return cs;
-}
-
-void dp_forget_context(CUcontext ctx)
-{
-    /* its streams end with it */
-    for (int i = 0; i < g_dp.nstreams; i++)
-        if (g_dp.streams[i].ctx == ctx) g_dp.streams[i--] = g_dp.streams[--g_dp.nstreams];
-}
-
-/* Copy [off, off+size) of one allocation in chunks round-robin over its context's streams. */
-static CUresult copy_chunks(struct phys *p, CUdeviceptr va, bool out, int *turn)
-{
-    CUresult src = CUDA_SUCCESS;
-    struct ctx_streams *cs = streams_for(p->ctx, &src);
-    if (!cs) return src;
-    gpucr_use_ctx(p->ctx);
-    char *host = p->staging;
-    for (size_t off = 0; off < p->size; off += CHUNK) {
-        size_t n = p->size - off < CHUNK ? p->size - off : CHUNK;
-        CUstream s = cs->s[(*turn)++ % NSTREAMS];
-        CUresult rc;
-        if (!out && p->zero_chunks && p->zero_chunks[off / CHUNK]) {
-            rc = REAL(cuMemsetD8Async)(va + off, 0, n, s);   /* an image's zero chunk: nothing to copy */
-            g_dp.zeroed += n;
-        }
-        else if (bounce_enabled() && bounce_ready())
-            rc = bounce_submit(p->ctx, s, va + off, host + off, n, out);   /* staging is not pinned */
-        else
-            rc = out ? REAL(cuMemcpyDtoHAsync_v2)(host + off, va + off, n, s)
-                     : REAL(cuMemcpyHtoDAsync_v2)(va + off, host + off, n, s);
-        if (rc != CUDA_SUCCESS) return rc;
-        progress(n);
-    }
-    return CUDA_SUCCESS;
-}
-
-static CUresult sync_streams(void)
-{
-    CUresult first = bounce_enabled() ? bounce_wait() : CUDA_SUCCESS;
-    for (int i = 0; i < g_dp.nstreams; i++) {
-        gpucr_use_ctx(g_dp.streams[i].ctx);
-        for (int j = 0; j < NSTREAMS; j++) {
-            CUresult rc = gpucr_drv.cuStreamSynchronize(g_dp.streams[i].s[j]);
-            if (rc != CUDA_SUCCESS && first == CUDA_SUCCESS) first = rc;
-        }
-    }
-    return first;
-}
-
-/* A restore that runs out of device memory half way helps no one: check first, on each device
- * (a process may use several, each with its own free memory). */
-static bool enough_device_memory(char *err, size_t errlen)
-{
-    struct dev_need { CUcontext ctx; int dev; size_t need; } *per;
-    int n = 0, released = 0;
-    for (struct phys *p = g_reg.all; p; p = p->next_all) released += p->released;
-    if (!(per = malloc(sizeof *per * (size_t)(released ? released : 1)))) {
-        seterr(err, errlen, "out of host memory");
-        return false;
-    }
-    for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (!p->released || p->kind == PHYS_IMPORTED) continue;
-        int k = 0;
-        while (k < n && per[k].dev != p->prop.location.id) k++;
-        if (k == n) per[n++] = (struct dev_need){p->ctx, p->prop.location.id, 0};
-        per[k].need += p->size;
-    }
-    bool ok = true;
-    for (int k = 0; k < n && ok; k++) {
-        size_t free_b = 0, total = 0;
-        gpucr_use_ctx(per[k].ctx);
-        CUresult rc = gpucr_drv.cuMemGetInfo_v2(&free_b, &total);
-        if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuMemGetInfo (device %d, before a restore; restoring anyway)", per[k].dev);
-        else if (free_b < per[k].need) {
-            seterr(err, errlen, "not enough free GPU memory to restore on device %d: need %zu MiB, %zu MiB free; free GPU "
-                   "memory and run 'gpucr restore' again (the process stays checkpointed)", per[k].dev,
-                   per[k].need >> 20, free_b >> 20);
-            ok = false;
-        }
-    }
-    free(per);
-    return ok;
 }
 
 static const struct mapping *full_mapping(const struct phys *p)
@@ -220,7 +91,6 @@ struct deadline_job {
     size_t *sizes;              /* staging job: the allocations to place */
     int nsizes;
     CUcontext ctx;              /* staging job: context to register with */
-    bool ring;                  /* staging job: the agent copies itself, through its bounce ring (not a handover) */
     CUcontext *ctxs;            /* sync job: contexts to synchronise (malloc'd) */
     int nctx;
 };
@@ -260,7 +130,7 @@ static struct deadline_job *job_new(int (*fn)(struct deadline_job *))
 /* Run the job; 0 when it finished in time (its own result in j->rc), -1 when the deadline passed. */
 static int job_run(struct deadline_job *j, int64_t deadline_ns)
 {
-    if (!gpucr_spawn_detached(job_thread, j)) {
+    if (!gpucr_spawn_detached(job_thread, j, "gpucr-job")) {
         j->rc = -1;
         snprintf(j->err, sizeof j->err, "cannot start a thread");
         j->refs = 1;
@@ -288,83 +158,8 @@ static pthread_mutex_t g_staging_mu = PTHREAD_MUTEX_INITIALIZER;
 static int staging_job(struct deadline_job *j)
 {
     pthread_mutex_lock(&g_staging_mu);
-    gpucr_use_ctx(j->ctx);
     int rc = staging_fit(j->sizes, j->nsizes, j->err, sizeof j->err);
-    if (rc == 0 && j->ring && bounce_enabled()) {
-        /* no ring is no reason to refuse: the copies then go to pageable staging, slower (status says why) */
-        if (bounce_prepare(j->ctx, j->sizes, j->nsizes, j->err, sizeof j->err))
-            gpucr_warn("%s: copies go through pageable memory", j->err);
-        j->err[0] = 0;
-    }
     pthread_mutex_unlock(&g_staging_mu);
-    return rc;
-}
-
-/* ---- restore from an image: the controller fills staging while re-mapping and copying run; it
- * marks each allocation ready as its chunks are verified, and the copy of that allocation waits for it ---- */
-static pthread_mutex_t g_ready_mu = PTHREAD_MUTEX_INITIALIZER;
-static pthread_cond_t g_ready_cv = PTHREAD_COND_INITIALIZER;
-static bool g_ready_abort;
-static int64_t g_last_mark_ns;   /* the controller's last sign of progress (ready, zero, progress) */
-
-/* Wait until the controller says p's data is in staging. The deadline is on idle time: every sign of
- * progress restarts it; and the requesting connection closing (its controller died) ends it at once. */
-static CUresult wait_ready(struct phys *p, int64_t idle_ns, char *err, size_t errlen)
-{
-    pthread_mutex_lock(&g_ready_mu);
-    bool gone = false, idle = false;
-    while (!p->ready && !g_ready_abort) {
-        int64_t now = gpucr_now_ns();
-        if ((idle = now - g_last_mark_ns > idle_ns) || (gone = requester_gone())) break;
-        gpucr_cond_wait_step(&g_ready_cv, &g_ready_mu, now + 100000000LL);
-    }
-    CUresult rc = p->ready ? CUDA_SUCCESS : CUDA_ERROR_NOT_READY;
-    pthread_mutex_unlock(&g_ready_mu);
-    if (rc != CUDA_SUCCESS)
-        seterr(err, errlen, "the image's data for 0x%llx did not arrive (%s)", (unsigned long long)full_mapping_va(p),
-               gone ? "the controller went away" : idle ? "no progress within the deadline" : "reading the image failed");
-    return rc;
-}
-
-void dp_mark_progress(void)
-{
-    pthread_mutex_lock(&g_ready_mu);
-    g_last_mark_ns = gpucr_now_ns();
-    progress(0);
-    pthread_mutex_unlock(&g_ready_mu);
-}
-
-int dp_mark_zero(unsigned long long va, unsigned long long offset)
-{
-    pthread_mutex_lock(&g_ready_mu);
-    reg_lock();
-    struct mapping *m = hmap_get(&g_reg.map_by_va, va);
-    struct phys *p = m ? m->phys : NULL;
-    int rc = -1;
-    if (p && p->staging && offset % CHUNK == 0 && offset < p->size) {
-        if (!p->zero_chunks) p->zero_chunks = calloc((p->size + CHUNK - 1) / CHUNK, 1);
-        if (p->zero_chunks) { p->zero_chunks[offset / CHUNK] = 1; rc = 0; }
-    }
-    reg_unlock();
-    if (rc == 0) { g_last_mark_ns = gpucr_now_ns(); progress(0); }
-    pthread_mutex_unlock(&g_ready_mu);
-    return rc;
-}
-
-int dp_mark_ready(unsigned long long va, bool abort_all)
-{
-    pthread_mutex_lock(&g_ready_mu);
-    int rc = 0;
-    if (abort_all) g_ready_abort = true;
-    else {
-        reg_lock();
-        struct mapping *m = hmap_get(&g_reg.map_by_va, va);
-        if (m && m->phys->staging) m->phys->ready = true; else rc = -1;
-        reg_unlock();
-        if (rc == 0) { g_last_mark_ns = gpucr_now_ns(); progress(0); }
-    }
-    pthread_cond_broadcast(&g_ready_cv);
-    pthread_mutex_unlock(&g_ready_mu);
     return rc;
 }
 
@@ -447,47 +242,6 @@ static CUresult import_at(const struct phys *p, int fd, CUmemGenericAllocationHa
     return rc;
 }
 
-/* Re-create, map and set access for every released allocation, then copy its data back; with a
- * ready_idle_ns, each copy first waits until the controller says that allocation's data is in
- * staging (so re-mapping and copying overlap the reading of an image), for at most that long without
- * progress. Returns the first error; allocations that failed stay released. */
-static CUresult bring_back(char *err, size_t errlen, int *turn, int64_t ready_idle_ns)
-{
-    CUresult first = CUDA_SUCCESS;
-    for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (!p->released || p->kind == PHYS_IMPORTED) continue;   /* imported memory is relinked from its exporter */
-        gpucr_use_ctx(p->ctx);
-        CUmemGenericAllocationHandle h = 0;
-        CUresult rc = REAL(cuMemCreate)(&h, p->size, &p->prop, 0);
-        if (rc == CUDA_SUCCESS && (rc = map_all(p, h)) != CUDA_SUCCESS) release_handle(h, 1, p);
-        if (rc != CUDA_SUCCESS) {
-            if (first == CUDA_SUCCESS) {
-                first = rc;
-                seterr(err, errlen, "re-creating %zu MiB at 0x%llx failed: %s", p->size >> 20,
-                       (unsigned long long)(p->maps ? p->maps->va : 0), gpucr_cu_errstr(rc));
-            }
-            continue;
-        }
-        bool keep = alloc_keeps_fd(&p->prop);
-        back_in_place(p, h, keep ? share_export_own(h) : -1, keep, false);   /* the new memory's fd, as at its first allocation */
-        progress(0);
-        if (ready_idle_ns && first == CUDA_SUCCESS && wait_ready(p, ready_idle_ns, err, errlen) != CUDA_SUCCESS) {
-            first = CUDA_ERROR_NOT_READY;
-            break;
-        }
-        const struct mapping *fm = full_mapping(p);
-        int64_t w0 = gpucr_now_ns();
-        staging_pin_for(p->staging);   /* unpinned for the driver's checkpoint: pin-ahead threads pin it again */
-        g_dp.pin_wait_ms += ms_since(w0);
-        rc = copy_chunks(p, fm->va, false, turn);
-        if (rc != CUDA_SUCCESS && first == CUDA_SUCCESS) {
-            first = rc;
-            seterr(err, errlen, "copying back %zu MiB failed: %s", p->size >> 20, gpucr_cu_errstr(rc));
-        }
-    }
-    return first;
-}
-
 /* Memory this process imported and mapped: a checkpoint unlinks it (its exporter saves the data, and a
  * restore relinks it from there). */
 static bool unlinked_at_checkpoint(const struct phys *p) { return p->kind == PHYS_IMPORTED && p->maps; }
@@ -522,12 +276,11 @@ static CUresult release_one(struct phys *p, bool keep_own_fd)
     return CUDA_SUCCESS;
 }
 
-/* own_copy: the agent copies the data itself; else a controller does (a handover), and the agent pins nothing
- * for it: its bounce ring would be pinned in the application for nothing. */
-static int quiesce(int timeout_ms, bool own_copy, char *err, size_t errlen)
+/* Staging ready, gate closed, device synchronised, free pool blocks given back; nothing released. */
+int dp_quiesce(int timeout_ms, char *err, size_t errlen)
 {
     if (g_dp.state != AGENT_RUNNING) { seterr(err, errlen, "the process is already checkpointed"); return -1; }
-    if (g_dp.quiesced || g_dp.copied) { seterr(err, errlen, "the process is already quiesced for a checkpoint"); return -1; }
+    if (g_dp.quiesced) { seterr(err, errlen, "the process is already quiesced for a checkpoint"); return -1; }
     char why[512];
     dp_preflight(why, sizeof why);
     if (why[0]) { seterr(err, errlen, "refused before touching the process: %s", why); return -1; }
@@ -535,9 +288,8 @@ static int quiesce(int timeout_ms, bool own_copy, char *err, size_t errlen)
     /* Size staging before anything is touched: a refusal here leaves the application untouched. */
     reg_lock();
     size_t need = 0;
-    CUcontext any_ctx = NULL;
     for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if (reg_phys_movable(p)) { need += p->size; any_ctx = p->ctx; }
+        if (reg_phys_movable(p)) need += p->size;
     reg_unlock();
     struct phase_times t = {0};
     CUcontext saved = NULL;
@@ -548,8 +300,6 @@ static int quiesce(int timeout_ms, bool own_copy, char *err, size_t errlen)
         struct deadline_job *j = job_new(staging_job);
         if (!j) { seterr(err, errlen, "out of host memory"); return -1; }
         j->sizes = staging_movable_sizes(&j->nsizes, NULL);
-        j->ctx = any_ctx;
-        j->ring = own_copy;
         int late = job_run(j, deadline), rc = j->rc;
         if (!late && rc) seterr(err, errlen, "%s; checkpoint refused, the application runs on", j->err);
         job_put(j);
@@ -600,18 +350,17 @@ static int quiesce(int timeout_ms, bool own_copy, char *err, size_t errlen)
 
 static int take_back(char *err, size_t errlen);
 
-/* Undo a quiesce or a copy that was not released: nothing left the device, so reopening the gate is all. */
+/* Undo a quiesce (nothing left the device, so reopening the gate is all) or an uncommitted handover. */
 int dp_abort(char *err, size_t errlen)
 {
     if (g_dp.handed) return take_back(err, errlen);   /* the memory is still on the GPU, held by the agent's fds */
-    if (!g_dp.quiesced && !g_dp.copied) { seterr(err, errlen, "no checkpoint in progress to abort"); return -1; }
-    DP_SET(g_dp.quiesced = g_dp.copied = false);
+    if (!g_dp.quiesced) { seterr(err, errlen, "no checkpoint in progress to abort"); return -1; }
+    DP_SET(g_dp.quiesced = false);
     staging_rewind();
     gpucr_gate_open();
     return 0;
 }
 
-int dp_quiesce(int timeout_ms, char *err, size_t errlen) { return quiesce(timeout_ms, true, err, errlen); }
 
 /* Each movable allocation's place in staging, from its start (made ready by dp_quiesce); *need: their bytes. */
 static CUresult place_in_staging(size_t *need)
@@ -629,138 +378,37 @@ static CUresult place_in_staging(size_t *need)
     return CUDA_SUCCESS;
 }
 
-int dp_checkpoint(int timeout_ms, bool unpin, bool hold, char *err, size_t errlen)
-{
-    if (g_dp.copied) { seterr(err, errlen, "the data is copied already: release it or abort"); return -1; }
-    if (!g_dp.quiesced && dp_quiesce(timeout_ms, err, errlen)) return -1;
-    DP_SET(g_dp.quiesced = false);
-    struct phase_times t = g_dp.pending;
-    CUcontext saved = NULL;
-    if (gpucr_drv.cuCtxGetCurrent) gpucr_drv.cuCtxGetCurrent(&saved);
-    /* No record is added or freed now (those wrappers are behind the gate); status and the ungated
-     * wrappers still read and touch records, so each change made here is made under reg_lock. */
-    int64_t t0 = gpucr_now_ns();
-    int turn = 0;
-    size_t need = 0;
-    CUresult rc = place_in_staging(&need);
-    /* Segment by segment; with unpin, each segment is unpinned while the next one's copies run (the
-     * driver's checkpoint then has no pinned host memory of ours to handle). */
-    int nseg = staging_count();
-    for (int k = 0; k < nseg && rc == CUDA_SUCCESS; k++) {
-        for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all) {
-            int seg = -1;
-            size_t off;
-            if (reg_phys_movable(p) && staging_locate(p->staging, &seg, &off) == 0 && seg == k)
-                rc = copy_chunks(p, full_mapping(p)->va, true, &turn);
-        }
-        if (unpin && rc == CUDA_SUCCESS) {
-            if (k > 0) staging_unpin_segment(k - 1);   /* its copies were waited for last round */
-            rc = sync_streams();
-        }
-    }
-    CUresult src = sync_streams();
-    if (rc == CUDA_SUCCESS) rc = src;
-    if (unpin && rc == CUDA_SUCCESS && nseg > 0) staging_unpin_segment(nseg - 1);
-    t.copy_out = ms_since(t0);
-    t.bytes_out = need;
-    if (rc != CUDA_SUCCESS) {
-        gpucr_gate_open();
-        seterr(err, errlen, "copying device memory out failed: %s; checkpoint refused, nothing was released", gpucr_cu_errstr(rc));
-        return -1;
-    }
-
-    if (saved) gpucr_use_ctx(saved);
-    g_dp.pending = t;
-    DP_SET(g_dp.copied = true);
-    return hold ? 0 : dp_release(err, errlen);
-}
-
-int dp_release(char *err, size_t errlen)
-{
-    if (!g_dp.copied) { seterr(err, errlen, "nothing is copied out to release"); return -1; }
-    DP_SET(g_dp.copied = false);
-    struct phase_times t = g_dp.pending;
-    CUcontext saved = NULL;
-    if (gpucr_drv.cuCtxGetCurrent) gpucr_drv.cuCtxGetCurrent(&saved);
-    CUresult rc = CUDA_SUCCESS;
-    int turn = 0;
-    int64_t t0 = gpucr_now_ns();
-    for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
-        if (reg_phys_movable(p) || unlinked_at_checkpoint(p)) rc = release_one(p, false);
-    t.release = ms_since(t0);
-    if (rc != CUDA_SUCCESS) {
-        char e2[256] = "";
-        bring_back(e2, sizeof e2, &turn, 0);
-        sync_streams();
-        gpucr_gate_open();
-        seterr(err, errlen, "releasing device memory failed: %s; rolled back, the application runs on%s%s",
-               gpucr_cu_errstr(rc), e2[0] ? " (" : "", e2);
-        return -1;
-    }
-    if (saved) gpucr_use_ctx(saved);
-    t.copy_in = 0;
-    DP_SET(g_dp.last = t, g_dp.state = AGENT_CHECKPOINTED, g_dp.staged = true, g_dp.generation++);
-    gpucr_log("checkpointed %llu bytes: gate %.1f ms, sync %.1f ms, copy %.1f ms, release %.1f ms",
-              (unsigned long long)t.bytes_out, t.gate, t.sync, t.copy_out, t.release);
-    return 0;
-}
-
-int dp_restore(int timeout_ms, bool drop_staging, bool wait, bool open_gate, char *err, size_t errlen)
+/* The end of a restore, once the data plane's new memory is adopted (dp_adopt): every allocation the checkpoint
+ * released is back, except memory imported from another process (relinked next, then "resume"). Nothing is
+ * copied here: what is not back leaves the process checkpointed, its data still in staging. */
+int dp_restore(bool drop_staging, bool open_gate, char *err, size_t errlen)
 {
     if (g_dp.state != AGENT_CHECKPOINTED) { seterr(err, errlen, "the process is not checkpointed"); return -1; }
-    if (!g_dp.staged) {
-        seterr(err, errlen, "the process's data is not in host memory: restore it from its image (gpucr restore --image DIR)");
+    if (g_dp.handed) {
+        seterr(err, errlen, "its checkpoint was never committed: take it back with 'abort' (the memory never left the GPU)");
         return -1;
     }
-    reg_refresh_devices();   /* the driver's restore may have put the process on other GPUs (--map) */
-    size_t need = 0;
-    CUcontext any_ctx = NULL;
+    size_t missing = 0;
+    CUdeviceptr first = 0;
     bool unlinked = false;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (p->released && p->kind != PHYS_IMPORTED) { need += p->size; any_ctx = p->ctx; }
+        if (p->released && p->kind != PHYS_IMPORTED && !missing++) first = full_mapping_va(p);
         if (p->released && p->kind == PHYS_IMPORTED) unlinked = true;
+    }
+    if (missing) {
+        seterr(err, errlen, "%zu allocations (the first at 0x%llx) were not brought back by gpucr's data plane; the process "
+               "stays checkpointed: run 'gpucr restore' again", missing, (unsigned long long)first);
+        return -1;
     }
     if (unlinked && open_gate) {
         seterr(err, errlen, "memory this process imported from another is not relinked yet: restore its exporter together "
                "with it ('gpucr restore' of both processes)");
         return -1;
     }
-    int64_t t0 = gpucr_now_ns();
-    if (need && !enough_device_memory(err, errlen)) return -1;
-    int turn = 0;
-    g_dp.zeroed = 0;
-    g_dp.pin_wait_ms = 0;
-    if (need) staging_pin_ahead(any_ctx);   /* staging unpinned for the driver: pinned again while copies run */
-    int64_t ready_idle = wait ? (int64_t)timeout_ms * 1000000LL : 0;
-    pthread_mutex_lock(&g_ready_mu);
-    g_last_mark_ns = gpucr_now_ns();
-    pthread_mutex_unlock(&g_ready_mu);
-    CUresult rc = bring_back(err, errlen, &turn, ready_idle);
-    CUresult src = sync_streams();
-    double both = ms_since(t0);
-    if (rc == CUDA_SUCCESS && src != CUDA_SUCCESS) {
-        rc = src;
-        seterr(err, errlen, "copying data back failed: %s", gpucr_cu_errstr(rc));
-    }
-    if (rc != CUDA_SUCCESS) {
-        /* stay checkpointed: give back what was re-created, the data is still in staging */
-        for (struct phys *p = g_reg.all; p; p = p->next_all)
-            if (!p->released && reg_phys_movable(p)) release_one(p, false);
-        /* staging filled from an image only in part must never be restored from: the image stays the source */
-        char e2[100];
-        if (wait) dp_drop_staged(e2, sizeof e2);
-        size_t l = strlen(err);
-        snprintf(err + l, errlen - l, "; the process stays checkpointed");
-        return -1;
-    }
-    /* Re-mapping and copying overlap (each allocation's copy is queued as soon as it is mapped): one figure. */
-    DP_SET(g_dp.last.copy_in = both, g_dp.last.bytes_in = need, g_dp.last.bytes_zeroed = g_dp.zeroed,
-           g_dp.last.pin_wait = g_dp.pin_wait_ms, g_dp.state = AGENT_RUNNING);
-    reg_lock();
-    for (struct phys *p = g_reg.all; p; p = p->next_all) { free(p->zero_chunks); p->zero_chunks = NULL; }
-    reg_unlock();
+    reg_refresh_devices();   /* the driver's restore may have put the process on other GPUs (--map) */
+    DP_SET(g_dp.state = AGENT_RUNNING);
     if (open_gate) gpucr_gate_open();   /* else: shared memory is relinked first, then "resume" */
-    /* policy: keep staging pinned for the next cycle (fast) or give the host memory back */
+    /* policy: keep staging for the next cycle (fast) or give the host memory back */
     if (drop_staging || !strcmp(gpucr_setting_str(SET_STAGING_POLICY), "drop")) staging_drop();
     return 0;
 }
@@ -772,7 +420,6 @@ void dp_get_status(struct dp_status *out)
     out->staged = g_dp.staged;
     out->state = g_dp.state;
     out->quiesced = g_dp.quiesced;
-    out->copied = g_dp.copied;
     out->generation = g_dp.generation;
     out->last = g_dp.last;
     pthread_mutex_unlock(&g_dp_mu);
@@ -780,23 +427,18 @@ void dp_get_status(struct dp_status *out)
 
 void dp_reset_after_fork(void)
 {
-    /* the parent's staging and streams are not the child's: forget them without driver calls */
+    /* the parent's staging is not the child's: forget it without driver calls */
     staging_reset_after_fork();
-    bounce_reset_after_fork();
-    memset(&g_dp, 0, sizeof g_dp);   /* the parent's streams array is leaked, never freed twice */
+    memset(&g_dp, 0, sizeof g_dp);
     g_dp_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
     g_staging_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
-    g_ready_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
-    g_ready_cv = (pthread_cond_t)PTHREAD_COND_INITIALIZER;
-    g_ready_abort = false;
-    g_requester = -1;
 }
 
-/* ---- the data handed to a gpucr server (docs/server.md): it copies the memory itself, through the
- * agent's fds, while the driver checkpoints the process, and at restore it makes and fills new memory
- * whose fds the agent maps at the old addresses (dp_adopt). The agent's own fd of each allocation keeps
- * the memory on the GPU until the server says its copy is in staging (dp_handed_done): a server that
- * dies before leaves nothing lost, the agent takes the memory back (dp_take_back). ---- */
+/* ---- the data handed to gpucr's data plane (docs/server.md): it copies the memory, through the agent's fds,
+ * while the driver checkpoints the process, and at restore it makes and fills new memory whose fds the agent
+ * maps at the old addresses (dp_adopt). The agent's own fd of each allocation keeps the memory on the GPU
+ * until the checkpoint is committed (dp_commit): a controller or server that dies before leaves nothing lost,
+ * the agent takes the memory back, with no copy (take_back). ---- */
 
 /* Memory the server can make again as it was: device memory shared with no other process in a way gpucr cannot
  * relink (its allocation flags, e.g. GPUDirect RDMA as PyTorch's expandable segments ask, are listed for the
@@ -810,12 +452,14 @@ bool dp_makeable(const struct phys *p)
 /* ... and that it can take at a handover: with the agent's fd of it. */
 bool dp_handable(const struct phys *p) { return p->own_fd >= 0 && dp_makeable(p); }
 
-int dp_handover(int timeout_ms, bool unpin, char *err, size_t errlen)
+int dp_handover(int timeout_ms, char *err, size_t errlen)
 {
-    if (g_dp.copied) { seterr(err, errlen, "the data is copied already: release it or abort"); return -1; }
-    /* checked before anything is touched: what the server cannot take goes the in-process way. An import is
-     * unlinked with no copy (its exporter's memory), kept on the GPU by the agent's fd of it until the
-     * exporter's copy is confirmed, so an abort maps it again from that fd. */
+    /* checked before anything is touched, the named refusals (coverage.c) first: what the data plane cannot take
+     * is refused. An import is unlinked with no copy (its exporter's memory), kept on the GPU by the agent's fd
+     * of it until the checkpoint is committed, so an abort maps it again from that fd. */
+    char why[512];
+    dp_preflight(why, sizeof why);
+    if (why[0]) { seterr(err, errlen, "refused before touching the process: %s", why); return -1; }
     reg_lock();
     long no = 0, imports = 0;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
@@ -824,11 +468,12 @@ int dp_handover(int timeout_ms, bool unpin, char *err, size_t errlen)
     }
     reg_unlock();
     if (no || imports) {
-        seterr(err, errlen, "not every allocation can be handed to the gpucr server (%ld without an fd of the agent's or "
-               "not plain device memory, %ld imported without one)", no, imports);
+        seterr(err, errlen, "gpucr's data plane cannot take every allocation (%ld without an fd of the agent's, e.g. for "
+               "lack of file descriptors (raise 'ulimit -n'), or not plain device memory; %ld imported without one); "
+               "checkpoint refused, the application runs on", no, imports);
         return -1;
     }
-    if (!g_dp.quiesced && quiesce(timeout_ms, false, err, errlen)) return -1;
+    if (!g_dp.quiesced && dp_quiesce(timeout_ms, err, errlen)) return -1;
     DP_SET(g_dp.quiesced = false);
     struct phase_times t = g_dp.pending;
     CUcontext saved = NULL;
@@ -839,7 +484,6 @@ int dp_handover(int timeout_ms, bool unpin, char *err, size_t errlen)
     for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
         if (reg_phys_movable(p) || unlinked_at_checkpoint(p)) rc = release_one(p, true);
     t.release = ms_since(t0);
-    t.copy_out = 0;
     t.bytes_out = need;
     if (rc != CUDA_SUCCESS) {
         char e2[256] = "";
@@ -849,9 +493,6 @@ int dp_handover(int timeout_ms, bool unpin, char *err, size_t errlen)
                gpucr_cu_errstr(rc), e2[0] ? " (" : "", e2);
         return -1;
     }
-    /* the server pins staging in its own context; for an image the process's pins must go now, while the
-     * driver does not hold the process: its staging is dropped once on disk, and an unpin then would wait */
-    for (int i = 0, n = unpin ? staging_count() : 0; i < n; i++) staging_unpin_segment(i);
     if (saved) gpucr_use_ctx(saved);
     DP_SET(g_dp.pending = t, g_dp.handed = true, g_dp.state = AGENT_CHECKPOINTED, g_dp.staged = false);
     return 0;
@@ -880,27 +521,35 @@ static int take_back(char *err, size_t errlen)
     }
     if (first != CUDA_SUCCESS) return -1;
     staging_rewind();
-    DP_SET(g_dp.handed = false, g_dp.state = AGENT_RUNNING);
+    DP_SET(g_dp.handed = false, g_dp.staged = false, g_dp.state = AGENT_RUNNING);
     gpucr_gate_open();
     return 0;
 }
 
-/* The server's copy is in staging: the agent's fds let go, so the memory leaves the GPU once the
- * server has let go too. */
+/* The data plane's copy is in staging. The agent's fds still keep the memory on the GPU, until dp_commit. */
 int dp_handed_done(char *err, size_t errlen)
 {
-    if (!g_dp.handed) { seterr(err, errlen, "the process's data is not handed to a server"); return -1; }
-    /* the fds of exported and imported memory too, as a checkpoint's release closes them (the application's
-     * own fds still open are counted first, for the warning) */
+    if (!g_dp.handed || g_dp.staged) {
+        seterr(err, errlen, g_dp.handed ? "the copy is confirmed already" : "the process's data is not handed over");
+        return -1;
+    }
+    struct phase_times t = g_dp.pending;
+    DP_SET(g_dp.staged = true, g_dp.last = t, g_dp.generation++);
+    gpucr_log("checkpointed %llu bytes through gpucr's data plane: gate %.1f ms, sync %.1f ms, release %.1f ms",
+              (unsigned long long)t.bytes_out, t.gate, t.sync, t.release);
+    return 0;
+}
+
+/* The checkpoint is committed: the agent's fds let go (those of exported and imported memory too), so the
+ * memory leaves the GPU once the data plane has let go of its own. */
+void dp_commit(void)
+{
+    if (!g_dp.handed || !g_dp.staged) return;
     reg_lock();
     for (struct phys *p = g_reg.all; p; p = p->next_all)
         if (p->released) share_release(p);
     reg_unlock();
-    struct phase_times t = g_dp.pending;
-    DP_SET(g_dp.handed = false, g_dp.staged = true, g_dp.last = t, g_dp.generation++);
-    gpucr_log("checkpointed %llu bytes through the gpucr server: gate %.1f ms, sync %.1f ms, release %.1f ms",
-              (unsigned long long)t.bytes_out, t.gate, t.sync, t.release);
-    return 0;
+    DP_SET(g_dp.handed = false);
 }
 
 /* At restore, after the driver's: the server made and filled new memory for the released allocations
@@ -1013,19 +662,13 @@ int dp_stage(char *err, size_t errlen)
     free(sizes);
     if (rc) return -1;
     staging_rewind();
-    /* nothing of the image has arrived yet: a restore that waits for it starts from here */
-    pthread_mutex_lock(&g_ready_mu);
-    g_ready_abort = false;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        void *at = staged_at_checkpoint(p) ? staging_take(p->size) : NULL;
+        if (!staged_at_checkpoint(p)) continue;
+        void *at = staging_take(p->size);
         reg_lock();
-        p->ready = false;
-        free(p->zero_chunks);
-        p->zero_chunks = NULL;
-        if (staged_at_checkpoint(p)) p->staging = at;
+        p->staging = at;
         reg_unlock();
     }
-    pthread_mutex_unlock(&g_ready_mu);
     DP_SET(g_dp.staged = true);
     return 0;
 }

@@ -3,10 +3,9 @@
 #include "agent.h"
 #include "json.h"
 
-struct phase_times {            /* milliseconds of the last cycle's phases */
-    double staging, gate, sync, copy_out, release, copy_in;
-    double pin_wait;            /* part of copy_in spent waiting for staging to be pinned again */
-    uint64_t bytes_out, bytes_in, bytes_zeroed;
+struct phase_times {            /* milliseconds of the last checkpoint's phases in the process */
+    double staging, gate, sync, release;
+    uint64_t bytes_out;         /* handed to the data plane */
 };
 
 enum agent_state { AGENT_RUNNING, AGENT_CHECKPOINTED };
@@ -14,35 +13,22 @@ enum agent_state { AGENT_RUNNING, AGENT_CHECKPOINTED };
 struct dp_status {
     enum agent_state state;
     bool staged;
-    bool quiesced, copied;      /* a checkpoint of several processes is between its phases */
-    bool handed;                /* released, its data being copied by a gpucr server (dp_handover) */
+    bool quiesced;              /* a checkpoint of several processes is between its phases */
+    bool handed;                /* released, its data copied by gpucr's data plane, not committed (dp_handover) */
     long generation;            /* completed checkpoints */
     struct phase_times last;
 };
 
-/* Close the gate, synchronise, copy every movable allocation out and release its physical memory.
- * On failure nothing is released, the gate is open again, and err says why. */
-int dp_checkpoint(int timeout_ms, bool unpin, bool hold, char *err, size_t errlen);
-/* The phases of dp_checkpoint one by one, for several processes going through each together:
- * quiesce (staging ready, gate closed, device still), checkpoint with hold (copied, nothing
- * released), release (memory given back: checkpointed); abort undoes a quiesce or a held copy. */
+/* Quiesce: staging ready, gate closed, device still, nothing released (several processes go through each
+ * phase together); abort undoes a quiesce or an uncommitted handover. */
 int dp_quiesce(int timeout_ms, char *err, size_t errlen);
-int dp_release(char *err, size_t errlen);
 int dp_abort(char *err, size_t errlen);
-/* Re-create, re-map and copy back; then open the gate. On failure the process stays checkpointed. */
-int dp_restore(int timeout_ms, bool drop_staging, bool wait_ready, bool open_gate, char *err, size_t errlen);
-/* The controller says an allocation's data is in staging (restore from an image), or gives up. */
-int dp_mark_ready(unsigned long long va, bool abort_all);
-/* The image says this 64 MiB chunk of the allocation at va is all zero: set it on the device, copy nothing. */
-int dp_mark_zero(unsigned long long va, unsigned long long offset);
+/* The end of a restore, after adopt: every released allocation is back (else it stays checkpointed). */
+int dp_restore(bool drop_staging, bool open_gate, char *err, size_t errlen);
 void dp_get_status(struct dp_status *out);
 /* Progress of the operation running now (or the last one): bytes moved and steps taken; a controller
  * reads them on a second connection and gives up only when they stop changing. */
 void dp_get_progress(unsigned long long *bytes, unsigned long long *steps);
-/* The controller read and verified another chunk of an image: the wait for its data is not idle. */
-void dp_mark_progress(void);
-/* The connection that asked for the running operation (-1: none); a long wait ends when it goes away. */
-void dp_watch_requester(int fd);
 /* Coverage problems that make a checkpoint unsafe, as one line; empty when there are none. */
 void dp_preflight(char *why, size_t len);
 void dp_reset_after_fork(void);
@@ -68,13 +54,12 @@ int dp_export(unsigned long long key, int *fd_out, struct jb *j, char *err, size
 int dp_relink(unsigned long long key, int fd, char *err, size_t errlen);
 int dp_orphan(unsigned long long key, size_t *bytes, char *err, size_t errlen);
 int dp_resume(char *err, size_t errlen);
-/* The gpucr server's data plane (docs/server.md): quiesce if need be and release every movable allocation,
- * keeping the agent's own fd of each so the memory stays on the GPU for the server to copy; refused,
- * nothing touched, when any allocation cannot be handed over. dp_handed_done: the server's copy is in
- * staging, the fds let go. dp_abort takes a handed process back. dp_adopt maps the server's new memory. */
-int dp_handover(int timeout_ms, bool unpin, char *err, size_t errlen);
+/* gpucr's data plane (docs/server.md): quiesce if need be and release every movable allocation, keeping the
+ * agent's own fd of each so the memory stays on the GPU for the plane to copy; refused, nothing touched, when
+ * any allocation cannot be handed over. dp_handed_done: the plane's copy is in staging. dp_commit: the fds let
+ * go. dp_abort takes a handed process back, before commit. dp_adopt maps the plane's new memory. */
+int dp_handover(int timeout_ms, char *err, size_t errlen);
 int dp_handed_done(char *err, size_t errlen);
+void dp_commit(void);
 int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t errlen);
-/* A context ends (context.c): drop the copy streams made in it. */
-void dp_forget_context(CUcontext ctx);
 #endif

@@ -117,18 +117,14 @@ static void do_init(void)
 #define D(name) gpucr_drv.name = drv_sym(#name)
     D(cuCtxGetCurrent); D(cuCtxSetCurrent); D(cuCtxGetDevice); D(cuCtxSynchronize);
     D(cuMemAddressReserve); D(cuMemAddressFree); D(cuMemGetAllocationGranularity);
-    D(cuMemHostUnregister); D(cuStreamCreate); D(cuStreamSynchronize);
+    D(cuStreamSynchronize);
     D(cuGetErrorString); D(cuGetErrorName); D(cuDeviceGetAttribute); D(cuDeviceGetUuid);
     D(cuPointerGetAttribute); D(cuDevicePrimaryCtxGetState); D(cuDevicePrimaryCtxRetain);
-    D(cuEventCreate); D(cuEventRecord); D(cuEventSynchronize); D(cuDeviceGetCount);
+    D(cuEventCreate); D(cuEventRecord); D(cuDeviceGetCount);
     D(cuStreamWaitEvent); D(cuEventQuery); D(cuStreamIsCapturing); D(cuDeviceGetMemPool);
     D(cuDeviceGetDefaultMemPool); D(cuDeviceGraphMemTrim); D(cuDeviceGetGraphMemAttribute);
 #undef D
     /* versioned names the resolver knows by their base name */
-    gpucr_drv.cuMemGetInfo_v2 = drv_sym("cuMemGetInfo");
-    gpucr_drv.cuMemHostRegister_v2 = drv_sym("cuMemHostRegister");
-    gpucr_drv.cuStreamDestroy_v2 = drv_sym("cuStreamDestroy");
-    gpucr_drv.cuEventDestroy_v2 = drv_sym("cuEventDestroy");
     gpucr_drv.cuDevicePrimaryCtxRelease_v2 = drv_sym("cuDevicePrimaryCtxRelease");
     gpucr_drv.simcudaIsSimulated = gpucr_real_dlsym(g_libcuda, "simcudaIsSimulated");
     share_raise_nofile();

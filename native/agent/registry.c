@@ -210,7 +210,6 @@ void reg_phys_free(struct phys *p)
     reg_set_real(p, 0);
     if (p->app_handle) hmap_del(&g_reg.by_app_handle, p->app_handle);
     if (p->kind == PHYS_CONVERTED) hmap_del(&g_reg.conv_by_va, p->resv_va);
-    free(p->zero_chunks);
     if (p->prev_all) p->prev_all->next_all = p->next_all; else g_reg.all = p->next_all;
     if (p->next_all) p->next_all->prev_all = p->prev_all;
     free(p);

@@ -59,8 +59,6 @@ struct phys {
     size_t resv_size, user_size;
     /* checkpoint bookkeeping */
     bool released;              /* physical memory given back, data in staging */
-    bool ready;                 /* restore from an image: its data has arrived in staging */
-    unsigned char *zero_chunks; /* restore from an image: 64 MiB chunks that are all zero (set by memset, not copied) */
     void *staging;              /* where its data waits in host staging */
     struct phys *next_all, *prev_all;
 };

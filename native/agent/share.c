@@ -138,11 +138,11 @@ int share_export_own(CUmemGenericAllocationHandle real)
         getrlimit(RLIMIT_NOFILE, &rl);
         if (full)
             gpucr_warn("too few file descriptors left for GPU memory (RLIMIT_NOFILE soft %llu, hard %llu): allocations "
-                       "go on working, but those the agent holds no fd of cannot be handed to the gpucr server "
-                       "(gpucr status counts them as not exportable); raise the hard limit (ulimit -Hn) before "
-                       "starting the application", (unsigned long long)rl.rlim_cur, (unsigned long long)rl.rlim_max);
+                       "go on working, but gpucr's data plane cannot reach those the agent holds no fd of, so a checkpoint "
+                       "is refused (gpucr status counts them as not exportable); raise the hard limit (ulimit -Hn) "
+                       "before starting the application", (unsigned long long)rl.rlim_cur, (unsigned long long)rl.rlim_max);
         else
-            gpucr_cu_warn(rc, "exporting GPU memory as a POSIX fd (it cannot be handed to the gpucr server)");
+            gpucr_cu_warn(rc, "exporting GPU memory as a POSIX fd (gpucr's data plane cannot reach it: a checkpoint is refused)");
     }
     return -1;
 }

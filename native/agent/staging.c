@@ -9,7 +9,6 @@
 #include <sys/mman.h>
 #include <unistd.h>
 #include "admit.h"
-#include "bounce.h"
 #include "registry.h"
 #include "settings.h"
 #include "staging.h"
@@ -18,9 +17,8 @@
 #define TOUCH_THREADS 8
 #define TOUCH_PER_THREAD ((size_t)64 << 20)   /* a smaller segment is touched by the caller alone */
 
-/* Segments of at most GPUCR_STAGING_SEGMENT_MIB (2 GiB by default): pinning, unpinning and
- * re-pinning then go a segment at a time, so a restore can copy one segment while it pins the next.
- * Below that, a segment is sized to the data it is made for. */
+/* Segments of at most GPUCR_STAGING_SEGMENT_MIB (2 GiB by default), which gpucr's data plane maps and pins a
+ * segment at a time, pinning ahead while it copies. Below that, a segment is sized to the data it is made for. */
 static size_t seg_target(void) { return (size_t)gpucr_setting_int(SET_STAGING_SEGMENT_MIB) << 20; }
 
 enum kind { K_HUGETLB, K_SHM, K_FILE };
@@ -30,30 +28,16 @@ struct seg {
     int fd;
     void *base;
     size_t cap, used;
-    bool pinned;
-    bool pinning;               /* a thread is in cuMemHostRegister for it, with S.mu released */
-    bool pin_failed;            /* copies use the pageable path until it is unpinned and tried again */
-    CUcontext pin_ctx;          /* the context it was pinned in: the pinning ends with that context */
     enum kind kind;
 };
 
 static struct {
-    pthread_mutex_t mu;         /* guards segs: the preparer and a checkpoint may both grow it */
-    pthread_cond_t cv;          /* a segment stopped pinning */
+    pthread_mutex_t mu;         /* guards segs: status reads them while a checkpoint grows them */
     struct seg segs[STAGING_MAX_SEGS];
     int n;
-    int pinners;                /* pin-ahead threads still running */
-    bool stop_pinning;          /* staging is being dropped: pin-ahead threads stop picking segments */
-    bool ahead;
-} S = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER};
+} S = {.mu = PTHREAD_MUTEX_INITIALIZER};
 
 static size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
-
-static void unregister(const struct seg *g)
-{
-    CUresult rc = gpucr_drv.cuMemHostUnregister(g->base);
-    if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuMemHostUnregister (a %zu MiB staging segment)", g->cap >> 20);
-}
 
 /* KiB, as /proc/meminfo says */
 static size_t meminfo(const char *key) { return host_meminfo_kib(key); }
@@ -90,7 +74,10 @@ static void touch_parallel(char *base, size_t len, size_t page)
         size_t off = (size_t)i * per;
         if (off >= len) break;
         t[i] = (struct touch){base + off, off + per > len ? len - off : per, page};
-        if (pthread_create(&th[i], NULL, touch_range, &t[i]) == 0) started++;
+        if (pthread_create(&th[i], NULL, touch_range, &t[i]) == 0) {
+            pthread_setname_np(th[i], "gpucr-touch");
+            started++;
+        }
         else touch_range(&t[i]);
         if (started != i + 1) break;
     }
@@ -169,12 +156,6 @@ static int seg_create(struct seg *g, size_t cap, char *err, size_t errlen)
     if (madvise(base, cap, MADV_DONTFORK)) gpucr_warn("madvise(MADV_DONTFORK) of staging: %s", strerror(errno));
     touch_parallel(base, cap, k == K_HUGETLB ? HUGE_PAGE : (size_t)sysconf(_SC_PAGESIZE));
     *g = (struct seg){.fd = fd, .base = base, .cap = cap, .kind = k};
-    if (bounce_enabled()) return 0;   /* copies go through the pinned bounce ring: staging stays unpinned */
-    CUresult rc = gpucr_drv.cuMemHostRegister_v2(base, cap, CU_MEMHOSTREGISTER_PORTABLE);
-    g->pinned = rc == CUDA_SUCCESS;
-    gpucr_drv.cuCtxGetCurrent(&g->pin_ctx);
-    if (!g->pinned) gpucr_log("staging segment of %zu MiB could not be pinned (%s): copies use the slower pageable path",
-                              cap >> 20, gpucr_cu_errstr(rc));
     return 0;
 }
 
@@ -217,17 +198,8 @@ static size_t next_seg_size_locked(size_t missing, size_t largest)
     return round_up(add, HUGE_PAGE);
 }
 
-/* Wait until no pin-ahead thread works on the segments (S.mu held). */
-static void stop_pinners_locked(void)
-{
-    S.stop_pinning = true;
-    while (S.pinners > 0) pthread_cond_wait(&S.cv, &S.mu);
-    S.stop_pinning = false;
-}
-
 static void seg_free(struct seg *g)
 {
-    if (g->pinned) unregister(g);
     munmap(g->base, g->cap);
     close(g->fd);
 }
@@ -238,7 +210,6 @@ static void seg_free(struct seg *g)
 static void release_if_oversized_locked(size_t need)
 {
     if (capacity_locked() <= 2 * need) return;
-    stop_pinners_locked();
     for (int i = 0; i < S.n; i++) seg_free(&S.segs[i]);
     S.n = 0;
     admit_record(0);
@@ -319,106 +290,6 @@ int staging_count(void)
     return n;
 }
 
-/* Unpinned, and no thread is pinning it or has failed to. */
-static bool wants_pin(const struct seg *g) { return !g->pinned && !g->pinning && !g->pin_failed; }
-
-static void wait_not_pinning_locked(const struct seg *g)
-{
-    while (g->pinning) pthread_cond_wait(&S.cv, &S.mu);
-}
-
-/* Pin g; S.mu is held on entry and on return, but not during the driver call, so several threads
- * can pin several segments at once (one thread pins well below the copy engine's rate). */
-static void pin_locked(struct seg *g)
-{
-    g->pinning = true;
-    void *base = g->base;
-    size_t cap = g->cap;
-    pthread_mutex_unlock(&S.mu);
-    bool ok = gpucr_drv.cuMemHostRegister_v2(base, cap, CU_MEMHOSTREGISTER_PORTABLE) == CUDA_SUCCESS;
-    CUcontext ctx = NULL;
-    gpucr_drv.cuCtxGetCurrent(&ctx);
-    pthread_mutex_lock(&S.mu);
-    g->pinned = ok;
-    g->pin_ctx = ctx;
-    g->pin_failed = !ok;
-    g->pinning = false;
-    if (!ok) gpucr_log("staging segment of %zu MiB could not be pinned again: its copies use the slower pageable path", cap >> 20);
-    pthread_cond_broadcast(&S.cv);
-}
-
-/* Unpin g (S.mu held), once no thread is pinning it; a later pin is tried afresh. */
-static void unpin_locked(struct seg *g)
-{
-    wait_not_pinning_locked(g);
-    if (g->pinned) unregister(g);
-    g->pinned = g->pin_failed = false;
-}
-
-void staging_unpin_segment(int i)
-{
-    pthread_mutex_lock(&S.mu);
-    if (i >= 0 && i < S.n) unpin_locked(&S.segs[i]);
-    pthread_mutex_unlock(&S.mu);
-}
-
-void staging_forget_context(CUcontext ctx)
-{
-    pthread_mutex_lock(&S.mu);
-    for (int i = 0; i < S.n; i++) {   /* while ctx lives; the next checkpoint pins them again */
-        wait_not_pinning_locked(&S.segs[i]);   /* a pin under way says its context only when done */
-        if (S.segs[i].pin_ctx == ctx) unpin_locked(&S.segs[i]);
-    }
-    pthread_mutex_unlock(&S.mu);
-}
-
-void staging_pin_for(const void *p)
-{
-    if (bounce_enabled()) return;
-    pthread_mutex_lock(&S.mu);
-    for (int i = 0; i < S.n; i++) {
-        struct seg *g = &S.segs[i];
-        if ((const char *)p >= (char *)g->base && (const char *)p < (char *)g->base + g->cap) {
-            wait_not_pinning_locked(g);   /* a pin-ahead thread has it */
-            if (wants_pin(g)) pin_locked(g);
-            break;
-        }
-    }
-    pthread_mutex_unlock(&S.mu);
-}
-
-static void *pin_loop(void *ctx)
-{
-    gpucr_use_ctx((CUcontext)ctx);   /* registering needs a current context */
-    pthread_mutex_lock(&S.mu);
-    for (;;) {
-        struct seg *g = NULL;
-        for (int i = 0; i < S.n && !g; i++)   /* lowest first: the order a restore copies in */
-            if (wants_pin(&S.segs[i])) g = &S.segs[i];
-        if (!g || S.stop_pinning) break;
-        pin_locked(g);
-    }
-    S.pinners--;
-    pthread_cond_broadcast(&S.cv);
-    pthread_mutex_unlock(&S.mu);
-    return NULL;
-}
-
-int staging_pin_ahead(CUcontext ctx)
-{
-    if (bounce_enabled()) return 0;
-    long want = (long)gpucr_setting_int(SET_PIN_THREADS);
-    pthread_mutex_lock(&S.mu);
-    int unpinned = 0;
-    for (int i = 0; i < S.n; i++) unpinned += wants_pin(&S.segs[i]);
-    int n = unpinned < want ? unpinned : (int)want, started = 0;
-    for (int i = 0; i < n && gpucr_spawn_detached(pin_loop, ctx); i++) {
-        S.pinners++;
-        started++;
-    }
-    pthread_mutex_unlock(&S.mu);
-    return started;
-}
 
 /* First fit, in the order staging_fit planned with. */
 static void *take_locked(size_t size)
@@ -463,7 +334,6 @@ void staging_rewind(void)
 void staging_drop(void)
 {
     pthread_mutex_lock(&S.mu);
-    stop_pinners_locked();   /* they use the segments */
     for (int i = 0; i < S.n; i++) seg_free(&S.segs[i]);
     S.n = 0;
     admit_record(0);
@@ -494,16 +364,14 @@ int staging_segments(int *fds, size_t *sizes, const char **kinds, int max)
 void staging_get_info(struct staging_info *out)
 {
     pthread_mutex_lock(&S.mu);
-    *out = (struct staging_info){.segments = S.n, .kind = S.n ? KIND_NAME[S.segs[S.n - 1].kind] : "none", .ahead = S.ahead};
+    *out = (struct staging_info){.segments = S.n, .kind = S.n ? KIND_NAME[S.segs[S.n - 1].kind] : "none"};
     for (int i = 0; i < S.n; i++) {
         out->bytes += S.segs[i].cap;
         if (S.segs[i].kind != K_FILE) out->memory_bytes += S.segs[i].cap;
-        if (S.segs[i].pinned) out->pinned_bytes += S.segs[i].cap;
     }
     pthread_mutex_unlock(&S.mu);
 }
 
-/* ---- preparing ahead: as the movable bytes grow, grow staging in the background ---- */
 /* The sizes of every allocation a checkpoint would move now, in registry order (as it moves them). */
 size_t *staging_movable_sizes(int *n, CUcontext *ctx)
 {
@@ -520,56 +388,12 @@ size_t *staging_movable_sizes(int *n, CUcontext *ctx)
     return sizes;
 }
 
-static void *ahead_loop(void *arg)
-{
-    (void)arg;
-    for (;;) {
-        usleep(250 * 1000);
-        if (gpucr_gate_is_closed()) continue;   /* checkpointed or checkpointing: staging is not to grow now */
-        int n = 0;
-        CUcontext ctx = NULL;
-        size_t *sizes = staging_movable_sizes(&n, &ctx);
-        if (!sizes) continue;
-        pthread_mutex_lock(&S.mu);
-        size_t missing = shortfall_locked(sizes, n, NULL);
-        pthread_mutex_unlock(&S.mu);
-        char err[256];
-        if (missing && ctx) {
-            gpucr_use_ctx(ctx);
-            if (fit(sizes, n, false, err, sizeof err)) {   /* never shrinks: a checkpoint may be about to take it */
-                gpucr_log("preparing staging ahead: %s", err);
-                usleep(5 * 1000 * 1000);   /* host memory is short: do not spin on it */
-            }
-        }
-        char problem[8];
-        if (ctx && bounce_enabled() && !bounce_problem(problem, sizeof problem)) {   /* a failure waits for a checkpoint's retry */
-            /* as a call in flight: a checkpoint's copies never see the ring replaced under them */
-            gpucr_gate_enter();
-            gpucr_use_ctx(ctx);
-            if (bounce_prepare(ctx, sizes, n, err, sizeof err)) gpucr_log("preparing the bounce ring ahead: %s", err);
-            gpucr_gate_leave();
-        }
-        free(sizes);
-    }
-    return NULL;
-}
-
-void staging_start_ahead(void)
-{
-    if (!gpucr_setting_on(SET_STAGING_AHEAD) || S.ahead) return;
-    S.ahead = gpucr_spawn_detached(ahead_loop, NULL);
-}
-
 void staging_reset_after_fork(void)
 {
     /* the parent's staging is the parent's (not mapped here: MADV_DONTFORK): close our copies of its
      * fds, which would keep it alive, never unregister or unlink it */
     S.mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
-    S.cv = (pthread_cond_t)PTHREAD_COND_INITIALIZER;
-    S.pinners = 0;
-    S.stop_pinning = false;
     for (int i = 0; i < S.n; i++) close(S.segs[i].fd);
     S.n = 0;
-    S.ahead = false;
     admit_reset_after_fork();
 }

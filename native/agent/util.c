@@ -1,5 +1,6 @@
 /* Time, logging, threads and settings. Logging goes to stderr, which the application owns: warnings only by default,
  * everything with GPUCR_LOG=1. */
+#define _GNU_SOURCE   /* pthread_setname_np */
 #include <ctype.h>
 #include <errno.h>
 #include <pthread.h>
@@ -32,14 +33,17 @@ void gpucr_cond_wait_step(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t deadl
     pthread_cond_timedwait(cv, mu, &ts);
 }
 
-bool gpucr_spawn_detached(void *(*fn)(void *), void *arg)
+bool gpucr_spawn_detached(void *(*fn)(void *), void *arg, const char *name)
 {
     sigset_t all, prev;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &prev);   /* the new thread inherits this mask */
     pthread_t th;
     bool ok = pthread_create(&th, NULL, fn, arg) == 0;
-    if (ok) pthread_detach(th);
+    if (ok) {
+        pthread_setname_np(th, name);   /* "gpucr-...": /proc/PID/task tells the agent's threads from the app's */
+        pthread_detach(th);
+    }
     pthread_sigmask(SIG_SETMASK, &prev, NULL);
     return ok;
 }

@@ -25,11 +25,10 @@ STATUS_WAIT_S = 10.0   # how long `status` waits for a process still starting un
 ONE_KIND_ENV = "GPUCR_PS_ONE_KIND"   # internal: a `ps` listing for another, of its own driver kind only
 # The agent's limits for the settings `gpucr run` passes on (native/agent/settings.def; tests/test_settings.py
 # holds the two to each other).
-BOUNCE_MIB_MIN, BOUNCE_MIB_MAX = 4, 16384
 GROUP_MAX_BYTES = 127
 STAGING_KINDS = ("auto", "hugetlbfs", "shm")
 # Settings of the controller, read from its own environment: checked before anything runs.
-CONTROLLER_FLAGS = ("GPUCR_UNPIN_FOR_DRIVER", "GPUCR_SIMULATE", route.NO_SERVER_ENV)
+CONTROLLER_FLAGS = ("GPUCR_SIMULATE", route.NO_SERVER_ENV)
 NO_SERVER_HELP = ("act in-process, not through the gpucr server even when one runs (the same as "
                   f"{route.NO_SERVER_ENV}=1)")
 CONTROLLER_SIMULATE_HELP = ("act through simcuda, the simulated driver (test double), on processes started with "
@@ -58,12 +57,30 @@ def _staging_kind(v: str) -> str:
     raise argparse.ArgumentTypeError(f"'{v}' is not one of {', '.join(STAGING_KINDS)} or file:DIR")
 
 
-def _bounce_mib(v: str) -> int:
-    """--bounce: 0 (no ring) or the ring's most in MiB."""
-    if v.isdigit() and (int(v) == 0 or BOUNCE_MIB_MIN <= int(v) <= BOUNCE_MIB_MAX):
-        return int(v)
-    raise argparse.ArgumentTypeError(f"'{v}' is not 0 (no ring, all of staging pinned) or a size in MiB from "
-                                     f"{BOUNCE_MIB_MIN} to {BOUNCE_MIB_MAX}")
+# Settings and options of the in-process copy engine, deleted (issue 25): gpucr's data plane copies outside the
+# application, which pins nothing and runs no thread of gpucr's but its channel. Said once, then ignored.
+RETIRED_ENV = ("GPUCR_BOUNCE_MIB", "GPUCR_BOUNCE_THREADS", "GPUCR_PIN_THREADS", "GPUCR_STAGING_AHEAD",
+               "GPUCR_UNPIN_FOR_DRIVER")
+RETIRED_WHY = ("gpucr's data plane copies outside the application now (the server's, or the CLI's own), so the "
+               "application pins nothing: it has no effect and is ignored")
+
+
+class _Retired(argparse.Action):
+    """An option of the deleted in-process copy engine: accepted (scripts keep working), said, ignored."""
+
+    def __init__(self, option_strings: list[str], dest: str, nargs: int | str | None = 0, **kwargs: Any) -> None:
+        super().__init__(option_strings, argparse.SUPPRESS, nargs=nargs, default=argparse.SUPPRESS,
+                         help=argparse.SUPPRESS)
+
+    def __call__(self, parser: argparse.ArgumentParser, ns: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        print(f"gpucr: {option_string}: {RETIRED_WHY}", file=sys.stderr)
+
+
+def _say_retired_env(env: dict[str, str]) -> None:
+    for name in RETIRED_ENV:
+        if name in env:
+            print(f"gpucr: {name}: {RETIRED_WHY}", file=sys.stderr)
 
 
 _BUDGET = re.compile(r"(?:([1-9][0-9]*)%|([1-9][0-9]*)([KMGT]?))")
@@ -171,26 +188,16 @@ def cmd_run(a: argparse.Namespace) -> int:
         env["GPUCR_STAGING"] = a.staging
     if a.staging_policy:
         env["GPUCR_STAGING_POLICY"] = a.staging_policy
-    if a.bounce is not None:
-        env["GPUCR_BOUNCE_MIB"] = str(a.bounce)
     if a.group:
         env["GPUCR_GROUP"] = a.group
     if a.host_budget:
         env["GPUCR_HOST_BUDGET"] = a.host_budget
-    server_up = False
     if route.server_wanted():
         from .server import client
         problem = client.ensure_running(a.simulate)
         if problem:
             route.note(problem)
-        server_up = not problem
-    # with a server, staging is prepared ahead by default and the server pins it as it grows: the first
-    # checkpoint is then as fast as the later ones (issue 13); the host memory is held from the start
-    ahead = a.staging_ahead if a.staging_ahead is not None else (server_up and "GPUCR_STAGING_AHEAD" not in os.environ)
-    if ahead:
-        env["GPUCR_STAGING_AHEAD"] = "1"
-    elif a.staging_ahead is False:
-        env["GPUCR_STAGING_AHEAD"] = "0"
+    _say_retired_env(env)
     if a.simulate:
         print("gpucr: running on simcuda, the simulated driver (a test double; no GPU is used)", file=sys.stderr)
     try:
@@ -336,8 +343,6 @@ def _status_lines(st: ProcessStatus) -> list[str]:
     state = st.state + (f" (level {st.level})" if st.level else "")
     if st.state == "running" and st.gate_closed:
         state += ", parked: a restore stopped before its last step (run 'gpucr restore' again)"
-    ring = st.bounce_pinned_bytes
-    bounce = f", copies through a {_mib(ring)} pinned bounce ring" if ring else ""
     lines = [f"process {st.pid}: {state}" + ("" if st.cuda else ", CUDA not loaded") +
              (" [simcuda]" if st.simulated else ""),
              f"  command      {st.cmd}",
@@ -347,21 +352,18 @@ def _status_lines(st: ProcessStatus) -> list[str]:
              f"({al.native} small, {al.pool} pool, {al.vmm_left_to_driver} partial VMM)",
              *coverage.status_lines(st.coverage),
              f"  staging      {_mib(st.staging_bytes)} in {_plural(st.staging_segments, 'segment', 'segments')} "
-             f"({st.staging_kind}, {_mib(st.staging_pinned_bytes)} pinned"
-             f"{', prepared ahead' if st.staging_ahead else ''}{bounce})",
+             f"({st.staging_kind})",
              _host_memory_line(st),
              f"  checkpoints  {st.generation} completed"]
     for i, g in enumerate(st.gpus):
         lines.insert(2 + i, f"  gpu          device {g.ordinal} {g.uuid}: this process {_mib(g.process_bytes)}, "
                             f"GPU used {_mib(g.gpu_used_bytes)} of {_mib(g.gpu_total_bytes)}")
-    if st.bounce_problem:
-        lines.append(f"  ring         none: {st.bounce_problem} (copies go through pageable memory)")
     if al.not_exportable:
         lines.append(f"  exportable   {_plural(al.not_exportable, 'allocation is', 'allocations are')} not: no file descriptor was left for them "
                      "(RLIMIT_NOFILE; raise 'ulimit -n' before starting the application)")
     cyc = st.last_cycle
-    if cyc.gate_s or cyc.copy_out_s or cyc.data_in_s:
-        steps = ("staging", "gate", "sync", "copy_out", "release", "data_in")
+    if cyc.gate_s or cyc.release_s:
+        steps = ("staging", "gate", "sync", "release")
         lines.append("  last cycle   " + ", ".join(f"{k.replace('_', ' ')} {getattr(cyc, k + '_s'):.3f} s"
                                                   for k in steps))
     if st.refusal:
@@ -526,7 +528,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         else:
             print(_server_line(info) if info else "server: not running")
         return 0 if info else 3
-    return daemon.main(a.idle_exit, data_plane=not a.no_data_plane, keep_context=not a.give_back_context,
+    return daemon.main(a.idle_exit, keep_context=not a.give_back_context,
                        routes=not a.no_routes)
 
 
@@ -604,17 +606,10 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--simulate", action="store_true", help="use simcuda, the simulated driver (test double), instead of a GPU")
     r.add_argument("--staging", metavar="KIND", type=_staging_kind, help="host staging: auto (hugetlbfs when hugepages "
                    "are free, else shared memory; the default), hugetlbfs, shm, or file:DIR (an existing directory)")
-    r.add_argument("--staging-ahead", dest="staging_ahead", action="store_true", default=None,
-                   help="prepare staging in the background as allocations grow, so a checkpoint finds it ready "
-                        "(the default when the gpucr server runs, which then pins it ahead too)")
-    r.add_argument("--no-staging-ahead", dest="staging_ahead", action="store_false",
-                   help="prepare staging only at the first checkpoint (less host memory held while the process runs; "
-                        "that checkpoint is slower)")
+    r.add_argument("--staging-ahead", "--no-staging-ahead", action=_Retired)
     r.add_argument("--staging-policy", choices=("keep", "drop"),
                    help="after a restore, keep staging for the next cycle (default) or give it back")
-    r.add_argument("--bounce", type=_bounce_mib, metavar="MIB", help="the most the pinned ring that copies go through "
-                   f"may take (staging stays unpinned; default 1024, sized to the data up to it; {BOUNCE_MIB_MIN} to "
-                   f"{BOUNCE_MIB_MAX}); 0: no ring, all of staging pinned instead")
+    r.add_argument("--bounce", action=_Retired, nargs=1)
     r.add_argument("--host-budget", metavar="SIZE", type=host_budget, help="the most host memory the staging of all "
                    "your processes under gpucr may hold together: a size (64G) or a share of MemTotal (50%%); a "
                    "checkpoint that would pass it is refused before anything is touched (GPUCR_HOST_BUDGET)")
@@ -680,8 +675,7 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--simulate", action="store_true", help="serve on simcuda, the simulated driver (test double)")
     sv.add_argument("--idle-exit", type=_seconds, metavar="SECONDS", help="exit after SECONDS with no process under "
                     "gpucr and no request (default: run until stopped)")
-    sv.add_argument("--no-data-plane", action="store_true", help="let each process's agent copy its data, as "
-                    "in-process, instead of the server (slower: through the agent's bounce ring, after the data is out)")
+    sv.add_argument("--no-data-plane", action=_Retired)
     sv.add_argument("--give-back-context", action="store_true", help="give back the server's GPU context and unpin "
                     "the staging after each checkpoint and restore, so the card holds nothing of the server's between "
                     "cycles (each cycle then pins the staging again; default: kept, for fast restores)")

@@ -14,7 +14,7 @@ from .driver import Driver, driver_for, gpu_memory
 from .errors import GpucrError
 from .paths import simcuda_dir
 from .results import SCHEMA_VERSION, to_json
-from .dataplane.mover import cli_plane
+from .dataplane.cli_plane import cli_plane
 from .workloads.runner import Workload
 
 

@@ -17,6 +17,7 @@ from typing import Collection
 from . import coordinator
 from . import reading
 from . import target as targets
+from .dataplane.cli_plane import cli_plane
 from .driver import Driver, DriverError, ProcessState, controller_driver
 from .errors import GpucrError
 from .results import ProcessStatus, Stuck
@@ -123,16 +124,18 @@ def recover(timeout: float = 60.0, committed_too: bool = False, only: Collection
     ours = [s for s in stuck if s.under_gpucr]
     errors: dict[int, str] = {}
     if ours:
-        # together first, so memory shared between them is relinked; then one by one what is still stuck
-        try:
-            coordinator.restore_many([s.pid for s in ours], timeout=timeout)
-        except GpucrError:
-            for s in ours:
-                try:
-                    if _still_stuck(s.pid):
-                        coordinator.restore_many([s.pid], timeout=timeout)
-                except GpucrError as exc:
-                    errors[s.pid] = str(exc)
+        # together first, so memory shared between them is relinked; then one by one what is still stuck. The
+        # data goes back through this process's own mover (no server need run: it may be what died)
+        with cli_plane() as mover:
+            try:
+                coordinator.restore_many([s.pid for s in ours], mover, timeout=timeout)
+            except GpucrError:
+                for s in ours:
+                    try:
+                        if _still_stuck(s.pid):
+                            coordinator.restore_many([s.pid], mover, timeout=timeout)
+                    except GpucrError as exc:
+                        errors[s.pid] = str(exc)
         for s in ours:
             try:
                 st = reading.status(s.pid)

@@ -122,7 +122,7 @@ class ProcessCheckpoint:
     bytes_moved: int                  # copied out by gpucr
     bytes_left_to_driver: int         # left to the driver's checkpoint (level full) or on the GPU (level data)
     phases_s: dict[str, float]        # the controller's phases: vet, prepare, data_out, then driver_lock, control_out (level full), commit, settle
-    agent_phases_s: dict[str, float]  # inside the process: staging, gate, sync, copy_out, release
+    agent_phases_s: dict[str, float]  # inside the process: staging, gate, sync, release
     gpus: list[GpuMemoryChange]
     image: ImageTransfer | None
     warnings: list[str]
@@ -138,7 +138,7 @@ class ProcessRestore:
     bytes_moved: int                  # copied back by gpucr
     phases_s: dict[str, float]        # vet, control_in, driver_unlock, data_in (or stage, image_read_and_data_in;
                                       # through the server: stage, image_read, data_in, adopt, finish), settle
-    agent_phases_s: dict[str, float]  # inside the process: data_in, pin_wait
+    agent_phases_s: dict[str, float]  # empty: the agent copies nothing (kept for readers of schema 1)
     gpus: list[GpuMemoryChange]       # every GPU it was on or moved to
     moved: dict[str, str]             # {old UUID: new UUID} for each GPU it was moved off (restore --map)
     image: ImageTransfer | None
@@ -187,17 +187,13 @@ class Allocations:
 
 @dataclass
 class LastCycle:
-    """The last checkpoint and restore, as the process timed them (the driver's steps are in the controller's results)."""
+    """The last checkpoint's steps inside the process (the data plane's copies and the driver's steps are in the
+    controller's results)."""
     staging_s: float
     gate_s: float
     sync_s: float
-    copy_out_s: float
     release_s: float
-    data_in_s: float
-    pin_wait_s: float
-    bytes_out: int
-    bytes_in: int
-    bytes_zeroed: int                 # set by memset on restore (zero chunks of an image), not copied
+    bytes_out: int                    # handed to gpucr's data plane
 
 
 @dataclass
@@ -234,7 +230,7 @@ class ProcessStatus:
     rolling_back: bool
     committed: bool                   # checkpointed on purpose: its controller committed (recover leaves it alone)
     gate_closed: bool                 # CUDA calls are held (mid-checkpoint, or a restore stopped before its end)
-    checkpoint_phase: str             # quiesced | copied between a group's phases, handed (a server copies), else empty
+    checkpoint_phase: str             # quiesced between a group's phases, handed (not committed yet), else empty
     staged: bool                      # a checkpoint's data is in host memory (not only in an image)
     generation: int
     allocations: Allocations
@@ -242,11 +238,7 @@ class ProcessStatus:
     gpus: list[GpuStatus]
     staging_kind: str                 # hugetlbfs | shm | file:DIR
     staging_bytes: int
-    staging_pinned_bytes: int
     staging_segments: int
-    staging_ahead: bool
-    bounce_pinned_bytes: int
-    bounce_problem: str | None        # why no pinned bounce ring could be made
     last_cycle: LastCycle
     refusal: str | None               # why a checkpoint would be refused now
     shared: list[SharedMemory]

@@ -78,7 +78,7 @@ def process_status(st: dict[str, Any], now: dict[str, gpus.Usage]) -> ProcessSta
     counts = ("tracked", "tracked_bytes", "converted", "app_vmm", "vmm_left_to_driver", "vmm_left_to_driver_bytes",
               "native", "native_bytes", "pool", "pool_bytes", "managed", "managed_bytes", "ipc_exports",
               "not_exportable")
-    times = ("staging", "gate", "sync", "copy_out", "release", "data_in", "pin_wait")
+    times = ("staging", "gate", "sync", "release")
     return ProcessStatus(
         pid=st["pid"], state=st["state"], level=st.get("level"), driver_state=st.get("driver_state"),
         cmd=st.get("cmd", ""), start_time=st["start_time"], cuda=bool(st.get("cuda")),
@@ -88,12 +88,9 @@ def process_status(st: dict[str, Any], now: dict[str, gpus.Usage]) -> ProcessSta
         generation=st.get("generation", 0), allocations=Allocations(**{k: int(al.get(k, 0)) for k in counts}),
         bytes_left_to_driver=st.get("bytes_left_to_driver", 0), gpus=gpu_rows,
         staging_kind=st.get("staging", ""), staging_bytes=st.get("staging_bytes", 0),
-        staging_pinned_bytes=st.get("staging_pinned_bytes", 0), staging_segments=st.get("staging_segments", 0),
-        staging_ahead=bool(st.get("staging_ahead")), bounce_pinned_bytes=st.get("bounce_pinned_bytes", 0),
-        bounce_problem=st.get("bounce_problem") or None,
+        staging_segments=st.get("staging_segments", 0),
         last_cycle=LastCycle(**{f"{k}_s": float(cyc.get(k, 0.0)) * MS for k in times},
-                             bytes_out=int(cyc.get("bytes_out", 0)), bytes_in=int(cyc.get("bytes_in", 0)),
-                             bytes_zeroed=int(cyc.get("bytes_zeroed", 0))),
+                             bytes_out=int(cyc.get("bytes_out", 0))),
         refusal=st.get("refusal") or None,
         shared=[SharedMemory(role=s["role"], key=s.get("key", 0), bytes=s["bytes"], unlinked=bool(s.get("unlinked")),
                              open_fds=s.get("open_fds", 0), owner=s.get("owner") or None)

@@ -11,7 +11,8 @@ to one verb as HOSTILE_MODE says:
   nondict     the answer is a JSON list, its fds sent with it
   stall       the answer's fds are sent with half a line, and the rest never comes
   late        the whole answer, after HOSTILE_DELAY_S seconds
-HOSTILE_VERB names the verb (memory, shared, layout). It allocates two buffers of HOSTILE_MIB MiB each, prints
+HOSTILE_VERB names the verb (memory, shared, layout); HOSTILE_HONEST=N relays its first N answers as they are
+(e.g. the layouts of a checkpoint and a restore that make the staging a later layout hands out). It allocates two buffers of HOSTILE_MIB MiB each, prints
 one JSON line {"ready": true, "pid": PID}, then answers "digest" on stdin with a digest of both buffers.
 """
 from __future__ import annotations
@@ -28,6 +29,14 @@ import time
 VERB = os.environ.get("HOSTILE_VERB", "memory")
 MODE = os.environ.get("HOSTILE_MODE", "")
 MIB = int(os.environ.get("HOSTILE_MIB", "4"))
+_honest = [int(os.environ.get("HOSTILE_HONEST", "0"))]   # answers to VERB still relayed as they are
+_honest_mu = threading.Lock()
+
+
+def honest_now() -> bool:
+    with _honest_mu:
+        _honest[0] -= 1
+        return _honest[0] >= 0
 cu = ctypes.CDLL("libcuda.so.1")
 
 
@@ -116,7 +125,7 @@ def relay(client: socket.socket, real: str) -> None:
             request = read_line(client, cbuf, sent)
             if request is None:
                 return
-            ours = request.split(b" ", 1)[0].decode() == VERB
+            ours = request.split(b" ", 1)[0].decode() == VERB and not honest_now()
             forwarded = request.split(b" ", 1)[0] + b" from=0" if ours and MODE == "endless" else request
             socket.send_fds(agent, [forwarded + b"\n"], sent) if sent else agent.sendall(forwarded + b"\n")
             for fd in sent:

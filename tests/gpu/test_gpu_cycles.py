@@ -114,7 +114,7 @@ def test_long_kernel_past_deadline_is_refused_and_app_runs_on():
 
 
 def test_two_processes_checkpointed_together():
-    from gpucr.coordinator import checkpoint_many, restore_many
+    from gpucr import checkpoint_many, restore_many
     idle = used()
     with Workload("torch_app", "--gib", "2", "--seed", "1") as a, Workload("cupy_app" if _has_cupy() else "torch_app",
                                                                             "--gib", "2", "--seed", "2") as b:

@@ -13,7 +13,7 @@ import pytest
 import gpucr
 from gpucr import paths
 from gpucr import target as targets
-from gpucr.coordinator import checkpoint_many, restore_many
+from gpucr import checkpoint_many, restore_many   # through the server when one runs, else the CLI's own mover
 from gpucr.driver import ProcessState, driver_for, gpu_memory
 from gpucr.workloads.runner import Workload
 

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 import gpucr
-from gpucr.coordinator import checkpoint_many, restore_many
+from gpucr import checkpoint_many, restore_many   # through the server when one runs, else the CLI's own mover
 from gpucr.driver import ProcessState, driver_for, gpu_memory
 from gpucr.gpus import machine_gpus
 from gpucr.workloads.runner import Workload

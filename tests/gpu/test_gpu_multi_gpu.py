@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 import gpucr
-from gpucr.coordinator import restore_many
+from gpucr import restore_many
 from gpucr.driver import driver_for, gpu_memory
 from gpucr.gpus import machine_gpus
 from gpucr.workloads.runner import Workload

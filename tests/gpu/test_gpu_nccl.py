@@ -7,7 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from gpucr.coordinator import checkpoint_many, restore_many
+from gpucr import checkpoint_many, restore_many   # through the server when one runs, else the CLI's own mover
 from gpucr.workloads.runner import Workload
 
 from conftest import gpu, two_gpus

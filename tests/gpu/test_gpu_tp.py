@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from gpucr.coordinator import checkpoint_many, restore_many
+from gpucr import checkpoint_many, restore_many   # through the server when one runs, else the CLI's own mover
 from gpucr.driver import driver_for, gpu_memory
 from gpucr.gpus import machine_gpus
 from gpucr.results import CheckpointResult, RestoreResult

@@ -183,35 +183,35 @@ class FreshDriverMethod(DriverMethod):
 
 
 class GpucrMethod(Method):
-    """gpucr: the agent moves the data; at level full the driver then takes the control state; all
-    processes of a job at once (coordinator.checkpoint_many / restore_many).
-    By default staging stays unpinned and the copies go through the agent's pinned bounce ring.
-    pinned: the ablation 'gpucr-full-pinned', the ring off (GPUCR_BOUNCE_MIB=0) and staging pinned,
-    in a process of its own; unpin: 'gpucr-full-unpinned', pinned staging unpinned for the driver's
-    checkpoint and pinned again during the restore's copies (GPUCR_UNPIN_FOR_DRIVER=1)."""
+    """gpucr in a warm controller, the bench itself, with no server: its own mover copies through a small pinned
+    ring, as `gpucr checkpoint --no-server` does, minus a fresh interpreter and cuInit each step; at level full the
+    driver takes the control state beside it; all processes of a job at once (coordinator.checkpoint_many)."""
     under_agent = True
     splits = True
 
-    def __init__(self, level: str, timeout: float = STEP_TIMEOUT_S, pinned: bool = False, unpin: bool = False) -> None:
-        self.level = level
-        self.name = f"gpucr-{level}" + ("-unpinned" if unpin else "-pinned" if pinned else "")
-        self.timeout = timeout
-        self.unpin = unpin
-        self.agent_env = {"GPUCR_BOUNCE_MIB": "0"} if pinned or unpin else {}
+    def __init__(self, level: str, timeout: float = STEP_TIMEOUT_S) -> None:
+        self.level, self.name, self.timeout = level, f"gpucr-{level}", timeout
+        self._plane = contextlib.ExitStack()
+        self._mover = None
 
     def warmup(self) -> Method:
         return agent_warmup()
 
+    def _made(self):
+        if self._mover is None:
+            from ..dataplane.cli_plane import cli_plane
+            self._mover = self._plane.enter_context(cli_plane())
+        return self._mover
+
     def checkpoint(self, pids: list[int]) -> dict[str, Any]:
-        if self.unpin:
-            with _env("GPUCR_UNPIN_FOR_DRIVER", "1"):
-                rs = checkpoint_many(pids, level=self.level, timeout=self.timeout)
-        else:
-            rs = checkpoint_many(pids, level=self.level, timeout=self.timeout)
-        return combine(rs.processes)
+        return combine(checkpoint_many(pids, self._made(), level=self.level, timeout=self.timeout).processes)
 
     def restore(self, pids: list[int]) -> dict[str, Any]:
-        return combine(restore_many(pids, timeout=self.timeout).processes)
+        return combine(restore_many(pids, self._made(), timeout=self.timeout).processes)
+
+    def close(self) -> None:
+        self._plane.close()
+        self._mover = None
 
 
 class CliMethod(Method):
@@ -382,18 +382,12 @@ class ServerMethod(Method):
     under_agent = True
     splits = True
 
-    def __init__(self, level: str, simulate: bool, timeout: float = STEP_TIMEOUT_S, ahead: bool = False,
-                 routes: bool = True) -> None:
-        self.level, self.timeout, self.ahead = level, timeout, ahead
-        self.name = f"gpucr-server-{level}" + ("-ahead" if ahead else "") + ("" if routes else "-one-link")
+    def __init__(self, level: str, simulate: bool, timeout: float = STEP_TIMEOUT_S, routes: bool = True) -> None:
+        self.level, self.timeout = level, timeout
+        self.name = f"gpucr-server-{level}" + ("" if routes else "-one-link")
         # routes off: only the process's own GPU's host link, to set beside the routes through idle NVLink
         # neighbours on a machine that has them (on one GPU both are the same)
         self._srv = _BenchServer(simulate, *([] if routes else ["--no-routes"]))
-        # ahead: staging prepared by the agent as the process starts and pinned by the server meanwhile, as
-        # `gpucr run` does with a server; the first checkpoint waits until both are done (prepared_ahead_s)
-        # and is then the one to compare with the later ones (issue 13: within 1.2x)
-        self.agent_env = {"GPUCR_STAGING_AHEAD": "1"} if ahead else {}
-        self.prepared_ahead_s: float | None = None
 
     def warmup(self) -> Method:
         return self   # its first cycle pins the process's staging in the server: later ones reuse it
@@ -405,26 +399,8 @@ class ServerMethod(Method):
         self._srv.ensure()
         return route
 
-    def before_first(self, pids: list[int]) -> None:
-        if self.ahead and self.prepared_ahead_s is None:
-            self.prepared_ahead_s = self._wait_prepared(self._api(), pids)
-
     def checkpoint(self, pids: list[int]) -> dict[str, Any]:
         return combine(self._api().checkpoint_many(pids, level=self.level, timeout=WARMUP_TIMEOUT_S).processes)
-
-    def _wait_prepared(self, route, pids: list[int]) -> float:
-        """Seconds from the first look until every process's staging covers its data and the server has it
-        all pinned (at most WARMUP_TIMEOUT_S, then the checkpoint goes on and pays the rest)."""
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < WARMUP_TIMEOUT_S:
-            sts = [route.status(p) for p in pids]
-            info = self._srv.info() or {}
-            staged = sum(st.staging_bytes for st in sts)
-            if (all(st.staging_bytes >= st.allocations.tracked_bytes for st in sts)
-                    and info.get("pinned_staging_bytes", 0) >= staged):
-                break
-            time.sleep(0.5)
-        return time.perf_counter() - t0
 
     def restore(self, pids: list[int]) -> dict[str, Any]:
         return combine(self._api().restore_many(pids, timeout=WARMUP_TIMEOUT_S).processes)
@@ -493,23 +469,10 @@ class ServerMapMethod(ServerMethod):
         return {**out, "gpu_map": gpu_map}
 
 
-@contextlib.contextmanager
-def _env(key: str, value: str):
-    old = os.environ.get(key)
-    os.environ[key] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = old
-
-
-METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data", "gpucr-full-pinned", "gpucr-full-unpinned",
-           "driver-nop2p", "gpucr-cli", "gpucr-cli-server", "torch-memory-saver", "gpucr-server-full", "gpucr-server-data",
-           "gpucr-server-full-ahead", "gpucr-server-full-one-link", "gpucr-server-image", "gpucr-server-map")
-# the server's path is what `gpucr run` users get: it is in the default, beside the in-process one
+METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data", "driver-nop2p", "gpucr-cli", "gpucr-cli-server",
+           "torch-memory-saver", "gpucr-server-full", "gpucr-server-data", "gpucr-server-full-one-link",
+           "gpucr-server-image", "gpucr-server-map")
+# the server's path is what `gpucr run` users get: it is in the default, beside the server-less one
 DEFAULT_METHODS = METHODS[:5] + ("gpucr-server-full", "gpucr-server-data")
 JOB_METHODS = ("ceiling", "driver", "driver-nop2p", "gpucr-full", "gpucr-data")   # the default for multi-GPU jobs
 
@@ -523,16 +486,10 @@ def make(name: str, drv: Driver, simulate: bool, deadline: float = 600.0, image_
         return FreshDriverMethod(drv, plain_env(simulate), deadline)
     if name in ("gpucr-full", "gpucr-data"):
         return GpucrMethod(name.split("-", 1)[1])
-    if name == "gpucr-full-pinned":
-        return GpucrMethod("full", pinned=True)
-    if name == "gpucr-full-unpinned":
-        return GpucrMethod("full", unpin=True)
     if name in ("gpucr-cli", "gpucr-cli-server"):
         return CliMethod(name.endswith("-server"), simulate)
     if name in ("gpucr-server-full", "gpucr-server-data"):
         return ServerMethod(name.rsplit("-", 1)[1], simulate)
-    if name == "gpucr-server-full-ahead":
-        return ServerMethod("full", simulate, ahead=True)
     if name == "gpucr-server-full-one-link":
         return ServerMethod("full", simulate, routes=False)
     if name == ServerImageMethod.name:

@@ -312,7 +312,7 @@ def run_group(spec: S.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
             checks = [s["correct"] for s in samples] + ([warmup["correct"]] if warmup else [])
             out[m.name] = {"process": proc, "warmup": warmup, "samples": samples, "median": R.medians(samples),
                            "outcome": "ok", "correct": all(all(c.values()) for c in checks), "error": None,
-                           "first_cycle": first, "prepared_ahead_s": getattr(m, "prepared_ahead_s", None),
+                           "first_cycle": first,
                            "data_plane": samples[-1].get("data_plane") if samples else None,
                            "server_log": m.server_log()}
             saved()
@@ -535,8 +535,7 @@ def main(a: argparse.Namespace) -> int:
                      "gpu_util": a.gpu_util, "repeat": a.repeat, "park_s": a.park, "generate_tokens": S.GENERATE_TOKENS,
                      "step_timeout_s": M.STEP_TIMEOUT_S,
                      "gpucr_staging": "2 MiB hugepages reserved by the bench for gpucr's methods"
-                     if a.staging_hugepages else "the agent's default (hugepages if free, else shared memory)",
-                     "unpin_for_driver": os.environ.get("GPUCR_UNPIN_FOR_DRIVER", "0") not in ("", "0")},
+                     if a.staging_hugepages else "the agent's default (hugepages if free, else shared memory)"},
         "ceiling": None, "workloads": {}}
     gib = a.ceiling_gib or (0.25 if simulated else 8.0)
     if "ceiling" in names:

@@ -1,13 +1,12 @@
-"""Checkpoint and restore of one or many processes: the gpucr server's data plane (a mover, when the
-request runs in the server) or each agent moves the data, the driver the control state. Many processes go
-through each phase together, like a two-phase commit:
+"""Checkpoint and restore of one or many processes: gpucr's data plane (gpucr.plane: the server's mover, or the
+CLI's own) moves the data, the driver the control state, each agent quiesces, hands over and adopts. Many
+processes go through each phase together, like a two-phase commit:
 
-checkpoint: prepare all -> data out all -> driver lock all -> driver checkpoint all -> commit all
-  through the server: prepare all -> quiesce all -> hand over all -> the server copies each, beside the
-              driver's lock and checkpoint of all -> handed_done all -> commit all
-restore:    driver restore all -> driver unlock all -> data in all -> resume all
-  through the server: the server fills each, beside the driver's restore and unlock of all -> adopt each
-              -> data in all (relink) -> resume all
+checkpoint: prepare all -> quiesce all (several) -> hand over all -> the plane copies each, beside the driver's
+            lock and checkpoint of all -> handed_done all -> commit all (only now do the agents let go of the
+            memory: until then an abort maps it again from their fds, with no copy)
+restore:    the plane fills each, beside the driver's restore and unlock of all -> adopt each -> data in all
+            (finish, relink) -> resume all
 
 A checkpoint is all or nothing: if any process fails at any phase, every process is rolled back to
 running with its data intact, and the error names the process and the phase. A restore brings back
@@ -17,9 +16,9 @@ The package's modules, top to bottom: checkpointing, restoring, relink, image_st
 from __future__ import annotations
 
 from ..levels import LEVELS   # noqa: F401 (coordinator.LEVELS, as before)
-from .checkpointing import checkpoint, checkpoint_many
+from .checkpointing import checkpoint_many
 from .members import PhaseError
-from .restoring import restore, restore_many
+from .restoring import restore_many
 
 
-__all__ = ["LEVELS", "PhaseError", "checkpoint", "checkpoint_many", "restore", "restore_many"]
+__all__ = ["LEVELS", "PhaseError", "checkpoint_many", "restore_many"]

@@ -7,20 +7,19 @@ from pathlib import Path
 from .. import shape
 from .. import target as targets
 from ..errors import GpucrError
-from ..results import SCHEMA_VERSION, CheckpointResult, ProcessCheckpoint
+from ..results import SCHEMA_VERSION, CheckpointResult
 from ..levels import LEVELS
 from ..plane import DataPlane
 from .members import PhaseError, _Member, _app_resume, _check_request, _each, _lap, _run_all, _usage, _usage_at_end
-from .steps import (_abort_held, _data_out, _driver_checkpoint, _driver_lock, _prepare, _quiesce, _release,
-                    _roll_back_driver, _vet_for_checkpoint, _warnings)
-from .through_plane import _data_out_by_server, _server_takes
+from .steps import _abort_held, _prepare, _roll_back_driver, _vet_for_checkpoint, _warnings
+from .through_plane import _data_out_by_server
 from .image_steps import _write_image
 from .relink import _check_sharing
-from .restoring import _data_in_all
 
 
 def _commit(m: _Member, level: str) -> None:
     m.agent.call("commit", timeout=10.0, full=int(level == "full"))
+    m.held = False   # the agent let go of the memory: not undone any more
     epoch = None
     if m.app is not None:
         try:
@@ -37,19 +36,13 @@ def _commit(m: _Member, level: str) -> None:
 
 
 def _roll_back(members: list[_Member]) -> None:
-    """Undo a partial checkpoint of these processes, last step first. A process that cannot be undone is left
-    as its agent and the driver leave it (their own roll-back); only a mistake of ours (not a GpucrError) is
-    raised, once every step has been tried for every process."""
+    """Undo a partial checkpoint of these processes, last step first: the driver's steps, then each agent takes
+    its memory back from its own fds, which kept it on the GPU until the commit (no copy). A process that cannot
+    be undone is left as its agent and the driver leave it (their own roll-back); only a mistake of ours (not a
+    GpucrError) is raised, once every step has been tried for every process."""
     # each step catches what a process's failure raises: anything else came back from the threads (_run_all)
     bugs = [exc for step in (_roll_back_driver, _abort_held) for _m, exc in _run_all(members, step)
             if not isinstance(exc, GpucrError)]
-    back = [m for m in members if m.data_out and not targets.process_ended(m.pid)]
-    for m in back:
-        m.status = {**m.status, "state": "checkpointed"}
-    try:
-        _data_in_all(back, 600.0, False, "roll-back", sources=members, drop_ended=True)
-    except GpucrError:
-        pass
     for m in members:
         _app_resume(m.app)
         m.app = None
@@ -57,11 +50,11 @@ def _roll_back(members: list[_Member]) -> None:
         raise bugs[0]
 
 
-def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
-                    images: dict[int, str | Path] | None = None, mover: DataPlane | None = None) -> CheckpointResult:
-    """Checkpoint several processes together, all or nothing (see the module's doc). `mover`: the gpucr
-    server's data plane, which copies the data while the driver takes the control state, when it can take
-    every process's data (else the agents copy it, each in its process)."""
+def checkpoint_many(pids: list[int], mover: DataPlane, level: str = "full", timeout: float = 30.0,
+                    images: dict[int, str | Path] | None = None) -> CheckpointResult:
+    """Checkpoint several processes together, all or nothing (see the module's doc). `mover`: gpucr's data
+    plane (the server's, or the CLI's own: gpucr.dataplane.mover), which copies the data while the driver takes
+    the control state."""
     if level not in LEVELS:
         raise GpucrError(f"unknown level '{level}': use one of {', '.join(LEVELS)}")
     _check_request(pids, timeout)
@@ -79,19 +72,7 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
         try:
             _each("prepare", members, lambda m: _prepare(m, timeout))
             t0 = _lap(members, "prepare", t0)
-            if mover is not None and _server_takes(members, timeout):
-                _data_out_by_server(members, timeout, level, mover)
-            elif len(members) > 1:
-                # no process gives memory back before every one is still and copied: memory they share
-                # stays whole if any of them fails, and nothing is copied while a peer still writes to it
-                _each("quiesce", members, lambda m: _quiesce(m, timeout))
-                _each("data out", members, lambda m: _data_out(m, timeout, level, hold=True))
-                _each("release", members, _release)
-            else:
-                _each("data out", members, lambda m: _data_out(m, timeout, level))
-            if level == "full":   # (the server's data out took the control state already, side by side)
-                _each("driver lock", [m for m in members if not m.checkpointed], lambda m: _driver_lock(m, timeout))
-                _each("driver checkpoint", [m for m in members if not m.checkpointed], _driver_checkpoint)
+            _data_out_by_server(members, timeout, level, mover)   # the control state too, side by side
         except PhaseError as exc:
             _roll_back(members)
             if len(members) > 1:
@@ -107,20 +88,10 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
         t0 = time.perf_counter()
         _each("commit", members, lambda m: _commit(m, level))
         t0 = _lap(members, "commit", t0)
-        if mover is not None:
-            mover.settle()   # the server's context given back first, when it does not keep it
+        mover.settle()   # the server's context given back first, when it does not keep it
         changes = [shape.gpu_changes(m.gpu_before, _usage_at_end(m, mover)) for m in members]
         _lap(members, "settle", t0)
         return CheckpointResult(SCHEMA_VERSION, "checkpoint", [shape.checkpoint(m.result, c) for m, c in zip(members, changes)])
     finally:
         for m in members:
             m.close()
-
-
-def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str | Path | None = None) -> ProcessCheckpoint:
-    """Save the process's GPU memory and give it back; the process stays alive, parked.
-
-    With `image`, the data is also written to that directory (with its manifest) and the host
-    staging is released, so host memory is freed too.
-    """
-    return checkpoint_many([pid], level, timeout, {pid: image} if image is not None else None).processes[0]

@@ -1,16 +1,14 @@
 """The restore of one or many processes: the driver's steps beside the mover's fill, then data in, relink, resume."""
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
-from typing import Any
 
 from .. import gpus, shape
 from .. import target as targets
 from ..app import AppChannel
 from ..errors import GpucrError
-from ..results import SCHEMA_VERSION, ProcessRestore, RestoreResult
+from ..results import SCHEMA_VERSION, RestoreResult
 from ..plane import DataPlane
 from .members import (PhaseError, STALL_GRACE_S, _Member, _app_resume, _check_request, _each, _lap, _phase_failures,
                       _settled_status, _usage, _usage_at_end, _watched_call)
@@ -22,50 +20,27 @@ from .relink import _ends_soon, _orphans, _relink
 
 def _data_in(m: _Member, timeout: float, drop_staging: bool) -> None:
     if m.status.get("checkpoint_phase") == "handed":
-        # the server died before its copy was in staging, and the driver held the process, so the agent
-        # could not take its memory back then (on the driver, its calls fail while checkpointed): now it can
-        m.status = m.agent.call("abort", timeout=120.0)
+        # its checkpoint was never committed (its controller or server died): the agent's fds kept the memory on
+        # the GPU, and with the driver holding the process it could not map it again then; now it can, no copy
+        try:
+            m.status = m.agent.call("abort", timeout=120.0)
+        except GpucrError:
+            # its own roll-back may have got there first, once the driver let go (seen under load)
+            m.status = _settled_status(m.agent, timeout)
+            if m.status["state"] != "running":
+                raise
         return
     if m.status["state"] != "checkpointed":
         return
     entry = m.result.pop("manifest_entry", None)
-    if entry is not None and not _data_in_from_image(m, entry, timeout, drop_staging):
-        return
-    pause = os.environ.get("GPUCR_TEST_PAUSE_BEFORE_DATA_IN")
-    if pause:   # the test suite's: lets an agent's own roll-back get there first (see _rolled_back_meanwhile)
-        time.sleep(float(pause))
+    if entry is not None:
+        _data_in_from_image(m, entry, timeout)
     t0 = time.perf_counter()
-    try:
-        out = _watched_call(m, "restore", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000),
-                            drop_staging=int(drop_staging), open_gate=0)
-    except GpucrError:
-        out = _rolled_back_meanwhile(m, timeout)
-        if out is None:
-            raise
-    # after the server's restore, the agent only finishes (and brings back what was not adopted)
-    m.result["phases_s"]["finish" if m.server_bytes_in else "data_in"] = time.perf_counter() - t0
-    cyc = out["last_cycle_ms"]
-    m.result["bytes_moved"] = m.server_bytes_in + cyc.get("bytes_in", 0)
-    if cyc.get("bytes_in"):   # the agent put (some of) the data back itself
-        m.result["data_plane"] = "agent"
-    if "image" in m.result:   # zero chunks the agent set, where the server's fill did not (_read_then_fill)
-        m.result["image"]["bytes_zeroed"] += cyc.get("bytes_zeroed", 0)
-    m.result["agent_ms"] = {"data_in": cyc.get("data_in", 0.0), "pin_wait": cyc.get("pin_wait", 0.0)}
-
-
-def _rolled_back_meanwhile(m: _Member, timeout: float) -> dict[str, Any] | None:
-    """A checkpoint's controller (or server) died after its data out while the driver held the process: the
-    agent's own roll-back waited for the driver's restore, just done here, and may have brought the data back
-    before this restore asked (then the agent says it is not checkpointed; seen under load in
-    test_server_killed_while_copying_through_a_neighbour). Its last cycle when so, else None."""
-    try:
-        st = _settled_status(m.agent, timeout)
-    except GpucrError:
-        return None
-    if st["state"] != "running" or st.get("gate_closed"):
-        return None
-    m.status = st
-    return {"last_cycle_ms": st.get("last_cycle_ms") or {}}
+    # the plane filled new memory and the agent adopted it: the agent only checks every allocation is back
+    # (else it stays checkpointed, its data still in staging) and keeps its gate closed for the relink
+    _watched_call(m, "restore", timeout + STALL_GRACE_S, drop_staging=int(drop_staging), open_gate=0)
+    m.result["phases_s"]["finish"] = time.perf_counter() - t0
+    m.result["bytes_moved"] = m.server_bytes_in
 
 
 def _data_in_all(members: list[_Member], timeout: float, drop_staging: bool, phase: str,
@@ -91,12 +66,15 @@ def _data_in_all(members: list[_Member], timeout: float, drop_staging: bool, pha
     _each("resume", [m for m in restoring if _agent_restored(m)] + parked, lambda m: m.agent.call("resume", timeout=60.0))
 
 
-def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,
+def restore_many(pids: list[int], mover: DataPlane, timeout: float = 30.0, drop_staging: bool = False,
                  images: dict[int, str | Path] | None = None, force: bool = False,
-                 gpu_map: dict[str, str] | None = None, mover: DataPlane | None = None) -> RestoreResult:
+                 gpu_map: dict[str, str] | None = None) -> RestoreResult:
     """Restore several processes together; each that can be is brought back (see the module's doc).
     `gpu_map` {old UUID: new UUID}, as --map takes them, moves them to other GPUs of this machine.
-    `mover`: the gpucr server's data plane, which fills the processes' memory while the driver restores them."""
+    `mover`: gpucr's data plane, which fills the processes' memory while the driver restores them.
+
+    `images` {pid: DIR} restore the data from checkpoint images (verified against its manifest first);
+    `drop_staging` gives the host staging back afterwards (else it is kept for the next cycle)."""
     _check_request(pids, timeout)
     images = images or {}
     gpu_map = gpus.check_map(gpu_map or {})
@@ -119,13 +97,12 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
         def driver_steps() -> None:
             phase("driver restore", _driver_restore)
             phase("driver unlock", lambda m: _driver_unlock(m, timeout))
-        for m in members if mover is not None else []:
-            m.plane = mover if _server_restorable(m) else None
-            if m.plane is not None:   # unless the agent puts (some of) the data back itself (_data_in)
-                m.result["data_plane"] = mover.plane
+        for m in members:
+            m.plane = mover
+            m.result["data_plane"] = mover.plane
         # from host memory the server fills beside the driver's steps; from an image once the driver has let
         # the process go (_data_in: making staging may pin it, which waits or fails while the driver holds it)
-        by_server = [m for m in members if m.plane is not None and m.image_dir is None]
+        by_server = [m for m in members if _server_restorable(m) and m.image_dir is None]
         if by_server:
             _restore_with_server(by_server, timeout, mover, driver_steps, failed)
         else:
@@ -144,8 +121,7 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
         for m in members:
             _app_resume(AppChannel.at(m.t.app_socket()))
             m.result["state"] = "running"
-        if mover is not None:
-            mover.settle()
+        mover.settle()
         changes = [shape.gpu_changes(m.gpu_before, _usage_at_end(m, mover)) for m in members]
         _lap(members, "settle", t0)
         return RestoreResult(SCHEMA_VERSION, "restore", [
@@ -154,15 +130,3 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
     finally:
         for m in members:
             m.close()
-
-
-def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: str | Path | None = None,
-            force: bool = False, gpu_map: dict[str, str] | None = None) -> ProcessRestore:
-    """Put every byte back at the same address and let the process carry on.
-
-    `image` restores the data from a checkpoint image (verified against its manifest first);
-    `drop_staging` gives the host staging back afterwards (else it is kept for the next cycle);
-    `gpu_map` {old UUID: new UUID} moves it onto other GPUs of this machine, as `gpucr restore --map`.
-    """
-    return restore_many([pid], timeout, drop_staging, {pid: image} if image is not None else None, force,
-                        gpu_map).processes[0]

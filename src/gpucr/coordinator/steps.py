@@ -1,5 +1,5 @@
-"""One process's steps, each a request to its agent or a call of the driver: vetting, quiesce, the agent's own
-copy (until the one data plane takes every case), the driver's lock, checkpoint, restore and unlock, and their undoing."""
+"""One process's steps, each a request to its agent or a call of the driver: vetting, quiesce, the driver's lock,
+checkpoint, restore and unlock, and their undoing. The data itself moves through gpucr.plane (through_plane.py)."""
 from __future__ import annotations
 
 import os
@@ -67,45 +67,13 @@ def _prepare(m: _Member, timeout: float) -> None:
     m.app = _app_prepare(m.t, timeout)
 
 
-def _unpin_for_driver() -> bool:
-    """GPUCR_UNPIN_FOR_DRIVER=1: unpin the staging before the driver's checkpoint and pin it again
-    during the restore's copies (pin-ahead threads), instead of leaving it pinned through the
-    driver's checkpoint. Off by default: on the H200 (Llama-3-8B shape, 69 GiB) it moved the pinning
-    cost rather than removing it (unregistering does not overlap the copies; re-pinning runs at
-    about 16-21 GB/s against the driver's own re-pin at about 25 GB/s): checkpoint 2.98 s vs 2.95 s,
-    restore 4.73 s vs 4.24 s (bench/results/2026-11-29-h200-bench-llama-huge.json)."""
-    return os.environ.get("GPUCR_UNPIN_FOR_DRIVER", "0") not in ("", "0")
-
-
 def _quiesce(m: _Member, timeout: float) -> None:
     """First phase of a checkpoint of several processes: staging ready, gate closed, device still;
-    nothing copied or released (an "abort" undoes it). lease=1 as for _data_out."""
+    nothing copied or released (an "abort" undoes it). lease=1: should this controller die before it commits,
+    the agent undoes it itself."""
     m.data_out_t0 = time.perf_counter()
     _watched_call(m, "quiesce", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1)
     m.held = True
-
-
-def _data_out(m: _Member, timeout: float, level: str, hold: bool = False) -> None:
-    """The agent's own copy out, then (unless `hold`: several processes release only once all are copied)
-    the memory given back."""
-    _test_kill_target(m.pid, "data-out")
-    if not hold:
-        m.data_out_t0 = time.perf_counter()
-    # lease=1: should this controller die before it commits, the agent rolls the process back itself.
-    # unpin=1: staging is unpinned segment by segment behind the copies, for an image (its memory goes
-    # away once on disk, and the driver must not be needed then) or for the driver's checkpoint.
-    unpin = m.image_dir is not None or (level == "full" and _unpin_for_driver())
-    out = _watched_call(m, "checkpoint", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1,
-                        unpin=int(unpin), hold=int(hold))
-    if hold:
-        m.held = True
-        return
-    _data_out_done(m, out)
-
-
-def _release(m: _Member) -> None:
-    """Last phase of a checkpoint of several processes: every one is copied, so memory may go."""
-    _data_out_done(m, m.agent.call("release", timeout=120.0))
 
 
 def _data_out_done(m: _Member, out: dict[str, Any]) -> None:
@@ -113,7 +81,7 @@ def _data_out_done(m: _Member, out: dict[str, Any]) -> None:
     r = m.result
     r["phases_s"]["data_out"] = time.perf_counter() - m.data_out_t0
     cyc = out["last_cycle_ms"]
-    r["agent_ms"] = {k: cyc[k] for k in ("staging", "gate", "sync", "copy_out", "release")}
+    r["agent_ms"] = {k: cyc[k] for k in ("staging", "gate", "sync", "release")}
     r["bytes_moved"] = cyc["bytes_out"]
     r["bytes_left_to_driver"] = out["bytes_left_to_driver"]
     r["coverage"] = out.get("coverage")
@@ -145,18 +113,14 @@ def _driver_checkpoint(m: _Member) -> None:
 def _warnings(m: _Member) -> list[str]:
     """What the checkpoint did less well than it claims by default: shared memory whose POSIX fd is
     still open in the process stays allocated in the driver (the fd holds it), so it is not given back
-    while checkpointed; and copies that went through pageable memory because no ring could be pinned."""
+    while checkpointed."""
     try:
         st = m.agent.call("status", timeout=10.0)
     except GpucrError:
         return []
-    out = [f"{s['bytes'] >> 20} MiB of memory it {'exported' if s['role'] == 'exporter' else 'imported'} stays on "
+    return [f"{s['bytes'] >> 20} MiB of memory it {'exported' if s['role'] == 'exporter' else 'imported'} stays on "
            f"the GPU while checkpointed: process {m.pid} still holds {s['open_fds']} open file descriptor(s) of it; "
            "close them once the memory is imported (as NCCL does)" for s in st.get("shared", []) if s.get("open_fds")]
-    if st.get("bounce_problem"):
-        out.append(f"process {m.pid}: {st['bounce_problem']}, so its data went through pageable memory (slower); "
-                   "check pinned-memory limits with 'gpucr doctor'")
-    return out
 
 
 def _roll_back_driver(m: _Member) -> None:
@@ -177,7 +141,8 @@ def _roll_back_driver(m: _Member) -> None:
 
 
 def _abort_held(m: _Member) -> None:
-    """A process quiesced or copied but not released: reopening its gate undoes it."""
+    """A process quiesced, or handed over and not committed: its agent reopens the gate, mapping its memory again
+    from its own fds if it was released (the memory never left the GPU): no copy."""
     if m.held and not targets.process_ended(m.pid, m.t.start_time):
         try:
             m.agent.call("abort", timeout=60.0)

@@ -10,34 +10,13 @@ import time
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator
 
-from ..errors import GpucrError, note
+from ..errors import GpucrError
 from .. import memory as server_memory
 from ..memory import Managed
 from ..plane import DataPlane, Made, Stats
 from .members import (ADOPT_BATCH, PhaseError, STALL_GRACE_S, _Member, _beside, _each, _test_kill_point,
                       _test_kill_target, _watched_call)
 from .steps import _data_out_done, _driver_checkpoint, _driver_lock, _quiesce
-
-
-def _handable(m: _Member, memory: list[Managed]) -> bool:
-    """Whether the server can take all of the process's data: device memory with an fd of the agent's for every
-    allocation it moves (an exporter's too: copied once, from it), and an fd of every import it unlinks (which
-    keeps that memory on the GPU until every copy is confirmed). (At a restore, a released allocation is
-    handable when the server can make it again.)"""
-    return (all(e.handable for e in memory if e.movable)
-            and all(e.fd is not None for e in memory if e.kind == "imported" and e.maps))
-
-
-def _server_takes(members: list[_Member], timeout: float) -> bool:
-    """Whether the server's data plane can take every process's data; nothing is touched to find out."""
-    takes: dict[int, bool] = {}
-
-    def look(m: _Member) -> None:
-        memory = server_memory.gather(m.agent, timeout)
-        takes[m.pid] = _handable(m, memory)   # (before our fds are closed: an import needs the agent's)
-        server_memory.close_all(memory)
-    _each("data out", members, look)
-    return all(takes.values())
 
 
 def _data_out_by_server(members: list[_Member], timeout: float, level: str, mover: DataPlane) -> None:
@@ -80,10 +59,9 @@ def _handover(m: _Member, timeout: float) -> None:
     _test_kill_target(m.pid, "data-out")
     if not m.held:
         m.data_out_t0 = time.perf_counter()
-    # lease=1: should this controller die before handed_done, the agent takes its memory back itself.
-    # unpin=1 for an image: the process's staging goes once on disk, when the driver may hold the process
-    _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1,
-                  unpin=int(m.image_dir is not None))
+    # lease=1: should this controller die before it commits, the agent takes its memory back itself. The
+    # agent refuses, touching nothing, memory the plane cannot take (not plain device memory, or no fd of it)
+    _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1)
     m.held = True   # "abort" maps the memory again from the agent's fds: nothing left the GPU
     m.result["phases_s"]["handover"] = time.perf_counter() - m.data_out_t0
 
@@ -111,8 +89,10 @@ def _copy_all_out(members: list[_Member], inputs: dict[int, tuple[dict[str, Any]
 
 
 def _handed_done(m: _Member, st: Stats) -> None:
-    """The server's copy of m is in staging: its agent lets go of its fds, and the memory leaves the GPU."""
+    """The plane's copy of m is in staging. Its agent keeps its fds until the commit: until then an abort maps
+    the memory again (m.held)."""
     _data_out_done(m, m.agent.call("handed_done", timeout=60.0))
+    m.held = True
     m.result["phases_s"]["data_out"] = st.seconds   # the server's copy (the handover has its own phase)
     m.result["data_plane"] = m.plane.plane
     _server_phases(m, st)
@@ -157,10 +137,10 @@ def _server_inputs(m: _Member, timeout: float) -> Iterator[tuple[dict[str, Any],
 def _server_restorable(m: _Member) -> bool:
     """Whether the mover may put the data back: from staging in host memory or from an image, onto the process's
     GPUs or those --map names (memory imported from other processes is relinked by the agents next). Not while its agent
-    rolls back a checkpoint whose controller died: it restores from staging itself once the driver lets go, and
-    answers no layout meanwhile."""
+    rolls back a checkpoint whose controller died (it answers no layout meanwhile), nor one never committed (the
+    memory never left the GPU: _data_in takes it back)."""
     st = m.status
-    return (st.get("state") == "checkpointed" and not st.get("rolling_back")
+    return (st.get("state") == "checkpointed" and not st.get("rolling_back") and st.get("checkpoint_phase") != "handed"
             and (bool(st.get("staged")) or m.image_dir is not None))
 
 
@@ -174,25 +154,28 @@ def _restore_with_server(members: list[_Member], timeout: float, mover: DataPlan
                          failed: dict[int, PhaseError]) -> None:
     """The server makes new memory for each of `members` and fills it from its staging, one process after
     another, while `driver_steps` restore every process of the request (those that fail land in `failed`);
-    then each agent the driver let go maps that memory at its old addresses (adopt). Whatever the server
-    could not put back, the agent's own restore from staging brings back next (_data_in)."""
+    then each agent the driver let go maps that memory at its old addresses (adopt). One the plane could not
+    put back lands in `failed` and stays checkpointed, its data still in staging."""
     with ExitStack() as held:
         inputs = {}
         for m in members:
             try:
                 inputs[m.pid] = held.enter_context(_server_inputs(m, timeout))
             except GpucrError as exc:
-                note(f"process {m.pid}: {exc}; its agent's own restore from staging brings it back")
+                failed.setdefault(m.pid, PhaseError(m.pid, "data in", exc))
         # the new memory's fds keep it on the GPU: closed whatever becomes of the driver's steps
         made = _beside(lambda: _fill_all([m for m in members if m.pid in inputs], inputs, mover), "gpucr-server-fill",
                        driver_steps, undo=_close_made)
     try:
         for m in members:
             filled = made.get(m.pid)
-            if isinstance(filled, GpucrError):
-                note(f"process {m.pid}: {filled}; its agent's own restore from staging brings it back")
-            elif filled is not None and m.pid not in failed:
-                _adopt(m, inputs[m.pid][0], *filled)
+            try:
+                if isinstance(filled, GpucrError):
+                    raise filled
+                if filled is not None and m.pid not in failed:
+                    _adopt(m, inputs[m.pid][0], *filled)
+            except GpucrError as exc:
+                failed.setdefault(m.pid, PhaseError(m.pid, "data in", exc))
     finally:
         _close_made(made)
 
@@ -200,7 +183,7 @@ def _restore_with_server(members: list[_Member], timeout: float, mover: DataPlan
 def _fill_all(members: list[_Member], inputs: dict[int, tuple[dict[str, Any], list[int], list[Managed]]],
               mover: DataPlane) -> dict[int, Made | GpucrError]:
     """Each process's new memory made and filled by the server, one after another: [(index, fd)] of it, or
-    what went wrong (that process's agent then restores it itself)."""
+    what went wrong (that process then stays checkpointed)."""
     made: dict[int, Made | GpucrError] = {}
     for m in members:
         try:
@@ -222,26 +205,26 @@ def _close_made(made: dict[int, Any]) -> None:
 
 
 def _adopt(m: _Member, layout: dict[str, Any], st: Stats, fds: list[tuple[int, int]]) -> None:
-    """The agent maps the server's new memory at the old addresses, ADOPT_BATCH fds a request. (The result names
-    the plane already, restore_many; _data_in names the agent's instead where it brought bytes back itself.)"""
+    """The agent maps the server's new memory at the old addresses, ADOPT_BATCH fds a request. A failure leaves
+    the process checkpointed (its restore's last step says what is not back)."""
     t0 = time.perf_counter()
-    try:
-        if m.status.get("state") == "checkpointed":
-            for k in range(0, len(fds), ADOPT_BATCH):
-                batch = fds[k:k + ADOPT_BATCH]
-                m.agent.call_sending_fds("adopt", [fd for _, fd in batch], timeout=60.0, **{"from": batch[0][0]})
-                taken = {i for i, _ in batch}
-                m.server_bytes_in += sum(int(a["bytes"]) for a in layout["allocations"] if int(a["index"]) in taken)
-    except GpucrError as exc:   # the agent's own restore brings back what was not adopted
-        note(f"process {m.pid}: {exc}; its agent's own restore from staging brings the rest back")
+    if m.status.get("state") == "checkpointed":
+        for k in range(0, len(fds), ADOPT_BATCH):
+            batch = fds[k:k + ADOPT_BATCH]
+            m.agent.call_sending_fds("adopt", [fd for _, fd in batch], timeout=60.0, **{"from": batch[0][0]})
+            taken = {i for i, _ in batch}
+            m.server_bytes_in += sum(int(a["bytes"]) for a in layout["allocations"] if int(a["index"]) in taken)
     m.result["phases_s"]["data_in"] = st.seconds
     _server_phases(m, st)
     m.result["phases_s"]["adopt"] = time.perf_counter() - t0
 
 
-def _fillable_memory(m: _Member, timeout: float) -> list[Managed] | None:
-    """The process's memory (no fd held: the server makes it anew), or None when the server cannot make again
-    every allocation the image holds (plain device memory)."""
+def _fillable_memory(m: _Member, timeout: float) -> list[Managed]:
+    """The process's memory (no fd held: the plane makes it anew); refused when the plane cannot make again every
+    allocation the image holds (plain device memory)."""
     memory = server_memory.gather(m.agent, timeout)
     server_memory.close_all(memory)
-    return memory if all(e.handable for e in memory if e.released and e.movable) else None
+    if not all(e.handable for e in memory if e.released and e.movable):
+        raise GpucrError(f"process {m.pid} holds memory that gpucr's data plane cannot make again (not plain device "
+                         "memory); it stays checkpointed")
+    return memory

@@ -19,14 +19,15 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterable, Iterator
 
-from ..driver import controller_driver, Driver, DriverError, Vmm, process_gpu_memory
+from ..driver import Driver, DriverError, Vmm, process_gpu_memory
 from ..errors import GpucrError
 from ..target import process_ended, process_start_time
 from .lanes import Routing
 from .links import Links, Neighbour
 from ..memory import Managed
 from ..plane import Stats
-from .pinned import Segment, drop, open_segment, pin, same_file
+from .pinned import Segment, drop, open_segment, same_file
+from .pinned import pin as pin_segment
 from .ring import Piece, Ring
 
 Spans = dict[int, list[tuple[int, int]]]   # allocation index -> [(offset, bytes)] in it
@@ -98,6 +99,7 @@ class Mover:
         self.keep_context = keep_context
         self.vmm = Vmm(drv)
         self.ring = None if pinned_staging else Ring(self.vmm, CHUNK)
+        self._spare: Ring | None = None   # the server's, for a fill of what it did not take itself (_ring_for)
         self.links = Links(drv, self.vmm, enabled=routes and pinned_staging)   # a route's pieces need pinned staging
         self._neighbours: set[int] = set()   # GPUs on which the server holds a context only to lend their link
         self._lock = threading.Lock()
@@ -195,8 +197,9 @@ class Mover:
 
     def close(self) -> None:
         with self._plane("the server's stop"):
-            if self.ring is not None:
-                self.ring.close()   # unpinned while its context is still there
+            for ring in (self.ring, self._spare):
+                if ring is not None:
+                    ring.close()   # unpinned while its context is still there
             for o in list(self._staging):   # what it took stays on record: a restore after this one still fills
                 self._forget(o, keep_record=True)
             for dev in list(self._ctx):
@@ -262,7 +265,7 @@ class Mover:
                     seg.busy = True
             self.vmm.use(ctx)
             for seg, _before in work:   # each stops before its next piece once a copy wants the data plane
-                pin(self.vmm, seg, seg.want, lambda: bool(self._wanted) or seg.abandon)
+                pin_segment(self.vmm, seg, seg.want, lambda: bool(self._wanted) or seg.abandon)
         finally:
             with self._idle:
                 for seg, _before in work:
@@ -320,6 +323,7 @@ class Mover:
         declared, plan = _checked_plan(layout)
         zeros = image or {}
         by_index = {m.index: m for m in memory}
+        ring = self._ring_for(who, plan, out, image is not None)
         if not out:
             self._check_fill(who, plan, by_index, image is not None)
         mapped: list[tuple[int, int, int]] = []   # (handle, va, bytes) to unmap and release afterwards
@@ -338,7 +342,7 @@ class Mover:
             ts = time.perf_counter()
             if plan and plan[0][0] in by_index:   # pinned in a context on the process's GPU (portable: for all)
                 self.vmm.use(self._context(self._ordinal(by_index[plan[0][0]].uuid))[0])
-            staged = self._map_staging(who, _reach(plan), seg_fds, st, declared)
+            staged = self._map_staging(who, _reach(plan), seg_fds, st, declared, pin=ring is None)
             st.stage_s += time.perf_counter() - ts
             return staged
 
@@ -355,9 +359,9 @@ class Mover:
                     self.vmm.memset(va + start, length, streams[turn % len(streams)])
                     st.zeroed += length
                     continue
-                if self.ring is not None:   # the staging is not pinned here: through the ring, a piece at a time
+                if ring is not None:   # the staging is not pinned here: through the ring, a piece at a time
                     for k in range(off + start, off + start + length, CHUNK):
-                        self.ring.put(Piece(ctx, g.addr + k, va + k - off, min(CHUNK, off + start + length - k), out))
+                        ring.put(Piece(ctx, g.addr + k, va + k - off, min(CHUNK, off + start + length - k), out))
                     continue
                 for k, n in g.cuts(off + start, length, CHUNK):   # never over a pinned piece's end
                     host, dva = g.addr + k, va + k - off
@@ -410,17 +414,17 @@ class Mover:
                 for (idx, *_rest), (size, seg, off, va, dev) in zip(plan, placed):
                     enqueue(staged, idx, size, seg, off, va, dev)
             td = time.perf_counter()
-            self._sync(placed)
+            self._sync(placed, ring)
             st.straight_s = time.perf_counter() - t0
             st.drain_s = time.perf_counter() - td
             routing.finish()   # raises what its thread raised
             st.route_s, st.looks_s = time.perf_counter() - t0, routing.looks_s
-            self._sync(placed)   # the pieces the routes' thread sent straight after giving a route up
+            self._sync(placed, ring)   # the pieces the routes' thread sent straight after giving a route up
         except (DriverError, GpucrError) as exc:
             for _idx, fd in fds:
                 os.close(fd)   # exported before one failed: they would keep that memory on the GPU
             routing.close()
-            self._sync(placed, quiet=True)   # nothing may still copy into what is unmapped next
+            self._sync(placed, ring, quiet=True)   # nothing may still copy into what is unmapped next
             self._undo(mapped, made, out)
             raise GpucrError(f"{self.name}'s copy {'out' if out else 'in'} failed: {exc}") from exc
         finally:
@@ -433,14 +437,11 @@ class Mover:
 
     def _check_fill(self, who: Owner, plan: list[tuple[int, int, int, int]], by_index: dict[int, Managed],
                     from_image: bool) -> None:
-        """What a fill may make: through the server, exactly what it took from the process at its checkpoint
-        (else the agent's own restore runs). The CLI's mover took nothing itself (its checkpoint was another
-        process's), nor did anyone for an image (the caller matched its layout to the manifest): each allocation
-        must be one the agent lists, released, of the same size. It pins no staging, and what it makes goes to
-        that process alone, which could make as much memory itself."""
-        if self.ring is None and not from_image:
-            if self._taken.get(who) != plan:
-                raise GpucrError("the process's layout is not what the server took from it at its checkpoint")
+        """What a fill may make: what this mover took from the process at its checkpoint; else (the CLI's mover,
+        a server that did not take it, an image, whose layout the caller matched to the manifest) each allocation
+        must be one the agent lists, released, of the same size. Such a fill pins no staging (_ring_for), and what
+        it makes goes to that process alone, which could make as much memory itself."""
+        if not from_image and self._taken.get(who) == plan:
             return
         for idx, size, _seg, _off in plan:
             m = by_index.get(idx)
@@ -451,11 +452,21 @@ class Mover:
                 raise GpucrError(f"the process could keep no fd of its allocation {idx}: the mover's memory could "
                                  "not reach it")
 
-    def _sync(self, placed: list[tuple[int, int, int, int, int]], quiet: bool = False) -> None:
+    def _ring_for(self, who: Owner, plan: list[tuple[int, int, int, int]], out: bool, from_image: bool) -> Ring | None:
+        """The ring a move goes through, None for straight copies from pinned staging: the CLI's always; the
+        server's for a fill of what it did not take itself (a checkpoint by the CLI's mover, or by another server),
+        whose staging it pins nothing of on the process's word."""
+        if self.ring is not None or out or from_image or self._taken.get(who) == plan:
+            return self.ring
+        if self._spare is None:
+            self._spare = Ring(self.vmm, CHUNK)
+        return self._spare
+
+    def _sync(self, placed: list[tuple[int, int, int, int, int]], ring: Ring | None, quiet: bool = False) -> None:
         """Every straight copy queued so far on the process's GPUs done; quiet: errors aside, each GPU still
         waited for (a path already failing: the memory the copies touch is unmapped next)."""
-        if self.ring is not None:
-            self.ring.drain(quiet)
+        if ring is not None:
+            ring.drain(quiet)
         for ctx, streams in [self._ctx[d] for d in {p[4] for p in placed} if d in self._ctx]:
             try:
                 self.vmm.use(ctx)
@@ -522,7 +533,7 @@ class Mover:
         return self._ctx[dev]
 
     def _map_staging(self, who: Owner, want: dict[int, int], seg_fds: list[int], st: Stats,
-                     declared: dict[int, int]) -> dict[int, Segment]:
+                     declared: dict[int, int], pin: bool = True) -> dict[int, Segment]:
         """Each segment i of `want` ({index: bytes}) mapped here and pinned at least that far, what is pinned of
         it kept for as long as it is the same file of the same size; cached segments the process no longer has
         (not `declared`) are let go."""
@@ -538,8 +549,8 @@ class Mover:
                     self._drop(who, segs.pop(i))
                 have = segs[i] = open_segment(self._segment_fd(seg_fds, i), i, declared[i])
             t0 = time.perf_counter()
-            # in the current context (one on the process's GPU); the CLI's copies go through its ring instead
-            if self.ring is None and pin(self.vmm, have, size):
+            # in the current context (one on the process's GPU); copies through a ring pin none of it
+            if pin and pin_segment(self.vmm, have, size):
                 st.pin_s += time.perf_counter() - t0
             out[i] = have
         return out
@@ -597,51 +608,3 @@ class Mover:
         except GpucrError as exc:
             self._stuck.append((who, seg))
             self.said(f"process {who[0]}'s staging: {exc}")
-
-
-class LaterPlane:
-    """The mover of one request run in the CLI process, with no server (`--no-server`, or none running): the same
-    mover, with no routes, its staging mapped but not pinned (a fresh process cannot pin tens of GiB in time) and
-    its copies through a small pinned ring (ring.py). Made at its first copy, after the coordinator's checks of
-    the request, so that a request refused there (another user's process, a bad argument) loads no driver here;
-    `drv`, else the controller's driver."""
-    plane = "cli"
-
-    def __init__(self, drv: Driver | None = None) -> None:
-        self._drv = drv
-        self._mover: Mover | None = None
-
-    def _made(self) -> Mover:
-        if self._mover is None:
-            self._mover = Mover(self._drv or controller_driver(), routes=False, keep_context=False,
-                                pinned_staging=False)
-        return self._mover
-
-    def copy_out(self, *args: Any, **kwargs: Any) -> Stats:
-        return self._made().copy_out(*args, **kwargs)
-
-    def fill(self, *args: Any, **kwargs: Any) -> tuple[Stats, list[tuple[int, int]]]:
-        return self._made().fill(*args, **kwargs)
-
-    def forget(self, pid: int) -> None:
-        if self._mover is not None:
-            self._mover.forget(pid)
-
-    def settle(self) -> None:
-        if self._mover is not None:
-            self._mover.settle()
-
-    def close(self) -> None:
-        if self._mover is not None:
-            self._mover.close()
-
-
-@contextmanager
-def cli_plane(drv: Driver | None = None) -> Iterator[LaterPlane]:
-    """The CLI's mover for one request (LaterPlane), its contexts, ring and mappings given back at the end, so that
-    the process is left as the server leaves it."""
-    plane = LaterPlane(drv)
-    try:
-        yield plane
-    finally:
-        plane.close()

@@ -17,7 +17,7 @@ import sys
 import threading
 import time
 import traceback
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -79,15 +79,13 @@ class _EnvGate:
 
 
 class Server:
-    def __init__(self, idle_exit_s: float | None = None, data_plane: bool = True, keep_context: bool = True,
-                 routes: bool = True) -> None:
-        """data_plane: the server copies a process's data itself (gpucr.dataplane.mover), else the agent does, as
-        in-process; keep_context: its context per GPU and pinned staging stay between cycles (fast restores),
+    def __init__(self, idle_exit_s: float | None = None, keep_context: bool = True, routes: bool = True) -> None:
+        """The server copies every process's data itself (gpucr.dataplane.mover). keep_context: its context per GPU and pinned staging stay between cycles (fast restores),
         else they are given back after each request (the card holds nothing of the server's between cycles,
         and the next cycle pins the staging again); routes: the copies also go through idle NVLink
         neighbours of the process's GPU (gpucr.dataplane.links)."""
         self.simulated = controller_simulated()
-        self.use_data_plane, self.keep_context, self.routes = data_plane, keep_context, routes
+        self.keep_context, self.routes = keep_context, routes
         self._mover: Mover | None = None
         self._mover_lock = threading.Lock()
         self.idle_exit_s = idle_exit_s
@@ -279,10 +277,8 @@ class Server:
                 self.in_flight -= op != "hello"
                 self.last_activity = time.monotonic()
 
-    def data_plane(self) -> Mover | None:
-        """The data plane, made at first use (its contexts only when it first copies), None when off."""
-        if not self.use_data_plane:
-            return None
+    def data_plane(self) -> Mover:
+        """The data plane, made at first use (its contexts only when it first copies)."""
         with self._mover_lock:
             if self._mover is None:
                 self._mover = Mover(controller_driver(), routes=self.routes, keep_context=self.keep_context)
@@ -292,8 +288,8 @@ class Server:
 
     def pin_ahead_loop(self) -> None:
         """While the server keeps its context: every PIN_AHEAD_EVERY_S, pin the staging that processes under
-        gpucr prepared ahead (`gpucr run --staging-ahead`), so a first checkpoint through the server is as fast
-        as the later ones. A process that is busy, not under CUDA yet, or checkpointed is left for next time.
+        gpucr hold from earlier cycles (this server started after them), so their next checkpoint through it is as
+        fast as the later ones. A process that is busy, not under CUDA yet, or checkpointed is left for next time.
         A round that fails is logged once per reason (one runs every second), and the loop goes on."""
         said = ""
         while not self.stopping.wait(PIN_AHEAD_EVERY_S):
@@ -308,9 +304,9 @@ class Server:
 
     def _pin_ahead_round(self) -> bool:
         """Each listed process's staging pinned ahead, once; False when the server pins nothing ahead."""
-        mover = self.data_plane()
-        if mover is None or not self.keep_context:
+        if not self.keep_context:
             return False
+        mover = self.data_plane()
         for uuid in mover.let_go_busy_neighbours():
             log(f"gave back the context on GPU {uuid}, whose link it lent: a process now uses that GPU")
         listed = [pid for pid, _sock in targets.list_sockets()]
@@ -372,7 +368,7 @@ class Server:
         if mover is not None:
             mover.forget_ended_if_free()   # what it says it holds is of live processes, unless a copy is under way
         return {"server": "gpucr", "protocol": wire.PROTOCOL, "code": wire.code_identity(), "pid": os.getpid(),
-                "data_plane": self.use_data_plane, "keep_context": self.keep_context, "routes": self.routes,
+                "keep_context": self.keep_context, "routes": self.routes,
                 "contexts": mover.context_uuids() if mover else [],
                 "pinned_staging_bytes": mover.pinned_bytes() if mover else 0,
                 "staging": mover.holdings() if mover else [],
@@ -412,11 +408,11 @@ def _pids(args: dict[str, Any]) -> list[int]:
 
 
 @contextmanager
-def _copying(s: Server) -> Iterator[Mover | None]:
+def _copying(s: Server) -> Iterator[Mover]:
     """The data plane for a checkpoint or restore, wanted from the request's first step (its checks and the
     handover come before the copy): pinning ahead stops at its next piece, not to slow the driver's calls."""
     mover = s.data_plane()
-    with mover.wanted() if mover is not None else nullcontext():
+    with mover.wanted():
         yield mover
 
 
@@ -513,17 +509,16 @@ def log(line: str) -> None:
     print(f"{stamp} gpucr serve [{os.getpid()}]: {line}", file=sys.stderr, flush=True)
 
 
-def main(idle_exit_s: float | None = None, data_plane: bool = True, keep_context: bool = True,
-         routes: bool = True) -> int:
+def main(idle_exit_s: float | None = None, keep_context: bool = True, routes: bool = True) -> int:
     """Run the server in the foreground until `gpucr serve --stop`, SIGTERM or SIGINT (or, with
     `idle_exit_s`, that long with no process under gpucr and no request)."""
     controller_driver()   # cuInit once, here: a server that cannot reach its driver does not start
-    srv = Server(idle_exit_s, data_plane, keep_context, routes)
+    srv = Server(idle_exit_s, keep_context, routes)
     srv.bind()
     signal.signal(signal.SIGTERM, lambda *_: srv.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: srv.stopping.set())
     log(f"serving uid {os.getuid()} on {srv.path} ({'simcuda' if srv.simulated else 'the system CUDA driver'})")
-    if data_plane and keep_context:
+    if keep_context:
         threading.Thread(target=srv.pin_ahead_loop, daemon=True, name="gpucr-pin-ahead").start()
     try:
         srv.serve()

@@ -1,6 +1,6 @@
 """What the CLI and `import gpucr` call: each request goes to the user's gpucr server when one runs,
 else it runs here, in-process, as it always could: a checkpoint or restore then with the same data plane as
-the server's, run in this process (gpucr.dataplane.mover.LaterPlane), never the application's.
+the server's, run in this process (gpucr.dataplane.cli_plane.LaterPlane), never the application's.
 
 In-process is chosen, silently, when no server was started, or when told (`--no-server`,
 GPUCR_NO_SERVER=1); with a one-line note on stderr when a server is named but cannot be used (killed,
@@ -93,9 +93,9 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
     if done:
         return _typed(CheckpointResult, out)
     from .. import coordinator
-    from ..dataplane.mover import cli_plane
+    from ..dataplane.cli_plane import cli_plane
     with cli_plane() as mover:
-        return coordinator.checkpoint_many(pids, level, timeout, images, mover=mover)
+        return coordinator.checkpoint_many(pids, mover, level, timeout, images)
 
 
 def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,
@@ -107,19 +107,19 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
     if done:
         return _typed(RestoreResult, out)
     from .. import coordinator
-    from ..dataplane.mover import cli_plane
+    from ..dataplane.cli_plane import cli_plane
     with cli_plane() as mover:
-        return coordinator.restore_many(pids, timeout, drop_staging, images, force, gpu_map, mover=mover)
+        return coordinator.restore_many(pids, mover, timeout, drop_staging, images, force, gpu_map)
 
 
 def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str | Path | None = None) -> ProcessCheckpoint:
-    """Save the process's GPU memory and give it back; the process stays alive, parked (coordinator.checkpoint)."""
+    """Save the process's GPU memory and give it back; the process stays alive, parked (coordinator.checkpoint_many)."""
     return checkpoint_many([pid], level, timeout, {pid: image} if image is not None else None).processes[0]
 
 
 def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: str | Path | None = None,
             force: bool = False, gpu_map: dict[str, str] | None = None) -> ProcessRestore:
-    """Put every byte back at the same address and let the process carry on (coordinator.restore)."""
+    """Put every byte back at the same address and let the process carry on (coordinator.restore_many)."""
     return restore_many([pid], timeout, drop_staging, {pid: image} if image is not None else None, force,
                         gpu_map).processes[0]
 
