@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from gpucr import paths
-from gpucr.dataplane import digest
+from gpucr.dataplane import digest, scan
 from gpucr.dataplane.digest import CHUNK
 from gpucr.dataplane.kernels import Kernels
 from gpucr.driver import DriverError, Vmm, driver_for
@@ -32,12 +32,16 @@ class Device:
         self.va = self.vmm.alloc(ROOM)
 
     def put(self, data: bytes, at: int = 0) -> int:
+        """data into the device memory at offset `at`; its address."""
+        return self.write(self.va + at, data)
+
+    def write(self, va: int, data: bytes) -> int:
         if data:
             self.vmm.use(self.ctx)
             host = ctypes.create_string_buffer(data, len(data))
-            self.vmm.h2d(self.va + at, ctypes.addressof(host), len(data), self.stream)
+            self.vmm.h2d(va, ctypes.addressof(host), len(data), self.stream)
             self.vmm.sync(self.stream)
-        return self.va + at
+        return va
 
     def close(self) -> None:
         self.kernels.close()
@@ -128,3 +132,27 @@ def test_simcuda_refuses_other_modules_and_unknown_kernels(dev):
         assert exc.value.rc == CUDA_ERROR_NOT_FOUND
     finally:
         dev.vmm.unload_module(module)
+
+
+def test_a_process_s_allocations_scanned_as_the_mover_maps_them(dev):
+    """scan.scan over VMM mappings (as the mover makes them): per allocation its zero chunks as the mover's
+    zero spans, and digests that name the one chunk a corrupted byte is in."""
+    vmm, sizes = dev.vmm, [3 * CHUNK, CHUNK, 2 * CHUNK]
+    handles = [vmm.create(z, 0) for z in sizes]
+    vas = [vmm.map(h, z, 0) for h, z in zip(handles, sizes)]
+    try:
+        contents = [bytes(CHUNK) + os.urandom(CHUNK) + bytes(CHUNK), bytes(CHUNK), os.urandom(2 * CHUNK)]
+        for va, data in zip(vas, contents):
+            dev.write(va, data)
+        mapped = [scan.Mapped(i, dev.ctx, va, z) for i, (va, z) in enumerate(zip(vas, sizes))]
+        taken = scan.scan(dev.kernels, mapped, lambda ctx: dev.stream)
+        assert [taken[i].zero_spans(z) for i, z in enumerate(sizes)] == [[(0, CHUNK), (2 * CHUNK, CHUNK)], [(0, CHUNK)], []]
+        assert [taken[i].digests for i in range(3)] == [digest.digests(c) for c in contents]
+        dev.write(vas[2] + CHUNK + 12345, b"\x01")
+        now = scan.scan(dev.kernels, mapped, lambda ctx: dev.stream, zero=False)
+        assert scan.mismatches(taken, now) == [(2, 1)]
+        assert scan.describe_mismatches([(2, 1)]) == f"allocation 2 chunk 1 (bytes {CHUNK}-{2 * CHUNK - 1})"
+    finally:
+        for h, va, z in zip(handles, vas, sizes):
+            vmm.unmap(va, z)
+            vmm.release(h)
