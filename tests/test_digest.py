@@ -98,7 +98,7 @@ def test_the_reference_hashes_64_mib_well_under_a_second():
     t0 = time.perf_counter()
     digest.digests(data)
     digest.zero_chunks(data)
-    assert time.perf_counter() - t0 < 0.6
+    assert time.perf_counter() - t0 < 1.0   # about 0.1 s on an idle core
 
 
 _RANDOM = os.urandom(32 * CHUNK)

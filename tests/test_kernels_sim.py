@@ -122,9 +122,10 @@ def test_bad_ranges_and_unloaded_contexts_are_refused_in_one_line(dev):
 
 def test_simcuda_refuses_other_modules_and_unknown_kernels(dev):
     fatbin = Kernels(dev.vmm)._image
-    with pytest.raises(DriverError) as exc:
-        dev.vmm.load_module(fatbin.replace(b"gpucr_digest\0", b"gpucr_digesT\0"))
-    assert exc.value.rc == CUDA_ERROR_INVALID_IMAGE
+    for other in (fatbin.replace(b"gpucr_digest\0", b"gpucr_digesT\0"), b"P\0", b"//PTX\0"):
+        with pytest.raises(DriverError) as exc:
+            dev.vmm.load_module(other)
+        assert exc.value.rc == CUDA_ERROR_INVALID_IMAGE
     module = dev.vmm.load_module(fatbin)
     try:
         with pytest.raises(DriverError) as exc:

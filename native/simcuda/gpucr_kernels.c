@@ -15,7 +15,6 @@
 #include "simcuda.h"
 
 #define CHUNK ((uint64_t)2 << 20)
-#define FATBIN_MAGIC 0xBA55ED50u
 #define FATBIN_MAX (64u << 20)   /* a sanity bound on the header's size */
 
 static const uint64_t M = 0xDABA0B6EB09322E3ull, K = 0x9E3779B97F4A7C15ull, M2 = 0xBF58476D1CE4E5B9ull,
@@ -32,9 +31,14 @@ struct fatbin_header {
 
 bool sim_gpucr_image(const void *image)
 {
+    /* the magic a byte at a time: none of its bytes is NUL, so a shorter string image stops it at its end */
+    static const unsigned char magic[4] = {0x50, 0xED, 0x55, 0xBA};
+    for (size_t i = 0; i < sizeof(magic); i++)
+        if (((const unsigned char *)image)[i] != magic[i])
+            return false;
     struct fatbin_header h;
     memcpy(&h, image, sizeof(h));
-    if (h.magic != FATBIN_MAGIC || h.header_size < sizeof(h) || h.fat_size > FATBIN_MAX)
+    if (h.header_size < sizeof(h) || h.fat_size > FATBIN_MAX)
         return false;
     size_t n = h.header_size + h.fat_size;
     static const char *const names[] = {"gpucr_zero_scan", "gpucr_digest"};

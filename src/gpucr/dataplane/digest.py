@@ -2,8 +2,9 @@
 (native/kernels/gpucr_kernels.cu) and of simcuda's (native/simcuda/gpucr_kernels.c), which must agree
 with it bit for bit (tests/test_digest.py, tests/gpu/test_kernels.py).
 
-A range of device memory is cut into chunks of CHUNK bytes (2 MiB, the GPU's VMM granule, so a chunk
-never straddles two allocations' memory); the last one may be shorter (a tail). Each chunk has
+A range of device memory (an allocation) is cut into chunks of CHUNK bytes from its start: 2 MiB, the GPU's
+VMM granule, of which every allocation the mover maps is a whole number. The last chunk may be shorter (a
+tail). Each chunk has
 
 - a **zero flag**: every byte of it is zero;
 - a **digest** of 128 bits (16 bytes), "gpucr-d128", computed as follows. All arithmetic is on unsigned
