@@ -157,3 +157,15 @@ def test_a_process_s_allocations_scanned_as_the_mover_maps_them(dev):
         for h, va, z in zip(handles, vas, sizes):
             vmm.unmap(va, z)
             vmm.release(h)
+
+
+def test_result_buffers_are_kept_for_the_next_scan_and_a_result_is_read_once(dev):
+    k = dev.kernels
+    first = k.enqueue_digests(dev.ctx, [(dev.va, 3 * CHUNK)], dev.stream)
+    buf = first.buf
+    first.read()
+    second = k.enqueue_zero_scan(dev.ctx, [(dev.va, 100 * CHUNK // 64)], dev.stream)
+    assert second.buf == buf   # no cuMemFree between scans: it may wait for every copy on the device
+    second.read()
+    with pytest.raises(GpucrError, match="read once"):
+        second.read()

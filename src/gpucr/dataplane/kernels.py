@@ -7,10 +7,13 @@ starts, or retains a context), never inside a copy.
 
 Each scan is enqueued on a stream, so it runs beside copies on other streams, and read afterwards: the
 enqueue_ forms give a Pending, whose read() waits for the scan's own event. zero_scan and digests do both.
+The small result buffers are kept per context and reused, never freed while copies run (cuMemFree may wait
+for the whole device); unload() frees them.
 """
 from __future__ import annotations
 
 import ctypes
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
@@ -25,6 +28,7 @@ RESULT_BYTES = {"zero": 1, "digest": DIGEST_BYTES}   # per chunk
 THREADS = 512          # per block: a multiple of 32 (the kernels reduce by warps)
 MAX_GRID = 1 << 16     # blocks; the kernels stride over any further chunks
 ALIGN = 16             # the kernels read 16 bytes at a time
+MIN_BUFFER = 4096      # bytes of results kept per buffer at least: 256 digests, 4096 zero flags
 
 
 def fatbin() -> bytes:
@@ -41,29 +45,78 @@ class _Module:
     functions: dict[str, int]   # kind -> CUfunction
 
 
-class Pending:
-    """Results of scans enqueued on a stream; read() waits for them, gives them back and frees their buffers."""
+@dataclass(frozen=True)
+class _Buffer:
+    dev: int    # the kernels' results on the device
+    host: int   # pinned, where they are copied back
+    size: int
 
-    def __init__(self, vmm: Vmm, ctx: int, kind: str, counts: list[int]) -> None:
-        self.vmm, self.ctx, self.kind, self.counts = vmm, ctx, kind, counts
-        self.size = sum(counts) * RESULT_BYTES[kind]
-        vmm.use(ctx)
-        self.dev = vmm.alloc(max(self.size, ALIGN))
-        self.host = self.event = 0
+
+class _Buffers:
+    """Result buffers kept per context for the next scan: freeing device memory (cuMemFree) may wait for the
+    whole device, copies included, which a scan read beside copies must not."""
+
+    def __init__(self, vmm: Vmm) -> None:
+        self.vmm = vmm
+        self._free: dict[int, list[_Buffer]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, ctx: int, size: int) -> _Buffer:
+        with self._lock:
+            kept = self._free.get(ctx, [])
+            for i, b in enumerate(kept):
+                if b.size >= size:
+                    return kept.pop(i)
+        size = max(MIN_BUFFER, 1 << (size - 1).bit_length())
+        self.vmm.use(ctx)
+        dev = self.vmm.alloc(size)
         try:
-            self.host = vmm.host_alloc(max(self.size, ALIGN))
-            self.event = vmm.event()
+            return _Buffer(dev, self.vmm.host_alloc(size), size)
         except Exception:
-            self.close()
+            self.vmm.free(dev)
+            raise
+
+    def give_back(self, ctx: int, b: _Buffer) -> None:
+        with self._lock:
+            self._free.setdefault(ctx, []).append(b)
+
+    def free(self, ctx: int, bufs: list[_Buffer] | None = None) -> None:
+        """bufs (else every buffer kept for ctx) freed: at unload, or after a failure (work may still write them)."""
+        if bufs is None:
+            with self._lock:
+                bufs = self._free.pop(ctx, [])
+        self.vmm.use(ctx)
+        for b in bufs:
+            self.vmm.host_free(b.host)
+            self.vmm.free(b.dev)
+
+
+class Pending:
+    """Results of scans enqueued on a stream; read() waits for them and gives them back, once."""
+
+    def __init__(self, buffers: _Buffers, ctx: int, kind: str, counts: list[int]) -> None:
+        self.buffers, self.vmm, self.ctx, self.kind, self.counts = buffers, buffers.vmm, ctx, kind, counts
+        self.size = sum(counts) * RESULT_BYTES[kind]
+        self.buf: _Buffer | None = buffers.take(ctx, self.size)
+        self.event = 0
+        try:
+            self.vmm.use(ctx)
+            self.event = self.vmm.event()
+        except Exception:
+            self.close(failed=True)
             raise
 
     def read(self) -> list[list[bool]] | list[list[bytes]]:
         """Per range, its chunks' zero flags or 16-byte digests (in the order they were enqueued)."""
+        if self.buf is None:
+            raise GpucrError("a scan's results are read once; this one's were read already")
         try:
             self.vmm.wait_event(self.event)
-            raw = ctypes.string_at(self.host, self.size)
-        finally:
-            self.close()
+        except Exception:
+            self.close(failed=True)
+            raise
+        raw = ctypes.string_at(self.buf.host, self.size)
+        self.close()
         out, off, each = [], 0, RESULT_BYTES[self.kind]
         for n in self.counts:
             part = raw[off:off + n * each]
@@ -72,16 +125,15 @@ class Pending:
             off += n * each
         return out
 
-    def close(self) -> None:
-        """Frees the buffers (read() does); idempotent."""
-        self.vmm.use(self.ctx)
+    def close(self, failed: bool = False) -> None:
+        """Done with it (read() closes it); failed: its buffer is freed, not kept, as work may still write it."""
         if self.event:
+            self.vmm.use(self.ctx)
             self.vmm.destroy_event(self.event)
-        if self.host:
-            self.vmm.host_free(self.host)
-        if self.dev:
-            self.vmm.free(self.dev)
-        self.dev = self.host = self.event = 0
+            self.event = 0
+        if self.buf is not None:
+            self.buffers.free(self.ctx, [self.buf]) if failed else self.buffers.give_back(self.ctx, self.buf)
+            self.buf = None
 
 
 class Kernels:
@@ -91,6 +143,7 @@ class Kernels:
         self.vmm = vmm
         self._image = fatbin()
         self._modules: dict[int, _Module] = {}
+        self._buffers = _Buffers(vmm)
         try:
             for ctx in contexts:
                 self.load(ctx)
@@ -112,9 +165,10 @@ class Kernels:
         self._modules[ctx] = _Module(handle, functions)
 
     def unload(self, ctx: int) -> None:
-        """Before the context is given back."""
+        """Before the context is given back: its module and the result buffers kept in it."""
         module = self._modules.pop(ctx, None)
         if module is not None:
+            self._buffers.free(ctx)
             self.vmm.use(ctx)
             self.vmm.unload_module(module.handle)
 
@@ -145,18 +199,18 @@ class Kernels:
             if dva % ALIGN or nbytes < 0:
                 raise GpucrError(f"a scan of {nbytes} bytes at {dva:#x}: the range must start {ALIGN}-byte aligned "
                                  "and not be negative")
-        pending = Pending(self.vmm, ctx, kind, [chunk_count(n) for _, n in ranges])
+        pending = Pending(self._buffers, ctx, kind, [chunk_count(n) for _, n in ranges])
         try:
-            out = pending.dev
+            out = pending.buf.dev
             for (dva, nbytes), n in zip(ranges, pending.counts):
                 if n:
                     args = [ctypes.c_uint64(dva), ctypes.c_uint64(nbytes), ctypes.c_uint64(out)]
                     self.vmm.launch(module.functions[kind], min(n, MAX_GRID), THREADS, stream, args)
                 out += n * RESULT_BYTES[kind]
             if pending.size:
-                self.vmm.d2h(pending.host, pending.dev, pending.size, stream)
+                self.vmm.d2h(pending.buf.host, pending.buf.dev, pending.size, stream)
             self.vmm.record(pending.event, stream)
         except Exception:
-            pending.close()
+            pending.close(failed=True)
             raise
         return pending

@@ -62,10 +62,10 @@ def scan(kernels: Kernels, mapped: Sequence[Mapped], stream_of: Callable[[int], 
             out.update({m.index: AllocationScan(z, d) for m, z, d in zip(ms, zs, ds)})
         return out
     finally:
-        for _ms, pz, pd in pending:   # after a failure part way, what was not read is freed (close is idempotent)
+        for _ms, pz, pd in pending:   # after a failure part way, what was not read is freed (those read are closed)
             for p in (pz, pd):
                 if p is not None:
-                    p.close()
+                    p.close(failed=True)
 
 
 def mismatches(taken: dict[int, AllocationScan], now: dict[int, AllocationScan]) -> list[tuple[int, int]]:
