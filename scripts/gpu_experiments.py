@@ -17,6 +17,12 @@
    memory, hugetlbfs, all cuMemHostRegister'd; and the driver's own cuMemHostAlloc, the ceiling's kind)
    against each kind of device memory (exportable VMM, plain VMM, cuMemAlloc; one allocation, and many
    20 MiB ones), both ways; then piece size and streams for the server's own pair (shm into exportable VMM).
+7. kernel-rate: gpucr's kernels (gpucr.dataplane.kernels) over EXP_KERNEL_GIB (32) GiB of device memory, in
+   TB/s, median of EXP_KERNEL_RUNS (7) runs: the zero scan over all-zero memory (every byte read) and over
+   non-zero memory (it leaves each chunk at its first non-zero batch), the digest, for 256, 512 and 1024
+   threads a block, each timed to the end of its stream and again with its results read into Python (_read);
+   next to a device-to-device copy of the same memory (read + write) as the bound; and the fatbin's load time
+   in a fresh context.
 
 Prints one JSON object per line; writes them to $OUT/experiments.jsonl too.
 """
@@ -380,6 +386,65 @@ def fill_matrix(gib: int = int(os.environ.get("EXP_FILL_GIB", "8"))) -> None:
     emit(experiment="fill-matrix", bytes=n, default_piece_mib=64, default_streams=4, rows=rows, skipped=skipped)
 
 
+def kernel_rate(gib: int = int(os.environ.get("EXP_KERNEL_GIB", "32")),
+                runs: int = int(os.environ.get("EXP_KERNEL_RUNS", "7"))) -> None:
+    from gpucr.dataplane import kernels as kmod
+    from gpucr.driver import Vmm, controller_driver
+    vmm = Vmm(controller_driver())
+    ctx = vmm.retain_context(0)
+    vmm.use(ctx)
+    stream = vmm.stream()
+    t0 = time.perf_counter()
+    k = kmod.Kernels(vmm, [ctx])
+    load_s = time.perf_counter() - t0
+    n = gib << 30
+    va = vmm.alloc(n)
+
+    def tbps(fn) -> float:
+        fn()   # untimed: first use
+        vmm.sync(stream)
+        samples = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            fn()
+            vmm.sync(stream)
+            samples.append(n / (time.perf_counter() - t0) / 1e12)
+        return round(statistics.median(samples), 3)
+
+    def enqueue(kind: str):
+        return (k.enqueue_zero_scan if kind == "zero" else k.enqueue_digests)(ctx, [(va, n)], stream)
+
+    def kernel_only(kind: str) -> float:
+        """The kernel and its results' copy back, timed to the stream's end; the results read untimed."""
+        enqueue(kind).read()   # first use: its result buffer made
+        samples = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            pending = enqueue(kind)
+            vmm.sync(stream)
+            samples.append(n / (time.perf_counter() - t0) / 1e12)
+            pending.read()   # its buffer back for the next
+        return round(statistics.median(samples), 3)
+
+    rows = []
+    for value in (0, 0x5A):
+        vmm.memset(va, n, stream, value)
+        vmm.sync(stream)
+        for threads in (256, 512, 1024):
+            kmod.THREADS = threads
+            rows.append({"memory": "zero" if value == 0 else "non-zero", "threads": threads,
+                         "zero_scan_tbps": kernel_only("zero"), "digest_tbps": kernel_only("digest"),
+                         "zero_scan_read_tbps": tbps(lambda: enqueue("zero").read()),
+                         "digest_read_tbps": tbps(lambda: enqueue("digest").read())})
+            print(json.dumps(rows[-1]), flush=True)
+    half = n // 2
+    copy = tbps(lambda: vmm.d2d(va + half, va, half, stream))   # half read and half written: n bytes of traffic
+    vmm.free(va)
+    k.close()
+    emit(experiment="kernel-rate", bytes=n, runs=runs, module_load_s=round(load_s, 4), rows=rows,
+         d2d_copy_read_plus_write_tbps=round(copy, 3))
+
+
 def dd(path: Path, gib: int) -> dict:
     out = {}
     w = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={gib * 16}", "oflag=direct", "conv=fsync"],
@@ -449,6 +514,8 @@ if __name__ == "__main__":
             fill_rate()
         elif w == "fill-matrix":
             fill_matrix()
+        elif w == "kernel-rate":
+            kernel_rate()
         elif w == "image":
             d = Path(os.environ.get("EXP_IMAGE_DIR", "/var/tmp/gpucr-exp"))
             d.mkdir(parents=True, exist_ok=True)

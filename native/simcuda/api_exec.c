@@ -9,9 +9,10 @@
  * Variants call the shared static code, never another exported entry point: a call through
  * the PLT could land in an interposer (gpucr's agent) and be counted twice.
  *
- * Kernels come from one pseudo-image, any NUL-terminated string starting "simcuda-builtin";
- * its functions are the builtins below. A kernel validates its pointer arguments like the
- * copies do, and fails with CUDA_ERROR_ILLEGAL_ADDRESS instead of faulting.
+ * Kernels come from two images: a pseudo-image, any NUL-terminated string starting
+ * "simcuda-builtin", whose functions are the builtins below; and gpucr's own fatbin, whose two
+ * kernels run in C (gpucr_kernels.c). A kernel validates its pointer arguments like the copies
+ * do, and fails with CUDA_ERROR_ILLEGAL_ADDRESS instead of faulting.
  *
  * Work runs in a context: the stream's, or the current one for the NULL and special streams.
  * Its device is the one whose access to the memory counts (sim_mem_accessible).
@@ -115,6 +116,13 @@ static const struct builtin builtins[] = {
 };
 #define NBUILTINS (sizeof(builtins) / sizeof(builtins[0]))
 
+static const struct builtin gpucr_kernels[] = {
+    {"gpucr_zero_scan", 3, sim_k_gpucr_zero_scan},
+    {"gpucr_digest", 3, sim_k_gpucr_digest},
+};
+#define NGPUCR (sizeof(gpucr_kernels) / sizeof(gpucr_kernels[0]))
+#define MAX_FUNCS (NBUILTINS > NGPUCR ? NBUILTINS : NGPUCR)
+
 /* ---- objects ---- */
 
 struct sim_stream {
@@ -141,7 +149,8 @@ struct sim_func {
 struct sim_module {
     struct sim_module *next;
     struct sim_ctx *ctx;
-    struct sim_func funcs[NBUILTINS];
+    size_t nfuncs;   /* of the image's table: the builtins or gpucr's kernels */
+    struct sim_func funcs[MAX_FUNCS];
 };
 
 static struct {
@@ -774,14 +783,21 @@ static CUresult module_load_data(CUmodule *pmod, const void *image)
         return rc;
     if (!pmod || !image)
         return CUDA_ERROR_INVALID_VALUE;
-    if (strncmp((const char *)image, SIM_IMAGE_PREFIX, strlen(SIM_IMAGE_PREFIX)) != 0)
-        return CUDA_ERROR_INVALID_IMAGE; /* a real cubin/PTX/fatbin: simcuda runs no GPU code */
+    const struct builtin *table = builtins;
+    size_t n = NBUILTINS;
+    if (strncmp((const char *)image, SIM_IMAGE_PREFIX, strlen(SIM_IMAGE_PREFIX)) != 0) {
+        if (!sim_gpucr_image(image))
+            return CUDA_ERROR_INVALID_IMAGE; /* another cubin/PTX/fatbin: simcuda runs no GPU code */
+        table = gpucr_kernels;
+        n = NGPUCR;
+    }
     struct sim_module *m = calloc(1, sizeof(*m));
     if (!m)
         return CUDA_ERROR_OUT_OF_MEMORY;
     m->ctx = c;
-    for (size_t i = 0; i < NBUILTINS; i++)
-        m->funcs[i] = (struct sim_func){.mod = m, .builtin = &builtins[i]};
+    m->nfuncs = n;
+    for (size_t i = 0; i < n; i++)
+        m->funcs[i] = (struct sim_func){.mod = m, .builtin = &table[i]};
     pthread_mutex_lock(&ex.mu);
     m->next = ex.modules;
     ex.modules = m;
@@ -801,8 +817,8 @@ static CUresult module_get_function(CUfunction *pf, CUmodule mod, const char *na
     LIST_CONTAINS(ex.modules, mod, found);
     if (!found)
         rc = CUDA_ERROR_INVALID_HANDLE;
-    for (size_t i = 0; found && i < NBUILTINS; i++)
-        if (strcmp(builtins[i].name, name) == 0) {
+    for (size_t i = 0; found && i < mod->nfuncs; i++)
+        if (strcmp(mod->funcs[i].builtin->name, name) == 0) {
             *pf = &mod->funcs[i];
             rc = CUDA_SUCCESS;
             break;
@@ -836,7 +852,7 @@ static const struct builtin *function_builtin(CUfunction f)
     const struct builtin *b = NULL;
     pthread_mutex_lock(&ex.mu);
     for (struct sim_module *m = ex.modules; m && !b; m = m->next)
-        if (f >= &m->funcs[0] && f < &m->funcs[NBUILTINS])
+        if (f >= &m->funcs[0] && f < &m->funcs[m->nfuncs])
             b = f->builtin;
     pthread_mutex_unlock(&ex.mu);
     return b;

@@ -13,6 +13,7 @@
  *   api_device.c  devices and contexts
  *   api_memory.c  memory entry points (plain, VMM, IPC, host, pointer attributes)
  *   api_exec.c    copies, memsets, streams, events, modules, builtin kernels
+ *   gpucr_kernels.c  gpucr's own kernels (its fatbin's zero scan and chunk digest) in C
  *   order.c       the stream-ordering model: what work is ordered after what (vector clocks)
  *   pool.c        stream-ordered memory pools (cuMemAllocAsync, cuMemPoolCreate, ...)
  *   ckpt.c        the checkpoint state machine, its control socket, and the controller side
@@ -308,6 +309,14 @@ void sim_unheld_exit(void);
 
 /* Runs an entry point's body as a call the lock does not hold. */
 #define SIM_UNHELD(expr) SIM_BETWEEN(sim_unheld_enter, sim_unheld_exit, expr)
+
+/* ---- gpucr_kernels.c: gpucr's own kernels ---- */
+
+/* Whether a module image is gpucr's kernels' fatbin (its header, and both kernels' names in it). */
+bool sim_gpucr_image(const void *image);
+/* The kernels, params as cuLaunchKernel's: (base, nbytes, out). */
+CUresult sim_k_gpucr_digest(const struct sim_ctx *ctx, void **params);
+CUresult sim_k_gpucr_zero_scan(const struct sim_ctx *ctx, void **params);
 
 #pragma GCC visibility pop
 

@@ -186,7 +186,8 @@ _HOST_REGISTER_PORTABLE = 1
 class Vmm:
     """The VMM and copy half of the driver API, for the gpucr server's data plane (gpucr.dataplane.mover): one
     context per GPU it serves, memory imported from and exported to other processes as POSIX fds, copies
-    between it and pinned host memory. Each call raises DriverError on failure."""
+    between it and pinned host memory, and gpucr's own kernels (gpucr.dataplane.kernels). Each call raises
+    DriverError on failure."""
 
     def __init__(self, drv: Driver) -> None:
         self.drv = drv
@@ -210,7 +211,11 @@ class Vmm:
                            ("cuMemsetD8Async", (u64, ctypes.c_ubyte, sz, p)),
                            ("cuDeviceCanAccessPeer", (ctypes.POINTER(i), i, i)),
                            ("cuEventCreate", (ctypes.POINTER(p), ctypes.c_uint)), ("cuEventRecord", (p, p)),
-                           ("cuEventSynchronize", (p,)), ("cuEventDestroy_v2", (p,))):
+                           ("cuEventSynchronize", (p,)), ("cuEventDestroy_v2", (p,)),
+                           ("cuMemHostAlloc", (ctypes.POINTER(p), sz, ctypes.c_uint)), ("cuMemFreeHost", (p,)),
+                           ("cuModuleLoadData", (ctypes.POINTER(p), p)), ("cuModuleUnload", (p,)),
+                           ("cuModuleGetFunction", (ctypes.POINTER(p), p, ctypes.c_char_p)),
+                           ("cuLaunchKernel", (p, *[ctypes.c_uint] * 7, p, ctypes.POINTER(p), ctypes.POINTER(p)))):
             _sig(cu, name, *args)
         self._cu = cu
 
@@ -342,6 +347,36 @@ class Vmm:
 
     def destroy_event(self, event: int) -> None:
         self._ok(self._cu.cuEventDestroy_v2(ctypes.c_void_p(event)), "cuEventDestroy")
+
+    def host_alloc(self, size: int) -> int:
+        """Pinned host memory for every context (a kernel's results copied back without waiting)."""
+        h = ctypes.c_void_p()
+        self._ok(self._cu.cuMemHostAlloc(ctypes.byref(h), size, _HOST_REGISTER_PORTABLE), "cuMemHostAlloc")
+        return h.value or 0
+
+    def host_free(self, ptr: int) -> None:
+        self._ok(self._cu.cuMemFreeHost(ctypes.c_void_p(ptr)), "cuMemFreeHost")
+
+    def load_module(self, image: bytes) -> int:
+        """A module (cubin, fatbin or PTX) loaded into the current context."""
+        m = ctypes.c_void_p()
+        self._ok(self._cu.cuModuleLoadData(ctypes.byref(m), image), "loading GPU kernels (cuModuleLoadData)")
+        return m.value or 0
+
+    def unload_module(self, module: int) -> None:
+        self._ok(self._cu.cuModuleUnload(ctypes.c_void_p(module)), "cuModuleUnload")
+
+    def function(self, module: int, name: str) -> int:
+        f = ctypes.c_void_p()
+        self._ok(self._cu.cuModuleGetFunction(ctypes.byref(f), ctypes.c_void_p(module), name.encode()),
+                 f"finding the GPU kernel {name}")
+        return f.value or 0
+
+    def launch(self, func: int, grid: int, block: int, stream: int, args: list[ctypes.c_uint64]) -> None:
+        """One launch of a 1-D grid; each argument a ctypes value (the driver copies them at the launch)."""
+        params = (ctypes.c_void_p * len(args))(*[ctypes.addressof(a) for a in args])
+        self._ok(self._cu.cuLaunchKernel(ctypes.c_void_p(func), grid, 1, 1, block, 1, 1, 0, ctypes.c_void_p(stream),
+                                         params, None), "launching a GPU kernel")
 
 
 _drivers: dict[str, Driver] = {}
