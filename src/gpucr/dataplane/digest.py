@@ -39,10 +39,10 @@ lost, torn or misplaced copies), not against an attacker: it is not a cryptograp
 """
 from __future__ import annotations
 
-import numpy as np
+import numpy as np   # the reference only: the package itself needs no numpy (chunks.py has the sizes)
 
-CHUNK = 2 << 20                      # bytes per chunk: the GPU's VMM granule
-DIGEST_BYTES = 16
+from .chunks import CHUNK
+
 WORDS = CHUNK // 8
 
 M = np.uint64(0xDABA0B6EB09322E3)
@@ -53,11 +53,6 @@ _32 = np.uint64(32)
 
 # (i + 1) * K for every word index of a chunk, made once: 2 MiB
 _KEYS = np.arange(1, WORDS + 1, dtype=np.uint64) * K
-
-
-def chunk_count(nbytes: int) -> int:
-    """Chunks of a range of nbytes: whole ones and a tail."""
-    return -(-nbytes // CHUNK)
 
 
 def _mix_into(x: np.ndarray, t: np.ndarray) -> None:

@@ -20,7 +20,7 @@ from typing import Sequence
 
 from ..driver import Vmm
 from ..errors import GpucrError
-from .digest import DIGEST_BYTES, chunk_count
+from .chunks import DIGEST_BYTES, chunk_count
 
 FATBIN = Path(__file__).resolve().parent.parent / "_kernels" / "gpucr_kernels.fatbin"
 NAMES = {"zero": "gpucr_zero_scan", "digest": "gpucr_digest"}

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .digest import CHUNK
+from .chunks import CHUNK
 from .kernels import Kernels, Pending
 
 
