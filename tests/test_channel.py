@@ -46,9 +46,12 @@ def test_runtime_dir_and_socket_are_private(sim_app):
 def test_malformed_requests_get_errors_and_agent_keeps_serving(sim_app):
     app = sim_app("--sizes", "4M")
     sock = paths.runtime_dir() / agent_socket_name(app.pid)
-    replies = talk(sock, b"\n" + b"bogus\n" + b"checkpoint timeout_ms=-5\n" + b"checkpoint timeout_ms=abc\n" + b"hel\x00lo\n" + b"hello\n")
-    assert [r["ok"] for r in replies] == [False, False, False, False, False, True]
+    replies = talk(sock, b"\n" + b"bogus\n" + b"handover timeout_ms=-5\n" + b"handover timeout_ms=abc\n" + b"hel\x00lo\n" +
+                   b"checkpoint\n" + b"hello\n")
+    assert [r["ok"] for r in replies] == [False, False, False, False, False, False, True]
     assert "unknown request verb" in replies[1]["error"]
+    assert "timeout_ms must be a positive number" in replies[2]["error"]
+    assert "unknown request verb" in replies[5]["error"], "the agent copies nothing itself any more (issue 25)"
     too_long = talk(sock, b"x" * 5000)
     assert too_long and not too_long[0]["ok"] and "too long" in too_long[0]["error"]
     assert talk(sock, b"status\n")[0]["state"] == "running"

@@ -11,8 +11,8 @@ SOURCES = [(ROOT / "src" / "gpucr", ("*.py", "*.c", "*.h")), (ROOT / "native" / 
 # The files over the limit today, each with its length today as its ceiling: each may shrink, none may
 # grow. Issue 25 is done when this list is empty; a file that comes down to the limit leaves it.
 OVER_TODAY = {
-    "native/agent/channel.c": 825,
-    "native/agent/dataplane.c": 812,
+    "native/agent/channel.c": 767,
+    "native/agent/dataplane.c": 766,
     "native/agent/pool.c": 1007,
     "src/gpucr/cli.py": 781,
 }

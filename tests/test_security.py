@@ -537,7 +537,7 @@ def test_idle_connections_never_keep_out_a_controller(sim_app):
         leased = socket.socket(socket.AF_UNIX)
         leased.connect(str(sock))
         gpucr.restore(app.pid)
-        leased.sendall(b"checkpoint lease=1\n")
+        leased.sendall(b"handover lease=1\n")   # released to a data plane, not committed
         assert json.loads(leased.makefile().readline())["ok"]
         more = []
         for _ in range(3):               # newcomers push the idle ones out, never the controller's

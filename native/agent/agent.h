@@ -13,7 +13,7 @@
  *   g_staging_mu (dataplane.c, staging preparation) -> S.mu (staging.c) -> g_ledger_mu (admit.c, the
  *     budget's ledger, with the runtime dir's flock that it stands for within this process)
  * and each of these is held only on its own: g_dp_mu (dataplane.c, what status reports of the data
- * plane), the gate's mutex (gate.c), g_clients_mu (channel.c), a deadline job's mutex (dataplane.c).
+ * plane), the gate's mutex (gate.c), g_clients_mu (channel.c), a deadline job's mutex (deadline.c).
  * Rules that keep it so:
  *   - No driver call is made under reg_lock: the driver may hold a call for as long as it holds the
  *     process locked, and status (which takes reg_lock) must answer then. Copy what is needed out of
@@ -36,7 +36,7 @@
 
 #define GPUCR_EXPORT __attribute__((visibility("default")))
 
-/* ---- entry table (entry.c) ---- */
+/* ---- entry table (entry.c resolves the real functions; table.c holds the wrappers) ---- */
 enum gpucr_entry_kind { GATED, QUERY, CUSTOM };
 enum gpucr_entry_id {
 #define E(kind, sym, base, ver, pt, params, args) ENTRY_##sym,
@@ -47,7 +47,6 @@ enum gpucr_entry_id {
 struct gpucr_entry {
     const char *symbol, *base;
     int version, per_thread, kind;
-    void *wrapper;   /* the agent's function with this ABI */
     void *real;      /* the driver's, as its own resolver returns it */
 };
 extern struct gpucr_entry gpucr_entries[ENTRY_COUNT];
@@ -59,11 +58,16 @@ extern struct gpucr_entry gpucr_entries[ENTRY_COUNT];
 #define REAL(sym) ((pfn_##sym)gpucr_entries[ENTRY_##sym].real)
 
 void gpucr_init(void);                       /* idempotent: load libcuda, resolve the table */
+void gpucr_on_first_use(void (*fn)(void));   /* run by every gpucr_init (the channel's start in a fork child) */
 bool gpucr_cuda_loaded(void);
+void *gpucr_real_dlsym(void *handle, const char *name);
+/* The wrappers (table.c, above every file that defines one): an entry by name or by its real function, and its
+ * wrapper; the wrapper whose real function is exactly p, else p (a pointer the table does not know, or a wrapper). */
 const struct gpucr_entry *gpucr_entry_by_symbol(const char *symbol);
 const struct gpucr_entry *gpucr_entry_by_real(void *real);
 bool gpucr_is_wrapper(void *p);
-void *gpucr_real_dlsym(void *handle, const char *name);
+void *gpucr_wrapper_of(const struct gpucr_entry *e);
+void *gpucr_substitute(void *p);
 
 /* Driver functions the agent calls itself but does not wrap (resolved in entry.c). None copies or pins: the
  * data plane runs in another process (tests/test_agent_calls.py holds this list, and REAL()'s, to that). */
@@ -136,8 +140,12 @@ long gpucr_env_long(const char *name, long dflt);
 void gpucr_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 void gpucr_warn(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
-/* ---- the control channel (channel.c) ---- */
+/* ---- the private runtime dir (rundir.c) and the control channel (channel.c) ---- */
 const char *gpucr_runtime_dir(void);
+/* Make (or find) the private runtime dir by the rule; NULL, said, when there is none. The channel says
+ * when it is up (listening there) and when not (a fork child). */
+const char *gpucr_make_runtime_dir(void);
+void gpucr_runtime_dir_up(bool up);
 
 /* ---- contexts (context.c) ---- */
 int gpucr_contexts_held(void);

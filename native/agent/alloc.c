@@ -27,32 +27,6 @@ static void device_prop(CUmemAllocationProp *prop, CUdevice dev)
     prop->location.id = dev;
 }
 
-/* Whether the agent keeps an fd of memory with these properties: device memory (host-located memory
- * is not GPU data) that can be exported as a POSIX fd. */
-bool alloc_keeps_fd(const CUmemAllocationProp *prop)
-{
-    return prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && (prop->requestedHandleTypes & HANDLE_POSIX_FD);
-}
-
-/* Device memory is made exportable as a POSIX fd where its device can (so a gpucr server can be
- * handed it); true when the agent added the type the application did not ask for. */
-bool alloc_make_exportable(CUmemAllocationProp *prop)
-{
-    enum { ATTR_POSIX_FD_SUPPORTED = 103 };   /* CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED */
-    static _Atomic signed char supported[64];   /* per device: 0 unknown, 1 yes, -1 no */
-    int dev = prop->location.id;
-    if (prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || (prop->requestedHandleTypes & HANDLE_POSIX_FD) ||
-        dev < 0 || dev >= 64 || !gpucr_drv.cuDeviceGetAttribute)
-        return false;
-    if (!supported[dev]) {
-        int v = 0;
-        supported[dev] = gpucr_drv.cuDeviceGetAttribute(&v, ATTR_POSIX_FD_SUPPORTED, dev) == CUDA_SUCCESS && v ? 1 : -1;
-    }
-    if (supported[dev] < 0) return false;
-    prop->requestedHandleTypes |= HANDLE_POSIX_FD;
-    return true;
-}
-
 static void free_addresses(CUdeviceptr va, size_t size)
 {
     CUresult rc = gpucr_drv.cuMemAddressFree(va, size);
@@ -78,7 +52,7 @@ static CUresult alloc_vmm(CUdeviceptr *dptr, size_t size)
     if (gpucr_drv.cuCtxGetDevice(&dev) != CUDA_SUCCESS) return CUDA_ERROR_NOT_SUPPORTED;
     CUmemAllocationProp prop;
     device_prop(&prop, dev);
-    alloc_make_exportable(&prop);
+    share_make_exportable(&prop);
     size_t gran = 0;
     if (gpucr_drv.cuMemGetAllocationGranularity(&gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS || !gran)
         return CUDA_ERROR_NOT_SUPPORTED;
@@ -112,7 +86,7 @@ static CUresult alloc_vmm(CUdeviceptr *dptr, size_t size)
         return CUDA_ERROR_NOT_SUPPORTED;
     }
     reg_learn_ctx(ctx);
-    int own = alloc_keeps_fd(&prop) ? share_export_own(h) : -1;
+    int own = share_keeps_fd(&prop) ? share_export_own(h) : -1;
     reg_lock();
     struct phys *p = reg_phys_new(PHYS_CONVERTED, h, rsize, &prop, ctx);
     struct mapping *m = p ? reg_map_add(p, va, rsize, 0) : NULL;
@@ -121,7 +95,7 @@ static CUresult alloc_vmm(CUdeviceptr *dptr, size_t size)
         reg_map_merge_access(m, acc, (size_t)nacc);
         p->resv_va = va; p->resv_size = rsize; p->user_size = size;
     }
-    if (p) share_adopt_own(p, own, alloc_keeps_fd(&prop));
+    if (p) share_adopt_own(p, own, share_keeps_fd(&prop));
     else if (own >= 0) close(own);
     if (!ok && p) reg_phys_free(p);   /* not recorded: given back, the application is told no */
     reg_unlock();
@@ -131,39 +105,6 @@ static CUresult alloc_vmm(CUdeviceptr *dptr, size_t size)
     }
     *dptr = va;
     return CUDA_SUCCESS;
-}
-
-void note_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, size_t size)
-{
-    CUcontext ctx = NULL;
-    CUdevice dev = -1;
-    if (gpucr_drv.cuCtxGetDevice(&dev) != CUDA_SUCCESS) dev = -1;
-    if (gpucr_drv.cuCtxGetCurrent(&ctx) == CUDA_SUCCESS) reg_learn_ctx(ctx);
-    reg_lock();
-    if (reg_put(map, ptr, reg_native_value(size, dev), "a plain allocation") == 0) {
-        *bytes += size;
-        (*count)++;
-    }
-    reg_unlock();
-}
-
-/* Forget a native allocation before the driver frees it (once freed, another thread's allocation may
- * get its address and be recorded under it); its record, NULL if `map` had none. */
-void *take_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr)
-{
-    reg_lock();
-    void *v = hmap_del(map, ptr);
-    if (v) { *bytes -= reg_native_size(v); (*count)--; }
-    reg_unlock();
-    return v;
-}
-
-/* The driver did not free it after all: it is the application's still. */
-void keep_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, void *v)
-{
-    reg_lock();
-    if (reg_put(map, ptr, v, "a plain allocation") == 0) { *bytes += reg_native_size(v); (*count)++; }
-    reg_unlock();
 }
 
 GPUCR_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
@@ -327,7 +268,7 @@ GPUCR_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, 
     bool added = false;
     if (prop) {
         mine = *prop;
-        added = alloc_make_exportable(&mine);
+        added = share_make_exportable(&mine);
         prop = &mine;
     }
     CUresult rc = REAL(cuMemCreate)(h, size, prop, flags);
@@ -335,7 +276,7 @@ GPUCR_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, 
         CUcontext ctx = NULL;
         gpucr_drv.cuCtxGetCurrent(&ctx);
         reg_learn_ctx(ctx);
-        bool keep = alloc_keeps_fd(prop);
+        bool keep = share_keeps_fd(prop);
         int own = keep ? share_export_own(*h) : -1;
         reg_lock();
         struct phys *p = reg_phys_new(PHYS_APP_VMM, *h, size, prop, ctx);

@@ -3,7 +3,6 @@
  * 4 KiB; each answer is one JSON line. Only the same user or root may connect (SO_PEERCRED).
  * docs/security.md says what each check stops. */
 #define _GNU_SOURCE
-#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -32,10 +31,7 @@
 #define EVICT_GRACE_MS 500         /* an idle connection younger than this is not evicted */
 #define ACTED_TIMEOUT_S 3600       /* a controller's connection between its steps (driver lock, checkpoint) */
 
-static char g_dir[256], g_sock[300];
-
-/* agent.h: the private runtime dir, once the channel is up (NULL before or without it). */
-const char *gpucr_runtime_dir(void) { return g_sock[0] ? g_dir : NULL; }
+static char g_sock[300];
 static ino_t g_sock_ino;           /* what we bound: at exit only that is removed */
 static char g_group[128];   /* GPUCR_GROUP, read once at start: the application may change its environment later */
 static int g_listen = -1;
@@ -54,67 +50,6 @@ static atomic_int g_committed;
 static atomic_ulong g_requests_served;
 static pthread_mutex_t g_clients_mu = PTHREAD_MUTEX_INITIALIZER;
 
-
-/* The runtime dir rule: the same table as gpucr/paths.py RUNTIME_DIR_RULES (tests/test_security.py
- * holds the two to it). The first rule whose setting is present names the dir:
- *   GPUCR_RUNTIME_DIR   that dir                   not private: refused, the channel is off
- *   XDG_RUNTIME_DIR     $XDG_RUNTIME_DIR/gpucr     not private: refused, the channel is off
- *   (neither)           /tmp/gpucr-<uid>           not private (anyone may take that name first): the
- *                                                  first private /tmp/gpucr-<uid>.* dir, else a new one
- *                                                  made here with mkdtemp (the controller looks there too)
- * Private: a directory, not a link (lstat), of this user, mode 0700. */
-static bool dir_private(const char *d)
-{
-    struct stat st;
-    return lstat(d, &st) == 0 && S_ISDIR(st.st_mode) && st.st_uid == getuid() && !(st.st_mode & 0077);
-}
-
-static int fallback_dir(const char *taken)
-{
-    char prefix[64], best[256] = "";
-    int plen = snprintf(prefix, sizeof prefix, "gpucr-%u.", (unsigned)getuid());
-    DIR *d = opendir("/tmp");
-    for (struct dirent *e; d && (e = readdir(d));) {
-        char path[300];
-        snprintf(path, sizeof path, "/tmp/%s", e->d_name);
-        if (!strncmp(e->d_name, prefix, (size_t)plen) && strlen(path) < sizeof best && dir_private(path) &&
-            (!best[0] || strcmp(path, best) < 0))
-            snprintf(best, sizeof best, "%s", path);
-    }
-    if (d) closedir(d);
-    if (best[0]) snprintf(g_dir, sizeof g_dir, "%s", best);
-    else {
-        snprintf(g_dir, sizeof g_dir, "/tmp/%sXXXXXX", prefix);
-        if (!mkdtemp(g_dir)) {
-            gpucr_warn("error: %s is not a private directory of this user and no private one can be made (%s): "
-                       "the control channel is OFF, this process cannot be checkpointed", taken, strerror(errno));
-            return -1;
-        }
-    }
-    gpucr_warn("%s is not a private directory of this user (someone else may have made it): the control channel is "
-               "in %s instead", taken, g_dir);
-    return 0;
-}
-
-static int make_runtime_dir(void)
-{
-    const char *env = getenv("GPUCR_RUNTIME_DIR"), *xdg = getenv("XDG_RUNTIME_DIR");
-    bool fallback = false;
-    if (env && *env) snprintf(g_dir, sizeof g_dir, "%s", env);
-    else if (xdg && *xdg) snprintf(g_dir, sizeof g_dir, "%s/gpucr", xdg);
-    else { snprintf(g_dir, sizeof g_dir, "/tmp/gpucr-%u", (unsigned)getuid()); fallback = true; }
-    mkdir(g_dir, 0700);
-    if (dir_private(g_dir)) return 0;
-    if (fallback) {
-        char taken[sizeof g_dir];
-        snprintf(taken, sizeof taken, "%s", g_dir);
-        return fallback_dir(taken);
-    }
-    gpucr_warn("error: runtime dir %s is not a private directory of this user (want a directory, not a link, owned "
-               "by uid %u with mode 0700): the control channel is OFF, this process cannot be checkpointed",
-               g_dir, (unsigned)getuid());
-    return -1;
-}
 
 /* Whether the process has loaded a CUDA driver, through the agent or on its own. */
 static bool cuda_present(void)
@@ -157,15 +92,17 @@ static void reply_status(struct jb *j)
     jb_int(j, "pid", getpid());
     jb_bool(j, "cuda", cuda_present());
     jb_bool(j, "simulated", simulated_driver());
-    jb_str(j, "state", st.state == AGENT_RUNNING ? "running" : "checkpointed");
+    jb_str(j, "state", dp_checkpointed(st.phase) ? "checkpointed" : "running");
+    jb_str(j, "phase", dp_phase_name(st.phase));
     /* between the phases of a checkpoint of several processes: still (gate closed), nothing released */
-    jb_str(j, "checkpoint_phase", st.handed ? "handed" : st.quiesced ? "quiesced" : "");
+    jb_str(j, "checkpoint_phase", st.phase == PH_HANDED || st.phase == PH_COPIED ? "handed" :
+                                  st.phase == PH_QUIESCED ? "quiesced" : "");
     jb_str(j, "group", g_group);
-    jb_bool(j, "staged", st.staged);
+    jb_bool(j, "staged", dp_staged(st.phase));
     jb_bool(j, "busy", atomic_load(&g_changing));   /* a checkpoint, restore or roll-back is running now */
     jb_bool(j, "rolling_back", atomic_load(&g_rolling_back));
     /* parked on purpose (`gpucr recover` leaves it alone), not by a controller that died or a failed restore */
-    int committed = st.state == AGENT_CHECKPOINTED ? atomic_load(&g_committed) : COMMITTED_NONE;
+    int committed = dp_checkpointed(st.phase) ? atomic_load(&g_committed) : COMMITTED_NONE;
     jb_bool(j, "committed", committed != COMMITTED_NONE);
     jb_str(j, "committed_level", committed == COMMITTED_FULL ? "full" : committed == COMMITTED_DATA ? "data" : "");
     jb_bool(j, "gate_closed", gpucr_gate_is_closed());
@@ -178,7 +115,7 @@ static void reply_status(struct jb *j)
     jb_int(j, "generation", st.generation);
     jb_int(j, "requests_served", (long long)atomic_load(&g_requests_served));   /* this status among them */
     struct pool_stats ps;
-    pool_get_stats(&ps, st.state == AGENT_RUNNING);   /* before the registry lock: pool.c takes its own first */
+    pool_get_stats(&ps, !dp_checkpointed(st.phase));   /* before the registry lock: pool.c takes its own first */
     reg_lock();
     long n = 0, conv = 0, app = 0, kept = 0;
     size_t moved = 0, left = 0;
@@ -511,7 +448,7 @@ static void drop_abandoned_staging(void)
     struct dp_status st;
     dp_get_status(&st);
     char err[200];
-    if (st.state == AGENT_CHECKPOINTED && st.staged && dp_drop_staged(err, sizeof err) == 0)
+    if (st.phase == PH_PARKED && dp_drop_staged(err, sizeof err) == 0)
         gpucr_warn("the controller went away while it read an image: the staging it filled in part is dropped, "
                    "restore from the image");
     end_change();
@@ -527,13 +464,13 @@ static void roll_back_abandoned(void)
     struct dp_status st;
     dp_get_status(&st);
     char aerr[200];
-    if (st.handed) {
+    if (st.phase == PH_HANDED || st.phase == PH_COPIED) {
         /* the memory is still on the GPU, held by the agent's fds: mapped again, no copy. While the driver holds
          * the process checkpointed this fails, and 'gpucr recover' (or a restore) takes it back after the driver's */
         if (dp_abort(aerr, sizeof aerr) == 0)
             gpucr_warn("the controller went away before committing the checkpoint: taken back, the application runs on");
         else gpucr_warn("taking back the memory handed to gpucr's data plane failed: %s; run 'gpucr recover'", aerr);
-    } else if (st.quiesced) {   /* nothing was released yet: reopening the gate undoes it */
+    } else if (st.phase == PH_QUIESCED) {   /* nothing was released yet: reopening the gate undoes it */
         if (dp_abort(aerr, sizeof aerr) == 0)
             gpucr_warn("the controller went away during a checkpoint: aborted, the application runs on");
     }
@@ -740,7 +677,8 @@ static int publish(const char *tmp)
 
 void gpucr_channel_start(void)
 {
-    if (make_runtime_dir()) return;
+    const char *g_dir = gpucr_make_runtime_dir();
+    if (!g_dir) return;
     struct stat ns;
     unsigned long long pidns = stat("/proc/self/ns/pid", &ns) == 0 ? (unsigned long long)ns.st_ino : 0;
     /* pids repeat across pid namespaces sharing a dir: the namespace is part of the name */
@@ -770,6 +708,7 @@ void gpucr_channel_start(void)
     struct stat st;
     g_sock_ino = lstat(g_sock, &st) == 0 ? st.st_ino : 0;
     g_listen = fd;
+    gpucr_runtime_dir_up(true);
     gpucr_spawn_detached(accept_loop, NULL, "gpucr-channel");   /* it must not take signals meant for the application */
     gpucr_log("control channel at %s", g_sock);
 }
@@ -790,6 +729,7 @@ static void after_fork_child(void)
     if (g_listen >= 0) close(g_listen);
     g_listen = -1;
     g_sock[0] = 0;
+    gpucr_runtime_dir_up(false);
     for (int i = 0; i < MAX_CLIENTS; i++)
         if (g_slots[i].id) close(g_slots[i].fd);
     memset(g_slots, 0, sizeof g_slots);
@@ -817,6 +757,8 @@ __attribute__((constructor)) static void agent_start(void)
     /* checked against settings.def: a name longer than g_group holds is refused with a warning, not cut */
     _Static_assert(sizeof g_group == 127 + 1, "GPUCR_GROUP's most in settings.def");
     snprintf(g_group, sizeof g_group, "%s", gpucr_setting_str(SET_GROUP));
+    share_raise_nofile();   /* the agent keeps an fd of every GPU allocation */
+    gpucr_on_first_use(gpucr_channel_first_use);
     gpucr_channel_start();
     pthread_atfork(before_fork, after_fork_parent, after_fork_child);
     atexit(remove_socket);

@@ -15,27 +15,56 @@
 #include <unistd.h>
 #include "pool.h"
 #include "dataplane.h"
+#include "deadline.h"
 #include "registry.h"
 #include "settings.h"
 #include "staging.h"
 
 static struct {
-    enum agent_state state;
+    enum dp_phase phase;
     long generation;
-    bool staged;                /* while checkpointed: the data is in staging (not only in an image) */
     struct phase_times last;
-    /* A checkpoint of several processes goes phase by phase (quiesce all, copy all, release all) so
-     * no process gives memory back before every process sharing it is still and copied: */
-    bool quiesced;              /* staging ready, gate closed, device synchronised; nothing released */
-    bool handed;                /* released, the data handed to gpucr's data plane that copies it: the agent's own
-                                 * fds keep the memory on the GPU until the checkpoint is committed (dp_handover) */
     struct phase_times pending; /* the phases done so far of a checkpoint in progress */
 } g_dp;
 /* The data plane runs in one thread at a time (channel.c's g_op), which reads g_dp freely; what
- * status reports (state, staged, quiesced, handed, generation, last) it changes only under this
- * lock, which dp_get_status takes from the channel's other threads. */
+ * status reports (phase, generation, last) it changes only under this lock, which dp_get_status
+ * takes from the channel's other threads. */
 static pthread_mutex_t g_dp_mu = PTHREAD_MUTEX_INITIALIZER;
 #define DP_SET(...) do { pthread_mutex_lock(&g_dp_mu); __VA_ARGS__; pthread_mutex_unlock(&g_dp_mu); } while (0)
+
+/* ---- the process's phase: every change goes through move(), which refuses one the table does not allow ---- */
+static const char *const PHASE_NAME[] = {"running", "quiesced", "handed", "copied", "parked", "on disk"};
+#define R 1
+/* LEGAL[from][to]. A checkpoint: running (-> quiesced, several processes) -> handed -> copied -> parked (commit);
+ * undone before its commit: quiesced, handed or copied -> running (abort: the agent's fds kept the memory). An
+ * image: parked -> on disk (staging dropped) -> parked (staged to be filled from it). A restore: parked -> running
+ * (every allocation adopted; the gate may stay closed for the relink). */
+static const bool LEGAL[6][6] = {
+    /*              running quiesced handed copied parked on-disk */
+    [PH_RUNNING]  = {0,     R,       R,     0,     0,     0},
+    [PH_QUIESCED] = {R,     0,       R,     0,     0,     0},
+    [PH_HANDED]   = {R,     0,       0,     R,     0,     0},
+    [PH_COPIED]   = {R,     0,       0,     0,     R,     0},
+    [PH_PARKED]   = {R,     0,       0,     0,     0,     R},
+    [PH_ON_DISK]  = {0,     0,       0,     0,     R,     0},
+};
+#undef R
+
+static void seterr(char *err, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+
+/* Whether `step` may move the process from its phase to `to`; when not, err names both phases and the step. */
+static bool may_move(enum dp_phase to, const char *step, char *err, size_t errlen)
+{
+    if (LEGAL[g_dp.phase][to]) return true;
+    seterr(err, errlen, "%s refused: the process is %s, and %s does not lead from there to %s", step,
+           PHASE_NAME[g_dp.phase], step, PHASE_NAME[to]);
+    return false;
+}
+
+const char *dp_phase_name(enum dp_phase ph) { return PHASE_NAME[ph]; }
+
+/* The move itself, once may_move said yes and the step is done (under the status lock). */
+static void move(enum dp_phase to) { DP_SET(g_dp.phase = to); }
 
 static double ms_since(int64_t t0) { return (double)(gpucr_now_ns() - t0) / 1e6; }
 
@@ -55,7 +84,6 @@ void dp_get_progress(unsigned long long *bytes, unsigned long long *steps)
 }
 
 
-static void seterr(char *err, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static void seterr(char *err, size_t len, const char *fmt, ...)
 {
     va_list ap;
@@ -75,72 +103,6 @@ static CUdeviceptr full_mapping_va(const struct phys *p)
 {
     const struct mapping *m = full_mapping(p);
     return m ? m->va : 0;
-}
-
-/* ---- work with a deadline: cuCtxSynchronize and cuMemHostRegister have none (the latter may wait
- * for the device), so such steps run in a helper thread that is left to finish on its own if the
- * deadline passes; a later checkpoint then finds its result (e.g. staging that is ready). ---- */
-struct deadline_job {
-    pthread_mutex_t mu;
-    pthread_cond_t cv;
-    int refs;
-    bool done;
-    int (*fn)(struct deadline_job *);
-    int rc;
-    char err[512];              /* an admission refusal names a cgroup path, the limits and the way out */
-    size_t *sizes;              /* staging job: the allocations to place */
-    int nsizes;
-    CUcontext ctx;              /* staging job: context to register with */
-    CUcontext *ctxs;            /* sync job: contexts to synchronise (malloc'd) */
-    int nctx;
-};
-
-static void job_put(struct deadline_job *j)
-{
-    pthread_mutex_lock(&j->mu);
-    bool last = --j->refs == 0;
-    pthread_mutex_unlock(&j->mu);
-    if (last) { pthread_mutex_destroy(&j->mu); pthread_cond_destroy(&j->cv); free(j->sizes); free(j->ctxs); free(j); }
-}
-
-static void *job_thread(void *arg)
-{
-    struct deadline_job *j = arg;
-    int rc = j->fn(j);
-    pthread_mutex_lock(&j->mu);
-    j->rc = rc;
-    j->done = true;
-    pthread_cond_broadcast(&j->cv);
-    pthread_mutex_unlock(&j->mu);
-    job_put(j);
-    return NULL;
-}
-
-static struct deadline_job *job_new(int (*fn)(struct deadline_job *))
-{
-    struct deadline_job *j = calloc(1, sizeof *j);
-    if (!j) return NULL;
-    pthread_mutex_init(&j->mu, NULL);
-    pthread_cond_init(&j->cv, NULL);
-    j->refs = 2;
-    j->fn = fn;
-    return j;
-}
-
-/* Run the job; 0 when it finished in time (its own result in j->rc), -1 when the deadline passed. */
-static int job_run(struct deadline_job *j, int64_t deadline_ns)
-{
-    if (!gpucr_spawn_detached(job_thread, j, "gpucr-job")) {
-        j->rc = -1;
-        snprintf(j->err, sizeof j->err, "cannot start a thread");
-        j->refs = 1;
-        return 0;
-    }
-    pthread_mutex_lock(&j->mu);
-    while (!j->done && gpucr_now_ns() < deadline_ns) gpucr_cond_wait_step(&j->cv, &j->mu, deadline_ns);
-    bool done = j->done;
-    pthread_mutex_unlock(&j->mu);
-    return done ? 0 : -1;
 }
 
 static int sync_job(struct deadline_job *j)
@@ -279,8 +241,7 @@ static CUresult release_one(struct phys *p, bool keep_own_fd)
 /* Staging ready, gate closed, device synchronised, free pool blocks given back; nothing released. */
 int dp_quiesce(int timeout_ms, char *err, size_t errlen)
 {
-    if (g_dp.state != AGENT_RUNNING) { seterr(err, errlen, "the process is already checkpointed"); return -1; }
-    if (g_dp.quiesced) { seterr(err, errlen, "the process is already quiesced for a checkpoint"); return -1; }
+    if (!may_move(PH_QUIESCED, "quiesce", err, errlen)) return -1;
     char why[512];
     dp_preflight(why, sizeof why);
     if (why[0]) { seterr(err, errlen, "refused before touching the process: %s", why); return -1; }
@@ -344,18 +305,23 @@ int dp_quiesce(int timeout_ms, char *err, size_t errlen)
     pool_trim_for_checkpoint();   /* free pool blocks go back now: only memory in use is moved */
     if (saved) gpucr_use_ctx(saved);
     g_dp.pending = t;
-    DP_SET(g_dp.quiesced = true);
+    move(PH_QUIESCED);
     return 0;
 }
 
 static int take_back(char *err, size_t errlen);
 
-/* Undo a quiesce (nothing left the device, so reopening the gate is all) or an uncommitted handover. */
+/* Undo a quiesce (nothing left the device, so reopening the gate is all) or an uncommitted handover (the agent's
+ * fds kept the memory on the GPU: mapped again). A committed checkpoint is undone only by a restore. */
 int dp_abort(char *err, size_t errlen)
 {
-    if (g_dp.handed) return take_back(err, errlen);   /* the memory is still on the GPU, held by the agent's fds */
-    if (!g_dp.quiesced) { seterr(err, errlen, "no checkpoint in progress to abort"); return -1; }
-    DP_SET(g_dp.quiesced = false);
+    if (g_dp.phase == PH_RUNNING || g_dp.phase == PH_PARKED || g_dp.phase == PH_ON_DISK) {
+        seterr(err, errlen, "no checkpoint in progress to abort (the process is %s)", PHASE_NAME[g_dp.phase]);
+        return -1;
+    }
+    if (!may_move(PH_RUNNING, "abort", err, errlen)) return -1;
+    if (g_dp.phase != PH_QUIESCED) return take_back(err, errlen);
+    move(PH_RUNNING);
     staging_rewind();
     gpucr_gate_open();
     return 0;
@@ -383,11 +349,11 @@ static CUresult place_in_staging(size_t *need)
  * copied here: what is not back leaves the process checkpointed, its data still in staging. */
 int dp_restore(bool drop_staging, bool open_gate, char *err, size_t errlen)
 {
-    if (g_dp.state != AGENT_CHECKPOINTED) { seterr(err, errlen, "the process is not checkpointed"); return -1; }
-    if (g_dp.handed) {
+    if (g_dp.phase == PH_HANDED || g_dp.phase == PH_COPIED) {
         seterr(err, errlen, "its checkpoint was never committed: take it back with 'abort' (the memory never left the GPU)");
         return -1;
     }
+    if (!may_move(PH_RUNNING, "restore", err, errlen)) return -1;
     size_t missing = 0;
     CUdeviceptr first = 0;
     bool unlinked = false;
@@ -406,7 +372,7 @@ int dp_restore(bool drop_staging, bool open_gate, char *err, size_t errlen)
         return -1;
     }
     reg_refresh_devices();   /* the driver's restore may have put the process on other GPUs (--map) */
-    DP_SET(g_dp.state = AGENT_RUNNING);
+    move(PH_RUNNING);
     if (open_gate) gpucr_gate_open();   /* else: shared memory is relinked first, then "resume" */
     /* policy: keep staging for the next cycle (fast) or give the host memory back */
     if (drop_staging || !strcmp(gpucr_setting_str(SET_STAGING_POLICY), "drop")) staging_drop();
@@ -416,10 +382,7 @@ int dp_restore(bool drop_staging, bool open_gate, char *err, size_t errlen)
 void dp_get_status(struct dp_status *out)
 {
     pthread_mutex_lock(&g_dp_mu);
-    out->handed = g_dp.handed;
-    out->staged = g_dp.staged;
-    out->state = g_dp.state;
-    out->quiesced = g_dp.quiesced;
+    out->phase = g_dp.phase;
     out->generation = g_dp.generation;
     out->last = g_dp.last;
     pthread_mutex_unlock(&g_dp_mu);
@@ -454,6 +417,7 @@ bool dp_handable(const struct phys *p) { return p->own_fd >= 0 && dp_makeable(p)
 
 int dp_handover(int timeout_ms, char *err, size_t errlen)
 {
+    if (!may_move(PH_HANDED, "handover", err, errlen)) return -1;
     /* checked before anything is touched, the named refusals (coverage.c) first: what the data plane cannot take
      * is refused. An import is unlinked with no copy (its exporter's memory), kept on the GPU by the agent's fd
      * of it until the checkpoint is committed, so an abort maps it again from that fd. */
@@ -473,8 +437,7 @@ int dp_handover(int timeout_ms, char *err, size_t errlen)
                "checkpoint refused, the application runs on", no, imports);
         return -1;
     }
-    if (!g_dp.quiesced && dp_quiesce(timeout_ms, err, errlen)) return -1;
-    DP_SET(g_dp.quiesced = false);
+    if (g_dp.phase != PH_QUIESCED && dp_quiesce(timeout_ms, err, errlen)) return -1;
     struct phase_times t = g_dp.pending;
     CUcontext saved = NULL;
     if (gpucr_drv.cuCtxGetCurrent) gpucr_drv.cuCtxGetCurrent(&saved);
@@ -494,7 +457,7 @@ int dp_handover(int timeout_ms, char *err, size_t errlen)
         return -1;
     }
     if (saved) gpucr_use_ctx(saved);
-    DP_SET(g_dp.pending = t, g_dp.handed = true, g_dp.state = AGENT_CHECKPOINTED, g_dp.staged = false);
+    DP_SET(g_dp.pending = t, g_dp.phase = PH_HANDED);
     return 0;
 }
 
@@ -521,7 +484,7 @@ static int take_back(char *err, size_t errlen)
     }
     if (first != CUDA_SUCCESS) return -1;
     staging_rewind();
-    DP_SET(g_dp.handed = false, g_dp.staged = false, g_dp.state = AGENT_RUNNING);
+    move(PH_RUNNING);
     gpucr_gate_open();
     return 0;
 }
@@ -529,12 +492,9 @@ static int take_back(char *err, size_t errlen)
 /* The data plane's copy is in staging. The agent's fds still keep the memory on the GPU, until dp_commit. */
 int dp_handed_done(char *err, size_t errlen)
 {
-    if (!g_dp.handed || g_dp.staged) {
-        seterr(err, errlen, g_dp.handed ? "the copy is confirmed already" : "the process's data is not handed over");
-        return -1;
-    }
+    if (!may_move(PH_COPIED, "handed_done", err, errlen)) return -1;
     struct phase_times t = g_dp.pending;
-    DP_SET(g_dp.staged = true, g_dp.last = t, g_dp.generation++);
+    DP_SET(g_dp.phase = PH_COPIED, g_dp.last = t, g_dp.generation++);
     gpucr_log("checkpointed %llu bytes through gpucr's data plane: gate %.1f ms, sync %.1f ms, release %.1f ms",
               (unsigned long long)t.bytes_out, t.gate, t.sync, t.release);
     return 0;
@@ -544,12 +504,12 @@ int dp_handed_done(char *err, size_t errlen)
  * memory leaves the GPU once the data plane has let go of its own. */
 void dp_commit(void)
 {
-    if (!g_dp.handed || !g_dp.staged) return;
+    if (g_dp.phase != PH_COPIED) return;   /* nothing handed over under this lease */
     reg_lock();
     for (struct phys *p = g_reg.all; p; p = p->next_all)
         if (p->released) share_release(p);
     reg_unlock();
-    DP_SET(g_dp.handed = false);
+    move(PH_PARKED);
 }
 
 /* At restore, after the driver's: the server made and filled new memory for the released allocations
@@ -558,8 +518,8 @@ void dp_commit(void)
 int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t errlen)
 {
     *adopted = 0;
-    if (g_dp.state != AGENT_CHECKPOINTED || !g_dp.staged) {
-        seterr(err, errlen, g_dp.state != AGENT_CHECKPOINTED ? "the process is not checkpointed" : "the data is not staged");
+    if (g_dp.phase != PH_PARKED) {
+        seterr(err, errlen, "adopt refused: the process is %s, not parked with its data in staging", PHASE_NAME[g_dp.phase]);
         return -1;
     }
     int k = 0, i = 0;
@@ -573,7 +533,7 @@ int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t
                    (unsigned long long)(p->maps ? p->maps->va : 0), p->size >> 20, gpucr_cu_errstr(rc));
             return -1;
         }
-        back_in_place(p, h, fcntl(fds[i], F_DUPFD_CLOEXEC, 3), alloc_keeps_fd(&p->prop), true);
+        back_in_place(p, h, fcntl(fds[i], F_DUPFD_CLOEXEC, 3), share_keeps_fd(&p->prop), true);
         i++;
         (*adopted)++;
         progress(p->size);
@@ -587,7 +547,7 @@ int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t
 int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t errlen)
 {
     /* while it runs: the segments prepared so far (a gpucr server pins them ahead), with no allocations */
-    if (g_dp.state == AGENT_CHECKPOINTED && !(g_dp.staged || g_dp.handed)) {
+    if (g_dp.phase == PH_ON_DISK) {
         seterr(err, errlen, "the data is not staged");
         return -1;
     }
@@ -630,15 +590,12 @@ int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t e
 
 int dp_drop_staged(char *err, size_t errlen)
 {
-    if (g_dp.state != AGENT_CHECKPOINTED || !g_dp.staged) {
-        seterr(err, errlen, g_dp.state != AGENT_CHECKPOINTED ? "the process is not checkpointed" : "the data is not staged");
-        return -1;
-    }
+    if (!may_move(PH_ON_DISK, "drop", err, errlen)) return -1;
     reg_lock();
     for (struct phys *p = g_reg.all; p; p = p->next_all) p->staging = NULL;
     reg_unlock();
     staging_drop();
-    DP_SET(g_dp.staged = false);
+    move(PH_ON_DISK);
     return 0;
 }
 
@@ -647,10 +604,7 @@ static bool staged_at_checkpoint(const struct phys *p) { return p->released && r
 
 int dp_stage(char *err, size_t errlen)
 {
-    if (g_dp.state != AGENT_CHECKPOINTED || g_dp.staged) {
-        seterr(err, errlen, g_dp.state != AGENT_CHECKPOINTED ? "the process is not checkpointed" : "the data is already staged");
-        return -1;
-    }
+    if (!may_move(PH_PARKED, "stage", err, errlen)) return -1;
     int n = 0, k = 0;
     CUcontext ctx = NULL;
     for (struct phys *p = g_reg.all; p; p = p->next_all) if (staged_at_checkpoint(p)) { n++; ctx = p->ctx; }
@@ -669,7 +623,7 @@ int dp_stage(char *err, size_t errlen)
         p->staging = at;
         reg_unlock();
     }
-    DP_SET(g_dp.staged = true);
+    move(PH_PARKED);
     return 0;
 }
 
@@ -690,7 +644,7 @@ int dp_bind(unsigned sid, unsigned long long key, long owner, unsigned long long
  * the records still (see registry.h), and only then is there anything to do. */
 static bool between_restore_and_resume(char *err, size_t errlen)
 {
-    if (g_dp.state == AGENT_RUNNING && gpucr_gate_is_closed()) return true;
+    if (g_dp.phase == PH_RUNNING && gpucr_gate_is_closed()) return true;
     seterr(err, errlen, "only between a restore that left the gate closed (open_gate=0) and 'resume'");
     return false;
 }
@@ -780,7 +734,7 @@ int dp_orphan(unsigned long long key, size_t *bytes, char *err, size_t errlen)
         CUresult rc = gpucr_drv.cuCtxGetDevice(&dev);
         CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
                                     .location = {CU_MEM_LOCATION_TYPE_DEVICE, dev}};
-        alloc_make_exportable(&prop);
+        share_make_exportable(&prop);
         CUmemGenericAllocationHandle h = 0;
         if (rc == CUDA_SUCCESS) rc = REAL(cuMemCreate)(&h, p->size, &prop, 0);
         if (rc == CUDA_SUCCESS && (rc = map_all(p, h)) != CUDA_SUCCESS) release_handle(h, 1, p);
@@ -789,12 +743,12 @@ int dp_orphan(unsigned long long key, size_t *bytes, char *err, size_t errlen)
             seterr(err, errlen, "replacing shared memory whose exporter is gone failed: %s", gpucr_cu_errstr(rc));
             return -1;
         }
-        int own = alloc_keeps_fd(&prop) ? share_export_own(h) : -1;
+        int own = share_keeps_fd(&prop) ? share_export_own(h) : -1;
         reg_lock();
         p->kind = PHYS_APP_VMM;   /* it is this process's own memory now */
         p->prop = prop;
         p->share_key = 0;
-        share_adopt_own(p, own, alloc_keeps_fd(&prop));
+        share_adopt_own(p, own, share_keeps_fd(&prop));
         reg_unlock();
         linked(p, h);
         *bytes += p->size;
@@ -804,7 +758,7 @@ int dp_orphan(unsigned long long key, size_t *bytes, char *err, size_t errlen)
 
 int dp_resume(char *err, size_t errlen)
 {
-    if (g_dp.state != AGENT_RUNNING) { seterr(err, errlen, "the process is not restored yet"); return -1; }
+    if (g_dp.phase != PH_RUNNING) { seterr(err, errlen, "the process is not restored yet"); return -1; }
     for (struct phys *p = g_reg.all; p; p = p->next_all)
         if (p->released) { seterr(err, errlen, "shared memory is not relinked yet"); return -1; }
     gpucr_gate_open();

@@ -8,16 +8,25 @@ struct phase_times {            /* milliseconds of the last checkpoint's phases 
     uint64_t bytes_out;         /* handed to the data plane */
 };
 
-enum agent_state { AGENT_RUNNING, AGENT_CHECKPOINTED };
+/* The process's phase (dataplane.c's LEGAL table says which step leads from which to which). */
+enum dp_phase {
+    PH_RUNNING,    /* its memory on the GPU (after a restore, its gate may stay closed until "resume") */
+    PH_QUIESCED,   /* gate closed, device still, staging ready; nothing released (several processes' first phase) */
+    PH_HANDED,     /* released to gpucr's data plane, which copies it; the agent's fds keep it on the GPU */
+    PH_COPIED,     /* the plane's copy is in staging; the fds still keep the memory until the commit */
+    PH_PARKED,     /* committed: the memory off the GPU, the data in staging */
+    PH_ON_DISK,    /* committed, the data only in an image (staging given back) */
+};
 
 struct dp_status {
-    enum agent_state state;
-    bool staged;
-    bool quiesced;              /* a checkpoint of several processes is between its phases */
-    bool handed;                /* released, its data copied by gpucr's data plane, not committed (dp_handover) */
+    enum dp_phase phase;
     long generation;            /* completed checkpoints */
     struct phase_times last;
 };
+/* What status says of a phase: checkpointed (the process's memory is not its own now), staged (in host memory). */
+static inline bool dp_checkpointed(enum dp_phase ph) { return ph >= PH_HANDED; }
+static inline bool dp_staged(enum dp_phase ph) { return ph == PH_COPIED || ph == PH_PARKED; }
+const char *dp_phase_name(enum dp_phase ph);
 
 /* Quiesce: staging ready, gate closed, device still, nothing released (several processes go through each
  * phase together); abort undoes a quiesce or an uncommitted handover. */

@@ -1,5 +1,6 @@
-/* The entry table: its instance, the generated gated wrappers, and the resolution of every entry's
- * real driver function through the driver's own resolver. */
+/* The entry table's real driver functions, each resolved through the driver's own resolver, and the driver
+ * functions the agent calls itself (gpucr_drv); errors named. The wrappers and the lookups that hand them out
+ * are table.c's, above everything that defines a wrapper. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
 #include <pthread.h>
@@ -8,44 +9,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include "agent.h"
-#include "registry.h"
-
-/* Prototypes of the hand-written wrappers, so the table can point at them. */
-#define E(kind, sym, base, ver, pt, params, args) GPUCR_EXPORT CUresult sym params;
-#include "entrypoints.def"
-#undef E
-
-/* A gated wrapper: the real call runs with the gate held open. */
-#define WRAP_GATED(sym, params, args)                                  \
-    GPUCR_EXPORT CUresult sym params                                   \
-    {                                                                  \
-        gpucr_init();                                                  \
-        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;               \
-        gpucr_gate_enter();                                            \
-        CUresult rc = REAL(sym) args;                                  \
-        gpucr_gate_leave();                                            \
-        return rc;                                                     \
-    }
-/* A query (entrypoints.def): answered "complete" without the driver once a checkpoint has settled, so a
- * poller neither meets the driver's checkpoint nor stops its thread (which may hold a lock, or Python's
- * GIL) while the process is parked; else like a gated call. */
-#define WRAP_QUERY(sym, params, args)                                  \
-    GPUCR_EXPORT CUresult sym params                                   \
-    {                                                                  \
-        gpucr_init();                                                  \
-        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;               \
-        if (gpucr_gate_query()) return CUDA_SUCCESS;                   \
-        CUresult rc = REAL(sym) args;                                  \
-        gpucr_gate_leave();                                            \
-        return rc;                                                     \
-    }
-#define WRAP_CUSTOM(sym, params, args)
-#define E(kind, sym, base, ver, pt, params, args) WRAP_##kind(sym, params, args)
-#include "entrypoints.def"
-#undef E
 
 struct gpucr_entry gpucr_entries[ENTRY_COUNT] = {
-#define E(kind, sym, base, ver, pt, params, args) [ENTRY_##sym] = {#sym, #base, ver, pt, kind, (void *)sym, NULL},
+#define E(kind, sym, base, ver, pt, params, args) [ENTRY_##sym] = {#sym, #base, ver, pt, kind, NULL},
 #include "entrypoints.def"
 #undef E
 };
@@ -127,38 +93,20 @@ static void do_init(void)
     /* versioned names the resolver knows by their base name */
     gpucr_drv.cuDevicePrimaryCtxRelease_v2 = drv_sym("cuDevicePrimaryCtxRelease");
     gpucr_drv.simcudaIsSimulated = gpucr_real_dlsym(g_libcuda, "simcudaIsSimulated");
-    share_raise_nofile();
     __atomic_store_n(&g_loaded, true, __ATOMIC_RELEASE);
     gpucr_log("driver %s loaded, %d entry points resolved", g_libcuda_path, ENTRY_COUNT);
 }
 
+/* What a first use of CUDA starts besides (the channel of a fork child that had not used CUDA yet), set by the
+ * channel when the agent loads: entry.c sits below it. */
+static void (*g_first_use)(void);
+
+void gpucr_on_first_use(void (*fn)(void)) { g_first_use = fn; }
+
 void gpucr_init(void)
 {
     pthread_once(&g_once, do_init);
-    gpucr_channel_first_use();
-}
-
-const struct gpucr_entry *gpucr_entry_by_symbol(const char *symbol)
-{
-    if (!symbol || symbol[0] != 'c' || symbol[1] != 'u') return NULL;
-    for (int i = 0; i < ENTRY_COUNT; i++)
-        if (strcmp(gpucr_entries[i].symbol, symbol) == 0) return &gpucr_entries[i];
-    return NULL;
-}
-
-const struct gpucr_entry *gpucr_entry_by_real(void *real)
-{
-    if (!real) return NULL;
-    for (int i = 0; i < ENTRY_COUNT; i++)
-        if (gpucr_entries[i].real == real) return &gpucr_entries[i];
-    return NULL;
-}
-
-bool gpucr_is_wrapper(void *p)
-{
-    for (int i = 0; i < ENTRY_COUNT; i++)
-        if (gpucr_entries[i].wrapper == p) return true;
-    return false;
+    if (g_first_use) g_first_use();
 }
 
 const char *gpucr_cu_errstr(CUresult rc)
@@ -189,21 +137,4 @@ void gpucr_use_ctx(CUcontext ctx)
      * exit came here on the H200, twice per run, with nothing left to do) */
     if (rc != CUDA_SUCCESS && rc != CUDA_ERROR_DEINITIALIZED)
         gpucr_cu_warn(rc, "cuCtxSetCurrent (context %p)", (void *)ctx);
-}
-
-/* For the table test: the agent's view of its own table, one "symbol base version per_thread kind" per line. */
-GPUCR_EXPORT const char *gpucr_entry_table(void)
-{
-    static char *text;
-    if (text) return text;
-    size_t cap = 128 * ENTRY_COUNT, len = 0;
-    char *buf = malloc(cap);
-    if (!buf) return "";
-    for (int i = 0; i < ENTRY_COUNT; i++) {
-        const struct gpucr_entry *e = &gpucr_entries[i];
-        len += (size_t)snprintf(buf + len, cap - len, "%s %s %d %d %s\n", e->symbol, e->base, e->version, e->per_thread,
-                                e->kind == GATED ? "GATED" : e->kind == QUERY ? "QUERY" : "CUSTOM");
-    }
-    text = buf;
-    return text;
 }

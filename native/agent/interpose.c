@@ -1,5 +1,5 @@
-/* Every way a library can reach a driver function: dlsym on libcuda, the driver's resolvers
- * (cuGetProcAddress, cuGetProcAddress_v2) and the runtime's (cudaGetDriverEntryPoint*).
+/* Every way a library can reach a driver function: dlsym on libcuda and the runtime's resolvers
+ * (cudaGetDriverEntryPoint*); the driver's own (cuGetProcAddress*) are entries of the table (table.c).
  * Rule: resolve first with the caller's own name, version and flags; only when that succeeded,
  * hand back the wrapper whose real function is exactly the pointer the resolver returned. A pointer
  * the table does not know is returned unchanged, so no caller ever gets a wrapper of another ABI. */
@@ -8,31 +8,6 @@
 #include <link.h>
 #include <string.h>
 #include "agent.h"
-
-static void *substitute(void *p)
-{
-    if (!p || gpucr_is_wrapper(p)) return p;
-    const struct gpucr_entry *e = gpucr_entry_by_real(p);
-    return e ? e->wrapper : p;
-}
-
-GPUCR_EXPORT CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, cuuint64_t flags, int *status)
-{
-    gpucr_init();
-    if (!REAL(cuGetProcAddress_v2)) return CUDA_ERROR_NOT_SUPPORTED;
-    CUresult rc = REAL(cuGetProcAddress_v2)(sym, pfn, ver, flags, status);
-    if (rc == CUDA_SUCCESS && pfn) *pfn = substitute(*pfn);
-    return rc;
-}
-
-GPUCR_EXPORT CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, cuuint64_t flags)
-{
-    gpucr_init();
-    if (!REAL(cuGetProcAddress)) return CUDA_ERROR_NOT_SUPPORTED;
-    CUresult rc = REAL(cuGetProcAddress)(sym, pfn, ver, flags);
-    if (rc == CUDA_SUCCESS && pfn) *pfn = substitute(*pfn);
-    return rc;
-}
 
 /* libc's own dlmopen and dlclose, never a preloaded tool's wrapper of them: a tool that wraps them
  * (compute-sanitizer's collection library does) finds the real one, inside its wrapper and under its own
@@ -94,7 +69,7 @@ GPUCR_EXPORT void *dlsym(void *handle, const char *name)
     /* The wrapper itself resolves its real function lazily, so nothing is initialised here: the
      * driver may call dlsym while it is being loaded. */
     const struct gpucr_entry *e = gpucr_entry_by_symbol(name);
-    return e ? e->wrapper : p;
+    return e ? gpucr_wrapper_of(e) : p;
 }
 
 #endif
@@ -133,7 +108,7 @@ static void *cudart_sym(const char *name)
         if (!real) real = (cudaError_t(*) params)cudart_sym(#fn);              \
         if (!real) return 801; /* cudaErrorNotSupported */                     \
         cudaError_t rc = real args;                                            \
-        if (rc == 0 && pfn) *pfn = substitute(*pfn);                           \
+        if (rc == 0 && pfn) *pfn = gpucr_substitute(*pfn);                           \
         return rc;                                                             \
     }
 

@@ -244,7 +244,7 @@ static struct seg *seg_new(struct apool *pl, int cls, size_t size, CUcontext ctx
 {
     if (pl->max_size && pl->reserved + size > pl->max_size) return NULL;
     CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED, .location = {CU_MEM_LOCATION_TYPE_DEVICE, pl->dev}};
-    alloc_make_exportable(&prop);   /* a gpucr server can be handed it, as every allocation the agent manages */
+    share_make_exportable(&prop);   /* a gpucr server can be handed it, as every allocation the agent manages */
     int nslots = cls == LARGE ? 1 : (int)(size >> (MIN_SHIFT + cls));
     struct seg *sg = calloc(1, sizeof *sg + sizeof(struct slot) * (size_t)nslots);
     if (!sg) return NULL;
@@ -265,7 +265,7 @@ static struct seg *seg_new(struct apool *pl, int cls, size_t size, CUcontext ctx
     struct phys *p = NULL;
     if (rc == CUDA_SUCCESS) {
         reg_learn_ctx(ctx);   /* asks the driver: before the registry lock */
-        bool keep = alloc_keeps_fd(&prop);
+        bool keep = share_keeps_fd(&prop);
         int own = keep ? share_export_own(h) : -1;
         reg_lock();
         p = reg_phys_new(PHYS_CONVERTED, h, size, &prop, ctx);

@@ -3,6 +3,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "registry.h"
 
 struct registry g_reg;
@@ -202,10 +203,18 @@ void reg_set_real(struct phys *p, CUmemGenericAllocationHandle real)
     if (real) reg_put(&g_reg.by_real_handle, real, p, "a driver handle");
 }
 
+void reg_phys_close_fds(struct phys *p)
+{
+    for (int i = 0; i < p->share_ndups; i++) close(p->share_dups[i]);
+    p->share_ndups = 0;
+    if (p->own_fd >= 0) close(p->own_fd);
+    p->own_fd = -1;
+}
+
 void reg_phys_free(struct phys *p)
 {
     if (p->own_fd_missing) g_reg.unexportable--;
-    share_close_fds(p);   /* an open fd would keep the memory on the GPU */
+    reg_phys_close_fds(p);   /* an open fd would keep the memory on the GPU */
     while (p->maps) reg_map_remove(p->maps);
     reg_set_real(p, 0);
     if (p->app_handle) hmap_del(&g_reg.by_app_handle, p->app_handle);
@@ -309,7 +318,7 @@ void reg_reset_after_fork(void)
     /* the child's copies of the agent's fds of shared memory would keep the parent's GPU memory
      * alive (a DataLoader worker pinning VRAM while its parent is parked): close them (close is
      * async-signal-safe) */
-    for (struct phys *p = g_reg.all; p; p = p->next_all) share_close_fds(p);
+    for (struct phys *p = g_reg.all; p; p = p->next_all) reg_phys_close_fds(p);
     g_reg.all = NULL;   /* the parent's records are leaked in the child on purpose: never freed twice */
     struct hmap *maps[] = {&g_reg.by_app_handle, &g_reg.by_real_handle, &g_reg.conv_by_va, &g_reg.map_by_va,
                            &g_reg.native_by_va, &g_reg.pool_by_va, &g_reg.managed_by_va};
@@ -321,4 +330,38 @@ void reg_reset_after_fork(void)
     g_reg.ctxs = NULL; g_reg.nctx = g_reg.ctx_cap = 0;
     g_reg.peers = NULL; g_reg.npeers = g_reg.peer_cap = 0;
     g_reg.lost = 0; g_reg.lost_why[0] = 0;
+}
+
+/* ---- plain allocations the driver keeps (native), counted per kind ---- */
+void note_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, size_t size)
+{
+    CUcontext ctx = NULL;
+    CUdevice dev = -1;
+    if (gpucr_drv.cuCtxGetDevice(&dev) != CUDA_SUCCESS) dev = -1;
+    if (gpucr_drv.cuCtxGetCurrent(&ctx) == CUDA_SUCCESS) reg_learn_ctx(ctx);
+    reg_lock();
+    if (reg_put(map, ptr, reg_native_value(size, dev), "a plain allocation") == 0) {
+        *bytes += size;
+        (*count)++;
+    }
+    reg_unlock();
+}
+
+/* Forget a native allocation before the driver frees it (once freed, another thread's allocation may
+ * get its address and be recorded under it); its record, NULL if `map` had none. */
+void *take_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr)
+{
+    reg_lock();
+    void *v = hmap_del(map, ptr);
+    if (v) { *bytes -= reg_native_size(v); (*count)--; }
+    reg_unlock();
+    return v;
+}
+
+/* The driver did not free it after all: it is the application's still. */
+void keep_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, void *v)
+{
+    reg_lock();
+    if (reg_put(map, ptr, v, "a plain allocation") == 0) { *bytes += reg_native_size(v); (*count)++; }
+    reg_unlock();
 }

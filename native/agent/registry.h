@@ -136,10 +136,8 @@ CUresult alloc_free_converted(CUdeviceptr va);
 void note_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, size_t size);
 void *take_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr);
 void keep_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, void *v);
-/* Whether the agent keeps an fd of memory with these properties (device memory exportable as a POSIX
- * fd), and making device memory so where its device can (true: the agent added the type). alloc.c. */
-bool alloc_keeps_fd(const CUmemAllocationProp *prop);
-bool alloc_make_exportable(CUmemAllocationProp *prop);
+/* Close the fds the agent holds of p's memory (its own and the duplicates of shared ones): each keeps it on the GPU. */
+void reg_phys_close_fds(struct phys *p);
 /* Whether the data plane moves this allocation itself (else the driver's checkpoint does). */
 bool reg_phys_movable(const struct phys *p);
 void reg_reset_after_fork(void);
@@ -150,11 +148,16 @@ bool share_same_file(int a, int b);
 uint64_t share_new_key(void);
 /* Keep a duplicate of an fd exported or imported for p (and give p its sid). */
 void share_keep_fd(struct phys *p, int fd);
-void share_close_fds(struct phys *p);
 /* How many of the application's open fds are p's memory (they keep it on the GPU). */
 int share_open_fds(const struct phys *p);
 /* p's memory is being released: count the application's fds of it, then close the agent's own. */
 void share_release(struct phys *p);
+/* Whether the agent keeps an fd of memory with these properties: device memory (host-located memory is not GPU
+ * data) that can be exported as a POSIX fd. */
+bool share_keeps_fd(const CUmemAllocationProp *prop);
+/* Device memory made exportable as a POSIX fd where its device can (so the data plane can be handed it); true
+ * when the agent added the type the application did not ask for. */
+bool share_make_exportable(CUmemAllocationProp *prop);
 /* The process uses CUDA, so the agent will keep an fd per allocation: soft RLIMIT_NOFILE to the hard one. */
 void share_raise_nofile(void);
 /* The agent's own fd of memory it manages: an export of `real` (registry NOT locked: asks the

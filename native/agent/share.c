@@ -14,7 +14,7 @@
  * gpucr server can be handed the memory: alloc.c makes it exportable, and since an imported handle
  * cannot be exported again (measured on the driver), the application's own export is answered with
  * a dup of this fd. An open fd keeps the memory on the GPU, so it is closed with the memory's last
- * handle, at a checkpoint's release and in a fork child (share_close_fds), and every fd is CLOEXEC.
+ * handle, at a checkpoint's release and in a fork child (reg_phys_close_fds), and every fd is CLOEXEC.
  * Thousands of allocations (expandable segments) mean thousands of fds: once the process uses CUDA,
  * the soft RLIMIT_NOFILE is raised to the hard one. The agent leaves the last sixteenth of the table
  * (64 fds at least) to the application and the driver: past that an allocation works on without an
@@ -82,14 +82,6 @@ void share_keep_fd(struct phys *p, int fd)
     p->share_dups[p->share_ndups++] = d;
 }
 
-void share_close_fds(struct phys *p)
-{
-    for (int i = 0; i < p->share_ndups; i++) close(p->share_dups[i]);
-    p->share_ndups = 0;
-    if (p->own_fd >= 0) close(p->own_fd);
-    p->own_fd = -1;
-}
-
 static bool is_our_dup(int fd)
 {
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
@@ -98,6 +90,30 @@ static bool is_our_dup(int fd)
             if (p->share_dups[i] == fd) return true;
     }
     return false;
+}
+
+bool share_keeps_fd(const CUmemAllocationProp *prop)
+{
+    return prop->location.type == CU_MEM_LOCATION_TYPE_DEVICE && (prop->requestedHandleTypes & 1 /* POSIX fd */);
+}
+
+/* Device memory is made exportable as a POSIX fd where its device can (so a gpucr server can be
+ * handed it); true when the agent added the type the application did not ask for. */
+bool share_make_exportable(CUmemAllocationProp *prop)
+{
+    enum { ATTR_POSIX_FD_SUPPORTED = 103 };   /* CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED */
+    static _Atomic signed char supported[64];   /* per device: 0 unknown, 1 yes, -1 no */
+    int dev = prop->location.id;
+    if (prop->location.type != CU_MEM_LOCATION_TYPE_DEVICE || (prop->requestedHandleTypes & 1 /* POSIX fd */) ||
+        dev < 0 || dev >= 64 || !gpucr_drv.cuDeviceGetAttribute)
+        return false;
+    if (!supported[dev]) {
+        int v = 0;
+        supported[dev] = gpucr_drv.cuDeviceGetAttribute(&v, ATTR_POSIX_FD_SUPPORTED, dev) == CUDA_SUCCESS && v ? 1 : -1;
+    }
+    if (supported[dev] < 0) return false;
+    prop->requestedHandleTypes |= 1 /* POSIX fd */;
+    return true;
 }
 
 void share_raise_nofile(void)
@@ -182,5 +198,5 @@ int share_open_fds(const struct phys *p)
 void share_release(struct phys *p)
 {
     if (p->share_ndups) p->share_open_at_release = share_open_fds(p);
-    share_close_fds(p);   /* the agent's own fd too: parked, it would keep the memory on the GPU */
+    reg_phys_close_fds(p);   /* the agent's own fd too: parked, it would keep the memory on the GPU */
 }

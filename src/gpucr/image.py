@@ -18,7 +18,7 @@ from .errors import GpucrError
 from .imagefs import ImageDir, try_direct
 from .manifest import check_coverage
 
-CHUNK = 64 << 20   # the agent copies in chunks of the same size (native/agent/dataplane.c)
+CHUNK = 64 << 20   # the data plane's copies go in pieces of the same size (dataplane/mover.py)
 DATA = "data.bin"
 IN_FLIGHT = 4
 _ZERO = bytes(CHUNK)

@@ -30,7 +30,7 @@ def simcuda_dir() -> Path:
 # private to the process's user (owner, mode 0700, not a link) is refused, except under the last rule,
 # where the name is one anyone can take first: there the agent falls back to a private dir it makes
 # itself (mkdtemp), /tmp/gpucr-<uid>.XXXXXX, and the controller looks in those it can verify. The same
-# table is in native/agent/channel.c; tests/test_security.py holds the two to it.
+# table is in native/agent/rundir.c; tests/test_security.py holds the two to it.
 RUNTIME_DIR_RULES: tuple[tuple[str | None, str, str], ...] = (
     ("GPUCR_RUNTIME_DIR", "{GPUCR_RUNTIME_DIR}", "refuse"),
     ("XDG_RUNTIME_DIR", "{XDG_RUNTIME_DIR}/gpucr", "refuse"),

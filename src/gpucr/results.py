@@ -219,6 +219,7 @@ class MemoryCgroup:
 class ProcessStatus:
     pid: int
     state: str                        # running | checkpointed
+    phase: str                        # the agent's: running | quiesced | handed | copied | parked | on disk
     level: str | None                 # full | data while checkpointed
     driver_state: str | None          # the driver's view: running | locked | checkpointed | failed; null without CUDA
     cmd: str

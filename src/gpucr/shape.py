@@ -80,7 +80,8 @@ def process_status(st: dict[str, Any], now: dict[str, gpus.Usage]) -> ProcessSta
               "not_exportable")
     times = ("staging", "gate", "sync", "release")
     return ProcessStatus(
-        pid=st["pid"], state=st["state"], level=st.get("level"), driver_state=st.get("driver_state"),
+        pid=st["pid"], state=st["state"], phase=st.get("phase", ""), level=st.get("level"),
+        driver_state=st.get("driver_state"),
         cmd=st.get("cmd", ""), start_time=st["start_time"], cuda=bool(st.get("cuda")),
         simulated=bool(st.get("simulated")), group=st.get("group", ""), busy=bool(st.get("busy")),
         rolling_back=bool(st.get("rolling_back")), committed=bool(st.get("committed")),

@@ -9,7 +9,7 @@ server makes new memory of the same sizes on the same GPUs, fills it from stagin
 restores the process, and exports each as an fd that the agent maps at the old addresses.
 
 The staging stays the agent's: a server that dies leaves it with the process, so nothing is lost, and
-a restore can always fall back to the agent's own copy from it.
+any mover (a new server, or the CLI's own: cli_plane.py) restores from it.
 """
 from __future__ import annotations
 
@@ -229,8 +229,8 @@ class Mover:
                             lambda: self._move(owner(pid), layout, seg_fds, memory, out=False, image=image))
 
     def pin_ahead(self, pid: int, layout: dict[str, Any], seg_fds: list[int], uuid: str) -> int:
-        """Map and pin the staging a running process prepared ahead (`gpucr run --staging-ahead`), so its
-        first checkpoint through the server pins nothing; returns the bytes newly pinned. `uuid`: a GPU the
+        """Map and pin the staging a running process holds (kept from an earlier cycle this server did not make), so
+        its next checkpoint through the server pins nothing; returns the bytes newly pinned. `uuid`: a GPU the
         process uses (the server's context there pins it)."""
         # Pinned outside the lock: tens of GiB take seconds, and a checkpoint must not wait for them (under
         # the lock, it held a process, handed over, 10.6 s on the H200). A running process has no allocations

@@ -1,0 +1,56 @@
+"""The agent's process phases (issue 25: an explicit state per process, each transition checked in one function
+that refuses an illegal one by name): running -> (quiesced) -> handed -> copied -> parked (-> on disk -> parked)
+-> running; status says the phase, and a step that does not lead from the phase the process is in is refused,
+naming both phases, with nothing touched."""
+from __future__ import annotations
+
+import pytest
+
+import gpucr
+from gpucr import paths
+from gpucr.agent import AgentClient
+from gpucr.errors import GpucrError
+from gpucr.target import agent_socket_name
+
+
+def agent(pid: int) -> AgentClient:
+    return AgentClient(paths.runtime_dir() / agent_socket_name(pid), pid)
+
+
+def phase(pid: int) -> str:
+    with agent(pid) as a:
+        return a.call("status")["phase"]
+
+
+@pytest.mark.parametrize("verb,args,refusal", [
+    ("handed_done", {}, "handed_done refused: the process is running, and handed_done does not lead from there to copied"),
+    ("stage", {}, "stage refused: the process is running, and stage does not lead from there to parked"),
+    ("drop", {}, "drop refused: the process is running, and drop does not lead from there to on disk"),
+    ("restore", {"open_gate": 0}, "restore refused: the process is running, and restore does not lead from there to running"),
+    ("adopt", {"from": 0}, "adopt refused: the process is running, not parked with its data in staging"),
+    ("abort", {}, "no checkpoint in progress to abort (the process is running)"),
+])
+def test_a_step_that_does_not_lead_from_the_phase_is_refused_by_name(sim_app, verb, args, refusal):
+    app = sim_app("--sizes", "8M")
+    before = app.ask("digest")
+    with agent(app.pid) as a, pytest.raises(GpucrError, match=refusal.replace("(", r"\(").replace(")", r"\)")):
+        a.call(verb, **args)
+    assert phase(app.pid) == "running" and app.ask("digest") == before
+
+
+def test_status_follows_the_phases_of_a_cycle_and_an_image(sim_app, tmp_path):
+    app = sim_app("--sizes", "8M")
+    before = app.ask("digest")
+    assert phase(app.pid) == "running"
+    gpucr.checkpoint(app.pid)
+    assert phase(app.pid) == "parked"
+    with agent(app.pid) as a, pytest.raises(GpucrError, match="handover refused: the process is parked"):
+        a.call("handover", lease=0)
+    gpucr.restore(app.pid)
+    assert phase(app.pid) == "running"
+    gpucr.checkpoint(app.pid, image=tmp_path / "img")
+    assert phase(app.pid) == "on disk"
+    with agent(app.pid) as a, pytest.raises(GpucrError, match="adopt refused: the process is on disk"):
+        a.call("adopt", **{"from": 0})
+    gpucr.restore(app.pid, image=tmp_path / "img")
+    assert phase(app.pid) == "running" and app.ask("digest") == before
