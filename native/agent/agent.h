@@ -37,7 +37,7 @@
 #define GPUCR_EXPORT __attribute__((visibility("default")))
 
 /* ---- entry table (entry.c) ---- */
-enum gpucr_entry_kind { GATED, QUERY, CUSTOM };
+enum gpucr_entry_kind { GATED, WAITS, QUERY, CUSTOM };
 enum gpucr_entry_id {
 #define E(kind, sym, base, ver, pt, params, args) ENTRY_##sym,
 #include "entrypoints.def"
@@ -115,7 +115,18 @@ void gpucr_use_ctx(CUcontext ctx);
 const char *gpucr_libcuda_path(void);
 
 /* ---- gate (gate.c) ---- */
+/* A call that submits work or changes memory: its time is recorded (the last submission, for idle parking);
+ * at the closed gate it raises the demand flag (once per park) before it waits. */
 void gpucr_gate_enter(void);
+/* A call that waits at the closed gate like any other but is not demand (synchronizes, records, context
+ * switches, the agent's own threads). */
+void gpucr_gate_enter_waiting(void);
+/* The swap service's view (status): the last submission and the demand raised while parked. */
+struct jb;
+void gpucr_gate_json(struct jb *j);
+/* `watch` (the gpucr server, once it parked the process): waits, on the channel's thread, until a demanding
+ * call raises the flag, the gate opens, or the server hangs up (client_fd readable); answers which. */
+void gpucr_gate_watch(struct jb *j, int client_fd);
 void gpucr_gate_leave(void);
 /* Close the gate and wait for calls in flight; false (gate reopened) if they do not drain in time. */
 bool gpucr_gate_close(int64_t deadline_ns, long *in_flight_left);
@@ -137,6 +148,8 @@ void gpucr_cond_wait_step(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t deadl
 /* Start fn(arg) in a detached thread that takes none of the application's signals; false if it
  * could not be started. */
 bool gpucr_spawn_detached(void *(*fn)(void *), void *arg);
+/* Whether the calling thread is one the agent started (gpucr_spawn_detached): never the application's activity. */
+bool gpucr_agent_thread(void);
 /* An integer setting from the environment; dflt when unset or empty. */
 long gpucr_env_long(const char *name, long dflt);
 void gpucr_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -1,0 +1,195 @@
+"""The server's swap service: apps register (`gpucr run --swap`), an idle one is parked, a parked one is watched
+for demand and resumed at its first demanding call, one that ends is dropped.
+
+The server lends its own park and resume (its data plane, as `gpucr checkpoint` and `restore` through it); this
+module decides when, and keeps the registry (apps.py). A parked app is watched by one connection to its agent
+(`watch`), answered when a demanding call meets its closed gate: no polling, one wake-up per park.
+"""
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+from .. import target as targets
+from ..errors import GpucrError
+from .apps import NAME_MAX, PARKED, PARKING, RESIDENT, RESUMING, Apps, SwapApp, now
+
+WATCH_FOREVER_S = 10 * 365 * 86400.0   # a watch lasts as long as the park; the app's end or ours closes it
+PRIORITY_MAX = 1000
+
+
+def _reason(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, GpucrError) else f"{type(exc).__name__}: {exc}"
+
+
+def _seconds(v: Any, what: str, allow_none: bool = False) -> float | None:
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 30 * 86400:
+        raise ValueError(f"{what} must be a number of seconds from 0 to 30 days, not {v!r}")
+    return float(v)
+
+
+class SwapService:
+    def __init__(self, park: Callable[[int], None], resume: Callable[[int], None], log: Callable[[str], None]) -> None:
+        """park(pid) / resume(pid): the server's checkpoint and restore of one process (raise on failure)."""
+        self.apps = Apps()
+        self._park, self._resume, self._log = park, resume, log
+        self._turns: dict[int, threading.Lock] = {}   # per app: one park or resume at a time
+        self._turns_lock = threading.Lock()
+        self._watches: dict[int, Any] = {}             # pid -> the agent connection its watch waits on
+        self._stopping = False
+
+    # ---- registration (the server's `swap_register` request) ----
+
+    @staticmethod
+    def registration(args: dict[str, Any]) -> SwapApp:
+        """A registration's args checked (ValueError: malformed), as the app it registers (its start time unknown)."""
+        pid = args["pid"]
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+            raise ValueError(f"{pid!r} is not a pid")
+        name = args.get("name")
+        if not isinstance(name, str) or not 0 < len(name) <= NAME_MAX or not name.isprintable() or " " in name:
+            raise ValueError(f"a swap app's name is 1 to {NAME_MAX} printable characters without spaces, not {name!r}")
+        priority = args.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > PRIORITY_MAX:
+            raise ValueError(f"priority must be a whole number from -{PRIORITY_MAX} to {PRIORITY_MAX}, not {priority!r}")
+        return SwapApp(pid, 0, name, priority, _seconds(args.get("min_resident", 0.0), "--min-resident") or 0.0,
+                       _seconds(args.get("idle_park"), "--idle-park", allow_none=True))
+
+    def register(self, app: SwapApp) -> dict[str, Any]:
+        """Add the app, resident; GpucrError when its process is gone or its name is taken."""
+        try:
+            app.start_time = targets.process_start_time(app.pid)
+        except (OSError, ValueError, IndexError):
+            raise GpucrError(f"no process with pid {app.pid} to register as a swap app") from None
+        self.apps.add(app)
+        self._log(f"swap app {app.name} (pid {app.pid}) registered: priority {app.priority}, min-resident "
+                  f"{app.min_resident_s:g} s, idle-park {'off' if app.idle_park_s is None else f'{app.idle_park_s:g} s'}")
+        return app.row(now())
+
+    # ---- what the server reads anyway ----
+
+    def observe(self, pid: int, status: dict[str, Any]) -> None:
+        self.apps.observe(pid, status)
+
+    def observe_resident(self) -> None:
+        """With nothing else reading the agents each tick (no pinning ahead), the resident apps' status, once."""
+        for app in self.apps.all():
+            if app.state != RESIDENT:
+                continue
+            try:
+                with targets.resolve(app.pid).connect() as agent:
+                    self.apps.observe(app.pid, agent.call("status", timeout=5.0))
+            except (OSError, GpucrError):
+                pass   # not up yet, or ending: the tick drops it once it has ended
+
+    # ---- the tick: ends and idleness ----
+
+    def tick(self) -> None:
+        at = now()
+        for app in self.apps.all():
+            if targets.process_ended(app.pid, app.start_time):
+                self._forget(app, "it ended")
+            elif self._idle_for_parking(app, at):
+                self.park(app.pid, f"idle {app.idle_s(at):.1f} s (--idle-park {app.idle_park_s:g})")
+
+    @staticmethod
+    def _idle_for_parking(app: SwapApp, at: float) -> bool:
+        return (app.state == RESIDENT and app.idle_park_s is not None and sum(app.held.values()) > 0
+                and app.idle_s(at) >= app.idle_park_s and at - app.resident_since >= app.min_resident_s)
+
+    def _forget(self, app: SwapApp, why: str) -> None:
+        if self.apps.drop(app.pid) is not None:
+            self._log(f"swap app {app.name} (pid {app.pid}) dropped: {why}")
+        self._end_watch(app.pid)
+        with self._turns_lock:
+            self._turns.pop(app.pid, None)
+
+    # ---- park, watch, resume ----
+
+    def _turn(self, pid: int) -> threading.Lock:
+        with self._turns_lock:
+            return self._turns.setdefault(pid, threading.Lock())
+
+    def park(self, pid: int, why: str) -> bool:
+        """Park a resident app (the server's checkpoint) and watch it for demand; False when it stays resident."""
+        with self._turn(pid):
+            app = self.apps.get(pid)
+            if app is None or app.state != RESIDENT:
+                return False
+            self.apps.set_state(pid, PARKING)
+            t0 = now()
+            try:
+                self._park(pid)
+            except Exception as exc:   # noqa: BLE001 - the app stays resident whatever failed; said once per try
+                app.last_submit = now()   # tried again after another idle period, not every tick
+                self.apps.set_state(pid, RESIDENT, f"park failed: {_reason(exc)}")
+                self._log(f"parking swap app {app.name} (pid {pid}) failed, it stays resident: {_reason(exc)}")
+                return False
+            app.parks += 1
+            self.apps.set_state(pid, PARKED)
+            self._log(f"parked swap app {app.name} (pid {pid}): {why}; {now() - t0:.3f} s")
+        threading.Thread(target=self._watch, args=(pid,), daemon=True, name=f"gpucr-swap-watch-{pid}").start()
+        return True
+
+    def _watch(self, pid: int) -> None:
+        """Wait for the parked app's first demanding call (its agent answers `watch`), then resume it."""
+        app = self.apps.get(pid)
+        if app is None:
+            return
+        try:
+            with targets.resolve(pid).connect() as agent:
+                self._watches[pid] = agent
+                if self._stopping:
+                    return
+                ans = agent.call("watch", timeout=WATCH_FOREVER_S)
+        except (OSError, GpucrError) as exc:
+            if targets.process_ended(app.pid, app.start_time):
+                self._forget(app, "it ended while parked")
+            elif not self._stopping and self._watches.get(pid) is not None:
+                self._log(f"watching parked swap app {app.name} (pid {pid}) failed: {_reason(exc)}; it stays parked "
+                          f"until 'gpucr restore {pid}'")
+            return
+        finally:
+            self._watches.pop(pid, None)
+        woke = ans.get("woke")
+        if woke == "demand":
+            self.resume(pid, int(ans.get("demand_ns") or 0))
+        elif woke == "opened":   # restored by someone else (`gpucr restore`): resident again
+            self.apps.set_state(pid, RESIDENT)
+
+    def _end_watch(self, pid: int) -> None:
+        agent = self._watches.pop(pid, None)
+        if agent is not None:
+            agent.hang_up()
+
+    def resume(self, pid: int, demand_ns: int) -> bool:
+        """Resume a parked app on its demand (the server's restore); the time from its demanding call to the start
+        of the restore is logged and kept."""
+        with self._turn(pid):
+            app = self.apps.get(pid)
+            if app is None or app.state != PARKED:
+                return False
+            self.apps.set_state(pid, RESUMING)
+            start = now()
+            app.last_wake_ms = round((start * 1e9 - demand_ns) / 1e6, 3) if demand_ns else None
+            self._log(f"resuming swap app {app.name} (pid {pid}) on demand: {app.last_wake_ms} ms from its demanding "
+                      "call to the start of its restore")
+            try:
+                self._resume(pid)
+            except Exception as exc:   # noqa: BLE001 - said, and left for a person: its callers wait at the gate
+                self.apps.set_state(pid, PARKED, f"resume failed: {_reason(exc)}")
+                self._log(f"resuming swap app {app.name} (pid {pid}) failed: {_reason(exc)}; restore it with "
+                          f"'gpucr restore {pid}'")
+                return False
+            app.resumes += 1
+            app.last_submit = now()
+            self.apps.set_state(pid, RESIDENT)
+            self._log(f"resumed swap app {app.name} (pid {pid}) in {now() - start:.3f} s")
+        return True
+
+    def close(self) -> None:
+        self._stopping = True
+        for pid in list(self._watches):
+            self._end_watch(pid)

@@ -1,0 +1,151 @@
+"""The swap service on simcuda (issue 27): real processes under `gpucr run --swap`, a `gpucr serve` kept running,
+real sockets. Apps are registered and shown, parked when idle (polling does not count), resumed at their first
+demanding call with their data intact, and dropped when they end."""
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import sys
+import time
+
+import pytest
+
+from conftest import RunningServer, gpucr_cli
+from gpucr.workloads.runner import Workload
+
+IDLE_PARK_S = 1.0
+# what the wake is allowed on this shared machine (issue 27 asks 20 ms on the H200; the log says each one)
+WAKE_BOUND_MS = 250.0
+# the calls that wait at a parked app's closed gate but do not bring it back (entrypoints.def; measured on the
+# H200, ../shared/repro/polling-2026-12-02/): queries are answered while parked, the others wait
+NOT_DEMAND = ("stream-query", "event-query", "ctx-sync", "stream-sync", "event-sync", "event-record")
+# and the calls that do bring it back: a driver_app command that makes one of each
+DEMAND = {"launch": "work 0", "copy": "digest", "memset": "zero 0", "allocation": "alloc 65536"}
+
+
+@pytest.fixture
+def swap_server():
+    srv = RunningServer(True)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def swap_app(swap_server):
+    apps: list[Workload] = []
+
+    def start(name: str, *flags: str, sizes: str = "8M,3M") -> Workload:
+        argv = [sys.executable, "-m", "gpucr.cli", "run", "--simulate", "--swap", "--name", name, *flags, "--",
+                sys.executable, "-m", "gpucr.workloads.driver_app", "--sizes", sizes]
+        w = Workload("driver_app", simulate=True, argv=argv)
+        apps.append(w)
+        return w
+
+    yield start
+    for w in apps:
+        if w.proc.poll() is None:
+            w.proc.kill()
+        w.proc.wait()
+
+
+def _apps(srv: RunningServer) -> dict[str, dict]:
+    info = srv.info()
+    assert info is not None
+    return {a["name"]: a for a in info["swap"]}
+
+
+def _until(what: str, check, timeout: float = 15.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = check()
+        if got:
+            return got
+        time.sleep(0.05)
+    raise AssertionError(f"not within {timeout:.0f} s: {what}")
+
+
+def _state(srv: RunningServer, name: str) -> str:
+    return _apps(srv).get(name, {}).get("state", "gone")
+
+
+def _gpu_bytes(pid: int) -> int:
+    r = gpucr_cli("status", "--json", str(pid))
+    assert r.returncode == 0, r.stderr
+    return sum(g["process_bytes"] for g in json.loads(r.stdout)["processes"][0]["gpus"])
+
+
+def test_swap_apps_are_registered_shown_in_ps_and_dropped_when_they_end(swap_server, swap_app):
+    a = swap_app("alpha", "--priority", "2", "--min-resident", "5")
+    b = swap_app("beta")
+    a.ask("work 1")
+    rows = _until("both apps hold their memory", lambda: (r := _apps(swap_server)) and all(
+        sum(x["held_bytes"].values()) >= (11 << 20) for x in r.values()) and r)
+    assert rows["alpha"]["pid"] == a.pid and rows["alpha"]["priority"] == 2 and rows["alpha"]["state"] == "resident"
+    assert rows["alpha"]["min_resident_s"] == 5 and rows["beta"]["idle_park_s"] is None
+    assert all(sum(x["peak_bytes"].values()) >= sum(x["held_bytes"].values()) for x in rows.values())
+    assert rows["alpha"]["idle_s"] < rows["beta"]["idle_s"] + 5
+    out = gpucr_cli("ps").stdout
+    assert re.search(rf"alpha\s+{a.pid}\s+2\s+resident", out), out
+    assert re.search(rf"beta\s+{b.pid}\s+0\s+resident", out), out
+    os.kill(b.pid, signal.SIGKILL)
+    b.proc.wait()
+    _until("the ended app is dropped", lambda: "beta" not in _apps(swap_server))
+    assert "swap app beta" in swap_server.log.read_text() and "dropped: it ended" in swap_server.log.read_text()
+
+
+def test_a_second_app_of_the_same_name_is_refused_in_one_line(swap_server, swap_app):
+    swap_app("same")
+    r = gpucr_cli("run", "--simulate", "--swap", "--name", "same", "--", sys.executable, "-c", "pass")
+    assert r.returncode != 0 and "a swap app named 'same' runs already" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) <= 2, r.stderr   # the simcuda note, then the one error line
+
+
+def test_swap_without_the_server_is_refused_in_one_line(tmp_path):
+    r = gpucr_cli("run", "--simulate", "--swap", "--no-server", "--", sys.executable, "-c", "pass")
+    assert r.returncode != 0 and "--swap needs the gpucr server" in r.stderr, r.stderr
+
+
+def test_an_idle_app_is_parked_its_memory_given_back_and_its_launch_brings_it_back_intact(swap_server, swap_app):
+    app = swap_app("idle", "--idle-park", str(IDLE_PARK_S))
+    app.ask("work 3")
+    before = app.ask("digest")["digest"]
+    held = _gpu_bytes(app.pid)
+    assert held >= 11 << 20
+    _until("the idle app is parked", lambda: _state(swap_server, "idle") == "parked")
+    assert _gpu_bytes(app.pid) == 0, "parked, its GPU memory goes to zero on simcuda"
+    assert app.proc.poll() is None, "its process lives on"
+    app.ask("work 1", timeout=30)   # a launch at the closed gate: demand
+    app.ask("work -1")
+    assert app.ask("digest")["digest"] == before
+    row = _until("resumed", lambda: (r := _apps(swap_server)["idle"])["state"] == "resident" and r)
+    assert row["parks"] == 1 and row["resumes"] == 1
+    assert 0 <= row["last_wake_ms"] < WAKE_BOUND_MS, row
+    log = swap_server.log.read_text()
+    assert re.search(r"parked swap app idle \(pid \d+\): idle [\d.]+ s \(--idle-park 1\)", log), log
+    assert re.search(r"resuming swap app idle \(pid \d+\) on demand: [\d.]+ ms from its demanding call", log), log
+
+
+def test_polling_keeps_nobody_resident_and_each_demanding_call_resumes(swap_server, swap_app):
+    """The table: queries, synchronizes and records do not count as activity and do not wake a parked app;
+    launches, copies, memsets and allocations do, each with the app's data intact."""
+    app = swap_app("poller", "--idle-park", str(IDLE_PARK_S))
+    app.ask("poll start 5 " + ",".join(NOT_DEMAND))
+    before = app.ask("digest")["digest"]
+    for family, command in DEMAND.items():
+        parks = _apps(swap_server)["poller"]["parks"]
+        _until(f"parked while polling (before its {family})", lambda: _apps(swap_server)["poller"]["parks"] > parks
+               and _state(swap_server, "poller") == "parked")
+        counts = app.ask("poll counts")
+        time.sleep(IDLE_PARK_S)
+        assert _state(swap_server, "poller") == "parked", f"polling woke the app: {counts}"
+        later = app.ask("poll counts")
+        assert later["errors"] == [], later
+        assert all(later["counts"][f] > counts["counts"][f] for f in ("stream-query", "event-query")), later
+        app.ask(command, timeout=30)   # returns once the app is restored (its gate open)
+        _until(f"its {family} resumed it", lambda: _state(swap_server, "poller") == "resident")
+        if family in ("launch", "copy"):   # (a memset and an allocation change what the digest covers)
+            assert app.ask("digest")["digest"] == before, family
+    out = app.ask("poll stop")
+    assert out["errors"] == [], out
