@@ -149,3 +149,43 @@ def test_polling_keeps_nobody_resident_and_each_demanding_call_resumes(swap_serv
             assert app.ask("digest")["digest"] == before, family
     out = app.ask("poll stop")
     assert out["errors"] == [], out
+
+
+@pytest.fixture
+def small_gpu(monkeypatch):
+    """A simulated GPU of 320 MiB (simcuda counts 64 MiB for each context: each app's and the server's, which parks),
+    for apps whose memory together is more than it holds."""
+    monkeypatch.setenv("SIMCUDA_TOTAL_MEM", str(320 << 20))
+
+
+def _watched(srv: RunningServer, *names: str) -> None:
+    """Each app's agent is up with its memory seen, so the service watches it (room asks go through the watch)."""
+    _until("the apps are seen with their memory", lambda: all(
+        sum(_apps(srv).get(n, {}).get("held_bytes", {}).values()) > 0 for n in names))
+    time.sleep(0.6)   # the next tick starts the watches
+
+
+def test_an_allocation_past_free_memory_gets_it_once_another_is_parked(small_gpu, swap_server, swap_app):
+    big = swap_app("big", sizes="64M")
+    asker = swap_app("asker", "--priority", "1", sizes="16M")
+    _watched(swap_server, "big", "asker")
+    before = big.ask("digest")["digest"]
+    got = asker.ask(f"alloc {56 << 20}", timeout=60)   # 272 of 320 MiB held: fails, then room is made
+    assert got.get("ptr"), got
+    assert _state(swap_server, "big") == "parked" and _state(swap_server, "asker") == "resident"
+    log = swap_server.log.read_text()
+    assert re.search(r"room for swap app asker \(pid \d+\): 58720256 bytes on GPU \S+: parked big", log), log
+    asker.ask("free 1")   # the room it took is given back: big's next call brings it back, intact
+    assert big.ask("digest", timeout=60)["digest"] == before
+    _until("big is resident again", lambda: _state(swap_server, "big") == "resident")
+
+
+def test_no_room_when_only_a_higher_priority_app_could_be_parked_the_error_as_before(small_gpu, swap_server, swap_app):
+    swap_app("boss", "--priority", "5", sizes="64M")
+    asker = swap_app("low", sizes="16M")
+    _watched(swap_server, "boss", "low")
+    with pytest.raises(RuntimeError, match="CUDA error 2"):   # CUDA_ERROR_OUT_OF_MEMORY, as without the service
+        asker.ask(f"alloc {56 << 20}", timeout=60)
+    assert _state(swap_server, "boss") == "resident"
+    log = swap_server.log.read_text()
+    assert "no room for swap app low" in log and "boss (its priority 5 is above the asker's 0)" in log, log

@@ -124,9 +124,24 @@ void gpucr_gate_enter_waiting(void);
 /* The swap service's view (status): the last submission and the demand raised while parked. */
 struct jb;
 void gpucr_gate_json(struct jb *j);
-/* `watch` (the gpucr server, once it parked the process): waits, on the channel's thread, until a demanding
- * call raises the flag, the gate opens, or the server hangs up (client_fd readable); answers which. */
-void gpucr_gate_watch(struct jb *j, int client_fd);
+/* `watch` (the gpucr server's swap service keeps one on each of its apps): waits, on the channel's thread, until a
+ * demanding call raises the flag at the closed gate, an allocation asks for room (room.c), the gate that was closed
+ * opens, or the server hangs up (client_fd readable); answers which. It carries the verdict on the last room
+ * request (room=1 made, room=2 none). */
+void gpucr_gate_watch(struct jb *j, const char *req, int client_fd);
+void gpucr_gate_wake_watch(void);
+/* Leave the gate entirely while waiting on something else (room), and come back in (as demand): the depth. */
+int gpucr_gate_step_out(void);
+void gpucr_gate_step_in(int depth);
+
+/* ---- room on demand (room.c) ---- */
+/* After an allocation failed for lack of memory: true when the gpucr server made room (retry once). */
+bool gpucr_room_ask(size_t bytes);
+bool gpucr_room_pending(void);
+void gpucr_room_json(struct jb *j);
+void gpucr_room_verdict(bool granted);
+void gpucr_room_watching(int delta);
+void gpucr_room_reset_after_fork(void);
 void gpucr_gate_leave(void);
 /* Close the gate and wait for calls in flight; false (gate reopened) if they do not drain in time. */
 bool gpucr_gate_close(int64_t deadline_ns, long *in_flight_left);

@@ -444,7 +444,7 @@ static void handle(const char *req, struct jb *j, struct client *c)
         if (from < 0) reply_error(j, "memory takes from=INDEX");
         else { dp_memory_fds(j, (int)from, c->fds, &c->nfds, STAGING_MAX_SEGS); c->close_sent = c->nfds > 0; }
     }
-    else if (!strcmp(verb, "watch")) gpucr_gate_watch(j, c->fd);   /* the swap service: until demand (gate.c) */
+    else if (!strcmp(verb, "watch")) gpucr_gate_watch(j, req, c->fd);   /* the swap service: until demand (gate.c) */
     else if (!strcmp(verb, "contexts")) {   /* the controller asks only while the driver does not hold the process */
         jb_bool(j, "ok", true);
         jb_int(j, "contexts", gpucr_contexts_held());

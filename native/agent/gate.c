@@ -5,6 +5,8 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
 #include "agent.h"
@@ -37,7 +39,7 @@ static void signal_drained(void)
     pthread_mutex_unlock(&g_mu);
 }
 
-static void wake_watch(void)
+void gpucr_gate_wake_watch(void)
 {
     int fd = atomic_load(&g_demand_fd);
     uint64_t one = 1;
@@ -48,7 +50,7 @@ static void wake_watch(void)
 static void raise_demand(void)
 {
     long long none = 0;
-    if (atomic_compare_exchange_strong(&g_demand_ns, &none, (long long)gpucr_now_ns())) wake_watch();
+    if (atomic_compare_exchange_strong(&g_demand_ns, &none, (long long)gpucr_now_ns())) gpucr_gate_wake_watch();
 }
 
 static void enter(bool demand)
@@ -72,6 +74,20 @@ static void enter(bool demand)
 
 void gpucr_gate_enter(void) { enter(true); }
 void gpucr_gate_enter_waiting(void) { enter(false); }
+
+int gpucr_gate_step_out(void)
+{
+    int depth = t_depth;
+    if (depth > 0) { t_depth = 1; gpucr_gate_leave(); }
+    return depth;
+}
+
+void gpucr_gate_step_in(int depth)
+{
+    if (depth <= 0) return;
+    enter(true);   /* the allocation goes on: demand, should its app have been parked meanwhile */
+    t_depth = depth;
+}
 
 bool gpucr_gate_query(void)
 {
@@ -129,7 +145,7 @@ void gpucr_gate_open(void)
     atomic_store(&g_demand_ns, 0);
     pthread_cond_broadcast(&g_opened);
     pthread_mutex_unlock(&g_mu);
-    wake_watch();   /* a watch waiting for demand learns the park is over */
+    gpucr_gate_wake_watch();   /* a watch waiting for demand learns the park is over */
 }
 
 void gpucr_gate_json(struct jb *j)
@@ -153,22 +169,41 @@ static int demand_fd(void)
     return made;
 }
 
-void gpucr_gate_watch(struct jb *j, int client_fd)
+/* What a watch waits for: demand at the closed gate, a room request, or (for a watch that began parked) the gate
+ * opened by someone else. */
+static bool watch_done(bool began_closed, long long seen)
 {
+    long long demand = atomic_load(&g_demand_ns);
+    return (demand && demand != seen) || gpucr_room_pending() || (began_closed && !atomic_load(&g_closed));
+}
+
+void gpucr_gate_watch(struct jb *j, const char *req, int client_fd)
+{
+    /* the verdict on the room request the last watch forwarded: room=1 made, room=2 none */
+    if (strstr(req, " room=1")) gpucr_room_verdict(true);
+    else if (strstr(req, " room=2")) gpucr_room_verdict(false);
+    /* seen=NS: that demand was answered already (the server did not resume: not its park); wait for another */
+    const char *seen_at = strstr(req, " seen=");
+    long long seen = seen_at ? strtoll(seen_at + 6, NULL, 10) : 0;
     int efd = demand_fd();
     if (efd < 0) { jb_error(j, "watch: no eventfd can be made"); return; }
     struct pollfd pf[2] = {{.fd = efd, .events = POLLIN}, {.fd = client_fd, .events = POLLIN}};
-    /* the flag is looked at after the fd is published: a demand raised before is seen here, one raised after
-     * writes the fd */
-    while (!atomic_load(&g_demand_ns) && atomic_load(&g_closed)) {
+    bool began_closed = atomic_load(&g_closed);
+    gpucr_room_watching(1);
+    /* the conditions are looked at after the fd is published: what was raised before is seen here, what is raised
+     * after writes the fd */
+    while (!watch_done(began_closed, seen)) {
         if (poll(pf, 2, -1) < 0) continue;
         uint64_t n;
         if (pf[0].revents & POLLIN && read(efd, &n, sizeof n) < 0) { /* drained by another watch */ }
         if (pf[1].revents) break;   /* the server hung up, or sent something: this watch ends */
     }
+    gpucr_room_watching(-1);
     long long demand = atomic_load(&g_demand_ns);
     jb_bool(j, "ok", true);
-    jb_str(j, "woke", demand ? "demand" : atomic_load(&g_closed) ? "hung up" : "opened");
+    if (gpucr_room_pending()) { jb_str(j, "woke", "room"); gpucr_room_json(j); }
+    else if (demand && demand != seen) jb_str(j, "woke", "demand");
+    else jb_str(j, "woke", began_closed && !atomic_load(&g_closed) ? "opened" : "hung up");
     jb_int(j, "demand_ns", demand);
     jb_int(j, "now_ns", (long long)gpucr_now_ns());
 }
@@ -186,6 +221,7 @@ void gpucr_gate_reset_after_fork(void)
     atomic_store(&g_last_submit_ns, 0);
     if (atomic_load(&g_demand_fd) >= 0) close(atomic_load(&g_demand_fd));
     atomic_store(&g_demand_fd, -1);
+    gpucr_room_reset_after_fork();
     t_depth = 0;
     g_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
     g_opened = (pthread_cond_t)PTHREAD_COND_INITIALIZER;

@@ -37,12 +37,16 @@ class SwapApp:
     resumes: int = 0
     last_wake_ms: float | None = None   # from its demanding call to the start of its restore, the last time
     why: str = ""                    # the last refusal or failure, shown beside its state
+    cuda: bool = False               # its agent said it has loaded CUDA (it can be parked and watched)
+    ordinals: dict[int, str] = field(default_factory=dict)   # its device ordinal -> GPU uuid
+    watched: bool = False            # the service keeps a watch on its agent
 
     def idle_s(self, at: float) -> float:
         return max(0.0, at - self.last_submit)
 
-    def candidate(self) -> Candidate:
-        return Candidate(self.name, self.priority, self.state, sum(self.held.values()), self.last_submit,
+    def candidate(self, uuid: str) -> Candidate:
+        """As the policy sees it on one GPU."""
+        return Candidate(self.name, self.priority, self.state, self.held.get(uuid, 0), self.last_submit,
                          self.resident_since, self.min_resident_s)
 
     def row(self, at: float) -> dict[str, Any]:
@@ -108,10 +112,12 @@ class Apps:
             last_ns = int(swap.get("last_submit_ns") or 0)
             if last_ns:
                 app.last_submit = max(app.last_submit, last_ns / 1e9)
+            app.cuda = bool(status.get("cuda"))
             if status.get("state") != "running" or app.state in (PARKING, PARKED):
                 return   # parked: what it held is in host memory; the agent still lists the sizes
             for d in status.get("devices") or []:
                 uuid = str(d.get("uuid", ""))
+                app.ordinals[int(d.get("ordinal", 0))] = uuid
                 held = int(d.get("vmm_bytes") or 0) + int(d.get("driver_bytes") or 0)
                 app.held[uuid] = held
                 app.peak[uuid] = max(app.peak.get(uuid, 0), held)

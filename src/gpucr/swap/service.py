@@ -8,13 +8,18 @@ module decides when, and keeps the registry (apps.py). A parked app is watched b
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any, Callable
 
 from .. import target as targets
 from ..errors import GpucrError
 from .apps import NAME_MAX, PARKED, PARKING, RESIDENT, RESUMING, Apps, SwapApp, now
+from .policy import choose
 
-WATCH_FOREVER_S = 10 * 365 * 86400.0   # a watch lasts as long as the park; the app's end or ours closes it
+WATCH_FOREVER_S = 10 * 365 * 86400.0   # a watch lasts until its app needs us; the app's end or ours closes it
+ROOM_SLACK = 2 << 20   # room asked beyond the allocation: the driver's granule, so the retry is not short by one
+ROOM_MADE, ROOM_NONE = 1, 2
+RESUME_RETRY_S = 0.5   # the verdict the next watch carries to the agent (gate.c)
 PRIORITY_MAX = 1000
 
 
@@ -37,6 +42,7 @@ class SwapService:
         self._park, self._resume, self._log = park, resume, log
         self._turns: dict[int, threading.Lock] = {}   # per app: one park or resume at a time
         self._turns_lock = threading.Lock()
+        self._room = threading.Lock()   # room requests are served one at a time
         self._watches: dict[int, Any] = {}             # pid -> the agent connection its watch waits on
         self._stopping = False
 
@@ -91,7 +97,11 @@ class SwapService:
         for app in self.apps.all():
             if targets.process_ended(app.pid, app.start_time):
                 self._forget(app, "it ended")
-            elif self._idle_for_parking(app, at):
+                continue
+            if app.cuda and not app.watched:
+                app.watched = True
+                threading.Thread(target=self._watch, args=(app,), daemon=True, name=f"gpucr-swap-{app.pid}").start()
+            if self._idle_for_parking(app, at):
                 self.park(app.pid, f"idle {app.idle_s(at):.1f} s (--idle-park {app.idle_park_s:g})")
 
     @staticmethod
@@ -130,34 +140,65 @@ class SwapService:
             app.parks += 1
             self.apps.set_state(pid, PARKED)
             self._log(f"parked swap app {app.name} (pid {pid}): {why}; {now() - t0:.3f} s")
-        threading.Thread(target=self._watch, args=(pid,), daemon=True, name=f"gpucr-swap-watch-{pid}").start()
         return True
 
-    def _watch(self, pid: int) -> None:
-        """Wait for the parked app's first demanding call (its agent answers `watch`), then resume it."""
-        app = self.apps.get(pid)
-        if app is None:
-            return
+    def _watch(self, app: SwapApp) -> None:
+        """The app's watch, for its life: its agent answers when a demanding call meets its closed gate (resume it),
+        when an allocation asks for room (park others, then say so with the next watch), or when someone else
+        restored it. No polling: one connection, one answer per event."""
+        verdict = seen = 0
         try:
-            with targets.resolve(pid).connect() as agent:
-                self._watches[pid] = agent
-                if self._stopping:
-                    return
-                ans = agent.call("watch", timeout=WATCH_FOREVER_S)
+            with targets.resolve(app.pid).connect() as agent:
+                self._watches[app.pid] = agent
+                while not self._stopping:
+                    ans = agent.call("watch", timeout=WATCH_FOREVER_S, seen=seen, **({"room": verdict} if verdict else {}))
+                    verdict = 0
+                    woke = ans.get("woke")
+                    if woke == "demand" and not self.resume(app.pid, int(ans.get("demand_ns") or 0)):
+                        seen = int(ans.get("demand_ns") or 0)   # not a park of ours: wait for the next demand
+                    elif woke == "room":
+                        verdict = ROOM_MADE if self.make_room(app, ans) else ROOM_NONE
+                    elif woke == "opened" and app.state == PARKED:   # restored by someone else (`gpucr restore`)
+                        self.apps.set_state(app.pid, RESIDENT)
+                    elif woke == "hung up":
+                        return
         except (OSError, GpucrError) as exc:
-            if targets.process_ended(app.pid, app.start_time):
-                self._forget(app, "it ended while parked")
-            elif not self._stopping and self._watches.get(pid) is not None:
-                self._log(f"watching parked swap app {app.name} (pid {pid}) failed: {_reason(exc)}; it stays parked "
-                          f"until 'gpucr restore {pid}'")
-            return
+            if self._ends_soon(app):
+                self._forget(app, "it ended")
+            elif not self._stopping and self._watches.get(app.pid) is not None:
+                self._log(f"watching swap app {app.name} (pid {app.pid}) failed: {_reason(exc)}; it is no longer woken "
+                          f"on demand (restore it with 'gpucr restore {app.pid}')")
         finally:
-            self._watches.pop(pid, None)
-        woke = ans.get("woke")
-        if woke == "demand":
-            self.resume(pid, int(ans.get("demand_ns") or 0))
-        elif woke == "opened":   # restored by someone else (`gpucr restore`): resident again
-            self.apps.set_state(pid, RESIDENT)
+            self._watches.pop(app.pid, None)
+
+    @staticmethod
+    def _ends_soon(app: SwapApp, within_s: float = 1.0) -> bool:
+        """Whether the app has ended, or does within a moment: its agent's channel closes as it exits."""
+        deadline = now() + within_s
+        while not targets.process_ended(app.pid, app.start_time):
+            if now() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def make_room(self, asker: SwapApp, ans: dict[str, Any]) -> bool:
+        """An allocation of the asker failed for lack of memory: park others on its GPU by the policy until it
+        fits. False (the allocation fails as before) when the policy finds nothing enough, said in the log."""
+        want, free, ordinal = int(ans.get("bytes") or 0), int(ans.get("free") or 0), int(ans.get("device") or 0)
+        uuid = asker.ordinals.get(ordinal, "")
+        need = max(0, want - free) + ROOM_SLACK
+        with self._room:
+            on_gpu = [a for a in self.apps.all() if uuid in a.held or a.pid == asker.pid]
+            choice = choose([a.candidate(uuid) for a in on_gpu], asker.candidate(uuid), need, now())
+            if not choice.suffices:
+                self._log(f"no room for swap app {asker.name} (pid {asker.pid}): {want} bytes on GPU {uuid or ordinal} "
+                          f"({free} free): {choice.why_not}")
+                return False
+            by_name = {a.name: a for a in on_gpu}
+            parked = [n for n in choice.park if self.park(by_name[n].pid, f"room for {asker.name} ({want} bytes)")]
+            self._log(f"room for swap app {asker.name} (pid {asker.pid}): {want} bytes on GPU {uuid or ordinal}: "
+                      f"parked {', '.join(parked) or 'nobody'}")
+            return len(parked) == len(choice.park)
 
     def _end_watch(self, pid: int) -> None:
         agent = self._watches.pop(pid, None)
@@ -177,7 +218,7 @@ class SwapService:
             self._log(f"resuming swap app {app.name} (pid {pid}) on demand: {app.last_wake_ms} ms from its demanding "
                       "call to the start of its restore")
             try:
-                self._resume(pid)
+                self._resume_once_more_if_short(app)
             except Exception as exc:   # noqa: BLE001 - said, and left for a person: its callers wait at the gate
                 self.apps.set_state(pid, PARKED, f"resume failed: {_reason(exc)}")
                 self._log(f"resuming swap app {app.name} (pid {pid}) failed: {_reason(exc)}; restore it with "
@@ -188,6 +229,19 @@ class SwapService:
             self.apps.set_state(pid, RESIDENT)
             self._log(f"resumed swap app {app.name} (pid {pid}) in {now() - start:.3f} s")
         return True
+
+    def _resume_once_more_if_short(self, app: SwapApp) -> None:
+        """The restore; once more after RESUME_RETRY_S when the GPU was short: memory given back just before (an app
+        parked or freeing for room a moment ago) is not always free yet (seen on simcuda within ~0.1 s of a park).
+        Room for a resume (parking others for it) is not built yet: docs/swap.md."""
+        try:
+            self._resume(app.pid)
+        except GpucrError as exc:
+            if "not enough free GPU memory" not in str(exc):
+                raise
+            self._log(f"resuming swap app {app.name} (pid {app.pid}): {exc}; once more in {RESUME_RETRY_S:g} s")
+            time.sleep(RESUME_RETRY_S)
+            self._resume(app.pid)
 
     def close(self) -> None:
         self._stopping = True
