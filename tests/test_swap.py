@@ -189,3 +189,16 @@ def test_no_room_when_only_a_higher_priority_app_could_be_parked_the_error_as_be
     assert _state(swap_server, "boss") == "resident"
     log = swap_server.log.read_text()
     assert "no room for swap app low" in log and "boss (its priority 5 is above the asker's 0)" in log, log
+
+
+def test_a_parked_app_restored_by_hand_is_resident_again_and_parked_again_when_idle(swap_server, swap_app):
+    app = swap_app("byhand", "--idle-park", str(IDLE_PARK_S))
+    before = app.ask("digest")["digest"]
+    _until("parked", lambda: _state(swap_server, "byhand") == "parked")
+    r = gpucr_cli("restore", str(app.pid))
+    assert r.returncode == 0, r.stderr
+    _until("seen resident", lambda: _state(swap_server, "byhand") == "resident")
+    assert "was restored by someone else: resident" in swap_server.log.read_text()
+    _until("parked again once idle", lambda: _apps(swap_server)["byhand"]["parks"] == 2
+           and _state(swap_server, "byhand") == "parked")
+    assert app.ask("digest", timeout=30)["digest"] == before

@@ -125,8 +125,8 @@ void gpucr_gate_enter_waiting(void);
 struct jb;
 void gpucr_gate_json(struct jb *j);
 /* `watch` (the gpucr server's swap service keeps one on each of its apps): waits, on the channel's thread, until a
- * demanding call raises the flag at the closed gate, an allocation asks for room (room.c), the gate that was closed
- * opens, or the server hangs up (client_fd readable); answers which. It carries the verdict on the last room
+ * demanding call raises the flag at the closed gate, an allocation asks for room (room.c), the gate opens (someone
+ * else's restore, a failed park), or the server hangs up (client_fd readable); answers which. It carries the verdict on the last room
  * request (room=1 made, room=2 none). */
 void gpucr_gate_watch(struct jb *j, const char *req, int client_fd);
 void gpucr_gate_wake_watch(void);

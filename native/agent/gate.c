@@ -30,7 +30,8 @@ static atomic_llong g_last_submit_ns;
  * The waiting thread only sets it and writes the watch's eventfd: no lock, no connection, out of the in-flight
  * count. Cleared when the gate opens, so it is forwarded once per park. */
 static atomic_llong g_demand_ns;
-static atomic_int g_demand_fd = -1;   /* the eventfd a `watch` waits on; -1 until the first watch makes it */
+static atomic_int g_demand_fd = -1;
+static atomic_long g_opens;   /* how many times the gate opened: a watch answers when someone else's restore opens it */   /* the eventfd a `watch` waits on; -1 until the first watch makes it */
 
 static void signal_drained(void)
 {
@@ -143,6 +144,7 @@ void gpucr_gate_open(void)
     atomic_store(&g_settled, 0);
     atomic_store(&g_closed, 0);
     atomic_store(&g_demand_ns, 0);
+    atomic_fetch_add(&g_opens, 1);
     pthread_cond_broadcast(&g_opened);
     pthread_mutex_unlock(&g_mu);
     gpucr_gate_wake_watch();   /* a watch waiting for demand learns the park is over */
@@ -169,12 +171,14 @@ static int demand_fd(void)
     return made;
 }
 
-/* What a watch waits for: demand at the closed gate, a room request, or (for a watch that began parked) the gate
- * opened by someone else. */
-static bool watch_done(bool began_closed, long long seen)
+/* What a watch waits for: demand at the closed gate, a room request, or the gate opened since the watch began (a
+ * restore by someone else, or a park that failed). */
+static bool opened_since(long opens) { return atomic_load(&g_opens) != opens && !atomic_load(&g_closed); }
+
+static bool watch_done(long opens, long long seen)
 {
     long long demand = atomic_load(&g_demand_ns);
-    return (demand && demand != seen) || gpucr_room_pending() || (began_closed && !atomic_load(&g_closed));
+    return (demand && demand != seen) || gpucr_room_pending() || opened_since(opens);
 }
 
 void gpucr_gate_watch(struct jb *j, const char *req, int client_fd)
@@ -188,11 +192,11 @@ void gpucr_gate_watch(struct jb *j, const char *req, int client_fd)
     int efd = demand_fd();
     if (efd < 0) { jb_error(j, "watch: no eventfd can be made"); return; }
     struct pollfd pf[2] = {{.fd = efd, .events = POLLIN}, {.fd = client_fd, .events = POLLIN}};
-    bool began_closed = atomic_load(&g_closed);
+    long opens = atomic_load(&g_opens);
     gpucr_room_watching(1);
     /* the conditions are looked at after the fd is published: what was raised before is seen here, what is raised
      * after writes the fd */
-    while (!watch_done(began_closed, seen)) {
+    while (!watch_done(opens, seen)) {
         if (poll(pf, 2, -1) < 0) continue;
         uint64_t n;
         if (pf[0].revents & POLLIN && read(efd, &n, sizeof n) < 0) { /* drained by another watch */ }
@@ -203,7 +207,7 @@ void gpucr_gate_watch(struct jb *j, const char *req, int client_fd)
     jb_bool(j, "ok", true);
     if (gpucr_room_pending()) { jb_str(j, "woke", "room"); gpucr_room_json(j); }
     else if (demand && demand != seen) jb_str(j, "woke", "demand");
-    else jb_str(j, "woke", began_closed && !atomic_load(&g_closed) ? "opened" : "hung up");
+    else jb_str(j, "woke", opened_since(opens) ? "opened" : "hung up");
     jb_int(j, "demand_ns", demand);
     jb_int(j, "now_ns", (long long)gpucr_now_ns());
 }

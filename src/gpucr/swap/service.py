@@ -158,8 +158,8 @@ class SwapService:
                         seen = int(ans.get("demand_ns") or 0)   # not a park of ours: wait for the next demand
                     elif woke == "room":
                         verdict = ROOM_MADE if self.make_room(app, ans) else ROOM_NONE
-                    elif woke == "opened" and app.state == PARKED:   # restored by someone else (`gpucr restore`)
-                        self.apps.set_state(app.pid, RESIDENT)
+                    elif woke == "opened":   # restored by someone else (`gpucr restore`)
+                        self._restored_elsewhere(app)
                     elif woke == "hung up":
                         return
         except (OSError, GpucrError) as exc:
@@ -170,6 +170,12 @@ class SwapService:
                           f"on demand (restore it with 'gpucr restore {app.pid}')")
         finally:
             self._watches.pop(app.pid, None)
+
+    def _restored_elsewhere(self, app: SwapApp) -> None:
+        with self._turn(app.pid):   # (our own park or resume holds it: they set the state themselves)
+            if app.state == PARKED:
+                self.apps.set_state(app.pid, RESIDENT)
+                self._log(f"swap app {app.name} (pid {app.pid}) was restored by someone else: resident")
 
     @staticmethod
     def _ends_soon(app: SwapApp, within_s: float = 1.0) -> bool:
