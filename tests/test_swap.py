@@ -174,7 +174,7 @@ def test_an_allocation_past_free_memory_gets_it_once_another_is_parked(small_gpu
     assert got.get("ptr"), got
     assert _state(swap_server, "big") == "parked" and _state(swap_server, "asker") == "resident"
     log = swap_server.log.read_text()
-    assert re.search(r"room for swap app asker \(pid \d+\): 58720256 bytes on GPU \S+: parked big", log), log
+    assert re.search(r"room for swap app asker \(pid \d+\): 58720256 bytes \(\d+ free\) on GPU \S+: parked big", log), log
     asker.ask("free 1")   # the room it took is given back: big's next call brings it back, intact
     assert big.ask("digest", timeout=60)["digest"] == before
     _until("big is resident again", lambda: _state(swap_server, "big") == "resident")
@@ -202,3 +202,27 @@ def test_a_parked_app_restored_by_hand_is_resident_again_and_parked_again_when_i
     _until("parked again once idle", lambda: _apps(swap_server)["byhand"]["parks"] == 2
            and _state(swap_server, "byhand") == "parked")
     assert app.ask("digest", timeout=30)["digest"] == before
+
+
+@pytest.fixture
+def gpu_for_two(monkeypatch):
+    """A simulated GPU of 448 MiB: simcuda counts 64 MiB for each context, so the server's and two apps of 64 MiB with
+    theirs fit, and a third's context, not its 64 MiB."""
+    monkeypatch.setenv("SIMCUDA_TOTAL_MEM", str(448 << 20))
+
+
+def test_apps_whose_memory_together_is_more_than_the_gpu_each_come_back_on_demand_intact(gpu_for_two, swap_server,
+                                                                                          swap_app):
+    a, b = swap_app("a", sizes="64M"), swap_app("b", sizes="64M")
+    c = swap_app("c", sizes="64K")
+    _watched(swap_server, "a", "b", "c")
+    assert c.ask(f"alloc {64 << 20}", timeout=60).get("ptr")   # room: the least recently active, a, is parked
+    digests = {n: w.ask("digest", timeout=60)["digest"] for n, w in (("c", c), ("b", b))}
+    assert _state(swap_server, "a") == "parked"
+    for name, w in (("a", a), ("b", b), ("c", c), ("a", a)):   # each demand parks the least recently active other
+        got = w.ask("digest", timeout=60)["digest"]
+        assert digests.setdefault(name, got) == got, name
+        _until(f"{name} resident", lambda: _state(swap_server, name) == "resident")
+        assert sum(_state(swap_server, n) == "resident" for n in "abc") == 2
+    log = swap_server.log.read_text()
+    assert len(re.findall(r"room for swap app \w \(pid \d+\): its resume", log)) >= 3, log

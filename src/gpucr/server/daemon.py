@@ -108,7 +108,7 @@ class Server:
         self.ino = 0
         self._starved_s = 0.0   # the pause between tries to accept while out of fds (0: not out of them)
         self._pin_ahead_said: dict[int, str] = {}   # pid -> why pinning ahead for it last failed, as logged
-        self.swap = SwapService(self._swap_park, self._swap_resume, log)
+        self.swap = SwapService(self._swap_park, self._swap_resume, log, self._gpu_free)
 
     # ---- the socket ----
 
@@ -377,6 +377,12 @@ class Server:
     def _swap_resume(self, pid: int) -> None:
         self._swap_request("restore", pid, lambda mover: coordinator.restore_many(
             [pid], timeout=SWAP_TIMEOUT_S, mover=mover))
+
+    @staticmethod
+    def _gpu_free(uuid: str) -> int | None:
+        drv = controller_driver()
+        mem = gpus.memory_of(drv, uuid, gpus.machine_gpus(drv))
+        return mem.free if mem is not None else None
 
     def _swap_request(self, op: str, pid: int, run: Callable[[Mover | None], Any]) -> None:
         """A park or resume counted and logged as a request, in the environment requests share."""

@@ -31,6 +31,7 @@ class SwapApp:
     state: str = RESIDENT
     held: dict[str, int] = field(default_factory=dict)   # GPU uuid -> bytes held now
     peak: dict[str, int] = field(default_factory=dict)   # GPU uuid -> the most it held
+    parked_bytes: dict[str, int] = field(default_factory=dict)   # GPU uuid -> what it held when last parked
     last_submit: float = 0.0         # server clock; its registration until its first submission is seen
     resident_since: float = 0.0
     parks: int = 0
@@ -98,8 +99,10 @@ class Apps:
                 app.state, app.why = state, why
                 if state == RESIDENT:
                     app.resident_since = now()
-                elif state == PARKED:
-                    app.held = dict.fromkeys(app.held, 0)
+                    if not any(app.held.values()):   # back: what it held when parked, until its next status says
+                        app.held = dict(app.parked_bytes)
+                elif state == PARKED and any(app.held.values()):
+                    app.parked_bytes, app.held = dict(app.held), dict.fromkeys(app.held, 0)
             return app
 
     def observe(self, pid: int, status: dict[str, Any]) -> None:

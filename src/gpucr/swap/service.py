@@ -19,7 +19,8 @@ from .policy import choose
 WATCH_FOREVER_S = 10 * 365 * 86400.0   # a watch lasts until its app needs us; the app's end or ours closes it
 ROOM_SLACK = 2 << 20   # room asked beyond the allocation: the driver's granule, so the retry is not short by one
 ROOM_MADE, ROOM_NONE = 1, 2
-RESUME_RETRY_S = 0.5   # the verdict the next watch carries to the agent (gate.c)
+RESUME_RETRY_S = 0.5
+RESUME_TRIES = 3   # the verdict the next watch carries to the agent (gate.c)
 PRIORITY_MAX = 1000
 
 
@@ -36,10 +37,12 @@ def _seconds(v: Any, what: str, allow_none: bool = False) -> float | None:
 
 
 class SwapService:
-    def __init__(self, park: Callable[[int], None], resume: Callable[[int], None], log: Callable[[str], None]) -> None:
-        """park(pid) / resume(pid): the server's checkpoint and restore of one process (raise on failure)."""
+    def __init__(self, park: Callable[[int], None], resume: Callable[[int], None], log: Callable[[str], None],
+                 free_of: Callable[[str], int | None] = lambda uuid: None) -> None:
+        """park(pid) / resume(pid): the server's checkpoint and restore of one process (raise on failure);
+        free_of(uuid): the GPU's free memory now as the driver says, None when unknown."""
         self.apps = Apps()
-        self._park, self._resume, self._log = park, resume, log
+        self._park, self._resume, self._log, self._free_of = park, resume, log, free_of
         self._turns: dict[int, threading.Lock] = {}   # per app: one park or resume at a time
         self._turns_lock = threading.Lock()
         self._room = threading.Lock()   # room requests are served one at a time
@@ -191,18 +194,20 @@ class SwapService:
         """An allocation of the asker failed for lack of memory: park others on its GPU by the policy until it
         fits. False (the allocation fails as before) when the policy finds nothing enough, said in the log."""
         want, free, ordinal = int(ans.get("bytes") or 0), int(ans.get("free") or 0), int(ans.get("device") or 0)
-        uuid = asker.ordinals.get(ordinal, "")
-        need = max(0, want - free) + ROOM_SLACK
+        uuid = asker.ordinals.get(ordinal, str(ordinal))
+        return self._park_for(asker, uuid, max(0, want - free) + ROOM_SLACK, f"{want} bytes ({free} free)")
+
+    def _park_for(self, asker: SwapApp, uuid: str, need: int, what: str) -> bool:
+        """Park others on GPU uuid by the policy to free `need` bytes for the asker; one request at a time."""
         with self._room:
             on_gpu = [a for a in self.apps.all() if uuid in a.held or a.pid == asker.pid]
             choice = choose([a.candidate(uuid) for a in on_gpu], asker.candidate(uuid), need, now())
             if not choice.suffices:
-                self._log(f"no room for swap app {asker.name} (pid {asker.pid}): {want} bytes on GPU {uuid or ordinal} "
-                          f"({free} free): {choice.why_not}")
+                self._log(f"no room for swap app {asker.name} (pid {asker.pid}): {what} on GPU {uuid}: {choice.why_not}")
                 return False
             by_name = {a.name: a for a in on_gpu}
-            parked = [n for n in choice.park if self.park(by_name[n].pid, f"room for {asker.name} ({want} bytes)")]
-            self._log(f"room for swap app {asker.name} (pid {asker.pid}): {want} bytes on GPU {uuid or ordinal}: "
+            parked = [n for n in choice.park if self.park(by_name[n].pid, f"room for {asker.name} ({what})")]
+            self._log(f"room for swap app {asker.name} (pid {asker.pid}): {what} on GPU {uuid}: "
                       f"parked {', '.join(parked) or 'nobody'}")
             return len(parked) == len(choice.park)
 
@@ -224,7 +229,7 @@ class SwapService:
             self._log(f"resuming swap app {app.name} (pid {pid}) on demand: {app.last_wake_ms} ms from its demanding "
                       "call to the start of its restore")
             try:
-                self._resume_once_more_if_short(app)
+                self._resume_with_room(app)
             except Exception as exc:   # noqa: BLE001 - said, and left for a person: its callers wait at the gate
                 self.apps.set_state(pid, PARKED, f"resume failed: {_reason(exc)}")
                 self._log(f"resuming swap app {app.name} (pid {pid}) failed: {_reason(exc)}; restore it with "
@@ -236,18 +241,23 @@ class SwapService:
             self._log(f"resumed swap app {app.name} (pid {pid}) in {now() - start:.3f} s")
         return True
 
-    def _resume_once_more_if_short(self, app: SwapApp) -> None:
-        """The restore; once more after RESUME_RETRY_S when the GPU was short: memory given back just before (an app
-        parked or freeing for room a moment ago) is not always free yet (seen on simcuda within ~0.1 s of a park).
-        Room for a resume (parking others for it) is not built yet: docs/swap.md."""
-        try:
-            self._resume(app.pid)
-        except GpucrError as exc:
-            if "not enough free GPU memory" not in str(exc):
-                raise
-            self._log(f"resuming swap app {app.name} (pid {app.pid}): {exc}; once more in {RESUME_RETRY_S:g} s")
-            time.sleep(RESUME_RETRY_S)
-            self._resume(app.pid)
+    def _resume_with_room(self, app: SwapApp) -> None:
+        """The restore; when the GPU is short, others are parked for it by the policy (as for an allocation: what it
+        held when parked, plus ROOM_SLACK, less what is free) and it is tried again, up to RESUME_TRIES times in all. With nobody to
+        park, it is tried once more after RESUME_RETRY_S: memory given back a moment before (an app parked or
+        freeing a moment ago) is not always free yet (seen on simcuda within ~0.1 s of a park)."""
+        for attempt in range(RESUME_TRIES):
+            try:
+                self._resume(app.pid)
+                return
+            except GpucrError as exc:
+                if "not enough free GPU memory" not in str(exc) or attempt == RESUME_TRIES - 1:
+                    raise
+                self._log(f"resuming swap app {app.name} (pid {app.pid}): {exc}")
+                # at least ROOM_SLACK: the restore was short, maybe of its context's memory, which nothing counts
+                if not any(self._park_for(app, uuid, max(ROOM_SLACK, n + ROOM_SLACK - (self._free_of(uuid) or 0)),
+                                          f"its resume, {n} bytes") for uuid, n in app.parked_bytes.items() if n):
+                    time.sleep(RESUME_RETRY_S)
 
     def close(self) -> None:
         self._stopping = True
