@@ -1,9 +1,11 @@
-"""The server's swap service: apps register (`gpucr run --swap`), an idle one is parked, a parked one is watched
-for demand and resumed at its first demanding call, one that ends is dropped.
+"""The server's swap service: apps register (`gpucr run --swap`); an idle one is parked; a parked one is resumed at
+its first demanding call; an allocation short of memory gets room by parking others (policy.py), and so does a
+resume; one that ends is dropped.
 
 The server lends its own park and resume (its data plane, as `gpucr checkpoint` and `restore` through it); this
-module decides when, and keeps the registry (apps.py). A parked app is watched by one connection to its agent
-(`watch`), answered when a demanding call meets its closed gate: no polling, one wake-up per park.
+module decides when, and keeps the registry (apps.py). Each app is watched through one connection to its agent
+(`watch`), answered when a demanding call meets its closed gate, an allocation asks for room, or someone else
+opens its gate: no polling, one answer per event (docs/swap.md).
 """
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ from .policy import choose
 
 WATCH_FOREVER_S = 10 * 365 * 86400.0   # a watch lasts until its app needs us; the app's end or ours closes it
 ROOM_SLACK = 2 << 20   # room asked beyond the allocation: the driver's granule, so the retry is not short by one
-ROOM_MADE, ROOM_NONE = 1, 2
-RESUME_RETRY_S = 0.5
-RESUME_TRIES = 3   # the verdict the next watch carries to the agent (gate.c)
+ROOM_MADE, ROOM_NONE = 1, 2   # the verdict the next watch carries to the agent (gate.c)
+RESUME_RETRY_S = 0.5   # a resume short of memory with nobody to park: memory just given back may not be free yet
+RESUME_TRIES = 3
 PRIORITY_MAX = 1000
 
 
