@@ -244,10 +244,10 @@ class SwapService:
         return True
 
     def _resume_with_room(self, app: SwapApp) -> None:
-        """The restore; when the GPU is short, others are parked for it by the policy (as for an allocation: what it
-        held when parked, plus ROOM_SLACK, less what is free) and it is tried again, up to RESUME_TRIES times in all. With nobody to
-        park, it is tried once more after RESUME_RETRY_S: memory given back a moment before (an app parked or
-        freeing a moment ago) is not always free yet (seen on simcuda within ~0.1 s of a park)."""
+        """The restore; when the GPU is short, others are parked for it by the policy (as for an allocation:
+        _room_for_resume) and it is tried again, up to RESUME_TRIES times in all. With nobody to park, the next try
+        waits RESUME_RETRY_S: memory given back a moment before (an app parked or freeing a moment ago) is not always
+        free yet (seen on simcuda within ~0.1 s of a park)."""
         for attempt in range(RESUME_TRIES):
             try:
                 self._resume(app.pid)
@@ -256,10 +256,15 @@ class SwapService:
                 if "not enough free GPU memory" not in str(exc) or attempt == RESUME_TRIES - 1:
                     raise
                 self._log(f"resuming swap app {app.name} (pid {app.pid}): {exc}")
-                # at least ROOM_SLACK: the restore was short, maybe of its context's memory, which nothing counts
-                if not any(self._park_for(app, uuid, max(ROOM_SLACK, n + ROOM_SLACK - (self._free_of(uuid) or 0)),
-                                          f"its resume, {n} bytes") for uuid, n in app.parked_bytes.items() if n):
+                if not any(self._room_for_resume(app, uuid, n) for uuid, n in app.parked_bytes.items() if n):
                     time.sleep(RESUME_RETRY_S)
+
+    def _room_for_resume(self, app: SwapApp, uuid: str, held: int) -> bool:
+        """What it held when parked plus ROOM_SLACK, less what is free, and at least ROOM_SLACK: the restore was short,
+        maybe of its context's memory, which nothing counts."""
+        free = self._free_of(uuid)
+        need = max(ROOM_SLACK, held + ROOM_SLACK - (free or 0))
+        return self._park_for(app, uuid, need, f"its resume, {held} bytes, {'?' if free is None else free} free")
 
     def close(self) -> None:
         self._stopping = True
