@@ -201,10 +201,12 @@ GPUCR_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_
         }
         size_t p = round_up(w, (size_t)align);
         rc = alloc_vmm(dptr, p * h);
+        if (rc == CUDA_ERROR_OUT_OF_MEMORY && gpucr_room_ask(p * h)) rc = alloc_vmm(dptr, p * h);   /* room.c */
         if (rc == CUDA_SUCCESS) *pitch = p;
     }
     if (rc == CUDA_ERROR_NOT_SUPPORTED) {
         rc = REAL(cuMemAllocPitch_v2)(dptr, pitch, w, h, elem);
+        if (rc == CUDA_ERROR_OUT_OF_MEMORY && gpucr_room_ask(w * h)) rc = REAL(cuMemAllocPitch_v2)(dptr, pitch, w, h, elem);
         if (rc == CUDA_SUCCESS) note_native(&g_reg.native_by_va, &g_reg.native_bytes, &g_reg.native_count, *dptr, *pitch * h);
     }
     gpucr_gate_leave();
