@@ -43,6 +43,14 @@ def _private_dirs(tmp_path_factory, monkeypatch, request):
         srv.stop()
 
 
+def kill_all(apps: list[Workload]) -> None:
+    """Every workload a fixture started, ended (killed if it still runs)."""
+    for w in apps:
+        if w.proc.poll() is None:
+            w.proc.kill()
+        w.proc.wait()
+
+
 @pytest.fixture
 def sim_workload():
     """Start gpucr.workloads.<module> on simcuda (agent=False: without gpucr's agent); every one started
@@ -55,10 +63,7 @@ def sim_workload():
         return w
 
     yield start
-    for w in apps:
-        if w.proc.poll() is None:
-            w.proc.kill()
-        w.proc.wait()
+    kill_all(apps)
 
 
 @pytest.fixture

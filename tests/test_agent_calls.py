@@ -15,7 +15,7 @@ AGENT = ROOT / "native" / "agent"
 # What the agent resolves for its own calls (struct gpucr_driver in agent.h): contexts, devices, VMM address
 # space, stream-ordered pools' events, error names. No copy, no memset, no pinning of host memory.
 OWN = {"cuGetProcAddress_v2", "cuCtxGetCurrent", "cuCtxSetCurrent", "cuCtxGetDevice", "cuCtxSynchronize",
-       "cuMemAddressReserve", "cuMemAddressFree", "cuMemGetAllocationGranularity", "cuStreamSynchronize",
+       "cuMemAddressReserve", "cuMemAddressFree", "cuMemGetAllocationGranularity", "cuMemGetInfo_v2", "cuStreamSynchronize",
        "cuEventCreate", "cuEventRecord", "cuGetErrorString", "cuGetErrorName", "cuDeviceGetAttribute",
        "cuDeviceGetUuid", "cuPointerGetAttribute", "cuDevicePrimaryCtxGetState", "cuDeviceGetCount",
        "cuDevicePrimaryCtxRetain", "cuDevicePrimaryCtxRelease_v2", "cuStreamWaitEvent", "cuEventQuery",
@@ -32,7 +32,7 @@ BY_NAME = {"cuMemUnmap", "cuMemSetAccess", "cuMemRelease", "cuMemMap", "cuMemCre
            "cuMemGetAllocationPropertiesFromHandle", "cuMemFree_v2", "cuMemAlloc_v2", "cuMemAllocPitch_v2",
            "cuMemAllocManaged", "cuIpcGetMemHandle", "cuGetProcAddress_v2", "cuGetProcAddress", "cuEventSynchronize",
            "cuCtxSynchronize_v2", "cuCtxSynchronize", "cuCtxEnablePeerAccess", "cuCtxDestroy_v2", "cuMemsetD8_v2",
-           "cuDevicePrimaryCtxReset_v2", "cuDevicePrimaryCtxReset"}
+           "cuDevicePrimaryCtxReset_v2", "cuDevicePrimaryCtxReset", "cuCtxSetCurrent"}
 COPY_OR_PIN = re.compile(r"Memcpy|HostRegister|HostUnregister|HostAlloc|MemAllocHost|Prefetch|MemsetD(?!8_v2$)")
 MACRO_ARGS = {"sym", "poolsym", "plainsym"}   # REAL(sym) inside the generated pass-through wrappers
 

@@ -19,7 +19,7 @@ RESOLVERS = {"dlsym", "cudaGetDriverEntryPoint", "cudaGetDriverEntryPoint_ptsz",
 def table() -> list[tuple[str, str, int, int, str]]:
     rows = []
     for line in DEF.read_text().splitlines():
-        m = re.match(r"E\((GATED|QUERY|CUSTOM), (\w+), (\w+), (\d+), ([01]),", line)
+        m = re.match(r"E\((GATED|WAITS|QUERY|CUSTOM), (\w+), (\w+), (\d+), ([01]),", line)
         if m:
             rows.append((m[2], m[3], int(m[4]), int(m[5]), m[1]))
     return rows

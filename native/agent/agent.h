@@ -37,7 +37,7 @@
 #define GPUCR_EXPORT __attribute__((visibility("default")))
 
 /* ---- entry table (entry.c resolves the real functions; table.c holds the wrappers) ---- */
-enum gpucr_entry_kind { GATED, QUERY, CUSTOM };
+enum gpucr_entry_kind { GATED, WAITS, QUERY, CUSTOM };
 enum gpucr_entry_id {
 #define E(kind, sym, base, ver, pt, params, args) ENTRY_##sym,
 #include "entrypoints.def"
@@ -80,6 +80,7 @@ struct gpucr_driver {
     CUresult (*cuMemAddressReserve)(CUdeviceptr *, size_t, size_t, CUdeviceptr, unsigned long long);
     CUresult (*cuMemAddressFree)(CUdeviceptr, size_t);
     CUresult (*cuMemGetAllocationGranularity)(size_t *, const CUmemAllocationProp *, int);
+    CUresult (*cuMemGetInfo_v2)(size_t *, size_t *);   /* room.c: free memory, for room on demand */
     CUresult (*cuStreamSynchronize)(CUstream);
     CUresult (*cuEventCreate)(CUevent *, unsigned);
     CUresult (*cuEventRecord)(CUevent, CUstream);
@@ -113,7 +114,36 @@ void gpucr_use_ctx(CUcontext ctx);
 const char *gpucr_libcuda_path(void);
 
 /* ---- gate (gate.c) ---- */
+/* A call that submits work or changes memory: its time is recorded (the last submission, for idle parking);
+ * at the closed gate it raises the demand flag (once per park) before it waits. */
 void gpucr_gate_enter(void);
+/* A call that waits at the closed gate like any other but is not demand (synchronizes, records, context
+ * switches, the agent's own threads). */
+void gpucr_gate_enter_waiting(void);
+/* The swap service's view (status): the last submission and the demand raised while parked. */
+struct jb;
+void gpucr_gate_json(struct jb *j);
+/* `watch` (the gpucr server's swap service keeps one on each of its apps): waits, on the channel's thread, until a
+ * demanding call raises the flag at the closed gate, an allocation asks for room (room.c), the gate opens (someone
+ * else's restore, a failed park), or the server hangs up (client_fd readable); answers which. It carries the verdict on the last room
+ * request (room=1 made, room=2 none). */
+void gpucr_gate_watch(struct jb *j, const char *req, int client_fd);   /* watch.c */
+long long gpucr_gate_demand_ns(void);
+long gpucr_gate_opens(void);
+int gpucr_gate_demand_fd(void);
+void gpucr_gate_wake_watch(void);
+/* Leave the gate entirely while waiting on something else (room), and come back in (as demand): the depth. */
+int gpucr_gate_step_out(void);
+void gpucr_gate_step_in(int depth);
+
+/* ---- room on demand (room.c) ---- */
+/* After an allocation failed for lack of memory: true when the gpucr server made room (retry once). */
+bool gpucr_room_ask(size_t bytes);
+bool gpucr_room_pending(void);
+void gpucr_room_json(struct jb *j);
+void gpucr_room_verdict(bool granted);
+void gpucr_room_watching(int delta);
+void gpucr_room_reset_after_fork(void);
 void gpucr_gate_leave(void);
 /* Close the gate and wait for calls in flight; false (gate reopened) if they do not drain in time. */
 bool gpucr_gate_close(int64_t deadline_ns, long *in_flight_left);
@@ -135,6 +165,8 @@ void gpucr_cond_wait_step(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t deadl
 /* Start fn(arg) in a detached thread that takes none of the application's signals; false if it
  * could not be started. */
 bool gpucr_spawn_detached(void *(*fn)(void *), void *arg, const char *name);
+/* Whether the calling thread is one the agent started (gpucr_spawn_detached): never the application's activity. */
+bool gpucr_agent_thread(void);
 /* An integer setting from the environment; dflt when unset or empty. */
 long gpucr_env_long(const char *name, long dflt);
 void gpucr_log(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -113,10 +113,14 @@ GPUCR_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
     if (!REAL(cuMemAlloc_v2)) return CUDA_ERROR_NOT_SUPPORTED;
     gpucr_gate_enter();
     CUresult rc = CUDA_ERROR_NOT_SUPPORTED;
-    if (convert_plain() && dptr && size) rc = alloc_vmm(dptr, size);
-    if (rc == CUDA_ERROR_NOT_SUPPORTED) {
-        rc = REAL(cuMemAlloc_v2)(dptr, size);
-        if (rc == CUDA_SUCCESS) note_native(&g_reg.native_by_va, &g_reg.native_bytes, &g_reg.native_count, *dptr, size);
+    for (int room = 0; room < 2; room++) {   /* retried once when the gpucr server made room (room.c) */
+        rc = CUDA_ERROR_NOT_SUPPORTED;
+        if (convert_plain() && dptr && size) rc = alloc_vmm(dptr, size);
+        if (rc == CUDA_ERROR_NOT_SUPPORTED) {
+            rc = REAL(cuMemAlloc_v2)(dptr, size);
+            if (rc == CUDA_SUCCESS) note_native(&g_reg.native_by_va, &g_reg.native_bytes, &g_reg.native_count, *dptr, size);
+        }
+        if (rc != CUDA_ERROR_OUT_OF_MEMORY || room || !gpucr_room_ask(size)) break;
     }
     gpucr_gate_leave();
     return rc;
@@ -138,10 +142,12 @@ GPUCR_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_
         }
         size_t p = round_up(w, (size_t)align);
         rc = alloc_vmm(dptr, p * h);
+        if (rc == CUDA_ERROR_OUT_OF_MEMORY && gpucr_room_ask(p * h)) rc = alloc_vmm(dptr, p * h);   /* room.c */
         if (rc == CUDA_SUCCESS) *pitch = p;
     }
     if (rc == CUDA_ERROR_NOT_SUPPORTED) {
         rc = REAL(cuMemAllocPitch_v2)(dptr, pitch, w, h, elem);
+        if (rc == CUDA_ERROR_OUT_OF_MEMORY && gpucr_room_ask(w * h)) rc = REAL(cuMemAllocPitch_v2)(dptr, pitch, w, h, elem);
         if (rc == CUDA_SUCCESS) note_native(&g_reg.native_by_va, &g_reg.native_bytes, &g_reg.native_count, *dptr, *pitch * h);
     }
     gpucr_gate_leave();
@@ -272,6 +278,7 @@ GPUCR_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, 
         prop = &mine;
     }
     CUresult rc = REAL(cuMemCreate)(h, size, prop, flags);
+    if (rc == CUDA_ERROR_OUT_OF_MEMORY && gpucr_room_ask(size)) rc = REAL(cuMemCreate)(h, size, prop, flags);
     if (rc == CUDA_SUCCESS) {
         CUcontext ctx = NULL;
         gpucr_drv.cuCtxGetCurrent(&ctx);

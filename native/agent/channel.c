@@ -161,6 +161,7 @@ static void reply_status(struct jb *j)
     dp_preflight(why, sizeof why);
     jb_str(j, "refusal", why);
     dp_shared_json(j);
+    gpucr_gate_json(j);
 }
 
 static long long arg_ll(const char *req, const char *key, long long dflt, long long max)
@@ -175,17 +176,8 @@ static long long arg_ll(const char *req, const char *key, long long dflt, long l
     return v;
 }
 
-static int arg_int(const char *req, const char *key, int dflt)
-{
-    char pat[64];
-    snprintf(pat, sizeof pat, " %s=", key);
-    const char *p = strstr(req, pat);
-    if (!p) return dflt;
-    char *end;
-    long v = strtol(p + strlen(pat), &end, 10);
-    if (end == p + strlen(pat) || (*end && *end != ' ') || v < 0 || v > 24L * 3600 * 1000) return -1;
-    return (int)v;
-}
+/* a flag or a count of milliseconds (at most a day); -1 when malformed */
+static int arg_int(const char *req, const char *key, int dflt) { return (int)arg_ll(req, key, dflt, 24LL * 3600 * 1000); }
 
 #define reply_error jb_error
 
@@ -367,6 +359,7 @@ static void handle(const char *req, struct jb *j, struct client *c)
         if (from < 0) reply_error(j, "memory takes from=INDEX");
         else { dp_memory_fds(j, (int)from, c->fds, &c->nfds, STAGING_MAX_SEGS); c->close_sent = c->nfds > 0; }
     }
+    else if (!strcmp(verb, "watch")) gpucr_gate_watch(j, req, c->fd);   /* the swap service: until demand (gate.c) */
     else if (!strcmp(verb, "contexts")) {   /* the controller asks only while the driver does not hold the process */
         jb_bool(j, "ok", true);
         jb_int(j, "contexts", gpucr_contexts_held());
@@ -722,6 +715,7 @@ static void after_fork_parent(void) { reg_unlock(); }
 static void after_fork_child(void)
 {
     gpucr_gate_reset_after_fork();
+    gpucr_room_reset_after_fork();
     reg_reset_after_fork();
     dp_reset_after_fork();
     /* The parent's socket and connections are the parent's: close our copies (a copy would keep a

@@ -116,3 +116,19 @@ int gpucr_contexts_held(void)
     reg_unlock();
     return n;
 }
+
+/* A context switch waits at the closed gate and is not demand (entrypoints.def). One to the context already current
+ * on this thread changes nothing, so it neither waits nor reaches the driver (cuCtxGetCurrent is answered while the
+ * driver holds the process): a parked app's thread that re-enters its own context before each launch then
+ * reaches the launch, which brings the app back. */
+GPUCR_EXPORT CUresult cuCtxSetCurrent(CUcontext ctx)
+{
+    gpucr_init();
+    if (!REAL(cuCtxSetCurrent)) return CUDA_ERROR_NOT_SUPPORTED;
+    CUcontext cur = NULL;
+    if (gpucr_gate_is_closed() && gpucr_drv.cuCtxGetCurrent(&cur) == CUDA_SUCCESS && cur == ctx) return CUDA_SUCCESS;
+    gpucr_gate_enter_waiting();
+    CUresult rc = REAL(cuCtxSetCurrent)(ctx);
+    gpucr_gate_leave();
+    return rc;
+}

@@ -91,6 +91,7 @@ static void do_init(void)
     D(cuDeviceGetDefaultMemPool); D(cuDeviceGraphMemTrim); D(cuDeviceGetGraphMemAttribute);
 #undef D
     /* versioned names the resolver knows by their base name */
+    gpucr_drv.cuMemGetInfo_v2 = drv_sym("cuMemGetInfo");
     gpucr_drv.cuDevicePrimaryCtxRelease_v2 = drv_sym("cuDevicePrimaryCtxRelease");
     gpucr_drv.simcudaIsSimulated = gpucr_real_dlsym(g_libcuda, "simcudaIsSimulated");
     __atomic_store_n(&g_loaded, true, __ATOMIC_RELEASE);

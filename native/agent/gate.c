@@ -1,9 +1,16 @@
 /* The checkpoint gate: every wrapped entry point that submits device work or changes device memory
  * passes through it. Open, it costs two atomic operations. A checkpoint closes it and waits, with a
  * deadline, for the calls in flight to return; callers that arrive meanwhile wait until it opens. */
+#include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
 #include "agent.h"
+#include "json.h"
 
 static atomic_int g_closed;
 /* Set once a checkpoint has drained every call and synchronised the device (gpucr_gate_settle), until
@@ -16,6 +23,15 @@ static pthread_cond_t g_opened = PTHREAD_COND_INITIALIZER;
 static pthread_cond_t g_drained = PTHREAD_COND_INITIALIZER;
 /* A wrapper reached from inside another wrapper on the same thread is already counted. */
 static __thread int t_depth;
+/* The swap service (issue 27). When a call that submits work or changes memory last went through the open gate
+ * (gpucr_now_ns; 0: never), for idle parking: one relaxed store per call, no lock. */
+static atomic_llong g_last_submit_ns;
+/* When such a call first met the closed gate since it closed (0: none): the demand that brings a parked app back.
+ * The waiting thread only sets it and writes the watch's eventfd: no lock, no connection, out of the in-flight
+ * count. Cleared when the gate opens, so it is forwarded once per park. */
+static atomic_llong g_demand_ns;
+static atomic_int g_demand_fd = -1;
+static atomic_long g_opens;   /* how many times the gate opened: a watch answers when someone else's restore opens it */   /* the eventfd a `watch` waits on; -1 until the first watch makes it */
 
 static void signal_drained(void)
 {
@@ -24,18 +40,54 @@ static void signal_drained(void)
     pthread_mutex_unlock(&g_mu);
 }
 
-void gpucr_gate_enter(void)
+void gpucr_gate_wake_watch(void)
+{
+    int fd = atomic_load(&g_demand_fd);
+    uint64_t one = 1;
+    if (fd >= 0 && write(fd, &one, sizeof one) < 0) { /* a full counter is already a wake-up */ }
+}
+
+/* The first demanding call at the closed gate since it closed: noted once, the watch woken. */
+static void raise_demand(void)
+{
+    long long none = 0;
+    if (atomic_compare_exchange_strong(&g_demand_ns, &none, (long long)gpucr_now_ns())) gpucr_gate_wake_watch();
+}
+
+static void enter(bool demand)
 {
     if (t_depth++ > 0) return;
+    demand = demand && !gpucr_agent_thread();   /* the agent's own work (staging ahead) is nobody's demand */
     for (;;) {
         atomic_fetch_add(&g_in_flight, 1);
-        if (!atomic_load(&g_closed)) return;
+        if (!atomic_load(&g_closed)) {
+            if (demand) atomic_store_explicit(&g_last_submit_ns, (long long)gpucr_now_ns(), memory_order_relaxed);
+            return;
+        }
         /* Closed: step back out so the closer can drain, then wait for it to reopen. */
         if (atomic_fetch_sub(&g_in_flight, 1) == 1) signal_drained();
+        if (demand) raise_demand();
         pthread_mutex_lock(&g_mu);
         while (atomic_load(&g_closed)) pthread_cond_wait(&g_opened, &g_mu);
         pthread_mutex_unlock(&g_mu);
     }
+}
+
+void gpucr_gate_enter(void) { enter(true); }
+void gpucr_gate_enter_waiting(void) { enter(false); }
+
+int gpucr_gate_step_out(void)
+{
+    int depth = t_depth;
+    if (depth > 0) { t_depth = 1; gpucr_gate_leave(); }
+    return depth;
+}
+
+void gpucr_gate_step_in(int depth)
+{
+    if (depth <= 0) return;
+    enter(true);   /* the allocation goes on: demand, should its app have been parked meanwhile */
+    t_depth = depth;
 }
 
 bool gpucr_gate_query(void)
@@ -91,9 +143,38 @@ void gpucr_gate_open(void)
     pthread_mutex_lock(&g_mu);
     atomic_store(&g_settled, 0);
     atomic_store(&g_closed, 0);
+    atomic_store(&g_demand_ns, 0);
+    atomic_fetch_add(&g_opens, 1);
     pthread_cond_broadcast(&g_opened);
     pthread_mutex_unlock(&g_mu);
+    gpucr_gate_wake_watch();   /* a watch waiting for demand learns the park is over */
 }
+
+void gpucr_gate_json(struct jb *j)
+{
+    long long last = atomic_load_explicit(&g_last_submit_ns, memory_order_relaxed), demand = atomic_load(&g_demand_ns);
+    jb_sub(j, "swap");
+    jb_int(j, "now_ns", (long long)gpucr_now_ns());   /* CLOCK_MONOTONIC: the server's clock too */
+    jb_int(j, "last_submit_ns", last);
+    jb_int(j, "demand_ns", demand);
+    jb_end(j);
+}
+
+/* The eventfd made once, by the channel's thread (never by a waiting application thread). */
+int gpucr_gate_demand_fd(void)
+{
+    int fd = atomic_load(&g_demand_fd);
+    if (fd >= 0) return fd;
+    int made = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK), none = -1;
+    if (made < 0) return -1;
+    if (!atomic_compare_exchange_strong(&g_demand_fd, &none, made)) { close(made); return none; }
+    return made;
+}
+
+/* For the swap service's watch (watch.c): the demand noted since the gate closed (0: none), how many times the
+ * gate opened, and the eventfd a watch waits on (made once, by the channel's thread, never by an app thread). */
+long long gpucr_gate_demand_ns(void) { return atomic_load(&g_demand_ns); }
+long gpucr_gate_opens(void) { return atomic_load(&g_opens); }
 
 bool gpucr_gate_is_closed(void) { return atomic_load(&g_closed) != 0; }
 
@@ -104,6 +185,10 @@ void gpucr_gate_reset_after_fork(void)
     atomic_store(&g_closed, 0);
     atomic_store(&g_settled, 0);
     atomic_store(&g_in_flight, 0);
+    atomic_store(&g_demand_ns, 0);
+    atomic_store(&g_last_submit_ns, 0);
+    if (atomic_load(&g_demand_fd) >= 0) close(atomic_load(&g_demand_fd));
+    atomic_store(&g_demand_fd, -1);
     t_depth = 0;
     g_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
     g_opened = (pthread_cond_t)PTHREAD_COND_INITIALIZER;

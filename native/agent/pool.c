@@ -814,7 +814,7 @@ static CUresult synchronized(CUresult rc, uint64_t key, bool whole_ctx)
     {                                                                                                   \
         gpucr_init();                                                                                   \
         if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                                \
-        gpucr_gate_enter();                                                                             \
+        gpucr_gate_enter_waiting();                                                                     \
         return synchronized(REAL(sym)(st), stream_key(st, pt), false);                                  \
     }
 STREAM_SYNC(cuStreamSynchronize, false)
@@ -825,7 +825,7 @@ GPUCR_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx)
 {
     gpucr_init();
     if (!REAL(cuCtxSynchronize_v2)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter();
+    gpucr_gate_enter_waiting();
     CUresult rc = REAL(cuCtxSynchronize_v2)(ctx);
     if (rc == CUDA_SUCCESS && any_served()) {
         CUcontext cur = NULL;
@@ -842,7 +842,7 @@ GPUCR_EXPORT CUresult cuCtxSynchronize(void)
 {
     gpucr_init();
     if (!REAL(cuCtxSynchronize)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter();
+    gpucr_gate_enter_waiting();
     return synchronized(REAL(cuCtxSynchronize)(), 0, true);
 }
 
@@ -850,7 +850,7 @@ GPUCR_EXPORT CUresult cuEventSynchronize(CUevent ev)
 {
     gpucr_init();
     if (!REAL(cuEventSynchronize)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter();
+    gpucr_gate_enter_waiting();
     return synchronized(REAL(cuEventSynchronize)(ev), 0, false);   /* which frees completed: the events say */
 }
 
@@ -861,7 +861,7 @@ GPUCR_EXPORT CUresult cuEventSynchronize(CUevent ev)
     {                                                                                                   \
         gpucr_init();                                                                                   \
         if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                                \
-        gpucr_gate_enter();                                                                             \
+        gpucr_gate_enter_waiting();                                                                     \
         pthread_mutex_lock(&g_mu);                                                                      \
         struct sstate *s = st ? hmap_get(&g_streams, stream_key(st, false)) : NULL;                     \
         if (s) {                                                                                        \

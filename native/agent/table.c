@@ -24,6 +24,17 @@
         gpucr_gate_leave();                                            \
         return rc;                                                     \
     }
+/* A call that waits at the closed gate but is not demand (entrypoints.def, WAITS). */
+#define WRAP_WAITS(sym, params, args)                                  \
+    GPUCR_EXPORT CUresult sym params                                   \
+    {                                                                  \
+        gpucr_init();                                                  \
+        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;               \
+        gpucr_gate_enter_waiting();                                    \
+        CUresult rc = REAL(sym) args;                                  \
+        gpucr_gate_leave();                                            \
+        return rc;                                                     \
+    }
 /* A query (entrypoints.def): answered "complete" without the driver once a checkpoint has settled, so a
  * poller neither meets the driver's checkpoint nor stops its thread (which may hold a lock, or Python's
  * GIL) while the process is parked; else like a gated call. */
@@ -84,7 +95,7 @@ GPUCR_EXPORT const char *gpucr_entry_table(void)
     for (int i = 0; i < ENTRY_COUNT; i++) {
         const struct gpucr_entry *e = &gpucr_entries[i];
         len += (size_t)snprintf(buf + len, cap - len, "%s %s %d %d %s\n", e->symbol, e->base, e->version, e->per_thread,
-                                e->kind == GATED ? "GATED" : e->kind == QUERY ? "QUERY" : "CUSTOM");
+                                e->kind == GATED ? "GATED" : e->kind == WAITS ? "WAITS" : e->kind == QUERY ? "QUERY" : "CUSTOM");
     }
     text = buf;
     return text;

@@ -33,16 +33,36 @@ void gpucr_cond_wait_step(pthread_cond_t *cv, pthread_mutex_t *mu, int64_t deadl
     pthread_cond_timedwait(cv, mu, &ts);
 }
 
+/* Set in every thread the agent starts itself: its calls through the gate are never the application's activity. */
+static __thread bool t_agent_thread;
+
+bool gpucr_agent_thread(void) { return t_agent_thread; }
+
+struct start { void *(*fn)(void *); void *arg; };
+
+static void *agent_thread_start(void *p)
+{
+    struct start st = *(struct start *)p;
+    free(p);
+    t_agent_thread = true;
+    return st.fn(st.arg);
+}
+
 bool gpucr_spawn_detached(void *(*fn)(void *), void *arg, const char *name)
 {
+    struct start *st = malloc(sizeof *st);
+    if (!st) return false;
+    *st = (struct start){fn, arg};
     sigset_t all, prev;
     sigfillset(&all);
     pthread_sigmask(SIG_SETMASK, &all, &prev);   /* the new thread inherits this mask */
     pthread_t th;
-    bool ok = pthread_create(&th, NULL, fn, arg) == 0;
+    bool ok = pthread_create(&th, NULL, agent_thread_start, st) == 0;
     if (ok) {
         pthread_setname_np(th, name);   /* "gpucr-...": /proc/PID/task tells the agent's threads from the app's */
         pthread_detach(th);
+    } else {
+        free(st);
     }
     pthread_sigmask(SIG_SETMASK, &prev, NULL);
     return ok;

@@ -156,6 +156,14 @@ class AgentClient:
     def close(self) -> None:
         self._sock.close()
 
+    def hang_up(self) -> None:
+        """End the connection from another thread: a call waiting on it returns at once (a close alone would not
+        wake it), and the agent sees the end too."""
+        try:
+            self._sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass   # already ended
+
     def __enter__(self) -> "AgentClient":
         return self
 

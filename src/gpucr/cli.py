@@ -12,9 +12,10 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
-from . import coverage, gpus, paths, version
+from . import coverage, gpus, paths, server_view, version
 from .levels import LEVELS
 from .server import route
+from .server_view import mib as _mib
 from .driver import SIMULATE_ENV
 from .errors import GpucrError
 from .results import (SCHEMA_VERSION, ErrorResult, GpuMemoryChange, ImageTransfer, LeftOut, ProcessStatus, RecoverResult,
@@ -121,10 +122,6 @@ def _check_controller_env(env: dict[str, str]) -> None:
             raise GpucrError(f"{name}={env[name]} is not valid: use 0 or 1 (or leave it unset)")
 
 
-def _mib(n: int | None) -> str:
-    return "n/a" if n is None else f"{n / 2**20:,.0f} MiB"
-
-
 def _plural(n: int, one: str, many: str) -> str:
     return f"{n} {one if n == 1 else many}"
 
@@ -192,11 +189,17 @@ def cmd_run(a: argparse.Namespace) -> int:
         env["GPUCR_GROUP"] = a.group
     if a.host_budget:
         env["GPUCR_HOST_BUDGET"] = a.host_budget
+    if a.swap and not route.server_wanted():
+        raise GpucrError("--swap needs the gpucr server: drop --no-server (and GPUCR_NO_SERVER=1)")
     if route.server_wanted():
         from .server import client
         problem = client.ensure_running(a.simulate)
+        if problem and a.swap:
+            raise GpucrError(f"--swap needs the gpucr server: {problem}")
         if problem:
             route.note(problem)
+    if a.swap:
+        server_view.register_swap(a, cmd, env)
     _say_retired_env(env)
     if a.simulate:
         print("gpucr: running on simcuda, the simulated driver (a test double; no GPU is used)", file=sys.stderr)
@@ -379,7 +382,7 @@ def cmd_status(a: argparse.Namespace) -> int:
         _print_json(to_json(StatusResult(SCHEMA_VERSION, "status", [st])))
     else:
         print("\n".join(_status_lines(st)))
-        print("\n".join(_server_lines()))   # what the servers hold, apart from the process (context, pinned staging)
+        print("\n".join(server_view.server_lines()))   # what the servers hold apart from the process
     return 0
 
 
@@ -456,7 +459,7 @@ def cmd_ps(a: argparse.Namespace, command: str = "ps") -> int:
     if a.json:
         _print_json(to_json(rows))
         return 0
-    print("\n".join(_server_lines()))
+    print("\n".join(server_view.server_lines()))
     if not rows.processes and not rows.unreachable:
         print("no processes under gpucr")
         return 0
@@ -483,38 +486,6 @@ def cmd_ps(a: argparse.Namespace, command: str = "ps") -> int:
     return 0
 
 
-def _server_lines() -> list[str]:
-    """Each gpucr server that runs (one on the system's driver, one on simcuda), apart from the processes.
-    What a server holds for the processes (pinned staging and its owners) goes under its line."""
-    from .server import client
-    if not route.server_wanted():
-        return ["server: not used (--no-server)"]
-    lines = [line for info in (client.info(False), client.info(True)) if info is not None
-             for line in (_server_line(info), *_server_holdings(info))]
-    return lines or ["server: not running (checkpoints run in-process)"]
-
-
-def _server_holdings(info: dict[str, Any]) -> list[str]:
-    """What a server holds of each process's staging (mapped and pinned in it), by the process that owns it;
-    staging the driver did not unpin (stuck) is named as such."""
-    held = info.get("staging") or []
-    lines = [f"  holds for process {h['pid']}: {_mib(h['mapped_bytes'])} of staging mapped, "
-             f"{_mib(h['pinned_bytes'])} pinned" + (" (STUCK: the driver did not unpin it; see its log)"
-                                                    if h["stuck"] else "") for h in held]
-    return lines or ["  holds no staging of any process"]
-
-
-def _server_line(info: dict[str, Any]) -> str:
-    """A server: its pid and the GPU memory it holds (measured for its pid)."""
-    held = "unknown (no per-process count here)" if info["gpu_bytes"] is None else _mib(info["gpu_bytes"])
-    ctx = info.get("contexts") or []
-    return (f"server: pid {info['pid']}{' [simcuda]' if info['simulated'] else ''}, up {info['up_s']:.0f} s, "
-            f"{info['requests']} requests; GPU memory it holds (apart from the processes): {held} "
-            f"on {len(info['gpus'])} GPU{'s' if len(info['gpus']) != 1 else ''} "
-            f"({f'its data-plane context on {len(ctx)}' if ctx else 'no context'}; "
-            f"{_mib(info.get('pinned_staging_bytes', 0))} of staging pinned)")
-
-
 def cmd_serve(a: argparse.Namespace) -> int:
     from .server import client, daemon
     if a.stop:
@@ -526,7 +497,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         if a.json:
             _print_json({"running": True, **info} if info else {"running": False, "simulated": a.simulate})
         else:
-            print(_server_line(info) if info else "server: not running")
+            print(server_view.server_line(info) if info else "server: not running")
         return 0 if info else 3
     return daemon.main(a.idle_exit, keep_context=not a.give_back_context,
                        routes=not a.no_routes)
@@ -617,6 +588,7 @@ def _parser() -> argparse.ArgumentParser:
                    f"and restored together with 'gpucr checkpoint --group NAME' (up to {GROUP_MAX_BYTES} bytes)")
     r.add_argument("--no-server", action="store_true", help="do not start the gpucr server (checkpoints of this "
                    f"process then run in-process unless one runs anyway; the same as {route.NO_SERVER_ENV}=1)")
+    server_view.add_swap_flags(r, _seconds)
     r.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD ARGS...")
     r.set_defaults(fn=cmd_run)
 

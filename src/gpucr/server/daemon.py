@@ -31,9 +31,12 @@ from ..results import to_json
 from .. import abandon
 from . import wire
 from ..dataplane.mover import Mover
+from ..swap.service import SwapService
 
 ACCEPT_TICK_S = 0.5
 PIN_AHEAD_EVERY_S = 1.0   # how often staging prepared ahead by the processes is looked for (and pinned here)
+SWAP_TICK_S = 0.5         # how often the swap service looks for apps that ended or went idle
+SWAP_TIMEOUT_S = 30.0     # a park's or a resume's deadline: an app that misses its park stays resident
 ACCEPT_STARVED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)   # accept waits these out
 ACCEPT_BACKOFF_S = 0.5   # the longest pause between tries to accept while out of fds
 REFUSED_READ_S = 2.0   # how long a refused peer's request is waited for, to answer it with why
@@ -103,6 +106,7 @@ class Server:
         self.ino = 0
         self._starved_s = 0.0   # the pause between tries to accept while out of fds (0: not out of them)
         self._pin_ahead_said: dict[int, str] = {}   # pid -> why pinning ahead for it last failed, as logged
+        self.swap = SwapService(self._swap_park, self._swap_resume, log, self._gpu_free)
 
     # ---- the socket ----
 
@@ -331,6 +335,7 @@ class Server:
         t = targets.resolve(pid)
         with t.connect() as agent:
             st = agent.call("status", timeout=5.0)
+            self.swap.observe(pid, st)   # the swap service learns from every status read, asking none of its own
             devices = st.get("devices") or []
             if st.get("state") == "running" and not st.get("staging_segments"):
                 mover.forget(pid)   # it gave its staging back (drop policy): our mapping would keep it
@@ -345,6 +350,52 @@ class Server:
                 os.close(fd)
         if got:
             log(f"pinned {got >> 20} MiB of process {pid}'s staging ahead of its checkpoint")
+
+    def pins_ahead(self) -> bool:
+        return self.keep_context
+
+    def swap_loop(self) -> None:
+        """Every SWAP_TICK_S: the swap apps that ended are dropped and the idle ones parked. Their status comes from
+        the pinning-ahead round, which reads every agent anyway; without it, this loop reads the resident apps'."""
+        while not self.stopping.wait(SWAP_TICK_S):
+            try:
+                if not self.pins_ahead():
+                    self.swap.observe_resident()
+                self.swap.tick()
+            except Exception as exc:   # noqa: BLE001 - ending the loop would end the swap service for good
+                log(f"the swap service's tick failed: {_reason(exc)}; going on")
+
+    def _swap_park(self, pid: int) -> None:
+        """The swap service's park: the server's own checkpoint of the process (level full), its data plane copying."""
+        self._swap_request("checkpoint", pid, lambda mover: coordinator.checkpoint_many(
+            [pid], level="full", timeout=SWAP_TIMEOUT_S, mover=mover))
+
+    def _swap_resume(self, pid: int) -> None:
+        self._swap_request("restore", pid, lambda mover: coordinator.restore_many(
+            [pid], timeout=SWAP_TIMEOUT_S, mover=mover))
+
+    @staticmethod
+    def _gpu_free(uuid: str) -> int | None:
+        drv = controller_driver()
+        mem = gpus.memory_of(drv, uuid, gpus.machine_gpus(drv))
+        return mem.free if mem is not None else None
+
+    def _swap_request(self, op: str, pid: int, run: Callable[[Mover | None], Any]) -> None:
+        """A park or resume counted and logged as a request, in the environment requests share."""
+        with self.lock:
+            self.in_flight += 1
+            self.requests += 1
+        t0, said = time.perf_counter(), "failed"
+        try:
+            with self.env_gate.hold({}), _copying(self) as mover:
+                run(mover)
+            said = "done"
+        finally:
+            log(f"{op} of process {pid} (swap): {said} in {time.perf_counter() - t0:.3f} s")
+            self.after_request()
+            with self.lock:
+                self.in_flight -= 1
+                self.last_activity = time.monotonic()
 
     def let_go(self, pids: list[int]) -> None:
         """Unpin and unmap these processes' staging (they gave it back: a mapping here would keep it)."""
@@ -374,7 +425,7 @@ class Server:
                 "staging": mover.holdings() if mover else [],
                 "simulated": self.simulated, "socket": str(self.path),
                 "log": str(self.dir / wire.log_name(self.simulated)), "up_s": round(time.time() - self.started, 1),
-                "requests": served, "in_flight": busy, "driver_version": drv.version(), "idle_exit_s": self.idle_exit_s,
+                "requests": served, "in_flight": busy, "swap": self.swap.apps.rows(), "driver_version": drv.version(), "idle_exit_s": self.idle_exit_s,
                 "gpus": [{"uuid": u.uuid, "process_bytes": u.process} for u in held.values()],
                 "gpu_bytes": None if any(u.process is None for u in held.values()) else sum(u.process for u in held.values())}
 
@@ -454,6 +505,11 @@ def _recover(_s: Server, a: dict[str, Any]) -> Run:
     return lambda: [to_json(x) for x in (recover.find() if only_list else recover.recover(timeout=timeout))]
 
 
+def _swap_register(s: Server, a: dict[str, Any]) -> Run:
+    app = s.swap.registration(a)
+    return lambda: s.swap.register(app)
+
+
 def _stop(s: Server, _a: dict[str, Any]) -> Run:
     def run() -> Any:
         s.stopping.set()
@@ -468,6 +524,7 @@ _HANDLERS: dict[str, Callable[[Server, dict[str, Any]], Run]] = {
     "status": _status,
     "ps": lambda s, a: lambda: to_json(reading.ps()),
     "recover": _recover,
+    "swap_register": _swap_register,
     "stop": _stop,
 }
 
@@ -518,11 +575,13 @@ def main(idle_exit_s: float | None = None, keep_context: bool = True, routes: bo
     signal.signal(signal.SIGTERM, lambda *_: srv.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: srv.stopping.set())
     log(f"serving uid {os.getuid()} on {srv.path} ({'simcuda' if srv.simulated else 'the system CUDA driver'})")
-    if keep_context:
+    if srv.pins_ahead():
         threading.Thread(target=srv.pin_ahead_loop, daemon=True, name="gpucr-pin-ahead").start()
+    threading.Thread(target=srv.swap_loop, daemon=True, name="gpucr-swap").start()
     try:
         srv.serve()
     finally:
+        srv.swap.close()
         srv.close()
         if srv._mover is not None:
             srv._mover.close()

@@ -124,6 +124,17 @@ def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: 
                         gpu_map).processes[0]
 
 
+def register_swap(simulated: bool, args: dict[str, Any]) -> dict[str, Any]:
+    """Register an app with the server's swap service (`gpucr run --swap`): there is no in-process way."""
+    conn = client.connect(simulated)
+    if conn is None:
+        raise GpucrError("--swap needs the gpucr server, and none runs: start one with 'gpucr serve'")
+    out = conn.ask("swap_register", args, timeout=10.0)
+    if not isinstance(out, dict):
+        raise GpucrError("the gpucr server sent a malformed swap_register answer; stop it with 'gpucr serve --stop'")
+    return out
+
+
 def status(pid: int) -> ProcessStatus:
     """The live state of a process under gpucr (reading.status)."""
     done, out = _reading("status", {"pid": pid})

@@ -1,0 +1,126 @@
+"""What the server knows of each app under `gpucr run --swap`, updated on events (its registration, each status
+the server reads of it anyway, each park, demand and resume), never by asking its agent on a tick of its own."""
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import GpucrError
+from .policy import Candidate
+
+RESIDENT, PARKING, PARKED, RESUMING, ON_DISK = "resident", "parking", "parked", "resuming", "on disk"
+STATES = (RESIDENT, PARKING, PARKED, RESUMING, ON_DISK)
+NAME_MAX = 64
+
+
+def now() -> float:
+    """The server's clock: CLOCK_MONOTONIC, the clock of the agent's gpucr_now_ns too (one clock per host)."""
+    return time.monotonic()
+
+
+@dataclass
+class SwapApp:
+    pid: int
+    start_time: int                  # with pid, names the process (a reused pid is another app)
+    name: str
+    priority: int = 0
+    min_resident_s: float = 0.0
+    idle_park_s: float | None = None
+    state: str = RESIDENT
+    held: dict[str, int] = field(default_factory=dict)   # GPU uuid -> bytes held now
+    peak: dict[str, int] = field(default_factory=dict)   # GPU uuid -> the most it held
+    parked_bytes: dict[str, int] = field(default_factory=dict)   # GPU uuid -> what it held when last parked
+    last_submit: float = 0.0         # server clock; its registration until its first submission is seen
+    resident_since: float = 0.0
+    parks: int = 0
+    resumes: int = 0
+    last_wake_ms: float | None = None   # from its demanding call to the start of its restore, the last time
+    why: str = ""                    # the last refusal or failure, shown beside its state
+    cuda: bool = False               # its agent said it has loaded CUDA (it can be parked and watched)
+    ordinals: dict[int, str] = field(default_factory=dict)   # its device ordinal -> GPU uuid
+    watched: bool = False            # the service keeps a watch on its agent
+
+    def idle_s(self, at: float) -> float:
+        return max(0.0, at - self.last_submit)
+
+    def candidate(self, uuid: str) -> Candidate:
+        """As the policy sees it on one GPU."""
+        return Candidate(self.name, self.priority, self.state, self.held.get(uuid, 0), self.last_submit,
+                         self.resident_since, self.min_resident_s)
+
+    def row(self, at: float) -> dict[str, Any]:
+        """What `gpucr ps` and `serve --status --json` show of it."""
+        return {"name": self.name, "pid": self.pid, "priority": self.priority, "state": self.state,
+                "held_bytes": dict(self.held), "peak_bytes": dict(self.peak), "idle_s": round(self.idle_s(at), 3),
+                "min_resident_s": self.min_resident_s, "idle_park_s": self.idle_park_s, "parks": self.parks,
+                "resumes": self.resumes, "last_wake_ms": self.last_wake_ms, "why": self.why}
+
+
+class Apps:
+    """The registry, one lock; every change is an event the server saw."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_pid: dict[int, SwapApp] = {}
+
+    def add(self, app: SwapApp) -> None:
+        with self._lock:
+            taken = next((a for a in self._by_pid.values() if a.name == app.name and a.pid != app.pid), None)
+            if taken is not None:
+                raise GpucrError(f"a swap app named {app.name!r} runs already (pid {taken.pid}); give another --name")
+            at = now()
+            app.last_submit = app.last_submit or at
+            app.resident_since = app.resident_since or at
+            self._by_pid[app.pid] = app
+
+    def drop(self, pid: int) -> SwapApp | None:
+        with self._lock:
+            return self._by_pid.pop(pid, None)
+
+    def get(self, pid: int) -> SwapApp | None:
+        with self._lock:
+            return self._by_pid.get(pid)
+
+    def all(self) -> list[SwapApp]:
+        with self._lock:
+            return list(self._by_pid.values())
+
+    def rows(self) -> list[dict[str, Any]]:
+        at = now()
+        with self._lock:
+            return [a.row(at) for a in sorted(self._by_pid.values(), key=lambda a: a.name)]
+
+    def set_state(self, pid: int, state: str, why: str = "") -> SwapApp | None:
+        with self._lock:
+            app = self._by_pid.get(pid)
+            if app is not None:
+                app.state, app.why = state, why
+                if state == RESIDENT:
+                    app.resident_since = now()
+                    if not any(app.held.values()):   # back: what it held when parked, until its next status says
+                        app.held = dict(app.parked_bytes)
+                elif state == PARKED and any(app.held.values()):
+                    app.parked_bytes, app.held = dict(app.held), dict.fromkeys(app.held, 0)
+            return app
+
+    def observe(self, pid: int, status: dict[str, Any]) -> None:
+        """An agent's status the server read (for any reason): its memory per GPU and its last submission."""
+        with self._lock:
+            app = self._by_pid.get(pid)
+            if app is None:
+                return
+            swap = status.get("swap") or {}
+            last_ns = int(swap.get("last_submit_ns") or 0)
+            if last_ns:
+                app.last_submit = max(app.last_submit, last_ns / 1e9)
+            app.cuda = bool(status.get("cuda"))
+            if status.get("state") != "running" or app.state in (PARKING, PARKED):
+                return   # parked: what it held is in host memory; the agent still lists the sizes
+            for d in status.get("devices") or []:
+                uuid = str(d.get("uuid", ""))
+                app.ordinals[int(d.get("ordinal", 0))] = uuid
+                held = int(d.get("vmm_bytes") or 0) + int(d.get("driver_bytes") or 0)
+                app.held[uuid] = held
+                app.peak[uuid] = max(app.peak.get(uuid, 0), held)

@@ -1,0 +1,76 @@
+"""Whom to park to make room on a GPU: a pure function of what the server knows of the apps on it.
+
+The rules (issue 27, "Room on demand"): lower priority first, then the least recently active; never one of
+higher priority than the asker, never one inside its --min-resident, never the asker, never one waiting on
+the asker (parking it would deadlock the two); only resident apps hold memory that parking frees. When the
+apps that may be parked cannot free enough together, nobody is parked and the answer says why.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+RESIDENT = "resident"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One app on the GPU, as the policy sees it. Times are seconds on one clock (the server's monotonic)."""
+    name: str
+    priority: int
+    state: str
+    held_bytes: int
+    last_active: float
+    resident_since: float
+    min_resident_s: float = 0.0
+    waits_on: frozenset[str] = field(default_factory=frozenset)   # apps this one waits on (for room or resume)
+
+
+@dataclass(frozen=True)
+class Choice:
+    """Whom to park (in order), or nobody with the reason."""
+    park: tuple[str, ...]
+    freed_bytes: int
+    why_not: str = ""
+
+    @property
+    def suffices(self) -> bool:
+        return not self.why_not
+
+
+def _refusal(c: Candidate, asker: Candidate, now: float) -> str | None:
+    """Why c may not be parked for the asker, or None when it may."""
+    if c.name == asker.name:
+        return "it is the asker"
+    if c.state != RESIDENT:
+        return f"it is {c.state}"
+    if c.held_bytes <= 0:
+        return "it holds no GPU memory"
+    if c.priority > asker.priority:
+        return f"its priority {c.priority} is above the asker's {asker.priority}"
+    if now - c.resident_since < c.min_resident_s:
+        return f"it is inside its --min-resident of {c.min_resident_s:g} s"
+    if asker.name in c.waits_on:
+        return "it waits on the asker"
+    return None
+
+
+def choose(apps: list[Candidate], asker: Candidate, need_bytes: int, now: float) -> Choice:
+    """The apps to park, lowest priority first, then least recently active, until need_bytes are freed.
+    need_bytes <= 0 parks nobody. Nobody is parked when the apps that may be cannot free enough."""
+    if need_bytes <= 0:
+        return Choice((), 0)
+    allowed = [c for c in apps if _refusal(c, asker, now) is None]
+    allowed.sort(key=lambda c: (c.priority, c.last_active, c.name))
+    chosen: list[str] = []
+    freed = 0
+    for c in allowed:
+        if freed >= need_bytes:
+            break
+        chosen.append(c.name)
+        freed += c.held_bytes
+    if freed >= need_bytes:
+        return Choice(tuple(chosen), freed)
+    kept = [f"{c.name} ({why})" for c in apps if (why := _refusal(c, asker, now)) is not None and c.name != asker.name]
+    why = (f"parking every app that may be parked frees {freed} of the {need_bytes} bytes asked"
+           + (f"; not parked: {', '.join(kept)}" if kept else ""))
+    return Choice((), 0, why)

@@ -1,0 +1,272 @@
+"""The server's swap service: apps register (`gpucr run --swap`); an idle one is parked; a parked one is resumed at
+its first demanding call; an allocation short of memory gets room by parking others (policy.py), and so does a
+resume; one that ends is dropped.
+
+The server lends its own park and resume (its data plane, as `gpucr checkpoint` and `restore` through it); this
+module decides when, and keeps the registry (apps.py). Each app is watched through one connection to its agent
+(`watch`), answered when a demanding call meets its closed gate, an allocation asks for room, or someone else
+opens its gate: no polling, one answer per event (docs/swap.md).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any, Callable
+
+from .. import target as targets
+from ..errors import GpucrError
+from .apps import NAME_MAX, PARKED, PARKING, RESIDENT, RESUMING, Apps, SwapApp, now
+from .policy import choose
+
+WATCH_FOREVER_S = 10 * 365 * 86400.0   # a watch lasts until its app needs us; the app's end or ours closes it
+ROOM_SLACK = 2 << 20   # room asked beyond the allocation: the driver's granule, so the retry is not short by one
+ROOM_MADE, ROOM_NONE = 1, 2   # the verdict the next watch carries to the agent (gate.c)
+RESUME_RETRY_S = 0.5   # a resume short of memory with nobody to park: memory just given back may not be free yet
+RESUME_TRIES = 3
+PRIORITY_MAX = 1000
+
+
+def _reason(exc: Exception) -> str:
+    return str(exc) if isinstance(exc, GpucrError) else f"{type(exc).__name__}: {exc}"
+
+
+def _seconds(v: Any, what: str, allow_none: bool = False) -> float | None:
+    if v is None and allow_none:
+        return None
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 30 * 86400:
+        raise ValueError(f"{what} must be a number of seconds from 0 to 30 days, not {v!r}")
+    return float(v)
+
+
+class SwapService:
+    def __init__(self, park: Callable[[int], None], resume: Callable[[int], None], log: Callable[[str], None],
+                 free_of: Callable[[str], int | None] = lambda uuid: None) -> None:
+        """park(pid) / resume(pid): the server's checkpoint and restore of one process (raise on failure);
+        free_of(uuid): the GPU's free memory now as the driver says, None when unknown."""
+        self.apps = Apps()
+        self._park, self._resume, self._log, self._free_of = park, resume, log, free_of
+        self._turns: dict[int, threading.Lock] = {}   # per app: one park or resume at a time
+        self._turns_lock = threading.Lock()
+        self._room = threading.Lock()   # room requests are served one at a time
+        self._watches: dict[int, Any] = {}             # pid -> the agent connection its watch waits on
+        self._stopping = False
+
+    # ---- registration (the server's `swap_register` request) ----
+
+    @staticmethod
+    def registration(args: dict[str, Any]) -> SwapApp:
+        """A registration's args checked (ValueError: malformed), as the app it registers (its start time unknown)."""
+        pid = args["pid"]
+        if isinstance(pid, bool) or not isinstance(pid, int) or pid <= 0:
+            raise ValueError(f"{pid!r} is not a pid")
+        name = args.get("name")
+        if not isinstance(name, str) or not 0 < len(name) <= NAME_MAX or not name.isprintable() or " " in name:
+            raise ValueError(f"a swap app's name is 1 to {NAME_MAX} printable characters without spaces, not {name!r}")
+        priority = args.get("priority", 0)
+        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > PRIORITY_MAX:
+            raise ValueError(f"priority must be a whole number from -{PRIORITY_MAX} to {PRIORITY_MAX}, not {priority!r}")
+        return SwapApp(pid, 0, name, priority, _seconds(args.get("min_resident", 0.0), "--min-resident") or 0.0,
+                       _seconds(args.get("idle_park"), "--idle-park", allow_none=True))
+
+    def register(self, app: SwapApp) -> dict[str, Any]:
+        """Add the app, resident; GpucrError when its process is gone or its name is taken."""
+        try:
+            app.start_time = targets.process_start_time(app.pid)
+        except (OSError, ValueError, IndexError):
+            raise GpucrError(f"no process with pid {app.pid} to register as a swap app") from None
+        self.apps.add(app)
+        self._log(f"swap app {app.name} (pid {app.pid}) registered: priority {app.priority}, min-resident "
+                  f"{app.min_resident_s:g} s, idle-park {'off' if app.idle_park_s is None else f'{app.idle_park_s:g} s'}")
+        return app.row(now())
+
+    # ---- what the server reads anyway ----
+
+    def observe(self, pid: int, status: dict[str, Any]) -> None:
+        self.apps.observe(pid, status)
+
+    def observe_resident(self) -> None:
+        """With nothing else reading the agents each tick (no pinning ahead), the resident apps' status, once."""
+        for app in self.apps.all():
+            if app.state != RESIDENT:
+                continue
+            try:
+                with targets.resolve(app.pid).connect() as agent:
+                    self.apps.observe(app.pid, agent.call("status", timeout=5.0))
+            except (OSError, GpucrError):
+                pass   # not up yet, or ending: the tick drops it once it has ended
+
+    # ---- the tick: ends and idleness ----
+
+    def tick(self) -> None:
+        at = now()
+        for app in self.apps.all():
+            if targets.process_ended(app.pid, app.start_time):
+                self._forget(app, "it ended")
+                continue
+            if app.cuda and not app.watched:
+                app.watched = True
+                threading.Thread(target=self._watch, args=(app,), daemon=True, name=f"gpucr-swap-{app.pid}").start()
+            if self._idle_for_parking(app, at):
+                self.park(app.pid, f"idle {app.idle_s(at):.1f} s (--idle-park {app.idle_park_s:g})")
+
+    @staticmethod
+    def _idle_for_parking(app: SwapApp, at: float) -> bool:
+        return (app.state == RESIDENT and app.idle_park_s is not None and sum(app.held.values()) > 0
+                and app.idle_s(at) >= app.idle_park_s and at - app.resident_since >= app.min_resident_s)
+
+    def _forget(self, app: SwapApp, why: str) -> None:
+        if self.apps.drop(app.pid) is not None:
+            self._log(f"swap app {app.name} (pid {app.pid}) dropped: {why}")
+        self._end_watch(app.pid)
+        with self._turns_lock:
+            self._turns.pop(app.pid, None)
+
+    # ---- park, watch, resume ----
+
+    def _turn(self, pid: int) -> threading.Lock:
+        with self._turns_lock:
+            return self._turns.setdefault(pid, threading.Lock())
+
+    def park(self, pid: int, why: str) -> bool:
+        """Park a resident app (the server's checkpoint) and watch it for demand; False when it stays resident."""
+        with self._turn(pid):
+            app = self.apps.get(pid)
+            if app is None or app.state != RESIDENT:
+                return False
+            self.apps.set_state(pid, PARKING)
+            t0 = now()
+            try:
+                self._park(pid)
+            except Exception as exc:   # noqa: BLE001 - the app stays resident whatever failed; said once per try
+                app.last_submit = now()   # tried again after another idle period, not every tick
+                self.apps.set_state(pid, RESIDENT, f"park failed: {_reason(exc)}")
+                self._log(f"parking swap app {app.name} (pid {pid}) failed, it stays resident: {_reason(exc)}")
+                return False
+            app.parks += 1
+            self.apps.set_state(pid, PARKED)
+            self._log(f"parked swap app {app.name} (pid {pid}): {why}; {now() - t0:.3f} s")
+        return True
+
+    def _watch(self, app: SwapApp) -> None:
+        """The app's watch, for its life: its agent answers when a demanding call meets its closed gate (resume it),
+        when an allocation asks for room (park others, then say so with the next watch), or when someone else
+        restored it. No polling: one connection, one answer per event."""
+        verdict = seen = 0
+        try:
+            with targets.resolve(app.pid).connect() as agent:
+                self._watches[app.pid] = agent
+                while not self._stopping:
+                    ans = agent.call("watch", timeout=WATCH_FOREVER_S, seen=seen, **({"room": verdict} if verdict else {}))
+                    verdict = 0
+                    woke = ans.get("woke")
+                    if woke == "demand" and not self.resume(app.pid, int(ans.get("demand_ns") or 0)):
+                        seen = int(ans.get("demand_ns") or 0)   # not a park of ours: wait for the next demand
+                    elif woke == "room":
+                        verdict = ROOM_MADE if self.make_room(app, ans) else ROOM_NONE
+                    elif woke == "opened":   # restored by someone else (`gpucr restore`)
+                        self._restored_elsewhere(app)
+                    elif woke == "hung up":
+                        return
+        except (OSError, GpucrError) as exc:
+            if self._ends_soon(app):
+                self._forget(app, "it ended")
+            elif not self._stopping and self._watches.get(app.pid) is not None:
+                self._log(f"watching swap app {app.name} (pid {app.pid}) failed: {_reason(exc)}; it is no longer woken "
+                          f"on demand (restore it with 'gpucr restore {app.pid}')")
+        finally:
+            self._watches.pop(app.pid, None)
+
+    def _restored_elsewhere(self, app: SwapApp) -> None:
+        with self._turn(app.pid):   # (our own park or resume holds it: they set the state themselves)
+            if app.state == PARKED:
+                self.apps.set_state(app.pid, RESIDENT)
+                self._log(f"swap app {app.name} (pid {app.pid}) was restored by someone else: resident")
+
+    @staticmethod
+    def _ends_soon(app: SwapApp, within_s: float = 1.0) -> bool:
+        """Whether the app has ended, or does within a moment: its agent's channel closes as it exits."""
+        deadline = now() + within_s
+        while not targets.process_ended(app.pid, app.start_time):
+            if now() >= deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
+    def make_room(self, asker: SwapApp, ans: dict[str, Any]) -> bool:
+        """An allocation of the asker failed for lack of memory: park others on its GPU by the policy until it
+        fits. False (the allocation fails as before) when the policy finds nothing enough, said in the log."""
+        want, free, ordinal = int(ans.get("bytes") or 0), int(ans.get("free") or 0), int(ans.get("device") or 0)
+        uuid = asker.ordinals.get(ordinal, str(ordinal))
+        return self._park_for(asker, uuid, max(0, want - free) + ROOM_SLACK, f"{want} bytes ({free} free)")
+
+    def _park_for(self, asker: SwapApp, uuid: str, need: int, what: str) -> bool:
+        """Park others on GPU uuid by the policy to free `need` bytes for the asker; one request at a time."""
+        with self._room:
+            on_gpu = [a for a in self.apps.all() if uuid in a.held or a.pid == asker.pid]
+            choice = choose([a.candidate(uuid) for a in on_gpu], asker.candidate(uuid), need, now())
+            if not choice.suffices:
+                self._log(f"no room for swap app {asker.name} (pid {asker.pid}): {what} on GPU {uuid}: {choice.why_not}")
+                return False
+            by_name = {a.name: a for a in on_gpu}
+            parked = [n for n in choice.park if self.park(by_name[n].pid, f"room for {asker.name} ({what})")]
+            self._log(f"room for swap app {asker.name} (pid {asker.pid}): {what} on GPU {uuid}: "
+                      f"parked {', '.join(parked) or 'nobody'}")
+            return len(parked) == len(choice.park)
+
+    def _end_watch(self, pid: int) -> None:
+        agent = self._watches.pop(pid, None)
+        if agent is not None:
+            agent.hang_up()
+
+    def resume(self, pid: int, demand_ns: int) -> bool:
+        """Resume a parked app on its demand (the server's restore); the time from its demanding call to the start
+        of the restore is logged and kept."""
+        with self._turn(pid):
+            app = self.apps.get(pid)
+            if app is None or app.state != PARKED:
+                return False
+            self.apps.set_state(pid, RESUMING)
+            start = now()
+            app.last_wake_ms = round((start * 1e9 - demand_ns) / 1e6, 3) if demand_ns else None
+            self._log(f"resuming swap app {app.name} (pid {pid}) on demand: {app.last_wake_ms} ms from its demanding "
+                      "call to the start of its restore")
+            try:
+                self._resume_with_room(app)
+            except Exception as exc:   # noqa: BLE001 - said, and left for a person: its callers wait at the gate
+                self.apps.set_state(pid, PARKED, f"resume failed: {_reason(exc)}")
+                self._log(f"resuming swap app {app.name} (pid {pid}) failed: {_reason(exc)}; restore it with "
+                          f"'gpucr restore {pid}'")
+                return False
+            app.resumes += 1
+            app.last_submit = now()
+            self.apps.set_state(pid, RESIDENT)
+            self._log(f"resumed swap app {app.name} (pid {pid}) in {now() - start:.3f} s")
+        return True
+
+    def _resume_with_room(self, app: SwapApp) -> None:
+        """The restore; when the GPU is short, others are parked for it by the policy (as for an allocation:
+        _room_for_resume) and it is tried again, up to RESUME_TRIES times in all. With nobody to park, the next try
+        waits RESUME_RETRY_S: memory given back a moment before (an app parked or freeing a moment ago) is not always
+        free yet (seen on simcuda within ~0.1 s of a park)."""
+        for attempt in range(RESUME_TRIES):
+            try:
+                self._resume(app.pid)
+                return
+            except GpucrError as exc:
+                if "not enough free GPU memory" not in str(exc) or attempt == RESUME_TRIES - 1:
+                    raise
+                self._log(f"resuming swap app {app.name} (pid {app.pid}): {exc}")
+                if not any(self._room_for_resume(app, uuid, n) for uuid, n in app.parked_bytes.items() if n):
+                    time.sleep(RESUME_RETRY_S)
+
+    def _room_for_resume(self, app: SwapApp, uuid: str, held: int) -> bool:
+        """What it held when parked plus ROOM_SLACK, less what is free, and at least ROOM_SLACK: the restore was short,
+        maybe of its context's memory, which nothing counts."""
+        free = self._free_of(uuid)
+        need = max(ROOM_SLACK, held + ROOM_SLACK - (free or 0))
+        return self._park_for(app, uuid, need, f"its resume, {held} bytes, {'?' if free is None else free} free")
+
+    def close(self) -> None:
+        self._stopping = True
+        for pid in list(self._watches):
+            self._end_watch(pid)

@@ -1,0 +1,85 @@
+"""The swap policy's rules (issue 27, "Room on demand"), as properties over any set of apps."""
+from __future__ import annotations
+
+from hypothesis import given, settings, strategies as st
+
+from gpucr.swap.policy import Candidate, choose
+
+NOW = 1000.0
+STATES = ("resident", "parking", "parked", "resuming", "on disk")
+
+
+@st.composite
+def apps(draw):
+    n = draw(st.integers(1, 7))
+    names = [f"app{i}" for i in range(n)]
+    out = []
+    for name in names:
+        out.append(Candidate(
+            name=name, priority=draw(st.integers(0, 3)), state=draw(st.sampled_from(STATES + ("resident",) * 3)),
+            held_bytes=draw(st.integers(0, 10)) << 20, last_active=draw(st.floats(0, NOW)),
+            resident_since=draw(st.floats(0, NOW)), min_resident_s=draw(st.sampled_from([0.0, 5.0, 500.0])),
+            waits_on=frozenset(draw(st.lists(st.sampled_from(names), max_size=2)))))
+    asker = draw(st.sampled_from(out))
+    need = draw(st.integers(0, 40)) << 20
+    return out, asker, need
+
+
+def _may_park(c: Candidate, asker: Candidate) -> bool:
+    return (c.name != asker.name and c.state == "resident" and c.held_bytes > 0 and c.priority <= asker.priority
+            and NOW - c.resident_since >= c.min_resident_s and asker.name not in c.waits_on)
+
+
+@settings(max_examples=400, deadline=None)
+@given(apps())
+def test_only_apps_the_rules_allow_are_parked(case):
+    all_apps, asker, need = case
+    choice = choose(all_apps, asker, need, NOW)
+    by_name = {c.name: c for c in all_apps}
+    for name in choice.park:
+        c = by_name[name]
+        assert c.name != asker.name, "the asker is never parked"
+        assert c.priority <= asker.priority, "never one of higher priority than the asker"
+        assert NOW - c.resident_since >= c.min_resident_s, "never one inside its --min-resident"
+        assert asker.name not in c.waits_on, "never one waiting on the asker"
+        assert c.state == "resident"
+
+
+@settings(max_examples=400, deadline=None)
+@given(apps())
+def test_enough_is_freed_or_nobody_is_parked_with_why(case):
+    all_apps, asker, need = case
+    choice = choose(all_apps, asker, need, NOW)
+    parkable = sum(c.held_bytes for c in all_apps if _may_park(c, asker))
+    if need <= 0:
+        assert choice.park == () and choice.suffices
+    elif parkable >= need:
+        assert choice.suffices and choice.freed_bytes >= need
+        assert choice.freed_bytes == sum(c.held_bytes for c in all_apps if c.name in choice.park)
+    else:
+        assert not choice.suffices and choice.park == () and str(need) in choice.why_not
+
+
+@settings(max_examples=400, deadline=None)
+@given(apps())
+def test_lower_priority_then_least_recently_active_go_first_and_no_more_than_needed(case):
+    all_apps, asker, need = case
+    choice = choose(all_apps, asker, need, NOW)
+    if not choice.park:
+        return
+    allowed = sorted((c for c in all_apps if _may_park(c, asker)), key=lambda c: (c.priority, c.last_active, c.name))
+    # the parked ones are the first of that order, and dropping the last of them would not have been enough
+    assert list(choice.park) == [c.name for c in allowed[:len(choice.park)]]
+    assert choice.freed_bytes - allowed[len(choice.park) - 1].held_bytes < need
+
+
+def test_a_refusal_names_each_app_kept_and_why():
+    asker = Candidate("web", 1, "resident", 1 << 20, NOW, 0.0)
+    boss = Candidate("boss", 5, "resident", 8 << 20, 0.0, 0.0)
+    fresh = Candidate("fresh", 0, "resident", 8 << 20, 0.0, NOW - 1, min_resident_s=60)
+    waiter = Candidate("waiter", 0, "resident", 8 << 20, 0.0, 0.0, waits_on=frozenset({"web"}))
+    choice = choose([asker, boss, fresh, waiter], asker, 4 << 20, NOW)
+    assert choice.park == () and not choice.suffices
+    assert "boss (its priority 5 is above the asker's 1)" in choice.why_not
+    assert "fresh (it is inside its --min-resident of 60 s)" in choice.why_not
+    assert "waiter (it waits on the asker)" in choice.why_not
