@@ -79,8 +79,8 @@ def open_segment(fd: int, i: int, declared: int) -> Segment:
     refuse_unsealed_memfd(fd, i)
     # the process is not trusted: only a plain file as long as it says, or copies could run past it
     if not stat.S_ISREG(fs.st_mode) or declared <= 0 or fs.st_size < declared:
-        raise GpucrError(f"the process's staging segment {i} is not a file of {declared} bytes; checkpointed "
-                         "in-process instead")
+        raise GpucrError(f"the process's staging segment {i} is not a file of {declared} bytes: gpucr's data plane "
+                         "will not copy past it")
     addr = _libc.mmap(None, declared, _PROT_RW, _MAP_SHARED, fd, 0)
     if addr in (None, _MAP_FAILED):
         raise GpucrError(f"mapping the process's staging ({declared >> 20} MiB) failed: {os.strerror(ctypes.get_errno())}")

@@ -30,4 +30,4 @@ def refuse_unsealed_memfd(fd: int, i: int) -> None:
         return   # a file of a filesystem without seals: never a memfd
     if not sealed and _is_memfd(fd):
         raise GpucrError(f"the process's staging segment {i} is a memfd not sealed against shrinking "
-                         "(F_SEAL_SHRINK), as gpucr's agent seals it; checkpointed in-process instead")
+                         "(F_SEAL_SHRINK), as gpucr's agent seals it: gpucr's data plane will not copy into it")
