@@ -38,6 +38,40 @@ def test_a_step_that_does_not_lead_from_the_phase_is_refused_by_name(sim_app, ve
     assert phase(app.pid) == "running" and app.ask("digest") == before
 
 
+def memory_states(a: AgentClient) -> dict[str, list[bool]]:
+    """{state: [released...]} of the allocations the agent lists (its first page; our fds of them closed at once)."""
+    import os
+    listed, fds = a.call_with_fds("memory", **{"from": 0})
+    for fd in fds:
+        os.close(fd)
+    out: dict[str, list[bool]] = {}
+    for e in listed["memory"]:
+        if e["movable"] or e["released"]:
+            out.setdefault(e["state"], []).append(e["released"])
+    return out
+
+
+def allocation_states(pid: int) -> set[str]:
+    with agent(pid) as a:
+        return set(memory_states(a))
+
+
+def test_each_allocation_is_live_handed_then_parked_and_live_again(sim_app):
+    app = sim_app("--sizes", "8M,4M", "--vmm-mib", "4")
+    before = app.ask("digest")
+    assert allocation_states(app.pid) == {"live"}
+    with agent(app.pid) as a:
+        a.call("handover", lease=0)
+        states = memory_states(a)
+        assert list(states) == ["handed"] and all(states["handed"]), states
+        a.call("abort")   # nothing left the GPU: mapped again from the agent's fds
+    assert allocation_states(app.pid) == {"live"} and app.ask("digest") == before
+    gpucr.checkpoint(app.pid)
+    assert allocation_states(app.pid) == {"parked"}
+    gpucr.restore(app.pid)
+    assert allocation_states(app.pid) == {"live"} and app.ask("digest") == before
+
+
 def test_status_follows_the_phases_of_a_cycle_and_an_image(sim_app, tmp_path):
     app = sim_app("--sizes", "8M")
     before = app.ask("digest")

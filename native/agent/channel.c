@@ -122,7 +122,7 @@ static void reply_status(struct jb *j)
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
         n++;
         if (p->kind == PHYS_CONVERTED) conv++; else if (p->kind == PHYS_APP_VMM) app++;
-        if (p->released || reg_phys_movable(p)) moved += p->size;
+        if (reg_phys_released(p) || reg_phys_movable(p)) moved += p->size;
         else { kept++; left += p->size; }
     }
     jb_sub(j, "allocations");

@@ -23,7 +23,7 @@ void coverage_json(struct jb *j, const struct pool_stats *ps)
     unsigned long long moved = 0, vmm_left = 0;
     long vmm_left_n = 0;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (p->released || reg_phys_movable(p)) moved += p->size;
+        if (reg_phys_released(p) || reg_phys_movable(p)) moved += p->size;
         else if (p->kind != PHYS_IMPORTED) { vmm_left += p->size; vmm_left_n++; }
     }
     unsigned long long left = vmm_left + g_reg.native_bytes + g_reg.pool_bytes + ps->graph_bytes;

@@ -171,7 +171,7 @@ static void back_in_place(struct phys *p, CUmemGenericAllocationHandle h, int ow
     share_adopt_own(p, own, fd_wanted);
     p->adopted = adopted;
     int refs = p->app_refs;
-    p->released = false;
+    reg_alloc_move(p, AL_LIVE);
     reg_unlock();
     if (p->kind != PHYS_APP_VMM) return;
     if (refs == 0) release_handle(h, 1, p);
@@ -190,7 +190,7 @@ static void linked(struct phys *p, CUmemGenericAllocationHandle h)
     reg_lock();
     reg_set_real(p, h);
     int refs = p->app_refs;
-    p->released = false;
+    reg_alloc_move(p, AL_LIVE);
     reg_unlock();
     if (refs == 0) release_handle(h, 1, p);   /* the application had released its handle: mappings hold it */
 }
@@ -208,8 +208,9 @@ static CUresult import_at(const struct phys *p, int fd, CUmemGenericAllocationHa
  * restore relinks it from there). */
 static bool unlinked_at_checkpoint(const struct phys *p) { return p->kind == PHYS_IMPORTED && p->maps; }
 
-/* Give back the physical memory of an allocation whose data is in staging. */
-static CUresult release_one(struct phys *p, bool keep_own_fd)
+/* Give back the physical memory of an allocation for gpucr's data plane to copy; the agent's own fd keeps it on
+ * the GPU until the commit (dp_commit). */
+static CUresult release_one(struct phys *p)
 {
     gpucr_use_ctx(p->ctx);
     for (struct mapping *m = p->maps; m; m = m->next) {
@@ -225,13 +226,10 @@ static CUresult release_one(struct phys *p, bool keep_own_fd)
         }
     }
     reg_lock();
-    /* the agent's own fds would keep the memory on the GPU; a handover keeps its own fd on purpose, until
-     * the server has the data (dp_handover) */
-    if (!keep_own_fd) share_release(p);
     int refs = p->kind == PHYS_CONVERTED ? 1 : p->app_refs;
     CUmemGenericAllocationHandle real = p->real;
     reg_set_real(p, 0);
-    p->released = true;
+    reg_alloc_move(p, AL_HANDED);
     reg_unlock();
     release_handle(real, refs, p);
     progress(0);
@@ -358,8 +356,8 @@ int dp_restore(bool drop_staging, bool open_gate, char *err, size_t errlen)
     CUdeviceptr first = 0;
     bool unlinked = false;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (p->released && p->kind != PHYS_IMPORTED && !missing++) first = full_mapping_va(p);
-        if (p->released && p->kind == PHYS_IMPORTED) unlinked = true;
+        if (reg_phys_released(p) && p->kind != PHYS_IMPORTED && !missing++) first = full_mapping_va(p);
+        if (reg_phys_released(p) && p->kind == PHYS_IMPORTED) unlinked = true;
     }
     if (missing) {
         seterr(err, errlen, "%zu allocations (the first at 0x%llx) were not brought back by gpucr's data plane; the process "
@@ -445,7 +443,7 @@ int dp_handover(int timeout_ms, char *err, size_t errlen)
     CUresult rc = place_in_staging(&need);
     int64_t t0 = gpucr_now_ns();
     for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
-        if (reg_phys_movable(p) || unlinked_at_checkpoint(p)) rc = release_one(p, true);
+        if (reg_phys_movable(p) || unlinked_at_checkpoint(p)) rc = release_one(p);
     t.release = ms_since(t0);
     t.bytes_out = need;
     if (rc != CUDA_SUCCESS) {
@@ -468,7 +466,7 @@ static int take_back(char *err, size_t errlen)
 {
     CUresult first = CUDA_SUCCESS;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (!p->released || p->own_fd < 0) continue;
+        if (!reg_phys_released(p) || p->own_fd < 0) continue;
         gpucr_use_ctx(p->ctx);
         CUmemGenericAllocationHandle h = 0;
         CUresult rc = import_at(p, p->own_fd, &h);
@@ -507,7 +505,7 @@ void dp_commit(void)
     if (g_dp.phase != PH_COPIED) return;   /* nothing handed over under this lease */
     reg_lock();
     for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if (p->released) share_release(p);
+        if (p->state == AL_HANDED && reg_alloc_move(p, AL_PARKED)) share_release(p);
     reg_unlock();
     move(PH_PARKED);
 }
@@ -524,7 +522,7 @@ int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t
     }
     int k = 0, i = 0;
     for (struct phys *p = g_reg.all; p && i < nfds; p = p->next_all, k++) {
-        if (k < from || !p->released || p->kind == PHYS_IMPORTED) continue;
+        if (k < from || !reg_phys_released(p) || p->kind == PHYS_IMPORTED) continue;
         gpucr_use_ctx(p->ctx);
         CUmemGenericAllocationHandle h = 0;
         CUresult rc = import_at(p, fds[i], &h);
@@ -570,7 +568,7 @@ int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t e
     int index = -1;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
         index++;
-        if (!p->released) continue;
+        if (!reg_phys_released(p)) continue;
         int seg = -1;
         size_t off = 0;   /* where in staging: an allocation with none was not moved (an import) */
         if (!p->staging || staging_locate(p->staging, &seg, &off)) continue;
@@ -600,7 +598,7 @@ int dp_drop_staged(char *err, size_t errlen)
 }
 
 /* what a checkpoint placed in staging (place_in_staging): an import it unlinked is its exporter's to save */
-static bool staged_at_checkpoint(const struct phys *p) { return p->released && reg_phys_movable(p); }
+static bool staged_at_checkpoint(const struct phys *p) { return reg_phys_released(p) && reg_phys_movable(p); }
 
 int dp_stage(char *err, size_t errlen)
 {
@@ -688,7 +686,7 @@ int dp_export(unsigned long long key, int *fd_out, struct jb *j, char *err, size
 static bool unlinked_import(struct phys *p, unsigned long long key)
 {
     reg_lock();
-    bool yes = p->kind == PHYS_IMPORTED && p->share_key == key && p->released;
+    bool yes = p->kind == PHYS_IMPORTED && p->share_key == key && reg_phys_released(p);
     reg_unlock();
     return yes;
 }
@@ -760,7 +758,7 @@ int dp_resume(char *err, size_t errlen)
 {
     if (g_dp.phase != PH_RUNNING) { seterr(err, errlen, "the process is not restored yet"); return -1; }
     for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if (p->released) { seterr(err, errlen, "shared memory is not relinked yet"); return -1; }
+        if (reg_phys_released(p)) { seterr(err, errlen, "shared memory is not relinked yet"); return -1; }
     gpucr_gate_open();
     return 0;
 }

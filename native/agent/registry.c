@@ -365,3 +365,27 @@ void keep_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, 
     if (reg_put(map, ptr, v, "a plain allocation") == 0) { *bytes += reg_native_size(v); (*count)++; }
     reg_unlock();
 }
+
+/* ---- one allocation's state ---- */
+static const char *const ALLOC_STATE_NAME[] = {"live", "handed", "parked"};
+/* LEGAL[from][to]: live -> handed (a handover), handed -> live (taken back: nothing left the GPU), handed -> parked
+ * (the commit), parked -> live (adopted, relinked, or replaced by zeroed memory: an orphaned import). */
+static const bool LEGAL[3][3] = {
+    [AL_LIVE] = {[AL_HANDED] = true},
+    [AL_HANDED] = {[AL_LIVE] = true, [AL_PARKED] = true},
+    [AL_PARKED] = {[AL_LIVE] = true},
+};
+
+const char *reg_alloc_state_name(enum alloc_state s) { return ALLOC_STATE_NAME[s]; }
+
+bool reg_alloc_move(struct phys *p, enum alloc_state to)
+{
+    if (!LEGAL[p->state][to]) {
+        gpucr_warn("internal error: the allocation of %zu MiB at 0x%llx cannot go from %s to %s; left %s", p->size >> 20,
+                   (unsigned long long)(p->maps ? p->maps->va : 0), ALLOC_STATE_NAME[p->state], ALLOC_STATE_NAME[to],
+                   ALLOC_STATE_NAME[p->state]);
+        return false;
+    }
+    p->state = to;
+    return true;
+}

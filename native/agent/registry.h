@@ -25,6 +25,13 @@ enum phys_kind { PHYS_CONVERTED, PHYS_APP_VMM, PHYS_IMPORTED };
 
 /* One piece of physical device memory: a plain allocation the agent turned into VMM, or a handle
  * the application created or imported itself. */
+/* One allocation's state in a checkpoint (registry.c's table says which change is legal):
+ *   LIVE     its memory mapped at its addresses (as made, taken back, adopted or relinked)
+ *   HANDED   released to gpucr's data plane; the agent's own fd keeps the memory on the GPU (an abort maps it again)
+ *   PARKED   committed: the memory off the GPU, the data in staging or an image (an import: unlinked, its
+ *            exporter's to save) */
+enum alloc_state { AL_LIVE, AL_HANDED, AL_PARKED };
+
 struct phys {
     enum phys_kind kind;
     uint64_t app_handle;        /* the value the application holds (0: it holds none) */
@@ -58,10 +65,16 @@ struct phys {
     bool pool_seg;              /* PHYS_CONVERTED: a segment of a stream-ordered pool (pool.c), not a plain allocation */
     size_t resv_size, user_size;
     /* checkpoint bookkeeping */
-    bool released;              /* physical memory given back, data in staging */
+    enum alloc_state state;     /* changed only by reg_alloc_move, which checks the change against its table */
     void *staging;              /* where its data waits in host staging */
     struct phys *next_all, *prev_all;
 };
+
+/* Whether p's physical memory is given back for a checkpoint (handed over or parked): not mapped at its addresses. */
+static inline bool reg_phys_released(const struct phys *p) { return p->state != AL_LIVE; }
+/* p moves to `to` (registry locked); false, said as the agent's own mistake, when the table forbids it. */
+bool reg_alloc_move(struct phys *p, enum alloc_state to);
+const char *reg_alloc_state_name(enum alloc_state s);
 
 struct registry {
     struct phys *all;

@@ -32,7 +32,7 @@ void dp_devices_json(struct jb *j)
         for (struct phys *p = g_reg.all; p; p = p->next_all)
             if (p->kind != PHYS_IMPORTED && p->prop.location.id == dev) {
                 bytes += p->size;
-                if (p->adopted && !p->released) adopted += p->size;
+                if (p->adopted && !reg_phys_released(p)) adopted += p->size;
             }
         jb_sub(j, NULL);
         jb_int(j, "ordinal", dev);
@@ -118,11 +118,12 @@ static int memory_entry(struct jb *j, const struct phys *p, int index)
     char uuid[48];
     reg_ctx_uuid(p->ctx, uuid);
     jb_str(j, "uuid", uuid);   /* the same GPU for a process that numbers them otherwise (a server) */
-    jb_bool(j, "released", p->released);
+    jb_bool(j, "released", reg_phys_released(p));
+    jb_str(j, "state", reg_alloc_state_name(p->state));   /* live | handed | parked */
     jb_bool(j, "not_exportable", p->own_fd_missing);
     jb_bool(j, "movable", reg_phys_movable(p));
     /* a server can take it at a handover (else it refuses), or, released, make it again at a restore */
-    jb_bool(j, "handable", p->released ? dp_makeable(p) : dp_handable(p));
+    jb_bool(j, "handable", reg_phys_released(p) ? dp_makeable(p) : dp_handable(p));
     jb_int(j, "rdma", p->prop.allocFlags.gpuDirectRDMACapable);
     jb_int(j, "compression", p->prop.allocFlags.compressionType);
     jb_int(j, "usage", p->prop.allocFlags.usage);
@@ -159,7 +160,7 @@ void dp_shared_json(struct jb *j)
             jb_int(j, "owner_start", (long long)p->share_owner_start);
         }
         jb_int(j, "bytes", (long long)p->size);
-        jb_bool(j, "unlinked", p->released);
+        jb_bool(j, "unlinked", reg_phys_released(p));
         jb_int(j, "open_fds", share_open_fds(p));
         jb_end(j);
     }

@@ -378,11 +378,11 @@ size_t *staging_movable_sizes(int *n, CUcontext *ctx)
     reg_lock();
     int count = 0;
     for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if (reg_phys_movable(p) && !p->released) count++;
+        if (reg_phys_movable(p) && !reg_phys_released(p)) count++;
     size_t *sizes = malloc(sizeof *sizes * (size_t)(count ? count : 1));
     int k = 0;
     for (struct phys *p = g_reg.all; p && sizes; p = p->next_all)
-        if (reg_phys_movable(p) && !p->released) { sizes[k++] = p->size; if (ctx) *ctx = p->ctx; }
+        if (reg_phys_movable(p) && !reg_phys_released(p)) { sizes[k++] = p->size; if (ctx) *ctx = p->ctx; }
     reg_unlock();
     *n = k;
     return sizes;
