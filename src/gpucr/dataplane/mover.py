@@ -22,6 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 from ..driver import Driver, DriverError, Vmm, process_gpu_memory
 from ..errors import GpucrError
 from ..target import process_ended, process_start_time
+from .kernels import Kernels
 from .lanes import Routing
 from .links import Links, Neighbour
 from ..memory import Managed
@@ -98,6 +99,7 @@ class Mover:
                  pinned_staging: bool = True) -> None:
         self.keep_context = keep_context
         self.vmm = Vmm(drv)
+        self.kernels = Kernels(self.vmm)   # loaded into each context as it is retained (_context), never in a copy
         self.ring = None if pinned_staging else Ring(self.vmm, CHUNK)
         self._spare: Ring | None = None   # the server's, for a fill of what it did not take itself (_ring_for)
         self.links = Links(drv, self.vmm, enabled=routes and pinned_staging)   # a route's pieces need pinned staging
@@ -203,10 +205,7 @@ class Mover:
             for o in list(self._staging):   # what it took stays on record: a restore after this one still fills
                 self._forget(o, keep_record=True)
             for dev in list(self._ctx):
-                try:
-                    self.vmm.release_context(dev)
-                except DriverError:
-                    pass
+                self._release_context(dev)
             self._ctx.clear()
             self._neighbours.clear()
 
@@ -487,10 +486,7 @@ class Mover:
             for dev in sorted(self._neighbours):
                 nb = Neighbour(dev, uuids.get(dev, ""))
                 if dev in self._ctx and not self.links.idle(nb):
-                    try:
-                        self.vmm.release_context(dev)
-                    except DriverError:
-                        pass
+                    self._release_context(dev)
                     del self._ctx[dev]
                     self._neighbours.discard(dev)
                     gone.append(nb.uuid)
@@ -528,9 +524,26 @@ class Mover:
     def _context(self, dev: int) -> tuple[int, list[int]]:
         if dev not in self._ctx:
             ctx = self.vmm.retain_context(dev)
-            self.vmm.use(ctx)
-            self._ctx[dev] = (ctx, [self.vmm.stream() for _ in range(STREAMS)])
+            try:
+                self.vmm.use(ctx)
+                streams = [self.vmm.stream() for _ in range(STREAMS)]
+                self.kernels.load(ctx)   # here, once per context: a copy never waits for a module to load
+            except (DriverError, GpucrError):
+                self.vmm.release_context(dev)
+                raise
+            self._ctx[dev] = (ctx, streams)
         return self._ctx[dev]
+
+    def _release_context(self, dev: int) -> None:
+        """The context on `dev` given back, gpucr's kernels unloaded from it first (their result buffers are in it)."""
+        try:
+            self.kernels.unload(self._ctx[dev][0])
+        except DriverError:
+            pass
+        try:
+            self.vmm.release_context(dev)
+        except DriverError:
+            pass
 
     def _map_staging(self, who: Owner, want: dict[int, int], seg_fds: list[int], st: Stats,
                      declared: dict[int, int], pin: bool = True) -> dict[int, Segment]:
