@@ -7,10 +7,16 @@ does not hold zeros there already from this mover's last copy out of the process
 staging always holds the process's bytes: an image written from it, a fill by another mover (the CLI's, a server
 started since) that has no record of the zero chunks, copy zeros, never stale bytes. Setting a range on the host
 costs host memory bandwidth once; the cycles after the first, with the same plan, skip it.
+
+The CPU writes the staging only where it cannot fault: through the mapping of a memfd sealed against shrinking
+(the agent's, staging_file.py), else through the file (pwrite: a `file:` staging its process shrank since is
+written, not a SIGBUS in the server). A file that takes no pwrite (hugetlbfs) has its zero chunks copied.
 """
 from __future__ import annotations
 
 import ctypes
+import fcntl
+import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -62,16 +68,35 @@ def forget_zeroed(segments: Sequence[Segment]) -> None:
         g.zeroed.clear()
 
 
-def stage_zero(g: Segment, at: int, n: int) -> int:
-    """[at, at + n) of staging segment g set to zero on the host, chunk by chunk, except where this mover's last
-    copy out of the process left zeros already; returns the bytes set."""
-    done = 0
+_ZEROS = bytes(CHUNK)
+
+
+def _cannot_shrink(fd: int) -> bool:
+    try:
+        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
+    except OSError:
+        return False
+
+
+def stage_zero(g: Segment, fd: int, at: int, n: int) -> int | None:
+    """[at, at + n) of staging segment g (its file `fd`) set to zero on the host, chunk by chunk, except where this
+    mover's last copy out of the process left zeros already; returns the bytes set, None where the file takes no
+    write (the range is then to be copied)."""
+    done, mapped = 0, _cannot_shrink(fd)
     for k in range(at, at + n, CHUNK):
         piece = (k, min(CHUNK, at + n - k))
-        if piece not in g.zeroed:
+        if piece in g.zeroed:
+            continue
+        if mapped:
             ctypes.memset(g.addr + k, 0, piece[1])
-            g.zeroed.add(piece)
-            done += piece[1]
+        else:
+            try:
+                if os.pwrite(fd, _ZEROS[:piece[1]], k) != piece[1]:
+                    return None
+            except OSError:
+                return None
+        g.zeroed.add(piece)
+        done += piece[1]
     return done
 
 

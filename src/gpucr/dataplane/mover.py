@@ -336,13 +336,14 @@ class Mover:
             g = staged[seg]
             share = routing.share(dev)
             for start, length, zero in _spans(size, zeros.get(idx, [])):
-                if zero and out:   # not carried over the link: staging holds zeros there (checked.py)
+                staged_zero = stage_zero(g, seg_fds[seg], off + start, length) if zero and out else None
+                if staged_zero is not None:   # not carried over the link: staging holds zeros there (checked.py)
                     st.zero_skipped += length
-                    st.zero_staged += stage_zero(g, off + start, length)
+                    st.zero_staged += staged_zero
                     continue
                 if out:
                     stage_data(g, off + start, length)
-                if zero:   # nothing to carry over the link
+                if zero and not out:   # nothing to carry over the link
                     turn += 1
                     self.vmm.memset(va + start, length, streams[turn % len(streams)])
                     st.zeroed += length
