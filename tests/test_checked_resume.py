@@ -2,12 +2,15 @@
 compares the new memory's digests with the checkpoint's before the process gets it."""
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
 
 import gpucr
 from gpucr.errors import GpucrError
+
+from conftest import gpucr_cli
 
 MiB = 1 << 20
 
@@ -55,11 +58,12 @@ def test_a_restore_whose_staging_was_damaged_is_refused_then_accepted(reused_ser
     said = str(refused.value)
     assert "chunk 1 " in said and "--accept-mismatch" in said, said
     assert gpucr.status(app.pid).state == "checkpointed", "refused: the process stays checkpointed"
-    rs = gpucr.restore(app.pid, accept_mismatch=True)
-    assert rs.state == "running" and not rs.checked, rs
+    r = gpucr_cli("restore", "--accept-mismatch", "--json", str(app.pid))   # the command, through the server
+    assert r.returncode == 0, r.stderr
+    [rs] = json.loads(r.stdout)["processes"]
+    assert rs["state"] == "running" and rs["data_plane"] == "server" and not rs["checked"], rs
     # the damaged byte is in the process now: the check compared real bytes
     assert app.ask("digest")["digest"] != before["digest"]
-    app.ask("digest")
     ck = gpucr.checkpoint(app.pid)   # and the next cycle, with the staging as it is now, is checked and passes
     rs = gpucr.restore(app.pid)
     assert rs.checked and rs.chunks_checked == 4, rs
