@@ -222,11 +222,12 @@ def test_what_the_server_took_is_kept_past_its_context_and_forgotten_with_its_pr
     """A server that gives its context back after each request keeps its record of what it took from each process
     (its next restore fills from it), and lets the record go once that process has ended, as it lets go of staging:
     a long-lived server keeps nothing of the processes it served."""
+    from gpucr.dataplane.checked import Taken
     from gpucr.dataplane.mover import Mover, owner
     mover = Mover(sim_driver(), keep_context=False)
     app = sim_app("--sizes", "4M")
     who = owner(app.pid)
-    mover._taken[who] = [(0, 4 << 20, 0, 0)]   # as its copy out records it
+    mover._taken[who] = Taken([(0, 4 << 20, 0, 0)])   # as its copy out records it
     mover.settle()   # the context given back, as after each request
     assert who in mover._taken
     mover.forget_ended()

@@ -73,6 +73,10 @@ def test_the_server_refuses_an_unsealed_memfd_and_survives_a_file_shrunk_under_i
         mover.pin_ahead(2, layout, [disk], uuid)   # mapped and pinned, kept for the next copy
         os.ftruncate(disk, 0)
         h = mover.vmm.create(2 << 20, 0)
+        va, s = mover.vmm.map(h, 2 << 20, 0), mover.vmm.stream()
+        mover.vmm.memset(va, 2 << 20, s, 1)   # not zero: a zero chunk would not be copied at all
+        mover.vmm.sync(s)
+        mover.vmm.unmap(va, 2 << 20)
         mem = [Managed(0, "converted", 2 << 20, 0, True, False, [], mover.vmm.export_fd(h), uuid, True, True)]
         placed = {{**layout, "allocations": [{{"index": 0, "bytes": 2 << 20, "segment": 0, "offset": 0}}]}}
         try:

@@ -311,7 +311,8 @@ def cmd_restore(a: argparse.Namespace) -> int:
                                     not a.json and not a.image,
                                     lambda: _settled(pids, a.timeout, lambda: route.restore_many(
                                         pids, timeout=a.timeout, drop_staging=a.drop_staging, force=a.force,
-                                        images=_images(a, pids), gpu_map=gpu_map)))
+                                        images=_images(a, pids), gpu_map=gpu_map,
+                                        accept_mismatch=a.accept_mismatch)))
     result.left_out = left_out
     _warn(result.processes)
     if a.json:
@@ -629,6 +630,9 @@ def _parser() -> argparse.ArgumentParser:
                                         help="restore onto other GPUs: the driver re-creates OLD's state on NEW (repeatable)")
     sub.choices["restore"].add_argument("--force", action="store_true",
                                         help="restore even if the manifest lists state it does not cover")
+    sub.choices["restore"].add_argument("--accept-mismatch", action="store_true",
+                                        help="restore even where the memory put back differs from the digests taken at "
+                                             "the checkpoint (default: refused, the process stays checkpointed)")
 
     rc = sub.add_parser("recover", help="bring back every process of yours (everyone's, for root) left locked, "
                         "checkpointed or parked with no controller at work on it")

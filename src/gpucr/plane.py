@@ -13,7 +13,14 @@ from .memory import Managed
 @dataclass
 class Stats:
     bytes: int = 0
-    zeroed: int = 0               # of those, set to zero on the GPU (an image's zero chunks) rather than copied
+    zeroed: int = 0               # of those, set to zero on the GPU (zero chunks) rather than copied (fill)
+    scanned: int = 0              # bytes the zero scan read on the GPU (copy out)
+    zero_skipped: int = 0         # of those, in chunks all zero: not copied out (staging holds zeros there)
+    zero_staged: int = 0          # ... of which set to zero in staging on the host (not known to be zero there)
+    checked: bool = False         # the fill's new memory was digested and compared with the checkpoint's (fill)
+    digests_compared: int = 0     # chunks compared
+    scan_s: float = 0.0           # the copy out's scan, before its copies
+    check_s: float = 0.0          # the fill's digests and comparison, after its copies
     seconds: float = 0.0
     pin_s: float = 0.0            # pinning staging not pinned here before (the first cycle of a process)
     wait_s: float = 0.0           # waiting for the data plane (another copy, or pinning ahead, holding it)
@@ -43,8 +50,9 @@ class DataPlane(Protocol):
         """Every allocation of `memory` (our fds of it, handed over) copied into the process's staging."""
 
     def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
-             image: dict[int, list[tuple[int, int]]] | None = None) -> Made:
-        """New memory for each allocation of `layout`, filled from staging (zero spans of an image set by memset)."""
+             image: dict[int, list[tuple[int, int]]] | None = None, check: bool = True) -> Made:
+        """New memory for each allocation of `layout`, filled from staging (zero spans of an image, or those found at
+        the checkpoint, set by memset); `check`: compare its digests with the checkpoint's, where the plane has them."""
 
     def forget(self, pid: int) -> None:
         """Let go of what it holds of the process's staging (mappings, pins): the process gave it back."""

@@ -129,6 +129,7 @@ class ProcessCheckpoint:
     coverage: Coverage | None = None  # what went which way, by kind (null from an agent that does not say)
     routes: dict[str, int] = field(default_factory=dict)   # bytes the server moved through each neighbour GPU
     data_plane: str = ""              # what moved the data: server | cli (the gpucr command's, no server) | agent
+    bytes_zero_skipped: int = 0       # of bytes_moved, in 2 MiB chunks all zero on the GPU: not copied out
 
 
 @dataclass
@@ -145,6 +146,8 @@ class ProcessRestore:
     warnings: list[str]
     routes: dict[str, int] = field(default_factory=dict)   # bytes the server moved through each neighbour GPU
     data_plane: str = ""              # server | cli | agent, as for a checkpoint ("" from a gpucr that did not say)
+    checked: bool = False             # the memory put back was digested on the GPU and matched the checkpoint's
+    chunks_checked: int = 0           # 2 MiB chunks compared
 
 
 @dataclass

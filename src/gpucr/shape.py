@@ -50,7 +50,8 @@ def checkpoint(r: dict[str, Any], changes: list[GpuMemoryChange]) -> ProcessChec
                              phases_s=dict(r["phases_s"]), agent_phases_s=_seconds(r.get("agent_ms", {})),
                              gpus=changes, image=image(im, im["dir"], im["id"]) if im else None,
                              warnings=list(r.get("warnings", [])), coverage=coverage.from_agent(r.get("coverage")),
-                             routes=dict(r.get("routes", {})), data_plane=r.get("data_plane", "agent"))
+                             routes=dict(r.get("routes", {})), data_plane=r.get("data_plane", "agent"),
+                             bytes_zero_skipped=r.get("bytes_zero_skipped", 0))
 
 
 def restore(r: dict[str, Any], changes: list[GpuMemoryChange], moved: dict[str, str],
@@ -60,7 +61,8 @@ def restore(r: dict[str, Any], changes: list[GpuMemoryChange], moved: dict[str, 
                           gpus=changes, moved={o: n for o, n in moved.items() if o != n},
                           image=image(r.get("image"), image_dir or "", r.get("image_id")),
                           warnings=list(r.get("warnings", [])), routes=dict(r.get("routes", {})),
-                          data_plane=r.get("data_plane", "agent"))
+                          data_plane=r.get("data_plane", "agent"), checked=bool(r.get("checked", False)),
+                          chunks_checked=r.get("chunks_checked", 0))
 
 
 def process_status(st: dict[str, Any], now: dict[str, gpus.Usage]) -> ProcessStatus:

@@ -68,13 +68,14 @@ def _data_in_all(members: list[_Member], timeout: float, drop_staging: bool, pha
 
 def restore_many(pids: list[int], mover: DataPlane, timeout: float = 30.0, drop_staging: bool = False,
                  images: dict[int, str | Path] | None = None, force: bool = False,
-                 gpu_map: dict[str, str] | None = None) -> RestoreResult:
+                 gpu_map: dict[str, str] | None = None, accept_mismatch: bool = False) -> RestoreResult:
     """Restore several processes together; each that can be is brought back (see the module's doc).
     `gpu_map` {old UUID: new UUID}, as --map takes them, moves them to other GPUs of this machine.
     `mover`: gpucr's data plane, which fills the processes' memory while the driver restores them.
 
     `images` {pid: DIR} restore the data from checkpoint images (verified against its manifest first);
-    `drop_staging` gives the host staging back afterwards (else it is kept for the next cycle)."""
+    `drop_staging` gives the host staging back afterwards (else it is kept for the next cycle).
+    `accept_mismatch` restores memory whose digests differ from the checkpoint's (else refused: it stays checkpointed)."""
     _check_request(pids, timeout)
     images = images or {}
     gpu_map = gpus.check_map(gpu_map or {})
@@ -104,7 +105,7 @@ def restore_many(pids: list[int], mover: DataPlane, timeout: float = 30.0, drop_
         # the process go (_data_in: making staging may pin it, which waits or fails while the driver holds it)
         by_server = [m for m in members if _server_restorable(m) and m.image_dir is None]
         if by_server:
-            _restore_with_server(by_server, timeout, mover, driver_steps, failed)
+            _restore_with_server(by_server, timeout, mover, driver_steps, failed, check=not accept_mismatch)
         else:
             driver_steps()
         live = [m for m in members if m.pid not in failed]

@@ -95,6 +95,7 @@ def _handed_done(m: _Member, st: Stats) -> None:
     m.held = True
     m.result["phases_s"]["data_out"] = st.seconds   # the server's copy (the handover has its own phase)
     m.result["data_plane"] = m.plane.plane
+    m.result["bytes_zero_skipped"] = st.zero_skipped   # in chunks all zero on the GPU: not copied out
     _server_phases(m, st)
 
 
@@ -105,6 +106,10 @@ def _server_phases(m: _Member, st: Stats) -> None:
         m.result["phases_s"]["server_pin"] = st.pin_s
     if st.wait_s >= 0.001:
         m.result["phases_s"]["server_wait"] = st.wait_s
+    if st.scan_s:
+        m.result["phases_s"]["server_scan"] = st.scan_s     # a copy out's zero scan and digests, before its copies
+    if st.checked:
+        m.result["phases_s"]["server_check"] = st.check_s   # a fill's digests compared, before the fds went back
     # where the copy's own seconds went on the server's thread (the copy engines ran meanwhile): a copy
     # slower than the link shows whether the server made, queued, waited or exported
     m.result["phases_s"].update(server_stage=st.stage_s, server_make=st.make_s, server_queue=st.queue_s,
@@ -151,11 +156,12 @@ def _moved(memory: list[Managed], moves: dict[str, str]) -> list[Managed]:
 
 
 def _restore_with_server(members: list[_Member], timeout: float, mover: DataPlane, driver_steps: Callable[[], None],
-                         failed: dict[int, PhaseError]) -> None:
+                         failed: dict[int, PhaseError], check: bool = True) -> None:
     """The server makes new memory for each of `members` and fills it from its staging, one process after
     another, while `driver_steps` restore every process of the request (those that fail land in `failed`);
     then each agent the driver let go maps that memory at its old addresses (adopt). One the plane could not
-    put back lands in `failed` and stays checkpointed, its data still in staging."""
+    put back lands in `failed` and stays checkpointed, its data still in staging: also one whose new memory differs
+    from its checkpoint's digests, unless not `check` (restore --accept-mismatch)."""
     with ExitStack() as held:
         inputs = {}
         for m in members:
@@ -164,7 +170,7 @@ def _restore_with_server(members: list[_Member], timeout: float, mover: DataPlan
             except GpucrError as exc:
                 failed.setdefault(m.pid, PhaseError(m.pid, "data in", exc))
         # the new memory's fds keep it on the GPU: closed whatever becomes of the driver's steps
-        made = _beside(lambda: _fill_all([m for m in members if m.pid in inputs], inputs, mover), "gpucr-server-fill",
+        made = _beside(lambda: _fill_all([m for m in members if m.pid in inputs], inputs, mover, check), "gpucr-server-fill",
                        driver_steps, undo=_close_made)
     try:
         for m in members:
@@ -181,14 +187,14 @@ def _restore_with_server(members: list[_Member], timeout: float, mover: DataPlan
 
 
 def _fill_all(members: list[_Member], inputs: dict[int, tuple[dict[str, Any], list[int], list[Managed]]],
-              mover: DataPlane) -> dict[int, Made | GpucrError]:
+              mover: DataPlane, check: bool = True) -> dict[int, Made | GpucrError]:
     """Each process's new memory made and filled by the server, one after another: [(index, fd)] of it, or
     what went wrong (that process then stays checkpointed)."""
     made: dict[int, Made | GpucrError] = {}
     for m in members:
         try:
             layout, seg_fds, memory = inputs[m.pid]
-            made[m.pid] = mover.fill(m.pid, layout, seg_fds, _moved(memory, m.gpu_moves))
+            made[m.pid] = mover.fill(m.pid, layout, seg_fds, _moved(memory, m.gpu_moves), check=check)
         except GpucrError as exc:
             made[m.pid] = exc
     return made
@@ -215,6 +221,7 @@ def _adopt(m: _Member, layout: dict[str, Any], st: Stats, fds: list[tuple[int, i
             taken = {i for i, _ in batch}
             m.server_bytes_in += sum(int(a["bytes"]) for a in layout["allocations"] if int(a["index"]) in taken)
     m.result["phases_s"]["data_in"] = st.seconds
+    m.result["checked"], m.result["chunks_checked"] = st.checked, st.digests_compared
     _server_phases(m, st)
     m.result["phases_s"]["adopt"] = time.perf_counter() - t0
 

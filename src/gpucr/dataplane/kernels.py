@@ -172,6 +172,12 @@ class Kernels:
             self.vmm.use(ctx)
             self.vmm.unload_module(module.handle)
 
+    def trim(self) -> None:
+        """The result buffers kept in every context freed (the mover's copies done): between requests the server
+        holds its contexts and nothing more on the GPUs."""
+        for ctx in list(self._modules):
+            self._buffers.free(ctx)
+
     def close(self) -> None:
         for ctx in list(self._modules):
             self.unload(ctx)

@@ -22,13 +22,17 @@ from typing import Any, Callable, Iterable, Iterator
 from ..driver import Driver, DriverError, Vmm, process_gpu_memory
 from ..errors import GpucrError
 from ..target import process_ended, process_start_time
+from .checked import Taken, check_filled, forget_zeroed, scan_taken, stage_data, stage_zero
+from .kernels import Kernels
 from .lanes import Routing
+from .layout import checked_plan as _checked_plan, reach as _reach
 from .links import Links, Neighbour
 from ..memory import Managed
 from ..plane import Stats
 from .pinned import Segment, drop, open_segment, same_file
 from .pinned import pin as pin_segment
 from .ring import Piece, Ring
+from .scan import Mapped
 
 Spans = dict[int, list[tuple[int, int]]]   # allocation index -> [(offset, bytes)] in it
 Owner = tuple[int, int]   # (pid, start time): a pid reused by another process never meets the dead one's staging
@@ -47,24 +51,6 @@ def owner(pid: int) -> Owner:
         raise GpucrError(f"process {pid} has ended") from exc
 
 
-def _checked_plan(layout: Any) -> tuple[dict[int, int], list[tuple[int, int, int, int]]]:
-    """The process's staging segments ({index: bytes}) and allocations [(index, bytes, segment, offset)],
-    sorted; the process is not trusted: each allocation of a positive size inside a segment it has."""
-    try:
-        return _plan_of(layout)
-    except (KeyError, TypeError, ValueError) as exc:
-        raise GpucrError(f"the process's layout is malformed ({type(exc).__name__}: {exc})") from exc
-
-
-def _plan_of(layout: dict[str, Any]) -> tuple[dict[int, int], list[tuple[int, int, int, int]]]:
-    declared = {int(g["index"]): int(g["bytes"]) for g in layout["segments"]}
-    plan = sorted((int(a["index"]), int(a["bytes"]), int(a["segment"]), int(a["offset"])) for a in layout["allocations"])
-    for idx, size, seg, off in plan:
-        if seg not in declared or size <= 0 or off < 0 or off + size > declared[seg]:
-            raise GpucrError(f"the process's layout puts allocation {idx} outside its staging")
-    return declared, plan
-
-
 def _spans(size: int, zero: list[tuple[int, int]]) -> Iterator[tuple[int, int, bool]]:
     """[0, size) as (start, bytes, zero) spans in order, `zero` ([(offset, bytes)]) marking those to set to zero."""
     at = 0
@@ -80,14 +66,6 @@ def _spans(size: int, zero: list[tuple[int, int]]) -> Iterator[tuple[int, int, b
         yield at, size - at, False
 
 
-def _reach(plan: list[tuple[int, int, int, int]]) -> dict[int, int]:
-    """What of each segment a copy needs pinned: as far as its allocations reach."""
-    reach: dict[int, int] = {}
-    for _idx, size, seg, off in plan:
-        reach[seg] = max(reach.get(seg, 0), off + size)
-    return reach
-
-
 class Mover:
     """One per server: a context per GPU it copies on (kept: restores need no new one), and each
     process's staging mapped and pinned once. One copy at a time: the link is the limit anyway.
@@ -98,6 +76,7 @@ class Mover:
                  pinned_staging: bool = True) -> None:
         self.keep_context = keep_context
         self.vmm = Vmm(drv)
+        self.kernels = Kernels(self.vmm)   # loaded into each context as it is retained (_context), never in a copy
         self.ring = None if pinned_staging else Ring(self.vmm, CHUNK)
         self._spare: Ring | None = None   # the server's, for a fill of what it did not take itself (_ring_for)
         self.links = Links(drv, self.vmm, enabled=routes and pinned_staging)   # a route's pieces need pinned staging
@@ -112,7 +91,7 @@ class Mover:
         self._staging: dict[Owner, dict[int, Segment]] = {}   # process -> segment index -> segment
         self._stuck: list[tuple[Owner, Segment]] = []         # let go, but the driver did not unpin them (drop)
         self._idle = threading.Condition()   # a segment's pinning ahead ended (Segment.busy cleared)
-        self._taken: dict[Owner, list[tuple[int, int, int, int]]] = {}   # process -> what its last copy out took
+        self._taken: dict[Owner, Taken] = {}   # process -> what its last copy out took: plan, zero chunks, digests
         self.said: Callable[[str], None] = lambda line: None   # where the server's log lines go
 
     @property
@@ -203,10 +182,7 @@ class Mover:
             for o in list(self._staging):   # what it took stays on record: a restore after this one still fills
                 self._forget(o, keep_record=True)
             for dev in list(self._ctx):
-                try:
-                    self.vmm.release_context(dev)
-                except DriverError:
-                    pass
+                self._release_context(dev)
             self._ctx.clear()
             self._neighbours.clear()
 
@@ -219,14 +195,16 @@ class Mover:
                             lambda: self._move(owner(pid), layout, seg_fds, memory, out=True))[0]
 
     def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
-             image: Spans | None = None) -> tuple[Stats, list[tuple[int, int]]]:
+             image: Spans | None = None, check: bool = True) -> tuple[Stats, list[tuple[int, int]]]:
         """New memory for every allocation of `layout`, on its GPU (each Managed's UUID), filled from staging;
         returns [(index, fd)] in index order (the caller hands the fds to the agent, then closes them).
         The layout must be what the server took at the process's checkpoint, or, with `image`, one the caller
         read an image into and checked against its manifest; `image` then names each allocation's zero chunks
-        ({index: [(offset, bytes)]}), set to zero on the GPU instead of copied."""
+        ({index: [(offset, bytes)]}), set to zero on the GPU instead of copied. A fill of what this mover took sets
+        the zero chunks it found then likewise and, unless not `check`, compares the new memory's digests with
+        those taken at the checkpoint before returning its fds (checked.py): GpucrError on a mismatch."""
         return self._locked(f"the fill of process {pid}",
-                            lambda: self._move(owner(pid), layout, seg_fds, memory, out=False, image=image))
+                            lambda: self._move(owner(pid), layout, seg_fds, memory, out=False, image=image, check=check))
 
     def pin_ahead(self, pid: int, layout: dict[str, Any], seg_fds: list[int], uuid: str) -> int:
         """Map and pin the staging a running process holds (kept from an earlier cycle this server did not make), so
@@ -317,11 +295,14 @@ class Mover:
 
     # ---- inside ----
     def _move(self, who: Owner, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
-              out: bool, image: Spans | None = None) -> tuple[Stats, list[tuple[int, int]]]:
+              out: bool, image: Spans | None = None, check: bool = True) -> tuple[Stats, list[tuple[int, int]]]:
         st = Stats()
         t0 = time.perf_counter()
         declared, plan = _checked_plan(layout)
-        zeros = image or {}
+        taken = self._taken.get(who) if self._took(who, plan) else None
+        # zero chunks set on the GPU at a fill: an image's, or those this mover found at the checkpoint; a copy
+        # out's are found once every allocation is mapped (_scan_out)
+        zeros: Spans = dict(image) if image is not None else taken.zeros() if taken and not out else {}
         by_index = {m.index: m for m in memory}
         ring = self._ring_for(who, plan, out, image is not None)
         if not out:
@@ -330,6 +311,7 @@ class Mover:
         made: list[tuple[int, int]] = []          # (index, handle) of new memory (fill)
         fds: list[tuple[int, int]] = []           # (index, fd) of it, exported as it is made
         placed: list[tuple[int, int, int, int, int]] = []   # (size, seg, off, va, dev)
+        regions: list[Mapped] = []                # what is mapped, for the kernels' scans
         turn = 0
         # routes through idle NVLink neighbours of the process's GPUs (lanes.py), chosen before anything is
         # mapped: each mapping must let the neighbours' copy engines reach it
@@ -354,7 +336,14 @@ class Mover:
             g = staged[seg]
             share = routing.share(dev)
             for start, length, zero in _spans(size, zeros.get(idx, [])):
-                if zero:   # nothing to carry over the link
+                staged_zero = stage_zero(g, seg_fds[seg], off + start, length) if zero and out else None
+                if staged_zero is not None:   # not carried over the link: staging holds zeros there (checked.py)
+                    st.zero_skipped += length
+                    st.zero_staged += staged_zero
+                    continue
+                if out:
+                    stage_data(g, off + start, length)
+                if zero and not out:   # nothing to carry over the link
                     turn += 1
                     self.vmm.memset(va + start, length, streams[turn % len(streams)])
                     st.zeroed += length
@@ -381,7 +370,7 @@ class Mover:
             # A copy out likewise when its staging is held pinned already (the cycles after the first): nothing is
             # pinned on the process's word then, so each allocation's copies start once it is imported
             staged = staging() if not out or self._held_already(who, plan, seg_fds, declared) else None
-            early = staged is not None
+            early = not out   # a copy out's copies wait for the scan of all it mapped
             for idx, size, seg, off in plan:
                 m = by_index.get(idx)
                 if m is None or (out and m.fd is None):
@@ -397,6 +386,7 @@ class Mover:
                     made.append((idx, h))
                 va = self.vmm.map(h, size, dev, also=routing.access(dev))
                 mapped.append((h, va, size))
+                regions.append(Mapped(idx, ctx, va, size))
                 st.make_s += time.perf_counter() - tm
                 if not out:
                     # exported now, while the copies already queued run, not after the last one drained: the fds
@@ -407,10 +397,14 @@ class Mover:
                 placed.append((size, seg, off, va, dev))
                 if early:
                     enqueue(staged, idx, size, seg, off, va, dev)
-            if staged is None:
+            if out:
                 # a copy out: every import is mapped first, the driver checking each size against the real
                 # memory, so the staging pinned next is no more than the process has on the GPU
-                staged = staging()
+                staged = staged or staging()
+                if taken is None:   # another plan: what the staging holds where is no longer known
+                    forget_zeroed(list(staged.values()))
+                taken = self._scan_out(regions, plan, st)
+                zeros.update(taken.zeros())
                 for (idx, *_rest), (size, seg, off, va, dev) in zip(plan, placed):
                     enqueue(staged, idx, size, seg, off, va, dev)
             td = time.perf_counter()
@@ -420,6 +414,10 @@ class Mover:
             routing.finish()   # raises what its thread raised
             st.route_s, st.looks_s = time.perf_counter() - t0, routing.looks_s
             self._sync(placed, ring)   # the pieces the routes' thread sent straight after giving a route up
+            if not out and check and image is None and taken is not None:
+                tc = time.perf_counter()   # before the fds go back: a fill whose bytes differ is undone
+                st.digests_compared = check_filled(self.kernels, regions, self._scan_stream, taken)
+                st.checked, st.check_s = True, time.perf_counter() - tc
         except (DriverError, GpucrError) as exc:
             for _idx, fd in fds:
                 os.close(fd)   # exported before one failed: they would keep that memory on the GPU
@@ -430,8 +428,9 @@ class Mover:
         finally:
             routing.close()
         self._undo(mapped, made, out)   # our mappings go; the fds (theirs or ours) keep the memory
+        self.kernels.trim()   # the scans' result buffers: every copy is done, so freeing them waits for none
         if out:
-            self._taken[who] = plan
+            self._taken[who] = taken
         st.seconds = time.perf_counter() - t0
         return st, fds
 
@@ -441,7 +440,7 @@ class Mover:
         a server that did not take it, an image, whose layout the caller matched to the manifest) each allocation
         must be one the agent lists, released, of the same size. Such a fill pins no staging (_ring_for), and what
         it makes goes to that process alone, which could make as much memory itself."""
-        if not from_image and self._taken.get(who) == plan:
+        if not from_image and self._took(who, plan):
             return
         for idx, size, _seg, _off in plan:
             m = by_index.get(idx)
@@ -456,11 +455,27 @@ class Mover:
         """The ring a move goes through, None for straight copies from pinned staging: the CLI's always; the
         server's for a fill of what it did not take itself (a checkpoint by the CLI's mover, or by another server),
         whose staging it pins nothing of on the process's word."""
-        if self.ring is not None or out or from_image or self._taken.get(who) == plan:
+        if self.ring is not None or out or from_image or self._took(who, plan):
             return self.ring
         if self._spare is None:
             self._spare = Ring(self.vmm, CHUNK)
         return self._spare
+
+    def _took(self, who: Owner, plan: list[tuple[int, int, int, int]]) -> bool:
+        """Whether this mover's last copy out of the process took exactly `plan`."""
+        t = self._taken.get(who)
+        return t is not None and t.plan == plan
+
+    def _scan_stream(self, ctx: int) -> int:
+        """The stream the kernels' scans of ctx go on: its first copy stream, so a scan runs after its copies."""
+        return next(streams[0] for c, streams in self._ctx.values() if c == ctx)
+
+    def _scan_out(self, regions: list[Mapped], plan: list[tuple[int, int, int, int]], st: Stats) -> Taken:
+        """The zero chunks and digests of what a copy out mapped, before any of it is copied."""
+        ts = time.perf_counter()
+        taken = Taken(plan, scan_taken(self.kernels, regions, self._scan_stream))
+        st.scanned, st.scan_s = sum(r.size for r in regions), time.perf_counter() - ts
+        return taken
 
     def _sync(self, placed: list[tuple[int, int, int, int, int]], ring: Ring | None, quiet: bool = False) -> None:
         """Every straight copy queued so far on the process's GPUs done; quiet: errors aside, each GPU still
@@ -487,10 +502,7 @@ class Mover:
             for dev in sorted(self._neighbours):
                 nb = Neighbour(dev, uuids.get(dev, ""))
                 if dev in self._ctx and not self.links.idle(nb):
-                    try:
-                        self.vmm.release_context(dev)
-                    except DriverError:
-                        pass
+                    self._release_context(dev)
                     del self._ctx[dev]
                     self._neighbours.discard(dev)
                     gone.append(nb.uuid)
@@ -528,9 +540,26 @@ class Mover:
     def _context(self, dev: int) -> tuple[int, list[int]]:
         if dev not in self._ctx:
             ctx = self.vmm.retain_context(dev)
-            self.vmm.use(ctx)
-            self._ctx[dev] = (ctx, [self.vmm.stream() for _ in range(STREAMS)])
+            try:
+                self.vmm.use(ctx)
+                streams = [self.vmm.stream() for _ in range(STREAMS)]
+                self.kernels.load(ctx)   # here, once per context: a copy never waits for a module to load
+            except (DriverError, GpucrError):
+                self.vmm.release_context(dev)
+                raise
+            self._ctx[dev] = (ctx, streams)
         return self._ctx[dev]
+
+    def _release_context(self, dev: int) -> None:
+        """The context on `dev` given back, gpucr's kernels unloaded from it first (their result buffers are in it)."""
+        try:
+            self.kernels.unload(self._ctx[dev][0])
+        except DriverError:
+            pass
+        try:
+            self.vmm.release_context(dev)
+        except DriverError:
+            pass
 
     def _map_staging(self, who: Owner, want: dict[int, int], seg_fds: list[int], st: Stats,
                      declared: dict[int, int], pin: bool = True) -> dict[int, Segment]:

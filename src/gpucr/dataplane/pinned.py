@@ -46,6 +46,7 @@ class Segment:
     busy: bool = False            # a pin ahead is pinning it, outside the data plane's lock (mover.py)
     abandon: bool = False         # ... and is to stop at the end of its piece: the segment is let go
     stuck: int = 0                # bytes the driver did not unpin when it was let go (kept mapped: drop)
+    zeroed: set[tuple[int, int]] = field(default_factory=set)   # (offset, bytes) the mover set to zero here (checked.py)
 
     @property
     def bytes(self) -> int:

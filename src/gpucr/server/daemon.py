@@ -483,13 +483,15 @@ def _checkpoint(s: Server, a: dict[str, Any]) -> Run:
 def _restore(s: Server, a: dict[str, Any]) -> Run:
     pids, timeout, images = _pids(a), float(a["timeout"]), _images(a)
     drop, force = bool(a["drop_staging"]), bool(a["force"])
+    accept = bool(a.get("accept_mismatch", False))   # a client from before it asked for none
     gpu_map = {str(k): str(v) for k, v in (a.get("gpu_map") or {}).items()}
 
     def run() -> Any:
         try:
             with _copying(s) as mover:
                 return to_json(coordinator.restore_many(pids, timeout=timeout, drop_staging=drop, images=images,
-                                                        force=force, gpu_map=gpu_map, mover=mover))
+                                                        force=force, gpu_map=gpu_map, mover=mover,
+                                                        accept_mismatch=accept))
         finally:
             s.let_go(pids if drop else [])   # --drop-staging gives the host memory back: ours too
     return run

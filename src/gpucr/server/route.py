@@ -100,16 +100,17 @@ def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
 
 def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,
                  images: dict[int, str | Path] | None = None, force: bool = False,
-                 gpu_map: dict[str, str] | None = None) -> RestoreResult:
+                 gpu_map: dict[str, str] | None = None, accept_mismatch: bool = False) -> RestoreResult:
     """Restore several processes together (coordinator.restore_many)."""
     done, out = _changing("restore", pids, {"pids": list(pids), "timeout": timeout, "drop_staging": drop_staging,
-                                            "images": _abs_images(images), "force": force, "gpu_map": gpu_map or {}})
+                                            "images": _abs_images(images), "force": force, "gpu_map": gpu_map or {},
+                                            "accept_mismatch": accept_mismatch})
     if done:
         return _typed(RestoreResult, out)
     from .. import coordinator
     from ..dataplane.cli_plane import cli_plane
     with cli_plane() as mover:
-        return coordinator.restore_many(pids, mover, timeout, drop_staging, images, force, gpu_map)
+        return coordinator.restore_many(pids, mover, timeout, drop_staging, images, force, gpu_map, accept_mismatch)
 
 
 def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str | Path | None = None) -> ProcessCheckpoint:
@@ -118,10 +119,10 @@ def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str 
 
 
 def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: str | Path | None = None,
-            force: bool = False, gpu_map: dict[str, str] | None = None) -> ProcessRestore:
+            force: bool = False, gpu_map: dict[str, str] | None = None, accept_mismatch: bool = False) -> ProcessRestore:
     """Put every byte back at the same address and let the process carry on (coordinator.restore_many)."""
     return restore_many([pid], timeout, drop_staging, {pid: image} if image is not None else None, force,
-                        gpu_map).processes[0]
+                        gpu_map, accept_mismatch).processes[0]
 
 
 def register_swap(simulated: bool, args: dict[str, Any]) -> dict[str, Any]:

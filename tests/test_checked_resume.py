@@ -1,0 +1,69 @@
+"""Issue 26 on simcuda, through the server's mover and the CLI's: chunks all zero are not copied out, and a restore
+compares the new memory's digests with the checkpoint's before the process gets it."""
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+import gpucr
+from gpucr.errors import GpucrError
+
+from conftest import gpucr_cli
+
+MiB = 1 << 20
+
+
+def staging_fds(pid: int) -> list[str]:
+    """/proc paths of the process's staging memfds (the agent's), in fd order."""
+    fd_dir = f"/proc/{pid}/fd"
+    return [f"{fd_dir}/{n}" for n in sorted(os.listdir(fd_dir), key=int)
+            if os.readlink(f"{fd_dir}/{n}").startswith("/memfd:gpucr-staging")]
+
+
+def flip_byte(path: str, at: int) -> None:
+    """One byte of the staging file changed in place: what a fault in host memory would do."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        old = os.pread(fd, 1, at)
+        assert os.pwrite(fd, bytes([old[0] ^ 0xFF]), at) == 1
+    finally:
+        os.close(fd)
+
+
+def test_an_all_zero_buffer_is_not_copied_out_and_comes_back_byte_exact(plane, sim_app):
+    app = sim_app("--sizes", "16M,8M,100K")
+    app.ask("zero 0")   # 16 MiB all zero on the GPU: a KV cache never written
+    before = app.ask("digest")
+    for cycle in range(2):   # the second: the staging holds zeros there already (nothing set on the host)
+        ck = gpucr.checkpoint(app.pid)
+        assert ck.data_plane == plane and ck.bytes_zero_skipped >= 16 * MiB, ck
+        assert ck.bytes_moved - ck.bytes_zero_skipped <= 8 * MiB + 2 * MiB, "fewer bytes cross the link than it holds"
+        rs = gpucr.restore(app.pid)
+        assert rs.state == "running" and app.ask("digest") == before, f"cycle {cycle}"
+        # only the mover that took the checkpoint holds its digests: the server's; the CLI's ends with its request
+        assert rs.checked == (plane == "server") and (rs.chunks_checked > 0) == rs.checked, rs
+
+
+def test_a_restore_whose_staging_was_damaged_is_refused_then_accepted(reused_server, sim_app):
+    app = sim_app("--sizes", "8M")
+    before = app.ask("digest")
+    ck = gpucr.checkpoint(app.pid)
+    assert ck.data_plane == "server" and ck.bytes_zero_skipped == 0, ck
+    [seg] = staging_fds(app.pid)
+    flip_byte(seg, 3 * MiB + 5)   # inside the allocation's second chunk (its staging starts at 0)
+    with pytest.raises(GpucrError) as refused:
+        gpucr.restore(app.pid)
+    said = str(refused.value)
+    assert "chunk 1 " in said and "--accept-mismatch" in said, said
+    assert gpucr.status(app.pid).state == "checkpointed", "refused: the process stays checkpointed"
+    r = gpucr_cli("restore", "--accept-mismatch", "--json", str(app.pid))   # the command, through the server
+    assert r.returncode == 0, r.stderr
+    [rs] = json.loads(r.stdout)["processes"]
+    assert rs["state"] == "running" and rs["data_plane"] == "server" and not rs["checked"], rs
+    # the damaged byte is in the process now: the check compared real bytes
+    assert app.ask("digest")["digest"] != before["digest"]
+    ck = gpucr.checkpoint(app.pid)   # and the next cycle, with the staging as it is now, is checked and passes
+    rs = gpucr.restore(app.pid)
+    assert rs.checked and rs.chunks_checked == 4, rs
