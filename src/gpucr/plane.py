@@ -16,7 +16,6 @@ class Stats:
     zeroed: int = 0               # of those, set to zero on the GPU (zero chunks) rather than copied (fill)
     scanned: int = 0              # bytes the zero scan read on the GPU (copy out)
     zero_skipped: int = 0         # of those, in chunks all zero: not copied out (staging holds zeros there)
-    zero_staged: int = 0          # ... of which set to zero in staging on the host (not known to be zero there)
     checked: bool = False         # the fill's new memory was digested and compared with the checkpoint's (fill)
     digests_compared: int = 0     # chunks compared
     scan_s: float = 0.0           # the copy out's scan, before its copies

@@ -2,21 +2,15 @@
 set by a memset at the fill, and each chunk's digest, compared with the new memory's before its fds are handed
 back, so a resume whose bytes differ is refused naming the allocation and the chunk.
 
-A zero chunk is not carried over the link, but its place in staging is set to zero on the host, where the staging
-does not hold zeros there already from this mover's last copy out of the process (Segment.zeroed). So the
-staging always holds the process's bytes: an image written from it, a fill by another mover (the CLI's, a server
-started since) that has no record of the zero chunks, copy zeros, never stale bytes. Setting a range on the host
-costs host memory bandwidth once; the cycles after the first, with the same plan, skip it.
-
-The CPU writes the staging only where it cannot fault: through the mapping of a memfd sealed against shrinking
-(the agent's, staging_file.py), else through the file (pwrite: a `file:` staging its process shrank since is
-written, not a SIGBUS in the server). A file that takes no pwrite (hugetlbfs) has its zero chunks copied.
+A zero chunk crosses the link only where the staging does not hold zeros there already from this mover's last
+copy out of the process (Segment.zeroed, kept while the plan stays the same and forgotten when a copy fails): the
+first cycle copies it, the next ones skip it. So the staging always holds the process's bytes: an image written
+from it, a fill by another mover (the CLI's, a server started since) that has no record of the zero chunks, copy
+zeros, never stale bytes; and the host never writes the staging itself (setting tens of GiB to zero on the host
+costs more than the link does, and a `file:` staging shrunk under a mapping faults).
 """
 from __future__ import annotations
 
-import ctypes
-import fcntl
-import os
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -68,36 +62,16 @@ def forget_zeroed(segments: Sequence[Segment]) -> None:
         g.zeroed.clear()
 
 
-_ZEROS = bytes(CHUNK)
+def staged_zeros(g: Segment, at: int, n: int) -> bool:
+    """Whether [at, at + n) of g holds zeros from this mover's last copy out of the process (Segment.zeroed): a zero
+    chunk there need not cross the link again."""
+    return all((k, min(CHUNK, at + n - k)) in g.zeroed for k in range(at, at + n, CHUNK))
 
 
-def _cannot_shrink(fd: int) -> bool:
-    try:
-        return bool(fcntl.fcntl(fd, fcntl.F_GET_SEALS) & fcntl.F_SEAL_SHRINK)
-    except OSError:
-        return False
-
-
-def stage_zero(g: Segment, fd: int, at: int, n: int) -> int | None:
-    """[at, at + n) of staging segment g (its file `fd`) set to zero on the host, chunk by chunk, except where this
-    mover's last copy out of the process left zeros already; returns the bytes set, None where the file takes no
-    write (the range is then to be copied)."""
-    done, mapped = 0, _cannot_shrink(fd)
+def note_zero(g: Segment, at: int, n: int) -> None:
+    """[at, at + n) of g is being copied into from memory the scan found all zero: it holds zeros once done."""
     for k in range(at, at + n, CHUNK):
-        piece = (k, min(CHUNK, at + n - k))
-        if piece in g.zeroed:
-            continue
-        if mapped:
-            ctypes.memset(g.addr + k, 0, piece[1])
-        else:
-            try:
-                if os.pwrite(fd, _ZEROS[:piece[1]], k) != piece[1]:
-                    return None
-            except OSError:
-                return None
-        g.zeroed.add(piece)
-        done += piece[1]
-    return done
+        g.zeroed.add((k, min(CHUNK, at + n - k)))
 
 
 def stage_data(g: Segment, at: int, n: int) -> None:

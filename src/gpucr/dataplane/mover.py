@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 from ..driver import Driver, DriverError, Vmm, process_gpu_memory
 from ..errors import GpucrError
 from ..target import process_ended, process_start_time
-from .checked import Taken, check_filled, forget_zeroed, scan_taken, stage_data, stage_zero
+from .checked import Taken, check_filled, forget_zeroed, note_zero, scan_taken, stage_data, staged_zeros
 from .kernels import Kernels
 from .lanes import Routing
 from .layout import checked_plan as _checked_plan, reach as _reach
@@ -336,13 +336,11 @@ class Mover:
             g = staged[seg]
             share = routing.share(dev)
             for start, length, zero in _spans(size, zeros.get(idx, [])):
-                staged_zero = stage_zero(g, seg_fds[seg], off + start, length) if zero and out else None
-                if staged_zero is not None:   # not carried over the link: staging holds zeros there (checked.py)
+                if zero and out and staged_zeros(g, off + start, length):   # held in staging already (checked.py)
                     st.zero_skipped += length
-                    st.zero_staged += staged_zero
                     continue
                 if out:
-                    stage_data(g, off + start, length)
+                    (note_zero if zero else stage_data)(g, off + start, length)
                 if zero and not out:   # nothing to carry over the link
                     turn += 1
                     self.vmm.memset(va + start, length, streams[turn % len(streams)])
@@ -423,6 +421,8 @@ class Mover:
                 os.close(fd)   # exported before one failed: they would keep that memory on the GPU
             routing.close()
             self._sync(placed, ring, quiet=True)   # nothing may still copy into what is unmapped next
+            if out:   # a copy that did not finish: what the staging holds where is no longer known
+                forget_zeroed(list(self._staging.get(who, {}).values()))
             self._undo(mapped, made, out)
             raise GpucrError(f"{self.name}'s copy {'out' if out else 'in'} failed: {exc}") from exc
         finally:
