@@ -74,6 +74,13 @@ def note_zero(g: Segment, at: int, n: int) -> None:
         g.zeroed.add((k, min(CHUNK, at + n - k)))
 
 
+def note_zeros(staged: dict[int, Segment], plan: Plan, zeros: Spans) -> None:
+    """The zero spans of a copy out queued before its scan (all of it copied): the staging holds zeros there."""
+    for idx, _size, seg, off in plan:
+        for start, length in zeros.get(idx, []):
+            note_zero(staged[seg], off + start, length)
+
+
 def stage_data(g: Segment, at: int, n: int) -> None:
     """[at, at + n) of g is being copied into: no longer known to hold zeros."""
     if g.zeroed:

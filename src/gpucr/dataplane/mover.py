@@ -22,7 +22,7 @@ from typing import Any, Callable, Iterable, Iterator
 from ..driver import Driver, DriverError, Vmm, process_gpu_memory
 from ..errors import GpucrError
 from ..target import process_ended, process_start_time
-from .checked import Taken, check_filled, forget_zeroed, note_zero, scan_taken, stage_data, staged_zeros
+from .checked import Taken, check_filled, forget_zeroed, note_zero, note_zeros, scan_taken, stage_data, staged_zeros
 from .kernels import Kernels
 from .lanes import Routing
 from .layout import checked_plan as _checked_plan, reach as _reach
@@ -368,7 +368,12 @@ class Mover:
             # A copy out likewise when its staging is held pinned already (the cycles after the first): nothing is
             # pinned on the process's word then, so each allocation's copies start once it is imported
             staged = staging() if not out or self._held_already(who, plan, seg_fds, declared) else None
-            early = not out   # a copy out's copies wait for the scan of all it mapped
+            if out and staged is not None and taken is None:   # another plan: what the staging holds is not known
+                forget_zeroed(list(staged.values()))
+            # a copy out waits for the scan of all it mapped only where it may skip zero chunks: where this mover
+            # knows zeros in the staging from its last copy out; else (a first cycle, the CLI's mover, data with no
+            # zero chunks) each allocation's copies start once it is imported, and the scan runs beside them
+            early = not out or (staged is not None and not any(g.zeroed for g in staged.values()))
             for idx, size, seg, off in plan:
                 m = by_index.get(idx)
                 if m is None or (out and m.fd is None):
@@ -396,15 +401,20 @@ class Mover:
                 if early:
                     enqueue(staged, idx, size, seg, off, va, dev)
             if out:
-                # a copy out: every import is mapped first, the driver checking each size against the real
-                # memory, so the staging pinned next is no more than the process has on the GPU
-                staged = staged or staging()
-                if taken is None:   # another plan: what the staging holds where is no longer known
-                    forget_zeroed(list(staged.values()))
+                # a copy out not queued yet: every import is mapped first, the driver checking each size against
+                # the real memory, so the staging pinned next is no more than the process has on the GPU
+                queued = staged is not None and early
+                if staged is None:
+                    staged = staging()
+                    if taken is None:
+                        forget_zeroed(list(staged.values()))
                 taken = self._scan_out(regions, plan, st)
-                zeros.update(taken.zeros())
-                for (idx, *_rest), (size, seg, off, va, dev) in zip(plan, placed):
-                    enqueue(staged, idx, size, seg, off, va, dev)
+                if queued:   # copied already, zero chunks too: the staging holds zeros there now
+                    note_zeros(staged, plan, taken.zeros())
+                else:
+                    zeros.update(taken.zeros())
+                    for (idx, *_rest), (size, seg, off, va, dev) in zip(plan, placed):
+                        enqueue(staged, idx, size, seg, off, va, dev)
             td = time.perf_counter()
             self._sync(placed, ring)
             st.straight_s = time.perf_counter() - t0
