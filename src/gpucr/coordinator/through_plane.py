@@ -11,6 +11,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator
 
 from ..errors import GpucrError
+from .. import target as targets
 from .. import memory as server_memory
 from ..memory import Managed
 from ..plane import DataPlane, Made, Stats
@@ -67,10 +68,15 @@ def _handover(m: _Member, timeout: float) -> None:
 
 
 def _held_inputs(held: ExitStack, m: _Member, timeout: float, phase: str) -> tuple[dict[str, Any], list[int], list[Managed]]:
-    """m's _server_inputs, kept open until `held` closes; a failure is m's, at `phase`."""
+    """m's _server_inputs, kept open until `held` closes; a failure is m's, at `phase` (a process stopped meanwhile,
+    SIGSTOP, is said so, not as the listing it could not finish)."""
     try:
         return held.enter_context(_server_inputs(m, timeout))
     except GpucrError as exc:
+        try:
+            targets.check_not_stopped(m.pid)
+        except GpucrError as stopped:
+            raise PhaseError(m.pid, phase, stopped) from exc
         raise PhaseError(m.pid, phase, exc) from exc
 
 
