@@ -13,28 +13,21 @@
 #include "entrypoints.def"
 #undef E
 
-/* A gated wrapper: the real call runs with the gate held open. */
-#define WRAP_GATED(sym, params, args)                                  \
+/* The real call runs with the gate held open, entered by `enter`. */
+#define WRAP_ENTERED(enter, sym, params, args)                         \
     GPUCR_EXPORT CUresult sym params                                   \
     {                                                                  \
         gpucr_init();                                                  \
         if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;               \
-        gpucr_gate_enter();                                            \
+        enter();                                                       \
         CUresult rc = REAL(sym) args;                                  \
         gpucr_gate_leave();                                            \
         return rc;                                                     \
     }
+/* A gated call: at the closed gate it waits, and is demand (a parked swap app is brought back). */
+#define WRAP_GATED(sym, params, args) WRAP_ENTERED(gpucr_gate_enter, sym, params, args)
 /* A call that waits at the closed gate but is not demand (entrypoints.def, WAITS). */
-#define WRAP_WAITS(sym, params, args)                                  \
-    GPUCR_EXPORT CUresult sym params                                   \
-    {                                                                  \
-        gpucr_init();                                                  \
-        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;               \
-        gpucr_gate_enter_waiting();                                    \
-        CUresult rc = REAL(sym) args;                                  \
-        gpucr_gate_leave();                                            \
-        return rc;                                                     \
-    }
+#define WRAP_WAITS(sym, params, args) WRAP_ENTERED(gpucr_gate_enter_waiting, sym, params, args)
 /* A query (entrypoints.def): answered "complete" without the driver once a checkpoint has settled, so a
  * poller neither meets the driver's checkpoint nor stops its thread (which may hold a lock, or Python's
  * GIL) while the process is parked; else like a gated call. */
