@@ -258,7 +258,7 @@ int dp_quiesce(int timeout_ms, char *err, size_t errlen)
     if (need) {
         struct deadline_job *j = job_new(staging_job);
         if (!j) { seterr(err, errlen, "out of host memory"); return -1; }
-        j->sizes = staging_movable_sizes(&j->nsizes, NULL);
+        j->sizes = staging_movable_sizes(&j->nsizes);
         int late = job_run(j, deadline), rc = j->rc;
         if (!late && rc) seterr(err, errlen, "%s; checkpoint refused, the application runs on", j->err);
         job_put(j);

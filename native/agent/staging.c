@@ -282,14 +282,6 @@ static int fit(const size_t *sizes, int n, bool shrink, char *err, size_t errlen
 
 int staging_fit(const size_t *sizes, int n, char *err, size_t errlen) { return fit(sizes, n, true, err, errlen); }
 
-int staging_count(void)
-{
-    pthread_mutex_lock(&S.mu);
-    int n = S.n;
-    pthread_mutex_unlock(&S.mu);
-    return n;
-}
-
 
 /* First fit, in the order staging_fit planned with. */
 static void *take_locked(size_t size)
@@ -373,7 +365,7 @@ void staging_get_info(struct staging_info *out)
 }
 
 /* The sizes of every allocation a checkpoint would move now, in registry order (as it moves them). */
-size_t *staging_movable_sizes(int *n, CUcontext *ctx)
+size_t *staging_movable_sizes(int *n)
 {
     reg_lock();
     int count = 0;
@@ -382,7 +374,7 @@ size_t *staging_movable_sizes(int *n, CUcontext *ctx)
     size_t *sizes = malloc(sizeof *sizes * (size_t)(count ? count : 1));
     int k = 0;
     for (struct phys *p = g_reg.all; p && sizes; p = p->next_all)
-        if (reg_phys_movable(p) && !reg_phys_released(p)) { sizes[k++] = p->size; if (ctx) *ctx = p->ctx; }
+        if (reg_phys_movable(p) && !reg_phys_released(p)) sizes[k++] = p->size;
     reg_unlock();
     *n = k;
     return sizes;

@@ -21,13 +21,12 @@ struct staging_info {
  * exists). Staging that holds more than twice what is needed is given back first and made anew,
  * so call it only while nothing is staged. 0, or -1 with err set. */
 int staging_fit(const size_t *sizes, int n, char *err, size_t errlen);
-size_t *staging_movable_sizes(int *n, CUcontext *ctx);   /* malloc'd; the caller frees */
+size_t *staging_movable_sizes(int *n);   /* malloc'd; the caller frees */
 /* Hand out `size` bytes for this cycle (first fit), adding a segment if none has room (an allocation
  * made after staging_fit); NULL if that fails. */
 void *staging_take(size_t size);
 void staging_rewind(void);      /* the next cycle hands out from the start again */
 void staging_drop(void);        /* give all host memory back */
-int staging_count(void);
 void staging_get_info(struct staging_info *out);
 /* Segment index and offset of a staging address; -1 if it is not in staging. */
 int staging_locate(const void *p, int *seg, size_t *off);

@@ -137,8 +137,8 @@ class ProcessRestore:
     pid: int
     state: str                        # running
     bytes_moved: int                  # copied back by gpucr
-    phases_s: dict[str, float]        # vet, control_in, driver_unlock, data_in (or stage, image_read_and_data_in;
-                                      # through the server: stage, image_read, data_in, adopt, finish), settle
+    phases_s: dict[str, float]        # vet, control_in, driver_unlock, data_in, adopt, finish (from an image:
+                                      # stage, image_read before data_in), settle
     agent_phases_s: dict[str, float]  # empty: the agent copies nothing (kept for readers of schema 1)
     gpus: list[GpuMemoryChange]       # every GPU it was on or moved to
     moved: dict[str, str]             # {old UUID: new UUID} for each GPU it was moved off (restore --map)

@@ -24,8 +24,8 @@ IMAGE_LABEL, IMAGE_COLOUR = "image on disk (write / read)", "#9467bd"
 OUT_PARTS = (("data_out_s", "data (gpucr)", "#1f77b4"), ("control_out_s", "control (driver)", "#ff7f0e"),
              ("driver_out_s", "driver: data + control", "#7f7f7f"), ("app_out_s", PEER_LABEL, PEER_COLOUR),
              ("image_out_s", IMAGE_LABEL, IMAGE_COLOUR))
-# no image part in a restore's bar: its image is read within its data step (image_read_and_data_in), while a
-# checkpoint writes its image after its data step, within the commit
+# no image part in a restore's bar: its image read (the image_read step) is not drawn, its fill is the data part;
+# a checkpoint writes its image after its data step, within the commit
 IN_PARTS = (("data_in_s", "data (gpucr)", "#1f77b4"), ("control_in_s", "control (driver)", "#ff7f0e"),
             ("driver_in_s", "driver: data + control", "#7f7f7f"), ("app_in_s", PEER_LABEL, PEER_COLOUR))
 REST = ("other (coordinator's own time)", "#d9d9d9")

@@ -82,10 +82,9 @@ def metrics(method: Method, ck: dict, rs: dict, footprint: int | None, ceiling: 
         row.update(gate_sync_s=(am["gate"] + am["sync"]) / 1000, data_out_s=cs["data_out"],
                    control_out_s=(cs["driver_lock"] + cs["control_out"]) if "control_out" in cs else None,
                    control_in_s=(rsteps["control_in"] + rsteps.get("driver_unlock", 0.0)) if "control_in" in rsteps else None,
-                   data_in_s=rsteps.get("data_in", rsteps.get("image_read_and_data_in")),
+                   data_in_s=rsteps.get("data_in"),
                    bytes_out=ck["bytes_moved"], bytes_in=rs["bytes_moved"],
-                   bytes_left_to_driver=ck["bytes_left_to_driver"], agent_ms=am,
-                   pin_wait_s=rs.get("agent_ms", {}).get("pin_wait", 0.0) / 1000)
+                   bytes_left_to_driver=ck["bytes_left_to_driver"], agent_ms=am)
         out_s, in_s = row["data_out_s"], row["data_in_s"]
     else:
         row.update(driver_out_s=cs["lock"] + cs["checkpoint"], driver_in_s=rsteps["restore"] + rsteps["unlock"],

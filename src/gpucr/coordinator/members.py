@@ -152,7 +152,6 @@ class _Member:
     status: dict[str, Any] = field(default_factory=dict)
     result: dict[str, Any] = field(default_factory=dict)
     image_dir: Path | None = None
-    data_out: bool = False
     held: bool = False            # quiesced or copied (gate closed), nothing released: "abort" undoes it
     data_out_t0: float = 0.0
     locked: bool = False

@@ -77,7 +77,7 @@ def _quiesce(m: _Member, timeout: float) -> None:
 
 
 def _data_out_done(m: _Member, out: dict[str, Any]) -> None:
-    m.data_out, m.held = True, False
+    m.held = False
     r = m.result
     r["phases_s"]["data_out"] = time.perf_counter() - m.data_out_t0
     cyc = out["last_cycle_ms"]
@@ -127,7 +127,6 @@ def _roll_back_driver(m: _Member) -> None:
     """Undo the driver's steps for this process; never raises (the process may be gone)."""
     try:
         if targets.process_ended(m.pid, m.t.start_time):
-            m.data_out = False
             return
         targets.check_not_stopped(m.pid)   # a stopped process cannot answer the driver: left restorable
         s = m.drv.state(m.pid)
