@@ -23,6 +23,10 @@
    threads a block, each timed to the end of its stream and again with its results read into Python (_read);
    next to a device-to-device copy of the same memory (read + write) as the bound; and the fatbin's load time
    in a fresh context.
+8. vmm-calls: what each driver call of a fill and of an adopt costs per allocation, for EXP_VMM_COUNT (1500)
+   allocations of 20 MiB (torch's expandable segments): create, map (reserve + map + access), export, then
+   import + map as the agent's adopt does, by 1, 2 and 4 threads at once, with the link idle and with a copy
+   running: whether making and adopting can be spread over threads or run beside the fill's copies.
 
 Prints one JSON object per line; writes them to $OUT/experiments.jsonl too.
 """
@@ -445,6 +449,62 @@ def kernel_rate(gib: int = int(os.environ.get("EXP_KERNEL_GIB", "32")),
          d2d_copy_read_plus_write_tbps=round(copy, 3))
 
 
+def vmm_calls(count: int = int(os.environ.get("EXP_VMM_COUNT", "1500")), size: int = 20 << 20) -> None:
+    from gpucr.driver import Vmm, controller_driver
+    vmm = Vmm(controller_driver())
+    ctx = vmm.retain_context(0)
+    vmm.use(ctx)
+
+    def timed(threads: int, step) -> float:
+        """Seconds for `count` calls of step(i), split over `threads` threads (each makes the context current)."""
+        def work(part: range) -> None:
+            vmm.use(ctx)
+            for i in part:
+                step(i)
+        parts = [range(k, count, threads) for k in range(threads)]
+        ts = [threading.Thread(target=work, args=(p,)) for p in parts]
+        t0 = time.perf_counter()
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join()
+        return time.perf_counter() - t0
+
+    def round_(threads: int) -> dict:
+        hs, vas, fds, hs2, vas2 = [0] * count, [0] * count, [0] * count, [0] * count, [0] * count
+        row = {"threads": threads}
+        row["create_ms"] = timed(threads, lambda i: hs.__setitem__(i, vmm.create(size, 0)))
+        row["map_ms"] = timed(threads, lambda i: vas.__setitem__(i, vmm.map(hs[i], size, 0)))
+        row["export_ms"] = timed(threads, lambda i: fds.__setitem__(i, vmm.export_fd(hs[i])))
+        row["import_ms"] = timed(threads, lambda i: hs2.__setitem__(i, vmm.import_fd(fds[i])))
+        row["map_imported_ms"] = timed(threads, lambda i: vas2.__setitem__(i, vmm.map(hs2[i], size, 0)))
+        row["teardown_ms"] = timed(threads, lambda i: (vmm.unmap(vas2[i], size), vmm.release(hs2[i]), os.close(fds[i]),
+                                                       vmm.unmap(vas[i], size), vmm.release(hs[i])))
+        return {k: (round(v * 1000 / count, 4) if k != "threads" else v) for k, v in row.items()}
+
+    rows = [round_(t) for t in (1, 2, 4)]
+    # the same with the link busy: a host-to-device copy loop on a stream of its own
+    n = int(os.environ.get("EXP_VMM_COPY_GIB", "8")) << 30
+    host = vmm.host_alloc(n)
+    dev = vmm.alloc(n)
+    s = vmm.stream()
+    stop = threading.Event()
+
+    def copy_loop() -> None:
+        vmm.use(ctx)
+        while not stop.is_set():
+            vmm.h2d(dev, host, n, s)
+            vmm.sync(s)
+    t = threading.Thread(target=copy_loop)
+    t.start()
+    busy = [dict(round_(th), link="busy") for th in (1, 2)]
+    stop.set()
+    t.join()
+    vmm.free(dev)
+    vmm.host_free(host)
+    emit(experiment="vmm-calls", count=count, bytes_each=size, per_call_ms=rows + busy)
+
+
 def dd(path: Path, gib: int) -> dict:
     out = {}
     w = subprocess.run(["dd", "if=/dev/zero", f"of={path}", "bs=64M", f"count={gib * 16}", "oflag=direct", "conv=fsync"],
@@ -516,6 +576,8 @@ if __name__ == "__main__":
             fill_matrix()
         elif w == "kernel-rate":
             kernel_rate()
+        elif w == "vmm-calls":
+            vmm_calls()
         elif w == "image":
             d = Path(os.environ.get("EXP_IMAGE_DIR", "/var/tmp/gpucr-exp"))
             d.mkdir(parents=True, exist_ok=True)
