@@ -1,6 +1,7 @@
 """One home for each rule the agent (C) and gpucr's controller (Python) both follow (issue 25, item 3):
-the settings (native/agent/settings.def), the runtime dir rules and the UUID text (native/agent/rules.h) are data
-there; gpucr.agent_tables is generated from them (scripts/gen-agent-tables), and no other file holds a copy.
+- the settings (native/agent/settings.def), the runtime dir rules and the UUID text (native/agent/rules.h) are
+  data there; gpucr.agent_tables is generated from them (scripts/gen-agent-tables), and no other file holds a copy;
+- what is movable and how staging is sized are the agent's alone: Python reads what the agent reports.
 Each test fails where a second copy appears, and names the one home."""
 from __future__ import annotations
 
@@ -79,3 +80,22 @@ def test_the_cli_holds_no_copy_of_the_agents_settings():
     copies = [w for w in words if w != "file:DIR" and re.search(quoted(w), cli)]
     assert not copies, f"cli.py spells {copies} itself: take them from agent_tables.SETTINGS"
     assert not re.search(rf"\b{SETTINGS['GPUCR_GROUP'].hi}\b", cli), "cli.py spells GPUCR_GROUP's limit itself"
+
+
+def test_what_is_movable_is_the_agents_alone():
+    """reg_phys_movable (registry.c) decides; the agent says it per allocation in its memory listing, and Python
+    only reads that field."""
+    assert holders(agent_code(""), r"\bbool\s+reg_phys_movable\s*\([^;]*\{") == ["registry.c"]
+    for name, text in python_code().items():
+        for line in text.splitlines():
+            said = re.sub(r"\.get\(\"movable\"\)|\.movable\b|\bmovable: bool\b", "", line)
+            assert "movable" not in said, f"{name} decides what is movable ({line.strip()}): read the agent's field"
+
+
+def test_staging_is_sized_by_the_agent_alone():
+    """staging.c makes and sizes every segment (GPUCR_STAGING_SEGMENT_MIB, whole hugepages) and states each one's
+    size in its layout; the mover maps what the layout says, checking the file is that long."""
+    python = python_code()
+    assert not holders(python, r"STAGING_SEGMENT|memfd_create"), "Python sizes or makes staging: the agent does"
+    assert holders(python, r"\bftruncate\(") == ["src/gpucr/image.py"], "only an image file is sized by Python"
+    assert holders(agent_code(""), r"memfd_create\(\"gpucr-staging\"") == ["staging.c"]
