@@ -257,8 +257,9 @@ def test_a_squatted_runtime_dir_is_never_trusted(users, evil_dir):
         shutil.rmtree(sim, ignore_errors=True)
 
 
-# The runtime dir rules, one table for the agent (C) and the controller (Python): for each case, where
-# the agent listens (or that it refuses) must be where the controller looks (or finds nothing).
+# The runtime dir rules, one table (native/agent/rules.h) that the agent (C) and the controller (Python, through
+# gpucr.agent_tables) each read: for each case, where the agent listens (or that it refuses) must be where the
+# controller looks (or finds nothing).
 def _table_cases(base: Path, other: int | None) -> list[tuple[str, dict[str, str], str]]:
     priv = base / "private"
     priv.mkdir(mode=0o700)

@@ -1,6 +1,7 @@
 """Every setting is parsed strictly (issue 14, item 2): the agent's one table of settings
-(native/agent/settings.def), its one-line warning for a bad value with the default kept, the CLI's
-checks of its flags and its own environment, and docs/how-it-works.md held to the table. Also the bound on
+(native/agent/settings.def, which gpucr.agent_tables is generated from), its one-line warning for a bad value
+with the default kept, the CLI's checks of its flags and its own environment, and docs/how-it-works.md held to
+the table. Also the bound on
 what the controller reads from an application's callback channel (item 10)."""
 from __future__ import annotations
 
@@ -12,40 +13,19 @@ import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
 import gpucr
 from gpucr import cli, paths
+from gpucr.agent_tables import SETTINGS
 from gpucr.app import MAX_ANSWER, AppChannel
 
 from conftest import ROOT, gpucr_cli
 
 MiB = 1 << 20
 AGENT = ROOT / "native" / "agent"
-
-
-@dataclass(frozen=True)
-class Setting:
-    name: str
-    kind: str
-    default: str
-    lo: int
-    hi: int
-    accepted: str
-    meaning: str
-
-
-def agent_settings() -> dict[str, Setting]:
-    """native/agent/settings.def, read as the C preprocessor's S(...) entries."""
-    entry = re.compile(r'^S\(\s*\w+,\s*"(\w+)",\s*(\w+),\s*"([^"]*)",\s*(\d+),\s*(\d+),\s*"([^"]*)",\s*"([^"]*)"\s*\)',
-                       re.M)
-    found = {m[0]: Setting(m[0], m[1], m[2], int(m[3]), int(m[4]), m[5], m[6])
-             for m in entry.findall((AGENT / "settings.def").read_text())}
-    assert len(found) >= 10, "settings.def could not be read"
-    return found
 
 
 def agent_stderr(env: dict[str, str]) -> list[str]:
@@ -84,7 +64,7 @@ BAD = [
 
 @pytest.mark.parametrize("name,value", BAD, ids=[f"{n}={v[:12]}" for n, v in BAD])
 def test_agent_warns_in_one_line_about_a_bad_setting(name, value):
-    s = agent_settings()[name]
+    s = SETTINGS[name]
     lines = agent_stderr({name: value})
     assert len(lines) == 1, lines
     line = lines[0]
@@ -119,10 +99,9 @@ def test_bad_settings_keep_the_defaults(sim_app):
 def test_no_bare_getenv_of_a_setting():
     """Each GPUCR_ setting the agent reads is in settings.def; the files that read through the
     table (staging, logging) have no getenv of their own."""
-    table = agent_settings()
     for c in AGENT.glob("*.c"):
         for name in re.findall(r'getenv\("(GPUCR_\w+)"\)', c.read_text()):
-            assert name in table, f"{c.name} reads {name}, which settings.def does not list"
+            assert name in SETTINGS, f"{c.name} reads {name}, which settings.def does not list"
     for name in ("staging.c", "util.c"):
         src = (AGENT / name).read_text()
         assert not re.search(r'getenv\("GPUCR_|gpucr_env_long\("', src), f"{name} reads a setting around the table"
@@ -137,7 +116,7 @@ def test_the_docs_list_every_setting_as_the_table_says():
         if m:
             default, accepted, meaning = (c.strip().replace("\0", "|") for c in m.groups()[1:])
             rows[m[1]] = (default.strip("`"), accepted, meaning)
-    want = {n: (s.default or "unset", s.accepted, s.meaning) for n, s in agent_settings().items()
+    want = {n: (s.default or "unset", s.accepted, s.meaning) for n, s in SETTINGS.items()
             if not n.startswith("GPUCR_TEST_")}
     expected_rows = "\n".join(f"| `{n}` | `{d}` | {a.replace('|', chr(92) + '|')} | {m} |" for n, (d, a, m) in want.items())
     assert rows == want, f"docs/how-it-works.md's agent settings table should read:\n{expected_rows}"
@@ -189,11 +168,8 @@ def test_settings_of_the_deleted_in_process_copy_engine_are_said_and_ignored(tmp
     assert r.returncode == 0 and len(said) == 1 and "has no effect and is ignored" in said[0], r.stderr
 
 
-def test_cli_limits_are_the_agents():
-    s = agent_settings()
-    assert not set(cli.RETIRED_ENV) & set(s), "a setting retired in the CLI is still the agent's"
-    assert cli.GROUP_MAX_BYTES == s["GPUCR_GROUP"].hi
-    assert "|".join((*cli.STAGING_KINDS, "file:DIR")) == s["GPUCR_STAGING"].accepted
+def test_no_setting_retired_in_the_cli_is_still_the_agents():
+    assert not set(cli.RETIRED_ENV) & set(SETTINGS), "a setting retired in the CLI is still the agent's"
 
 
 BUDGETS = ["64G", "50%", "100%", "1", "4K", "3T", "16777215T", "16777216T", "0", "0%", "101%", "64GB", "1.5G",

@@ -5,6 +5,7 @@
 #include <string.h>
 #include <unistd.h>
 #include "registry.h"
+#include "rules.h"
 
 struct registry g_reg;
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -74,7 +75,7 @@ int reg_ctx_device(CUcontext ctx)
 
 void reg_uuid_text(const unsigned char u[16], char out[48])
 {
-    snprintf(out, 48, "GPU-%02x%02x%02x%02x-%02x%02x-%02x%02x-%02x%02x-%02x%02x%02x%02x%02x%02x",
+    snprintf(out, 48, GPUCR_UUID_TEXT,
              u[0], u[1], u[2], u[3], u[4], u[5], u[6], u[7], u[8], u[9], u[10], u[11], u[12], u[13], u[14], u[15]);
 }
 

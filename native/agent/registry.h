@@ -118,7 +118,7 @@ void reg_refresh_devices(void);
 void reg_forget_ctx(CUcontext ctx);
 /* The device ordinal of a context as last learnt (-1: not known). Registry locked. */
 int reg_ctx_device(CUcontext ctx);
-/* a UUID as NVML and nvidia-smi write it (GPU-xxxxxxxx-...), and that of a context's device ("" unknown) */
+/* a UUID as NVML and nvidia-smi write it (rules.h: GPU-xxxxxxxx-...), and that of a context's device ("" unknown) */
 void reg_uuid_text(const unsigned char u[16], char out[48]);
 void reg_ctx_uuid(CUcontext ctx, char out[48]);
 /* Forget the plain, pool and managed allocations `gone` says the driver no longer has. */

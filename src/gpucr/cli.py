@@ -13,6 +13,7 @@ from contextlib import contextmanager
 from typing import Any, Callable, Iterator, NoReturn, TypeVar
 
 from . import coverage, gpus, paths, server_view, version
+from .agent_tables import SETTINGS
 from .levels import LEVELS
 from .server import route
 from .server_view import mib as _mib
@@ -24,10 +25,9 @@ from .results import (SCHEMA_VERSION, ErrorResult, GpuMemoryChange, ImageTransfe
 T = TypeVar("T")
 STATUS_WAIT_S = 10.0   # how long `status` waits for a process still starting under gpucr
 ONE_KIND_ENV = "GPUCR_PS_ONE_KIND"   # internal: a `ps` listing for another, of its own driver kind only
-# The agent's limits for the settings `gpucr run` passes on (native/agent/settings.def; tests/test_settings.py
-# holds the two to each other).
-GROUP_MAX_BYTES = 127
-STAGING_KINDS = ("auto", "hugetlbfs", "shm")
+# The agent's limits for the settings `gpucr run` passes on, from its table (native/agent/settings.def)
+GROUP_MAX_BYTES = SETTINGS["GPUCR_GROUP"].hi
+STAGING_KINDS = tuple(w for w in SETTINGS["GPUCR_STAGING"].accepted.split("|") if w != "file:DIR")
 # Settings of the controller, read from its own environment: checked before anything runs.
 CONTROLLER_FLAGS = ("GPUCR_SIMULATE", route.NO_SERVER_ENV)
 NO_SERVER_HELP = ("act in-process, not through the gpucr server even when one runs (the same as "
@@ -579,7 +579,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("--staging", metavar="KIND", type=_staging_kind, help="host staging: auto (hugetlbfs when hugepages "
                    "are free, else shared memory; the default), hugetlbfs, shm, or file:DIR (an existing directory)")
     r.add_argument("--staging-ahead", "--no-staging-ahead", action=_Retired)
-    r.add_argument("--staging-policy", choices=("keep", "drop"),
+    r.add_argument("--staging-policy", choices=SETTINGS["GPUCR_STAGING_POLICY"].accepted.split("|"),
                    help="after a restore, keep staging for the next cycle (default) or give it back")
     r.add_argument("--bounce", action=_Retired, nargs=1)
     r.add_argument("--host-budget", metavar="SIZE", type=host_budget, help="the most host memory the staging of all "

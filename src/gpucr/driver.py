@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+from .agent_tables import UUID_TEXT
 from .errors import GpucrError
 
 
@@ -616,9 +617,9 @@ def simulated_device_node(driver: Driver, ordinal: int) -> str | None:
 
 
 def uuid_text(raw: bytes) -> str:
-    """A GPU's 16-byte UUID as nvidia-smi -L prints it: GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx."""
-    h = raw.hex()
-    return f"GPU-{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+    """A GPU's 16-byte UUID as nvidia-smi -L prints it (GPU-xxxxxxxx-xxxx-xxxx-xxxx-xxxxxxxxxxxx), as the agent
+    writes it (the format's one home is native/agent/rules.h)."""
+    return UUID_TEXT % tuple(raw)
 
 
 def device_count(driver: Driver) -> int:

@@ -5,6 +5,7 @@ import os
 import stat
 from pathlib import Path
 
+from .agent_tables import RUNTIME_DIR_DEFAULT, RUNTIME_DIRS
 from .errors import GpucrError
 
 _LIB_DIR = Path(__file__).resolve().parent / "_lib"
@@ -26,32 +27,33 @@ def simcuda_dir() -> Path:
     return path
 
 
-# Where an agent listens: the first rule whose setting is present names the dir. A dir that is not
-# private to the process's user (owner, mode 0700, not a link) is refused, except under the last rule,
-# where the name is one anyone can take first: there the agent falls back to a private dir it makes
-# itself (mkdtemp), /tmp/gpucr-<uid>.XXXXXX, and the controller looks in those it can verify. The same
-# table is in native/agent/rundir.c; tests/test_security.py holds the two to it.
-RUNTIME_DIR_RULES: tuple[tuple[str | None, str, str], ...] = (
-    ("GPUCR_RUNTIME_DIR", "{GPUCR_RUNTIME_DIR}", "refuse"),
-    ("XDG_RUNTIME_DIR", "{XDG_RUNTIME_DIR}/gpucr", "refuse"),
-    (None, "/tmp/gpucr-{uid}", "fallback"),
-)
-FALLBACK_PREFIX = "/tmp/gpucr-{uid}."
-
-
+# Where an agent listens, by the agent's rules (agent_tables, from native/agent/rules.h): the first rule whose
+# setting is set names the dir; a dir not private to the process's user (owner, mode 0700, not a link) is
+# refused, except the default one, a name anyone can take first: there the agent falls back to a private dir
+# beside it that it makes itself (mkdtemp), named after it, and the controller looks in those it can verify.
 def runtime_rule(uid: int | None = None, environ: dict[str, str] | None = None) -> tuple[Path, bool]:
     """The dir the rules name for this user and environment, and whether a private fallback is allowed."""
     env = os.environ if environ is None else environ
-    uid = os.getuid() if uid is None else uid
-    for setting, pattern, when_not_private in RUNTIME_DIR_RULES:
-        if setting is None or env.get(setting):
-            return Path(pattern.format(uid=uid, **{k: env.get(k, "") for k in ("GPUCR_RUNTIME_DIR", "XDG_RUNTIME_DIR")})), \
-                when_not_private == "fallback"
-    raise AssertionError("the last rule always applies")
+    for setting, suffix in RUNTIME_DIRS:
+        if env.get(setting):
+            return Path(env[setting] + suffix), False
+    return default_runtime_dir(os.getuid() if uid is None else uid), True
+
+
+def default_runtime_dir(uid: int) -> Path:
+    """The dir the rules name when no setting is: anyone may take its name first (fallback_dirs)."""
+    parent, name = RUNTIME_DIR_DEFAULT
+    return Path(parent) / (name % uid)
+
+
+def fallback_prefix(uid: int) -> Path:
+    """What the private dirs made in place of a taken default dir begin with: its path and a dot."""
+    default = default_runtime_dir(uid)
+    return default.with_name(default.name + ".")
 
 
 def runtime_dir(uid: int | None = None, environ: dict[str, str] | None = None) -> Path:
-    """The agent's socket directory as the rules name it (see RUNTIME_DIR_RULES)."""
+    """The agent's socket directory as the rules name it (runtime_rule)."""
     return runtime_rule(uid, environ)[0]
 
 
@@ -88,8 +90,8 @@ def socket_problem(path: Path, uid: int) -> str | None:
 
 
 def fallback_dirs(uid: int) -> list[Path]:
-    """The private dirs agents of `uid` made for themselves because /tmp/gpucr-<uid> was taken."""
-    prefix = Path(FALLBACK_PREFIX.format(uid=uid))
+    """The private dirs agents of `uid` made for themselves because the default dir was taken."""
+    prefix = fallback_prefix(uid)
     try:
         names = sorted(n for n in os.listdir(prefix.parent) if n.startswith(prefix.name))
     except OSError:

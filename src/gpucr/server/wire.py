@@ -1,7 +1,7 @@
 """The server's socket and its wire format.
 
 One connection carries one request: a JSON line from the client, a JSON line back. The socket lives in
-the user's private runtime dir (paths.RUNTIME_DIR_RULES: owned by the user, 0700, not a link), one per
+the user's private runtime dir (paths.runtime_rule: owned by the user, 0700, not a link), one per
 driver kind, so a simulated controller never talks to a server on the GPU's driver or the reverse, and
 one per pid and mount namespace, since a request's pids and paths mean what they mean in its client's
 namespaces only.
@@ -74,8 +74,8 @@ def make_dir() -> Path:
     if not fallback:
         raise GpucrError(f"the runtime dir {named} is not private: {paths.dir_problem(named, os.getuid())}; "
                          "make it a directory of yours with mode 0700")
-    uid = os.getuid()
-    return Path(tempfile.mkdtemp(prefix=Path(paths.FALLBACK_PREFIX.format(uid=uid)).name, dir="/tmp"))
+    prefix = paths.fallback_prefix(os.getuid())
+    return Path(tempfile.mkdtemp(prefix=prefix.name, dir=prefix.parent))
 
 
 def send(sock: socket.socket, obj: dict[str, Any]) -> None:
