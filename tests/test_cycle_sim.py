@@ -1,6 +1,7 @@
 """Checkpoint/restore of a real process on simcuda: memory given back, bytes and addresses kept."""
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import threading
@@ -21,6 +22,30 @@ pytestmark = pytest.mark.usefixtures("reused_server")
 
 def used() -> int:
     return gpu_memory(sim_driver()).used
+
+
+def host_pinned(pid: int) -> int:
+    """Host memory process `pid` pinned through its driver, as simcuda publishes it (no real driver tells)."""
+    n = ctypes.c_size_t()
+    fn = sim_driver()._cu.simcudaProcessHostPinned
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]
+    assert fn(pid, ctypes.byref(n)) == 0, f"simcuda knows no process {pid}"
+    return n.value
+
+
+def test_the_application_pins_nothing_the_server_pins_its_staging(sim_app, reused_server):
+    """Through the server (the default): the server copies, so the application pins no host memory at all, at
+    checkpoint, while parked or at restore; the server's pinning of the staging shows in its own process."""
+    app = sim_app("--sizes", "32M,4M", "--vmm-mib", "8")
+    before = app.ask("digest")
+    for _ in range(2):
+        ck = gpucr.checkpoint(app.pid, timeout=10)
+        assert ck.data_plane == "server", ck
+        assert host_pinned(app.pid) == 0, "the application pinned host memory"
+        assert host_pinned(reused_server.pid) >= 44 * MiB, "the server pins the staging it copies into"
+        gpucr.restore(app.pid, timeout=10)
+        assert host_pinned(app.pid) == 0
+        assert app.ask("digest") == before
 
 
 @pytest.mark.in_process   # the driver's floor is zero: no server context beside it
@@ -226,6 +251,7 @@ def test_no_server_cycles_go_through_the_clis_own_mover(sim_app):
         assert ck["data_plane"] == "cli" and ck["bytes_moved"] == 50 * MiB, ck
         assert "handover" in ck["phases_s"] and ck["phases_s"]["data_out"] > 0, ck["phases_s"]
         assert process_gpu_memory(sim_driver(), app.pid, 0) == 0, "its memory left the GPU with the fds"
+        assert host_pinned(app.pid) == 0, "the CLI's ring is pinned in the CLI, nothing in the application"
         rs = _cli_json("restore", str(app.pid))["processes"][0]
         assert rs["data_plane"] == "cli" and rs["bytes_moved"] == 50 * MiB and "adopt" in rs["phases_s"], rs
         assert app.ask("digest") == before, f"cycle {i}: bytes or addresses differ"

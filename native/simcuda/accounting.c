@@ -12,7 +12,8 @@
  * Usage is per physical device: a process's ordinal i is physical device i until a restore
  * with GPU pairs moves it onto another one (usage.phys), and what it charged moves along.
  *
- * File format: one line "<device> <bytes>" per physical device, replaced atomically (write a
+ * File format: one line "<device> <bytes>" per physical device, and "-1 <bytes>" of host memory pinned
+ * (simcudaProcessHostPinned: device -1 is no device to the readers of usage), replaced atomically (write a
  * temporary file, rename it). Files of dead processes are ignored and removed by whoever reads them.
  * Charging (the only path that can run out of memory) holds an flock on <rundir>/lock so two
  * processes cannot both take the last free bytes.
@@ -36,6 +37,7 @@
 static struct {
     pthread_mutex_t mu;
     size_t used[SIM_MAX_DEVICES]; /* this process, as published: by physical device */
+    size_t host_pinned;           /* host memory pinned through this driver, as published */
     int phys[SIM_MAX_DEVICES];    /* ordinal -> physical device */
     char dir[PATH_MAX];
     char mem_path[PATH_MAX];
@@ -91,7 +93,7 @@ static bool parse_pid(const char *name, pid_t *pid)
 }
 
 /* Adds the per-device bytes of one .mem file to sums[]; false if it cannot be read. */
-static bool read_mem_file(int dirfd, const char *name, size_t sums[SIM_MAX_DEVICES])
+static bool read_mem_file_host(int dirfd, const char *name, size_t sums[SIM_MAX_DEVICES], size_t *host)
 {
     int fd = openat(dirfd, name, O_RDONLY | O_CLOEXEC | O_NOFOLLOW);
     if (fd < 0)
@@ -106,8 +108,15 @@ static bool read_mem_file(int dirfd, const char *name, size_t sums[SIM_MAX_DEVIC
     while (fscanf(f, "%d %llu", &dev, &bytes) == 2)
         if (dev >= 0 && dev < SIM_MAX_DEVICES)
             sums[dev] += bytes;
+        else if (dev == -1 && host)
+            *host = bytes;
     fclose(f);
     return true;
+}
+
+static bool read_mem_file(int dirfd, const char *name, size_t sums[SIM_MAX_DEVICES])
+{
+    return read_mem_file_host(dirfd, name, sums, NULL);
 }
 
 /* Calls fn(pid, its per-device bytes, arg) for every live process except skip that publishes in dir.
@@ -159,10 +168,11 @@ static void publish_locked(void)
         fprintf(stderr, "simcuda: cannot write %s: %s\n", tmp, strerror(errno));
         return;
     }
-    char buf[SIM_MAX_DEVICES * 32];
+    char buf[(SIM_MAX_DEVICES + 1) * 32];
     size_t off = 0;
     for (int d = 0; d < sim_cfg.ndevices; d++)
         off += (size_t)snprintf(buf + off, sizeof(buf) - off, "%d %zu\n", d, usage.used[d]);
+    off += (size_t)snprintf(buf + off, sizeof(buf) - off, "-1 %zu\n", usage.host_pinned);
     bool ok = write(fd, buf, off) == (ssize_t)off;
     ok = close(fd) == 0 && ok;
     if (!ok || rename(tmp, usage.mem_path) != 0) {
@@ -401,6 +411,34 @@ SIMAPI CUresult simcudaProcessMemUsed(int pid, size_t *used)
     *used = 0;
     for (int d = 0; d < SIM_MAX_DEVICES; d++)
         *used += sums[d];
+    return CUDA_SUCCESS;
+}
+
+void sim_acct_host_pinned(long long delta)
+{
+    pthread_mutex_lock(&usage.mu);
+    usage.host_pinned = delta < 0 && (size_t)-delta > usage.host_pinned ? 0 : usage.host_pinned + (size_t)delta;
+    if (usage.mem_path[0])
+        publish_locked();
+    pthread_mutex_unlock(&usage.mu);
+}
+
+SIMAPI CUresult simcudaProcessHostPinned(int pid, size_t *bytes)
+{
+    char dir[PATH_MAX], name[32];
+    size_t sums[SIM_MAX_DEVICES] = {0};
+    if (!bytes || pid <= 0 || (kill(pid, 0) != 0 && errno == ESRCH))
+        return CUDA_ERROR_INVALID_VALUE;
+    CUresult rc = sim_rundir(dir, sizeof(dir));
+    if (rc != CUDA_SUCCESS)
+        return rc;
+    *bytes = 0;
+    snprintf(name, sizeof(name), "%d.mem", pid);
+    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+    if (dfd >= 0) {
+        read_mem_file_host(dfd, name, sums, bytes);
+        close(dfd);
+    }
     return CUDA_SUCCESS;
 }
 

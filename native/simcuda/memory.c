@@ -984,6 +984,7 @@ static void host_remove_locked(struct sim_host **link)
     *link = h->next;
     if (h->allocated)
         munmap((void *)h->p, h->size);
+    sim_acct_host_pinned(-(long long)h->size);
     free(h);
 }
 
@@ -1027,6 +1028,7 @@ static CUresult host_add(uintptr_t p, size_t size, bool allocated, struct sim_ct
     if (!host_overlaps_locked(p, size)) {
         *h = (struct sim_host){.next = mem.hosts, .p = p, .size = size, .allocated = allocated, .ctx = ctx};
         mem.hosts = h;
+        sim_acct_host_pinned((long long)size);
         rc = CUDA_SUCCESS;
     }
     sim_mem_unlock();

@@ -103,6 +103,9 @@ int sim_acct_open_ctl(void);
 /* Charges bytes to this process on dev; CUDA_ERROR_OUT_OF_MEMORY if the device lacks room. */
 CUresult sim_acct_charge(int dev, size_t bytes);
 void sim_acct_uncharge(int dev, size_t bytes);
+/* Host memory pinned in this process (cuMemHostRegister, cuMemHostAlloc) grew or shrank by delta: published
+ * beside the device usage, for simcudaProcessHostPinned. */
+void sim_acct_host_pinned(long long delta);
 /* All-or-nothing charge of bytes[dev] on every device (restore). */
 CUresult sim_acct_charge_all(const size_t bytes[SIM_MAX_DEVICES]);
 void sim_acct_uncharge_all(const size_t bytes[SIM_MAX_DEVICES]);

@@ -482,6 +482,9 @@ SIMAPI CUresult simcudaDeviceMemUsed(int device, size_t *used, size_t *total);
 /* The path standing in for /dev/nvidia<phys> (simcuda's device node); processes on that GPU hold it open. */
 SIMAPI CUresult simcudaDeviceNode(int phys, char *buf, size_t len);
 SIMAPI CUresult simcudaProcessMemUsed(int pid, size_t *used);
+/* Host memory another process has pinned through its driver (registered or allocated pinned): what no
+ * real driver tells, so that a test can show gpucr pins nothing in an application. */
+SIMAPI CUresult simcudaProcessHostPinned(int pid, size_t *bytes);
 /* One process's bytes on physical device `device` (NVML's per-process usage on a real GPU). */
 SIMAPI CUresult simcudaProcessDeviceMemUsed(int pid, int device, size_t *used);
 /* The pids holding memory or a context on physical device `phys` (NVML's compute processes); and whether
