@@ -383,7 +383,7 @@ SIMAPI CUresult simcudaDeviceMemUsed(int device, size_t *used, size_t *total)
 
 /* What process pid publishes, by physical device. A live process that publishes nothing holds
  * nothing (all zero). A pid with no process is CUDA_ERROR_INVALID_VALUE, as in the checkpoint API. */
-static CUresult process_usage(int pid, size_t sums[SIM_MAX_DEVICES])
+static CUresult process_usage_host(int pid, size_t sums[SIM_MAX_DEVICES], size_t *host)
 {
     if (pid <= 0)
         return CUDA_ERROR_INVALID_VALUE;
@@ -396,10 +396,15 @@ static CUresult process_usage(int pid, size_t sums[SIM_MAX_DEVICES])
     snprintf(name, sizeof(name), "%d.mem", pid);
     int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (dfd >= 0) {
-        read_mem_file(dfd, name, sums);
+        read_mem_file_host(dfd, name, sums, host);
         close(dfd);
     }
     return CUDA_SUCCESS;
+}
+
+static CUresult process_usage(int pid, size_t sums[SIM_MAX_DEVICES])
+{
+    return process_usage_host(pid, sums, NULL);
 }
 
 SIMAPI CUresult simcudaProcessMemUsed(int pid, size_t *used)
@@ -425,21 +430,11 @@ void sim_acct_host_pinned(long long delta)
 
 SIMAPI CUresult simcudaProcessHostPinned(int pid, size_t *bytes)
 {
-    char dir[PATH_MAX], name[32];
     size_t sums[SIM_MAX_DEVICES] = {0};
-    if (!bytes || pid <= 0 || (kill(pid, 0) != 0 && errno == ESRCH))
+    if (!bytes)
         return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = sim_rundir(dir, sizeof(dir));
-    if (rc != CUDA_SUCCESS)
-        return rc;
     *bytes = 0;
-    snprintf(name, sizeof(name), "%d.mem", pid);
-    int dfd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    if (dfd >= 0) {
-        read_mem_file_host(dfd, name, sums, bytes);
-        close(dfd);
-    }
-    return CUDA_SUCCESS;
+    return process_usage_host(pid, sums, bytes);
 }
 
 /* One process's bytes on one physical device: what NVML's per-process list says on a real GPU. */
