@@ -119,8 +119,9 @@ class Apps:
                     app.parked_bytes, app.held = dict(app.held), dict.fromkeys(app.held, 0)
             return app
 
-    def observe(self, pid: int, status: dict[str, Any]) -> None:
-        """An agent's status the server read (for any reason): its memory per GPU and its last submission."""
+    def observe(self, pid: int, status: dict[str, Any], counted: dict[str, int] | None = None) -> None:
+        """An agent's status the server read (for any reason): its memory per GPU and its last submission. counted:
+        {uuid: bytes} the driver counts the process holds, its context included (the agent counts its allocations)."""
         with self._lock:
             app = self._by_pid.get(pid)
             if app is None:
@@ -135,6 +136,6 @@ class Apps:
             for d in status.get("devices") or []:
                 uuid = str(d.get("uuid", ""))
                 app.ordinals[int(d.get("ordinal", 0))] = uuid
-                held = int(d.get("vmm_bytes") or 0) + int(d.get("driver_bytes") or 0)
+                held = max(int(d.get("vmm_bytes") or 0) + int(d.get("driver_bytes") or 0), (counted or {}).get(uuid, 0))
                 app.held[uuid] = held
                 app.peak[uuid] = max(app.peak.get(uuid, 0), held)

@@ -9,7 +9,7 @@ more; a server that gives its context back after each request (--give-back-conte
 from __future__ import annotations
 
 import threading
-from typing import Callable
+from typing import Any, Callable
 
 from .. import gpus
 from ..driver import Driver, Vmm, gpu_memory
@@ -27,6 +27,12 @@ class DriverGpus:
         drv = self._drv()
         mem = gpus.memory_of(drv, uuid, gpus.machine_gpus(drv))
         return (mem.free, mem.total) if mem is not None else None
+
+    def process_bytes(self, pid: int, status: dict[str, Any]) -> dict[str, int]:
+        """Each GPU's bytes process pid holds as the driver counts them (its context included, which a park frees
+        too), with what the server made for it at a restore (its agent's status says; the driver charges nobody)."""
+        uuids = [str(d.get("uuid", "")) for d in status.get("devices") or []]
+        return {u: n.process for u, n in gpus.process_usage(pid, uuids, status).items() if n.process is not None}
 
     def server_cost(self, uuid: str) -> int:
         if uuid in self._contexts():

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Protocol
+from typing import Any, Callable, Protocol
 
 from .apps import Apps, SwapApp, now
 from .policy import choose, ready_at
@@ -25,6 +25,9 @@ class GpuView(Protocol):
 
     def server_cost(self, uuid: str) -> int:
         """Bytes a park would add on this GPU for the server itself: 0 once its context is there."""
+
+    def process_bytes(self, pid: int, status: dict[str, Any]) -> dict[str, int]:
+        """{GPU uuid: bytes} process pid holds as the driver counts them, its context included."""
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,7 @@ class SwapService:
         gpu: the GPUs' memory as the driver says; let_go(pid): the server's hold on an ended app's staging dropped."""
         self.apps = Apps()
         self._park, self._resume, self._log, self._let_go = park, resume, log, let_go
+        self._gpu = gpu
         self.room = RoomMaker(self.apps, self.park, log, gpu)
         self.limit = RateLimit()
         self._turns: dict[int, threading.Lock] = {}   # per app: one park or resume at a time
@@ -96,7 +97,17 @@ class SwapService:
     # ---- what the server reads anyway ----
 
     def observe(self, pid: int, status: dict[str, Any]) -> None:
-        self.apps.observe(pid, status)
+        """A swap app's status, and what the driver counts it holds (its context too: parking frees that as well)."""
+        app = self.apps.get(pid)
+        if app is None:
+            return
+        counted: dict[str, int] = {}
+        if status.get("state") == "running" and app.state == RESIDENT:
+            try:
+                counted = self._gpu.process_bytes(pid, status)
+            except (OSError, GpucrError):
+                pass   # the agent's count alone, this time
+        self.apps.observe(pid, status, counted)
 
     def observe_resident(self) -> None:
         """With nothing else reading the agents each tick (no pinning ahead), the resident apps' status, once."""
@@ -105,7 +116,7 @@ class SwapService:
                 continue
             try:
                 with targets.resolve(app.pid).connect() as agent:
-                    self.apps.observe(app.pid, agent.call("status", timeout=5.0))
+                    self.observe(app.pid, agent.call("status", timeout=5.0))
             except (OSError, GpucrError):
                 pass   # not up yet, or ending: the tick drops it once it has ended
 
