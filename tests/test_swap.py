@@ -28,8 +28,8 @@ DEMAND = {"launch": "work 0", "copy": "digest", "memset": "zero 0", "allocation"
 
 @pytest.fixture
 def swap_server():
-    """The user's server, holding its context on the GPU already, as one that has parked anything does: it is made at
-    its first copy, and room does not count it yet (docs/swap.md)."""
+    """The user's server, holding its context on the GPU already, as one that has parked anything does (it is made at
+    its first copy): the tests' sums of memory hold it from the start (docs/swap.md)."""
     srv = RunningServer(True)
     warm = Workload("driver_app", "--sizes", "4M", simulate=True)
     try:

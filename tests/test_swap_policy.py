@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings, strategies as st
 
-from gpucr.swap.policy import Candidate, choose
+from gpucr.swap.policy import Candidate, choose, ready_at
 
 NOW = 1000.0
 STATES = ("resident", "parking", "parked", "resuming", "on disk")
@@ -83,3 +83,29 @@ def test_a_refusal_names_each_app_kept_and_why():
     assert "boss (its priority 5 is above the asker's 1)" in choice.why_not
     assert "fresh (it is inside its --min-resident of 60 s)" in choice.why_not
     assert "waiter (it waits on the asker)" in choice.why_not
+
+
+@settings(max_examples=300, deadline=None)
+@given(apps())
+def test_ready_at_is_the_first_moment_the_min_resident_rule_lets_enough_go(case):
+    """Waiting helps only where --min-resident is all that keeps enough: the answer is the first end of one at which
+    the policy finds enough, and no earlier moment does."""
+    all_apps, asker, need = case
+    at = ready_at(all_apps, asker, need, NOW)
+    ends = sorted({NOW} | {c.resident_since + c.min_resident_s for c in all_apps})
+    later = [t for t in ends if t >= NOW]
+    if at is None:
+        assert not any(choose(all_apps, asker, need, t).suffices for t in later + [NOW + 1e9])
+        return
+    assert at >= NOW and choose(all_apps, asker, need, at).suffices
+    assert not any(choose(all_apps, asker, need, t).suffices for t in later if t < at)
+    if choose(all_apps, asker, need, NOW).suffices:
+        assert at == NOW
+
+
+def test_ready_at_waits_for_a_min_resident_and_not_for_a_higher_priority():
+    asker = Candidate("web", 1, "resident", 1 << 20, NOW, 0.0)
+    fresh = Candidate("fresh", 0, "resident", 8 << 20, 0.0, NOW - 1, min_resident_s=60)
+    boss = Candidate("boss", 5, "resident", 8 << 20, 0.0, 0.0)
+    assert ready_at([asker, fresh], asker, 4 << 20, NOW) == NOW + 59
+    assert ready_at([asker, boss], asker, 4 << 20, NOW) is None

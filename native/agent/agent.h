@@ -120,6 +120,11 @@ void gpucr_gate_enter(void);
 /* A call that waits at the closed gate like any other but is not demand (synchronizes, records, context
  * switches, the agent's own threads). */
 void gpucr_gate_enter_waiting(void);
+/* An allocation's way in (alloc.c): as gpucr_gate_enter, but at a parked app's closed gate it waits at most the swap
+ * service's wait limit (GPUCR_SWAP_WAIT_LIMIT_MS; 0: for ever), then false, outside the gate: the allocation fails
+ * with out-of-memory. */
+bool gpucr_gate_enter_alloc(void);
+long long gpucr_gate_wait_limit_ms(void);
 /* The swap service's view (status): the last submission and the demand raised while parked. */
 struct jb;
 void gpucr_gate_json(struct jb *j);
@@ -132,13 +137,17 @@ long long gpucr_gate_demand_ns(void);
 long gpucr_gate_opens(void);
 int gpucr_gate_demand_fd(void);
 void gpucr_gate_wake_watch(void);
-/* Leave the gate entirely while waiting on something else (room), and come back in (as demand): the depth. */
+/* Leave the gate entirely while waiting on something else (room), and come back in (as demand): the depth. Coming
+ * back waits at most limit_ms (0: for ever) at a closed gate: false past it (counted in all the same, for the
+ * caller's leave, which must then call no driver). */
 int gpucr_gate_step_out(void);
-void gpucr_gate_step_in(int depth);
+bool gpucr_gate_step_in(int depth, long long limit_ms);
 
 /* ---- room on demand (room.c) ---- */
 /* After an allocation failed for lack of memory: true when the gpucr server made room (retry once). */
 bool gpucr_room_ask(size_t bytes);
+/* An allocation of this thread succeeded: its allocator's retry, if any, is over. */
+void gpucr_room_allocated(void);
 bool gpucr_room_pending(void);
 void gpucr_room_json(struct jb *j);
 void gpucr_room_verdict(bool granted);

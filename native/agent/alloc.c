@@ -111,7 +111,7 @@ GPUCR_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
 {
     gpucr_init();
     if (!REAL(cuMemAlloc_v2)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter();
+    if (!gpucr_gate_enter_alloc()) return CUDA_ERROR_OUT_OF_MEMORY;   /* parked past the swap wait limit */
     CUresult rc = CUDA_ERROR_NOT_SUPPORTED;
     for (int room = 0; room < 2; room++) {   /* retried once when the gpucr server made room (room.c) */
         rc = CUDA_ERROR_NOT_SUPPORTED;
@@ -122,6 +122,7 @@ GPUCR_EXPORT CUresult cuMemAlloc_v2(CUdeviceptr *dptr, size_t size)
         }
         if (rc != CUDA_ERROR_OUT_OF_MEMORY || room || !gpucr_room_ask(size)) break;
     }
+    if (rc == CUDA_SUCCESS) gpucr_room_allocated();
     gpucr_gate_leave();
     return rc;
 }
@@ -130,7 +131,7 @@ GPUCR_EXPORT CUresult cuMemAllocPitch_v2(CUdeviceptr *dptr, size_t *pitch, size_
 {
     gpucr_init();
     if (!REAL(cuMemAllocPitch_v2)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter();
+    if (!gpucr_gate_enter_alloc()) return CUDA_ERROR_OUT_OF_MEMORY;
     CUresult rc = CUDA_ERROR_NOT_SUPPORTED;
     if (convert_plain() && dptr && pitch && w && h && (elem == 4 || elem == 8 || elem == 16)) {
         /* the pitch the driver would choose: rows aligned to the texture pitch alignment */
@@ -269,7 +270,7 @@ GPUCR_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, 
 {
     gpucr_init();
     if (!REAL(cuMemCreate)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter();
+    if (!gpucr_gate_enter_alloc()) return CUDA_ERROR_OUT_OF_MEMORY;
     CUmemAllocationProp mine;
     bool added = false;
     if (prop) {
@@ -280,6 +281,7 @@ GPUCR_EXPORT CUresult cuMemCreate(CUmemGenericAllocationHandle *h, size_t size, 
     CUresult rc = REAL(cuMemCreate)(h, size, prop, flags);
     if (rc == CUDA_ERROR_OUT_OF_MEMORY && gpucr_room_ask(size)) rc = REAL(cuMemCreate)(h, size, prop, flags);
     if (rc == CUDA_SUCCESS) {
+        gpucr_room_allocated();
         CUcontext ctx = NULL;
         gpucr_drv.cuCtxGetCurrent(&ctx);
         reg_learn_ctx(ctx);

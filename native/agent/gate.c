@@ -11,6 +11,7 @@
 #include <unistd.h>
 #include "agent.h"
 #include "json.h"
+#include "settings.h"
 
 static atomic_int g_closed;
 /* Set once a checkpoint has drained every call and synchronised the device (gpucr_gate_settle), until
@@ -54,27 +55,42 @@ static void raise_demand(void)
     if (atomic_compare_exchange_strong(&g_demand_ns, &none, (long long)gpucr_now_ns())) gpucr_gate_wake_watch();
 }
 
-static void enter(bool demand)
+/* Through the gate; at the closed gate, wait for it to open: for ever, or (limit_ms > 0) at most that long, then false
+ * with the thread outside the gate. */
+static bool enter_within(bool demand, long long limit_ms)
 {
-    if (t_depth++ > 0) return;
+    if (t_depth++ > 0) return true;
     demand = demand && !gpucr_agent_thread();   /* the agent's own work (staging ahead) is nobody's demand */
+    int64_t deadline = 0;
     for (;;) {
         atomic_fetch_add(&g_in_flight, 1);
         if (!atomic_load(&g_closed)) {
             if (demand) atomic_store_explicit(&g_last_submit_ns, (long long)gpucr_now_ns(), memory_order_relaxed);
-            return;
+            return true;
         }
         /* Closed: step back out so the closer can drain, then wait for it to reopen. */
         if (atomic_fetch_sub(&g_in_flight, 1) == 1) signal_drained();
         if (demand) raise_demand();
+        if (limit_ms > 0 && !deadline) deadline = gpucr_now_ns() + limit_ms * 1000000LL;
         pthread_mutex_lock(&g_mu);
-        while (atomic_load(&g_closed)) pthread_cond_wait(&g_opened, &g_mu);
+        while (atomic_load(&g_closed) && (!deadline || gpucr_now_ns() < deadline)) {
+            if (deadline) gpucr_cond_wait_step(&g_opened, &g_mu, deadline);
+            else pthread_cond_wait(&g_opened, &g_mu);
+        }
+        bool late = atomic_load(&g_closed) != 0;
         pthread_mutex_unlock(&g_mu);
+        if (late) { t_depth--; return false; }
     }
 }
 
+static void enter(bool demand) { enter_within(demand, 0); }
+
 void gpucr_gate_enter(void) { enter(true); }
 void gpucr_gate_enter_waiting(void) { enter(false); }
+
+long long gpucr_gate_wait_limit_ms(void) { return gpucr_setting_int(SET_SWAP_WAIT_LIMIT_MS); }
+
+bool gpucr_gate_enter_alloc(void) { return enter_within(true, gpucr_gate_wait_limit_ms()); }
 
 int gpucr_gate_step_out(void)
 {
@@ -83,11 +99,15 @@ int gpucr_gate_step_out(void)
     return depth;
 }
 
-void gpucr_gate_step_in(int depth)
+bool gpucr_gate_step_in(int depth, long long limit_ms)
 {
-    if (depth <= 0) return;
-    enter(true);   /* the allocation goes on: demand, should its app have been parked meanwhile */
+    if (depth <= 0) return true;
+    /* the allocation goes on: demand, should its app have been parked meanwhile */
+    bool in = enter_within(true, limit_ms);
+    if (!in) atomic_fetch_add(&g_in_flight, 1);   /* past the limit: counted in again without the driver, for the
+                                                     * caller's own leave; it only returns out-of-memory from here */
     t_depth = depth;
+    return in;
 }
 
 bool gpucr_gate_query(void)

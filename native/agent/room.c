@@ -3,11 +3,21 @@
  * made room. With no watch waiting (no swap service) the error goes back as before, at once.
  *
  * The asking thread steps out of the gate while it waits (its own app may be parked meanwhile) and takes only this
- * file's locks, never one a checkpoint takes. One request at a time per process. */
+ * file's locks, never one a checkpoint takes. One request at a time per process. The wait (for room, then for its
+ * app's resume if it was parked meanwhile) ends at the swap service's wait limit, with the out-of-memory error.
+ *
+ * An app that frees its cache and retries a failed allocation once (PyTorch's caching allocator: measured, one
+ * retry, then OutOfMemoryError) gets its first failure as is, and room is asked on its retry of the same size from
+ * the same thread: a torch app whose own cache suffices parks no one. Any other app asks at once, as it may not
+ * retry at all. */
+#define _GNU_SOURCE
+#include <link.h>
 #include <pthread.h>
 #include <stdatomic.h>
+#include <string.h>
 #include "agent.h"
 #include "json.h"
+#include "settings.h"
 
 #define ROOM_WAIT_NS (60LL * 1000000000LL)   /* the server parks and answers within its own deadlines */
 
@@ -37,9 +47,45 @@ void gpucr_room_verdict(bool granted)
     pthread_mutex_unlock(&g_mu);
 }
 
+static __thread size_t t_let_fail;   /* this thread's last allocation let fail for its allocator to retry (bytes) */
+static atomic_bool g_torch;           /* libc10_cuda was seen loaded (it is never unloaded) */
+
+static int is_torch_cuda(struct dl_phdr_info *info, size_t size, void *data)
+{
+    (void)size; (void)data;
+    return info->dlpi_name && strstr(info->dlpi_name, "libc10_cuda") != NULL;
+}
+
+/* Whether this app retries a failed allocation after freeing its cache (looked at only on out-of-memory). */
+static bool app_retries(void)
+{
+    const char *v = gpucr_setting_str(SET_SWAP_ASK_ON_RETRY);
+    if (strcmp(v, "auto")) return !strcmp(v, "1");
+    if (!atomic_load(&g_torch) && dl_iterate_phdr(is_torch_cuda, NULL)) atomic_store(&g_torch, true);
+    return atomic_load(&g_torch);
+}
+
+void gpucr_room_allocated(void) { t_let_fail = 0; }
+
+/* The milliseconds left of a wait limit that started at start_ns (0: no limit; at least 1 once it passed). */
+static long long limit_left_ms(long long limit_ms, int64_t start_ns)
+{
+    if (limit_ms <= 0) return 0;
+    long long left = limit_ms - (gpucr_now_ns() - start_ns) / 1000000LL;
+    return left > 0 ? left : 1;
+}
+
 bool gpucr_room_ask(size_t bytes)
 {
     if (!atomic_load(&g_watchers)) return false;
+    if (t_let_fail != bytes && app_retries()) {
+        t_let_fail = bytes;
+        gpucr_log("room for %zu bytes: not asked yet, the app frees its cache and retries first", bytes);
+        return false;
+    }
+    t_let_fail = 0;
+    long long limit = gpucr_gate_wait_limit_ms();
+    int64_t start = gpucr_now_ns();
     CUdevice dev = 0;
     size_t free_b = 0, total = 0;
     if (gpucr_drv.cuCtxGetDevice) gpucr_drv.cuCtxGetDevice(&dev);
@@ -51,16 +97,19 @@ bool gpucr_room_ask(size_t bytes)
     atomic_store(&g_state, ROOM_ASKED);
     gpucr_gate_wake_watch();
     int depth = gpucr_gate_step_out();
-    int64_t deadline = gpucr_now_ns() + ROOM_WAIT_NS;
+    int64_t deadline = start + (limit > 0 && limit * 1000000LL < ROOM_WAIT_NS ? limit * 1000000LL : ROOM_WAIT_NS);
     pthread_mutex_lock(&g_mu);
     while (atomic_load(&g_state) < ROOM_GRANTED && gpucr_now_ns() < deadline) gpucr_cond_wait_step(&g_cv, &g_mu, deadline);
     bool granted = atomic_load(&g_state) == ROOM_GRANTED;
     atomic_store(&g_state, ROOM_NONE);
     pthread_mutex_unlock(&g_mu);
-    gpucr_gate_step_in(depth);
     pthread_mutex_unlock(&g_one);
-    gpucr_log("room for %zu bytes on device %d: %s", bytes, (int)dev, granted ? "made by the gpucr server, retrying" : "none");
-    return granted;
+    bool in = gpucr_gate_step_in(depth, limit_left_ms(limit, start));
+    if (!in || (!granted && limit > 0 && gpucr_now_ns() - start >= limit * 1000000LL))
+        gpucr_warn("an allocation of %zu bytes waited past its --wait-limit of %lld ms (for room%s): out of memory",
+                   bytes, limit, in ? "" : ", then for its app's resume");
+    else gpucr_log("room for %zu bytes on device %d: %s", bytes, (int)dev, granted ? "made by the gpucr server, retrying" : "none");
+    return granted && in;
 }
 
 void gpucr_room_reset_after_fork(void)

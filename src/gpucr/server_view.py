@@ -24,6 +24,12 @@ def add_swap_flags(r: argparse.ArgumentParser, seconds: Callable[[str], float]) 
                    "the app is not parked again for this long (default 0)")
     r.add_argument("--idle-park", type=seconds, metavar="SECONDS", help="with --swap: park the app once it has "
                    "submitted no work to the GPU for this long (polling and synchronizing do not count; default: never)")
+    r.add_argument("--park-deadline", type=seconds, default=30.0, metavar="SECONDS", help="with --swap: a park waits "
+                   "this long for the app's calls in flight (a long kernel) to return; past it the app stays resident "
+                   "(default 30)")
+    r.add_argument("--wait-limit", type=seconds, metavar="SECONDS", help="with --swap: an allocation that waits "
+                   "longer than this for room or for the app's resume fails with out-of-memory, as without the "
+                   "service; other calls (a launch) keep waiting (default: no limit)")
 
 
 def register_swap(a: argparse.Namespace, cmd: list[str], env: dict[str, str]) -> None:
@@ -33,9 +39,12 @@ def register_swap(a: argparse.Namespace, cmd: list[str], env: dict[str, str]) ->
         env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
         print("gpucr: --swap: XLA_PYTHON_CLIENT_PREALLOCATE=false (JAX would otherwise hold 0.75 of the GPU)",
               file=sys.stderr)
+    if a.wait_limit is not None:   # the agent ends the wait itself: the server may be busy, or gone
+        env["GPUCR_SWAP_WAIT_LIMIT_MS"] = str(max(1, round(a.wait_limit * 1000)))
     name = a.name or f"{os.path.basename(cmd[0])}-{os.getpid()}"
     route.register_swap(a.simulate, {"pid": os.getpid(), "name": name, "priority": a.priority,
-                                     "min_resident": a.min_resident, "idle_park": a.idle_park})
+                                     "min_resident": a.min_resident, "idle_park": a.idle_park,
+                                     "park_deadline": a.park_deadline, "wait_limit": a.wait_limit})
 
 
 def server_lines() -> list[str]:
@@ -71,8 +80,15 @@ def _swap_apps(info: dict[str, Any]) -> list[str]:
         wake = "-" if a["last_wake_ms"] is None else f"{a['last_wake_ms']:.1f} ms"
         lines.append(f"             {a['name'][:16]:<16} {a['pid']:>8} {a['priority']:>4} {a['state']:<9} "
                      f"{mib(sum(a['held_bytes'].values())):>10} {mib(sum(a['peak_bytes'].values())):>10} "
-                     f"{a['idle_s']:>7.1f}s {a['parks']:>5} {wake:>9}" + (f"  ({a['why']})" if a["why"] else ""))
+                     f"{a['idle_s']:>7.1f}s {a['parks']:>5} {wake:>9}" + _swap_note(a))
     return lines
+
+
+def _swap_note(app: dict[str, Any]) -> str:
+    """What it waits for (room, or its resume) and for how long, else its last refusal or failure."""
+    if app.get("waiting"):
+        return f"  (WAITING {app['waiting_s']:.1f} s for {app['waiting']})"
+    return f"  ({app['why']})" if app["why"] else ""
 
 
 def server_line(info: dict[str, Any]) -> str:

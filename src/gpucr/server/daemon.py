@@ -31,12 +31,13 @@ from ..results import to_json
 from .. import abandon
 from . import wire
 from ..dataplane.mover import Mover
+from ..swap.gpu_view import DriverGpus
 from ..swap.service import SwapService
 
 ACCEPT_TICK_S = 0.5
 PIN_AHEAD_EVERY_S = 1.0   # how often staging prepared ahead by the processes is looked for (and pinned here)
 SWAP_TICK_S = 0.5         # how often the swap service looks for apps that ended or went idle
-SWAP_TIMEOUT_S = 30.0     # a park's or a resume's deadline: an app that misses its park stays resident
+SWAP_TIMEOUT_S = 30.0     # a resume's deadline (a park's is the app's own: --park-deadline)
 ACCEPT_STARVED = (errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM)   # accept waits these out
 ACCEPT_BACKOFF_S = 0.5   # the longest pause between tries to accept while out of fds
 REFUSED_READ_S = 2.0   # how long a refused peer's request is waited for, to answer it with why
@@ -106,7 +107,8 @@ class Server:
         self.ino = 0
         self._starved_s = 0.0   # the pause between tries to accept while out of fds (0: not out of them)
         self._pin_ahead_said: dict[int, str] = {}   # pid -> why pinning ahead for it last failed, as logged
-        self.swap = SwapService(self._swap_park, self._swap_resume, log, self._gpu_free)
+        gpu_view = DriverGpus(controller_driver, lambda: self._mover.context_uuids() if self._mover else [], log)
+        self.swap = SwapService(self._swap_park, self._swap_resume, log, gpu_view, lambda pid: self.let_go([pid]))
 
     # ---- the socket ----
 
@@ -365,20 +367,15 @@ class Server:
             except Exception as exc:   # noqa: BLE001 - ending the loop would end the swap service for good
                 log(f"the swap service's tick failed: {_reason(exc)}; going on")
 
-    def _swap_park(self, pid: int) -> None:
-        """The swap service's park: the server's own checkpoint of the process (level full), its data plane copying."""
+    def _swap_park(self, pid: int, deadline_s: float) -> None:
+        """The swap service's park: the server's own checkpoint of the process (level full), its data plane copying;
+        its calls in flight must drain within deadline_s, or the park is given up (the app stays resident)."""
         self._swap_request("checkpoint", pid, lambda mover: coordinator.checkpoint_many(
-            [pid], level="full", timeout=SWAP_TIMEOUT_S, mover=mover))
+            [pid], level="full", timeout=deadline_s, mover=mover))
 
     def _swap_resume(self, pid: int) -> None:
         self._swap_request("restore", pid, lambda mover: coordinator.restore_many(
             [pid], timeout=SWAP_TIMEOUT_S, mover=mover))
-
-    @staticmethod
-    def _gpu_free(uuid: str) -> int | None:
-        drv = controller_driver()
-        mem = gpus.memory_of(drv, uuid, gpus.machine_gpus(drv))
-        return mem.free if mem is not None else None
 
     def _swap_request(self, op: str, pid: int, run: Callable[[Mover | None], Any]) -> None:
         """A park or resume counted and logged as a request, in the environment requests share."""

@@ -13,6 +13,7 @@ from .policy import Candidate
 RESIDENT, PARKING, PARKED, RESUMING, ON_DISK = "resident", "parking", "parked", "resuming", "on disk"
 STATES = (RESIDENT, PARKING, PARKED, RESUMING, ON_DISK)
 NAME_MAX = 64
+PARK_DEADLINE_S = 30.0   # default: a park whose gate has not drained by then is given up, the app stays resident
 
 
 def now() -> float:
@@ -28,6 +29,8 @@ class SwapApp:
     priority: int = 0
     min_resident_s: float = 0.0
     idle_park_s: float | None = None
+    park_deadline_s: float = PARK_DEADLINE_S   # its calls in flight must drain by then, or it stays resident
+    wait_limit_s: float | None = None   # its agent ends a wait for room or resume after this (an allocation's OOM)
     state: str = RESIDENT
     held: dict[str, int] = field(default_factory=dict)   # GPU uuid -> bytes held now
     peak: dict[str, int] = field(default_factory=dict)   # GPU uuid -> the most it held
@@ -38,6 +41,8 @@ class SwapApp:
     resumes: int = 0
     last_wake_ms: float | None = None   # from its demanding call to the start of its restore, the last time
     why: str = ""                    # the last refusal or failure, shown beside its state
+    waiting: str = ""                # what it waits for now (room, or its resume), shown in `gpucr ps`
+    waiting_since: float = 0.0
     cuda: bool = False               # its agent said it has loaded CUDA (it can be parked and watched)
     ordinals: dict[int, str] = field(default_factory=dict)   # its device ordinal -> GPU uuid
     watched: bool = False            # the service keeps a watch on its agent
@@ -45,17 +50,26 @@ class SwapApp:
     def idle_s(self, at: float) -> float:
         return max(0.0, at - self.last_submit)
 
-    def candidate(self, uuid: str) -> Candidate:
+    def candidate(self, uuid: str, waits_on: frozenset[str] = frozenset()) -> Candidate:
         """As the policy sees it on one GPU."""
         return Candidate(self.name, self.priority, self.state, self.held.get(uuid, 0), self.last_submit,
-                         self.resident_since, self.min_resident_s)
+                         self.resident_since, self.min_resident_s, waits_on)
+
+    def wait(self, what: str) -> None:
+        """It waits for `what` from now (shown until done_waiting)."""
+        self.waiting, self.waiting_since = what, now()
+
+    def done_waiting(self) -> None:
+        self.waiting, self.waiting_since = "", 0.0
 
     def row(self, at: float) -> dict[str, Any]:
         """What `gpucr ps` and `serve --status --json` show of it."""
         return {"name": self.name, "pid": self.pid, "priority": self.priority, "state": self.state,
                 "held_bytes": dict(self.held), "peak_bytes": dict(self.peak), "idle_s": round(self.idle_s(at), 3),
                 "min_resident_s": self.min_resident_s, "idle_park_s": self.idle_park_s, "parks": self.parks,
-                "resumes": self.resumes, "last_wake_ms": self.last_wake_ms, "why": self.why}
+                "resumes": self.resumes, "last_wake_ms": self.last_wake_ms, "why": self.why,
+                "park_deadline_s": self.park_deadline_s, "wait_limit_s": self.wait_limit_s, "waiting": self.waiting,
+                "waiting_s": round(at - self.waiting_since, 3) if self.waiting else None}
 
 
 class Apps:
@@ -105,8 +119,9 @@ class Apps:
                     app.parked_bytes, app.held = dict(app.held), dict.fromkeys(app.held, 0)
             return app
 
-    def observe(self, pid: int, status: dict[str, Any]) -> None:
-        """An agent's status the server read (for any reason): its memory per GPU and its last submission."""
+    def observe(self, pid: int, status: dict[str, Any], counted: dict[str, int] | None = None) -> None:
+        """An agent's status the server read (for any reason): its memory per GPU and its last submission. counted:
+        {uuid: bytes} the driver counts the process holds, its context included (the agent counts its allocations)."""
         with self._lock:
             app = self._by_pid.get(pid)
             if app is None:
@@ -121,6 +136,6 @@ class Apps:
             for d in status.get("devices") or []:
                 uuid = str(d.get("uuid", ""))
                 app.ordinals[int(d.get("ordinal", 0))] = uuid
-                held = int(d.get("vmm_bytes") or 0) + int(d.get("driver_bytes") or 0)
+                held = max(int(d.get("vmm_bytes") or 0) + int(d.get("driver_bytes") or 0), (counted or {}).get(uuid, 0))
                 app.held[uuid] = held
                 app.peak[uuid] = max(app.peak.get(uuid, 0), held)

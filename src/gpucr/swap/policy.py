@@ -74,3 +74,11 @@ def choose(apps: list[Candidate], asker: Candidate, need_bytes: int, now: float)
     why = (f"parking every app that may be parked frees {freed} of the {need_bytes} bytes asked"
            + (f"; not parked: {', '.join(kept)}" if kept else ""))
     return Choice((), 0, why)
+
+
+def ready_at(apps: list[Candidate], asker: Candidate, need_bytes: int, now: float) -> float | None:
+    """The earliest time from `now` at which choose() would find enough, should nothing but time change: only an
+    app's --min-resident runs out with time, so only those ends are tried. None when waiting would not help (the
+    apps that block are of higher priority, waiting on the asker, not resident, or hold too little)."""
+    ends = sorted({now} | {e for c in apps if (e := c.resident_since + c.min_resident_s) > now})
+    return next((t for t in ends if choose(apps, asker, need_bytes, t).suffices), None)

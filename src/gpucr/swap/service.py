@@ -1,6 +1,6 @@
 """The server's swap service: apps register (`gpucr run --swap`); an idle one is parked; a parked one is resumed at
-its first demanding call; an allocation short of memory gets room by parking others (policy.py), and so does a
-resume; one that ends is dropped.
+its first demanding call; an allocation short of memory gets room by parking others (room.py), and so does a
+resume; one that ends is dropped, its staging let go.
 
 The server lends its own park and resume (its data plane, as `gpucr checkpoint` and `restore` through it); this
 module decides when, and keeps the registry (apps.py). Each app is watched through one connection to its agent
@@ -9,20 +9,21 @@ opens its gate: no polling, one answer per event (docs/swap.md).
 """
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any, Callable
 
 from .. import target as targets
 from ..errors import GpucrError
-from .apps import NAME_MAX, PARKED, PARKING, RESIDENT, RESUMING, Apps, SwapApp, now
-from .policy import choose
+from .apps import NAME_MAX, PARK_DEADLINE_S, PARKED, PARKING, RESIDENT, RESUMING, Apps, SwapApp, now
+from .limits import RateLimit
+from .room import ROOM_SLACK, Ask, GpuView, RoomMaker
 
 WATCH_FOREVER_S = 10 * 365 * 86400.0   # a watch lasts until its app needs us; the app's end or ours closes it
-ROOM_SLACK = 2 << 20   # room asked beyond the allocation: the driver's granule, so the retry is not short by one
 ROOM_MADE, ROOM_NONE = 1, 2   # the verdict the next watch carries to the agent (gate.c)
+ROOM_WAIT_S = 50.0     # the longest a room request waits for a --min-resident to end (the agent waits 60 s)
 RESUME_RETRY_S = 0.5   # a resume short of memory with nobody to park: memory just given back may not be free yet
-RESUME_TRIES = 3
 PRIORITY_MAX = 1000
 
 
@@ -38,16 +39,22 @@ def _seconds(v: Any, what: str, allow_none: bool = False) -> float | None:
     return float(v)
 
 
+def _short_of_memory(exc: Exception) -> bool:
+    return isinstance(exc, GpucrError) and "not enough free GPU memory" in str(exc)
+
+
 class SwapService:
-    def __init__(self, park: Callable[[int], None], resume: Callable[[int], None], log: Callable[[str], None],
-                 free_of: Callable[[str], int | None] = lambda uuid: None) -> None:
-        """park(pid) / resume(pid): the server's checkpoint and restore of one process (raise on failure);
-        free_of(uuid): the GPU's free memory now as the driver says, None when unknown."""
+    def __init__(self, park: Callable[[int, float], None], resume: Callable[[int], None], log: Callable[[str], None],
+                 gpu: GpuView, let_go: Callable[[int], None] = lambda pid: None) -> None:
+        """park(pid, deadline_s) / resume(pid): the server's checkpoint and restore of one process (raise on failure);
+        gpu: the GPUs' memory as the driver says; let_go(pid): the server's hold on an ended app's staging dropped."""
         self.apps = Apps()
-        self._park, self._resume, self._log, self._free_of = park, resume, log, free_of
+        self._park, self._resume, self._log, self._let_go = park, resume, log, let_go
+        self._gpu = gpu
+        self.room = RoomMaker(self.apps, self.park, log, gpu)
+        self.limit = RateLimit()
         self._turns: dict[int, threading.Lock] = {}   # per app: one park or resume at a time
         self._turns_lock = threading.Lock()
-        self._room = threading.Lock()   # room requests are served one at a time
         self._watches: dict[int, Any] = {}             # pid -> the agent connection its watch waits on
         self._stopping = False
 
@@ -66,23 +73,41 @@ class SwapService:
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > PRIORITY_MAX:
             raise ValueError(f"priority must be a whole number from -{PRIORITY_MAX} to {PRIORITY_MAX}, not {priority!r}")
         return SwapApp(pid, 0, name, priority, _seconds(args.get("min_resident", 0.0), "--min-resident") or 0.0,
-                       _seconds(args.get("idle_park"), "--idle-park", allow_none=True))
+                       _seconds(args.get("idle_park"), "--idle-park", allow_none=True),
+                       _seconds(args.get("park_deadline", PARK_DEADLINE_S), "--park-deadline") or PARK_DEADLINE_S,
+                       _seconds(args.get("wait_limit"), "--wait-limit", allow_none=True))
 
     def register(self, app: SwapApp) -> dict[str, Any]:
-        """Add the app, resident; GpucrError when its process is gone or its name is taken."""
+        """Add the app, resident; GpucrError when its process is gone, another user's, or its name is taken."""
         try:
             app.start_time = targets.process_start_time(app.pid)
+            owner = os.stat(f"/proc/{app.pid}").st_uid
         except (OSError, ValueError, IndexError):
             raise GpucrError(f"no process with pid {app.pid} to register as a swap app") from None
+        if owner != os.getuid():   # a user's server parks only that user's apps, root's too (docs/security.md)
+            raise GpucrError(f"process {app.pid} belongs to uid {owner}: this gpucr server (uid {os.getuid()}) parks "
+                             "only its own user's apps; run it under that user's own server")
         self.apps.add(app)
         self._log(f"swap app {app.name} (pid {app.pid}) registered: priority {app.priority}, min-resident "
-                  f"{app.min_resident_s:g} s, idle-park {'off' if app.idle_park_s is None else f'{app.idle_park_s:g} s'}")
+                  f"{app.min_resident_s:g} s, idle-park {'off' if app.idle_park_s is None else f'{app.idle_park_s:g} s'}, "
+                  f"park deadline {app.park_deadline_s:g} s, wait limit "
+                  f"{'off' if app.wait_limit_s is None else f'{app.wait_limit_s:g} s'}")
         return app.row(now())
 
     # ---- what the server reads anyway ----
 
     def observe(self, pid: int, status: dict[str, Any]) -> None:
-        self.apps.observe(pid, status)
+        """A swap app's status, and what the driver counts it holds (its context too: parking frees that as well)."""
+        app = self.apps.get(pid)
+        if app is None:
+            return
+        counted: dict[str, int] = {}
+        if status.get("state") == "running" and app.state == RESIDENT:
+            try:
+                counted = self._gpu.process_bytes(pid, status)
+            except (OSError, GpucrError):
+                pass   # the agent's count alone, this time
+        self.apps.observe(pid, status, counted)
 
     def observe_resident(self) -> None:
         """With nothing else reading the agents each tick (no pinning ahead), the resident apps' status, once."""
@@ -91,7 +116,7 @@ class SwapService:
                 continue
             try:
                 with targets.resolve(app.pid).connect() as agent:
-                    self.apps.observe(app.pid, agent.call("status", timeout=5.0))
+                    self.observe(app.pid, agent.call("status", timeout=5.0))
             except (OSError, GpucrError):
                 pass   # not up yet, or ending: the tick drops it once it has ended
 
@@ -118,6 +143,8 @@ class SwapService:
         if self.apps.drop(app.pid) is not None:
             self._log(f"swap app {app.name} (pid {app.pid}) dropped: {why}")
         self._end_watch(app.pid)
+        self.limit.forget(app.pid)
+        self._let_go(app.pid)   # a parked app's staging is its own memfds: the server's mapping alone would keep them
         with self._turns_lock:
             self._turns.pop(app.pid, None)
 
@@ -136,7 +163,7 @@ class SwapService:
             self.apps.set_state(pid, PARKING)
             t0 = now()
             try:
-                self._park(pid)
+                self._park(pid, app.park_deadline_s)
             except Exception as exc:   # noqa: BLE001 - the app stays resident whatever failed; said once per try
                 app.last_submit = now()   # tried again after another idle period, not every tick
                 self.apps.set_state(pid, RESIDENT, f"park failed: {_reason(exc)}")
@@ -159,6 +186,8 @@ class SwapService:
                     ans = agent.call("watch", timeout=WATCH_FOREVER_S, seen=seen, **({"room": verdict} if verdict else {}))
                     verdict = 0
                     woke = ans.get("woke")
+                    if woke in ("demand", "room"):
+                        self._slowed(app, woke)
                     if woke == "demand" and not self.resume(app.pid, int(ans.get("demand_ns") or 0)):
                         seen = int(ans.get("demand_ns") or 0)   # not a park of ours: wait for the next demand
                     elif woke == "room":
@@ -192,26 +221,21 @@ class SwapService:
             time.sleep(0.05)
         return True
 
+    def _slowed(self, app: SwapApp, what: str) -> None:
+        """The app's room and resume requests kept to its rate (limits.py): one that asks in a loop waits."""
+        delay = self.limit.delay(app.pid, now())
+        if delay > 0:
+            self._log(f"swap app {app.name} (pid {app.pid}) asks for {what} faster than {self.limit.per_s:g} a second "
+                      f"(beyond {self.limit.burst} at once): served in {delay:.2f} s")
+            time.sleep(delay)
+
     def make_room(self, asker: SwapApp, ans: dict[str, Any]) -> bool:
         """An allocation of the asker failed for lack of memory: park others on its GPU by the policy until it
         fits. False (the allocation fails as before) when the policy finds nothing enough, said in the log."""
         want, free, ordinal = int(ans.get("bytes") or 0), int(ans.get("free") or 0), int(ans.get("device") or 0)
         uuid = asker.ordinals.get(ordinal, str(ordinal))
-        return self._park_for(asker, uuid, max(0, want - free) + ROOM_SLACK, f"{want} bytes ({free} free)")
-
-    def _park_for(self, asker: SwapApp, uuid: str, need: int, what: str) -> bool:
-        """Park others on GPU uuid by the policy to free `need` bytes for the asker; one request at a time."""
-        with self._room:
-            on_gpu = [a for a in self.apps.all() if uuid in a.held or a.pid == asker.pid]
-            choice = choose([a.candidate(uuid) for a in on_gpu], asker.candidate(uuid), need, now())
-            if not choice.suffices:
-                self._log(f"no room for swap app {asker.name} (pid {asker.pid}): {what} on GPU {uuid}: {choice.why_not}")
-                return False
-            by_name = {a.name: a for a in on_gpu}
-            parked = [n for n in choice.park if self.park(by_name[n].pid, f"room for {asker.name} ({what})")]
-            self._log(f"room for swap app {asker.name} (pid {asker.pid}): {what} on GPU {uuid}: "
-                      f"parked {', '.join(parked) or 'nobody'}")
-            return len(parked) == len(choice.park)
+        wait = min(ROOM_WAIT_S, asker.wait_limit_s) if asker.wait_limit_s is not None else ROOM_WAIT_S
+        return self.room.make(asker, Ask(uuid, want, f"{want} bytes ({free} free)", wait, free_hint=free))
 
     def _end_watch(self, pid: int) -> None:
         agent = self._watches.pop(pid, None)
@@ -244,27 +268,34 @@ class SwapService:
         return True
 
     def _resume_with_room(self, app: SwapApp) -> None:
-        """The restore; when the GPU is short, others are parked for it by the policy (as for an allocation:
-        _room_for_resume) and it is tried again, up to RESUME_TRIES times in all. With nobody to park, the next try
-        waits RESUME_RETRY_S: memory given back a moment before (an app parked or freeing a moment ago) is not always
-        free yet (seen on simcuda within ~0.1 s of a park)."""
-        for attempt in range(RESUME_TRIES):
-            try:
-                self._resume(app.pid)
-                return
-            except GpucrError as exc:
-                if "not enough free GPU memory" not in str(exc) or attempt == RESUME_TRIES - 1:
-                    raise
-                self._log(f"resuming swap app {app.name} (pid {app.pid}): {exc}")
+        """The restore; while the GPU is short, others are parked for it by the policy (as for an allocation: in its
+        turn, waiting for a --min-resident to end) and it is tried again. It waits as long as it takes, shown in
+        `gpucr ps` and logged once: its app's calls wait at the gate anyway (an allocation ends its own wait at
+        --wait-limit, in the agent). It ends with the app or the server. With nobody to park, the next try waits
+        RESUME_RETRY_S: memory given back a moment before is not always free yet (~0.1 s after a park, on simcuda)."""
+        start = now()
+        try:
+            while True:
+                try:
+                    self._resume(app.pid)
+                    break
+                except GpucrError as exc:
+                    if not _short_of_memory(exc) or self._stopping or targets.process_ended(app.pid, app.start_time):
+                        raise
+                    if not app.waiting:
+                        self._log(f"swap app {app.name} (pid {app.pid}) waits for room for its resume: {exc}")
+                    app.wait(f"its resume: {exc}")
                 if not any(self._room_for_resume(app, uuid, n) for uuid, n in app.parked_bytes.items() if n):
                     time.sleep(RESUME_RETRY_S)
+        finally:
+            if app.waiting:
+                self._log(f"swap app {app.name} (pid {app.pid}) waited {now() - start:.1f} s for room for its resume")
+            app.done_waiting()
 
     def _room_for_resume(self, app: SwapApp, uuid: str, held: int) -> bool:
         """What it held when parked plus ROOM_SLACK, less what is free, and at least ROOM_SLACK: the restore was short,
         maybe of its context's memory, which nothing counts."""
-        free = self._free_of(uuid)
-        need = max(ROOM_SLACK, held + ROOM_SLACK - (free or 0))
-        return self._park_for(app, uuid, need, f"its resume, {held} bytes, {'?' if free is None else free} free")
+        return self.room.make(app, Ask(uuid, held, f"its resume, {held} bytes", ROOM_WAIT_S, at_least=ROOM_SLACK))
 
     def close(self) -> None:
         self._stopping = True

@@ -547,6 +547,20 @@ class App:
             for _ in range(n):
                 self.many.append(self._alloc(size))
             return {"count": len(self.many)}
+        if cmd == "cache":   # cache N: hold N bytes free for later, as a caching allocator (PyTorch's) does
+            self.many.append(self._alloc(int(words[1])))
+            return {"count": len(self.many)}
+        if cmd == "alloc-retry":   # as PyTorch allocates: on out-of-memory, free the cache ("cache") and retry once
+            n, tries = int(words[1]), 1
+            try:
+                p = self._alloc(n)
+            except RuntimeError as exc:
+                if "CUDA error 2" not in str(exc):
+                    raise
+                self.handle(["free-many"])
+                p, tries = self._alloc(n), 2
+            self.bufs.append((p, n))
+            return {"ptr": p, "tries": tries}
         if cmd == "free-many":
             for p in self.many:
                 check(cuMemFree(p), "free")

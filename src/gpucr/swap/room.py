@@ -1,0 +1,118 @@
+"""Room on a GPU for one app (an allocation that failed, or its resume): others parked by the policy until it fits.
+
+Requests on one GPU are served one at a time, highest priority first (queue.py). A request the policy cannot meet
+now but could once an app's --min-resident runs out waits for that, up to its limit: so two apps that take turns
+switch no more often than --min-resident allows, and an app sees no out-of-memory that waiting a moment would
+have avoided. What is needed counts the server's own memory: a park on a GPU where the server holds no context
+yet makes one there (its size measured, not assumed: GpuView.server_cost)."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+from .apps import Apps, SwapApp, now
+from .policy import choose, ready_at
+from .queue import RoomQueue
+
+ROOM_SLACK = 2 << 20   # room asked beyond what is needed: the driver's granule, so the retry is not short by one
+LOOK_EVERY_S = 0.5     # while waiting for a --min-resident: memory may also be freed by an app that ends
+
+
+class GpuView(Protocol):
+    def memory(self, uuid: str) -> tuple[int, int] | None:
+        """(free, total) bytes of the GPU as the driver says now; None when unknown."""
+
+    def server_cost(self, uuid: str) -> int:
+        """Bytes a park would add on this GPU for the server itself: 0 once its context is there."""
+
+    def process_bytes(self, pid: int, status: dict[str, Any]) -> dict[str, int]:
+        """{GPU uuid: bytes} process pid holds as the driver counts them, its context included."""
+
+
+@dataclass(frozen=True)
+class Ask:
+    """What an app asks room for: `want` bytes more than free on GPU `uuid` (at least `at_least` to park, as when
+    its resume failed short of what nothing counts: its context), said as `what`; waited for up to `wait_s`."""
+    uuid: str
+    want: int
+    what: str
+    wait_s: float
+    free_hint: int = 0      # what the asker saw free, where the server cannot read the GPU's memory
+    at_least: int = 0
+
+
+class RoomMaker:
+    def __init__(self, apps: Apps, park: Callable[[int, str], bool], log: Callable[[str], None], gpu: GpuView) -> None:
+        self.apps, self._park, self._log, self._gpu = apps, park, log, gpu
+        self.queue = RoomQueue()
+        self._refused: dict[int, str] = {}   # pid -> why its last request found no room, as logged (said once)
+
+    def make(self, asker: SwapApp, ask: Ask) -> bool:
+        """Park others on the GPU for the asker, in its turn; False (nobody parked) when the policy finds too little,
+        now and within ask.wait_s. Shown as the asker's wait in `gpucr ps` meanwhile."""
+        before = (asker.waiting, asker.waiting_since)   # (a resume that waits for room waits for its resume)
+        asker.wait(f"room: {ask.what} on GPU {ask.uuid}")
+        ahead = self.queue.queued(ask.uuid)
+        if ahead:
+            self._log(f"swap app {asker.name} (pid {asker.pid}) waits for room ({ask.what}) behind "
+                      f"{', '.join(ahead)} on GPU {ask.uuid}")
+        try:
+            with self.queue.turn(ask.uuid, asker.name, asker.priority):
+                return self._served(asker, ask, now() + ask.wait_s)
+        finally:
+            asker.waiting, asker.waiting_since = before
+
+    def _need(self, ask: Ask) -> int:
+        mem = self._gpu.memory(ask.uuid)
+        free = mem[0] if mem is not None else ask.free_hint
+        return max(ask.at_least, ask.want + ROOM_SLACK - free + self._gpu.server_cost(ask.uuid))
+
+    def _served(self, asker: SwapApp, ask: Ask, deadline: float) -> bool:
+        said = False
+        while True:
+            need = self._need(ask)
+            if need <= 0:
+                self._log(f"room for swap app {asker.name} (pid {asker.pid}): {ask.what} on GPU {ask.uuid}: "
+                          "fits now, parked nobody")
+                return True
+            on_gpu = [a for a in self.apps.all() if ask.uuid in a.held or a.pid == asker.pid]
+            waits = self.queue.waits_on(ask.uuid)
+            cands = [a.candidate(ask.uuid, waits.get(a.name, frozenset())) for a in on_gpu]
+            me, at = asker.candidate(ask.uuid), now()
+            choice = choose(cands, me, need, at)
+            if choice.suffices:
+                return self._park_chosen(asker, ask, choice.park, {a.name: a for a in on_gpu})
+            ready = ready_at(cands, me, need, at)
+            if ready is None or ready > deadline:
+                self._refuse(asker, f"{ask.what} on GPU {ask.uuid}: {choice.why_not}{self._unparkable(ask.uuid, on_gpu)}")
+                return False
+            if not said:
+                said = True
+                self._log(f"swap app {asker.name} (pid {asker.pid}) waits for room ({ask.what}) on GPU {ask.uuid} "
+                          f"{ready - at:.1f} s, until an app's --min-resident ends: {choice.why_not}")
+            time.sleep(min(max(ready - now(), 0.0), LOOK_EVERY_S))
+
+    def _refuse(self, asker: SwapApp, why: str) -> None:
+        """Said once per app and reason: a resume that waits asks again every half second."""
+        if self._refused.get(asker.pid) != why:
+            self._refused[asker.pid] = why
+            self._log(f"no room for swap app {asker.name} (pid {asker.pid}): {why}")
+
+    def _park_chosen(self, asker: SwapApp, ask: Ask, names: tuple[str, ...], by_name: dict[str, SwapApp]) -> bool:
+        self._refused.pop(asker.pid, None)
+        parked = [n for n in names if self._park(by_name[n].pid, f"room for {asker.name} ({ask.what})")]
+        self._log(f"room for swap app {asker.name} (pid {asker.pid}): {ask.what} on GPU {ask.uuid}: "
+                  f"parked {', '.join(parked) or 'nobody'}")
+        return len(parked) == len(names)
+
+    def _unparkable(self, uuid: str, on_gpu: list[SwapApp]) -> str:
+        """The GPU's memory held by no swap app of this server: its own, other processes', other users' (whose
+        servers park them, never this one)."""
+        mem = self._gpu.memory(uuid)
+        if mem is None:
+            return ""
+        free, total = mem
+        others = total - free - sum(a.held.get(uuid, 0) for a in on_gpu)
+        return (f"; {others >> 20} MiB of the GPU are held by what this server cannot park (contexts, its own memory, "
+                "processes not under its swap service, other users' among them)") if others > 0 else ""
