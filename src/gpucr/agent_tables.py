@@ -45,6 +45,12 @@ SETTINGS: dict[str, Setting] = {
     'GPUCR_GROUP': Setting(
         'GPUCR_GROUP', 'TEXT', '', 0, 127, 'up to 127 bytes',
         "the process's group (`gpucr run --group`)"),
+    'GPUCR_SWAP_WAIT_LIMIT_MS': Setting(
+        'GPUCR_SWAP_WAIT_LIMIT_MS', 'INT_OR_0', '0', 1, 2592000000, '0 or 1 to 2592000000',
+        "under the swap service: an allocation that waits longer for room or for its app's resume fails with out-of-memory; 0: no limit (`gpucr run --swap --wait-limit`)"),
+    'GPUCR_SWAP_ASK_ON_RETRY': Setting(
+        'GPUCR_SWAP_ASK_ON_RETRY', 'ENUM', 'auto', 0, 0, 'auto|0|1',
+        "1: the app retries a failed allocation once after freeing its cache, so room is asked on that retry only; auto: when PyTorch's libc10_cuda is loaded"),
     'GPUCR_RUNTIME_DIR': Setting(
         'GPUCR_RUNTIME_DIR', 'PATH', '', 0, 0, 'a directory',
         'where the control sockets live; unset: $XDG_RUNTIME_DIR/gpucr or /tmp/gpucr-UID'),
