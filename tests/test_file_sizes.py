@@ -13,7 +13,6 @@ SOURCES = [(ROOT / "src" / "gpucr", ("*.py", "*.c", "*.h")), (ROOT / "native" / 
 OVER_TODAY = {
     "native/agent/channel.c": 767,
     "native/agent/dataplane.c": 764,
-    "native/agent/pool.c": 1007,
     "src/gpucr/cli.py": 781,
 }
 
