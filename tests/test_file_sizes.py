@@ -12,7 +12,6 @@ SOURCES = [(ROOT / "src" / "gpucr", ("*.py", "*.c", "*.h")), (ROOT / "native" / 
 # grow. Issue 25 is done when this list is empty; a file that comes down to the limit leaves it.
 OVER_TODAY = {
     "native/agent/channel.c": 767,
-    "native/agent/dataplane.c": 764,
     "src/gpucr/cli.py": 781,
 }
 
