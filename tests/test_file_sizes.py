@@ -11,7 +11,6 @@ SOURCES = [(ROOT / "src" / "gpucr", ("*.py", "*.c", "*.h")), (ROOT / "native" / 
 # The files over the limit today, each with its length today as its ceiling: each may shrink, none may
 # grow. Issue 25 is done when this list is empty; a file that comes down to the limit leaves it.
 OVER_TODAY = {
-    "native/agent/channel.c": 767,
     "src/gpucr/cli.py": 781,
 }
 

@@ -23,7 +23,7 @@ static struct {
     struct phase_times last;
     struct phase_times pending; /* the phases done so far of a checkpoint in progress */
 } g_dp;
-/* The data plane runs in one thread at a time (channel.c's g_op), which reads g_dp freely; what
+/* The data plane runs in one thread at a time (verbs.c's g_op), which reads g_dp freely; what
  * status reports (phase, generation, last) it changes only under this lock, which dp_get_status
  * takes from the channel's other threads. */
 static pthread_mutex_t g_dp_mu = PTHREAD_MUTEX_INITIALIZER;
