@@ -74,7 +74,7 @@ static bool flock_within(int fd)
 static int lock_ledger(char *err, size_t errlen)
 {
     pthread_mutex_lock(&g_ledger_mu);
-    const char *dir = gpucr_runtime_dir();   /* private (channel.c) */
+    const char *dir = gpucr_runtime_dir();   /* private (rundir.c) */
     int fd = dir ? open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC) : -1;
     if (fd >= 0 && !flock_within(fd)) {
         int holder = lock_holder(fd);

@@ -5,9 +5,9 @@
  * only the channel's. The agent copies and pins nothing: gpucr's data plane runs in another process.
  *
  * Lock order (never take an earlier lock while holding a later one):
- *   g_op (channel.c, one checkpoint or restore at a time)
+ *   g_op (verbs.c, one checkpoint or restore at a time)
  *     -> reg_lock (registry.c, the registry)
- *   g_mu (pool.c, the stream-ordered pools) -> reg_lock; it is taken inside the gate (or by the
+ *   g_pool_mu (pool_impl.h, the stream-ordered pools) -> reg_lock; it is taken inside the gate (or by the
  *     checkpoint itself, before the driver holds the process), so no thread waits on a locked driver
  *     while holding it
  *   g_staging_mu (dataplane.c, staging preparation) -> S.mu (staging.c) -> g_ledger_mu (admit.c, the

@@ -230,7 +230,8 @@ GPUCR_EXPORT CUresult cuMemAllocManaged(CUdeviceptr *dptr, size_t size, unsigned
     return rc;
 }
 
-/* Stream-ordered allocation (cuMemAllocAsync and the pools) is served by pool.c. */
+/* Stream-ordered allocation (cuMemAllocAsync and the pools) is served by pool.c
+ * (the calls: pool_alloc.c, mempool.c). */
 
 GPUCR_EXPORT CUresult cuIpcGetMemHandle(void *handle, CUdeviceptr dptr)
 {

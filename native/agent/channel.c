@@ -1,9 +1,9 @@
 /* The control channel: one Unix socket per process, <runtime dir>/<pid>-<pid namespace inode>.sock,
  * in a directory only its user can enter. Requests are single lines "VERB key=value ...", at most
  * 4 KiB; each answer is one JSON line. Only the same user or root may connect (SO_PEERCRED).
- * docs/security.md says what each check stops. */
+ * docs/security.md says what each check stops. This file carries the bytes (the socket, its slots, the framing
+ * with SCM_RIGHTS, the peer check) and the agent's start and fork; verbs.c answers each request. */
 #define _GNU_SOURCE
-#include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <poll.h>
@@ -16,370 +16,22 @@
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
-#include "admit.h"
 #include "dataplane.h"
-#include "pool.h"
 #include "registry.h"
-#include "settings.h"
-#include "staging.h"
+#include "report.h"
+#include "verbs.h"
 #include "json.h"
 
 #define MAX_REQUEST 4096
 #define MAX_CLIENTS 8
-#define PROTOCOL 4                 /* gpucr/agent.py PROTOCOL: the controller refuses any other */
 #define IDLE_TIMEOUT_S 30          /* a connection that never asked for a change (status, a monitor) */
 #define EVICT_GRACE_MS 500         /* an idle connection younger than this is not evicted */
 #define ACTED_TIMEOUT_S 3600       /* a controller's connection between its steps (driver lock, checkpoint) */
 
 static char g_sock[300];
 static ino_t g_sock_ino;           /* what we bound: at exit only that is removed */
-static char g_group[128];   /* GPUCR_GROUP, read once at start: the application may change its environment later */
 static int g_listen = -1;
-static pthread_mutex_t g_op = PTHREAD_MUTEX_INITIALIZER;   /* one change (checkpoint, restore...) at a time */
-/* Changes hold it for writing; a read of the staging's layout for reading, and only if no change holds or
- * waits for it: a reader (a gpucr server's pin-ahead loop, `gpucr status`) never makes a change "busy". */
-static pthread_rwlock_t g_state = PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;
-static atomic_bool g_changing;       /* status's "busy": a change holds g_op (read without taking it) */
-static atomic_bool g_rolling_back;   /* status says so: a new controller waits for it instead of "busy" */
-/* The checkpoint held now was committed by its controller (on purpose), at this level; the driver's state tells
- * whether it is still as that controller left it (a restore killed after the driver's steps leaves it "running"). */
-enum committed { COMMITTED_NONE, COMMITTED_DATA, COMMITTED_FULL };
-static atomic_int g_committed;
-/* requests served since the channel started (a fork child counts its own), status says it: a test caps the
- * round trips a checkpoint and a restore take, so that no move adds one unseen */
-static atomic_ulong g_requests_served;
 static pthread_mutex_t g_clients_mu = PTHREAD_MUTEX_INITIALIZER;
-
-
-/* Whether the process has loaded a CUDA driver, through the agent or on its own. */
-static bool cuda_present(void)
-{
-    if (gpucr_cuda_loaded()) return true;
-    void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
-    if (h) dlclose(h);
-    return h != NULL;
-}
-
-/* Whether the driver the process loaded is simcuda, the test double: asked of the library itself,
- * also when the process has not called through the agent yet (it may have called cuInit directly). */
-static bool simulated_driver(void)
-{
-    if (gpucr_cuda_loaded() && gpucr_drv.simcudaIsSimulated) return gpucr_drv.simcudaIsSimulated();
-    void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
-    if (!h) return false;
-    int (*is_sim)(void) = (int (*)(void))gpucr_real_dlsym(h, "simcudaIsSimulated");
-    dlclose(h);
-    return is_sim && is_sim();
-}
-
-static void reply_hello(struct jb *j)
-{
-    jb_bool(j, "ok", true);
-    jb_str(j, "agent", "gpucr");
-    jb_int(j, "protocol", PROTOCOL);
-    jb_int(j, "pid", getpid());
-    jb_int(j, "uid", getuid());
-    jb_bool(j, "cuda", cuda_present());
-    jb_bool(j, "simulated", simulated_driver());
-    jb_str(j, "group", g_group);
-}
-
-static void reply_status(struct jb *j)
-{
-    struct dp_status st;
-    dp_get_status(&st);
-    jb_bool(j, "ok", true);
-    jb_int(j, "pid", getpid());
-    jb_bool(j, "cuda", cuda_present());
-    jb_bool(j, "simulated", simulated_driver());
-    jb_str(j, "state", dp_checkpointed(st.phase) ? "checkpointed" : "running");
-    jb_str(j, "phase", dp_phase_name(st.phase));
-    /* between the phases of a checkpoint of several processes: still (gate closed), nothing released */
-    jb_str(j, "checkpoint_phase", st.phase == PH_HANDED || st.phase == PH_COPIED ? "handed" :
-                                  st.phase == PH_QUIESCED ? "quiesced" : "");
-    jb_str(j, "group", g_group);
-    jb_bool(j, "staged", dp_staged(st.phase));
-    jb_bool(j, "busy", atomic_load(&g_changing));   /* a checkpoint, restore or roll-back is running now */
-    jb_bool(j, "rolling_back", atomic_load(&g_rolling_back));
-    /* parked on purpose (`gpucr recover` leaves it alone), not by a controller that died or a failed restore */
-    int committed = dp_checkpointed(st.phase) ? atomic_load(&g_committed) : COMMITTED_NONE;
-    jb_bool(j, "committed", committed != COMMITTED_NONE);
-    jb_str(j, "committed_level", committed == COMMITTED_FULL ? "full" : committed == COMMITTED_DATA ? "data" : "");
-    jb_bool(j, "gate_closed", gpucr_gate_is_closed());
-    unsigned long long pbytes, psteps;
-    dp_get_progress(&pbytes, &psteps);   /* a controller waiting on another connection watches these move */
-    jb_sub(j, "progress");
-    jb_int(j, "bytes", (long long)pbytes);
-    jb_int(j, "steps", (long long)psteps);
-    jb_end(j);
-    jb_int(j, "generation", st.generation);
-    jb_int(j, "requests_served", (long long)atomic_load(&g_requests_served));   /* this status among them */
-    struct pool_stats ps;
-    pool_get_stats(&ps, !dp_checkpointed(st.phase));   /* before the registry lock: pool.c takes its own first */
-    reg_lock();
-    long n = 0, conv = 0, app = 0, kept = 0;
-    size_t moved = 0, left = 0;
-    for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        n++;
-        if (p->kind == PHYS_CONVERTED) conv++; else if (p->kind == PHYS_APP_VMM) app++;
-        if (reg_phys_released(p) || reg_phys_movable(p)) moved += p->size;
-        else { kept++; left += p->size; }
-    }
-    jb_sub(j, "allocations");
-    jb_int(j, "tracked", n);
-    jb_int(j, "converted", conv);
-    jb_int(j, "app_vmm", app);
-    jb_int(j, "tracked_bytes", (long long)moved);
-    jb_int(j, "vmm_left_to_driver", kept);
-    jb_int(j, "vmm_left_to_driver_bytes", (long long)left);
-    jb_int(j, "native", g_reg.native_count);
-    jb_int(j, "native_bytes", (long long)g_reg.native_bytes);
-    jb_int(j, "pool", g_reg.pool_count);
-    jb_int(j, "pool_bytes", (long long)g_reg.pool_bytes);
-    jb_int(j, "managed", g_reg.managed_count);
-    jb_int(j, "managed_bytes", (long long)g_reg.managed_bytes);
-    jb_int(j, "ipc_exports", g_reg.ipc_exports);
-    jb_int(j, "not_exportable", g_reg.unexportable);
-    jb_end(j);
-    coverage_json(j, &ps);
-    dp_devices_json(j);
-    reg_unlock();
-    struct staging_info si;
-    staging_get_info(&si);
-    jb_int(j, "staging_bytes", (long long)si.bytes);
-    jb_int(j, "staging_segments", si.segments);
-    jb_str(j, "staging", si.kind);
-    admit_status_json(j, si.memory_bytes);
-    jb_sub(j, "last_cycle_ms");
-    jb_dbl(j, "staging", st.last.staging);
-    jb_dbl(j, "gate", st.last.gate);
-    jb_dbl(j, "sync", st.last.sync);
-    jb_dbl(j, "release", st.last.release);
-    jb_int(j, "bytes_out", (long long)st.last.bytes_out);
-    jb_end(j);
-    char why[512];
-    dp_preflight(why, sizeof why);
-    jb_str(j, "refusal", why);
-    dp_shared_json(j);
-    gpucr_gate_json(j);
-}
-
-static long long arg_ll(const char *req, const char *key, long long dflt, long long max)
-{
-    char pat[64];
-    snprintf(pat, sizeof pat, " %s=", key);
-    const char *p = strstr(req, pat);
-    if (!p) return dflt;
-    char *end;
-    long long v = strtoll(p + strlen(pat), &end, 10);
-    if (end == p + strlen(pat) || (*end && *end != ' ') || v < 0 || v > max) return -1;
-    return v;
-}
-
-/* a flag or a count of milliseconds (at most a day); -1 when malformed */
-static int arg_int(const char *req, const char *key, int dflt) { return (int)arg_ll(req, key, dflt, 24LL * 3600 * 1000); }
-
-#define reply_error jb_error
-
-/* fds a request may carry: one for a relink, a batch of new memory for adopt */
-#define MAX_IN_FDS 64
-
-/* One connection. A checkpoint asked for with lease=1 belongs to its connection until the
- * controller says "commit": if the connection ends first (the controller died), the agent rolls
- * the process back to running by itself. */
-struct client {
-    int fd;
-    bool lease;                 /* this connection's checkpoint is not committed yet */
-    bool stage_lease;           /* it made staging to fill from an image, not used yet: dropped if it ends first */
-    int fds[STAGING_MAX_SEGS];  /* to send with the answer (SCM_RIGHTS) */
-    int nfds;
-    bool close_sent;            /* the fds sent are ours to close afterwards (a re-export) */
-    int in[MAX_IN_FDS];         /* received with the request (SCM_RIGHTS) */
-    int nin;
-    bool acted;                 /* it asked for a change (handle_op): a controller, never evicted as idle */
-    int slot;                   /* its place in g_slots while it holds it */
-    unsigned long id;
-};
-
-#define BUSY "busy: another checkpoint or restore of this process is in progress"
-
-/* A change takes g_op (`wait`: blocking, else a second controller is told "busy"), then the state lock once the
- * layout reads in flight are done (they are short). */
-static bool begin_change(bool wait)
-{
-    if (wait) pthread_mutex_lock(&g_op);
-    else if (pthread_mutex_trylock(&g_op) != 0) return false;
-    pthread_rwlock_wrlock(&g_state);
-    atomic_store(&g_changing, true);
-    return true;
-}
-
-static void end_change(void)
-{
-    atomic_store(&g_changing, false);
-    pthread_rwlock_unlock(&g_state);
-    pthread_mutex_unlock(&g_op);
-}
-
-/* The staging's segments and where each allocation lies in them: read while no change runs, and refused as
- * "busy" (never waited for) while one does. */
-static void handle_layout(struct jb *j, struct client *c)
-{
-    if (!cuda_present()) { reply_error(j, "the process has not loaded the CUDA driver: nothing to checkpoint"); return; }
-    if (pthread_rwlock_tryrdlock(&g_state) != 0) { reply_error(j, BUSY); return; }
-    char err[600] = "";
-    if (dp_layout(j, c->fds, &c->nfds, STAGING_MAX_SEGS, err, sizeof err)) { c->nfds = 0; reply_error(j, err); }
-    pthread_rwlock_unlock(&g_state);
-}
-
-/* Starts a new checkpoint, or a step of a restore or abort: the committed one is no longer as its controller left it
- * (a restore's controller that dies after its `adopt` leaves it half restored, stuck). */
-static bool leaves_a_committed_checkpoint(const char *verb)
-{
-    static const char *const verbs[] = {"quiesce", "handover", "restore", "adopt", "relink", "orphan", "resume", "abort"};
-    for (size_t i = 0; i < sizeof verbs / sizeof *verbs; i++)
-        if (!strcmp(verb, verbs[i])) return true;
-    return false;
-}
-
-/* Requests that change the process: one at a time (a second controller is told "busy"). */
-static void handle_op(const char *verb, const char *req, struct jb *j, struct client *c)
-{
-    int timeout_ms = arg_int(req, "timeout_ms", 30000);
-    int drop = arg_int(req, "drop_staging", 0), lease = arg_int(req, "lease", 0);
-    if (timeout_ms <= 0) { reply_error(j, "timeout_ms must be a positive number of milliseconds"); return; }
-    if (drop < 0 || drop > 1 || lease < 0 || lease > 1) {
-        reply_error(j, "drop_staging and lease must be 0 or 1");
-        return;
-    }
-    if (!cuda_present()) { reply_error(j, "the process has not loaded the CUDA driver: nothing to checkpoint"); return; }
-    c->acted = true;
-    if (!begin_change(false)) { reply_error(j, BUSY); return; }
-    if (leaves_a_committed_checkpoint(verb)) atomic_store(&g_committed, COMMITTED_NONE);   /* a failed restore leaves it stuck */
-    gpucr_init();
-    char err[600] = "";
-    int rc;
-    bool status_after = true;
-    if (!strcmp(verb, "quiesce")) {
-        /* staging ready, gate closed, device still: the first phase of a checkpoint of several processes */
-        rc = dp_quiesce(timeout_ms, err, sizeof err);
-        if (rc == 0 && lease) c->lease = true;
-    } else if (!strcmp(verb, "handover")) {
-        /* gpucr's data plane copies the data (docs/server.md); lease=1: undone unless committed */
-        rc = dp_handover(timeout_ms, err, sizeof err);
-        if (rc == 0 && lease) c->lease = true;
-    } else if (!strcmp(verb, "handed_done")) {
-        rc = dp_handed_done(err, sizeof err);
-    } else if (!strcmp(verb, "adopt")) {
-        long long from = arg_ll(req, "from", -1, INT32_MAX);
-        int adopted = 0;
-        rc = from < 0 ? (snprintf(err, sizeof err, "adopt takes from=INDEX and the new memory's fds"), -1)
-                      : dp_adopt((int)from, c->in, c->nin, &adopted, err, sizeof err);
-        if (rc == 0) { jb_bool(j, "ok", true); jb_int(j, "adopted", adopted); }
-        status_after = false;
-    } else if (!strcmp(verb, "abort")) {
-        rc = dp_abort(err, sizeof err);
-        if (rc == 0) c->lease = false;
-    } else if (!strcmp(verb, "restore")) {
-        int open_gate = arg_int(req, "open_gate", 1);
-        rc = open_gate < 0 || open_gate > 1 ? (snprintf(err, sizeof err, "open_gate must be 0 or 1"), -1)
-                                             : dp_restore(drop == 1, open_gate == 1, err, sizeof err);
-        if (rc == 0) c->lease = false;
-    } else if (!strcmp(verb, "drop")) {
-        rc = dp_drop_staged(err, sizeof err);
-    } else if (!strcmp(verb, "export")) {
-        long long key = arg_ll(req, "key", -1, INT64_MAX);
-        int fd = -1;
-        rc = key <= 0 ? (snprintf(err, sizeof err, "export takes key=KEY of an exported allocation"), -1)
-                      : dp_export((unsigned long long)key, &fd, j, err, sizeof err);
-        if (rc == 0) { c->fds[0] = fd; c->nfds = 1; c->close_sent = true; }
-        status_after = false;
-    } else if (!strcmp(verb, "relink")) {
-        long long key = arg_ll(req, "key", -1, INT64_MAX);
-        if (c->nin < 1) rc = (snprintf(err, sizeof err, "relink needs the shared memory's file descriptor attached"), -1);
-        else if (key <= 0) rc = (snprintf(err, sizeof err, "relink takes key=KEY"), -1);
-        else rc = dp_relink((unsigned long long)key, c->in[0], err, sizeof err);
-    } else if (!strcmp(verb, "orphan")) {
-        long long key = arg_ll(req, "key", -1, INT64_MAX);
-        size_t bytes = 0;
-        rc = key <= 0 ? (snprintf(err, sizeof err, "orphan takes key=KEY"), -1)
-                      : dp_orphan((unsigned long long)key, &bytes, err, sizeof err);
-        if (rc == 0) { jb_bool(j, "ok", true); jb_int(j, "bytes", (long long)bytes); }
-        status_after = false;
-    } else if (!strcmp(verb, "resume")) {
-        rc = dp_resume(err, sizeof err);
-    } else {   /* stage; lease=1: a controller fills it from an image itself, then adopts or restores */
-        rc = dp_stage(err, sizeof err);
-        if (rc == 0 && lease) c->stage_lease = true;
-    }
-    /* staging filled in part must never be restored from: once used (or dropped), it is no longer at stake */
-    if (rc == 0 && (!strcmp(verb, "adopt") || !strcmp(verb, "restore") || !strcmp(verb, "drop"))) c->stage_lease = false;
-    end_change();
-    if (rc) { c->nfds = 0; reply_error(j, err); return; }
-    if (status_after) reply_status(j);
-}
-
-/* Only a checkpoint under this connection's lease is committed, with the level it was made at (full=1: the driver
- * holds it checkpointed too). */
-static void handle_commit(const char *req, struct jb *j, struct client *c)
-{
-    int full = arg_int(req, "full", -1);
-    if (full < 0 || full > 1) { reply_error(j, "commit takes full=1 (level full) or full=0 (level data)"); return; }
-    if (c->lease) {   /* the agent's fds of the memory let go: from now on the checkpoint is not undone */
-        begin_change(true);
-        dp_commit();
-        end_change();
-        atomic_store(&g_committed, full ? COMMITTED_FULL : COMMITTED_DATA);
-    }
-    c->lease = false;
-    jb_bool(j, "ok", true);
-}
-
-static void handle(const char *req, struct jb *j, struct client *c)
-{
-    char verb[32] = "";
-    size_t vl = strcspn(req, " ");
-    if (vl == 0 || vl >= sizeof verb) { reply_error(j, "malformed request: expected 'VERB [key=value ...]'"); return; }
-    atomic_fetch_add(&g_requests_served, 1);
-    memcpy(verb, req, vl);
-    jb_open(j);
-    if (!strcmp(verb, "hello")) reply_hello(j);
-    else if (!strcmp(verb, "status")) reply_status(j);
-    else if (!strcmp(verb, "commit")) handle_commit(req, j, c);
-    else if (!strcmp(verb, "layout")) handle_layout(j, c);
-    else if (!strcmp(verb, "shared")) {
-        /* the agent's own fds of shared memory, for a controller to tell who shares what (never ours to close) */
-        long long from = arg_ll(req, "from", 0, INT32_MAX);
-        if (from < 0) reply_error(j, "shared takes from=INDEX");
-        else dp_shared_fds(j, (int)from, c->fds, &c->nfds, STAGING_MAX_SEGS);
-    }
-    else if (!strcmp(verb, "memory")) {
-        /* every managed allocation with a dup of the agent's fd of it, for a gpucr server to import */
-        long long from = arg_ll(req, "from", 0, INT32_MAX);
-        if (from < 0) reply_error(j, "memory takes from=INDEX");
-        else { dp_memory_fds(j, (int)from, c->fds, &c->nfds, STAGING_MAX_SEGS); c->close_sent = c->nfds > 0; }
-    }
-    else if (!strcmp(verb, "watch")) gpucr_gate_watch(j, req, c->fd);   /* the swap service: until demand (gate.c) */
-    else if (!strcmp(verb, "contexts")) {   /* the controller asks only while the driver does not hold the process */
-        jb_bool(j, "ok", true);
-        jb_int(j, "contexts", gpucr_contexts_held());
-    }
-    else if (!strcmp(verb, "bind")) {
-        long long sid = arg_ll(req, "sid", -1, UINT32_MAX), key = arg_ll(req, "key", -1, INT64_MAX);
-        long long owner = arg_ll(req, "owner", 0, INT32_MAX), start = arg_ll(req, "owner_start", 0, INT64_MAX);
-        char err[200];
-        if (sid <= 0 || key <= 0 || owner < 0 || start < 0) reply_error(j, "bind takes sid=N key=KEY owner=PID owner_start=T");
-        else if (dp_bind((unsigned)sid, (unsigned long long)key, (long)owner, (unsigned long long)start, err, sizeof err))
-            reply_error(j, err);
-        else jb_bool(j, "ok", true);
-    }
-    else if (!strcmp(verb, "quiesce") || !strcmp(verb, "abort") || !strcmp(verb, "restore") ||
-             !strcmp(verb, "drop") || !strcmp(verb, "stage") || !strcmp(verb, "export") ||
-             !strcmp(verb, "relink") || !strcmp(verb, "orphan") || !strcmp(verb, "resume") ||
-             !strcmp(verb, "handover") || !strcmp(verb, "handed_done") || !strcmp(verb, "adopt"))
-        handle_op(verb, req, j, c);
-    else reply_error(j, "unknown request verb");
-}
 
 /* Only the process's own user or root; `why` says who was refused. Through a user namespace, a user
  * with no uid in it (host root seen from a container is one) appears as the overflow uid. */
@@ -431,44 +83,6 @@ static void send_answer(struct client *c, struct jb *j)
         if (n <= 0) return;
         off += (size_t)n;
     }
-}
-
-/* The controller that made staging for an image's data (stage lease=1) is gone before it used it: what it read
- * may be in part, so it is dropped; the process stays checkpointed, the image its source. */
-static void drop_abandoned_staging(void)
-{
-    begin_change(true);
-    struct dp_status st;
-    dp_get_status(&st);
-    char err[200];
-    if (st.phase == PH_PARKED && dp_drop_staged(err, sizeof err) == 0)
-        gpucr_warn("the controller went away while it read an image: the staging it filled in part is dropped, "
-                   "restore from the image");
-    end_change();
-}
-
-/* The controller that checkpointed under a lease is gone before committing: undo it. */
-static void roll_back_abandoned(void)
-{
-    long long delay = gpucr_setting_int(SET_TEST_ROLLBACK_DELAY_MS);
-    if (delay) usleep((useconds_t)delay * 1000);
-    begin_change(true);
-    atomic_store(&g_rolling_back, true);
-    struct dp_status st;
-    dp_get_status(&st);
-    char aerr[200];
-    if (st.phase == PH_HANDED || st.phase == PH_COPIED) {
-        /* the memory is still on the GPU, held by the agent's fds: mapped again, no copy. While the driver holds
-         * the process checkpointed this fails, and 'gpucr recover' (or a restore) takes it back after the driver's */
-        if (dp_abort(aerr, sizeof aerr) == 0)
-            gpucr_warn("the controller went away before committing the checkpoint: taken back, the application runs on");
-        else gpucr_warn("taking back the memory handed to gpucr's data plane failed: %s; run 'gpucr recover'", aerr);
-    } else if (st.phase == PH_QUIESCED) {   /* nothing was released yet: reopening the gate undoes it */
-        if (dp_abort(aerr, sizeof aerr) == 0)
-            gpucr_warn("the controller went away during a checkpoint: aborted, the application runs on");
-    }
-    atomic_store(&g_rolling_back, false);
-    end_change();
 }
 
 /* ---- connections: at most MAX_CLIENTS at once. One that never asked for a change times out after
@@ -560,8 +174,8 @@ static void *serve_client(void *arg)
         while ((nl = memchr(req, '\n', have))) {
             *nl = 0;
             size_t used = (size_t)(nl - req) + 1;
-            if (memchr(req, 0, used - 1)) reply_error(&j, "malformed request: NUL byte");
-            else handle(req, &j, &c);
+            if (memchr(req, 0, used - 1)) jb_error(&j, "malformed request: NUL byte");
+            else verbs_handle(req, &j, &c);
             send_answer(&c, &j);
             for (int i = 0; i < c.nin; i++) close(c.in[i]);   /* a request's fds live as long as the request */
             c.nin = 0;
@@ -571,7 +185,7 @@ static void *serve_client(void *arg)
         mark_slot(&c, false);
         if (c.acted && !acted) set_idle_timeout(c.fd, ACTED_TIMEOUT_S);   /* a controller between its steps */
         if (have == MAX_REQUEST) {
-            reply_error(&j, "request too long (at most 4096 bytes)");
+            jb_error(&j, "request too long (at most 4096 bytes)");
             send_answer(&c, &j);
             /* read what the client still sends, briefly, so closing does not reset the answer away */
             shutdown(c.fd, SHUT_WR);
@@ -583,8 +197,7 @@ static void *serve_client(void *arg)
 out:
     for (int i = 0; i < c.nin; i++) close(c.in[i]);
     leave_slot(&c);
-    if (c.lease) roll_back_abandoned();
-    if (c.stage_lease) drop_abandoned_staging();
+    verbs_connection_ended(&c);
     jb_free(&j);
     free(req);
     close(c.fd);
@@ -597,7 +210,7 @@ static void refuse(int fd, const char *why)
 {
     struct jb j = {0};
     struct client c = {.fd = fd};
-    reply_error(&j, why);
+    jb_error(&j, why);
     send_answer(&c, &j);
     jb_free(&j);
     shutdown(fd, SHUT_WR);
@@ -727,13 +340,8 @@ static void after_fork_child(void)
     for (int i = 0; i < MAX_CLIENTS; i++)
         if (g_slots[i].id) close(g_slots[i].fd);
     memset(g_slots, 0, sizeof g_slots);
-    g_op = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
-    g_state = (pthread_rwlock_t)PTHREAD_RWLOCK_WRITER_NONRECURSIVE_INITIALIZER_NP;   /* a layout read mid-fork */
-    atomic_store(&g_changing, false);
-    atomic_store(&g_committed, COMMITTED_NONE);
-    atomic_store(&g_requests_served, 0);
+    verbs_reset_after_fork();
     g_clients_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
-    atomic_store(&g_rolling_back, false);
     atomic_store(&g_start_pending, true);
 }
 
@@ -748,9 +356,7 @@ __attribute__((constructor)) static void agent_start(void)
 {
     const char *off = getenv("GPUCR_AGENT_DISABLE");
     if (off && *off && *off != '0') return;
-    /* checked against settings.def: a name longer than g_group holds is refused with a warning, not cut */
-    _Static_assert(sizeof g_group == 127 + 1, "GPUCR_GROUP's most in settings.def");
-    snprintf(g_group, sizeof g_group, "%s", gpucr_setting_str(SET_GROUP));
+    report_read_group();
     share_raise_nofile();   /* the agent keeps an fd of every GPU allocation */
     gpucr_on_first_use(gpucr_channel_first_use);
     gpucr_channel_start();

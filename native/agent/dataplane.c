@@ -1,21 +1,18 @@
-/* The agent's side of a checkpoint: quiesces the process, hands its memory to gpucr's data plane (which copies
- * it, in another process: docs/server.md), takes it back or adopts the plane's new memory, and relinks shared
- * memory. The agent copies nothing and pins nothing itself. */
+/* The agent's side of a checkpoint, as one state machine of the process's phase (the LEGAL table): quiesces the
+ * process, hands its memory to gpucr's data plane (which copies it, in another process: docs/server.md), takes it
+ * back or adopts the plane's new memory, and hands the staged data to images. Each allocation's own steps are
+ * handles.c's; relinking memory shared with other processes is relink.c's. The agent copies nothing and pins
+ * nothing itself. */
 #define _GNU_SOURCE
-#include <dirent.h>
-#include <errno.h>
 #include <fcntl.h>
-#include <poll.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
 #include "pool.h"
 #include "dataplane.h"
 #include "deadline.h"
+#include "handles.h"
 #include "registry.h"
 #include "settings.h"
 #include "staging.h"
@@ -26,7 +23,7 @@ static struct {
     struct phase_times last;
     struct phase_times pending; /* the phases done so far of a checkpoint in progress */
 } g_dp;
-/* The data plane runs in one thread at a time (channel.c's g_op), which reads g_dp freely; what
+/* The data plane runs in one thread at a time (verbs.c's g_op), which reads g_dp freely; what
  * status reports (phase, generation, last) it changes only under this lock, which dp_get_status
  * takes from the channel's other threads. */
 static pthread_mutex_t g_dp_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -125,116 +122,9 @@ static int staging_job(struct deadline_job *j)
     return rc;
 }
 
-/* Release `refs` references of handle h of p; each failure logged (the memory may stay on the GPU). */
-static void release_handle(CUmemGenericAllocationHandle h, int refs, const struct phys *p)
-{
-    for (int i = 0; i < refs; i++) {
-        CUresult rc = REAL(cuMemRelease)(h);
-        if (rc != CUDA_SUCCESS) {
-            gpucr_cu_warn(rc, "cuMemRelease (%zu MiB at 0x%llx; its device memory may stay allocated)", p->size >> 20,
-                          (unsigned long long)(p->maps ? p->maps->va : 0));
-            return;
-        }
-    }
-}
-
-/* Unmap p's mappings before `upto` (all when NULL), e.g. to undo a re-map that failed half way. */
-static void unmap_upto(const struct phys *p, const struct mapping *upto)
-{
-    for (const struct mapping *m = p->maps; m && m != upto; m = m->next) {
-        CUresult rc = REAL(cuMemUnmap)(m->va, m->size);
-        if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuMemUnmap (%zu bytes at 0x%llx)", m->size, (unsigned long long)m->va);
-    }
-}
-
-/* Map handle h at every mapping of p, with the access each had; all or nothing. */
-static CUresult map_all(const struct phys *p, CUmemGenericAllocationHandle h)
-{
-    for (const struct mapping *m = p->maps; m; m = m->next) {
-        CUresult rc = REAL(cuMemMap)(m->va, m->size, m->offset, h, 0);
-        if (rc == CUDA_SUCCESS && m->ndesc && (rc = REAL(cuMemSetAccess)(m->va, m->size, m->desc, (size_t)m->ndesc)) != CUDA_SUCCESS)
-            unmap_upto(p, m->next);   /* this one too */
-        else if (rc != CUDA_SUCCESS)
-            unmap_upto(p, m);
-        if (rc != CUDA_SUCCESS) return rc;
-    }
-    return CUDA_SUCCESS;
-}
-
-/* p's memory is back at its addresses as handle h, with `own` the agent's fd of it (`adopted`: memory the
- * gpucr server made): recorded, and the application holds as many references to the handle as before the
- * checkpoint, no more and no fewer. */
-static void back_in_place(struct phys *p, CUmemGenericAllocationHandle h, int own, bool fd_wanted, bool adopted)
-{
-    reg_lock();
-    reg_set_real(p, h);
-    share_adopt_own(p, own, fd_wanted);
-    p->adopted = adopted;
-    int refs = p->app_refs;
-    reg_alloc_move(p, AL_LIVE);
-    reg_unlock();
-    if (p->kind != PHYS_APP_VMM) return;
-    if (refs == 0) release_handle(h, 1, p);
-    for (int i = 1; i < refs; i++) {
-        CUmemGenericAllocationHandle again;
-        CUresult rrc = REAL(cuMemRetainAllocationHandle)(&again, (void *)(uintptr_t)p->maps->va);
-        if (rrc != CUDA_SUCCESS)
-            gpucr_cu_warn(rrc, "cuMemRetainAllocationHandle (the application's reference %d of 0x%llx)", i + 1,
-                          (unsigned long long)p->maps->va);
-    }
-}
-
-/* p's memory is back, as handle h: record it; the application's handle count decides whether h is kept. */
-static void linked(struct phys *p, CUmemGenericAllocationHandle h)
-{
-    reg_lock();
-    reg_set_real(p, h);
-    int refs = p->app_refs;
-    reg_alloc_move(p, AL_LIVE);
-    reg_unlock();
-    if (refs == 0) release_handle(h, 1, p);   /* the application had released its handle: mappings hold it */
-}
-
-/* Memory handed over as a POSIX fd, imported and mapped at every mapping of p with its access; all or
- * nothing (*h is the new handle). */
-static CUresult import_at(const struct phys *p, int fd, CUmemGenericAllocationHandle *h)
-{
-    CUresult rc = REAL(cuMemImportFromShareableHandle)(h, (void *)(intptr_t)fd, 1);
-    if (rc == CUDA_SUCCESS && (rc = map_all(p, *h)) != CUDA_SUCCESS) release_handle(*h, 1, p);
-    return rc;
-}
-
 /* Memory this process imported and mapped: a checkpoint unlinks it (its exporter saves the data, and a
  * restore relinks it from there). */
 static bool unlinked_at_checkpoint(const struct phys *p) { return p->kind == PHYS_IMPORTED && p->maps; }
-
-/* Give back the physical memory of an allocation for gpucr's data plane to copy; the agent's own fd keeps it on
- * the GPU until the commit (dp_commit). */
-static CUresult release_one(struct phys *p)
-{
-    gpucr_use_ctx(p->ctx);
-    for (struct mapping *m = p->maps; m; m = m->next) {
-        CUresult rc = REAL(cuMemUnmap)(m->va, m->size);
-        if (rc != CUDA_SUCCESS) {
-            CUresult mrc;
-            for (struct mapping *n = p->maps; n != m; n = n->next) {   /* put back what was unmapped */
-                if ((mrc = REAL(cuMemMap)(n->va, n->size, n->offset, p->real, 0)) != CUDA_SUCCESS ||
-                    (n->ndesc && (mrc = REAL(cuMemSetAccess)(n->va, n->size, n->desc, (size_t)n->ndesc)) != CUDA_SUCCESS))
-                    gpucr_cu_warn(mrc, "mapping 0x%llx again after a failed release", (unsigned long long)n->va);
-            }
-            return rc;
-        }
-    }
-    reg_lock();
-    int refs = p->kind == PHYS_CONVERTED ? 1 : p->app_refs;
-    CUmemGenericAllocationHandle real = p->real;
-    reg_set_real(p, 0);
-    reg_alloc_move(p, AL_HANDED);
-    reg_unlock();
-    release_handle(real, refs, p);
-    progress(0);
-    return CUDA_SUCCESS;
-}
 
 /* Staging ready, gate closed, device synchronised, free pool blocks given back; nothing released. */
 int dp_quiesce(int timeout_ms, char *err, size_t errlen)
@@ -307,7 +197,16 @@ int dp_quiesce(int timeout_ms, char *err, size_t errlen)
     return 0;
 }
 
-static int take_back(char *err, size_t errlen);
+/* Every released allocation mapped again from the agent's own fd of it, the gate opened: the handover undone.
+ * Those whose memory cannot be had back stay released and are said. */
+static int take_back(char *err, size_t errlen)
+{
+    if (handle_take_back_all(err, errlen)) return -1;
+    staging_rewind();
+    move(PH_RUNNING);
+    gpucr_gate_open();
+    return 0;
+}
 
 /* Undo a quiesce (nothing left the device, so reopening the gate is all) or an uncommitted handover (the agent's
  * fds kept the memory on the GPU: mapped again). A committed checkpoint is undone only by a restore. */
@@ -443,7 +342,7 @@ int dp_handover(int timeout_ms, char *err, size_t errlen)
     CUresult rc = place_in_staging(&need);
     int64_t t0 = gpucr_now_ns();
     for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
-        if (reg_phys_movable(p) || unlinked_at_checkpoint(p)) rc = release_one(p);
+        if ((reg_phys_movable(p) || unlinked_at_checkpoint(p)) && (rc = handle_hand_over(p)) == CUDA_SUCCESS) progress(0);
     t.release = ms_since(t0);
     t.bytes_out = need;
     if (rc != CUDA_SUCCESS) {
@@ -456,34 +355,6 @@ int dp_handover(int timeout_ms, char *err, size_t errlen)
     }
     if (saved) gpucr_use_ctx(saved);
     DP_SET(g_dp.pending = t, g_dp.phase = PH_HANDED);
-    return 0;
-}
-
-/* Every released allocation mapped again from the agent's own fd of it (the memory never left the GPU;
- * an import is its exporter's memory, held by the same fd it was imported from), the gate opened: the
- * handover undone. Those whose memory cannot be had back stay released and are said. */
-static int take_back(char *err, size_t errlen)
-{
-    CUresult first = CUDA_SUCCESS;
-    for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (!reg_phys_released(p) || p->own_fd < 0) continue;
-        gpucr_use_ctx(p->ctx);
-        CUmemGenericAllocationHandle h = 0;
-        CUresult rc = import_at(p, p->own_fd, &h);
-        if (rc != CUDA_SUCCESS) {
-            if (first == CUDA_SUCCESS)
-                seterr(err, errlen, "taking back %zu MiB at 0x%llx failed: %s", p->size >> 20,
-                       (unsigned long long)(p->maps ? p->maps->va : 0), gpucr_cu_errstr(rc));
-            first = rc;
-            continue;
-        }
-        if (p->kind == PHYS_IMPORTED) linked(p, h);
-        else back_in_place(p, h, p->own_fd, true, p->adopted);   /* the same fd: the same memory */
-    }
-    if (first != CUDA_SUCCESS) return -1;
-    staging_rewind();
-    move(PH_RUNNING);
-    gpucr_gate_open();
     return 0;
 }
 
@@ -525,13 +396,13 @@ int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t
         if (k < from || !reg_phys_released(p) || p->kind == PHYS_IMPORTED) continue;
         gpucr_use_ctx(p->ctx);
         CUmemGenericAllocationHandle h = 0;
-        CUresult rc = import_at(p, fds[i], &h);
+        CUresult rc = handle_import_at(p, fds[i], &h);
         if (rc != CUDA_SUCCESS) {
             seterr(err, errlen, "mapping the server's memory at 0x%llx (%zu MiB) failed: %s; the process stays checkpointed",
                    (unsigned long long)(p->maps ? p->maps->va : 0), p->size >> 20, gpucr_cu_errstr(rc));
             return -1;
         }
-        back_in_place(p, h, fcntl(fds[i], F_DUPFD_CLOEXEC, 3), share_keeps_fd(&p->prop), true);
+        handle_back_in_place(p, h, fcntl(fds[i], F_DUPFD_CLOEXEC, 3), share_keeps_fd(&p->prop), true);
         i++;
         (*adopted)++;
         progress(p->size);
@@ -622,135 +493,6 @@ int dp_stage(char *err, size_t errlen)
         reg_unlock();
     }
     move(PH_PARKED);
-    return 0;
-}
-
-/* A controller found which exporter's memory an imported allocation is: give it that key. */
-int dp_bind(unsigned sid, unsigned long long key, long owner, unsigned long long owner_start, char *err, size_t errlen)
-{
-    reg_lock();
-    struct phys *p = g_reg.all;
-    while (p && p->share_sid != sid) p = p->next_all;
-    int rc = 0;
-    if (!p || p->kind != PHYS_IMPORTED) rc = (seterr(err, errlen, "no imported shared allocation %u", sid), -1);
-    else { p->share_key = key; p->share_owner_pid = owner; p->share_owner_start = owner_start; }
-    reg_unlock();
-    return rc;
-}
-
-/* Relink and orphan come between a restore that left the gate closed and "resume": only then are
- * the records still (see registry.h), and only then is there anything to do. */
-static bool between_restore_and_resume(char *err, size_t errlen)
-{
-    if (g_dp.phase == PH_RUNNING && gpucr_gate_is_closed()) return true;
-    seterr(err, errlen, "only between a restore that left the gate closed (open_gate=0) and 'resume'");
-    return false;
-}
-
-static struct phys *exported_with_key(unsigned long long key)
-{
-    struct phys *p = g_reg.all;
-    while (p && !(p->exported && p->share_key == key)) p = p->next_all;
-    return p;
-}
-
-/* Asked of a restored exporter, or of one that never stopped (its application runs on, so the
- * record is looked up again after the driver call). */
-int dp_export(unsigned long long key, int *fd_out, struct jb *j, char *err, size_t errlen)
-{
-    reg_lock();
-    struct phys *p = exported_with_key(key);
-    CUmemGenericAllocationHandle real = p ? p->real : 0;
-    CUcontext ctx = p ? p->ctx : NULL;
-    /* a dup of the agent's own fd when it has one: memory the gpucr server made is imported here, and the
-     * driver does not export an imported handle again */
-    int fd = real ? share_dup_own(p) : -1;
-    reg_unlock();
-    if (!real) { seterr(err, errlen, "no restored exported allocation with key %llu", key); return -1; }
-    if (fd < 0) {
-        gpucr_use_ctx(ctx);
-        CUresult rc = REAL(cuMemExportToShareableHandle)(&fd, real, 1, 0);
-        if (rc != CUDA_SUCCESS) { seterr(err, errlen, "re-exporting failed: %s", gpucr_cu_errstr(rc)); return -1; }
-    }
-    reg_lock();
-    if ((p = exported_with_key(key))) share_keep_fd(p, fd);   /* for the next checkpoint's matching */
-    reg_unlock();
-    *fd_out = fd;
-    jb_bool(j, "ok", true);
-    jb_int(j, "key", (long long)key);
-    return 0;
-}
-
-/* Whether p is memory imported under `key` that is not linked yet (the key is bound on another
- * connection: read under the lock). */
-static bool unlinked_import(struct phys *p, unsigned long long key)
-{
-    reg_lock();
-    bool yes = p->kind == PHYS_IMPORTED && p->share_key == key && reg_phys_released(p);
-    reg_unlock();
-    return yes;
-}
-
-/* Map the exporter's re-exported memory (fd) at the old addresses of every allocation this process
- * imported under that key (it may have imported it more than once). */
-int dp_relink(unsigned long long key, int fd, char *err, size_t errlen)
-{
-    if (!between_restore_and_resume(err, errlen)) return -1;
-    int done = 0;
-    for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (!unlinked_import(p, key)) continue;
-        gpucr_use_ctx(p->ctx);
-        CUmemGenericAllocationHandle h = 0;
-        CUresult rc = import_at(p, fd, &h);
-        if (rc != CUDA_SUCCESS) {
-            seterr(err, errlen, "relinking shared memory failed: %s", gpucr_cu_errstr(rc));
-            return -1;
-        }
-        reg_lock();
-        share_keep_fd(p, fd);
-        share_adopt_own(p, fcntl(fd, F_DUPFD_CLOEXEC, 3), true);
-        reg_unlock();
-        linked(p, h);
-        done++;
-    }
-    if (!done) { seterr(err, errlen, "no unlinked imported allocation with key %llu", key); return -1; }
-    return 0;
-}
-
-/* The exporter of memory this process imported under `key` is gone (it died mid-checkpoint), so
- * nothing can be relinked: put zeroed memory of the same size on the same device at the old
- * addresses, with the same access, so the process runs on (its own data intact) instead of
- * waiting for ever with its gate closed. The controller says so in its answer. */
-int dp_orphan(unsigned long long key, size_t *bytes, char *err, size_t errlen)
-{
-    *bytes = 0;
-    if (!between_restore_and_resume(err, errlen)) return -1;
-    for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (!unlinked_import(p, key)) continue;
-        gpucr_use_ctx(p->ctx);
-        CUdevice dev = 0;
-        CUresult rc = gpucr_drv.cuCtxGetDevice(&dev);
-        CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED,
-                                    .location = {CU_MEM_LOCATION_TYPE_DEVICE, dev}};
-        share_make_exportable(&prop);
-        CUmemGenericAllocationHandle h = 0;
-        if (rc == CUDA_SUCCESS) rc = REAL(cuMemCreate)(&h, p->size, &prop, 0);
-        if (rc == CUDA_SUCCESS && (rc = map_all(p, h)) != CUDA_SUCCESS) release_handle(h, 1, p);
-        for (struct mapping *m = p->maps; m && rc == CUDA_SUCCESS; m = m->next) rc = REAL(cuMemsetD8_v2)(m->va, 0, m->size);
-        if (rc != CUDA_SUCCESS) {
-            seterr(err, errlen, "replacing shared memory whose exporter is gone failed: %s", gpucr_cu_errstr(rc));
-            return -1;
-        }
-        int own = share_keeps_fd(&prop) ? share_export_own(h) : -1;
-        reg_lock();
-        p->kind = PHYS_APP_VMM;   /* it is this process's own memory now */
-        p->prop = prop;
-        p->share_key = 0;
-        share_adopt_own(p, own, share_keeps_fd(&prop));
-        reg_unlock();
-        linked(p, h);
-        *bytes += p->size;
-    }
     return 0;
 }
 

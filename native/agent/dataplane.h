@@ -58,6 +58,8 @@ void dp_devices_json(struct jb *j);
 struct phys;
 bool dp_makeable(const struct phys *p);
 bool dp_handable(const struct phys *p);
+/* Memory shared with other processes, at a restore (relink.c): bind an import to its exporter's key, export it
+ * again, relink each importer, or give it zeroed memory when its exporter is gone. */
 int dp_bind(unsigned sid, unsigned long long key, long owner, unsigned long long owner_start, char *err, size_t errlen);
 int dp_export(unsigned long long key, int *fd_out, struct jb *j, char *err, size_t errlen);
 int dp_relink(unsigned long long key, int fd, char *err, size_t errlen);

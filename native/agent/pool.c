@@ -25,118 +25,60 @@
  * ones get a segment of their own, rounded to the granule. A segment is one piece of VMM memory in the
  * registry (PHYS_CONVERTED, pool_seg), so the data plane moves it like any converted allocation.
  *
- * Lock order: gate -> g_mu (this file) -> registry lock. */
+ * This file keeps the shadows, their segments and blocks, and answers the rest of the agent (pool.h); the
+ * application's calls are pool_alloc.c's (allocate, free, synchronize) and mempool.c's (cuMemPool*).
+ * Lock order: gate -> g_pool_mu (pool_impl.h) -> registry lock. */
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
-#include "pool.h"
-#include "registry.h"
+#include "pool_impl.h"
 
-#define MIN_SHIFT 9                       /* 512 B: the smallest slot */
-#define MAX_SMALL_SHIFT 20                /* 1 MiB: the largest slot; larger sizes get a segment */
-#define NSMALL (MAX_SMALL_SHIFT - MIN_SHIFT + 1)
-#define LARGE NSMALL                      /* the free list of whole segments */
 #define SCAN_LIMIT 64                     /* free blocks looked at per allocation */
 
-enum { HANDLE_POSIX_FD = 1 };
-
-struct sstate;
-
-struct slot {
-    struct slot *prev, *next;             /* in its pool's free list while free */
-    struct seg *seg;
-    CUdeviceptr va;
-    size_t size;
-    bool free;
-    struct sstate *st;                    /* the stream it was freed on */
-    uint64_t epoch;                       /* ... and that stream's free count then */
-};
-
-struct seg {
-    struct seg *next;
-    struct apool *pool;
-    struct phys *phys;
-    CUcontext ctx;
-    CUdeviceptr va;
-    size_t size;
-    int cls;                              /* < NSMALL: a slab of that class; LARGE: one block */
-    int nslots, nlive;
-    struct slot slots[];
-};
-
-/* A stream the application freed pool memory on. */
-struct sstate {
-    uint64_t key;                         /* the stream (per-thread default streams: the thread) */
-    CUstream handle;                      /* what to hand the driver for it */
-    CUcontext ctx;                        /* where its event lives */
-    bool eager;                           /* a per-thread stream: record at every free (no other thread can later) */
-    bool dead;                            /* destroyed: its event was recorded last thing */
-    uint64_t epoch, done, ev_epoch;       /* frees so far; frees known complete; frees before the event */
-    CUevent ev;
-};
-
-struct apool {
-    struct apool *next;
-    CUmemoryPool handle;
-    int dev;
-    const char *native;                   /* NULL: the agent serves it; else why the driver keeps it */
-    bool ipc;                             /* created with handle types (IPC-capable) */
-    size_t max_size;                      /* 0: no limit */
-    bool destroyed;                       /* cuMemPoolDestroy: forgotten once its last segment is gone */
-    int internal_deps;                    /* CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES */
-    int opportunistic;                    /* CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC */
-    uint64_t threshold;
-    uint64_t used, reserved, used_high, reserved_high;
-    int nacc;
-    CUmemAccessDesc acc[MAX_ACCESS];      /* peers granted by cuMemPoolSetAccess */
-    struct slot free_head[NSMALL + 1];    /* sentinels of the free lists */
-    struct seg *segs;
-};
-
-static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct apool *g_pools;
-static struct hmap g_live;                /* va -> slot handed out */
-static struct hmap g_streams;             /* key -> sstate */
-static struct hmap g_native_reason;       /* va -> reason of stream-ordered memory the driver keeps (1 ipc, 2 other) */
-static struct pool_stats g_stats;
-static long g_dying;                      /* served pools destroyed, not yet forgotten (their blocks in use) */
-static size_t g_gran;
+pthread_mutex_t g_pool_mu = PTHREAD_MUTEX_INITIALIZER;
+struct apool *g_pools;
+struct hmap g_pool_live;
+struct hmap g_pool_streams;
+struct hmap g_native_reason;
+struct pool_stats g_pool_stats;
+long g_pools_dying;
+size_t g_pool_gran;
 
 static size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
 /* ---- streams ---- */
 
-static uint64_t stream_key(CUstream h, bool pt)
+uint64_t pool_stream_key(CUstream h, bool pt)
 {
     if (h == CU_STREAM_PER_THREAD || (!h && pt)) return (uint64_t)pthread_self() | 3;   /* tagged: no handle ends in 3 */
     if (!h || h == CU_STREAM_LEGACY) return 1;
     return (uint64_t)(uintptr_t)h;
 }
 
-static CUstream stream_handle(CUstream h, bool pt)
+CUstream pool_stream_handle(CUstream h, bool pt)
 {
     return (!h && pt) ? CU_STREAM_PER_THREAD : h;
 }
 
-static struct sstate *sstate_get(CUstream h, bool pt)
+struct sstate *pool_stream_state(CUstream h, bool pt)
 {
-    uint64_t key = stream_key(h, pt);
-    struct sstate *st = hmap_get(&g_streams, key);
+    uint64_t key = pool_stream_key(h, pt);
+    struct sstate *st = hmap_get(&g_pool_streams, key);
     if (st) return st;
     st = calloc(1, sizeof *st);
     if (!st) return NULL;
     st->key = key;
-    st->handle = stream_handle(h, pt);
+    st->handle = pool_stream_handle(h, pt);
     st->eager = (key & 3) == 3;
     gpucr_drv.cuCtxGetCurrent(&st->ctx);
-    if (hmap_put(&g_streams, key, st)) { free(st); return NULL; }
+    if (hmap_put(&g_pool_streams, key, st)) { free(st); return NULL; }
     return st;
 }
 
 /* Record the stream's event now: it follows every free enqueued on it so far. */
-static bool sstate_record(struct sstate *st)
+bool pool_stream_record(struct sstate *st)
 {
     if (!st->ev && gpucr_drv.cuEventCreate(&st->ev, CU_EVENT_DISABLE_TIMING) != CUDA_SUCCESS) { st->ev = NULL; return false; }
     if (gpucr_drv.cuEventRecord(st->ev, st->handle) != CUDA_SUCCESS) return false;
@@ -161,18 +103,18 @@ static bool order_after_free(struct apool *pl, struct sstate *st, uint64_t epoch
     if (!pl->internal_deps || st->ctx != cur) return false;
     /* a per-thread stream is recorded only by its own thread (at each free): if that failed, no other
      * thread can record on it, and a stream that is gone cannot be recorded on at all */
-    if (st->ev_epoch < epoch && (st->dead || st->eager || !sstate_record(st))) return false;
+    if (st->ev_epoch < epoch && (st->dead || st->eager || !pool_stream_record(st))) return false;
     if (gpucr_drv.cuStreamWaitEvent(to, st->ev, 0) != CUDA_SUCCESS) return false;
-    g_stats.cross_stream_waits++;
+    g_pool_stats.cross_stream_waits++;
     return true;
 }
 
 /* The host saw work complete: everything freed on streams `key` (0: every stream of ctx) is reusable. */
-static void mark_done(uint64_t key, CUcontext ctx)
+void pool_streams_done(uint64_t key, CUcontext ctx)
 {
     uint64_t k;
     void *v;
-    for (size_t i = 0; (i = hmap_next(&g_streams, i, &k, &v)) < g_streams.cap; i++) {
+    for (size_t i = 0; (i = hmap_next(&g_pool_streams, i, &k, &v)) < g_pool_streams.cap; i++) {
         struct sstate *st = v;
         if (key ? st->key == key : st->ctx == ctx) st->done = st->epoch;
     }
@@ -180,7 +122,7 @@ static void mark_done(uint64_t key, CUcontext ctx)
 
 /* ---- pools ---- */
 
-static struct apool *apool_new(CUmemoryPool h, int dev, const char *native)
+struct apool *pool_shadow_new(CUmemoryPool h, int dev, const char *native)
 {
     struct apool *pl = calloc(1, sizeof *pl);
     if (!pl) return NULL;
@@ -191,14 +133,14 @@ static struct apool *apool_new(CUmemoryPool h, int dev, const char *native)
     for (int c = 0; c <= NSMALL; c++) pl->free_head[c].next = pl->free_head[c].prev = &pl->free_head[c];
     pl->next = g_pools;
     g_pools = pl;
-    if (native) g_stats.pools_native++; else g_stats.pools_served++;
+    if (native) g_pool_stats.pools_native++; else g_pool_stats.pools_served++;
     return pl;
 }
 
 /* The shadow of pool h: made on first sight for a device's default pool; any other pool not seen
  * created (an imported one) is the driver's. A destroyed pool's shadow is never found: the driver
- * may hand its handle to a new pool. g_mu held. */
-static struct apool *apool_get(CUmemoryPool h)
+ * may hand its handle to a new pool. g_pool_mu held. */
+struct apool *pool_shadow(CUmemoryPool h)
 {
     for (struct apool *pl = g_pools; pl; pl = pl->next)
         if (pl->handle == h && !pl->destroyed) return pl;
@@ -207,9 +149,9 @@ static struct apool *apool_get(CUmemoryPool h)
     for (int d = 0; d < n; d++) {
         CUmemoryPool dflt = NULL;
         if (gpucr_drv.cuDeviceGetDefaultMemPool && gpucr_drv.cuDeviceGetDefaultMemPool(&dflt, d) == CUDA_SUCCESS && dflt == h)
-            return apool_new(h, d, NULL);
+            return pool_shadow_new(h, d, NULL);
     }
-    return apool_new(h, -1, "a pool gpucr did not see created (imported from another process)");
+    return pool_shadow_new(h, -1, "a pool gpucr did not see created (imported from another process)");
 }
 
 static void list_push(struct slot *head, struct slot *s)
@@ -239,7 +181,7 @@ static void note_high(struct apool *pl)
 }
 
 /* A new segment of pool memory: VMM reserve + create + map, access for the pool's device and its
- * peers, recorded in the registry so the data plane moves it. g_mu held. */
+ * peers, recorded in the registry so the data plane moves it. g_pool_mu held. */
 static struct seg *seg_new(struct apool *pl, int cls, size_t size, CUcontext ctx)
 {
     if (pl->max_size && pl->reserved + size > pl->max_size) return NULL;
@@ -254,7 +196,7 @@ static struct seg *seg_new(struct apool *pl, int cls, size_t size, CUcontext ctx
     int nacc = 1;
     for (int i = 0; i < pl->nacc && nacc < MAX_ACCESS; i++)
         if (pl->acc[i].location.id != pl->dev) acc[nacc++] = pl->acc[i];   /* its own device is there already */
-    if (gpucr_drv.cuMemAddressReserve(&va, size, g_gran, 0, 0) != CUDA_SUCCESS) { free(sg); return NULL; }
+    if (gpucr_drv.cuMemAddressReserve(&va, size, g_pool_gran, 0, 0) != CUDA_SUCCESS) { free(sg); return NULL; }
     CUresult rc = REAL(cuMemCreate)(&h, size, &prop, 0);
     if (rc == CUDA_SUCCESS) {
         rc = REAL(cuMemMap)(va, size, 0, h, 0);
@@ -298,7 +240,7 @@ static struct seg *seg_new(struct apool *pl, int cls, size_t size, CUcontext ctx
 }
 
 /* Give a segment with nothing in use back to the device (in its own context: the caller may be the
- * agent's channel thread, which has none). g_mu held. On failure the segment stays as it was, unless
+ * agent's channel thread, which has none). g_pool_mu held. On failure the segment stays as it was, unless
  * its context is ending (`ending`: context.c then frees what is left of it). */
 static void seg_release(struct seg *sg, bool ending)
 {
@@ -334,7 +276,7 @@ static void seg_release(struct seg *sg, bool ending)
     for (struct seg **l = &pl->segs; *l; l = &(*l)->next)
         if (*l == sg) { *l = sg->next; break; }
     pl->reserved -= sg->size;
-    g_stats.segments_released++;
+    g_pool_stats.segments_released++;
     free(sg);
 }
 
@@ -347,8 +289,8 @@ static bool seg_idle(struct seg *sg, bool all_done)
     return true;
 }
 
-/* Release idle segments until the pool holds at most `keep` bytes. g_mu held. */
-static void pool_shrink(struct apool *pl, uint64_t keep, bool all_done)
+/* Release idle segments until the pool holds at most `keep` bytes. g_pool_mu held. */
+void pool_shrink(struct apool *pl, uint64_t keep, bool all_done)
 {
     for (struct seg *sg = pl->segs, *next; sg && pl->reserved > keep; sg = next) {
         next = sg->next;
@@ -357,13 +299,13 @@ static void pool_shrink(struct apool *pl, uint64_t keep, bool all_done)
 }
 
 /* Forget the shadows of destroyed pools with nothing left (as CUDA releases such a pool once its last
- * allocation is freed and that free completed). g_mu held. */
-static void forget_destroyed(void)
+ * allocation is freed and that free completed). g_pool_mu held. */
+void pool_forget_destroyed(void)
 {
     for (struct apool **l = &g_pools; *l;) {
         struct apool *pl = *l;
         if (pl->destroyed && !pl->segs) {
-            if (!pl->native) __atomic_sub_fetch(&g_dying, 1, __ATOMIC_RELAXED);
+            if (!pl->native) __atomic_sub_fetch(&g_pools_dying, 1, __ATOMIC_RELAXED);
             *l = pl->next;
             free(pl);
         }
@@ -371,7 +313,7 @@ static void forget_destroyed(void)
     }
 }
 
-/* Take a free slot of class cls for stream `to`, ordered after its free. g_mu held. */
+/* Take a free slot of class cls for stream `to`, ordered after its free. g_pool_mu held. */
 static struct slot *take_free(struct apool *pl, int cls, size_t need, struct sstate *to_st, CUstream to, CUcontext cur)
 {
     struct slot *head = &pl->free_head[cls];
@@ -393,18 +335,18 @@ static struct slot *take_free(struct apool *pl, int cls, size_t need, struct sst
     return NULL;
 }
 
-static CUresult serve(struct apool *pl, CUdeviceptr *dptr, size_t size, CUstream h, bool pt, CUcontext ctx)
+CUresult pool_serve(struct apool *pl, CUdeviceptr *dptr, size_t size, CUstream h, bool pt, CUcontext ctx)
 {
     int cls = size_class(size);
-    size_t need = cls == LARGE ? round_up(size, g_gran) : (size_t)1 << (MIN_SHIFT + cls);
-    struct sstate *st = sstate_get(h, pt);
+    size_t need = cls == LARGE ? round_up(size, g_pool_gran) : (size_t)1 << (MIN_SHIFT + cls);
+    struct sstate *st = pool_stream_state(h, pt);
     if (!st) return CUDA_ERROR_OUT_OF_MEMORY;
-    struct slot *s = take_free(pl, cls, need, st, stream_handle(h, pt), ctx);
+    struct slot *s = take_free(pl, cls, need, st, pool_stream_handle(h, pt), ctx);
     if (!s) {
-        struct seg *sg = seg_new(pl, cls, cls == LARGE ? need : g_gran, ctx);
+        struct seg *sg = seg_new(pl, cls, cls == LARGE ? need : g_pool_gran, ctx);
         if (!sg && pl->reserved) {   /* out of memory: give back what the pool holds free, and try once more */
             pool_shrink(pl, 0, false);
-            sg = seg_new(pl, cls, cls == LARGE ? need : g_gran, ctx);
+            sg = seg_new(pl, cls, cls == LARGE ? need : g_pool_gran, ctx);
         }
         if (!sg) return CUDA_ERROR_OUT_OF_MEMORY;
         s = &sg->slots[0];
@@ -414,7 +356,7 @@ static CUresult serve(struct apool *pl, CUdeviceptr *dptr, size_t size, CUstream
     s->seg->nlive++;
     pl->used += s->size;
     note_high(pl);
-    if (hmap_put(&g_live, s->va, s)) {   /* cannot remember it: give it back at once */
+    if (hmap_put(&g_pool_live, s->va, s)) {   /* cannot remember it: give it back at once */
         s->free = true; s->seg->nlive--; pl->used -= s->size;
         list_push(&pl->free_head[cls], s);
         return CUDA_ERROR_OUT_OF_MEMORY;
@@ -423,64 +365,11 @@ static CUresult serve(struct apool *pl, CUdeviceptr *dptr, size_t size, CUstream
     return CUDA_SUCCESS;
 }
 
-/* Stream-ordered memory the driver keeps: recorded with why. */
-static void note_driver_alloc(CUdeviceptr va, size_t size, struct apool *pl)
-{
-    note_native(&g_reg.pool_by_va, &g_reg.pool_bytes, &g_reg.pool_count, va, size);
-    hmap_put(&g_native_reason, va, (void *)(uintptr_t)(pl && pl->ipc ? 1 : 2));
-}
-
-static bool capturing(CUstream h, bool pt)
-{
-    int status = CU_STREAM_CAPTURE_STATUS_NONE;
-    return gpucr_drv.cuStreamIsCapturing && gpucr_drv.cuStreamIsCapturing(stream_handle(h, pt), &status) == CUDA_SUCCESS &&
-           status != CU_STREAM_CAPTURE_STATUS_NONE;
-}
-
-typedef CUresult (*real_alloc_fn)(CUdeviceptr *, size_t, CUmemoryPool, CUstream);
-
-/* Both allocation entry points. pool NULL: the current pool of the current device (cuMemAllocAsync). */
-static CUresult alloc_async(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream h, bool pt,
-                            CUresult (*real_plain)(CUdeviceptr *, size_t, CUstream), real_alloc_fn real_pool)
-{
-    if (!dptr || !size || capturing(h, pt)) {
-        /* bad arguments are the driver's to answer; during capture the graph owns the memory (its
-         * aliasing and addresses), so it stays the driver's: graph memory, reported as such */
-        CUresult rc = pool ? real_pool(dptr, size, pool, h) : real_plain(dptr, size, h);
-        if (rc == CUDA_SUCCESS && size) { pthread_mutex_lock(&g_mu); g_stats.captured_allocs++; pthread_mutex_unlock(&g_mu); }
-        return rc;
-    }
-    CUcontext ctx = NULL;
-    CUdevice dev = 0;
-    if (!pool && (gpucr_drv.cuCtxGetDevice(&dev) != CUDA_SUCCESS || !gpucr_drv.cuDeviceGetMemPool ||
-                  gpucr_drv.cuDeviceGetMemPool(&pool, dev) != CUDA_SUCCESS))
-        return real_plain(dptr, size, h);
-    gpucr_drv.cuCtxGetCurrent(&ctx);
-    pthread_mutex_lock(&g_mu);
-    g_stats.alloc_calls++;
-    if (!g_gran) {
-        CUmemAllocationProp prop = {.type = CU_MEM_ALLOCATION_TYPE_PINNED, .location = {CU_MEM_LOCATION_TYPE_DEVICE, 0}};
-        if (gpucr_drv.cuMemGetAllocationGranularity(&g_gran, &prop, CU_MEM_ALLOC_GRANULARITY_MINIMUM) != CUDA_SUCCESS) g_gran = 0;
-    }
-    struct apool *pl = apool_get(pool);
-    CUresult rc = CUDA_ERROR_NOT_SUPPORTED;
-    if (pl && !pl->native && g_gran && ctx) rc = serve(pl, dptr, size, h, pt, ctx);
-    pthread_mutex_unlock(&g_mu);
-    if (rc != CUDA_ERROR_NOT_SUPPORTED) return rc;
-    rc = real_pool ? real_pool(dptr, size, pool, h) : real_plain(dptr, size, h);
-    if (rc == CUDA_SUCCESS) {
-        pthread_mutex_lock(&g_mu);
-        note_driver_alloc(*dptr, size, pl);
-        pthread_mutex_unlock(&g_mu);
-    }
-    return rc;
-}
-
-/* Hand a slot back to its pool's free list, freed at (st, epoch). g_mu held. */
-static void slot_free(struct slot *s, struct sstate *st)
+/* Hand a slot back to its pool's free list, freed at (st, epoch). g_pool_mu held. */
+void pool_slot_free(struct slot *s, struct sstate *st)
 {
     struct seg *sg = s->seg;
-    hmap_del(&g_live, s->va);
+    hmap_del(&g_pool_live, s->va);
     s->free = true;
     s->st = st;
     s->epoch = st ? st->epoch : 0;
@@ -489,44 +378,10 @@ static void slot_free(struct slot *s, struct sstate *st)
     list_push(&sg->pool->free_head[sg->cls], s);
 }
 
-static CUresult free_async(CUdeviceptr va, CUstream h, bool pt, CUresult (*real)(CUdeviceptr, CUstream))
-{
-    /* during capture a free becomes a free node, which CUDA takes only for a graph allocation: the
-     * agent's blocks never are one (allocations during capture are the driver's), so such a free goes
-     * to the driver, which answers it as CUDA does (CUDA_ERROR_INVALID_VALUE, the capture going on);
-     * the block stays the application's */
-    bool captured = capturing(h, pt);
-    pthread_mutex_lock(&g_mu);
-    struct slot *s = va && !captured ? hmap_get(&g_live, va) : NULL;
-    CUresult rc = CUDA_SUCCESS;
-    if (s) {
-        struct sstate *st = sstate_get(h, pt);
-        if (!st) {
-            rc = CUDA_ERROR_OUT_OF_MEMORY;
-        } else {
-            st->epoch++;
-            if (st->eager) sstate_record(st);
-            slot_free(s, st);
-        }
-    }
-    pthread_mutex_unlock(&g_mu);
-    if (s) return rc;
-    /* forgotten before the driver frees it: once freed, another thread may get the address */
-    void *rec = take_native(&g_reg.pool_by_va, &g_reg.pool_bytes, &g_reg.pool_count, va);
-    rc = real(va, h);
-    if (rc != CUDA_SUCCESS && rec) keep_native(&g_reg.pool_by_va, &g_reg.pool_bytes, &g_reg.pool_count, va, rec);
-    if (rc == CUDA_SUCCESS) {
-        pthread_mutex_lock(&g_mu);
-        hmap_del(&g_native_reason, va);
-        pthread_mutex_unlock(&g_mu);
-    }
-    return rc;
-}
-
 bool pool_free_sync(CUdeviceptr va, CUresult *rc)
 {
-    pthread_mutex_lock(&g_mu);
-    struct slot *s = va ? hmap_get(&g_live, va) : NULL;
+    pthread_mutex_lock(&g_pool_mu);
+    struct slot *s = va ? hmap_get(&g_pool_live, va) : NULL;
     if (s) {
         /* cuMemFree waits for the work that may use the memory: then it is free for every stream */
         CUcontext cur = NULL;
@@ -534,372 +389,33 @@ bool pool_free_sync(CUdeviceptr va, CUresult *rc)
         if (cur != s->seg->ctx) gpucr_drv.cuCtxSetCurrent(s->seg->ctx);
         *rc = gpucr_drv.cuCtxSynchronize();
         if (cur != s->seg->ctx) gpucr_drv.cuCtxSetCurrent(cur);
-        if (*rc == CUDA_SUCCESS) slot_free(s, NULL);
+        if (*rc == CUDA_SUCCESS) pool_slot_free(s, NULL);
     }
-    pthread_mutex_unlock(&g_mu);
+    pthread_mutex_unlock(&g_pool_mu);
     return s != NULL;
 }
 
-/* Pools above their release threshold give back what they may (the host just saw work complete).
- * Its callers, the synchronize wrappers, hold the gate. */
-static void after_sync(uint64_t key, bool whole_ctx)
-{
-    CUcontext cur = NULL;
-    if (whole_ctx) gpucr_drv.cuCtxGetCurrent(&cur);
-    pthread_mutex_lock(&g_mu);
-    if (key || whole_ctx) mark_done(key, cur);
-    for (struct apool *pl = g_pools; pl; pl = pl->next)
-        if (!pl->native && pl->reserved > pl->threshold) pool_shrink(pl, pl->threshold, false);
-    forget_destroyed();
-    pthread_mutex_unlock(&g_mu);
-}
-
-static bool any_served(void)
-{
-    /* a destroyed pool's blocks still go back at a synchronize */
-    return __atomic_load_n(&g_stats.pools_served, __ATOMIC_RELAXED) != 0 || __atomic_load_n(&g_dying, __ATOMIC_RELAXED) != 0;
-}
-
-/* ---- entry points ---- */
-
-#define ALLOC_PLAIN(sym, pt, poolsym)                                                                   \
-    GPUCR_EXPORT CUresult sym(CUdeviceptr *dptr, size_t size, CUstream st)                              \
-    {                                                                                                   \
-        gpucr_init();                                                                                   \
-        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                                \
-        gpucr_gate_enter();                                                                             \
-        CUresult rc = alloc_async(dptr, size, NULL, st, pt, REAL(sym), REAL(poolsym));                  \
-        gpucr_gate_leave();                                                                             \
-        return rc;                                                                                      \
-    }
-ALLOC_PLAIN(cuMemAllocAsync, false, cuMemAllocFromPoolAsync)
-ALLOC_PLAIN(cuMemAllocAsync_ptsz, true, cuMemAllocFromPoolAsync_ptsz)
-
-#define ALLOC_POOL(sym, pt, plainsym)                                                                   \
-    GPUCR_EXPORT CUresult sym(CUdeviceptr *dptr, size_t size, CUmemoryPool pool, CUstream st)           \
-    {                                                                                                   \
-        gpucr_init();                                                                                   \
-        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                                \
-        gpucr_gate_enter();                                                                             \
-        CUresult rc = pool ? alloc_async(dptr, size, pool, st, pt, REAL(plainsym), REAL(sym))           \
-                           : REAL(sym)(dptr, size, pool, st);                                           \
-        gpucr_gate_leave();                                                                             \
-        return rc;                                                                                      \
-    }
-ALLOC_POOL(cuMemAllocFromPoolAsync, false, cuMemAllocAsync)
-ALLOC_POOL(cuMemAllocFromPoolAsync_ptsz, true, cuMemAllocAsync_ptsz)
-
-#define FREE_ASYNC(sym, pt)                                                                             \
-    GPUCR_EXPORT CUresult sym(CUdeviceptr dptr, CUstream st)                                            \
-    {                                                                                                   \
-        gpucr_init();                                                                                   \
-        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                                \
-        gpucr_gate_enter();                                                                             \
-        CUresult rc = free_async(dptr, st, pt, REAL(sym));                                              \
-        gpucr_gate_leave();                                                                             \
-        return rc;                                                                                      \
-    }
-FREE_ASYNC(cuMemFreeAsync, false)
-FREE_ASYNC(cuMemFreeAsync_ptsz, true)
-
-GPUCR_EXPORT CUresult cuMemPoolCreate(CUmemoryPool *pool, const CUmemPoolProps *props)
-{
-    gpucr_init();
-    if (!REAL(cuMemPoolCreate)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter();   /* never hold the pools' lock where the driver may hold the process */
-    CUresult rc = REAL(cuMemPoolCreate)(pool, props);
-    if (rc != CUDA_SUCCESS) { gpucr_gate_leave(); return rc; }
-    const char *native = NULL;
-    if (props->handleTypes)
-        native = "an IPC-capable pool (cuMemPoolCreate with handle types): its memory must stay exportable by the driver";
-    else if (props->location.type != CU_MEM_LOCATION_TYPE_DEVICE)
-        native = "a pool of host memory";
-    else if (props->usage)
-        native = "a pool with special usage flags";
-    pthread_mutex_lock(&g_mu);
-    struct apool *pl = apool_new(*pool, props->location.id, native);
-    if (pl) { pl->ipc = props->handleTypes != 0; pl->max_size = props->maxSize; }
-    pthread_mutex_unlock(&g_mu);
-    gpucr_gate_leave();
-    return rc;
-}
-
-GPUCR_EXPORT CUresult cuMemPoolDestroy(CUmemoryPool pool)
-{
-    gpucr_init();
-    if (!REAL(cuMemPoolDestroy)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter();
-    CUresult rc = REAL(cuMemPoolDestroy)(pool);
-    if (rc == CUDA_SUCCESS) {
-        /* as on CUDA: the pool is gone for the application (and from status) at once; what is free
-         * goes now, blocks still in use go back once freed and their frees seen complete (a threshold
-         * of 0 gives them back at the next synchronize); the shadow is forgotten once empty */
-        pthread_mutex_lock(&g_mu);
-        for (struct apool *pl = g_pools; pl; pl = pl->next) {
-            if (pl->handle != pool || pl->destroyed) continue;
-            pl->destroyed = true;
-            pl->threshold = 0;
-            if (pl->native) g_stats.pools_native--;
-            else { g_stats.pools_served--; __atomic_add_fetch(&g_dying, 1, __ATOMIC_RELAXED); pool_shrink(pl, 0, false); }
-        }
-        forget_destroyed();
-        pthread_mutex_unlock(&g_mu);
-    }
-    gpucr_gate_leave();
-    return rc;
-}
-
-static struct apool *served_pool(CUmemoryPool h)
-{
-    struct apool *pl = apool_get(h);
-    return pl && !pl->native ? pl : NULL;
-}
-
-GPUCR_EXPORT CUresult cuMemPoolSetAttribute(CUmemoryPool pool, int attr, void *value)
-{
-    gpucr_init();
-    if (!REAL(cuMemPoolSetAttribute)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter();   /* never hold the pools' lock where the driver may hold the process */
-    CUresult rc = REAL(cuMemPoolSetAttribute)(pool, attr, value);   /* the driver checks the value */
-    if (rc != CUDA_SUCCESS) { gpucr_gate_leave(); return rc; }
-    pthread_mutex_lock(&g_mu);
-    struct apool *pl = served_pool(pool);
-    if (pl && attr == CU_MEMPOOL_ATTR_RELEASE_THRESHOLD) pl->threshold = *(uint64_t *)value;
-    else if (pl && attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_INTERNAL_DEPENDENCIES) pl->internal_deps = *(int *)value != 0;
-    else if (pl && attr == CU_MEMPOOL_ATTR_REUSE_ALLOW_OPPORTUNISTIC) pl->opportunistic = *(int *)value != 0;
-    else if (pl && attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH) pl->reserved_high = pl->reserved;
-    else if (pl && attr == CU_MEMPOOL_ATTR_USED_MEM_HIGH) pl->used_high = pl->used;
-    pthread_mutex_unlock(&g_mu);
-    gpucr_gate_leave();
-    return rc;
-}
-
-GPUCR_EXPORT CUresult cuMemPoolGetAttribute(CUmemoryPool pool, int attr, void *value)
-{
-    gpucr_init();
-    if (!REAL(cuMemPoolGetAttribute)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter();   /* never hold the pools' lock where the driver may hold the process */
-    CUresult rc = REAL(cuMemPoolGetAttribute)(pool, attr, value);
-    if (rc != CUDA_SUCCESS || attr < CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT || attr > CU_MEMPOOL_ATTR_USED_MEM_HIGH) { gpucr_gate_leave(); return rc; }
-    /* the driver's figure (what it holds itself) plus the agent's */
-    pthread_mutex_lock(&g_mu);
-    struct apool *pl = served_pool(pool);
-    if (pl) {
-        uint64_t mine = attr == CU_MEMPOOL_ATTR_RESERVED_MEM_CURRENT ? pl->reserved
-                      : attr == CU_MEMPOOL_ATTR_RESERVED_MEM_HIGH  ? pl->reserved_high
-                      : attr == CU_MEMPOOL_ATTR_USED_MEM_CURRENT   ? pl->used
-                                                                   : pl->used_high;
-        *(uint64_t *)value += mine;
-    }
-    pthread_mutex_unlock(&g_mu);
-    gpucr_gate_leave();
-    return rc;
-}
-
-GPUCR_EXPORT CUresult cuMemPoolTrimTo(CUmemoryPool pool, size_t keep)
-{
-    gpucr_init();
-    if (!REAL(cuMemPoolTrimTo)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter();
-    CUresult rc = REAL(cuMemPoolTrimTo)(pool, keep);
-    if (rc == CUDA_SUCCESS) {
-        pthread_mutex_lock(&g_mu);
-        struct apool *pl = served_pool(pool);
-        if (pl) pool_shrink(pl, keep, false);
-        pthread_mutex_unlock(&g_mu);
-    }
-    gpucr_gate_leave();
-    return rc;
-}
-
-GPUCR_EXPORT CUresult cuMemPoolSetAccess(CUmemoryPool pool, const CUmemAccessDesc *map, size_t count)
-{
-    gpucr_init();
-    if (!REAL(cuMemPoolSetAccess)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter();
-    CUresult rc = REAL(cuMemPoolSetAccess)(pool, map, count);   /* the driver validates the descriptors */
-    pthread_mutex_lock(&g_mu);
-    struct apool *pl = rc == CUDA_SUCCESS ? served_pool(pool) : NULL;
-    if (pl) {
-        /* remembered for later segments, applied to every present one (and so kept by a restore) */
-        struct mapping tmp = {.ndesc = pl->nacc};
-        memcpy(tmp.desc, pl->acc, sizeof pl->acc);
-        reg_map_merge_access(&tmp, map, count);
-        pl->nacc = tmp.ndesc;
-        memcpy(pl->acc, tmp.desc, sizeof pl->acc);
-        for (struct seg *sg = pl->segs; sg && rc == CUDA_SUCCESS; sg = sg->next) {
-            rc = REAL(cuMemSetAccess)(sg->va, sg->size, map, count);   /* no driver call under the registry lock */
-            reg_lock();
-            if (rc == CUDA_SUCCESS && sg->phys->maps) reg_map_merge_access(sg->phys->maps, map, count);
-            reg_unlock();
-        }
-    }
-    pthread_mutex_unlock(&g_mu);
-    gpucr_gate_leave();
-    return rc;
-}
-
-/* Pools shared with other processes: the driver's IPC; counted, so a checkpoint refuses up front. */
-static void count_ipc(bool import)
-{
-    pthread_mutex_lock(&g_mu);
-    if (import) g_stats.ipc_imports++; else g_stats.ipc_exports++;
-    pthread_mutex_unlock(&g_mu);
-}
-
-GPUCR_EXPORT CUresult cuMemPoolExportToShareableHandle(void *out, CUmemoryPool pool, int type, unsigned long long flags)
-{
-    gpucr_init();
-    if (!REAL(cuMemPoolExportToShareableHandle)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter();   /* never hold the pools' lock where the driver may hold the process */
-    CUresult rc = REAL(cuMemPoolExportToShareableHandle)(out, pool, type, flags);
-    if (rc == CUDA_SUCCESS) count_ipc(false);
-    gpucr_gate_leave();
-    return rc;
-}
-
-GPUCR_EXPORT CUresult cuMemPoolExportPointer(CUmemPoolPtrExportData *out, CUdeviceptr ptr)
-{
-    gpucr_init();
-    if (!REAL(cuMemPoolExportPointer)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter();   /* never hold the pools' lock where the driver may hold the process */
-    CUresult rc = REAL(cuMemPoolExportPointer)(out, ptr);
-    if (rc == CUDA_SUCCESS) count_ipc(false);
-    gpucr_gate_leave();
-    return rc;
-}
-
-GPUCR_EXPORT CUresult cuMemPoolImportFromShareableHandle(CUmemoryPool *pool, void *handle, int type, unsigned long long flags)
-{
-    gpucr_init();
-    if (!REAL(cuMemPoolImportFromShareableHandle)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter();   /* never hold the pools' lock where the driver may hold the process */
-    CUresult rc = REAL(cuMemPoolImportFromShareableHandle)(pool, handle, type, flags);
-    if (rc == CUDA_SUCCESS) {
-        count_ipc(true);
-        pthread_mutex_lock(&g_mu);
-        struct apool *pl = apool_get(*pool);   /* not seen created: the driver's */
-        if (pl) pl->ipc = true;
-        pthread_mutex_unlock(&g_mu);
-    }
-    gpucr_gate_leave();
-    return rc;
-}
-
-GPUCR_EXPORT CUresult cuMemPoolImportPointer(CUdeviceptr *ptr, CUmemoryPool pool, CUmemPoolPtrExportData *data)
-{
-    gpucr_init();
-    if (!REAL(cuMemPoolImportPointer)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter();   /* never hold the pools' lock where the driver may hold the process */
-    CUresult rc = REAL(cuMemPoolImportPointer)(ptr, pool, data);
-    if (rc == CUDA_SUCCESS) count_ipc(true);
-    gpucr_gate_leave();
-    return rc;
-}
-
-/* Synchronize points. They wait at the closed gate like a launch: the driver's lock does not hold
- * them, and one that overlaps its checkpoint kills the process (entrypoints.def). One already waiting
- * when the gate closes is drained with the other calls in flight: it returns once the work submitted
- * before the gate closed is done, which the checkpoint's own synchronize waits for anyway. The host
- * then sees work complete and (as CUDA does) pools above their release threshold give memory back. */
-static CUresult synchronized(CUresult rc, uint64_t key, bool whole_ctx)
-{
-    if (rc == CUDA_SUCCESS && any_served()) after_sync(key, whole_ctx);
-    gpucr_gate_leave();
-    return rc;
-}
-
-#define STREAM_SYNC(sym, pt)                                                                            \
-    GPUCR_EXPORT CUresult sym(CUstream st)                                                              \
-    {                                                                                                   \
-        gpucr_init();                                                                                   \
-        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                                \
-        gpucr_gate_enter_waiting();                                                                     \
-        return synchronized(REAL(sym)(st), stream_key(st, pt), false);                                  \
-    }
-STREAM_SYNC(cuStreamSynchronize, false)
-STREAM_SYNC(cuStreamSynchronize_ptsz, true)
-
-/* CUDA 13's form names the context; NULL is the current one */
-GPUCR_EXPORT CUresult cuCtxSynchronize_v2(CUcontext ctx)
-{
-    gpucr_init();
-    if (!REAL(cuCtxSynchronize_v2)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter_waiting();
-    CUresult rc = REAL(cuCtxSynchronize_v2)(ctx);
-    if (rc == CUDA_SUCCESS && any_served()) {
-        CUcontext cur = NULL;
-        gpucr_drv.cuCtxGetCurrent(&cur);
-        if (ctx && ctx != cur) gpucr_drv.cuCtxSetCurrent(ctx);
-        after_sync(0, true);
-        if (ctx && ctx != cur) gpucr_drv.cuCtxSetCurrent(cur);
-    }
-    gpucr_gate_leave();
-    return rc;
-}
-
-GPUCR_EXPORT CUresult cuCtxSynchronize(void)
-{
-    gpucr_init();
-    if (!REAL(cuCtxSynchronize)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter_waiting();
-    return synchronized(REAL(cuCtxSynchronize)(), 0, true);
-}
-
-GPUCR_EXPORT CUresult cuEventSynchronize(CUevent ev)
-{
-    gpucr_init();
-    if (!REAL(cuEventSynchronize)) return CUDA_ERROR_NOT_SUPPORTED;
-    gpucr_gate_enter_waiting();
-    return synchronized(REAL(cuEventSynchronize)(ev), 0, false);   /* which frees completed: the events say */
-}
-
-/* A stream that goes: record its event last thing, so blocks freed on it stay ordered; a new stream
- * that gets the same handle starts afresh. */
-#define STREAM_DESTROY(sym)                                                                             \
-    GPUCR_EXPORT CUresult sym(CUstream st)                                                              \
-    {                                                                                                   \
-        gpucr_init();                                                                                   \
-        if (!REAL(sym)) return CUDA_ERROR_NOT_SUPPORTED;                                                \
-        gpucr_gate_enter_waiting();                                                                     \
-        pthread_mutex_lock(&g_mu);                                                                      \
-        struct sstate *s = st ? hmap_get(&g_streams, stream_key(st, false)) : NULL;                     \
-        if (s) {                                                                                        \
-            if (s->ev_epoch < s->epoch && !sstate_record(s)) {                                          \
-                gpucr_drv.cuStreamSynchronize(st);   /* no event: wait, so its frees are complete */    \
-                s->done = s->epoch;                                                                     \
-            }                                                                                           \
-            s->dead = true;                                                                             \
-            hmap_del(&g_streams, s->key);                                                               \
-        }                                                                                               \
-        pthread_mutex_unlock(&g_mu);                                                                    \
-        CUresult rc = REAL(sym)(st);                                                                    \
-        gpucr_gate_leave();                                                                             \
-        return rc;                                                                                      \
-    }
-STREAM_DESTROY(cuStreamDestroy)
-STREAM_DESTROY(cuStreamDestroy_v2)
 
 /* ---- the rest of the agent ---- */
 
 void pool_forget_ctx(CUcontext ctx)
 {
-    pthread_mutex_lock(&g_mu);
+    pthread_mutex_lock(&g_pool_mu);
     for (struct apool *pl = g_pools; pl; pl = pl->next)
         for (struct seg *sg = pl->segs, *next; sg; sg = next) {
             next = sg->next;
             if (sg->ctx != ctx) continue;
             for (int i = 0; i < sg->nslots; i++)
-                if (!sg->slots[i].free) { hmap_del(&g_live, sg->slots[i].va); pl->used -= sg->slots[i].size; }
+                if (!sg->slots[i].free) { hmap_del(&g_pool_live, sg->slots[i].va); pl->used -= sg->slots[i].size; }
             sg->nlive = 0;
             seg_release(sg, true);
         }
-    forget_destroyed();
+    pool_forget_destroyed();
     uint64_t k;
     void *v;
-    for (size_t i = 0; (i = hmap_next(&g_streams, i, &k, &v)) < g_streams.cap; i++)
-        if (((struct sstate *)v)->ctx == ctx) { ((struct sstate *)v)->dead = true; hmap_del(&g_streams, k); }
-    pthread_mutex_unlock(&g_mu);
+    for (size_t i = 0; (i = hmap_next(&g_pool_streams, i, &k, &v)) < g_pool_streams.cap; i++)
+        if (((struct sstate *)v)->ctx == ctx) { ((struct sstate *)v)->dead = true; hmap_del(&g_pool_streams, k); }
+    pthread_mutex_unlock(&g_pool_mu);
 }
 
 /* Graph memory the driver holds, on every device the process uses. With `trim` (gate closed, every
@@ -938,29 +454,29 @@ static unsigned long long graph_memory(bool trim)
 
 void pool_trim_for_checkpoint(void)
 {
-    pthread_mutex_lock(&g_mu);
+    pthread_mutex_lock(&g_pool_mu);
     uint64_t k;
     void *v;
-    for (size_t i = 0; (i = hmap_next(&g_streams, i, &k, &v)) < g_streams.cap; i++)
+    for (size_t i = 0; (i = hmap_next(&g_pool_streams, i, &k, &v)) < g_pool_streams.cap; i++)
         ((struct sstate *)v)->done = ((struct sstate *)v)->epoch;   /* every context was synchronised */
     for (struct apool *pl = g_pools; pl; pl = pl->next) {
         if (!pl->native) pool_shrink(pl, 0, true);
         else if (!pl->destroyed && REAL(cuMemPoolTrimTo)) REAL(cuMemPoolTrimTo)(pl->handle, 0);   /* the driver's: less for it to move */
     }
-    forget_destroyed();
-    pthread_mutex_unlock(&g_mu);
+    pool_forget_destroyed();
+    pthread_mutex_unlock(&g_pool_mu);
     /* graph memory the driver holds for graphs not running now goes back before its checkpoint */
     unsigned long long g = graph_memory(true);
-    pthread_mutex_lock(&g_mu);
-    g_stats.graph_bytes = g;
-    pthread_mutex_unlock(&g_mu);
+    pthread_mutex_lock(&g_pool_mu);
+    g_pool_stats.graph_bytes = g;
+    pthread_mutex_unlock(&g_pool_mu);
 }
 
 bool pool_refusal(char *why, size_t len)
 {
-    pthread_mutex_lock(&g_mu);
-    long ex = g_stats.ipc_exports, im = g_stats.ipc_imports;
-    pthread_mutex_unlock(&g_mu);
+    pthread_mutex_lock(&g_pool_mu);
+    long ex = g_pool_stats.ipc_exports, im = g_pool_stats.ipc_imports;
+    pthread_mutex_unlock(&g_pool_mu);
     if (!ex && !im) return false;
     snprintf(why, len, "the process shares stream-ordered memory pools with other processes (cuMemPoolExportToShareableHandle / "
              "cuMemPoolExportPointer: %ld, cuMemPoolImportFromShareableHandle / cuMemPoolImportPointer: %ld), which gpucr "
@@ -971,9 +487,9 @@ bool pool_refusal(char *why, size_t len)
 void pool_get_stats(struct pool_stats *out, bool running)
 {
     unsigned long long g = running ? graph_memory(false) : 0;
-    pthread_mutex_lock(&g_mu);
-    if (running) g_stats.graph_bytes = g;
-    *out = g_stats;
+    pthread_mutex_lock(&g_pool_mu);
+    if (running) g_pool_stats.graph_bytes = g;
+    *out = g_pool_stats;
     out->served_used = out->served_reserved = 0;
     for (struct apool *pl = g_pools; pl; pl = pl->next)
         if (!pl->native) { out->served_used += pl->used; out->served_reserved += pl->reserved; }
@@ -989,19 +505,19 @@ void pool_get_stats(struct pool_stats *out, bool running)
         else { out->other_native_bytes += reg_native_size(rec); out->other_native_allocs++; }
     }
     reg_unlock();
-    pthread_mutex_unlock(&g_mu);
+    pthread_mutex_unlock(&g_pool_mu);
 }
 
 /* The child of fork() has none of its parent's CUDA state: forget it all (leaked on purpose). */
 void pool_reset_after_fork(void)
 {
-    pthread_mutex_init(&g_mu, NULL);
+    pthread_mutex_init(&g_pool_mu, NULL);
     g_pools = NULL;
-    memset(&g_live, 0, sizeof g_live);
-    memset(&g_streams, 0, sizeof g_streams);
+    memset(&g_pool_live, 0, sizeof g_pool_live);
+    memset(&g_pool_streams, 0, sizeof g_pool_streams);
     memset(&g_native_reason, 0, sizeof g_native_reason);
-    memset(&g_stats, 0, sizeof g_stats);
-    g_dying = 0;
+    memset(&g_pool_stats, 0, sizeof g_pool_stats);
+    g_pools_dying = 0;
 }
 
 __attribute__((constructor)) static void pool_init(void) { pthread_atfork(NULL, NULL, pool_reset_after_fork); }

@@ -1,9 +1,140 @@
-/* What the agent reports to a controller beyond its state: the GPUs it uses, and its listings with fds over
- * SCM_RIGHTS (docs/server.md, "Handing the fds to a controller"): the memory it manages, for a gpucr data plane
- * to import, and the memory it shares with other processes. Each page is bounded (docs/security.md); the
- * registry lock is held while a page is written. */
+/* What the agent reports to a controller: hello and status (the channel's own state handed in by verbs.c), the
+ * GPUs it uses, and its listings with fds over SCM_RIGHTS (docs/server.md, "Handing the fds to a controller"): the
+ * memory it manages, for a gpucr data plane to import, and the memory it shares with other processes. Each page
+ * is bounded (docs/security.md); the registry lock is held while a page is written. */
+#define _GNU_SOURCE
+#include <dlfcn.h>
+#include <stdio.h>
+#include <unistd.h>
+#include "admit.h"
 #include "dataplane.h"
+#include "pool.h"
 #include "registry.h"
+#include "report.h"
+#include "settings.h"
+#include "staging.h"
+
+#define PROTOCOL 4                 /* gpucr/agent.py PROTOCOL: the controller refuses any other */
+
+static char g_group[128];   /* GPUCR_GROUP, read once at start: the application may change its environment later */
+
+void report_read_group(void)
+{
+    /* checked against settings.def: a name longer than g_group holds is refused with a warning, not cut */
+    _Static_assert(sizeof g_group == 127 + 1, "GPUCR_GROUP's most in settings.def");
+    snprintf(g_group, sizeof g_group, "%s", gpucr_setting_str(SET_GROUP));
+}
+
+/* Whether the process has loaded a CUDA driver, through the agent or on its own. */
+bool report_cuda_present(void)
+{
+    if (gpucr_cuda_loaded()) return true;
+    void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    if (h) dlclose(h);
+    return h != NULL;
+}
+
+/* Whether the driver the process loaded is simcuda, the test double: asked of the library itself,
+ * also when the process has not called through the agent yet (it may have called cuInit directly). */
+static bool simulated_driver(void)
+{
+    if (gpucr_cuda_loaded() && gpucr_drv.simcudaIsSimulated) return gpucr_drv.simcudaIsSimulated();
+    void *h = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_NOLOAD);
+    if (!h) return false;
+    int (*is_sim)(void) = (int (*)(void))gpucr_real_dlsym(h, "simcudaIsSimulated");
+    dlclose(h);
+    return is_sim && is_sim();
+}
+
+void report_hello(struct jb *j)
+{
+    jb_bool(j, "ok", true);
+    jb_str(j, "agent", "gpucr");
+    jb_int(j, "protocol", PROTOCOL);
+    jb_int(j, "pid", getpid());
+    jb_int(j, "uid", getuid());
+    jb_bool(j, "cuda", report_cuda_present());
+    jb_bool(j, "simulated", simulated_driver());
+    jb_str(j, "group", g_group);
+}
+
+void report_status(struct jb *j, const struct dp_status *st, const struct channel_state *cs)
+{
+    jb_bool(j, "ok", true);
+    jb_int(j, "pid", getpid());
+    jb_bool(j, "cuda", report_cuda_present());
+    jb_bool(j, "simulated", simulated_driver());
+    jb_str(j, "state", dp_checkpointed(st->phase) ? "checkpointed" : "running");
+    jb_str(j, "phase", dp_phase_name(st->phase));
+    /* between the phases of a checkpoint of several processes: still (gate closed), nothing released */
+    jb_str(j, "checkpoint_phase", st->phase == PH_HANDED || st->phase == PH_COPIED ? "handed" :
+                                  st->phase == PH_QUIESCED ? "quiesced" : "");
+    jb_str(j, "group", g_group);
+    jb_bool(j, "staged", dp_staged(st->phase));
+    jb_bool(j, "busy", cs->busy);   /* a checkpoint, restore or roll-back is running now */
+    jb_bool(j, "rolling_back", cs->rolling_back);
+    /* parked on purpose (`gpucr recover` leaves it alone), not by a controller that died or a failed restore */
+    int committed = dp_checkpointed(st->phase) ? cs->committed : COMMITTED_NONE;
+    jb_bool(j, "committed", committed != COMMITTED_NONE);
+    jb_str(j, "committed_level", committed == COMMITTED_FULL ? "full" : committed == COMMITTED_DATA ? "data" : "");
+    jb_bool(j, "gate_closed", gpucr_gate_is_closed());
+    unsigned long long pbytes, psteps;
+    dp_get_progress(&pbytes, &psteps);   /* a controller waiting on another connection watches these move */
+    jb_sub(j, "progress");
+    jb_int(j, "bytes", (long long)pbytes);
+    jb_int(j, "steps", (long long)psteps);
+    jb_end(j);
+    jb_int(j, "generation", st->generation);
+    jb_int(j, "requests_served", (long long)cs->requests_served);   /* this status among them */
+    struct pool_stats ps;
+    pool_get_stats(&ps, !dp_checkpointed(st->phase));   /* before the registry lock: pool.c takes its own first */
+    reg_lock();
+    long n = 0, conv = 0, app = 0, kept = 0;
+    size_t moved = 0, left = 0;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        n++;
+        if (p->kind == PHYS_CONVERTED) conv++; else if (p->kind == PHYS_APP_VMM) app++;
+        if (reg_phys_released(p) || reg_phys_movable(p)) moved += p->size;
+        else { kept++; left += p->size; }
+    }
+    jb_sub(j, "allocations");
+    jb_int(j, "tracked", n);
+    jb_int(j, "converted", conv);
+    jb_int(j, "app_vmm", app);
+    jb_int(j, "tracked_bytes", (long long)moved);
+    jb_int(j, "vmm_left_to_driver", kept);
+    jb_int(j, "vmm_left_to_driver_bytes", (long long)left);
+    jb_int(j, "native", g_reg.native_count);
+    jb_int(j, "native_bytes", (long long)g_reg.native_bytes);
+    jb_int(j, "pool", g_reg.pool_count);
+    jb_int(j, "pool_bytes", (long long)g_reg.pool_bytes);
+    jb_int(j, "managed", g_reg.managed_count);
+    jb_int(j, "managed_bytes", (long long)g_reg.managed_bytes);
+    jb_int(j, "ipc_exports", g_reg.ipc_exports);
+    jb_int(j, "not_exportable", g_reg.unexportable);
+    jb_end(j);
+    coverage_json(j, &ps);
+    dp_devices_json(j);
+    reg_unlock();
+    struct staging_info si;
+    staging_get_info(&si);
+    jb_int(j, "staging_bytes", (long long)si.bytes);
+    jb_int(j, "staging_segments", si.segments);
+    jb_str(j, "staging", si.kind);
+    admit_status_json(j, si.memory_bytes);
+    jb_sub(j, "last_cycle_ms");
+    jb_dbl(j, "staging", st->last.staging);
+    jb_dbl(j, "gate", st->last.gate);
+    jb_dbl(j, "sync", st->last.sync);
+    jb_dbl(j, "release", st->last.release);
+    jb_int(j, "bytes_out", (long long)st->last.bytes_out);
+    jb_end(j);
+    char why[512];
+    dp_preflight(why, sizeof why);
+    jb_str(j, "refusal", why);
+    dp_shared_json(j);
+    gpucr_gate_json(j);
+}
 
 /* Bytes of the plain allocations in `map` that are on device dev. */
 static size_t native_on(const struct hmap *map, int dev)

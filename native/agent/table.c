@@ -1,5 +1,5 @@
 /* The wrappers of the entry table (entrypoints.def): the generated gated ones, the driver's resolvers
- * (cuGetProcAddress*), and a pointer to each entry's wrapper (hand-written ones in alloc.c, pool.c, context.c...)
+ * (cuGetProcAddress*), and a pointer to each entry's wrapper (hand-written ones in alloc.c, pool_alloc.c, context.c...)
  * handed out in place of the driver's function (gpucr_substitute; interpose.c for dlsym and the runtime's
  * resolvers). Above every file that defines a wrapper; entry.c, below them all, resolves the real ones. */
 #define _GNU_SOURCE

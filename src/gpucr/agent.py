@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable, Protocol, TypeVar
 from .errors import GpucrError
 
 MAX_REPLY = 64 << 20
-PROTOCOL = 4            # what the agent says in hello's "protocol"; native/agent/channel.c sends the same
+PROTOCOL = 4            # what the agent says in hello's "protocol"; native/agent/report.c sends the same
 WATCH_EVERY_S = 0.25    # how often a watched call looks at the process while it waits
 # A paged listing (`shared`, `memory`) comes from an untrusted process: besides one deadline, it is bounded
 # by the count its agent announces first (at most this many entries: far more allocations than a process

@@ -1,5 +1,5 @@
 """What the agents answer and the coordinator measured, made into results' dataclasses. The one
-place that knows both the agent's status keys (native/agent/channel.c) and the schema's fields, so
+place that knows both the agent's status keys (native/agent/report.c) and the schema's fields, so
 the coordinator keeps its working dicts and builds results only at its edges."""
 from __future__ import annotations
 

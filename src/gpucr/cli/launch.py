@@ -1,0 +1,95 @@
+"""The commands that start something or hand over to another part of gpucr: run (execs the application under the
+agent), lib, serve (the gpucr server), demo, bench and doctor."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from .. import paths, server_view
+from ..errors import GpucrError
+from ..server import route
+from .args import say_retired_env
+from .text import print_json
+
+
+def _check_driver_loads() -> None:
+    """Before the application starts: without a loadable driver it would only crash on its own, later."""
+    import ctypes
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError as exc:
+        raise GpucrError(f"no CUDA driver can be loaded here ({exc}): install the NVIDIA driver, or add --simulate "
+                         "to run on simcuda, the simulated driver (a test double)") from None
+
+
+def cmd_run(a: argparse.Namespace) -> int:
+    cmd = a.cmd[1:] if a.cmd and a.cmd[0] == "--" else a.cmd
+    if not cmd:
+        raise GpucrError("nothing to run: give a command after '--', e.g. gpucr run -- python3 app.py")
+    if not a.simulate:
+        _check_driver_loads()
+    env = paths.run_env(simulate=a.simulate)
+    if a.staging:
+        env["GPUCR_STAGING"] = a.staging
+    if a.staging_policy:
+        env["GPUCR_STAGING_POLICY"] = a.staging_policy
+    if a.group:
+        env["GPUCR_GROUP"] = a.group
+    if a.host_budget:
+        env["GPUCR_HOST_BUDGET"] = a.host_budget
+    if a.swap and not route.server_wanted():
+        raise GpucrError("--swap needs the gpucr server: drop --no-server (and GPUCR_NO_SERVER=1)")
+    if route.server_wanted():
+        from ..server import client
+        problem = client.ensure_running(a.simulate)
+        if problem and a.swap:
+            raise GpucrError(f"--swap needs the gpucr server: {problem}")
+        if problem:
+            route.note(problem)
+    if a.swap:
+        server_view.register_swap(a, cmd, env)
+    say_retired_env(env)
+    if a.simulate:
+        print("gpucr: running on simcuda, the simulated driver (a test double; no GPU is used)", file=sys.stderr)
+    try:
+        os.execvpe(cmd[0], cmd, env)
+    except OSError as exc:
+        raise GpucrError(f"cannot run {cmd[0]}: {exc.strerror}") from exc
+
+
+def cmd_lib(a: argparse.Namespace) -> int:
+    print(paths.simcuda_dir() / "libcuda.so.1" if a.simulate else paths.agent_lib())
+    return 0
+
+
+def cmd_serve(a: argparse.Namespace) -> int:
+    from ..server import client, daemon
+    if a.stop:
+        pid = client.stop(a.simulate)
+        print("no gpucr server runs" if pid is None else f"gpucr server (pid {pid}) stopped")
+        return 0
+    if a.status:
+        info = client.info(a.simulate)
+        if a.json:
+            print_json({"running": True, **info} if info else {"running": False, "simulated": a.simulate})
+        else:
+            print(server_view.server_line(info) if info else "server: not running")
+        return 0 if info else 3
+    return daemon.main(a.idle_exit, keep_context=not a.give_back_context,
+                       routes=not a.no_routes)
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    from .. import demo
+    return demo.main(simulate=a.simulate, as_json=a.json)
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from ..bench import run
+    return run.main(a)
+
+
+def cmd_doctor(a: argparse.Namespace) -> int:
+    from .. import doctor
+    return doctor.main(as_json=a.json)
