@@ -132,6 +132,7 @@ BAD_ARGS = [
     (["run", "--group", "", "--", "true"], "--group"),
     (["run", "--host-budget", "64GB", "--", "true"], "--host-budget"),
     (["run", "--host-budget", "0%", "--", "true"], "--host-budget"),
+    (["serve", "--simulate", "--host-budget", "1.5G"], "--host-budget"),
     (["checkpoint", "--group", "g" * 128], "--group"),
     (["checkpoint", "--timeout", "soon", "1"], "--timeout"),
     (["checkpoint", "--level", "most", "1"], "--level"),
