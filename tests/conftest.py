@@ -246,6 +246,18 @@ class RunningServer:
 
 
 @pytest.fixture
+def server_args() -> list[str]:
+    """`gpucr serve`'s flags for a test's server (test_swap.py's swap_server); a test module may give its own."""
+    return []
+
+
+@pytest.fixture
+def server_preexec():
+    """What a test's server process runs before it starts (test_swap.py's swap_server); None: nothing."""
+    return None
+
+
+@pytest.fixture
 def server():
     """A gpucr server on simcuda for this test's runtime dir."""
     s = RunningServer(True)

@@ -132,6 +132,7 @@ BAD_ARGS = [
     (["run", "--group", "", "--", "true"], "--group"),
     (["run", "--host-budget", "64GB", "--", "true"], "--host-budget"),
     (["run", "--host-budget", "0%", "--", "true"], "--host-budget"),
+    (["serve", "--simulate", "--host-budget", "1.5G"], "--host-budget"),
     (["checkpoint", "--group", "g" * 128], "--group"),
     (["checkpoint", "--timeout", "soon", "1"], "--timeout"),
     (["checkpoint", "--level", "most", "1"], "--level"),
@@ -185,6 +186,13 @@ def test_cli_and_agent_read_a_budget_alike():
         except argparse.ArgumentTypeError:
             taken = False
         assert taken == (agent_stderr({"GPUCR_HOST_BUDGET": v}) == []), v
+
+
+def test_a_budget_in_bytes_as_the_server_counts_it():
+    from gpucr.sizes import budget_bytes
+    assert [budget_bytes(v, mem_total=1000) for v in ("64G", "4K", "1", "50%", "100%")] == [64 << 30, 4096, 1, 500, 1000]
+    with pytest.raises(ValueError, match="'64GB' is not a host-memory budget: give bytes, a size with K, M, G or T"):
+        budget_bytes("64GB")
 
 
 @pytest.mark.parametrize("name", cli.CONTROLLER_FLAGS)

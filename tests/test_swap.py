@@ -27,10 +27,11 @@ DEMAND = {"launch": "work 0", "copy": "digest", "memset": "zero 0", "allocation"
 
 
 @pytest.fixture
-def swap_server():
+def swap_server(server_args, server_preexec):
     """The user's server, holding its context on the GPU already, as one that has parked anything does (it is made at
-    its first copy): the tests' sums of memory hold it from the start (docs/swap.md)."""
-    srv = RunningServer(True)
+    its first copy): the tests' sums of memory hold it from the start (docs/swap.md). Its flags and what it runs
+    before it starts: conftest's server_args and server_preexec, which a test module may give itself."""
+    srv = RunningServer(True, *server_args, preexec_fn=server_preexec)
     warm = Workload("driver_app", "--sizes", "4M", simulate=True)
     try:
         gpucr.checkpoint(warm.pid)

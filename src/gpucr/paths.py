@@ -89,6 +89,14 @@ def socket_problem(path: Path, uid: int) -> str | None:
     return None
 
 
+def state_dir(environ: dict[str, str] | None = None) -> Path:
+    """gpucr's per-user state that outlives a boot (the runtime dir may be memory): $XDG_STATE_HOME/gpucr, else
+    ~/.local/state/gpucr."""
+    env = os.environ if environ is None else environ
+    base = env.get("XDG_STATE_HOME") or str(Path(env.get("HOME") or Path.home()) / ".local" / "state")
+    return Path(base) / "gpucr"
+
+
 def fallback_dirs(uid: int) -> list[Path]:
     """The private dirs agents of `uid` made for themselves because the default dir was taken."""
     prefix = fallback_prefix(uid)

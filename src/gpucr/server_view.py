@@ -30,6 +30,8 @@ def add_swap_flags(r: argparse.ArgumentParser, seconds: Callable[[str], float]) 
     r.add_argument("--wait-limit", type=seconds, metavar="SECONDS", help="with --swap: an allocation that waits "
                    "longer than this for room or for the app's resume fails with out-of-memory, as without the "
                    "service; other calls (a launch) keep waiting (default: no limit)")
+    r.add_argument("--any-gpu", action="store_true", help="with --swap: the app may be resumed on another GPU of the "
+                   "same chip with room when its own has none; its device pointers keep their values (docs/swap.md)")
 
 
 def register_swap(a: argparse.Namespace, cmd: list[str], env: dict[str, str]) -> None:
@@ -44,7 +46,8 @@ def register_swap(a: argparse.Namespace, cmd: list[str], env: dict[str, str]) ->
     name = a.name or f"{os.path.basename(cmd[0])}-{os.getpid()}"
     route.register_swap(a.simulate, {"pid": os.getpid(), "name": name, "priority": a.priority,
                                      "min_resident": a.min_resident, "idle_park": a.idle_park,
-                                     "park_deadline": a.park_deadline, "wait_limit": a.wait_limit})
+                                     "park_deadline": a.park_deadline, "wait_limit": a.wait_limit,
+                                     "any_gpu": a.any_gpu})
 
 
 def server_lines() -> list[str]:
@@ -74,7 +77,10 @@ def _swap_apps(info: dict[str, Any]) -> list[str]:
     apps = info.get("swap") or []
     if not apps:
         return []
-    lines = [f"  swap apps: {'NAME':<16} {'PID':>8} {'PRIO':>4} {'STATE':<9} {'HELD':>10} {'PEAK':>10} {'IDLE':>8} "
+    host = info.get("swap_host") or {}
+    lines = [f"  swap host memory: {mib(host['host_bytes'])} of --host-budget {mib(host['host_budget_bytes'])} held by "
+             f"parked apps; {host['on_disk']} on disk in {host['park_dir']}"] if host.get("host_budget_bytes") else []
+    lines += [f"  swap apps: {'NAME':<16} {'PID':>8} {'PRIO':>4} {'STATE':<9} {'HELD':>10} {'PEAK':>10} {'IDLE':>8} "
              f"{'PARKS':>5} {'WAKE':>9}"]
     for a in apps:
         wake = "-" if a["last_wake_ms"] is None else f"{a['last_wake_ms']:.1f} ms"
@@ -85,10 +91,12 @@ def _swap_apps(info: dict[str, Any]) -> list[str]:
 
 
 def _swap_note(app: dict[str, Any]) -> str:
-    """What it waits for (room, or its resume) and for how long, else its last refusal or failure."""
+    """Its image when on disk; what it waits for (room, or its resume) and for how long, else its last refusal or
+    failure."""
+    image = f"  [{app['image']}]" if app.get("image") else ""
     if app.get("waiting"):
-        return f"  (WAITING {app['waiting_s']:.1f} s for {app['waiting']})"
-    return f"  ({app['why']})" if app["why"] else ""
+        return f"{image}  (WAITING {app['waiting_s']:.1f} s for {app['waiting']})"
+    return image + (f"  ({app['why']})" if app["why"] else "")
 
 
 def server_line(info: dict[str, Any]) -> str:

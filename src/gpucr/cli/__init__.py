@@ -115,6 +115,11 @@ def _parser() -> argparse.ArgumentParser:
                     "cycles (each cycle then pins the staging again; default: kept, for fast restores)")
     sv.add_argument("--no-routes", action="store_true", help="copy only over each process's own GPU's host link "
                     "(default: also through idle GPUs joined to it by NVLink, over their host links too)")
+    sv.add_argument("--host-budget", metavar="SIZE", type=host_budget, help="the most host memory the swap apps "
+                    "parked in host memory hold: 64G or 50%% of MemTotal; past it, the least recently used goes to disk "
+                    "(--park-dir; default: no budget, docs/swap.md)")
+    sv.add_argument("--park-dir", metavar="DIR", help="where parked swap apps past --host-budget go as images: a "
+                    "directory of yours, mode 0700 (default: gpucr/parked under $XDG_STATE_HOME or ~/.local/state)")
     sv.add_argument("--stop", action="store_true", help="stop the running server")
     sv.add_argument("--status", action="store_true", help="say whether a server runs, its pid and what it holds "
                     "(exit status 3 when none runs)")

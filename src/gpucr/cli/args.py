@@ -9,6 +9,7 @@ import re
 import sys
 from typing import Any, NoReturn
 
+from .. import sizes
 from ..agent_tables import SETTINGS
 from ..errors import GpucrError
 from ..server import route
@@ -74,17 +75,12 @@ def say_retired_env(env: dict[str, str]) -> None:
             print(f"gpucr: {name}: {RETIRED_WHY}", file=sys.stderr)
 
 
-_BUDGET = re.compile(r"(?:([1-9][0-9]*)%|([1-9][0-9]*)([KMGT]?))")
-
-
 def host_budget(v: str) -> str:
-    """--host-budget: the agent's GPUCR_HOST_BUDGET form (util.c gpucr_parse_budget; tests/test_settings.py
-    holds the two to each other): bytes, a size with K, M, G or T (binary), or 1% to 100% of MemTotal."""
-    m = _BUDGET.fullmatch(v)
-    if m and (int(m[2]) << 10 * "_KMGT".index(m[3] or "_") < 1 << 64 if m[2] else 1 <= int(m[1]) <= 100):
-        return v
-    raise argparse.ArgumentTypeError(f"'{v}' is not a host-memory budget: give bytes, a size with K, M, G or T "
-                                     "(e.g. 64G), or 1% to 100% of MemTotal (e.g. 50%)")
+    """--host-budget: the agent's GPUCR_HOST_BUDGET form (gpucr.sizes)."""
+    why = sizes.budget_problem(v)
+    if why:
+        raise argparse.ArgumentTypeError(why)
+    return v
 
 
 def group_name(v: str) -> str:

@@ -76,7 +76,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         else:
             print(server_view.server_line(info) if info else "server: not running")
         return 0 if info else 3
-    return daemon.main(a.idle_exit, keep_context=not a.give_back_context,
+    return daemon.main(a.idle_exit, keep_context=not a.give_back_context, host_budget=a.host_budget, park_dir=a.park_dir,
                        routes=not a.no_routes)
 
 

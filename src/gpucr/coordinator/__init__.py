@@ -12,13 +12,15 @@ A checkpoint is all or nothing: if any process fails at any phase, every process
 running with its data intact, and the error names the process and the phase. A restore brings back
 every process it can; one that fails stays checkpointed and restorable, and the error names it.
 
-The package's modules, top to bottom: checkpointing, restoring, relink, image_steps, through_plane, steps, members."""
+The package's modules, top to bottom: checkpointing, restoring, spill (a checkpoint's data from host memory to
+an image), relink, image_steps, through_plane, steps, members."""
 from __future__ import annotations
 
 from ..levels import LEVELS   # noqa: F401 (coordinator.LEVELS, as before)
 from .checkpointing import checkpoint_many
 from .members import PhaseError
 from .restoring import restore_many
+from .spill import write_image_of_checkpointed
 
 
-__all__ = ["LEVELS", "PhaseError", "checkpoint_many", "restore_many"]
+__all__ = ["LEVELS", "PhaseError", "checkpoint_many", "restore_many", "write_image_of_checkpointed"]

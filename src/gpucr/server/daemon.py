@@ -21,7 +21,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .. import coordinator, gpus, recover
+from .. import coordinator, gpus, recover, sizes
 from .. import reading
 from .. import target as targets
 from ..agent import peer_credentials
@@ -83,11 +83,13 @@ class _EnvGate:
 
 
 class Server:
-    def __init__(self, idle_exit_s: float | None = None, keep_context: bool = True, routes: bool = True) -> None:
+    def __init__(self, idle_exit_s: float | None = None, keep_context: bool = True, routes: bool = True,
+                 host_budget: int | None = None, park_dir: str | None = None) -> None:
         """The server copies every process's data itself (gpucr.dataplane.mover). keep_context: its context per GPU and pinned staging stay between cycles (fast restores),
         else they are given back after each request (the card holds nothing of the server's between cycles,
         and the next cycle pins the staging again); routes: the copies also go through idle NVLink
-        neighbours of the process's GPU (gpucr.dataplane.links)."""
+        neighbours of the process's GPU (gpucr.dataplane.links); host_budget, park_dir: the swap service's host memory
+        for parked apps, and where those past it go as images (gpucr.swap.disk)."""
         self.simulated = controller_simulated()
         self.keep_context, self.routes = keep_context, routes
         self._mover: Mover | None = None
@@ -108,7 +110,9 @@ class Server:
         self._starved_s = 0.0   # the pause between tries to accept while out of fds (0: not out of them)
         self._pin_ahead_said: dict[int, str] = {}   # pid -> why pinning ahead for it last failed, as logged
         gpu_view = DriverGpus(controller_driver, lambda: self._mover.context_uuids() if self._mover else [], log)
-        self.swap = SwapService(self._swap_park, self._swap_resume, log, gpu_view, lambda pid: self.let_go([pid]))
+        self.swap = SwapService(self._swap_park, self._swap_resume, log, gpu_view, lambda pid: self.let_go([pid]),
+                                machine=self._gpu_names, write_image=self._swap_to_disk, host_budget=host_budget,
+                                park_dir=park_dir)
 
     # ---- the socket ----
 
@@ -373,9 +377,23 @@ class Server:
         self._swap_request("checkpoint", pid, lambda mover: coordinator.checkpoint_many(
             [pid], level="full", timeout=deadline_s, mover=mover))
 
-    def _swap_resume(self, pid: int) -> None:
+    def _swap_resume(self, pid: int, image: str | None = None, gpu_map: dict[str, str] | None = None,
+                     drop_staging: bool = False) -> None:
+        """The swap service's resume: the server's restore, from host memory or from the image the app went to on
+        disk, onto its own GPUs or those gpu_map names; drop_staging: its staging given back (a host budget counts it)."""
         self._swap_request("restore", pid, lambda mover: coordinator.restore_many(
-            [pid], timeout=SWAP_TIMEOUT_S, mover=mover))
+            [pid], timeout=SWAP_TIMEOUT_S, mover=mover, images={pid: image} if image else None,
+            gpu_map=gpu_map or None, drop_staging=drop_staging))
+        self.let_go([pid] if drop_staging else [])   # given back: our mapping would keep it
+
+    def _swap_to_disk(self, pid: int, image: Path) -> None:
+        """The swap service's move of a parked app to disk: its image written from its staging, which is then freed."""
+        self._swap_request("image write", pid, lambda mover: coordinator.write_image_of_checkpointed(
+            pid, image, mover, timeout=SWAP_TIMEOUT_S))
+
+    @staticmethod
+    def _gpu_names() -> list[tuple[str, str]]:
+        return [(g.uuid, g.name) for g in gpus.machine_gpus(controller_driver())]
 
     def _swap_request(self, op: str, pid: int, run: Callable[[Mover | None], Any]) -> None:
         """A park or resume counted and logged as a request, in the environment requests share."""
@@ -422,7 +440,8 @@ class Server:
                 "staging": mover.holdings() if mover else [],
                 "simulated": self.simulated, "socket": str(self.path),
                 "log": str(self.dir / wire.log_name(self.simulated)), "up_s": round(time.time() - self.started, 1),
-                "requests": served, "in_flight": busy, "swap": self.swap.apps.rows(), "driver_version": drv.version(), "idle_exit_s": self.idle_exit_s,
+                "requests": served, "in_flight": busy, "swap": self.swap.apps.rows(),
+                "swap_host": self.swap.disk.info(), "driver_version": drv.version(), "idle_exit_s": self.idle_exit_s,
                 "gpus": [{"uuid": u.uuid, "process_bytes": u.process} for u in held.values()],
                 "gpu_bytes": None if any(u.process is None for u in held.values()) else sum(u.process for u in held.values())}
 
@@ -565,15 +584,20 @@ def log(line: str) -> None:
     print(f"{stamp} gpucr serve [{os.getpid()}]: {line}", file=sys.stderr, flush=True)
 
 
-def main(idle_exit_s: float | None = None, keep_context: bool = True, routes: bool = True) -> int:
+def main(idle_exit_s: float | None = None, keep_context: bool = True, routes: bool = True,
+         host_budget: str | None = None, park_dir: str | None = None) -> int:
     """Run the server in the foreground until `gpucr serve --stop`, SIGTERM or SIGINT (or, with
-    `idle_exit_s`, that long with no process under gpucr and no request)."""
+    `idle_exit_s`, that long with no process under gpucr and no request). host_budget: 64G or 50% (gpucr.sizes)."""
     controller_driver()   # cuInit once, here: a server that cannot reach its driver does not start
-    srv = Server(idle_exit_s, keep_context, routes)
+    srv = Server(idle_exit_s, keep_context, routes, sizes.budget_bytes(host_budget) if host_budget else None, park_dir)
     srv.bind()
     signal.signal(signal.SIGTERM, lambda *_: srv.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: srv.stopping.set())
     log(f"serving uid {os.getuid()} on {srv.path} ({'simcuda' if srv.simulated else 'the system CUDA driver'})")
+    if host_budget:
+        disk = srv.swap.disk
+        log(f"swap apps park in host memory up to {disk.budget} bytes (--host-budget {host_budget}), then on disk in "
+            f"{disk.park_dir.path}" + (f"; for now {why}" if (why := disk.park_dir.problem()) else ""))
     if srv.pins_ahead():
         threading.Thread(target=srv.pin_ahead_loop, daemon=True, name="gpucr-pin-ahead").start()
     threading.Thread(target=srv.swap_loop, daemon=True, name="gpucr-swap").start()

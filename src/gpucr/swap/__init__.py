@@ -2,6 +2,9 @@
 gpucr server parks the ones not needed (their data in host memory) and brings each back when it needs the card.
 
 policy.py   whom to park for room, and when waiting for a --min-resident would do: pure, no I/O
+budget.py   which parked apps go to disk so that one more park fits the host budget: pure, no I/O
+placement.py  where an app allowed on any GPU comes back: pure, no I/O
+disk.py     the host budget's count, the park dir, and the moves of parked apps to disk and back
 apps.py     what the server knows of each app under `gpucr run --swap`, updated on events
 queue.py    room requests on one GPU, one at a time, in priority order
 room.py     room for one app: its turn, the policy, waiting, parking; what is needed counts the server's context

@@ -46,6 +46,10 @@ class SwapApp:
     cuda: bool = False               # its agent said it has loaded CUDA (it can be parked and watched)
     ordinals: dict[int, str] = field(default_factory=dict)   # its device ordinal -> GPU uuid
     watched: bool = False            # the service keeps a watch on its agent
+    any_gpu: bool = False            # it may be resumed on another GPU with room (--any-gpu)
+    host_bytes: int = 0              # host memory its parked data holds (or a park of it has reserved): the budget's
+    vmm_bytes: int = 0               # what its park copies into host memory (its agent's VMM count, all GPUs)
+    image: str | None = None         # on disk: the image its data is in
 
     def idle_s(self, at: float) -> float:
         return max(0.0, at - self.last_submit)
@@ -69,7 +73,8 @@ class SwapApp:
                 "min_resident_s": self.min_resident_s, "idle_park_s": self.idle_park_s, "parks": self.parks,
                 "resumes": self.resumes, "last_wake_ms": self.last_wake_ms, "why": self.why,
                 "park_deadline_s": self.park_deadline_s, "wait_limit_s": self.wait_limit_s, "waiting": self.waiting,
-                "waiting_s": round(at - self.waiting_since, 3) if self.waiting else None}
+                "waiting_s": round(at - self.waiting_since, 3) if self.waiting else None, "any_gpu": self.any_gpu,
+                "host_bytes": self.host_bytes, "image": self.image}
 
 
 class Apps:
@@ -119,6 +124,15 @@ class Apps:
                     app.parked_bytes, app.held = dict(app.held), dict.fromkeys(app.held, 0)
             return app
 
+    def moved(self, pid: int, moves: dict[str, str]) -> None:
+        """Its GPUs moved at a resume ({old UUID: new UUID}): what it held on each is now held on the other."""
+        with self._lock:
+            app = self._by_pid.get(pid)
+            if app is not None and moves:
+                app.parked_bytes = {moves.get(u, u): n for u, n in app.parked_bytes.items()}
+                app.held = {moves.get(u, u): n for u, n in app.held.items()}
+                app.ordinals = {d: moves.get(u, u) for d, u in app.ordinals.items()}
+
     def observe(self, pid: int, status: dict[str, Any], counted: dict[str, int] | None = None) -> None:
         """An agent's status the server read (for any reason): its memory per GPU and its last submission. counted:
         {uuid: bytes} the driver counts the process holds, its context included (the agent counts its allocations)."""
@@ -133,6 +147,7 @@ class Apps:
             app.cuda = bool(status.get("cuda"))
             if status.get("state") != "running" or app.state in (PARKING, PARKED):
                 return   # parked: what it held is in host memory; the agent still lists the sizes
+            app.vmm_bytes = sum(int(d.get("vmm_bytes") or 0) for d in status.get("devices") or [])
             for d in status.get("devices") or []:
                 uuid = str(d.get("uuid", ""))
                 app.ordinals[int(d.get("ordinal", 0))] = uuid

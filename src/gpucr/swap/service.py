@@ -12,12 +12,15 @@ from __future__ import annotations
 import os
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 from .. import target as targets
 from ..errors import GpucrError
-from .apps import NAME_MAX, PARK_DEADLINE_S, PARKED, PARKING, RESIDENT, RESUMING, Apps, SwapApp, now
+from .apps import NAME_MAX, ON_DISK, PARK_DEADLINE_S, PARKED, PARKING, RESIDENT, RESUMING, Apps, SwapApp, now
+from .disk import HostThenDisk, ParkDir
 from .limits import RateLimit
+from .placement import GpuRoom, place
 from .room import ROOM_SLACK, Ask, GpuView, RoomMaker
 
 WATCH_FOREVER_S = 10 * 365 * 86400.0   # a watch lasts until its app needs us; the app's end or ours closes it
@@ -43,18 +46,28 @@ def _short_of_memory(exc: Exception) -> bool:
     return isinstance(exc, GpucrError) and "not enough free GPU memory" in str(exc)
 
 
+def _no_disk(pid: int, image: Path) -> None:
+    raise GpucrError("this server writes no images")
+
+
 class SwapService:
-    def __init__(self, park: Callable[[int, float], None], resume: Callable[[int], None], log: Callable[[str], None],
-                 gpu: GpuView, let_go: Callable[[int], None] = lambda pid: None) -> None:
-        """park(pid, deadline_s) / resume(pid): the server's checkpoint and restore of one process (raise on failure);
-        gpu: the GPUs' memory as the driver says; let_go(pid): the server's hold on an ended app's staging dropped."""
+    def __init__(self, park: Callable[[int, float], None], resume: Callable[..., None], log: Callable[[str], None],
+                 gpu: GpuView, let_go: Callable[[int], None] = lambda pid: None,
+                 machine: Callable[[], list[tuple[str, str]]] = list, write_image: Callable[[int, Path], Any] = _no_disk,
+                 host_budget: int | None = None, park_dir: str | None = None) -> None:
+        """park(pid, deadline_s) / resume(pid, image=, gpu_map=, drop_staging=): the server's checkpoint and restore of
+        one process (raise on failure); gpu: the GPUs' memory as the driver says; let_go(pid): the server's hold on an
+        ended app's staging dropped; machine(): the machine's GPUs as (UUID, chip name); write_image(pid, dir): the
+        server's move of a parked process's data to an image (disk.py), past `host_budget` bytes of parked data in
+        host memory."""
         self.apps = Apps()
         self._park, self._resume, self._log, self._let_go = park, resume, log, let_go
-        self._gpu = gpu
+        self._gpu, self._machine = gpu, machine
         self.room = RoomMaker(self.apps, self.park, log, gpu)
         self.limit = RateLimit()
         self._turns: dict[int, threading.Lock] = {}   # per app: one park or resume at a time
         self._turns_lock = threading.Lock()
+        self.disk = HostThenDisk(host_budget, ParkDir(park_dir), self.apps, self._turn, write_image, log)
         self._watches: dict[int, Any] = {}             # pid -> the agent connection its watch waits on
         self._stopping = False
 
@@ -72,10 +85,13 @@ class SwapService:
         priority = args.get("priority", 0)
         if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > PRIORITY_MAX:
             raise ValueError(f"priority must be a whole number from -{PRIORITY_MAX} to {PRIORITY_MAX}, not {priority!r}")
+        any_gpu = args.get("any_gpu", False)
+        if not isinstance(any_gpu, bool):
+            raise ValueError(f"any_gpu must be true or false, not {any_gpu!r}")
         return SwapApp(pid, 0, name, priority, _seconds(args.get("min_resident", 0.0), "--min-resident") or 0.0,
                        _seconds(args.get("idle_park"), "--idle-park", allow_none=True),
                        _seconds(args.get("park_deadline", PARK_DEADLINE_S), "--park-deadline") or PARK_DEADLINE_S,
-                       _seconds(args.get("wait_limit"), "--wait-limit", allow_none=True))
+                       _seconds(args.get("wait_limit"), "--wait-limit", allow_none=True), any_gpu=any_gpu)
 
     def register(self, app: SwapApp) -> dict[str, Any]:
         """Add the app, resident; GpucrError when its process is gone, another user's, or its name is taken."""
@@ -91,7 +107,8 @@ class SwapService:
         self._log(f"swap app {app.name} (pid {app.pid}) registered: priority {app.priority}, min-resident "
                   f"{app.min_resident_s:g} s, idle-park {'off' if app.idle_park_s is None else f'{app.idle_park_s:g} s'}, "
                   f"park deadline {app.park_deadline_s:g} s, wait limit "
-                  f"{'off' if app.wait_limit_s is None else f'{app.wait_limit_s:g} s'}")
+                  f"{'off' if app.wait_limit_s is None else f'{app.wait_limit_s:g} s'}"
+                  + (", on any GPU with room" if app.any_gpu else ""))
         return app.row(now())
 
     # ---- what the server reads anyway ----
@@ -145,6 +162,7 @@ class SwapService:
         self._end_watch(app.pid)
         self.limit.forget(app.pid)
         self._let_go(app.pid)   # a parked app's staging is its own memfds: the server's mapping alone would keep them
+        self.disk.forget(app)
         with self._turns_lock:
             self._turns.pop(app.pid, None)
 
@@ -155,6 +173,18 @@ class SwapService:
             return self._turns.setdefault(pid, threading.Lock())
 
     def park(self, pid: int, why: str) -> bool:
+        """Park a resident app within the host budget (disk.py: others may go to disk first); False when it stays
+        resident. Its room in host memory is made before its turn is taken: moving another to disk takes that one's."""
+        app = self.apps.get(pid)
+        if app is None or app.state != RESIDENT or not self.disk.room_for(app):
+            if app is not None and app.state == RESIDENT:
+                app.last_submit = now()   # tried again after another idle period, not every tick
+            return False
+        parked = self._park_resident(pid, why)
+        self.disk.parked(app, parked)
+        return parked
+
+    def _park_resident(self, pid: int, why: str) -> bool:
         """Park a resident app (the server's checkpoint) and watch it for demand; False when it stays resident."""
         with self._turn(pid):
             app = self.apps.get(pid)
@@ -207,7 +237,8 @@ class SwapService:
 
     def _restored_elsewhere(self, app: SwapApp) -> None:
         with self._turn(app.pid):   # (our own park or resume holds it: they set the state themselves)
-            if app.state == PARKED:
+            if app.state in (PARKED, ON_DISK):
+                self.disk.resumed(app)
                 self.apps.set_state(app.pid, RESIDENT)
                 self._log(f"swap app {app.name} (pid {app.pid}) was restored by someone else: resident")
 
@@ -247,38 +278,41 @@ class SwapService:
         of the restore is logged and kept."""
         with self._turn(pid):
             app = self.apps.get(pid)
-            if app is None or app.state != PARKED:
+            if app is None or app.state not in (PARKED, ON_DISK):
                 return False
             self.apps.set_state(pid, RESUMING)
             start = now()
             app.last_wake_ms = round((start * 1e9 - demand_ns) / 1e6, 3) if demand_ns else None
             self._log(f"resuming swap app {app.name} (pid {pid}) on demand: {app.last_wake_ms} ms from its demanding "
-                      "call to the start of its restore")
+                      "call to the start of its restore" + (f", from its image {app.image}" if app.image else ""))
             try:
-                self._resume_with_room(app)
+                self.apps.moved(pid, self._resume_with_room(app))
             except Exception as exc:   # noqa: BLE001 - said, and left for a person: its callers wait at the gate
-                self.apps.set_state(pid, PARKED, f"resume failed: {_reason(exc)}")
+                self.apps.set_state(pid, ON_DISK if app.image else PARKED, f"resume failed: {_reason(exc)}")
                 self._log(f"resuming swap app {app.name} (pid {pid}) failed: {_reason(exc)}; restore it with "
-                          f"'gpucr restore {pid}'")
+                          f"'gpucr restore {f'--image {app.image} ' if app.image else ''}{pid}'")
                 return False
+            self.disk.resumed(app)
             app.resumes += 1
             app.last_submit = now()
             self.apps.set_state(pid, RESIDENT)
             self._log(f"resumed swap app {app.name} (pid {pid}) in {now() - start:.3f} s")
         return True
 
-    def _resume_with_room(self, app: SwapApp) -> None:
+    def _resume_with_room(self, app: SwapApp) -> dict[str, str]:
         """The restore; while the GPU is short, others are parked for it by the policy (as for an allocation: in its
         turn, waiting for a --min-resident to end) and it is tried again. It waits as long as it takes, shown in
         `gpucr ps` and logged once: its app's calls wait at the gate anyway (an allocation ends its own wait at
         --wait-limit, in the agent). It ends with the app or the server. With nobody to park, the next try waits
-        RESUME_RETRY_S: memory given back a moment before is not always free yet (~0.1 s after a park, on simcuda)."""
+        RESUME_RETRY_S: memory given back a moment before is not always free yet (~0.1 s after a park, on simcuda).
+        Returns how its GPUs moved ({old UUID: new UUID}, only those that did: --any-gpu, _placement)."""
         start = now()
         try:
             while True:
                 try:
-                    self._resume(app.pid)
-                    break
+                    moves = self._placement(app)
+                    self._resume(app.pid, image=app.image, gpu_map=moves, drop_staging=self.disk.drops_staging)
+                    return {old: new for old, new in moves.items() if old != new}
                 except GpucrError as exc:
                     if not _short_of_memory(exc) or self._stopping or targets.process_ended(app.pid, app.start_time):
                         raise
@@ -291,6 +325,21 @@ class SwapService:
             if app.waiting:
                 self._log(f"swap app {app.name} (pid {app.pid}) waited {now() - start:.1f} s for room for its resume")
             app.done_waiting()
+
+    def _placement(self, app: SwapApp) -> dict[str, str]:
+        """Where an app of --any-gpu comes back (placement.py): {old UUID: new UUID} for each of its GPUs, or {} on its
+        own. Others: always on their own GPUs. What it needs on a GPU: what it held there when parked (its context
+        too, as the driver counted it); what a GPU has: its free memory less the server's context, where the server
+        holds none yet (its fill makes one)."""
+        if not app.any_gpu or not app.parked_bytes:
+            return {}
+        moves = place({u: n + ROOM_SLACK for u, n in app.parked_bytes.items()},
+                      [GpuRoom(u, name, mem[0] - self._gpu.server_cost(u) if (mem := self._gpu.memory(u)) else None)
+                       for u, name in self._machine()])
+        if any(old != new for old, new in moves.items()):
+            self._log(f"swap app {app.name} (pid {app.pid}) comes back on another GPU with room: " + ", ".join(
+                f"{old} -> {new}" for old, new in moves.items() if old != new))
+        return moves
 
     def _room_for_resume(self, app: SwapApp, uuid: str, held: int) -> bool:
         """What it held when parked plus ROOM_SLACK, less what is free, and at least ROOM_SLACK: the restore was short,
