@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import re
 import sys
 from typing import Any, NoReturn
 
