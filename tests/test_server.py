@@ -406,7 +406,7 @@ def test_pinning_ahead_pins_outside_the_data_plane_and_only_what_is_missing(tmp_
         assert mover.pinned_bytes() == 4 << 20
         # a copy pinned the segment only as far as its allocations reached, the process stating 4 MiB then
         mover.forget(1)
-        mover._map_staging(owner(1), {0: 1 << 20}, [files[0]], Stats(), {0: 4 << 20})
+        mover.held.map(owner(1), {0: 1 << 20}, [files[0]], Stats(), {0: 4 << 20})
         assert mover.pin_ahead(1, seg(4 << 20), [files[0]], sim_uuid) == 0, "what a copy pinned is not pinned again"
         assert mover.pinned_bytes() == 1 << 20
         assert mover.pin_ahead(1, {"segments": [], "allocations": []}, [], sim_uuid) == 0
@@ -433,7 +433,7 @@ def test_a_reused_pid_never_meets_the_dead_process_staging(tmp_path):
         pid, start = owner(new.pid)
         assert mover.pin_ahead(pid, seg, [fd], uuid) == 4 << 20
         # as if pinned for a process that had this pid before: same pid, an earlier start
-        mover._staging[(pid, start - 1)] = mover._staging.pop((pid, start))
+        mover.held.staging[(pid, start - 1)] = mover.held.staging.pop((pid, start))
         assert mover.pin_ahead(pid, seg, [fd], uuid) == 4 << 20, "the dead one's staging was taken for the new one's"
         assert {(h["start_time"], h["pinned_bytes"]) for h in mover.holdings()} == {(start - 1, 4 << 20), (start, 4 << 20)}
         mover.forget_ended()
@@ -658,7 +658,7 @@ def test_staging_is_pinned_in_pieces_and_no_copy_spans_two(tmp_path, monkeypatch
         assert st.bytes == sum(sizes) and sim_pageable_async_copies(drv) == before
         staged = (tmp_path / "seg").read_bytes()
         assert [staged[o:o + n] for n, o in zip(sizes, offsets)] == data
-        assert mover._staging[mv.owner(1)][0].ends == [3 << 20, 6 << 20, (8 << 20) + 8192], "pinned in pieces, as far as they reach"
+        assert mover.held.staging[mv.owner(1)][0].ends == [3 << 20, 6 << 20, (8 << 20) + 8192], "pinned in pieces, as far as they reach"
         assert pins == [3 << 20, 3 << 20, (2 << 20) + 8192]
         st, fds = mover.fill(1, layout, [seg_fd], memory)
         assert sim_pageable_async_copies(drv) == before and len(pins) == 3, "the fill pins nothing again"
@@ -730,7 +730,7 @@ def test_pinning_ahead_stops_between_pieces_for_a_request_and_goes_on_from_there
         assert mover.pin_ahead(1, layout, [fd], uuid) == 3 << 20 and mover.pinned_bytes() == 3 << 20
         assert mover.pin_ahead(1, layout, [fd], uuid) == 0, "nothing more while the request is under way"
         # the request's copy needs 5 MiB of the segment: the two pieces missing, no more
-        mover._map_staging(owner(1), {0: 5 << 20}, [fd], Stats(), {0: 8 << 20})
+        mover.held.map(owner(1), {0: 5 << 20}, [fd], Stats(), {0: 8 << 20})
         assert len(pinned_at) == 5 and mover.pinned_bytes() == 5 << 20
         request.__exit__(None, None, None)
         assert mover.pin_ahead(1, layout, [fd], uuid) == 3 << 20, "the rest, once the request is done"
@@ -773,12 +773,12 @@ def test_a_copy_that_comes_while_a_segment_is_pinned_ahead_waits_for_that_piece_
     def copy() -> None:
         with mover.wanted(), mover._lock:
             mover.vmm.use(mover._context(mover.vmm.device_by_uuid()[uuid])[0])   # as a copy's staging() does
-            seen.update(mover._map_staging(owner(1), {0: 5 << 20}, [fd], Stats(), {0: 8 << 20}))
+            seen.update(mover.held.map(owner(1), {0: 5 << 20}, [fd], Stats(), {0: 8 << 20}))
     copier = threading.Thread(target=copy)
     try:
         ahead.start()
         assert first_piece.wait(10)
-        seg = mover._staging[owner(1)][0]
+        seg = mover.held.staging[owner(1)][0]
         assert seg.busy, "in the cache while it is pinned"
         copier.start()
         copier.join(0.3)

@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 from ..driver import Driver, DriverError, Vmm, process_gpu_memory
 from ..errors import GpucrError
@@ -29,13 +29,13 @@ from .layout import checked_plan as _checked_plan, reach as _reach
 from .links import Links, Neighbour
 from ..memory import Managed
 from ..plane import Stats
-from .pinned import Segment, drop, open_segment, same_file
+from .held import Held, Owner
+from .pinned import Segment
 from .pinned import pin as pin_segment
 from .ring import Piece, Ring
 from .scan import Mapped
 
 Spans = dict[int, list[tuple[int, int]]]   # allocation index -> [(offset, bytes)] in it
-Owner = tuple[int, int]   # (pid, start time): a pid reused by another process never meets the dead one's staging
 # No wait in the server is without end: a copy from a `file:` staging on a stalled filesystem holds the
 # data plane as long as the filesystem stalls, and every request behind it would wait as long.
 PLANE_WAIT_S = 300.0
@@ -88,11 +88,9 @@ class Mover:
         self._wanted = 0
         self._ordinals: dict[str, int] | None = None
         self._ctx: dict[int, tuple[int, list[int]]] = {}      # ordinal -> (context, streams)
-        self._staging: dict[Owner, dict[int, Segment]] = {}   # process -> segment index -> segment
-        self._stuck: list[tuple[Owner, Segment]] = []         # let go, but the driver did not unpin them (drop)
-        self._idle = threading.Condition()   # a segment's pinning ahead ended (Segment.busy cleared)
         self._taken: dict[Owner, Taken] = {}   # process -> what its last copy out took: plan, zero chunks, digests
         self.said: Callable[[str], None] = lambda line: None   # where the server's log lines go
+        self.held = Held(self.vmm, lambda: self.plane_wait_s, lambda line: self.said(line))   # each process's staging
 
     @property
     def plane(self) -> str:
@@ -114,23 +112,13 @@ class Mover:
         return sum(h["pinned_bytes"] for h in self.holdings())
 
     def holdings(self) -> list[dict[str, Any]]:
-        """What the server holds of each process's staging: mapped and pinned bytes, by owner (pid, start
-        time); `stuck`: let go, but the driver did not unpin it."""
-        # copies of the dicts (atomic under the GIL): a copy or a pin ahead may change them meanwhile
-        held = [(o, s, False) for o, segs in list(self._staging.items()) for s in list(segs.values())]
-        held += [(o, s, True) for o, s in list(self._stuck)]
-        out: dict[tuple[Owner, bool], dict[str, Any]] = {}
-        for (pid, start), seg, stuck in held:
-            h = out.setdefault(((pid, start), stuck), {"pid": pid, "start_time": start, "mapped_bytes": 0,
-                                                       "pinned_bytes": 0, "stuck": stuck})
-            h["mapped_bytes"] += seg.declared
-            h["pinned_bytes"] += seg.stuck + seg.bytes   # (a stuck one's pieces: still pinned if never unpinned)
-        return list(out.values())
+        """What the server holds of each process's staging (held.py)."""
+        return self.held.holdings()
 
     def forget(self, pid: int) -> None:
         """Unpin and unmap a process's staging (it ended, or its staging changed)."""
         with self._plane(f"letting go of process {pid}'s staging"):
-            for o in [o for o in self._staging if o[0] == pid]:
+            for o in [o for o in self.held.staging if o[0] == pid]:
                 self._forget(o)
 
     def forget_ended(self) -> None:
@@ -148,7 +136,7 @@ class Mover:
 
     def _forget_ended(self) -> None:
         # _taken too: a server that gives its context back keeps no staging between requests, only these records
-        for o in [o for o in {*self._staging, *self._taken} if process_ended(*o)]:
+        for o in [o for o in {*self.held.staging, *self._taken} if process_ended(*o)]:
             self._forget(o)
 
     def settle(self) -> None:
@@ -179,7 +167,7 @@ class Mover:
             for ring in (self.ring, self._spare):
                 if ring is not None:
                     ring.close()   # unpinned while its context is still there
-            for o in list(self._staging):   # what it took stays on record: a restore after this one still fills
+            for o in list(self.held.staging):   # what it took stays on record: a restore after this one still fills
                 self._forget(o, keep_record=True)
             for dev in list(self._ctx):
                 self._release_context(dev)
@@ -223,35 +211,22 @@ class Mover:
         declared, _plan = _checked_plan(layout)
         who = owner(pid)
         stale: list[Segment] = []
-        work: list[tuple[Segment, int]] = []   # (segment, bytes pinned of it before)
+        work: list[Segment] = []
         try:
             with self._plane(f"pinning process {pid}'s staging ahead"):
                 dev = self._ordinal(uuid)
                 self._neighbours.discard(dev)   # the staging is pinned in this context: never given back as a lender's
                 ctx = self._context(dev)[0]
-                segs = self._staging.setdefault(who, {})
-                stale += [segs.pop(i) for i in [i for i in segs if i not in declared]]
-                for i, n in sorted(declared.items()):
-                    if not self._is_segment(segs.get(i), seg_fds, i, n):
-                        fresh = open_segment(self._segment_fd(seg_fds, i), i, n)   # mapped only: cheap
-                        fresh.want = n
-                        if i in segs:
-                            stale.append(segs.pop(i))
-                        segs[i] = fresh
-                work = [(seg, seg.bytes) for _i, seg in sorted(segs.items()) if seg.bytes < seg.want]
-                for seg, _before in work:
-                    seg.busy = True
+                stale, work = self.held.to_pin_ahead(who, declared, seg_fds)
+            before = [seg.bytes for seg in work]
             self.vmm.use(ctx)
-            for seg, _before in work:   # each stops before its next piece once a copy wants the data plane
+            for seg in work:   # each stops before its next piece once a copy wants the data plane
                 pin_segment(self.vmm, seg, seg.want, lambda: bool(self._wanted) or seg.abandon)
         finally:
-            with self._idle:
-                for seg, _before in work:
-                    seg.busy = False
-                self._idle.notify_all()
+            self.held.done_pinning(work)
             for seg in stale:   # unpinned outside the lock too
-                self._drop(who, seg)
-        return sum(seg.bytes - before for seg, before in work if not seg.abandon)
+                self.held.drop(who, seg)
+        return sum(seg.bytes - b for seg, b in zip(work, before) if not seg.abandon)
 
     @contextmanager
     def wanted(self) -> Iterator[None]:
@@ -324,7 +299,7 @@ class Mover:
             ts = time.perf_counter()
             if plan and plan[0][0] in by_index:   # pinned in a context on the process's GPU (portable: for all)
                 self.vmm.use(self._context(self._ordinal(by_index[plan[0][0]].uuid))[0])
-            staged = self._map_staging(who, _reach(plan), seg_fds, st, declared, pin=ring is None)
+            staged = self.held.map(who, _reach(plan), seg_fds, st, declared, pin=ring is None)
             st.stage_s += time.perf_counter() - ts
             return staged
 
@@ -367,7 +342,7 @@ class Mover:
             # then), and each allocation's copies queued as soon as it is made, overlapping the making of the next.
             # A copy out likewise when its staging is held pinned already (the cycles after the first): nothing is
             # pinned on the process's word then, so each allocation's copies start once it is imported
-            staged = staging() if not out or self._held_already(who, plan, seg_fds, declared) else None
+            staged = staging() if not out or (self.ring is None and self.held.pinned_for(who, plan, seg_fds, declared)) else None
             if out and staged is not None and taken is None:   # another plan: what the staging holds is not known
                 forget_zeroed(list(staged.values()))
             # a copy out waits for the scan of all it mapped only where it may skip zero chunks: where this mover
@@ -432,7 +407,7 @@ class Mover:
             routing.close()
             self._sync(placed, ring, quiet=True)   # nothing may still copy into what is unmapped next
             if out:   # a copy that did not finish: what the staging holds where is no longer known
-                forget_zeroed(list(self._staging.get(who, {}).values()))
+                forget_zeroed(list(self.held.staging.get(who, {}).values()))
             self._undo(mapped, made, out)
             raise GpucrError(f"{self.name}'s copy {'out' if out else 'in'} failed: {exc}") from exc
         finally:
@@ -571,79 +546,7 @@ class Mover:
         except DriverError:
             pass
 
-    def _map_staging(self, who: Owner, want: dict[int, int], seg_fds: list[int], st: Stats,
-                     declared: dict[int, int], pin: bool = True) -> dict[int, Segment]:
-        """Each segment i of `want` ({index: bytes}) mapped here and pinned at least that far, what is pinned of
-        it kept for as long as it is the same file of the same size; cached segments the process no longer has
-        (not `declared`) are let go."""
-        segs = self._staging.setdefault(who, {})
-        self._let_go_absent(who, segs, declared)
-        out: dict[int, Segment] = {}
-        for i, size in want.items():
-            have = segs.get(i)
-            if have is not None:
-                self._settled(have)   # pinned ahead just now: that piece finished (we want the data plane)
-            if not self._is_segment(have, seg_fds, i, declared[i]):
-                if have is not None:
-                    self._drop(who, segs.pop(i))
-                have = segs[i] = open_segment(self._segment_fd(seg_fds, i), i, declared[i])
-            t0 = time.perf_counter()
-            # in the current context (one on the process's GPU); copies through a ring pin none of it
-            if pin and pin_segment(self.vmm, have, size):
-                st.pin_s += time.perf_counter() - t0
-            out[i] = have
-        return out
-
-    def _held_already(self, who: Owner, plan: list[tuple[int, int, int, int]], seg_fds: list[int],
-                      declared: dict[int, int]) -> bool:
-        """Whether every segment a copy out needs is mapped and pinned here already, as far as it reaches: the
-        same file of the same size (the CLI's ring pins no staging: never)."""
-        segs = self._staging.get(who, {})
-        return self.ring is None and all(
-            self._is_segment(segs.get(i), seg_fds, i, declared.get(i, -1)) and segs[i].bytes >= need
-            for i, need in _reach(plan).items())
-
-    def _let_go_absent(self, who: Owner, segs: dict[int, Segment], present: Iterable[int]) -> None:
-        """Unpin and unmap the cached segments the process no longer has."""
-        keep = set(present)
-        for i in [i for i in segs if i not in keep]:
-            self._drop(who, segs.pop(i))
-
-    @staticmethod
-    def _segment_fd(seg_fds: list[int], i: int) -> int:
-        if not 0 <= i < len(seg_fds):
-            raise GpucrError(f"the process's staging segment {i} came without its file")
-        return seg_fds[i]
-
-    @staticmethod
-    def _is_segment(have: Segment | None, seg_fds: list[int], i: int, size: int) -> bool:
-        """Whether `have` is segment i as the process states it now: its file (fd now), of `size` bytes."""
-        return have is not None and 0 <= i < len(seg_fds) and have.declared == size and same_file(have, seg_fds[i])
-
     def _forget(self, who: Owner, keep_record: bool = False) -> None:
         if not keep_record:
             self._taken.pop(who, None)
-        # one deadline for all its segments: a pin ahead that stalls holds every one it works on
-        until = time.monotonic() + self.plane_wait_s
-        for seg in self._staging.pop(who, {}).values():
-            self._drop(who, seg, until)
-
-    def _settled(self, seg: Segment, until: float | None = None) -> None:
-        """Until no pin ahead works on `seg` (it stops at the end of its piece: the caller wants the data plane),
-        at most plane_wait_s or until the monotonic time `until`."""
-        wait_s = self.plane_wait_s if until is None else max(until - time.monotonic(), 0.0)
-        with self._idle:
-            if not self._idle.wait_for(lambda: not seg.busy, timeout=wait_s):
-                raise GpucrError(f"pinning the process's staging ahead did not stop within {self.plane_wait_s:g} s")
-
-    def _drop(self, who: Owner, seg: Segment, until: float | None = None) -> None:
-        """Unpin and unmap `seg`, once a pin ahead that works on it has stopped, at the end of its piece. One
-        that the pin ahead does not leave in time (see _settled), or that the driver does not unpin, is said and
-        kept (mapped: its address is never reused) among the stuck, so that the server still shows it."""
-        seg.abandon = True
-        try:
-            self._settled(seg, until)
-            drop(self.vmm, seg)
-        except GpucrError as exc:
-            self._stuck.append((who, seg))
-            self.said(f"process {who[0]}'s staging: {exc}")
+        self.held.forget(who)
