@@ -24,6 +24,11 @@ class Candidate:
     min_resident_s: float = 0.0
     waits_on: frozenset[str] = field(default_factory=frozenset)   # apps this one waits on (for room or resume)
 
+    @property
+    def resident_until(self) -> float:
+        """When its --min-resident ends: one sum, so that the rule and ready_at's tries agree to the last bit."""
+        return self.resident_since + self.min_resident_s
+
 
 @dataclass(frozen=True)
 class Choice:
@@ -47,7 +52,7 @@ def _refusal(c: Candidate, asker: Candidate, now: float) -> str | None:
         return "it holds no GPU memory"
     if c.priority > asker.priority:
         return f"its priority {c.priority} is above the asker's {asker.priority}"
-    if now - c.resident_since < c.min_resident_s:
+    if now < c.resident_until:
         return f"it is inside its --min-resident of {c.min_resident_s:g} s"
     if asker.name in c.waits_on:
         return "it waits on the asker"
@@ -80,5 +85,5 @@ def ready_at(apps: list[Candidate], asker: Candidate, need_bytes: int, now: floa
     """The earliest time from `now` at which choose() would find enough, should nothing but time change: only an
     app's --min-resident runs out with time, so only those ends are tried. None when waiting would not help (the
     apps that block are of higher priority, waiting on the asker, not resident, or hold too little)."""
-    ends = sorted({now} | {e for c in apps if (e := c.resident_since + c.min_resident_s) > now})
+    ends = sorted({now} | {c.resident_until for c in apps if c.resident_until > now})
     return next((t for t in ends if choose(apps, asker, need_bytes, t).suffices), None)
