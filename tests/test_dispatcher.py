@@ -222,10 +222,12 @@ class FakePlane:
         return Stats(bytes=TOTAL_BYTES, seconds=0.001, allocations=len(memory))
 
     def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Any],
-             image: Any = None, check: bool = True) -> tuple[Stats, list[tuple[int, int]]]:
+             image: Any = None, check: bool = True, made: Any = None) -> tuple[Stats, list[tuple[int, int]]]:
         self.world.step("plane", "fill", pid)
-        made = [(int(a["index"]), os.memfd_create(MADE_FD_NAME)) for a in layout["allocations"]]
-        return Stats(bytes=TOTAL_BYTES, seconds=0.001, allocations=len(made)), made
+        fds = [(int(a["index"]), os.memfd_create(MADE_FD_NAME)) for a in layout["allocations"]]
+        for index, fd in fds if made is not None else []:
+            made(index, fd)
+        return Stats(bytes=TOTAL_BYTES, seconds=0.001, allocations=len(fds)), fds
 
     def settle(self) -> None:
         self.world.step("plane", "settle", 0)

@@ -268,6 +268,7 @@ int dp_restore(bool drop_staging, bool open_gate, char *err, size_t errlen)
                "with it ('gpucr restore' of both processes)");
         return -1;
     }
+    for (struct phys *p = g_reg.all; p; p = p->next_all) p->adopt_pending = false;
     reg_refresh_devices();   /* the driver's restore may have put the process on other GPUs (--map) */
     move(PH_RUNNING);
     if (open_gate) gpucr_gate_open();   /* else: shared memory is relinked first, then "resume" */
@@ -403,11 +404,40 @@ int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t
             return -1;
         }
         handle_back_in_place(p, h, fcntl(fds[i], F_DUPFD_CLOEXEC, 3), share_keeps_fd(&p->prop), true);
+        p->adopt_pending = true;
         i++;
         (*adopted)++;
         progress(p->size);
     }
     if (i < nfds) { seterr(err, errlen, "%d fds more than released allocations from index %d on", nfds - i, from); return -1; }
+    return 0;
+}
+
+/* The restore's fill was refused after some of its memory was adopted (a controller adopts while the plane's copies
+ * still run, then the plane's check of the copied bytes failed): each allocation adopted since is given back, its
+ * mappings undone and the agent's fd closed, so the process is parked as before that restore, its data still in
+ * staging. The plane then lets go of its own fds, and the memory leaves the GPU. */
+int dp_unadopt(int *undone, char *err, size_t errlen)
+{
+    *undone = 0;
+    if (g_dp.phase != PH_PARKED) {
+        seterr(err, errlen, "unadopt refused: the process is %s, not parked", PHASE_NAME[g_dp.phase]);
+        return -1;
+    }
+    for (struct phys *p = g_reg.all; p; p = p->next_all) {
+        if (!p->adopt_pending) continue;
+        CUresult rc = handle_hand_over(p);
+        if (rc != CUDA_SUCCESS) {
+            seterr(err, errlen, "giving back the memory adopted at 0x%llx (%zu MiB) failed: %s",
+                   (unsigned long long)(p->maps ? p->maps->va : 0), p->size >> 20, gpucr_cu_errstr(rc));
+            return -1;
+        }
+        reg_lock();
+        if (reg_alloc_move(p, AL_PARKED)) share_release(p);
+        p->adopt_pending = false;
+        reg_unlock();
+        (*undone)++;
+    }
     return 0;
 }
 

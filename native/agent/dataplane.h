@@ -73,4 +73,5 @@ int dp_handover(int timeout_ms, char *err, size_t errlen);
 int dp_handed_done(char *err, size_t errlen);
 void dp_commit(void);
 int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t errlen);
+int dp_unadopt(int *undone, char *err, size_t errlen);
 #endif

@@ -61,6 +61,8 @@ struct phys {
     /* its memory now was made by another process, the gpucr server, at a restore (dp_adopt): nvidia-smi
      * counts it under that process while it holds a handle, then under none, never under this one */
     bool adopted;
+    /* adopted by a restore not finished yet: dp_unadopt gives it back if that restore's fill is refused */
+    bool adopt_pending;
     CUdeviceptr resv_va;        /* PHYS_CONVERTED: the VA reservation the agent owns */
     bool pool_seg;              /* PHYS_CONVERTED: a segment of a stream-ordered pool (pool.c), not a plain allocation */
     size_t resv_size, user_size;

@@ -88,7 +88,7 @@ static void handle_layout(struct jb *j, struct client *c)
  * (a restore's controller that dies after its `adopt` leaves it half restored, stuck). */
 static bool leaves_a_committed_checkpoint(const char *verb)
 {
-    static const char *const verbs[] = {"quiesce", "handover", "restore", "adopt", "relink", "orphan", "resume", "abort"};
+    static const char *const verbs[] = {"quiesce", "handover", "restore", "adopt", "relink", "orphan", "resume", "abort", "unadopt"};
     for (size_t i = 0; i < sizeof verbs / sizeof *verbs; i++)
         if (!strcmp(verb, verbs[i])) return true;
     return false;
@@ -128,6 +128,11 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
         rc = from < 0 ? (snprintf(err, sizeof err, "adopt takes from=INDEX and the new memory's fds"), -1)
                       : dp_adopt((int)from, c->in, c->nin, &adopted, err, sizeof err);
         if (rc == 0) { jb_bool(j, "ok", true); jb_int(j, "adopted", adopted); }
+        status_after = false;
+    } else if (!strcmp(verb, "unadopt")) {
+        int undone = 0;
+        rc = dp_unadopt(&undone, err, sizeof err);
+        if (rc == 0) { jb_bool(j, "ok", true); jb_int(j, "undone", undone); }
         status_after = false;
     } else if (!strcmp(verb, "abort")) {
         rc = dp_abort(err, sizeof err);
@@ -228,7 +233,8 @@ void verbs_handle(const char *req, struct jb *j, struct client *c)
     else if (!strcmp(verb, "quiesce") || !strcmp(verb, "abort") || !strcmp(verb, "restore") ||
              !strcmp(verb, "drop") || !strcmp(verb, "stage") || !strcmp(verb, "export") ||
              !strcmp(verb, "relink") || !strcmp(verb, "orphan") || !strcmp(verb, "resume") ||
-             !strcmp(verb, "handover") || !strcmp(verb, "handed_done") || !strcmp(verb, "adopt"))
+             !strcmp(verb, "handover") || !strcmp(verb, "handed_done") || !strcmp(verb, "adopt") ||
+             !strcmp(verb, "unadopt"))
         handle_op(verb, req, j, c);
     else reply_error(j, "unknown request verb");
 }

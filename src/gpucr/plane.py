@@ -5,7 +5,7 @@ gpucr server ("server") or, with no server, by the requesting command itself ("c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from .memory import Managed
 
@@ -49,9 +49,11 @@ class DataPlane(Protocol):
         """Every allocation of `memory` (our fds of it, handed over) copied into the process's staging."""
 
     def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
-             image: dict[int, list[tuple[int, int]]] | None = None, check: bool = True) -> Made:
+             image: dict[int, list[tuple[int, int]]] | None = None, check: bool = True,
+             made: Callable[[int, int], None] | None = None) -> Made:
         """New memory for each allocation of `layout`, filled from staging (zero spans of an image, or those found at
-        the checkpoint, set by memset); `check`: compare its digests with the checkpoint's, where the plane has them."""
+        the checkpoint, set by memset); `check`: compare its digests with the checkpoint's, where the plane has them;
+        `made(index, fd)`: each allocation as soon as it exists, while its copies still run (the fd is the plane's)."""
 
     def forget(self, pid: int) -> None:
         """Let go of what it holds of the process's staging (mappings, pins): the process gave it back."""
