@@ -10,6 +10,10 @@ import pytest
 import gpucr
 from gpucr.errors import GpucrError
 
+from gpucr import memory as server_memory
+from gpucr import paths
+from gpucr.agent import AgentClient
+from gpucr.target import agent_socket_name
 from conftest import gpucr_cli
 
 MiB = 1 << 20
@@ -64,6 +68,11 @@ def test_a_restore_whose_staging_was_damaged_is_refused_then_accepted(reused_ser
     said = str(refused.value)
     assert "chunk 1 " in said and "--accept-mismatch" in said, said
     assert gpucr.status(app.pid).state == "checkpointed", "refused: the process stays checkpointed"
+    # what the agent adopted while the copies ran was given back (unadopt): released again, its data in staging
+    with AgentClient(paths.runtime_dir() / agent_socket_name(app.pid), app.pid) as agent:
+        listed = [e for e in server_memory.gather(agent, 10.0) if e.bytes == 8 * MiB]
+    server_memory.close_all(listed)
+    assert [e.released for e in listed] == [True], listed
     r = gpucr_cli("restore", "--accept-mismatch", "--json", str(app.pid))   # the command, through the server
     assert r.returncode == 0, r.stderr
     [rs] = json.loads(r.stdout)["processes"]
