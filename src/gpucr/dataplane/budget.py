@@ -135,12 +135,16 @@ def write_entry(dirfd: int, name: str, held: int) -> int:
     fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=dirfd)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{held}\n".encode(), 0)
+        _say(fd, held)
     except OSError:
         os.close(fd)
         raise
     return fd
+
+
+def _say(fd: int, held: int) -> None:
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"{held}\n".encode(), 0)
 
 
 @dataclass
@@ -179,8 +183,7 @@ def settle(ledger_dir: Path, entry: str, held: int) -> None:
         except OSError:
             return
         try:
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{held}\n".encode(), 0)
+            _say(fd, held)
         finally:
             os.close(fd)
 
