@@ -60,6 +60,8 @@ def test_each_allocation_is_live_handed_then_parked_and_live_again(sim_app):
     app = sim_app("--sizes", "8M,4M", "--vmm-mib", "4")
     before = app.ask("digest")
     assert allocation_states(app.pid) == {"live"}
+    gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid)   # staging made by the data plane, kept: a bare handover has its places
     with agent(app.pid) as a:
         a.call("handover", lease=0)
         states = memory_states(a)

@@ -23,6 +23,7 @@ import pytest
 
 import gpucr
 from gpucr import paths
+from gpucr import target as targets
 from gpucr.driver import ProcessState, gpu_memory, gpu_processes, process_gpu_memory
 from gpucr.server import client, daemon, wire
 from gpucr.workloads.runner import Workload
@@ -1045,12 +1046,16 @@ def test_server_killed_during_restore(server, sim_app, point):
 
 
 def test_server_killed_mid_data_out(server, sim_app):
-    """SIGKILL while the server waits for 1.5 GiB to be copied out: the agent rolls back by itself."""
+    """SIGKILL while the server waits for 1.5 GiB to be copied out: the agent rolls back by itself. Level data: no
+    driver lock beside the copy (a server killed after the driver locked the process leaves it to 'gpucr recover',
+    test_server_killed_during_checkpoint), and killed once the agent has handed its memory over (its staging, made
+    by the server first, no longer hides that moment behind 0.1 s of making it in the app)."""
     app = sim_app("--sizes", "1500M")
     before = app.ask("digest")
-    p = subprocess.Popen([sys.executable, "-m", "gpucr.cli", "checkpoint", str(app.pid)], stderr=subprocess.PIPE, text=True)
-    wait_for(lambda: server.info() is not None and server.info()["in_flight"] == 1, what="the checkpoint in the server")
-    time.sleep(0.1)
+    p = subprocess.Popen([sys.executable, "-m", "gpucr.cli", "checkpoint", "--level", "data", str(app.pid)],
+                         stderr=subprocess.PIPE, text=True)
+    with targets.resolve(app.pid).connect() as agent:
+        wait_for(lambda: agent.call("status")["phase"] == "handed", what="the handover")
     os.kill(server.pid, signal.SIGKILL)
     _, err = p.communicate(timeout=60)
     assert p.returncode == 1 and "died during 'checkpoint'" in err, err
@@ -1529,7 +1534,7 @@ def test_the_server_pins_staging_kept_from_an_earlier_cycle(server, sim_app):
     wait_for(lambda: server.info()["pinned_staging_bytes"] >= 40 << 20, what="the server to pin the staging ahead")
     ck = gpucr.checkpoint(app.pid)
     assert "handover" in ck.phases_s and "server_pin" not in ck.phases_s, ck.phases_s
-    assert ck.agent_phases_s["staging"] < 0.5, ck.agent_phases_s
+    assert "staging" not in ck.phases_s, ck.phases_s   # the kept staging fits: nothing made before the handover
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
     log = server.log.read_text()

@@ -1,8 +1,9 @@
 /* Shared declarations of the in-process agent (libgpucr.so).
  *
  * Threads: the application's (through the wrappers), the control channel's (one per connection),
- * and the agent's own helpers while a checkpoint runs (deadline jobs, threads touching new staging); at rest,
- * only the channel's. The agent copies and pins nothing: gpucr's data plane runs in another process.
+ * and the agent's own helper while a checkpoint runs (a deadline job); at rest, only the channel's. The agent
+ * copies, pins and makes nothing in host memory: gpucr's data plane runs in another process, makes the staging
+ * and hands the agent its fds to hold.
  *
  * Lock order (never take an earlier lock while holding a later one):
  *   g_op (verbs.c, one checkpoint or restore at a time)
@@ -10,8 +11,7 @@
  *   g_pool_mu (pool_impl.h, the stream-ordered pools) -> reg_lock; it is taken inside the gate (or by the
  *     checkpoint itself, before the driver holds the process), so no thread waits on a locked driver
  *     while holding it
- *   g_staging_mu (dataplane.c, staging preparation) -> S.mu (staging.c) -> g_ledger_mu (admit.c, the
- *     budget's ledger, with the runtime dir's flock that it stands for within this process)
+ *   reg_lock is never held while taking S.mu (staging.c, the held segments), nor the other way round
  * and each of these is held only on its own: g_dp_mu (dataplane.c, what status reports of the data
  * plane), the gate's mutex (gate.c), g_clients_mu (channel.c), a deadline job's mutex (deadline.c).
  * Rules that keep it so:
@@ -201,6 +201,6 @@ void gpucr_channel_first_use(void);
  * pthread_atfork: before the fork the registry lock is taken (never held across a driver call, so
  * this is short); in the child every module forgets the parent's state with plain stores and
  * close(), as POSIX allows there (no socket, thread, malloc or driver call), and its locks are made
- * new. Host memory of the parent's staging and ring is never inherited (MADV_DONTFORK). */
+ * new. The parent's staging fds and ledger entry are closed in the child (never unlocked there). */
 
 #endif

@@ -8,7 +8,6 @@
 #include "registry.h"
 #include "dataplane.h"
 #include "pool.h"
-#include "staging.h"
 
 #define CU_POINTER_ATTRIBUTE_CONTEXT 1
 

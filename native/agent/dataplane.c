@@ -112,21 +112,12 @@ static int sync_job(struct deadline_job *j)
     return 0;
 }
 
-static pthread_mutex_t g_staging_mu = PTHREAD_MUTEX_INITIALIZER;
-
-static int staging_job(struct deadline_job *j)
-{
-    pthread_mutex_lock(&g_staging_mu);
-    int rc = staging_fit(j->sizes, j->nsizes, j->err, sizeof j->err);
-    pthread_mutex_unlock(&g_staging_mu);
-    return rc;
-}
-
 /* Memory this process imported and mapped: a checkpoint unlinks it (its exporter saves the data, and a
  * restore relinks it from there). */
 static bool unlinked_at_checkpoint(const struct phys *p) { return p->kind == PHYS_IMPORTED && p->maps; }
 
-/* Staging ready, gate closed, device synchronised, free pool blocks given back; nothing released. */
+/* Gate closed, device synchronised, free pool blocks given back; nothing released. Staging is made beforehand by
+ * gpucr's data plane (the agent holds it: staging.c). */
 int dp_quiesce(int timeout_ms, char *err, size_t errlen)
 {
     if (!may_move(PH_QUIESCED, "quiesce", err, errlen)) return -1;
@@ -134,34 +125,11 @@ int dp_quiesce(int timeout_ms, char *err, size_t errlen)
     dp_preflight(why, sizeof why);
     if (why[0]) { seterr(err, errlen, "refused before touching the process: %s", why); return -1; }
 
-    /* Size staging before anything is touched: a refusal here leaves the application untouched. */
-    reg_lock();
-    size_t need = 0;
-    for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if (reg_phys_movable(p)) need += p->size;
-    reg_unlock();
     struct phase_times t = {0};
     CUcontext saved = NULL;
     if (gpucr_drv.cuCtxGetCurrent) gpucr_drv.cuCtxGetCurrent(&saved);
     int64_t deadline = gpucr_now_ns() + (int64_t)timeout_ms * 1000000LL;
-    int64_t t0 = gpucr_now_ns();
-    if (need) {
-        struct deadline_job *j = job_new(staging_job);
-        if (!j) { seterr(err, errlen, "out of host memory"); return -1; }
-        j->sizes = staging_movable_sizes(&j->nsizes);
-        int late = job_run(j, deadline), rc = j->rc;
-        if (!late && rc) seterr(err, errlen, "%s; checkpoint refused, the application runs on", j->err);
-        job_put(j);
-        if (late) {
-            seterr(err, errlen, "preparing %zu MiB of pinned staging took longer than the %d ms deadline; it goes on in "
-                   "the background, so retry the checkpoint shortly (the application runs on)", need >> 20, timeout_ms);
-            return -1;
-        }
-        if (rc) return -1;
-    }
-    t.staging = ms_since(t0);
-    progress(0);
-
+    int64_t t0;
     t0 = gpucr_now_ns();
     long left = 0;
     if (!gpucr_gate_close(deadline, &left)) {
@@ -225,20 +193,28 @@ int dp_abort(char *err, size_t errlen)
 }
 
 
-/* Each movable allocation's place in staging, from its start (made ready by dp_quiesce); *need: their bytes. */
-static CUresult place_in_staging(size_t *need)
+/* Each movable allocation's place in the staging the plane made for it, from its start: *need, their bytes; -1 with
+ * err set when one has no place (the process allocated since its staging was made). */
+static int place_in_staging(bool at_checkpoint, size_t *need, char *err, size_t errlen)
 {
     staging_rewind();
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (!reg_phys_movable(p)) continue;
-        void *at = staging_take(p->size);
+        if (!reg_phys_movable(p) || reg_phys_released(p) == at_checkpoint) continue;
+        int seg = -1;
+        size_t off = 0;
+        if (staging_take(p->size, &seg, &off)) {
+            seterr(err, errlen, "staging has no room for an allocation of %zu MiB (made since gpucr's data plane made "
+                   "the staging, or the staging was never made); retry: the next %s asks for more", p->size >> 20,
+                   at_checkpoint ? "checkpoint" : "restore");
+            return -1;
+        }
         reg_lock();
-        p->staging = at;
+        p->staging_seg = seg + 1;
+        p->staging_off = off;
         reg_unlock();
-        if (!at) return CUDA_ERROR_OUT_OF_MEMORY;
         *need += p->size;
     }
-    return CUDA_SUCCESS;
+    return 0;
 }
 
 /* The end of a restore, once the data plane's new memory is adopted (dp_adopt): every allocation the checkpoint
@@ -292,7 +268,6 @@ void dp_reset_after_fork(void)
     staging_reset_after_fork();
     memset(&g_dp, 0, sizeof g_dp);
     g_dp_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
-    g_staging_mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
 }
 
 /* ---- the data handed to gpucr's data plane (docs/server.md): it copies the memory, through the agent's fds,
@@ -340,7 +315,13 @@ int dp_handover(int timeout_ms, char *err, size_t errlen)
     CUcontext saved = NULL;
     if (gpucr_drv.cuCtxGetCurrent) gpucr_drv.cuCtxGetCurrent(&saved);
     size_t need = 0;
-    CUresult rc = place_in_staging(&need);
+    if (place_in_staging(true, &need, err, errlen)) {
+        char e2[256] = "";
+        take_back(e2, sizeof e2);   /* nothing was released: the gate opens again */
+        if (saved) gpucr_use_ctx(saved);
+        return -1;
+    }
+    CUresult rc = CUDA_SUCCESS;
     int64_t t0 = gpucr_now_ns();
     for (struct phys *p = g_reg.all; p && rc == CUDA_SUCCESS; p = p->next_all)
         if ((reg_phys_movable(p) || unlinked_at_checkpoint(p)) && (rc = handle_hand_over(p)) == CUDA_SUCCESS) progress(0);
@@ -472,7 +453,9 @@ int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t e
         if (!reg_phys_released(p)) continue;
         int seg = -1;
         size_t off = 0;   /* where in staging: an allocation with none was not moved (an import) */
-        if (!p->staging || staging_locate(p->staging, &seg, &off)) continue;
+        if (!p->staging_seg) continue;
+        seg = p->staging_seg - 1;
+        off = p->staging_off;
         jb_sub(j, NULL);
         jb_int(j, "index", index);   /* as the memory verb numbers it */
         jb_int(j, "va", (long long)full_mapping_va(p));
@@ -491,37 +474,36 @@ int dp_drop_staged(char *err, size_t errlen)
 {
     if (!may_move(PH_ON_DISK, "drop", err, errlen)) return -1;
     reg_lock();
-    for (struct phys *p = g_reg.all; p; p = p->next_all) p->staging = NULL;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) p->staging_seg = 0;
     reg_unlock();
     staging_drop();
     move(PH_ON_DISK);
     return 0;
 }
 
-/* what a checkpoint placed in staging (place_in_staging): an import it unlinked is its exporter's to save */
-static bool staged_at_checkpoint(const struct phys *p) { return reg_phys_released(p) && reg_phys_movable(p); }
+/* Hold the staging segments gpucr's data plane made (staging_hold), while no data waits in staging: the process
+ * runs (or is quiesced, staging not placed yet), or its data is only in an image. */
+int dp_hold(const int *fds, int n, bool replace, int entry_fd, char *err, size_t errlen)
+{
+    bool idle = g_dp.phase == PH_RUNNING || g_dp.phase == PH_ON_DISK || (g_dp.phase == PH_QUIESCED && !replace);
+    if (!idle && g_dp.phase != PH_PARKED) {   /* another controller's checkpoint got there first */
+        seterr(err, errlen, "busy: another checkpoint of this process is in progress (it is %s)", PHASE_NAME[g_dp.phase]);
+        return -1;
+    }
+    if (!idle) {
+        seterr(err, errlen, "hold refused: the process is %s, and its staging holds its data", PHASE_NAME[g_dp.phase]);
+        return -1;
+    }
+    return staging_hold(fds, n, replace, entry_fd, err, errlen);
+}
 
+/* Every allocation the last checkpoint staged placed again, in the staging the plane made to read an image into
+ * (an import it unlinked is its exporter's to save). */
 int dp_stage(char *err, size_t errlen)
 {
     if (!may_move(PH_PARKED, "stage", err, errlen)) return -1;
-    int n = 0, k = 0;
-    CUcontext ctx = NULL;
-    for (struct phys *p = g_reg.all; p; p = p->next_all) if (staged_at_checkpoint(p)) { n++; ctx = p->ctx; }
-    size_t *sizes = malloc(sizeof *sizes * (size_t)(n ? n : 1));
-    if (!sizes) { seterr(err, errlen, "out of host memory"); return -1; }
-    for (struct phys *p = g_reg.all; p; p = p->next_all) if (staged_at_checkpoint(p)) sizes[k++] = p->size;
-    if (ctx) gpucr_use_ctx(ctx);
-    int rc = staging_fit(sizes, n, err, errlen);
-    free(sizes);
-    if (rc) return -1;
-    staging_rewind();
-    for (struct phys *p = g_reg.all; p; p = p->next_all) {
-        if (!staged_at_checkpoint(p)) continue;
-        void *at = staging_take(p->size);
-        reg_lock();
-        p->staging = at;
-        reg_unlock();
-    }
+    size_t need = 0;
+    if (place_in_staging(false, &need, err, errlen)) return -1;
     move(PH_PARKED);
     return 0;
 }

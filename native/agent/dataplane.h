@@ -4,14 +4,14 @@
 #include "json.h"
 
 struct phase_times {            /* milliseconds of the last checkpoint's phases in the process */
-    double staging, gate, sync, release;
+    double gate, sync, release;
     uint64_t bytes_out;         /* handed to the data plane */
 };
 
 /* The process's phase (dataplane.c's LEGAL table says which step leads from which to which). */
 enum dp_phase {
     PH_RUNNING,    /* its memory on the GPU (after a restore, its gate may stay closed until "resume") */
-    PH_QUIESCED,   /* gate closed, device still, staging ready; nothing released (several processes' first phase) */
+    PH_QUIESCED,   /* gate closed, device still; nothing released (several processes' first phase) */
     PH_HANDED,     /* released to gpucr's data plane, which copies it; the agent's fds keep it on the GPU */
     PH_COPIED,     /* the plane's copy is in staging; the fds still keep the memory until the commit */
     PH_PARKED,     /* committed: the memory off the GPU, the data in staging */
@@ -28,7 +28,7 @@ static inline bool dp_checkpointed(enum dp_phase ph) { return ph >= PH_HANDED; }
 static inline bool dp_staged(enum dp_phase ph) { return ph == PH_COPIED || ph == PH_PARKED; }
 const char *dp_phase_name(enum dp_phase ph);
 
-/* Quiesce: staging ready, gate closed, device still, nothing released (several processes go through each
+/* Quiesce: gate closed, device still, nothing released (several processes go through each
  * phase together); abort undoes a quiesce or an uncommitted handover. */
 int dp_quiesce(int timeout_ms, char *err, size_t errlen);
 int dp_abort(char *err, size_t errlen);
@@ -42,10 +42,12 @@ void dp_get_progress(unsigned long long *bytes, unsigned long long *steps);
 void dp_preflight(char *why, size_t len);
 void dp_reset_after_fork(void);
 /* Images: describe the staged data and hand out the staging segments' fds; give staging up once
- * the data is safe in an image; re-create staging to be filled from an image before a restore. */
+ * the data is safe in an image; place the data again in new staging, to be filled from an image, before a restore. */
 int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t errlen);
 int dp_drop_staged(char *err, size_t errlen);
 int dp_stage(char *err, size_t errlen);
+/* Hold the staging the data plane made (staging.c's staging_hold), refused while staging holds the process's data. */
+int dp_hold(const int *fds, int n, bool replace, int entry_fd, char *err, size_t errlen);
 /* Shared memory (POSIX fds): list it; re-export after a restore; relink an importer; open the gate. */
 void dp_shared_json(struct jb *j);
 int dp_shared_fds(struct jb *j, int from, int *fds, int *nfds, int maxfds);

@@ -9,7 +9,7 @@ void job_put(struct deadline_job *j)
     pthread_mutex_lock(&j->mu);
     bool last = --j->refs == 0;
     pthread_mutex_unlock(&j->mu);
-    if (last) { pthread_mutex_destroy(&j->mu); pthread_cond_destroy(&j->cv); free(j->sizes); free(j->ctxs); free(j); }
+    if (last) { pthread_mutex_destroy(&j->mu); pthread_cond_destroy(&j->cv); free(j->ctxs); free(j); }
 }
 
 static void *job_thread(void *arg)

@@ -1,6 +1,5 @@
-/* Work with a deadline: cuCtxSynchronize and making staging (faulting in host memory, waiting on the
- * budget's ledger) have none, so such steps run in a helper thread ("gpucr-job") that is left to finish on
- * its own if the deadline passes; a later checkpoint then finds its result (e.g. staging that is ready). */
+/* Work with a deadline: cuCtxSynchronize has none, so it runs in a helper thread ("gpucr-job") that is left to
+ * finish on its own if the deadline passes. */
 #ifndef GPUCR_DEADLINE_H
 #define GPUCR_DEADLINE_H
 #include "agent.h"
@@ -12,9 +11,7 @@ struct deadline_job {
     bool done;
     int (*fn)(struct deadline_job *);
     int rc;
-    char err[512];              /* an admission refusal names a cgroup path, the limits and the way out */
-    size_t *sizes;              /* staging job: the allocations to place */
-    int nsizes;
+    char err[512];
     CUcontext *ctxs;            /* sync job: contexts to synchronise (malloc'd) */
     int nctx;
 };

@@ -68,7 +68,8 @@ struct phys {
     size_t resv_size, user_size;
     /* checkpoint bookkeeping */
     enum alloc_state state;     /* changed only by reg_alloc_move, which checks the change against its table */
-    void *staging;              /* where its data waits in host staging */
+    int staging_seg;            /* 1 + the staging segment its data waits in (0: none), at staging_off */
+    size_t staging_off;
     struct phys *next_all, *prev_all;
 };
 

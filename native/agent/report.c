@@ -6,7 +6,6 @@
 #include <dlfcn.h>
 #include <stdio.h>
 #include <unistd.h>
-#include "admit.h"
 #include "dataplane.h"
 #include "pool.h"
 #include "registry.h"
@@ -56,6 +55,18 @@ void report_hello(struct jb *j)
     jb_bool(j, "cuda", report_cuda_present());
     jb_bool(j, "simulated", simulated_driver());
     jb_str(j, "group", g_group);
+}
+
+/* The settings by which the data plane makes this process's staging and keeps its host budget, as the process
+ * was started with them (its environment may change later; the plane reads them here, never there). */
+static void staging_settings_json(struct jb *j)
+{
+    jb_sub(j, "staging_settings");
+    jb_str(j, "staging", gpucr_setting_str(SET_STAGING));
+    jb_int(j, "segment_mib", gpucr_setting_int(SET_STAGING_SEGMENT_MIB));
+    jb_str(j, "host_budget", gpucr_setting_str(SET_HOST_BUDGET));
+    jb_str(j, "test_cgroup_root", gpucr_setting_str(SET_TEST_CGROUP_ROOT));
+    jb_end(j);
 }
 
 void report_status(struct jb *j, const struct dp_status *st, const struct channel_state *cs)
@@ -121,9 +132,12 @@ void report_status(struct jb *j, const struct dp_status *st, const struct channe
     jb_int(j, "staging_bytes", (long long)si.bytes);
     jb_int(j, "staging_segments", si.segments);
     jb_str(j, "staging", si.kind);
-    admit_status_json(j, si.memory_bytes);
+    jb_int(j, "staging_memory_bytes", (long long)si.memory_bytes);   /* the host budget's (not file:DIR) */
+    /* what to ask gpucr's data plane to make before the next checkpoint, or before data is read from an image */
+    if (st->phase == PH_RUNNING || st->phase == PH_QUIESCED || st->phase == PH_ON_DISK)
+        staging_plan_json(j, st->phase != PH_ON_DISK);
+    staging_settings_json(j);
     jb_sub(j, "last_cycle_ms");
-    jb_dbl(j, "staging", st->last.staging);
     jb_dbl(j, "gate", st->last.gate);
     jb_dbl(j, "sync", st->last.sync);
     jb_dbl(j, "release", st->last.release);

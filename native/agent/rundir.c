@@ -1,5 +1,5 @@
 /* The private runtime dir the control sockets live in, by the rules of rules.h (gpucr's controller reads the
- * same), made once when the channel starts; the host-memory ledger (admit.c) lives there too. */
+ * same), made once when the channel starts; the host-memory ledger (src/gpucr/dataplane/budget.py) lives there too. */
 #define _GNU_SOURCE
 #include <dirent.h>
 #include <errno.h>

@@ -1,21 +1,21 @@
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
+#include <linux/magic.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
+#include <sys/file.h>
+#include <sys/stat.h>
+#include <sys/vfs.h>
 #include <unistd.h>
-#include "admit.h"
 #include "registry.h"
 #include "settings.h"
 #include "staging.h"
 
 #define HUGE_PAGE ((size_t)2 << 20)
-#define TOUCH_THREADS 8
-#define TOUCH_PER_THREAD ((size_t)64 << 20)   /* a smaller segment is touched by the caller alone */
+#define LEDGER_SUFFIX ".staging"   /* src/gpucr/dataplane/budget.py: <pid>-<pid ns>.staging in the runtime dir */
 
 /* Segments of at most GPUCR_STAGING_SEGMENT_MIB (2 GiB by default), which gpucr's data plane maps and pins a
  * segment at a time, pinning ahead while it copies. Below that, a segment is sized to the data it is made for. */
@@ -26,294 +26,235 @@ static const char *const KIND_NAME[] = {"hugetlbfs", "shm", "file"};
 
 struct seg {
     int fd;
-    void *base;
     size_t cap, used;
     enum kind kind;
 };
 
 static struct {
-    pthread_mutex_t mu;         /* guards segs: status reads them while a checkpoint grows them */
+    pthread_mutex_t mu;         /* guards segs: status reads them while a checkpoint places allocations */
     struct seg segs[STAGING_MAX_SEGS];
     int n;
-} S = {.mu = PTHREAD_MUTEX_INITIALIZER};
+    int entry;                  /* the ledger entry's fd, its shared flock held; -1: none */
+} S = {.mu = PTHREAD_MUTEX_INITIALIZER, .entry = -1};
 
 static size_t round_up(size_t v, size_t a) { return (v + a - 1) / a * a; }
 
-/* KiB, as /proc/meminfo says */
-static size_t meminfo(const char *key) { return host_meminfo_kib(key); }
-
-struct touch { char *base; size_t len, page; };
-static void *touch_range(void *arg)
+static void seterr(char *err, size_t len, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
+static void seterr(char *err, size_t len, const char *fmt, ...)
 {
-    struct touch *t = arg;
-    for (size_t off = 0; off < t->len; off += t->page) ((volatile char *)t->base)[off] = 0;
-    return NULL;
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, len, fmt, ap);
+    va_end(ap);
 }
 
-/* Fault the pages in with several threads: one thread tops out well below the memory bandwidth.
- * A small segment is not worth a thread. */
-static void touch_parallel(char *base, size_t len, size_t page)
-{
-    int n = TOUCH_THREADS;
-    long cpus = sysconf(_SC_NPROCESSORS_ONLN);
-    if (cpus > 0 && cpus < n) n = (int)cpus;
-    if (len / TOUCH_PER_THREAD < (size_t)n) n = (int)(len / TOUCH_PER_THREAD);
-    if (n <= 1) {
-        struct touch t = {base, len, page};
-        touch_range(&t);
-        return;
-    }
-    size_t per = round_up(len / (size_t)n + 1, page);
-    pthread_t th[TOUCH_THREADS];
-    struct touch t[TOUCH_THREADS];
-    int started = 0;
-    sigset_t all, prev;
-    sigfillset(&all);
-    pthread_sigmask(SIG_SETMASK, &all, &prev);
-    for (int i = 0; i < n; i++) {
-        size_t off = (size_t)i * per;
-        if (off >= len) break;
-        t[i] = (struct touch){base + off, off + per > len ? len - off : per, page};
-        if (pthread_create(&th[i], NULL, touch_range, &t[i]) == 0) {
-            pthread_setname_np(th[i], "gpucr-touch");
-            started++;
-        }
-        else touch_range(&t[i]);
-        if (started != i + 1) break;
-    }
-    pthread_sigmask(SIG_SETMASK, &prev, NULL);
-    for (int i = 0; i < started; i++) pthread_join(th[i], NULL);
-}
+/* ---- what is held ---- */
 
-static bool hugetlbfs_asked(void) { return !strcmp(gpucr_setting_str(SET_STAGING), "hugetlbfs"); }
-
-/* The backend asked for with GPUCR_STAGING: auto (default), hugetlbfs, shm or file:DIR. */
-static enum kind wanted_kind(size_t cap, const char **dir)
+/* The kind of a segment file, and whether it may be held: the plane is another process, and a file that could
+ * shrink under its mapping would fault it (a memfd must be sealed), or outlive a killed process (a file must be
+ * unlinked). -1 with err set when not. */
+static int checked_kind(int fd, int i, enum kind *kind, size_t *bytes, char *err, size_t errlen)
 {
-    const char *v = gpucr_setting_str(SET_STAGING);
-    *dir = NULL;
-    if (!strncmp(v, "file:", 5)) { *dir = v + 5; return K_FILE; }
-    if (!strcmp(v, "shm")) return K_SHM;
-    if (hugetlbfs_asked()) return K_HUGETLB;
-    /* auto: hugepages when enough are free */
-    return meminfo("HugePages_Free") * HUGE_PAGE >= cap ? K_HUGETLB : K_SHM;
-}
-
-/* A memfd of `cap` bytes whose size can no longer change: the gpucr server maps it, and a process that
- * shrank it under a copy would fault the server (it refuses a memfd not sealed so). */
-static int sized_memfd(size_t cap, unsigned int flags)
-{
-    int fd = memfd_create("gpucr-staging", MFD_CLOEXEC | MFD_ALLOW_SEALING | flags);
-    if (fd >= 0 && (ftruncate(fd, (off_t)cap) != 0 ||
-                    fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)) {
-        int e = errno;
-        close(fd);
-        errno = e;
+    struct stat st;
+    struct statfs fs;
+    if (fstat(fd, &st) != 0 || fstatfs(fd, &fs) != 0 || !S_ISREG(st.st_mode) || st.st_size <= 0) {
+        seterr(err, errlen, "staging segment %d is not a regular file with data", i);
         return -1;
     }
-    return fd;
-}
-
-static int seg_create(struct seg *g, size_t cap, char *err, size_t errlen)
-{
-    const char *dir;
-    char path[300] = "";
-    enum kind k = wanted_kind(round_up(cap, HUGE_PAGE), &dir);
-    int fd = -1;
-    if (k == K_HUGETLB) {
-        cap = round_up(cap, HUGE_PAGE);
-        fd = sized_memfd(cap, MFD_HUGETLB);
-        if (fd < 0) {
-            if (hugetlbfs_asked()) {
-                snprintf(err, errlen, "cannot get %zu MiB of hugepages for staging (%s); reserve them with "
-                         "'echo N > /proc/sys/vm/nr_hugepages' or use GPUCR_STAGING=shm", cap >> 20, strerror(errno));
-                return -1;
-            }
-            k = K_SHM;
+    int seals = fcntl(fd, F_GET_SEALS);
+    bool file_asked = !strncmp(gpucr_setting_str(SET_STAGING), "file:", 5);
+    if (seals < 0) {   /* not a memfd: a file of a filesystem, asked for with GPUCR_STAGING=file:DIR */
+        if (!file_asked || st.st_nlink != 0) {
+            seterr(err, errlen, "staging segment %d is a file %s; this process stages in %s", i,
+                   st.st_nlink ? "with a name (a killed process would leave it behind)" : "of a filesystem",
+                   file_asked ? "unlinked files" : "memfds");
+            return -1;
+        }
+        *kind = K_FILE;
+    } else {
+        int want = F_SEAL_SHRINK | F_SEAL_GROW;
+        if ((seals & want) != want) {
+            seterr(err, errlen, "staging segment %d is a memfd not sealed against shrinking and growing", i);
+            return -1;
+        }
+        *kind = (unsigned long)fs.f_type == (unsigned long)HUGETLBFS_MAGIC ? K_HUGETLB : K_SHM;
+        if (!strcmp(gpucr_setting_str(SET_STAGING), "hugetlbfs") && *kind != K_HUGETLB) {
+            seterr(err, errlen, "staging segment %d is not on hugetlbfs, as GPUCR_STAGING=hugetlbfs asks", i);
+            return -1;
         }
     }
-    if (k == K_SHM) {
-        fd = sized_memfd(cap, 0);
-    } else if (k == K_FILE) {
-        static int serial;
-        snprintf(path, sizeof path, "%s/gpucr-staging-%d-%d", dir, (int)getpid(), ++serial);
-        fd = open(path, O_RDWR | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
-        /* unlinked at once: the space lives as long as the fd, so a killed process leaves nothing behind */
-        if (fd >= 0) unlink(path);
-        if (fd >= 0 && ftruncate(fd, (off_t)cap) != 0) { close(fd); fd = -1; }
-    }
-    if (fd < 0) {
-        snprintf(err, errlen, "cannot create %zu MiB of %s staging: %s", cap >> 20, KIND_NAME[k], strerror(errno));
-        return -1;
-    }
-    void *base = mmap(NULL, cap, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-    if (base == MAP_FAILED) {
-        snprintf(err, errlen, "cannot map %zu MiB of %s staging: %s", cap >> 20, KIND_NAME[k], strerror(errno));
-        close(fd);
-        return -1;
-    }
-    /* a fork child (a DataLoader worker) must not map the parent's staging: it would keep it alive */
-    if (madvise(base, cap, MADV_DONTFORK)) gpucr_warn("madvise(MADV_DONTFORK) of staging: %s", strerror(errno));
-    touch_parallel(base, cap, k == K_HUGETLB ? HUGE_PAGE : (size_t)sysconf(_SC_PAGESIZE));
-    *g = (struct seg){.fd = fd, .base = base, .cap = cap, .kind = k};
+    *bytes = (size_t)st.st_size;
     return 0;
 }
 
-/* Bytes of `sizes` that first fit, in this order, leaves without a place in the segments, and the
- * largest of them. */
-static size_t shortfall_locked(const size_t *sizes, int n, size_t *largest)
+static void entry_name(char *out, size_t len)
+{
+    struct stat ns;
+    unsigned long long pidns = stat("/proc/self/ns/pid", &ns) == 0 ? (unsigned long long)ns.st_ino : 0;
+    snprintf(out, len, "%d-%llu" LEDGER_SUFFIX, (int)getpid(), pidns);
+}
+
+/* The ledger entry let go, and removed when it is still the file we held: the plane counts what staging holds
+ * only while an entry exists and is flocked. */
+static void entry_let_go_locked(void)
+{
+    if (S.entry < 0) return;
+    const char *dir = gpucr_runtime_dir();
+    char name[64], path[600];
+    struct stat mine, there;
+    entry_name(name, sizeof name);
+    if (dir && snprintf(path, sizeof path, "%s/%s", dir, name) < (int)sizeof path && fstat(S.entry, &mine) == 0 &&
+        lstat(path, &there) == 0 && mine.st_dev == there.st_dev && mine.st_ino == there.st_ino)
+        unlink(path);
+    /* unlocked, not only closed: a fork child made meanwhile shares the open file, and with it the flock */
+    flock(S.entry, LOCK_UN);
+    close(S.entry);
+    S.entry = -1;
+}
+
+static void segs_free_locked(void)
+{
+    for (int i = 0; i < S.n; i++) close(S.segs[i].fd);
+    S.n = 0;
+}
+
+int staging_hold(const int *fds, int n, bool replace, int entry_fd, char *err, size_t errlen)
+{
+    struct seg got[STAGING_MAX_SEGS];
+    int k = 0, rc = 0, entry = -1;
+    pthread_mutex_lock(&S.mu);
+    if ((replace ? 0 : S.n) + n > STAGING_MAX_SEGS) {
+        seterr(err, errlen, "staging would pass %d segments; restart the process to consolidate", STAGING_MAX_SEGS);
+        rc = -1;
+    }
+    for (; rc == 0 && k < n; k++) {
+        got[k] = (struct seg){.fd = -1};
+        if (checked_kind(fds[k], k, &got[k].kind, &got[k].cap, err, errlen) ||
+            (got[k].fd = fcntl(fds[k], F_DUPFD_CLOEXEC, 3)) < 0) {
+            if (got[k].fd < 0 && !err[0]) seterr(err, errlen, "cannot keep staging segment %d: %s", k, strerror(errno));
+            rc = -1;
+        }
+    }
+    if (rc == 0 && entry_fd >= 0) {
+        /* a dup of the plane's open file, its shared flock with it: it lasts while we hold it */
+        entry = fcntl(entry_fd, F_DUPFD_CLOEXEC, 3);
+        struct stat st;
+        if (entry < 0 || fstat(entry, &st) != 0 || !S_ISREG(st.st_mode) || flock(entry, LOCK_SH | LOCK_NB) != 0) {
+            seterr(err, errlen, "cannot hold the budget's ledger entry: %s", entry < 0 ? strerror(errno) : "not a locked file");
+            if (entry >= 0) close(entry);
+            rc = -1;
+        }
+    }
+    if (rc) {
+        for (int i = 0; i < k; i++) if (got[i].fd >= 0) close(got[i].fd);
+    } else {
+        if (replace) segs_free_locked();
+        memcpy(&S.segs[S.n], got, sizeof *got * (size_t)n);
+        S.n += n;
+        if (entry >= 0) {
+            if (S.entry >= 0) { flock(S.entry, LOCK_UN); close(S.entry); }   /* the same entry: ours replaces it */
+            S.entry = entry;
+        }
+    }
+    pthread_mutex_unlock(&S.mu);
+    return rc;
+}
+
+/* ---- the plan: what to ask the plane for ---- */
+
+/* Bytes of `sizes` that first fit, in this order, leaves without a place in segments of capacity `caps`,
+ * and the largest of them. */
+static size_t shortfall(const size_t *caps, int ncaps, const size_t *sizes, int n, size_t *largest)
 {
     size_t used[STAGING_MAX_SEGS] = {0}, missing = 0;
-    if (largest) *largest = 0;
+    *largest = 0;
     for (int k = 0; k < n; k++) {
         int i = 0;
-        while (i < S.n && S.segs[i].cap - used[i] < sizes[k]) i++;
-        if (i < S.n) used[i] += sizes[k];
+        while (i < ncaps && caps[i] - used[i] < sizes[k]) i++;
+        if (i < ncaps) used[i] += sizes[k];
         else {
             missing += sizes[k];
-            if (largest && sizes[k] > *largest) *largest = sizes[k];
+            if (sizes[k] > *largest) *largest = sizes[k];
         }
     }
     return missing;
 }
 
-static size_t capacity_locked(void)
+/* The next segment to add: what is still without a place (the last segment allowed takes all of it, the others
+ * at most a segment's target size), at least its largest allocation, and at least what staging holds already,
+ * up to the target: a process that grows a little at a time gets a few segments of doubling size, never more
+ * than about twice its data. */
+static size_t next_seg_size(int nsegs, size_t held, size_t missing, size_t largest)
 {
-    size_t cap = 0;
-    for (int i = 0; i < S.n; i++) cap += S.segs[i].cap;
-    return cap;
-}
-
-/* The next segment to add: what is still without a place (the last segment allowed takes all of
- * it, the others at most a segment's target size), at least its largest allocation, and at least
- * what staging holds already, up to the target: a process that grows a little at a time gets a few
- * segments of doubling size, never more than about twice its data. */
-static size_t next_seg_size_locked(size_t missing, size_t largest)
-{
-    size_t add = S.n >= STAGING_MAX_SEGS - 1 || missing < seg_target() ? missing : seg_target();
-    size_t held = capacity_locked();
+    size_t add = nsegs >= STAGING_MAX_SEGS - 1 || missing < seg_target() ? missing : seg_target();
     if (held > seg_target()) held = seg_target();
     if (add < held) add = held;
     if (add < largest) add = largest;
     return round_up(add, HUGE_PAGE);
 }
 
-static void seg_free(struct seg *g)
+/* The sizes, in registry order (as a checkpoint places them), of what a checkpoint moves now (at_checkpoint) or
+ * what the last one staged (to be read back from an image); malloc'd, NULL when out of memory. */
+static size_t *sizes_to_place(bool at_checkpoint, int *n)
 {
-    munmap(g->base, g->cap);
-    close(g->fd);
+    reg_lock();
+    int count = 0;
+    for (struct phys *p = g_reg.all; p; p = p->next_all)
+        count += reg_phys_movable(p) && reg_phys_released(p) != at_checkpoint;
+    size_t *sizes = malloc(sizeof *sizes * (size_t)(count ? count : 1));
+    int k = 0;
+    for (struct phys *p = g_reg.all; p && sizes; p = p->next_all)
+        if (reg_phys_movable(p) && reg_phys_released(p) != at_checkpoint) sizes[k++] = p->size;
+    reg_unlock();
+    *n = k;
+    return sizes;
 }
 
-/* Give staging back when it holds more than twice what is needed (the process's data shrank): all
- * of it, to be made again at the size needed, since a segment still in use may be the oversized
- * one. Called while nothing is staged (the process runs, or its data comes from an image next). */
-static void release_if_oversized_locked(size_t need)
+void staging_plan_json(struct jb *j, bool at_checkpoint)
 {
-    if (capacity_locked() <= 2 * need) return;
-    for (int i = 0; i < S.n; i++) seg_free(&S.segs[i]);
-    S.n = 0;
-    admit_record(0);
-}
-
-/* Bytes of staging in host memory (file:DIR staging is on a filesystem: not the budget's). */
-static size_t memory_locked(void)
-{
-    size_t b = 0;
-    for (int i = 0; i < S.n; i++) if (S.segs[i].kind != K_FILE) b += S.segs[i].cap;
-    return b;
-}
-
-/* Admission, before anything is touched: whether the host can give `need` more bytes of staging of
- * the kind asked for, checked in this order: the user's budget and the memory cgroup (admit.c), the
- * free hugepages or the machine's available memory. On yes, the growth is reserved in the shared
- * ledger (admit_record settles it); on no, err has one line naming the limit and what to do. */
-static bool room_for(size_t need, char *err, size_t errlen)
-{
-    const char *dir;
-    enum kind k = wanted_kind(need, &dir);
-    if (k == K_FILE) return true;   /* on a filesystem: neither the budget's nor host memory's */
-    size_t avail = k == K_HUGETLB ? meminfo("HugePages_Free") * HUGE_PAGE : meminfo("MemAvailable") * 1024;
-    if (k == K_HUGETLB && need > avail) {
-        snprintf(err, errlen, "not enough free hugepages for staging: need %zu MiB, %zu MiB free; reserve them with "
-                 "'echo %zu > /proc/sys/vm/nr_hugepages' (as root) or use GPUCR_STAGING=shm", need >> 20, avail >> 20,
-                 meminfo("HugePages_Total") + (need - avail) / HUGE_PAGE);
-        return false;
-    }
-    if (k == K_SHM && need > avail) {
-        snprintf(err, errlen, "not enough host memory for staging: need %zu MiB more, %zu MiB available; free host "
-                 "memory and retry " ADMIT_ON_DISK, need >> 20, avail >> 20);
-        return false;
-    }
-    /* hugepages are not charged to the memory cgroup (its hugetlb controller holds them) */
-    return admit_reserve(memory_locked(), need, k == K_SHM, err, errlen) == 0;
-}
-
-/* staging_fit; `shrink`: also give staging back first if it is oversized (release_if_oversized_locked). */
-static int fit(const size_t *sizes, int n, bool shrink, char *err, size_t errlen)
-{
-    size_t need = 0;
-    for (int k = 0; k < n; k++) need += sizes[k];
+    int n = 0;
+    size_t *sizes = sizes_to_place(at_checkpoint, &n), need = 0, held = 0, largest = 0;
+    size_t caps[STAGING_MAX_SEGS];
+    for (int k = 0; sizes && k < n; k++) need += sizes[k];
     pthread_mutex_lock(&S.mu);
-    if (shrink) release_if_oversized_locked(need);
-    size_t largest = 0, missing = shortfall_locked(sizes, n, &largest);
-    int rc = 0;
-    /* the whole shortfall is checked first: a refusal must come before anything is touched */
-    bool reserved = false;
-    if (missing) {
-        size_t first = next_seg_size_locked(missing, largest), all = round_up(missing, HUGE_PAGE);
-        if (!room_for(first > all ? first : all, err, errlen)) rc = -1;
-        else reserved = true;
-    }
-    /* each new segment holds at least the largest allocation still without a place, so every round places one */
-    while (rc == 0 && missing) {
-        if (S.n == STAGING_MAX_SEGS) {
-            snprintf(err, errlen, "staging has reached %d segments; restart the process to consolidate", STAGING_MAX_SEGS);
-            rc = -1;
-            break;
-        }
-        rc = seg_create(&S.segs[S.n], next_seg_size_locked(missing, largest), err, errlen);
-        if (rc == 0) S.n++;
-        missing = shortfall_locked(sizes, n, &largest);
-    }
-    if (reserved) admit_record(memory_locked());   /* what was made, in place of what was reserved */
+    int ncaps = S.n;
+    for (int i = 0; i < S.n; i++) held += caps[i] = S.segs[i].cap;
     pthread_mutex_unlock(&S.mu);
-    return rc;
+    bool replace = held > 2 * need;   /* the data shrank: all given back, made again at the size needed */
+    if (replace) ncaps = 0, held = 0;
+    jb_sub(j, "staging_plan");
+    jb_int(j, "need_bytes", (long long)need);
+    jb_bool(j, "replace", replace && n > 0);
+    jb_arr(j, "add");
+    /* each new segment holds at least the largest allocation still without a place, so every round places one */
+    for (size_t missing = sizes ? shortfall(caps, ncaps, sizes, n, &largest) : 0; missing && ncaps < STAGING_MAX_SEGS;
+         missing = shortfall(caps, ncaps, sizes, n, &largest)) {
+        caps[ncaps] = next_seg_size(ncaps, held, missing, largest);
+        held += caps[ncaps];
+        jb_int(j, NULL, (long long)caps[ncaps++]);
+    }
+    jb_arr_end(j);
+    jb_end(j);
+    free(sizes);
 }
 
-int staging_fit(const size_t *sizes, int n, char *err, size_t errlen) { return fit(sizes, n, true, err, errlen); }
+/* ---- placing ---- */
 
-
-/* First fit, in the order staging_fit planned with. */
-static void *take_locked(size_t size)
+int staging_take(size_t size, int *seg, size_t *off)
 {
-    for (int i = 0; i < S.n; i++) {
+    int found = -1;
+    pthread_mutex_lock(&S.mu);
+    for (int i = 0; i < S.n && found < 0; i++) {
         struct seg *g = &S.segs[i];
         if (g->cap - g->used >= size) {
+            *seg = i;
+            *off = g->used;
             g->used += size;
-            return (char *)g->base + g->used - size;
-        }
-    }
-    return NULL;
-}
-
-void *staging_take(size_t size)
-{
-    pthread_mutex_lock(&S.mu);
-    void *p = take_locked(size);
-    /* An allocation made between staging_fit and the gate closing has no place in a staging sized to
-     * the data: make one now rather than refuse the checkpoint. */
-    char err[256];
-    if (!p && S.n < STAGING_MAX_SEGS) {
-        if (seg_create(&S.segs[S.n], next_seg_size_locked(size, size), err, sizeof err) == 0) {
-            S.n++;
-            admit_record(memory_locked());
-            p = take_locked(size);
-        } else {
-            gpucr_warn("%s", err);
+            found = 0;
         }
     }
     pthread_mutex_unlock(&S.mu);
-    return p;
+    return found;
 }
 
 void staging_rewind(void)
@@ -326,22 +267,9 @@ void staging_rewind(void)
 void staging_drop(void)
 {
     pthread_mutex_lock(&S.mu);
-    for (int i = 0; i < S.n; i++) seg_free(&S.segs[i]);
-    S.n = 0;
-    admit_record(0);
+    segs_free_locked();
+    entry_let_go_locked();
     pthread_mutex_unlock(&S.mu);
-}
-
-int staging_locate(const void *p, int *seg, size_t *off)
-{
-    pthread_mutex_lock(&S.mu);
-    int found = -1;
-    for (int i = 0; i < S.n; i++) {
-        const char *b = S.segs[i].base;
-        if ((const char *)p >= b && (const char *)p < b + S.segs[i].cap) { *seg = i; *off = (size_t)((const char *)p - b); found = 0; break; }
-    }
-    pthread_mutex_unlock(&S.mu);
-    return found;
 }
 
 int staging_segments(int *fds, size_t *sizes, const char **kinds, int max)
@@ -364,28 +292,13 @@ void staging_get_info(struct staging_info *out)
     pthread_mutex_unlock(&S.mu);
 }
 
-/* The sizes of every allocation a checkpoint would move now, in registry order (as it moves them). */
-size_t *staging_movable_sizes(int *n)
-{
-    reg_lock();
-    int count = 0;
-    for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if (reg_phys_movable(p) && !reg_phys_released(p)) count++;
-    size_t *sizes = malloc(sizeof *sizes * (size_t)(count ? count : 1));
-    int k = 0;
-    for (struct phys *p = g_reg.all; p && sizes; p = p->next_all)
-        if (reg_phys_movable(p) && !reg_phys_released(p)) sizes[k++] = p->size;
-    reg_unlock();
-    *n = k;
-    return sizes;
-}
-
 void staging_reset_after_fork(void)
 {
-    /* the parent's staging is the parent's (not mapped here: MADV_DONTFORK): close our copies of its
-     * fds, which would keep it alive, never unregister or unlink it */
+    /* the parent's staging and ledger entry are the parent's: close our copies of their fds, which would keep
+     * them alive (the entry's flock with it), never unlink anything */
     S.mu = (pthread_mutex_t)PTHREAD_MUTEX_INITIALIZER;
     for (int i = 0; i < S.n; i++) close(S.segs[i].fd);
     S.n = 0;
-    admit_reset_after_fork();
+    if (S.entry >= 0) close(S.entry);
+    S.entry = -1;
 }

@@ -1,12 +1,12 @@
-/* Host staging: where device data waits while the process is checkpointed. Segments of shared
- * memory (2 MiB hugepages through hugetlbfs when the host has them free, else ordinary shared
- * memory, or a file in a chosen directory), sized to the data (up to GPUCR_STAGING_SEGMENT_MIB
- * each), touched by several threads and reused by every later cycle. The agent makes them and
- * holds their fds (a parked process's data outlives a server); gpucr's data plane maps, pins and
- * fills them in its own process (src/gpucr/dataplane/). */
+/* Host staging: where device data waits while the process is checkpointed. gpucr's data plane MAKES the
+ * segments (memfds sealed against shrinking and growing, on hugetlbfs or shared memory, or files in a chosen
+ * directory), faults them in, and keeps the host-memory budget (src/gpucr/dataplane/staging_make.py,
+ * budget.py); the agent HOLDS their fds, so a parked process's data outlives any server, and places each
+ * allocation in them, first fit. It plans what to ask for (staging_plan_json): the sizes rule lives here. */
 #ifndef GPUCR_STAGING_H
 #define GPUCR_STAGING_H
 #include "agent.h"
+#include "json.h"
 
 #define STAGING_MAX_SEGS 200   /* all their fds go in one SCM_RIGHTS message (Linux takes 253) */
 
@@ -17,19 +17,23 @@ struct staging_info {
     const char *kind;           /* of the newest segment: "hugetlbfs", "shm", "file" or "none" */
 };
 
-/* Make room for allocations of these sizes, placed first fit in this order (never moves what
- * exists). Staging that holds more than twice what is needed is given back first and made anew,
- * so call it only while nothing is staged. 0, or -1 with err set. */
-int staging_fit(const size_t *sizes, int n, char *err, size_t errlen);
-size_t *staging_movable_sizes(int *n);   /* malloc'd; the caller frees */
-/* Hand out `size` bytes for this cycle (first fit), adding a segment if none has room (an allocation
- * made after staging_fit); NULL if that fails. */
-void *staging_take(size_t size);
+/* Hold these segment files (the plane made them): each checked (a regular file; a memfd sealed against
+ * shrinking and growing, or an unlinked file when GPUCR_STAGING=file:DIR; of the kind asked for), then kept as
+ * a dup. `replace`: the segments held so far are given back first (only while nothing is staged). entry_fd
+ * (-1: none): the process's entry in the budget's ledger, with a shared flock on it that lasts while it is
+ * held: the entry counts exactly while the process lives. 0, or -1 with err set (nothing held changed). */
+int staging_hold(const int *fds, int n, bool replace, int entry_fd, char *err, size_t errlen);
+/* The segments to ask the plane for so that every allocation `staged` picks (at_checkpoint: those a checkpoint
+ * moves now; else those staged at the last one, to be read from an image) has a place, first fit, in that
+ * order: {"add": [bytes...], "replace": bool, "need_bytes": N} under "staging_plan". Staging holding more than
+ * twice what is needed is given back first (replace). */
+void staging_plan_json(struct jb *j, bool at_checkpoint);
+/* Hand out `size` bytes for this cycle (first fit); 0 with its segment and offset, -1 when no segment has room
+ * (the caller refuses: the plane makes staging, the agent never does). */
+int staging_take(size_t size, int *seg, size_t *off);
 void staging_rewind(void);      /* the next cycle hands out from the start again */
-void staging_drop(void);        /* give all host memory back */
+void staging_drop(void);        /* give every segment back, and the ledger entry with them */
 void staging_get_info(struct staging_info *out);
-/* Segment index and offset of a staging address; -1 if it is not in staging. */
-int staging_locate(const void *p, int *seg, size_t *off);
 /* The segments' file descriptors (to hand to the controller), sizes and kinds; returns the count. */
 int staging_segments(int *fds, size_t *sizes, const char **kinds, int max);
 void staging_reset_after_fork(void);

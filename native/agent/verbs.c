@@ -163,6 +163,12 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
                       : dp_orphan((unsigned long long)key, &bytes, err, sizeof err);
         if (rc == 0) { jb_bool(j, "ok", true); jb_int(j, "bytes", (long long)bytes); }
         status_after = false;
+    } else if (!strcmp(verb, "hold")) {
+        /* the staging segments gpucr's data plane made, entry=1: the last fd is the budget's ledger entry */
+        int replace = arg_int(req, "replace", 0), entry = arg_int(req, "entry", 0);
+        if (replace < 0 || replace > 1 || entry < 0 || entry > 1 || c->nin < entry)
+            rc = (snprintf(err, sizeof err, "hold takes replace=0|1 entry=0|1 and the segments' fds (the entry's last)"), -1);
+        else rc = dp_hold(c->in, c->nin - entry, replace == 1, entry ? c->in[c->nin - 1] : -1, err, sizeof err);
     } else if (!strcmp(verb, "resume")) {
         rc = dp_resume(err, sizeof err);
     } else {   /* stage; lease=1: a controller fills it from an image itself, then adopts or restores */
@@ -234,7 +240,7 @@ void verbs_handle(const char *req, struct jb *j, struct client *c)
              !strcmp(verb, "drop") || !strcmp(verb, "stage") || !strcmp(verb, "export") ||
              !strcmp(verb, "relink") || !strcmp(verb, "orphan") || !strcmp(verb, "resume") ||
              !strcmp(verb, "handover") || !strcmp(verb, "handed_done") || !strcmp(verb, "adopt") ||
-             !strcmp(verb, "unadopt"))
+             !strcmp(verb, "unadopt") || !strcmp(verb, "hold"))
         handle_op(verb, req, j, c);
     else reply_error(j, "unknown request verb");
 }

@@ -130,6 +130,16 @@ def parse_socket_name(name: str) -> tuple[int, int] | None:
     return int(pid), int(ino)
 
 
+LEDGER_SUFFIX = ".staging"   # an app's entry in the host budget's ledger, in its runtime dir (dataplane/budget.py)
+
+
+def ledger_entry(socket_name: str) -> str | None:
+    """The name of an app's entry in the host budget's ledger, as its agent names it (by its pid and pid namespace,
+    as its socket is named: <pid>-<pid ns>.staging), or None for a name that is no agent's socket."""
+    ident = parse_socket_name(socket_name)
+    return None if ident is None else f"{ident[0]}-{ident[1]}{LEDGER_SUFFIX}"
+
+
 def run_env(simulate: bool = False, base: dict[str, str] | None = None) -> dict[str, str]:
     """Environment that starts a command under the agent (on simcuda when `simulate`)."""
     env = dict(os.environ if base is None else base)

@@ -5,6 +5,7 @@ gpucr server ("server") or, with no server, by the requesting command itself ("c
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Protocol
 
 from .memory import Managed
@@ -40,6 +41,29 @@ class Stats:
 Made = tuple[Stats, list[tuple[int, int]]]   # a fill: what it cost, and (allocation index, fd) of each memory made
 
 
+@dataclass
+class StagingAsk:
+    """Staging an app's agent asks for (its status's staging_plan), with the app's settings it is made by."""
+    pid: int
+    ledger_dir: Path              # the app's runtime dir: the host budget's ledger is there
+    entry: str                    # the app's entry in it (as its agent names it: <pid>-<pid ns>.staging)
+    add: list[int]                # the new segments' sizes, in order
+    replace: bool = False         # the segments held now are given back first (more than twice what is needed)
+    held_memory: int = 0          # bytes of host memory its staging holds now (not file:DIR)
+    staging: str = "auto"         # GPUCR_STAGING: auto | hugetlbfs | shm | file:DIR
+    host_budget: str = ""         # GPUCR_HOST_BUDGET as the app was started with it ("": none)
+    cgroup_root: str = ""         # GPUCR_TEST_CGROUP_ROOT: the test suite's stand-in for "/"
+
+
+@dataclass
+class MadeStaging:
+    """The segments made for a StagingAsk, and the app's ledger entry (None: not the budget's, file staging): fds
+    for the caller to hand to the agent (`hold`) and then close."""
+    fds: list[int]
+    entry: int | None
+    kind: str
+
+
 class DataPlane(Protocol):
     """What the coordinator asks of a data plane. Each call raises GpucrError when it fails, having undone what
     it did (no memory made is left behind, no copy is left running)."""
@@ -54,6 +78,10 @@ class DataPlane(Protocol):
         """New memory for each allocation of `layout`, filled from staging (zero spans of an image, or those found at
         the checkpoint, set by memset); `check`: compare its digests with the checkpoint's, where the plane has them;
         `made(index, fd)`: each allocation as soon as it exists, while its copies still run (the fd is the plane's)."""
+
+    def make_staging(self, ask: StagingAsk) -> MadeStaging:
+        """The staging `ask` names, admitted against the one host budget first (a refusal, one line, before anything
+        is made), made and faulted in."""
 
     def forget(self, pid: int) -> None:
         """Let go of what it holds of the process's staging (mappings, pins): the process gave it back."""

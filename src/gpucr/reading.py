@@ -6,6 +6,7 @@ import os
 from typing import Any
 
 from . import gpus, manifest, shape
+from .dataplane import budget
 from . import target as targets
 from .app import AppChannel
 from .driver import DriverError, ProcessState
@@ -27,6 +28,7 @@ def read(t: targets.Target) -> dict[str, Any]:
     with t.connect() as agent:
         st = agent.call("status", timeout=10.0)
     st.pop("ok", None)
+    st.update(budget.status_fields(t.socket.parent, pid, st.get("staging_settings") or {}))   # the plane keeps it
     st["start_time"] = t.start_time
     st["cmd"] = targets.command_line(pid)
     level = None

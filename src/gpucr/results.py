@@ -192,7 +192,6 @@ class Allocations:
 class LastCycle:
     """The last checkpoint's steps inside the process (the data plane's copies and the driver's steps are in the
     controller's results)."""
-    staging_s: float
     gate_s: float
     sync_s: float
     release_s: float

@@ -26,7 +26,7 @@ def budget_bytes(v: str, mem_total: int | None = None) -> int:
     m = _BUDGET.fullmatch(v)
     assert m is not None
     if m[1]:
-        return (mem_total if mem_total is not None else _mem_total()) * int(m[1]) // 100
+        return (mem_total if mem_total is not None else _mem_total()) // 100 * int(m[1])   # as the agent reckoned it
     return int(m[2]) << 10 * "_KMGT".index(m[3] or "_")
 
 

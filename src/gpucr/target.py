@@ -248,12 +248,12 @@ def _own_live_pid(name: str) -> bool:
     return paths.parse_socket_name(name) is None and head.isdigit() and os.path.exists(f"/proc/{head}")
 
 
-STAGING_ENTRY = ".staging"   # native/agent/admit.c: a process's entry in the host-memory budget's ledger
+STAGING_ENTRY = paths.LEDGER_SUFFIX   # an app's entry in the host-memory budget's ledger (gpucr.dataplane.budget)
 
 
 def _reap_staging_entry(path: Path) -> None:
-    """Remove a ledger entry whose process is gone: a live one holds a shared flock on it for as long
-    as it exists (the agent reaps these too, at each admission; this keeps `ps` leaving nothing behind)."""
+    """Remove a ledger entry whose process is gone: a live one's agent holds a shared flock on it for as long
+    as it holds staging (the data plane reaps these too, at each admission; this keeps `ps` leaving nothing behind)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     except OSError:

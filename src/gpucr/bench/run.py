@@ -268,12 +268,12 @@ def run_group(spec: S.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
             _say(f"{spec.name}: warm-up cycle by {wm.name} (it prepares its host memory once; reported apart)")
             wm.before_first(w.pids)
             ck, rs, _ = M.timed_cycle(wm, w.pids, used, park_s)
-            staging_ms = ck.get("agent_ms", {}).get("staging")
-            warmup = {"checkpoint_s": ck["wall_s"], "restore_s": rs["wall_s"], "staging_ms": staging_ms,
+            staging_s = ck.get("phases_s", {}).get("staging")   # made by the plane before the handover
+            warmup = {"checkpoint_s": ck["wall_s"], "restore_s": rs["wall_s"], "staging_s": staging_s,
                       "checkpoint": ck, "restore": rs, "correct": S.compare(ref, S.observe(w, spec)),
                       "staging_bytes": wm.staging_bytes(w.pids)}
             _say(f"{spec.name}: warm-up checkpoint {ck['wall_s']:.3f} s"
-                 + (f" (staging {staging_ms / 1000:.3f} s)" if staging_ms is not None else "")
+                 + (f" (staging {staging_s:.3f} s)" if staging_s is not None else "")
                  + f", restore {rs['wall_s']:.3f} s")
         proc["bytes_per_gpu"] = _bytes_per_gpu(group[0], w, proc)
         for k, m in enumerate(group):

@@ -56,7 +56,7 @@ def _status_lines(st: ProcessStatus) -> list[str]:
                      "(RLIMIT_NOFILE; raise 'ulimit -n' before starting the application)")
     cyc = st.last_cycle
     if cyc.gate_s or cyc.release_s:
-        steps = ("staging", "gate", "sync", "release")
+        steps = ("gate", "sync", "release")
         lines.append("  last cycle   " + ", ".join(f"{k.replace('_', ' ')} {getattr(cyc, k + '_s'):.3f} s"
                                                   for k in steps))
     if st.refusal:

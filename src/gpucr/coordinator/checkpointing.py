@@ -14,6 +14,7 @@ from .members import PhaseError, _Member, _app_resume, _check_request, _each, _l
 from .steps import _abort_held, _prepare, _roll_back_driver, _vet_for_checkpoint, _warnings
 from .through_plane import _data_out_by_server
 from .image_steps import _write_image
+from .staging_steps import provide_staging
 from .relink import _check_sharing
 
 
@@ -66,6 +67,8 @@ def checkpoint_many(pids: list[int], mover: DataPlane, level: str = "full", time
             img = images.get(pid)
             members.append(_vet_for_checkpoint(pid, Path(img) if img is not None else None, timeout))
         _check_sharing(members, timeout)
+        # made by the plane, held by each agent, where it must grow: a refusal (the host budget) touches nothing
+        _each("staging", members, lambda m: provide_staging(m, mover))
         for m in members:
             m.gpu_before = _usage(m, m.status, mover)
         t0 = _lap(members, "vet", t0)

@@ -9,6 +9,7 @@ from .. import gpus, manifest
 from .. import imagefs
 from ..errors import GpucrError
 from .members import IMAGE_STAGE_MIN_S, STALL_GRACE_S, _Member, _test_kill_point, _watched_call
+from .staging_steps import provide_staging
 from .through_plane import _adopt, _close_made, _fillable_memory, _moved
 
 
@@ -43,11 +44,15 @@ def _data_in_from_image(m: _Member, entry: dict, timeout: float) -> None:
     adopts it (its restore finishes next: _data_in). A read or fill that fails leaves the process checkpointed,
     the image its source."""
     from .. import image as images   # needs xxhash: only image work pays for importing it
-    if m.status.get("staged"):
+    status = m.status
+    if status.get("staged"):
         m.agent.call("drop", timeout=60.0)   # the image is the source now
+        status = m.agent.call("status", timeout=10.0)   # what it lacks now that it holds no staging
     t0 = time.perf_counter()
-    # staging is made before any data arrives; it reports no progress of its own, so its limit is wide.
-    # lease=1: should this controller die before the staging is used, the agent drops what was read of it
+    # staging is made by the plane before any data arrives, then the agent places the data in it; it reports no
+    # progress of its own, so its limit is wide. lease=1: should this controller die before the staging is used,
+    # the agent drops what was read of it
+    provide_staging(m, m.plane, status)
     _watched_call(m, "stage", max(timeout, IMAGE_STAGE_MIN_S) + STALL_GRACE_S, lease=1)
     layout, seg_fds = m.agent.call_with_fds("layout", timeout=60.0)
     m.result["phases_s"]["stage"] = time.perf_counter() - t0

@@ -81,7 +81,7 @@ def _data_out_done(m: _Member, out: dict[str, Any]) -> None:
     r = m.result
     r["phases_s"]["data_out"] = time.perf_counter() - m.data_out_t0
     cyc = out["last_cycle_ms"]
-    r["agent_ms"] = {k: cyc[k] for k in ("staging", "gate", "sync", "release")}
+    r["agent_ms"] = {k: cyc[k] for k in ("gate", "sync", "release")}   # staging: the plane's (phases_s)
     r["bytes_moved"] = cyc["bytes_out"]
     r["bytes_left_to_driver"] = out["bytes_left_to_driver"]
     r["coverage"] = out.get("coverage")

@@ -18,6 +18,7 @@ from ..memory import Managed
 from ..plane import DataPlane, Made, Stats
 from .members import (ADOPT_BATCH, PhaseError, STALL_GRACE_S, _Member, _beside, _each, _test_kill_point,
                       _test_kill_target, _watched_call)
+from .staging_steps import provide_staging, refused_for_room
 from .steps import _data_out_done, _driver_checkpoint, _driver_lock, _quiesce
 
 
@@ -63,7 +64,14 @@ def _handover(m: _Member, timeout: float) -> None:
         m.data_out_t0 = time.perf_counter()
     # lease=1: should this controller die before it commits, the agent takes its memory back itself. The
     # agent refuses, touching nothing, memory the plane cannot take (not plain device memory, or no fd of it)
-    _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1)
+    try:
+        _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1)
+    except GpucrError as exc:
+        if not refused_for_room(exc) or m.plane is None:
+            raise
+        # it allocated since its staging was made (nothing was released): more staging, then once more
+        provide_staging(m, m.plane, m.agent.call("status", timeout=10.0))
+        _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1)
     m.held = True   # "abort" maps the memory again from the agent's fds: nothing left the GPU
     m.result["phases_s"]["handover"] = time.perf_counter() - m.data_out_t0
 

@@ -8,6 +8,7 @@ agent *holds* its staging files, so a parked app's data outlives any server; the
 pins and maps* them, and keeps the one host-memory budget (the server; with no server, the CLI's mover
 under a lock file in the runtime dir). The swap service lends prepared, pinned segments from app to app
 out of a per-user pool in that budget; staging kept from cycle to cycle is the same segments and the first
-reclaimed after the pool, a parked app's never. Until the making moves here, the agent still makes its
-staging and the plane maps and pins what it made.
+reclaimed after the pool, a parked app's never. The making is staging_make.py's (admitted by budget.py, before
+anything is made); the agent plans what it lacks, by the first-fit rule it places allocations with, and holds
+what the plane hands it (`hold`).
 """

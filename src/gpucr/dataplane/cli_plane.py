@@ -8,14 +8,15 @@ from typing import Any, Iterator
 from ..driver import Driver, controller_driver
 from ..plane import Stats
 from .mover import Mover
+from .staging_make import StagingMaker
 
 
-class LaterPlane:
+class LaterPlane(StagingMaker):
     """The mover of one request run in the CLI process, with no server (`--no-server`, or none running): the same
     mover, with no routes, its staging mapped but not pinned (a fresh process cannot pin tens of GiB in time) and
     its copies through a small pinned ring (ring.py). Made at its first copy, after the coordinator's checks of
     the request, so that a request refused there (another user's process, a bad argument) loads no driver here;
-    `drv`, else the controller's driver."""
+    `drv`, else the controller's driver. Making staging needs no driver (StagingMaker): it makes no mover."""
     plane = "cli"
 
     def __init__(self, drv: Driver | None = None) -> None:

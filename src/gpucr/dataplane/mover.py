@@ -34,6 +34,7 @@ from .pinned import Segment
 from .pinned import pin as pin_segment
 from .ring import Piece, Ring
 from .scan import Mapped
+from .staging_make import StagingMaker
 
 Spans = dict[int, list[tuple[int, int]]]   # allocation index -> [(offset, bytes)] in it
 # No wait in the server is without end: a copy from a `file:` staging on a stalled filesystem holds the
@@ -66,7 +67,7 @@ def _spans(size: int, zero: list[tuple[int, int]]) -> Iterator[tuple[int, int, b
         yield at, size - at, False
 
 
-class Mover:
+class Mover(StagingMaker):
     """One per server: a context per GPU it copies on (kept: restores need no new one), and each
     process's staging mapped and pinned once. One copy at a time: the link is the limit anyway.
     pinned_staging=False: the CLI's own mover, for one request with no server running (LaterPlane): the
