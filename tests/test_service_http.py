@@ -6,6 +6,7 @@ import json
 import os
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import RunningServer
+from conftest import RunningServer, gpucr_cli
 import test_swap
 from service_api import Api
 from test_swap import _state, _until
@@ -185,3 +186,21 @@ def test_the_event_stream_sends_the_state_every_second(swap_server, swap_app):
             events.append(json.loads(line[6:]))
     conn.close()
     assert time.monotonic() - t0 >= 1.5 and {a["name"] for a in events[-1]["apps"]} == {"alpha", "beta"}
+
+
+def test_http_takes_loopback_only_and_a_port_taken_is_one_line():
+    r = gpucr_cli("serve", "--simulate", "--http", "0.0.0.0:8321")
+    assert r.returncode == 2 and "'0.0.0.0' is not a loopback address: the HTTP API listens on this host only" in r.stderr
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen()
+    try:
+        port = taken.getsockname()[1]
+        r = gpucr_cli("serve", "--simulate", "--http", f"localhost:{port}", timeout=60)
+        assert r.returncode == 1 and r.stderr.strip().splitlines()[-1] == (
+            f"gpucr: error: cannot listen on http://127.0.0.1:{port} for --http: Address already in use; give another "
+            "port (0: any free one)"), r.stderr
+        assert not list(Path(os.environ["GPUCR_RUNTIME_DIR"]).glob("*-http.*")), "nothing of it is left behind"
+    finally:
+        taken.close()
+

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable
 
 from aiohttp import web
 
+from ..errors import GpucrError
 from ..server import wire
 from ..server.daemon import log
 from .guard import json_errors, peer_guard, token_guard
@@ -33,23 +34,38 @@ class ApiThread:
         self._ino = 0
         self._ready = threading.Event()
         self._failed: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, daemon=True, name="gpucr-http")
+        self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Bound and serving, or the reason it cannot (a port taken) raised here, before the server says it serves."""
+        """Bound and serving, or GpucrError saying why not (a port taken), before the server says it serves."""
         unix, self._ino = bind_unix(self.sock_path)
         tcp: socket.socket | None = None
         try:
-            tcp = bind_tcp(self.http) if self.http is not None else None
+            tcp = self._bind_tcp()
+            token = write_token(self.token_path) if tcp is not None else ""
+            self._thread = threading.Thread(target=self._run, args=(unix, tcp, token), daemon=True, name="gpucr-http")
+            self._thread.start()
+            if not self._ready.wait(START_WAIT_S) or self._failed is not None:
+                raise GpucrError(f"the HTTP API did not start: {self._failed or f'not ready within {START_WAIT_S:g} s'}")
+        except BaseException:
+            for sock in (unix, tcp):
+                if sock is not None:
+                    sock.close()
+            self.stop()
+            raise
+        self._say(tcp, token)
+
+    def _bind_tcp(self) -> socket.socket | None:
+        if self.http is None:
+            return None
+        try:
+            return bind_tcp(self.http)
         except OSError as exc:
-            unix.close()
-            remove_quietly(self.sock_path, self._ino)
-            raise OSError(exc.errno, f"cannot listen on {self.http.host}:{self.http.port} for --http: {exc.strerror}")
-        token = write_token(self.token_path) if tcp is not None else ""
-        self._thread_args = (unix, tcp, token)
-        self._thread.start()
-        if not self._ready.wait(START_WAIT_S) or self._failed is not None:
-            raise RuntimeError(f"the HTTP API did not start: {self._failed}")
+            raise GpucrError(f"cannot listen on {self.http.url(self.http.port)} for --http: {exc.strerror}; give "
+                             "another port (0: any free one)") from None
+
+    def _say(self, tcp: socket.socket | None, token: str) -> None:
+        """Where it listens: in the server's description (`gpucr serve --show-http`) and its log."""
         self.srv.http = {"socket": str(self.sock_path)}
         log(f"the HTTP API listens on {self.sock_path}")
         if tcp is not None and self.http is not None:
@@ -58,9 +74,8 @@ class ApiThread:
             log(f"the HTTP API listens on {url} (loopback only; its token is in {self.token_path}); the page: "
                 f"{url}/#token={token}")
 
-    def _run(self) -> None:
+    def _run(self, unix: socket.socket, tcp: socket.socket | None, token: str) -> None:
         asyncio.set_event_loop(self._loop)
-        unix, tcp, token = self._thread_args
         try:
             self._loop.run_until_complete(self._sites(unix, tcp, token))
         except BaseException as exc:   # noqa: BLE001 - said by start(), in the server's thread
@@ -92,7 +107,7 @@ class ApiThread:
             await runner.cleanup()
 
     def stop(self) -> None:
-        if self._thread.is_alive():
+        if self._thread is not None and self._thread.is_alive():
             self._loop.call_soon_threadsafe(self._loop.stop)
             self._thread.join(STOP_WAIT_S)
         remove_quietly(self.sock_path, self._ino)
