@@ -31,7 +31,7 @@ def test_a_broken_layer_is_caught(tmp_path):
     pkg = tmp_path / "src" / "fakegpucr"
     (pkg / "dataplane").mkdir(parents=True)
     (pkg / "__init__.py").write_text("")
-    for name in ("cli", "bench", "demo", "server", "swap", "recover", "coordinator", "reading"):
+    for name in ("cli", "bench", "demo", "service_http", "server", "swap", "recover", "coordinator", "reading"):
         (pkg / f"{name}.py").write_text("")
     (pkg / "dataplane" / "__init__.py").write_text("from .. import coordinator\n")
     (tmp_path / "pyproject.toml").write_text((ROOT / "pyproject.toml").read_text().replace("gpucr", "fakegpucr"))

@@ -42,8 +42,9 @@ pytestmark = pytest.mark.skipif(os.environ.get(README_BLOCK_ENV) == "1",
 OWN_DRIVER = ("gpucr run", "gpucr serve", "gpucr doctor", "gpucr recover", "gpucr bench",
               "python3 -m gpucr.bench.alloc_rate")
 # parsed, never run: a bench takes minutes and needs torch and the peer on a GPU; `gpucr serve` runs in the
-# foreground until stopped (the session's `gpucr run` started one already)
-PARSED_ONLY = ("gpucr bench", "gpucr serve")
+# foreground until stopped (the session's `gpucr run` started one already); `gpucr top` is a terminal's, and shows the
+# swap service, which the session does not use (tests/test_top.py runs it)
+PARSED_ONLY = ("gpucr bench", "gpucr serve", "gpucr top")
 PLACEHOLDER = re.compile(r"\b(PID|DIR|CMD|R\.json)\b")
 YOUR_PROGRAM = "serve.py"   # the user's own program in the synopsis; examples/cuda_counter.py stands for it
 

@@ -108,3 +108,11 @@ def server_line(info: dict[str, Any]) -> str:
             f"on {len(info['gpus'])} GPU{'s' if len(info['gpus']) != 1 else ''} "
             f"({f'its data-plane context on {len(ctx)}' if ctx else 'no context'}; "
             f"{mib(info.get('pinned_staging_bytes', 0))} of staging pinned)")
+
+
+def service_lines(info: dict[str, Any]) -> list[str]:
+    """`gpucr serve --status`: the server, where its HTTP API listens, and its swap apps."""
+    http = info.get("http") or {}
+    where = (f"  HTTP API: {http['socket']}" + (f" and {http['url']} (its token in {http['token_file']})"
+                                                if http.get("url") else "")) if http else "  HTTP API: off (its log says why)"
+    return [server_line(info), where, *_swap_apps(info)]

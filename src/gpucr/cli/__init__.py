@@ -15,11 +15,12 @@ from ..levels import LEVELS
 from ..results import SCHEMA_VERSION, ErrorResult, to_json
 from ..server import route
 from .args import (CONTROLLER_FLAGS, CONTROLLER_SIMULATE_HELP, GROUP_MAX_BYTES, JSON_HELP, NO_SERVER_HELP, RETIRED_ENV,
-                   STAGING_KINDS, Parser, Retired, check_controller_env, group_name, host_budget, positive_seconds,
-                   staging_kind)
+                   STAGING_KINDS, Parser, Retired, check_controller_env, group_name, host_budget, loopback,
+                   positive_seconds, staging_kind)
 from .cycle import cmd_checkpoint, cmd_recover, cmd_restore
 from .launch import cmd_bench, cmd_demo, cmd_doctor, cmd_lib, cmd_run, cmd_serve
 from .listing import cmd_inspect, cmd_ps, cmd_status, cmd_wait
+from .top import cmd_top
 from .text import mib as _mib, print_json
 
 # What other code and the tests reach through gpucr.cli: the entry point, the parsers, the settings' limits.
@@ -120,6 +121,13 @@ def _parser() -> argparse.ArgumentParser:
                     "(--park-dir; default: no budget, docs/swap.md)")
     sv.add_argument("--park-dir", metavar="DIR", help="where parked swap apps past --host-budget go as images: a "
                     "directory of yours, mode 0700 (default: gpucr/parked under $XDG_STATE_HOME or ~/.local/state)")
+    sv.add_argument("--http", metavar="HOST:PORT", type=loopback, help="also serve the HTTP API, /metrics and the "
+                    "live page on loopback TCP (127.0.0.1:PORT or [::1]:PORT; PORT 0: any free one), every request "
+                    "with the token it writes in the runtime dir; it prints the page's address (docs/api.md). "
+                    "Without it, they are served on a Unix socket beside the server's only")
+    sv.add_argument("--show-http", action="store_true", help="print where the running server's HTTP API listens, as "
+                    "shell assignments (GPUCR_SOCK, GPUCR_URL, GPUCR_TOKEN_FILE, GPUCR_PAGE): "
+                    "eval \"$(gpucr serve --show-http)\"")
     sv.add_argument("--stop", action="store_true", help="stop the running server")
     sv.add_argument("--status", action="store_true", help="say whether a server runs, its pid and what it holds "
                     "(exit status 3 when none runs)")
@@ -149,6 +157,14 @@ def _parser() -> argparse.ArgumentParser:
     ps.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
     ps.add_argument("--no-server", action="store_true", help=NO_SERVER_HELP)
     ps.set_defaults(fn=cmd_ps)
+
+    tp = sub.add_parser("top", help="the swap service's apps and GPUs, refreshing; keys park and resume the selected app")
+    tp.add_argument("--simulate", action="store_true", help="the server on simcuda, the simulated driver (test double)")
+    tp.add_argument("--interval", type=positive_seconds, default=1.0, metavar="SECONDS",
+                    help="refresh every SECONDS (default 1)")
+    tp.add_argument("--once", action="store_true", help="print the view once and exit (the default when stdin is "
+                    "not a terminal)")
+    tp.set_defaults(fn=cmd_top)
 
     dr = sub.add_parser("doctor", help="report hugepages, pinned-memory limits, driver and checkpoint API, with advice")
     dr.add_argument("--json", action="store_true", help=JSON_HELP)

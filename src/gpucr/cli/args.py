@@ -12,6 +12,7 @@ from .. import sizes
 from ..agent_tables import SETTINGS
 from ..errors import GpucrError
 from ..server import route
+from ..service_http.listen import Loopback, parse_loopback
 
 # The agent's limits for the settings `gpucr run` passes on, from its table (native/agent/settings.def)
 GROUP_MAX_BYTES = SETTINGS["GPUCR_GROUP"].hi
@@ -34,6 +35,14 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"gpucr: error: {message}; see '{self.prog} --help'\n")
+
+
+def loopback(v: str) -> Loopback:
+    """--http: a loopback HOST:PORT (listen.parse_loopback)."""
+    try:
+        return parse_loopback(v)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def staging_kind(v: str) -> str:

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
+from pathlib import Path
 
-from .. import paths, server_view
+from .. import paths, server_view, service_http
 from ..errors import GpucrError
 from ..server import route
 from .args import say_retired_env
@@ -64,20 +66,46 @@ def cmd_lib(a: argparse.Namespace) -> int:
 
 
 def cmd_serve(a: argparse.Namespace) -> int:
+    from ..driver import controller_simulated
     from ..server import client, daemon
+    simulated = controller_simulated()   # --simulate, or GPUCR_SIMULATE=1 (gpucr.cli sets it for --simulate)
     if a.stop:
-        pid = client.stop(a.simulate)
+        pid = client.stop(simulated)
         print("no gpucr server runs" if pid is None else f"gpucr server (pid {pid}) stopped")
         return 0
     if a.status:
-        info = client.info(a.simulate)
+        info = client.info(simulated)
         if a.json:
-            print_json({"running": True, **info} if info else {"running": False, "simulated": a.simulate})
+            print_json({"running": True, **info} if info else {"running": False, "simulated": simulated})
         else:
-            print(server_view.server_line(info) if info else "server: not running")
+            print("\n".join(server_view.service_lines(info)) if info else "server: not running")
         return 0 if info else 3
+    if a.show_http:
+        return _show_http(client.info(simulated))
+    missing = service_http.missing()
+    if missing and a.http:
+        raise GpucrError(f"--http: {missing}")
+    if missing:
+        route.note(f"{missing}; serving without it")
     return daemon.main(a.idle_exit, keep_context=not a.give_back_context, host_budget=a.host_budget, park_dir=a.park_dir,
-                       routes=not a.no_routes)
+                       routes=not a.no_routes, face=None if missing else service_http.face(a.http))
+
+
+def _show_http(info: dict | None) -> int:
+    """Where the server's HTTP API listens, as shell assignments (docs/api.md's curl examples use them)."""
+    if info is None:
+        raise GpucrError("no gpucr server runs: start one with 'gpucr serve'", code=3)
+    http = info.get("http") or {}
+    if not http:
+        raise GpucrError(f"the gpucr server (pid {info['pid']}) serves no HTTP API (its log says why); install "
+                         f"gpucr's service extra ({service_http.EXTRA_HINT}) and restart it")
+    lines = {"GPUCR_SOCK": http["socket"]}
+    if http.get("url"):
+        token = Path(http["token_file"]).read_text().strip()
+        lines.update({"GPUCR_URL": http["url"], "GPUCR_TOKEN_FILE": http["token_file"],
+                      "GPUCR_PAGE": f"{http['url']}/#token={token}"})
+    print("\n".join(f"{k}={shlex.quote(v)}" for k, v in lines.items()))
+    return 0
 
 
 def cmd_demo(a: argparse.Namespace) -> int:

@@ -29,7 +29,7 @@ from ..driver import controller_driver, controller_simulated
 from ..errors import GpucrError
 from ..results import to_json
 from .. import abandon
-from . import wire
+from . import swap_ops, wire
 from ..dataplane.mover import Mover
 from ..swap.gpu_view import DriverGpus
 from ..swap.service import SwapService
@@ -109,6 +109,7 @@ class Server:
         self.ino = 0
         self._starved_s = 0.0   # the pause between tries to accept while out of fds (0: not out of them)
         self._pin_ahead_said: dict[int, str] = {}   # pid -> why pinning ahead for it last failed, as logged
+        self.http: dict[str, Any] = {}   # where its HTTP API listens (gpucr.service_http), once it does
         gpu_view = DriverGpus(controller_driver, lambda: self._mover.context_uuids() if self._mover else [], log)
         self.swap = SwapService(self._swap_park, self._swap_resume, log, gpu_view, lambda pid: self.let_go([pid]),
                                 machine=self._gpu_names, write_image=self._swap_to_disk, host_budget=host_budget,
@@ -208,7 +209,7 @@ class Server:
 
     def _connection(self, conn: socket.socket) -> None:
         try:
-            why = self._peer_problem(conn)
+            why = self.peer_problem(conn)
             conn.settimeout(REFUSED_READ_S if why else wire.REQUEST_IDLE_S)
             # the request is read even from a peer refused: closing on unread bytes would reset the
             # connection, and the peer would read that instead of why
@@ -233,7 +234,7 @@ class Server:
         finally:
             conn.close()
 
-    def _peer_problem(self, conn: socket.socket) -> str | None:
+    def peer_problem(self, conn: socket.socket) -> str | None:
         pid, uid, _ = peer_credentials(conn)
         if uid != os.getuid():
             return (f"permission denied: this gpucr server serves uid {os.getuid()} only, not uid {uid}; "
@@ -245,6 +246,10 @@ class Server:
             return ("the gpucr server runs in another pid or mount namespace than this client, where its pids and "
                     "paths mean other things")
         return None
+
+    def ask(self, op: str, args: dict[str, Any]) -> dict[str, Any]:
+        """A request made inside the server's process (its HTTP API): the same handlers, checks and answer."""
+        return self._answer({"op": op, "args": args, "protocol": wire.PROTOCOL, "code": wire.code_identity()})
 
     def _answer(self, req: dict[str, Any]) -> dict[str, Any]:
         op = req.get("op")
@@ -265,9 +270,10 @@ class Server:
             run = handler(self, args)   # the args checked before anything is done
         except (TypeError, ValueError, KeyError, AttributeError) as exc:
             return {"ok": False, "error": f"malformed '{op}' request ({exc})", "code": 2}
+        counted = op not in _LOOKS
         with self.lock:   # a hello (a look at the server itself) is not counted
-            self.in_flight += op != "hello"
-            self.requests += op != "hello"
+            self.in_flight += counted
+            self.requests += counted
         t0, said = time.perf_counter(), "failed"   # (an unexpected error is said by _connection)
         try:
             with self.env_gate.hold(env):
@@ -284,7 +290,7 @@ class Server:
                     f"{time.perf_counter() - t0:.3f} s")
                 self.after_request()
             with self.lock:
-                self.in_flight -= op != "hello"
+                self.in_flight -= counted
                 self.last_activity = time.monotonic()
 
     def data_plane(self) -> Mover:
@@ -371,20 +377,21 @@ class Server:
             except Exception as exc:   # noqa: BLE001 - ending the loop would end the swap service for good
                 log(f"the swap service's tick failed: {_reason(exc)}; going on")
 
-    def _swap_park(self, pid: int, deadline_s: float) -> None:
+    def _swap_park(self, pid: int, deadline_s: float) -> Any:
         """The swap service's park: the server's own checkpoint of the process (level full), its data plane copying;
         its calls in flight must drain within deadline_s, or the park is given up (the app stays resident)."""
-        self._swap_request("checkpoint", pid, lambda mover: coordinator.checkpoint_many(
+        return self._swap_request("checkpoint", pid, lambda mover: coordinator.checkpoint_many(
             [pid], level="full", timeout=deadline_s, mover=mover))
 
     def _swap_resume(self, pid: int, image: str | None = None, gpu_map: dict[str, str] | None = None,
-                     drop_staging: bool = False) -> None:
+                     drop_staging: bool = False) -> Any:
         """The swap service's resume: the server's restore, from host memory or from the image the app went to on
         disk, onto its own GPUs or those gpu_map names; drop_staging: its staging given back (a host budget counts it)."""
-        self._swap_request("restore", pid, lambda mover: coordinator.restore_many(
+        result = self._swap_request("restore", pid, lambda mover: coordinator.restore_many(
             [pid], timeout=SWAP_TIMEOUT_S, mover=mover, images={pid: image} if image else None,
             gpu_map=gpu_map or None, drop_staging=drop_staging))
         self.let_go([pid] if drop_staging else [])   # given back: our mapping would keep it
+        return result
 
     def _swap_to_disk(self, pid: int, image: Path) -> None:
         """The swap service's move of a parked app to disk: its image written from its staging, which is then freed."""
@@ -395,16 +402,17 @@ class Server:
     def _gpu_names() -> list[tuple[str, str]]:
         return [(g.uuid, g.name) for g in gpus.machine_gpus(controller_driver())]
 
-    def _swap_request(self, op: str, pid: int, run: Callable[[Mover | None], Any]) -> None:
-        """A park or resume counted and logged as a request, in the environment requests share."""
+    def _swap_request(self, op: str, pid: int, run: Callable[[Mover | None], Any]) -> Any:
+        """A park or resume counted and logged as a request, in the environment requests share; run's result."""
         with self.lock:
             self.in_flight += 1
             self.requests += 1
         t0, said = time.perf_counter(), "failed"
         try:
             with self.env_gate.hold({}), _copying(self) as mover:
-                run(mover)
+                result = run(mover)
             said = "done"
+            return result
         finally:
             log(f"{op} of process {pid} (swap): {said} in {time.perf_counter() - t0:.3f} s")
             self.after_request()
@@ -441,7 +449,7 @@ class Server:
                 "simulated": self.simulated, "socket": str(self.path),
                 "log": str(self.dir / wire.log_name(self.simulated)), "up_s": round(time.time() - self.started, 1),
                 "requests": served, "in_flight": busy, "swap": self.swap.apps.rows(),
-                "swap_host": self.swap.disk.info(), "driver_version": drv.version(), "idle_exit_s": self.idle_exit_s,
+                "swap_host": self.swap.disk.info(), "http": self.http, "driver_version": drv.version(), "idle_exit_s": self.idle_exit_s,
                 "gpus": [{"uuid": u.uuid, "process_bytes": u.process} for u in held.values()],
                 "gpu_bytes": None if any(u.process is None for u in held.values()) else sum(u.process for u in held.values())}
 
@@ -544,7 +552,9 @@ _HANDLERS: dict[str, Callable[[Server, dict[str, Any]], Run]] = {
     "recover": _recover,
     "swap_register": _swap_register,
     "stop": _stop,
+    **swap_ops.HANDLERS,
 }
+_LOOKS = ("hello", *swap_ops.LOOKS)   # looks at the server: not counted as requests served
 
 
 def _reason(exc: Exception) -> str:
@@ -585,9 +595,11 @@ def log(line: str) -> None:
 
 
 def main(idle_exit_s: float | None = None, keep_context: bool = True, routes: bool = True,
-         host_budget: str | None = None, park_dir: str | None = None) -> int:
+         host_budget: str | None = None, park_dir: str | None = None,
+         face: Callable[[Server], Callable[[], None]] | None = None) -> int:
     """Run the server in the foreground until `gpucr serve --stop`, SIGTERM or SIGINT (or, with
-    `idle_exit_s`, that long with no process under gpucr and no request). host_budget: 64G or 50% (gpucr.sizes)."""
+    `idle_exit_s`, that long with no process under gpucr and no request). host_budget: 64G or 50% (gpucr.sizes).
+    face(server): another way in, started once the socket is bound (the HTTP API); what it returns stops it."""
     controller_driver()   # cuInit once, here: a server that cannot reach its driver does not start
     srv = Server(idle_exit_s, keep_context, routes, sizes.budget_bytes(host_budget) if host_budget else None, park_dir)
     srv.bind()
@@ -601,9 +613,13 @@ def main(idle_exit_s: float | None = None, keep_context: bool = True, routes: bo
     if srv.pins_ahead():
         threading.Thread(target=srv.pin_ahead_loop, daemon=True, name="gpucr-pin-ahead").start()
     threading.Thread(target=srv.swap_loop, daemon=True, name="gpucr-swap").start()
+    stop_face = None
     try:
+        stop_face = face(srv) if face is not None else None
         srv.serve()
     finally:
+        if stop_face is not None:
+            stop_face()
         srv.swap.close()
         srv.close()
         if srv._mover is not None:

@@ -125,15 +125,27 @@ def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: 
                         gpu_map, accept_mismatch).processes[0]
 
 
-def register_swap(simulated: bool, args: dict[str, Any]) -> dict[str, Any]:
-    """Register an app with the server's swap service (`gpucr run --swap`): there is no in-process way."""
+def _server_only(op: str, args: dict[str, Any], simulated: bool, needs: str, timeout: float | None) -> dict[str, Any]:
+    """A request only the server can answer (its swap service): GpucrError when none runs."""
     conn = client.connect(simulated)
     if conn is None:
-        raise GpucrError("--swap needs the gpucr server, and none runs: start one with 'gpucr serve'")
-    out = conn.ask("swap_register", args, timeout=10.0)
+        raise GpucrError(f"{needs} needs the gpucr server, and none runs: start one with 'gpucr serve'")
+    out = conn.ask(op, args, timeout=timeout)
     if not isinstance(out, dict):
-        raise GpucrError("the gpucr server sent a malformed swap_register answer; stop it with 'gpucr serve --stop'")
+        raise GpucrError(f"the gpucr server sent a malformed {op} answer; stop it with 'gpucr serve --stop'")
     return out
+
+
+def register_swap(simulated: bool, args: dict[str, Any]) -> dict[str, Any]:
+    """Register an app with the server's swap service (`gpucr run --swap`): there is no in-process way."""
+    return _server_only("swap_register", args, simulated, "--swap", 10.0)
+
+
+def swap(op: str, args: dict[str, Any], needs: str, timeout: float | None = None) -> dict[str, Any]:
+    """The swap service's view (`swap_view`) or an app parked, resumed or changed by hand (`swap_park`, `swap_resume`,
+    `swap_set`; server/swap_ops.py), on the server of this controller's driver kind. `needs`: who asks, for the error
+    when no server runs. No deadline by default: the server bounds a park by the app's --park-deadline."""
+    return _server_only(op, args, controller_simulated(), needs, timeout)
 
 
 def status(pid: int) -> ProcessStatus:

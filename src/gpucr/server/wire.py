@@ -29,7 +29,7 @@ REQUEST_ENV = ("GPUCR_TEST_KILL_AT", "GPUCR_TEST_KILL_TARGET")
 
 def _stem(simulated: bool) -> str:
     """The server's name in the runtime dir: its driver kind and the namespaces it serves (the pid and mount
-    namespaces a client must share with it, daemon.Server._peer_problem): each pair of namespaces that
+    namespaces a client must share with it, daemon.Server.peer_problem): each pair of namespaces that
     shares a runtime dir has a server, and a client never finds another pair's."""
     pidns, mntns = namespaces("self")
     return f"server{'-sim' if simulated else ''}-{pidns}-{mntns}"
@@ -41,6 +41,16 @@ def socket_name(simulated: bool) -> str:
 
 def log_name(simulated: bool) -> str:
     return _stem(simulated) + ".log"
+
+
+def http_socket_name(simulated: bool) -> str:
+    """The HTTP API's Unix socket, beside the server's own (gpucr.service_http)."""
+    return _stem(simulated) + "-http.sock"
+
+
+def token_name(simulated: bool) -> str:
+    """The HTTP API's token for loopback TCP (`gpucr serve --http`), 0600 beside the server's socket."""
+    return _stem(simulated) + "-http.token"
 
 
 def code_identity() -> str:

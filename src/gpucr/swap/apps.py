@@ -111,6 +111,18 @@ class Apps:
         with self._lock:
             return [a.row(at) for a in sorted(self._by_pid.values(), key=lambda a: a.name)]
 
+    def by_name(self, name: str) -> SwapApp | None:
+        with self._lock:
+            return next((a for a in self._by_pid.values() if a.name == name), None)
+
+    def update(self, pid: int, changes: dict[str, Any]) -> SwapApp | None:
+        """Some of its policy's fields set (priority, min_resident_s, idle_park_s), under the registry's lock."""
+        with self._lock:
+            app = self._by_pid.get(pid)
+            for k, v in changes.items() if app is not None else ():
+                setattr(app, k, v)
+            return app
+
     def set_state(self, pid: int, state: str, why: str = "") -> SwapApp | None:
         with self._lock:
             app = self._by_pid.get(pid)

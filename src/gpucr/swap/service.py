@@ -22,12 +22,14 @@ from .disk import HostThenDisk, ParkDir
 from .limits import RateLimit
 from .placement import GpuRoom, place
 from .room import ROOM_SLACK, Ask, GpuView, RoomMaker
+from .stats import NO_HOST_ROOM, NO_ROOM, PARK, PARK_FAILED, RESUME, RESUME_FAILED, SwitchStats
 
 WATCH_FOREVER_S = 10 * 365 * 86400.0   # a watch lasts until its app needs us; the app's end or ours closes it
 ROOM_MADE, ROOM_NONE = 1, 2   # the verdict the next watch carries to the agent (gate.c)
 ROOM_WAIT_S = 50.0     # the longest a room request waits for a --min-resident to end (the agent waits 60 s)
 RESUME_RETRY_S = 0.5   # a resume short of memory with nobody to park: memory just given back may not be free yet
 PRIORITY_MAX = 1000
+SECONDS_MAX = 30 * 86400   # the longest a --min-resident, --idle-park and the like may be
 
 
 def _reason(exc: Exception) -> str:
@@ -37,9 +39,15 @@ def _reason(exc: Exception) -> str:
 def _seconds(v: Any, what: str, allow_none: bool = False) -> float | None:
     if v is None and allow_none:
         return None
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 30 * 86400:
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= SECONDS_MAX:
         raise ValueError(f"{what} must be a number of seconds from 0 to 30 days, not {v!r}")
     return float(v)
+
+
+def _priority(v: Any) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or abs(v) > PRIORITY_MAX:
+        raise ValueError(f"priority must be a whole number from -{PRIORITY_MAX} to {PRIORITY_MAX}, not {v!r}")
+    return v
 
 
 def _short_of_memory(exc: Exception) -> bool:
@@ -51,12 +59,12 @@ def _no_disk(pid: int, image: Path) -> None:
 
 
 class SwapService:
-    def __init__(self, park: Callable[[int, float], None], resume: Callable[..., None], log: Callable[[str], None],
+    def __init__(self, park: Callable[[int, float], Any], resume: Callable[..., Any], log: Callable[[str], None],
                  gpu: GpuView, let_go: Callable[[int], None] = lambda pid: None,
                  machine: Callable[[], list[tuple[str, str]]] = list, write_image: Callable[[int, Path], Any] = _no_disk,
                  host_budget: int | None = None, park_dir: str | None = None) -> None:
         """park(pid, deadline_s) / resume(pid, image=, gpu_map=, drop_staging=): the server's checkpoint and restore of
-        one process (raise on failure); gpu: the GPUs' memory as the driver says; let_go(pid): the server's hold on an
+        one process (raise on failure, return the coordinator's result); gpu: the GPUs' memory as the driver says; let_go(pid): the server's hold on an
         ended app's staging dropped; machine(): the machine's GPUs as (UUID, chip name); write_image(pid, dir): the
         server's move of a parked process's data to an image (disk.py), past `host_budget` bytes of parked data in
         host memory."""
@@ -65,6 +73,7 @@ class SwapService:
         self._gpu, self._machine = gpu, machine
         self.room = RoomMaker(self.apps, self.park, log, gpu)
         self.limit = RateLimit()
+        self.stats = SwitchStats()   # what readers of the service see of its switches (the HTTP API, /metrics, top)
         self._turns: dict[int, threading.Lock] = {}   # per app: one park or resume at a time
         self._turns_lock = threading.Lock()
         self.disk = HostThenDisk(host_budget, ParkDir(park_dir), self.apps, self._turn, write_image, log)
@@ -82,9 +91,7 @@ class SwapService:
         name = args.get("name")
         if not isinstance(name, str) or not 0 < len(name) <= NAME_MAX or not name.isprintable() or " " in name:
             raise ValueError(f"a swap app's name is 1 to {NAME_MAX} printable characters without spaces, not {name!r}")
-        priority = args.get("priority", 0)
-        if isinstance(priority, bool) or not isinstance(priority, int) or abs(priority) > PRIORITY_MAX:
-            raise ValueError(f"priority must be a whole number from -{PRIORITY_MAX} to {PRIORITY_MAX}, not {priority!r}")
+        priority = _priority(args.get("priority", 0))
         any_gpu = args.get("any_gpu", False)
         if not isinstance(any_gpu, bool):
             raise ValueError(f"any_gpu must be true or false, not {any_gpu!r}")
@@ -109,6 +116,36 @@ class SwapService:
                   f"park deadline {app.park_deadline_s:g} s, wait limit "
                   f"{'off' if app.wait_limit_s is None else f'{app.wait_limit_s:g} s'}"
                   + (", on any GPU with room" if app.any_gpu else ""))
+        return app.row(now())
+
+    # ---- its policy changed while it runs (the server's `swap_set` request) ----
+
+    @staticmethod
+    def policy_changes(args: dict[str, Any]) -> dict[str, Any]:
+        """A `swap_set` request's changes checked (ValueError: malformed): any of priority, min_resident_s and
+        idle_park_s (null: never idle-parked), as the app's row names them."""
+        unknown = set(args) - {"name", "priority", "min_resident_s", "idle_park_s"}
+        if unknown:
+            raise ValueError(f"a swap app's policy is its priority, min_resident_s and idle_park_s, not "
+                             f"{', '.join(sorted(unknown))}")
+        changes: dict[str, Any] = {}
+        if "priority" in args:
+            changes["priority"] = _priority(args["priority"])
+        if "min_resident_s" in args:
+            changes["min_resident_s"] = _seconds(args["min_resident_s"], "min_resident_s")
+        if "idle_park_s" in args:
+            changes["idle_park_s"] = _seconds(args["idle_park_s"], "idle_park_s", allow_none=True)
+        if not changes:
+            raise ValueError("nothing to change: give priority, min_resident_s or idle_park_s")
+        return changes
+
+    def set_policy(self, pid: int, changes: dict[str, Any], who: str) -> dict[str, Any]:
+        """The app's priority, --min-resident or --idle-park changed (policy_changes), from now; its row after."""
+        app = self.apps.update(pid, changes)
+        if app is None:
+            raise GpucrError(f"swap app with pid {pid} ended")
+        self._log(f"swap app {app.name} (pid {pid}): " + ", ".join(f"{k} {v}" for k, v in changes.items())
+                  + f" (set by {who})")
         return app.row(now())
 
     # ---- what the server reads anyway ----
@@ -161,6 +198,7 @@ class SwapService:
             self._log(f"swap app {app.name} (pid {app.pid}) dropped: {why}")
         self._end_watch(app.pid)
         self.limit.forget(app.pid)
+        self.stats.forget(app.pid)
         self._let_go(app.pid)   # a parked app's staging is its own memfds: the server's mapping alone would keep them
         self.disk.forget(app)
         with self._turns_lock:
@@ -176,9 +214,11 @@ class SwapService:
         """Park a resident app within the host budget (disk.py: others may go to disk first); False when it stays
         resident. Its room in host memory is made before its turn is taken: moving another to disk takes that one's."""
         app = self.apps.get(pid)
-        if app is None or app.state != RESIDENT or not self.disk.room_for(app):
-            if app is not None and app.state == RESIDENT:
-                app.last_submit = now()   # tried again after another idle period, not every tick
+        if app is None or app.state != RESIDENT:
+            return False
+        if not self.disk.room_for(app):
+            app.last_submit = now()   # tried again after another idle period, not every tick
+            self.stats.refused(pid, NO_HOST_ROOM)
             return False
         parked = self._park_resident(pid, why)
         self.disk.parked(app, parked)
@@ -193,13 +233,15 @@ class SwapService:
             self.apps.set_state(pid, PARKING)
             t0 = now()
             try:
-                self._park(pid, app.park_deadline_s)
+                result = self._park(pid, app.park_deadline_s)
             except Exception as exc:   # noqa: BLE001 - the app stays resident whatever failed; said once per try
                 app.last_submit = now()   # tried again after another idle period, not every tick
+                self.stats.refused(pid, PARK_FAILED)
                 self.apps.set_state(pid, RESIDENT, f"park failed: {_reason(exc)}")
                 self._log(f"parking swap app {app.name} (pid {pid}) failed, it stays resident: {_reason(exc)}")
                 return False
             app.parks += 1
+            self.stats.switched(pid, app.name, PARK, now() - t0, result)
             self.apps.set_state(pid, PARKED)
             self._log(f"parked swap app {app.name} (pid {pid}): {why}; {now() - t0:.3f} s")
         return True
@@ -266,53 +308,63 @@ class SwapService:
         want, free, ordinal = int(ans.get("bytes") or 0), int(ans.get("free") or 0), int(ans.get("device") or 0)
         uuid = asker.ordinals.get(ordinal, str(ordinal))
         wait = min(ROOM_WAIT_S, asker.wait_limit_s) if asker.wait_limit_s is not None else ROOM_WAIT_S
-        return self.room.make(asker, Ask(uuid, want, f"{want} bytes ({free} free)", wait, free_hint=free))
+        made = self.room.make(asker, Ask(uuid, want, f"{want} bytes ({free} free)", wait, free_hint=free))
+        if not made:
+            self.stats.refused(asker.pid, NO_ROOM)
+        return made
 
     def _end_watch(self, pid: int) -> None:
         agent = self._watches.pop(pid, None)
         if agent is not None:
             agent.hang_up()
 
-    def resume(self, pid: int, demand_ns: int) -> bool:
+    def resume(self, pid: int, demand_ns: int, why: str = "on demand") -> bool:
         """Resume a parked app on its demand (the server's restore); the time from its demanding call to the start
-        of the restore is logged and kept."""
+        of the restore is logged and kept. A resume asked for by hand (the HTTP API, `gpucr top`) has no demand_ns
+        and says why instead."""
         with self._turn(pid):
             app = self.apps.get(pid)
             if app is None or app.state not in (PARKED, ON_DISK):
                 return False
             self.apps.set_state(pid, RESUMING)
             start = now()
-            app.last_wake_ms = round((start * 1e9 - demand_ns) / 1e6, 3) if demand_ns else None
-            self._log(f"resuming swap app {app.name} (pid {pid}) on demand: {app.last_wake_ms} ms from its demanding "
-                      "call to the start of its restore" + (f", from its image {app.image}" if app.image else ""))
+            if demand_ns:
+                app.last_wake_ms = round((start * 1e9 - demand_ns) / 1e6, 3)
+            waking = (f": {app.last_wake_ms} ms from its demanding call to the start of its restore" if demand_ns else "")
+            self._log(f"resuming swap app {app.name} (pid {pid}) {why}{waking}"
+                      + (f", from its image {app.image}" if app.image else ""))
             try:
-                self.apps.moved(pid, self._resume_with_room(app))
+                moves, result = self._resume_with_room(app)
+                self.apps.moved(pid, moves)
             except Exception as exc:   # noqa: BLE001 - said, and left for a person: its callers wait at the gate
+                self.stats.refused(pid, RESUME_FAILED)
                 self.apps.set_state(pid, ON_DISK if app.image else PARKED, f"resume failed: {_reason(exc)}")
                 self._log(f"resuming swap app {app.name} (pid {pid}) failed: {_reason(exc)}; restore it with "
                           f"'gpucr restore {f'--image {app.image} ' if app.image else ''}{pid}'")
                 return False
             self.disk.resumed(app)
             app.resumes += 1
+            self.stats.switched(pid, app.name, RESUME, now() - start, result)
             app.last_submit = now()
             self.apps.set_state(pid, RESIDENT)
             self._log(f"resumed swap app {app.name} (pid {pid}) in {now() - start:.3f} s")
         return True
 
-    def _resume_with_room(self, app: SwapApp) -> dict[str, str]:
+    def _resume_with_room(self, app: SwapApp) -> tuple[dict[str, str], Any]:
         """The restore; while the GPU is short, others are parked for it by the policy (as for an allocation: in its
         turn, waiting for a --min-resident to end) and it is tried again. It waits as long as it takes, shown in
         `gpucr ps` and logged once: its app's calls wait at the gate anyway (an allocation ends its own wait at
         --wait-limit, in the agent). It ends with the app or the server. With nobody to park, the next try waits
         RESUME_RETRY_S: memory given back a moment before is not always free yet (~0.1 s after a park, on simcuda).
-        Returns how its GPUs moved ({old UUID: new UUID}, only those that did: --any-gpu, _placement)."""
+        Returns how its GPUs moved ({old UUID: new UUID}, only those that did: --any-gpu, _placement), and the
+        restore's result."""
         start = now()
         try:
             while True:
                 try:
                     moves = self._placement(app)
-                    self._resume(app.pid, image=app.image, gpu_map=moves, drop_staging=self.disk.drops_staging)
-                    return {old: new for old, new in moves.items() if old != new}
+                    result = self._resume(app.pid, image=app.image, gpu_map=moves, drop_staging=self.disk.drops_staging)
+                    return {old: new for old, new in moves.items() if old != new}, result
                 except GpucrError as exc:
                     if not _short_of_memory(exc) or self._stopping or targets.process_ended(app.pid, app.start_time):
                         raise
