@@ -449,6 +449,49 @@ def kernel_rate(gib: int = int(os.environ.get("EXP_KERNEL_GIB", "32")),
          d2d_copy_read_plus_write_tbps=round(copy, 3))
 
 
+def split_map(vmm, ctx: int, count: int, size: int) -> dict:
+    """Where a map's time goes (reserve, map, set access, each per allocation), against one reservation for all
+    with one cuMemSetAccess over the whole range (ms per allocation)."""
+    import ctypes as C
+    from gpucr.driver import _AccessDesc, _MemLocation, _DEVICE, _READ_WRITE
+    cu = vmm._cu
+    acc = (_AccessDesc * 1)(_AccessDesc(location=_MemLocation(_DEVICE, 0), flags=_READ_WRITE))
+    hs = [vmm.create(size, 0) for _ in range(count)]
+    row: dict = {"what": "map split"}
+    vas = []
+    t0 = time.perf_counter()
+    for _h in hs:
+        va = C.c_uint64()
+        cu.cuMemAddressReserve(C.byref(va), size, 0, 0, 0)
+        vas.append(va.value)
+    t1 = time.perf_counter()
+    for h, va in zip(hs, vas):
+        cu.cuMemMap(va, size, 0, h, 0)
+    t2 = time.perf_counter()
+    for va in vas:
+        cu.cuMemSetAccess(va, size, acc, 1)
+    t3 = time.perf_counter()
+    row.update(reserve_ms=(t1 - t0), map_only_ms=(t2 - t1), set_access_ms=(t3 - t2))
+    for va in vas:
+        cu.cuMemUnmap(va, size)
+        cu.cuMemAddressFree(va, size)
+    base = C.c_uint64()
+    t0 = time.perf_counter()
+    cu.cuMemAddressReserve(C.byref(base), size * count, 0, 0, 0)
+    for k, h in enumerate(hs):
+        cu.cuMemMap(base.value + k * size, size, 0, h, 0)
+    t1 = time.perf_counter()
+    rc = cu.cuMemSetAccess(base.value, size * count, acc, 1)
+    t2 = time.perf_counter()
+    row.update(one_range_map_ms=(t1 - t0), one_set_access_total_ms=(t2 - t1) * count, one_set_access_rc=rc)
+    for k in range(count):
+        cu.cuMemUnmap(base.value + k * size, size)
+    cu.cuMemAddressFree(base.value, size * count)
+    for h in hs:
+        vmm.release(h)
+    return {k: (round(v * 1000 / count, 4) if k.endswith("_ms") else v) for k, v in row.items()}
+
+
 def vmm_calls(count: int = int(os.environ.get("EXP_VMM_COUNT", "1500")), size: int = 20 << 20) -> None:
     from gpucr.driver import Vmm, controller_driver
     vmm = Vmm(controller_driver())
@@ -483,6 +526,7 @@ def vmm_calls(count: int = int(os.environ.get("EXP_VMM_COUNT", "1500")), size: i
         return {k: (round(v * 1000 / count, 4) if k != "threads" else v) for k, v in row.items()}
 
     rows = [round_(t) for t in (1, 2, 4)]
+    rows.append(split_map(vmm, ctx, count, size))
     # the same with the link busy: a host-to-device copy loop on a stream of its own
     n = int(os.environ.get("EXP_VMM_COPY_GIB", "8")) << 30
     host = vmm.host_alloc(n)

@@ -68,7 +68,7 @@ def test_a_restore_whose_staging_was_damaged_is_refused_then_accepted(reused_ser
     said = str(refused.value)
     assert "chunk 1 " in said and "--accept-mismatch" in said, said
     assert gpucr.status(app.pid).state == "checkpointed", "refused: the process stays checkpointed"
-    # what the agent adopted while the copies ran was given back (unadopt): released again, its data in staging
+    # the agent adopted nothing of the refused fill: released still, its data in staging
     with AgentClient(paths.runtime_dir() / agent_socket_name(app.pid), app.pid) as agent:
         listed = [e for e in server_memory.gather(agent, 10.0) if e.bytes == 8 * MiB]
     server_memory.close_all(listed)

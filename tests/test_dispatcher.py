@@ -166,6 +166,12 @@ class FakeAgent:
         self.adopted += fds
         return {}
 
+    def _unadopt(self, **_: int) -> dict[str, Any]:
+        """What a restore adopted given back: parked again, as before it."""
+        self._need_cuda("unadopt")
+        undone, self.adopted = self.adopted, 0
+        return {"ok": True, "undone": undone}
+
     def _restore(self, drop_staging: int, open_gate: int) -> dict[str, Any]:
         """The end of a restore: every allocation adopted, or it stays checkpointed (the agent copies nothing)."""
         self._need_cuda("restore")
@@ -222,11 +228,9 @@ class FakePlane:
         return Stats(bytes=TOTAL_BYTES, seconds=0.001, allocations=len(memory))
 
     def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Any],
-             image: Any = None, check: bool = True, made: Any = None) -> tuple[Stats, list[tuple[int, int]]]:
+             image: Any = None, check: bool = True) -> tuple[Stats, list[tuple[int, int]]]:
         self.world.step("plane", "fill", pid)
         fds = [(int(a["index"]), os.memfd_create(MADE_FD_NAME)) for a in layout["allocations"]]
-        for index, fd in fds if made is not None else []:
-            made(index, fd)
         return Stats(bytes=TOTAL_BYTES, seconds=0.001, allocations=len(fds)), fds
 
     def settle(self) -> None:
@@ -427,6 +431,30 @@ def test_a_failed_fill_leaves_that_process_checkpointed(live_pids):
     assert f"processes {pids[1]} were restored and run" in str(err.value)
     assert world.verbs(pids[0]) == ["memory", "layout"] and world.agents[pids[0]].state == "checkpointed"
     assert world.verbs(pids[1]) == ["memory", "layout", "adopt", "restore", "resume"]
+    assert made_fds_open() == 0
+
+
+def test_an_adopt_that_fails_part_way_is_given_back_whole(live_pids, monkeypatch):
+    """The agent maps the first batch of the plane's new memory, then refuses the next: what it adopted is given
+    back (unadopt), so the process stays checkpointed whole, not half mapped, and the other process is restored."""
+    from gpucr.coordinator import through_plane
+    monkeypatch.setattr(through_plane, "ADOPT_BATCH", 1)
+    pids = live_pids[:2]
+    with parked(pids) as world:
+        agent = world.agents[pids[0]]
+        first_adopt = agent._adopt
+
+        def second_fails(fds: int, **args: int) -> dict[str, Any]:
+            if agent.adopted:
+                raise GpucrError("mapping the server's memory failed (injected fault)")
+            return first_adopt(fds, **args)
+        monkeypatch.setattr(agent, "_adopt", second_fails)
+        with pytest.raises(GpucrError) as err:
+            coordinator.restore_many(pids, mover=world.plane)
+    assert f"process {pids[0]} failed at data in" in str(err.value) and "injected fault" in str(err.value), err.value
+    assert world.verbs(pids[0]) == ["memory", "layout", "adopt", "adopt", "unadopt"]
+    assert agent.state == "checkpointed" and agent.adopted == 0
+    assert world.verbs(pids[1])[-2:] == ["restore", "resume"]
     assert made_fds_open() == 0
 
 

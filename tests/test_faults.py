@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 import gpucr
-from gpucr import paths
+from gpucr import memory as server_memory, paths
+from gpucr.agent import AgentClient
 from gpucr.workloads.runner import Workload
 from gpucr.target import agent_socket_name
 from gpucr.driver import ProcessState
@@ -99,6 +100,30 @@ def test_a_driver_call_failing_during_a_cycle_is_logged_by_name(sim_app, capfd):
     assert app.ask("digest") == before
     logged = [l for l in capfd.readouterr().err.splitlines() if f"gpucr[{app.pid}]" in l and "cuMemRelease" in l]
     assert logged and "failed: CUDA_ERROR_UNKNOWN (unknown error)" in logged[0], logged
+
+
+@pytest.mark.in_process   # the coordinator runs here, so that its adopt batches can be made one allocation each
+def test_an_adopt_that_fails_part_way_leaves_the_process_parked_whole(sim_app, monkeypatch):
+    """The agent maps the first of the plane's new allocations, then its driver refuses to map the second (the app's
+    4th cuMemMap: 2 when its allocations were made, 1 per adopted allocation): what it
+    adopted is given back (unadopt: unmapped, released, its fd closed), so the process stays checkpointed whole, not
+    half mapped, and the next restore brings every byte back."""
+    from gpucr.coordinator import through_plane
+    monkeypatch.setattr(through_plane, "ADOPT_BATCH", 1)
+    app = sim_app("--sizes", "8M,4M", env=dict(os.environ, SIMCUDA_FAIL_CALL="cuMemMap:4"))
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    with pytest.raises(gpucr.GpucrError) as failed:
+        gpucr.restore(app.pid)
+    assert "mapping the server's memory" in str(failed.value), failed.value
+    st = gpucr.status(app.pid)
+    assert st.state == "checkpointed", st
+    with AgentClient(paths.runtime_dir() / agent_socket_name(app.pid), app.pid) as agent:
+        listed = [e for e in server_memory.gather(agent, 10.0) if e.bytes >= 4 << 20]
+    server_memory.close_all(listed)
+    assert [e.released for e in listed] == [True, True], f"nothing adopted is left mapped: {listed}"
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before
 
 
 @pytest.mark.in_process   # the mover runs in this process (no server): its cuMemCreate is the one that fails

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from .memory import Managed
 
@@ -73,11 +73,9 @@ class DataPlane(Protocol):
         """Every allocation of `memory` (our fds of it, handed over) copied into the process's staging."""
 
     def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
-             image: dict[int, list[tuple[int, int]]] | None = None, check: bool = True,
-             made: Callable[[int, int], None] | None = None) -> Made:
+             image: dict[int, list[tuple[int, int]]] | None = None, check: bool = True) -> Made:
         """New memory for each allocation of `layout`, filled from staging (zero spans of an image, or those found at
-        the checkpoint, set by memset); `check`: compare its digests with the checkpoint's, where the plane has them;
-        `made(index, fd)`: each allocation as soon as it exists, while its copies still run (the fd is the plane's)."""
+        the checkpoint, set by memset); `check`: compare its digests with the checkpoint's, where the plane has them."""
 
     def make_staging(self, ask: StagingAsk) -> MadeStaging:
         """The staging `ask` names, admitted against the one host budget first (a refusal, one line, before anything

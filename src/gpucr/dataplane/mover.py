@@ -184,20 +184,16 @@ class Mover(StagingMaker):
                             lambda: self._move(owner(pid), layout, seg_fds, memory, out=True))[0]
 
     def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
-             image: Spans | None = None, check: bool = True,
-             made: Callable[[int, int], None] | None = None) -> tuple[Stats, list[tuple[int, int]]]:
+             image: Spans | None = None, check: bool = True) -> tuple[Stats, list[tuple[int, int]]]:
         """New memory for every allocation of `layout`, on its GPU (each Managed's UUID), filled from staging;
         returns [(index, fd)] in index order (the caller hands the fds to the agent, then closes them).
         The layout must be what the server took at the process's checkpoint, or, with `image`, one the caller
         read an image into and checked against its manifest; `image` then names each allocation's zero chunks
         ({index: [(offset, bytes)]}), set to zero on the GPU instead of copied. A fill of what this mover took sets
         the zero chunks it found then likewise and, unless not `check`, compares the new memory's digests with
-        those taken at the checkpoint before returning its fds (checked.py): GpucrError on a mismatch. `made(index, fd)`
-        is told of each new allocation as soon as it is exported, its copies still running (fd ours: dup it to keep it),
-        so that the process may map it meanwhile; the fill's outcome still says whether its bytes are right."""
+        those taken at the checkpoint before returning its fds (checked.py): GpucrError on a mismatch."""
         return self._locked(f"the fill of process {pid}",
-                            lambda: self._move(owner(pid), layout, seg_fds, memory, out=False, image=image, check=check,
-                                               made_now=made))
+                            lambda: self._move(owner(pid), layout, seg_fds, memory, out=False, image=image, check=check))
 
     def pin_ahead(self, pid: int, layout: dict[str, Any], seg_fds: list[int], uuid: str) -> int:
         """Map and pin the staging a running process holds (kept from an earlier cycle this server did not make), so
@@ -275,8 +271,7 @@ class Mover(StagingMaker):
 
     # ---- inside ----
     def _move(self, who: Owner, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed], out: bool,
-              image: Spans | None = None, check: bool = True,
-              made_now: Callable[[int, int], None] | None = None) -> tuple[Stats, list[tuple[int, int]]]:
+              image: Spans | None = None, check: bool = True) -> tuple[Stats, list[tuple[int, int]]]:
         st = Stats()
         t0 = time.perf_counter()
         declared, plan = _checked_plan(layout)
@@ -378,8 +373,6 @@ class Mover(StagingMaker):
                     te = time.perf_counter()
                     fds.append((idx, self.vmm.export_fd(h)))
                     st.export_s += time.perf_counter() - te
-                    if made_now is not None:
-                        made_now(*fds[-1])
                 placed.append((size, seg, off, va, dev))
                 if early:
                     enqueue(staged, idx, size, seg, off, va, dev)
