@@ -81,7 +81,8 @@ def test_the_cli_holds_no_copy_of_the_agents_settings():
     words = [w for n in ("GPUCR_STAGING", "GPUCR_STAGING_POLICY") for w in SETTINGS[n].accepted.split("|")]
     copies = [w for w in words if w != "file:DIR" and re.search(quoted(w), cli)]
     assert not copies, f"gpucr.cli spells {copies} itself: take them from agent_tables.SETTINGS"
-    assert not re.search(rf"\b{SETTINGS['GPUCR_GROUP'].hi}\b", cli), "gpucr.cli spells GPUCR_GROUP's limit itself"
+    limit = rf"(?<![\w.]){SETTINGS['GPUCR_GROUP'].hi}(?![\w.])"   # 127.0.0.1 is an address, not the limit
+    assert not re.search(limit, cli), "gpucr.cli spells GPUCR_GROUP's limit itself"
 
 
 def test_what_is_movable_is_the_agents_alone():
@@ -94,10 +95,12 @@ def test_what_is_movable_is_the_agents_alone():
             assert "movable" not in said, f"{name} decides what is movable ({line.strip()}): read the agent's field"
 
 
-def test_staging_is_sized_by_the_agent_alone():
-    """staging.c makes and sizes every segment (GPUCR_STAGING_SEGMENT_MIB, whole hugepages) and states each one's
-    size in its layout; the mover maps what the layout says, checking the file is that long."""
-    python = python_code()
-    assert not holders(python, r"STAGING_SEGMENT|memfd_create"), "Python sizes or makes staging: the agent does"
-    assert holders(python, r"\bftruncate\(") == ["src/gpucr/image.py"], "only an image file is sized by Python"
-    assert holders(agent_code(""), r"memfd_create\(\"gpucr-staging\"") == ["staging.c"]
+def test_staging_is_sized_by_the_agent_and_made_by_the_plane_alone():
+    """staging.c sizes every segment (GPUCR_STAGING_SEGMENT_MIB, whole hugepages) in its plan; the data plane alone
+    makes the segments the plan names (dataplane/staging_make.py) and the agent holds them: no C file makes one,
+    and no Python module sizes one."""
+    python = {name: text for name, text in python_code().items() if name != "src/gpucr/agent_tables.py"}
+    assert not holders(python, r"STAGING_SEGMENT"), "Python sizes staging: the agent's plan does"
+    assert holders(python, r"memfd_create") == ["src/gpucr/dataplane/staging_make.py"], "staging is made in one place"
+    assert not holders(agent_code(""), r"memfd_create\("), "the agent makes staging: the data plane does"
+    assert holders(agent_code(""), r"SET_STAGING_SEGMENT_MIB\)") == ["report.c", "staging.c"]

@@ -489,24 +489,30 @@ def test_a_stopped_process_is_named_at_once(sim_app):
     assert gpucr.status(app.pid).state == "running" and app.ask("digest") == before
 
 
-def test_a_process_stopped_during_data_out_is_named_and_rolled_back(sim_app):
+def test_a_process_stopped_during_data_out_is_named_and_left_restorable(sim_app):
+    """The driver's checkpoint runs beside the plane's copy, so a process stopped then is held by the driver: the
+    controller names the stop within seconds, says it left the process checkpointed whole, and `gpucr recover`
+    brings every byte back once it runs again."""
     app = sim_app("--sizes", "1500M")
     before = app.ask("digest")
     p = subprocess.Popen([sys.executable, "-m", "gpucr.cli", "checkpoint", "--timeout", "2", str(app.pid)],
                          stderr=subprocess.PIPE, text=True)
-    probe = gpucr.status   # a second connection sees the data out start
-    wait_for(lambda: probe(app.pid).busy, timeout=20, what="the data out starting")
+    # a second connection sees the data out start: the agent has handed its memory over and the plane copies
+    wait_for(lambda: gpucr.status(app.pid).phase == "handed", timeout=20, what="the data out starting")
     os.kill(app.pid, signal.SIGSTOP)
     t0 = time.time()
     try:
         _, err = p.communicate(timeout=30)
         assert time.time() - t0 < 8, "the controller must answer within seconds"
         assert p.returncode == 1 and "is stopped (SIGSTOP)" in err, err
+        lines = [line for line in err.splitlines() if line.startswith("gpucr:")]
+        assert len(lines) == 1 and f"gpucr recover {app.pid}" in lines[0], err
     finally:
         os.kill(app.pid, signal.SIGCONT)
-    # once it runs again, the agent finishes the step and rolls back by itself (the lease ended)
+    r = gpucr_cli("recover", str(app.pid))
+    assert r.returncode == 0, r.stderr
     wait_for(lambda: (lambda s: s.state == "running" and not s.busy)(gpucr.status(app.pid)), timeout=30,
-             what="the roll-back")
+             what="the recover")
     assert app.ask("digest") == before
     gpucr.checkpoint(app.pid)
     gpucr.restore(app.pid)

@@ -125,9 +125,12 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 class AgentClient:
     """One connection to one process's agent; requests are lines, answers JSON lines."""
 
-    def __init__(self, path: Path, pid: int, connect_timeout: float = 5.0, uid: int | None = None) -> None:
-        """Connect to `path`; with `uid`, refuse (before a byte is sent) unless the listener is process `pid` of `uid`."""
-        self.path, self.pid = path, pid
+    def __init__(self, path: Path, pid: int, connect_timeout: float = 5.0, uid: int | None = None,
+                 always_watch: Callable[[], None] | None = None) -> None:
+        """Connect to `path`; with `uid`, refuse (before a byte is sent) unless the listener is process `pid` of `uid`.
+        `always_watch` watches every call that has no watch of its own (a process stopped while its agent was
+        asked is then named at once, not after the call's whole timeout)."""
+        self.path, self.pid, self._always_watch = path, pid, always_watch
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._sock.settimeout(connect_timeout)
         try:
@@ -225,6 +228,7 @@ class AgentClient:
 
     def _recv(self, want_fds: bool, fds: list[int], deadline: float, watch: Callable[[], None] | None) -> bytes:
         """One read of the answer; while it waits, `watch` looks at the process every WATCH_EVERY_S."""
+        watch = watch or self._always_watch
         while True:
             left = deadline - time.monotonic()
             if left <= 0:

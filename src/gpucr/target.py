@@ -35,7 +35,7 @@ class Target:
         return bool(self.hello.get("simulated"))
 
     def connect(self) -> AgentClient:
-        return AgentClient(self.socket, self.pid, uid=self.uid)
+        return AgentClient(self.socket, self.pid, uid=self.uid, always_watch=lambda: check_not_stopped(self.pid))
 
     def app_socket(self) -> Path:
         """Where an application that joined the cut (gpucr.app) listens: beside its agent's socket."""

@@ -20,13 +20,18 @@ from .args import (CONTROLLER_FLAGS, CONTROLLER_SIMULATE_HELP, GROUP_MAX_BYTES, 
 from .cycle import cmd_checkpoint, cmd_recover, cmd_restore
 from .launch import cmd_bench, cmd_demo, cmd_doctor, cmd_lib, cmd_run, cmd_serve
 from .listing import cmd_inspect, cmd_ps, cmd_status, cmd_wait
-from .top import cmd_top
 from .text import mib as _mib, print_json
 
 # What other code and the tests reach through gpucr.cli: the entry point, the parsers, the settings' limits.
 __all__ = ["main", "_parser", "_bench_parser", "cmd_serve", "host_budget", "_mib", "CONTROLLER_FLAGS", "GROUP_MAX_BYTES",
            "STAGING_KINDS", "RETIRED_ENV"]
 
+
+
+def cmd_top(args: argparse.Namespace) -> int:
+    """`gpucr top`, imported when asked: rich is needed there only, and every other command runs without it."""
+    from .top import cmd_top as top
+    return top(args)
 
 def _parser() -> argparse.ArgumentParser:
     p = Parser(prog="gpucr", description="Checkpoint and restore the GPU state of running CUDA processes.")

@@ -156,6 +156,7 @@ class _Member:
     data_out_t0: float = 0.0
     locked: bool = False
     checkpointed: bool = False
+    left_held: str = ""           # a roll-back could not undo the driver's steps: why (a stopped process)
     gpus: list[dict[str, Any]] = field(default_factory=list)    # the GPUs it uses (gpus.process_gpus)
     gpu_moves: dict[str, str] = field(default_factory=dict)   # restore: {old UUID: new UUID} for the driver
     gpu_before: dict[str, gpus.Usage] = field(default_factory=dict)   # its GPUs' memory before it all began

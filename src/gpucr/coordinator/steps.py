@@ -43,6 +43,9 @@ def _vet_for_checkpoint(pid: int, image_dir: Path | None, timeout: float) -> _Me
     if m.status["state"] != "running":
         m.close()
         raise GpucrError(f"process {pid} is already checkpointed (level data); restore it with 'gpucr restore {pid}'")
+    if m.status.get("refusal"):   # the agent's rule (dp_preflight), said before staging is made for it
+        m.close()
+        raise GpucrError(f"process {pid}: refused before touching the process: {m.status['refusal']}")
     return m
 
 
@@ -128,7 +131,12 @@ def _roll_back_driver(m: _Member) -> None:
     try:
         if targets.process_ended(m.pid, m.t.start_time):
             return
-        targets.check_not_stopped(m.pid)   # a stopped process cannot answer the driver: left restorable
+        try:
+            targets.check_not_stopped(m.pid)   # a stopped process cannot answer the driver: left restorable
+        except GpucrError as exc:
+            if m.locked or m.checkpointed:
+                m.left_held = str(exc)
+            return
         s = m.drv.state(m.pid)
         if s == ProcessState.CHECKPOINTED:
             m.drv.restore(m.pid)

@@ -44,8 +44,9 @@ def log_name(simulated: bool) -> str:
 
 
 def http_socket_name(simulated: bool) -> str:
-    """The HTTP API's Unix socket, beside the server's own (gpucr.service_http)."""
-    return _stem(simulated) + "-http.sock"
+    """The HTTP API's Unix socket, beside the server's own (gpucr.service_http). Its name is no longer than the
+    server's: a socket's path has 107 bytes at most, and a runtime dir that fits one fits both."""
+    return _stem(simulated) + ".http"
 
 
 def token_name(simulated: bool) -> str:
