@@ -3,6 +3,7 @@ real processes under LD_PRELOAD, real sockets, real staging. GPU tests skip with
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -78,7 +79,17 @@ def gpucr_cli(*args: str, env: dict[str, str] | None = None, user: int | None = 
     cmd = [sys.executable, "-m", "gpucr.cli", *args]
     if user is not None:
         cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env or os.environ.copy(), timeout=timeout)
+    # a command past its time is made to print where each of its threads waits (faulthandler on SIGABRT):
+    # on the GPU machine that is all a hang leaves to read
+    env = {**(env or os.environ), "PYTHONFAULTHANDLER": "1"}
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) as p:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGABRT)
+            out, err = p.communicate()
+            raise AssertionError(f"gpucr {' '.join(args)} still ran after {timeout} s; where it waited:\n{err[-6000:]}")
+    return subprocess.CompletedProcess(cmd, p.returncode, out, err)
 
 
 def user_env(tmp_path: Path) -> dict[str, str]:

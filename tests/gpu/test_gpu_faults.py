@@ -4,7 +4,6 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 
@@ -17,7 +16,7 @@ from gpucr import checkpoint_many, restore_many   # through the server when one 
 from gpucr.driver import ProcessState, driver_for, gpu_memory
 from gpucr.workloads.runner import Workload
 
-from conftest import bring_back_on_the_gpu, check_fork_child_apart, cycle_concurrently, gpu, process_resources
+from conftest import bring_back_on_the_gpu, gpucr_cli, check_fork_child_apart, cycle_concurrently, gpu, process_resources
 
 pytestmark = [gpu, pytest.mark.gpu]
 MiB = 1 << 20
@@ -28,7 +27,7 @@ def used() -> int:
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "gpucr.cli", *args], capture_output=True, text=True, env=env, timeout=300)
+    return gpucr_cli(*args, env=env, timeout=180)
 
 
 @pytest.mark.parametrize("point", ["after-data-out", "after-driver-lock", "after-driver-checkpoint",
