@@ -82,3 +82,40 @@ def test_a_restore_whose_staging_was_damaged_is_refused_then_accepted(reused_ser
     ck = gpucr.checkpoint(app.pid)   # and the next cycle, with the staging as it is now, is checked and passes
     rs = gpucr.restore(app.pid)
     assert rs.checked and rs.chunks_checked == 4, rs
+
+
+def test_no_scan_turns_both_parts_off_for_its_cycle(reused_server, sim_app):
+    """`gpucr checkpoint --no-scan`: zero chunks cross the link like any other and no digests are taken, so a damaged
+    staging byte gets through the restore unseen; the same damage after a checkpoint with the scan on is caught."""
+    app = sim_app("--sizes", "16M,8M")
+    app.ask("zero 0")   # 16 MiB never written
+    before = app.ask("digest")
+    for _ in range(2):   # the first cycle carries the zeros into staging, the second skips them
+        ck = gpucr.checkpoint(app.pid)
+        rs = gpucr.restore(app.pid)
+    assert ck.scanned and ck.bytes_scanned == 24 * MiB and ck.bytes_zero_skipped == 16 * MiB, ck
+    assert rs.checked and rs.bytes_zeroed == 16 * MiB and app.ask("digest") == before, rs
+    r = gpucr_cli("checkpoint", "--no-scan", "--json", str(app.pid))   # the command, through the server
+    assert r.returncode == 0, r.stderr
+    [ck] = json.loads(r.stdout)["processes"]
+    assert ck["data_plane"] == "server" and ck["scanned"] is False, ck
+    assert ck["bytes_scanned"] == 0 and ck["bytes_zero_skipped"] == 0 and ck["bytes_moved"] == 24 * MiB, ck
+    rs = gpucr.restore(app.pid)   # nothing known to be zero: every byte copied back, nothing compared
+    assert rs.state == "running" and not rs.checked and rs.chunks_checked == 0 and rs.bytes_zeroed == 0, rs
+    assert app.ask("digest") == before
+    # off: one damaged byte of the 8 MiB of data (placed first in the staging) reaches the process
+    gpucr.checkpoint(app.pid, scan=False)
+    [seg] = staging_fds(app.pid)
+    flip_byte(seg, 3 * MiB + 5)
+    rs = gpucr.restore(app.pid)
+    assert rs.state == "running" and not rs.checked, rs
+    damaged = app.ask("digest")
+    assert damaged["digest"] != before["digest"], "the damaged byte went through: nothing checked it"
+    # on: the same damage is caught, naming the chunk, and the process stays checkpointed
+    gpucr.checkpoint(app.pid)
+    flip_byte(seg, 3 * MiB + 5)
+    with pytest.raises(GpucrError, match="chunk 1 .*--accept-mismatch"):
+        gpucr.restore(app.pid)
+    assert gpucr.status(app.pid).state == "checkpointed"
+    assert gpucr.restore(app.pid, accept_mismatch=True).state == "running"
+    assert app.ask("digest")["digest"] == before["digest"], "flipped twice: the bytes it had before"

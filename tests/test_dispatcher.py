@@ -222,7 +222,8 @@ class FakePlane:
     def __init__(self, world: World, plane: str) -> None:
         self.world, self.plane = world, plane
 
-    def copy_out(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Any]) -> Stats:
+    def copy_out(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Any],
+                 scan: bool = True) -> Stats:
         self.world.step("plane", "copy_out", pid)
         assert [e.index for e in memory] == [a["index"] for a in layout["allocations"]]
         return Stats(bytes=TOTAL_BYTES, seconds=0.001, allocations=len(memory))

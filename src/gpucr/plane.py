@@ -15,7 +15,8 @@ from .memory import Managed
 class Stats:
     bytes: int = 0
     zeroed: int = 0               # of those, set to zero on the GPU (zero chunks) rather than copied (fill)
-    scanned: int = 0              # bytes the zero scan read on the GPU (copy out)
+    scanned: int = 0              # bytes the zero scan read on the GPU (copy out; 0 when asked not to scan)
+    scan: bool = False            # the copy out scanned its memory on the GPU: zero chunks and digests
     zero_skipped: int = 0         # of those, in chunks all zero: not copied out (staging holds zeros there)
     checked: bool = False         # the fill's new memory was digested and compared with the checkpoint's (fill)
     digests_compared: int = 0     # chunks compared
@@ -69,8 +70,11 @@ class DataPlane(Protocol):
     it did (no memory made is left behind, no copy is left running)."""
     plane: str   # "server" | "cli": recorded in every result as data_plane
 
-    def copy_out(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed]) -> Stats:
-        """Every allocation of `memory` (our fds of it, handed over) copied into the process's staging."""
+    def copy_out(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
+                 scan: bool = True) -> Stats:
+        """Every allocation of `memory` (our fds of it, handed over) copied into the process's staging; `scan`: find its
+        zero chunks (not copied) and take its digests on the GPU first, where the plane can (scan=False: neither, so the
+        fill of this checkpoint copies every byte and has nothing to check against)."""
 
     def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
              image: dict[int, list[tuple[int, int]]] | None = None, check: bool = True) -> Made:

@@ -130,6 +130,8 @@ class ProcessCheckpoint:
     routes: dict[str, int] = field(default_factory=dict)   # bytes the server moved through each neighbour GPU
     data_plane: str = ""              # what moved the data: server | cli (the gpucr command's, no server) | agent
     bytes_zero_skipped: int = 0       # of bytes_moved, in 2 MiB chunks all zero on the GPU: not copied out
+    scanned: bool = False             # the plane scanned the memory on the GPU (zero chunks, digests): false with --no-scan
+    bytes_scanned: int = 0            # bytes that scan read
 
 
 @dataclass
@@ -148,6 +150,7 @@ class ProcessRestore:
     data_plane: str = ""              # server | cli | agent, as for a checkpoint ("" from a gpucr that did not say)
     checked: bool = False             # the memory put back was digested on the GPU and matched the checkpoint's
     chunks_checked: int = 0           # 2 MiB chunks compared
+    bytes_zeroed: int = 0             # of bytes_moved, zero chunks set by a memset on the GPU (not copied over the link)
 
 
 @dataclass

@@ -51,7 +51,8 @@ def checkpoint(r: dict[str, Any], changes: list[GpuMemoryChange]) -> ProcessChec
                              gpus=changes, image=image(im, im["dir"], im["id"]) if im else None,
                              warnings=list(r.get("warnings", [])), coverage=coverage.from_agent(r.get("coverage")),
                              routes=dict(r.get("routes", {})), data_plane=r.get("data_plane", "agent"),
-                             bytes_zero_skipped=r.get("bytes_zero_skipped", 0))
+                             bytes_zero_skipped=r.get("bytes_zero_skipped", 0), scanned=bool(r.get("scanned", False)),
+                             bytes_scanned=r.get("bytes_scanned", 0))
 
 
 def restore(r: dict[str, Any], changes: list[GpuMemoryChange], moved: dict[str, str],
@@ -62,7 +63,7 @@ def restore(r: dict[str, Any], changes: list[GpuMemoryChange], moved: dict[str, 
                           image=image(r.get("image"), image_dir or "", r.get("image_id")),
                           warnings=list(r.get("warnings", [])), routes=dict(r.get("routes", {})),
                           data_plane=r.get("data_plane", "agent"), checked=bool(r.get("checked", False)),
-                          chunks_checked=r.get("chunks_checked", 0))
+                          chunks_checked=r.get("chunks_checked", 0), bytes_zeroed=r.get("bytes_zeroed", 0))
 
 
 def process_status(st: dict[str, Any], now: dict[str, gpus.Usage]) -> ProcessStatus:

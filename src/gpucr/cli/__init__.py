@@ -88,6 +88,10 @@ def _parser() -> argparse.ArgumentParser:
     pid_cmd("restore", cmd_restore, "put a checkpointed process's GPU memory back and let it run", False,
             "read the data back from the image in DIR, once its manifest's checks pass (same process, generation "
             "and GPU model, every chunk's digest)")
+    sub.choices["checkpoint"].add_argument("--no-scan", action="store_true",
+                                           help="no scan of the memory on the GPU: zero chunks cross the link too, and no "
+                                                "digests are taken, so the restore of this checkpoint checks nothing "
+                                                "(default: zero chunks skipped, the restore checked)")
     sub.choices["restore"].add_argument("--drop-staging", action="store_true",
                                         help="give the host staging back after the restore (default: keep it for the next cycle)")
     sub.choices["restore"].add_argument("--map", action="append", metavar="OLD_UUID=NEW_UUID",

@@ -118,7 +118,8 @@ def cmd_checkpoint(a: argparse.Namespace) -> int:
     result, result.total_s = _timed(f"checkpointing {plural(len(pids), 'process', 'processes')}",
                                     not a.json and not a.image,   # an image shows its own bar
                                     lambda: settled(pids, a.timeout, lambda: route.checkpoint_many(
-                                        pids, level=a.level, timeout=a.timeout, images=_images(a, pids))))
+                                        pids, level=a.level, timeout=a.timeout, images=_images(a, pids),
+                                        scan=not a.no_scan)))
     result.left_out = left_out
     _warn(result.processes)
     if a.json:

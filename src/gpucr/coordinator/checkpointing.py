@@ -52,10 +52,11 @@ def _roll_back(members: list[_Member]) -> None:
 
 
 def checkpoint_many(pids: list[int], mover: DataPlane, level: str = "full", timeout: float = 30.0,
-                    images: dict[int, str | Path] | None = None) -> CheckpointResult:
+                    images: dict[int, str | Path] | None = None, scan: bool = True) -> CheckpointResult:
     """Checkpoint several processes together, all or nothing (see the module's doc). `mover`: gpucr's data
     plane (the server's, or the CLI's own: gpucr.dataplane.mover), which copies the data while the driver takes
-    the control state."""
+    the control state. scan=False (`--no-scan`): the plane neither skips zero chunks nor takes digests, so the
+    restore of this checkpoint copies every byte and checks nothing (each result says so: `scanned`, `checked`)."""
     if level not in LEVELS:
         raise GpucrError(f"unknown level '{level}': use one of {', '.join(LEVELS)}")
     _check_request(pids, timeout)
@@ -75,7 +76,7 @@ def checkpoint_many(pids: list[int], mover: DataPlane, level: str = "full", time
         try:
             _each("prepare", members, lambda m: _prepare(m, timeout))
             t0 = _lap(members, "prepare", t0)
-            _data_out_by_server(members, timeout, level, mover)   # the control state too, side by side
+            _data_out_by_server(members, timeout, level, mover, scan)   # the control state too, side by side
         except PhaseError as exc:
             _roll_back(members)
             held = [m for m in members if m.left_held]

@@ -21,7 +21,7 @@ from .staging_steps import provide_staging, refused_for_room
 from .steps import _data_out_done, _driver_checkpoint, _driver_lock, _quiesce
 
 
-def _data_out_by_server(members: list[_Member], timeout: float, level: str, mover: DataPlane) -> None:
+def _data_out_by_server(members: list[_Member], timeout: float, level: str, mover: DataPlane, scan: bool = True) -> None:
     """The server's checkpoint (docs/server.md), of one process or several: every agent releases its memory
     but keeps an fd of each allocation, which keeps it on the GPU (several are quiesced first, so nothing is
     copied while a peer still writes to memory they share); the server copies each process into its staging,
@@ -50,7 +50,7 @@ def _data_out_by_server(members: list[_Member], timeout: float, level: str, move
         # listed now, after the handover (it trims pools first, so the list and its numbering are the
         # layout's), and before the driver holds any process (its agent may not answer then)
         inputs = {m.pid: _held_inputs(held, m, timeout, "data out") for m in members}
-        copied = _beside(lambda: _copy_all_out(members, inputs, mover, stop), "gpucr-server-copy-out", driver_steps)
+        copied = _beside(lambda: _copy_all_out(members, inputs, mover, stop, scan), "gpucr-server-copy-out", driver_steps)
     if isinstance(copied, GpucrError):
         raise copied
     _each("release", members, lambda m: _handed_done(m, copied[m.pid]))
@@ -89,14 +89,14 @@ def _held_inputs(held: ExitStack, m: _Member, timeout: float, phase: str) -> tup
 
 
 def _copy_all_out(members: list[_Member], inputs: dict[int, tuple[dict[str, Any], list[int], list[Managed]]],
-                  mover: DataPlane, stop: threading.Event) -> dict[int, Stats]:
-    """Each process's memory copied into its staging by the server, one after another."""
+                  mover: DataPlane, stop: threading.Event, scan: bool = True) -> dict[int, Stats]:
+    """Each process's memory copied into its staging by the server, one after another (scan: DataPlane.copy_out's)."""
     done: dict[int, Stats] = {}
     for m in members:
         if stop.is_set():
             break
         try:
-            done[m.pid] = mover.copy_out(m.pid, *inputs[m.pid])
+            done[m.pid] = mover.copy_out(m.pid, *inputs[m.pid], scan=scan)
         except GpucrError as exc:
             raise PhaseError(m.pid, "data out", exc) from exc
     return done
@@ -110,6 +110,7 @@ def _handed_done(m: _Member, st: Stats) -> None:
     m.result["phases_s"]["data_out"] = st.seconds   # the server's copy (the handover has its own phase)
     m.result["data_plane"] = m.plane.plane
     m.result["bytes_zero_skipped"] = st.zero_skipped   # in chunks all zero on the GPU: not copied out
+    m.result["scanned"], m.result["bytes_scanned"] = st.scan, st.scanned   # off with --no-scan: neither part then
     _server_phases(m, st)
 
 
@@ -246,6 +247,7 @@ def _adopt(m: _Member, layout: dict[str, Any], st: Stats, fds: list[tuple[int, i
             m.server_bytes_in += sum(sizes[i] for i, _ in batch)
     m.result["phases_s"]["data_in"] = st.seconds
     m.result["checked"], m.result["chunks_checked"] = st.checked, st.digests_compared
+    m.result["bytes_zeroed"] = st.zeroed   # zero chunks set by a memset on the GPU, not copied over the link
     _server_phases(m, st)
     m.result["phases_s"]["adopt"] = time.perf_counter() - t0
 

@@ -26,9 +26,11 @@ Spans = dict[int, list[tuple[int, int]]]   # allocation index -> [(offset, bytes
 
 @dataclass
 class Taken:
-    """What a copy out took: its plan, and per allocation its zero spans and its chunks' digests."""
+    """What a copy out took: its plan, and per allocation its zero spans and its chunks' digests. scanned=False: a copy
+    out asked not to scan (copy_out's scan=False): no zero chunks, no digests, so its fill copies all and checks nothing."""
     plan: Plan
     scans: dict[int, AllocationScan] = field(default_factory=dict)
+    scanned: bool = True
 
     def zeros(self) -> Spans:
         sizes = {idx: size for idx, size, _seg, _off in self.plan}

@@ -176,12 +176,14 @@ class Mover(StagingMaker):
             self._neighbours.clear()
 
     # ---- the two directions ----
-    def copy_out(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed]) -> Stats:
+    def copy_out(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
+                 scan: bool = True) -> Stats:
         """Every allocation of `layout` (the agent's, after a handover) copied from the GPU into its place in
         staging, through our fds of the memory (memory, by index). Raises GpucrError; nothing here changes the
-        process, which the agent takes back on failure."""
+        process, which the agent takes back on failure. scan=False: no zero scan and no digests (`gpucr checkpoint
+        --no-scan`): every byte crosses the link, and the fill of this checkpoint copies every byte and checks nothing."""
         return self._locked(f"the copy out of process {pid}",
-                            lambda: self._move(owner(pid), layout, seg_fds, memory, out=True))[0]
+                            lambda: self._move(owner(pid), layout, seg_fds, memory, out=True, scan=scan))[0]
 
     def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
              image: Spans | None = None, check: bool = True) -> tuple[Stats, list[tuple[int, int]]]:
@@ -271,7 +273,7 @@ class Mover(StagingMaker):
 
     # ---- inside ----
     def _move(self, who: Owner, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed], out: bool,
-              image: Spans | None = None, check: bool = True) -> tuple[Stats, list[tuple[int, int]]]:
+              image: Spans | None = None, check: bool = True, scan: bool = True) -> tuple[Stats, list[tuple[int, int]]]:
         st = Stats()
         t0 = time.perf_counter()
         declared, plan = _checked_plan(layout)
@@ -349,7 +351,8 @@ class Mover(StagingMaker):
             # a copy out waits for the scan of all it mapped only where it may skip zero chunks: where this mover
             # knows zeros in the staging from its last copy out; else (a first cycle, the CLI's mover, data with no
             # zero chunks) each allocation's copies start once it is imported, and the scan runs beside them
-            early = not out or (staged is not None and not any(g.zeroed for g in staged.values()))
+            # (or asked not to scan: nothing is skipped then)
+            early = not out or (staged is not None and (not scan or not any(g.zeroed for g in staged.values())))
             for idx, size, seg, off in plan:
                 m = by_index.get(idx)
                 if m is None or (out and m.fd is None):
@@ -384,7 +387,7 @@ class Mover(StagingMaker):
                     staged = staging()
                     if taken is None:
                         forget_zeroed(list(staged.values()))
-                taken = self._scan_out(regions, plan, st)
+                taken = self._scan_out(regions, plan, st) if scan else Taken(plan, scanned=False)
                 if queued:   # copied already, zero chunks too: the staging holds zeros there now
                     note_zeros(staged, plan, taken.zeros())
                 else:
@@ -398,7 +401,7 @@ class Mover(StagingMaker):
             routing.finish()   # raises what its thread raised
             st.route_s, st.looks_s = time.perf_counter() - t0, routing.looks_s
             self._sync(placed, ring)   # the pieces the routes' thread sent straight after giving a route up
-            if not out and check and image is None and taken is not None:
+            if not out and check and image is None and taken is not None and taken.scanned:
                 tc = time.perf_counter()   # before the fds go back: a fill whose bytes differ is undone
                 st.digests_compared = check_filled(self.kernels, regions, self._scan_stream, taken)
                 st.checked, st.check_s = True, time.perf_counter() - tc
@@ -460,7 +463,7 @@ class Mover(StagingMaker):
         """The zero chunks and digests of what a copy out mapped, before any of it is copied."""
         ts = time.perf_counter()
         taken = Taken(plan, scan_taken(self.kernels, regions, self._scan_stream))
-        st.scanned, st.scan_s = sum(r.size for r in regions), time.perf_counter() - ts
+        st.scanned, st.scan_s, st.scan = sum(r.size for r in regions), time.perf_counter() - ts, True
         return taken
 
     def _sync(self, placed: list[tuple[int, int, int, int, int]], ring: Ring | None, quiet: bool = False) -> None:

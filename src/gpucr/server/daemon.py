@@ -493,12 +493,13 @@ def _copying(s: Server) -> Iterator[Mover]:
 
 def _checkpoint(s: Server, a: dict[str, Any]) -> Run:
     pids, level, timeout, images = _pids(a), str(a["level"]), float(a["timeout"]), _images(a)
+    scan = bool(a.get("scan", True))   # a client from before it could ask for none
 
     def run() -> Any:
         try:
             with _copying(s) as mover:
                 return to_json(coordinator.checkpoint_many(pids, level=level, timeout=timeout, images=images,
-                                                           mover=mover))
+                                                           mover=mover, scan=scan))
         finally:
             s.let_go(list(images or {}))   # an image's staging is given back: our mapping would keep it
     return run

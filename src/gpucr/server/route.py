@@ -86,16 +86,16 @@ def _typed(cls: type[T], out: Any) -> T:
 
 
 def checkpoint_many(pids: list[int], level: str = "full", timeout: float = 30.0,
-                    images: dict[int, str | Path] | None = None) -> CheckpointResult:
-    """Checkpoint several processes together, all or nothing (coordinator.checkpoint_many)."""
+                    images: dict[int, str | Path] | None = None, scan: bool = True) -> CheckpointResult:
+    """Checkpoint several processes together, all or nothing (coordinator.checkpoint_many; scan=False: --no-scan)."""
     done, out = _changing("checkpoint", pids, {"pids": list(pids), "level": level, "timeout": timeout,
-                                               "images": _abs_images(images)})
+                                               "images": _abs_images(images), "scan": scan})
     if done:
         return _typed(CheckpointResult, out)
     from .. import coordinator
     from ..dataplane.cli_plane import cli_plane
     with cli_plane() as mover:
-        return coordinator.checkpoint_many(pids, mover, level, timeout, images)
+        return coordinator.checkpoint_many(pids, mover, level, timeout, images, scan)
 
 
 def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = False,
@@ -113,9 +113,10 @@ def restore_many(pids: list[int], timeout: float = 30.0, drop_staging: bool = Fa
         return coordinator.restore_many(pids, mover, timeout, drop_staging, images, force, gpu_map, accept_mismatch)
 
 
-def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str | Path | None = None) -> ProcessCheckpoint:
+def checkpoint(pid: int, level: str = "full", timeout: float = 30.0, image: str | Path | None = None,
+               scan: bool = True) -> ProcessCheckpoint:
     """Save the process's GPU memory and give it back; the process stays alive, parked (coordinator.checkpoint_many)."""
-    return checkpoint_many([pid], level, timeout, {pid: image} if image is not None else None).processes[0]
+    return checkpoint_many([pid], level, timeout, {pid: image} if image is not None else None, scan).processes[0]
 
 
 def restore(pid: int, timeout: float = 30.0, drop_staging: bool = False, image: str | Path | None = None,
