@@ -15,7 +15,7 @@ import pytest
 from gpucr.bench import methods as M
 from gpucr.bench import rows as R
 from gpucr.bench import specs as S
-from gpucr.bench import report, run
+from gpucr.bench import compare, report, run
 
 from conftest import gpucr_cli, sim_driver
 
@@ -123,10 +123,10 @@ def test_gpucr_against_the_peer_and_the_table():
     data = {"checkpoint_s": 0.7, "restore_s": 0.75, "gbps_out": 55.0, "gbps_in": 39.0}
     full = {"checkpoint_s": 0.88, "restore_s": 1.4}
     by = {PEER: {"median": peer}, "gpucr-data": {"median": data}, "gpucr-full": {"median": full}}
-    v = run.versus_peer(by)
+    v = compare.versus_peer(by)
     assert v["gpucr-data_gbps_over_peer"] == pytest.approx({"out": 1.1, "in": 0.75})
     assert v["gpucr-full_time_over_peer"] == pytest.approx({"checkpoint": 1.1, "restore": 2.0})
-    assert run.versus_peer({PEER: {"skipped": "why"}, "gpucr-data": {"median": data}}) == {}
+    assert compare.versus_peer({PEER: {"skipped": "why"}, "gpucr-data": {"median": data}}) == {}
     keys = ("gate_sync_s", "data_out_s", "control_out_s", "control_in_s", "data_in_s", "driver_out_s", "driver_in_s",
             "bytes_out", "bytes_in", "ceiling_share_out", "ceiling_share_in", "gpu_held_checkpointed_bytes")
     med = {**dict.fromkeys(keys), **peer, "bytes_out": 30 * GiB, "gpu_held_checkpointed_bytes": GiB // 2}
@@ -149,7 +149,7 @@ def test_server_methods_against_the_peer():
           "gpucr-server-full-one-link": {"error": "failed", "correct": False},
           "gpucr-server-data": {"median": {"checkpoint_s": 1.0, "restore_s": 1.0, "gbps_out": 56.056, "gbps_in": 25.75}},
           "driver": {"median": {"checkpoint_s": 9.0, "restore_s": 9.0, "gbps_out": 10.0, "gbps_in": 10.0}}}
-    v = run.versus_peer(by)
+    v = compare.versus_peer(by)
     assert set(v) == {"gpucr-server-full_time_over_peer", "gpucr-server-full-ahead_time_over_peer",
                       "gpucr-server-data_gbps_over_peer"}, "the driver is no gpucr method; a failed one has no median"
     assert v["gpucr-server-full_time_over_peer"] == pytest.approx({"checkpoint": 1.4921 / 1.4592, "restore": 1.4607 / 1.4445})
@@ -158,4 +158,4 @@ def test_server_methods_against_the_peer():
     md = report.markdown({"workloads": {"llama3-8b": {"methods": {}, "versus_peer": v}}})
     assert "llama3-8b: gpucr-server-full-ahead checkpoint / restore time 2.00x / 1.00x torch-memory-saver's pause / resume" in md
     assert "llama3-8b: gpucr-server-data GB/s 1.10x (out) / 0.50x (in) torch-memory-saver's" in md
-    assert run.versus_peer({k: m for k, m in by.items() if k != PEER}) == {}, "no peer, nothing to compare"
+    assert compare.versus_peer({k: m for k, m in by.items() if k != PEER}) == {}, "no peer, nothing to compare"

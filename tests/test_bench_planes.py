@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from gpucr.bench import report, run
+from gpucr.bench import compare, report
 from gpucr.bench import rows as R
 from gpucr.bench import specs as S
 
@@ -150,7 +150,7 @@ def test_disk_bound_in_over_bound():
     """27 GiB at 1.5 GB/s: the disk, not the link, bounds an image's checkpoint and restore."""
     med = {**dict.fromkeys(R.SUMMARY_KEYS), "checkpoint_s": 20.0, "restore_s": 19.0, "bytes_out": 29e9,
            "bytes_in": 29e9, "image_bytes": 29e9, "control_out_s": 0.3, "control_in_s": 0.3}
-    ob = run.over_bound({"gpucr-server-image": {"median": med}}, {"d2h_gbps": 55.0, "h2d_gbps": 53.0},
+    ob = compare.over_bound({"gpucr-server-image": {"median": med}}, {"d2h_gbps": 55.0, "h2d_gbps": 53.0},
                         {"write_gbps": 1.5, "read_gbps": 1.6})["gpucr-server-image"]
     assert ob["bound_out_s"] == pytest.approx(29 / 1.5) and ob["bound_in_s"] == pytest.approx(29 / 1.6)
     assert ob["checkpoint"] == pytest.approx(20.0 / (29 / 1.5)) and ob["restore"] == pytest.approx(19.0 / (29 / 1.6))

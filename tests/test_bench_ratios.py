@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from gpucr.bench import rows as R
-from gpucr.bench import report, run
+from gpucr.bench import compare, report
 
 PEER = "torch-memory-saver"
 CEILING = {"d2h_gbps": 55.0, "h2d_gbps": 50.0}
@@ -24,7 +24,7 @@ def _med(ck: float, rs: float, nbytes: float | None, control_out: float | None =
 
 
 def test_the_bound_is_bytes_over_the_ceiling():
-    ob = run.over_bound({"gpucr-server-full": {"median": _med(2.236, 2.46, 111.9e9, 0.6, 0.65)}}, CEILING)
+    ob = compare.over_bound({"gpucr-server-full": {"median": _med(2.236, 2.46, 111.9e9, 0.6, 0.65)}}, CEILING)
     r = ob["gpucr-server-full"]
     assert r["bound_out_s"] == pytest.approx(2.0345, abs=1e-4)   # 111.9e9 B at 55 GB/s
     assert r["bound_in_s"] == pytest.approx(2.238)                # at 50 GB/s
@@ -33,7 +33,7 @@ def test_the_bound_is_bytes_over_the_ceiling():
 
 def test_a_longer_control_time_is_the_bound():
     # 5.5e9 B take 0.1 s at 55 GB/s, but the driver's control state takes 0.4 s: the data cannot help it
-    r = run.over_bound({"gpucr-full": {"median": _med(0.5, 0.3, 5.5e9, 0.4, 0.05)}}, CEILING)["gpucr-full"]
+    r = compare.over_bound({"gpucr-full": {"median": _med(0.5, 0.3, 5.5e9, 0.4, 0.05)}}, CEILING)["gpucr-full"]
     assert r["bound_out_s"] == pytest.approx(0.4) and r["checkpoint"] == pytest.approx(1.25)
     assert r["bound_in_s"] == pytest.approx(0.11) and r["restore"] == pytest.approx(0.3 / 0.11)
 
@@ -44,11 +44,11 @@ def test_which_methods_get_a_bound():
           "driver": {"median": _med(3.0, 3.0, 60e9)},                  # not gpucr's: no bound
           "gpucr-server-full": {"median": _med(1.0, 1.0, None, 0.5, 0.5)},   # no bytes: left out
           "gpucr-full": {"skipped": "why", "correct": True, "error": None}}
-    ob = run.over_bound(by, CEILING)
+    ob = compare.over_bound(by, CEILING)
     assert list(ob) == ["gpucr-data", PEER]
     assert ob["gpucr-data"] == pytest.approx({"checkpoint": 1.1, "restore": 1.0 / 1.1, "bound_out_s": 1.0, "bound_in_s": 1.1})
     assert ob[PEER] == pytest.approx({"checkpoint": 1.05, "restore": 1.2 / 1.1, "bound_out_s": 1.0, "bound_in_s": 1.1})
-    assert run.over_bound(by, None) == {}, "no ceiling measured: no bound"
+    assert compare.over_bound(by, None) == {}, "no ceiling measured: no bound"
 
 
 def test_every_full_level_gpucr_method_is_set_against_the_driver():
@@ -59,17 +59,17 @@ def test_every_full_level_gpucr_method_is_set_against_the_driver():
           "gpucr-server-full": {"median": _med(1.42, 1.41, 69e9)}, "gpucr-full": {"median": _med(2.0, 2.2, 69e9)},
           "gpucr-server-data": {"median": _med(1.4, 1.4, 69e9)},
           "gpucr-server-full-ahead": {"median": _med(1.45, None, 69e9)}}
-    sp = run.speedups(by)
+    sp = compare.speedups(by)
     assert set(sp) == {f"{g}_vs_{d}" for g in ("gpucr-server-full", "gpucr-full") for d in ("driver", "driver-fresh")}
     assert sp["gpucr-server-full_vs_driver"] == pytest.approx({"checkpoint": 35.5 / 1.42, "restore": 14.1 / 1.41})
-    assert run.speedups({k: v for k, v in by.items() if not k.startswith("driver")}) == {}
+    assert compare.speedups({k: v for k, v in by.items() if not k.startswith("driver")}) == {}
 
 
 def test_a_job_is_bound_by_every_link_at_once():
     res = {"ceiling": CEILING, "ceiling_all_gpus": {"aggregate_d2h_gbps": 110.0, "aggregate_h2d_gbps": 100.0},
            "workloads": {"tp2-llama3-8b": {"methods": {"gpucr-full": {"median": _med(1.1, 1.2, 110e9)}}},
                          "llama3-8b": {"methods": {"gpucr-full": {"median": _med(1.1, 1.2, 55e9)}}}}}
-    run.derive_all(res)
+    compare.derive_all(res)
     job, one = res["workloads"]["tp2-llama3-8b"]["over_bound"]["gpucr-full"], res["workloads"]["llama3-8b"]["over_bound"]["gpucr-full"]
     assert job["bound_out_s"] == pytest.approx(1.0) and job["bound_in_s"] == pytest.approx(1.1)
     assert one["bound_out_s"] == pytest.approx(1.0) and one["bound_in_s"] == pytest.approx(1.1)

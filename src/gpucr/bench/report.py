@@ -339,13 +339,13 @@ def chart(res: dict[str, Any], path: str | Path) -> None:
 
 
 def recompute(path: str | Path) -> None:
-    """Rewrite one results file with its comparisons derived again (gpucr.bench.run.derive_all, their one
+    """Rewrite one results file with its comparisons derived again (gpucr.bench.compare.derive_all, their one
     home); everything else, the file's indent and its final newline included, stays as it was."""
-    from . import run   # here, not at the top: run imports this module, and rendering needs none of it
+    from . import compare   # here, not at the top: rendering needs none of it
     p = Path(path)
     text = p.read_text()   # once: its layout is kept too
     res = read(p, text)
-    run.derive_all(res)
+    compare.derive_all(res)
     tmp = p.with_suffix(p.suffix + ".tmp")   # replaced whole: a failed write leaves the file as it was
     tmp.write_text(json.dumps(res, indent=_indent(text)) + ("\n" if text.endswith("\n") else ""))
     os.replace(tmp, p)
