@@ -15,7 +15,7 @@ TIMES = {"checkpoint": "checkpoint_s", "restore": "restore_s"}   # a ratio of ti
 
 def _full_level(name: str) -> bool:
     """A gpucr method that moves the whole process, context too (gpucr-full..., gpucr-server-full...)."""
-    return "-full" in name
+    return "-full" in name or name.endswith("-plain")   # -plain: the server's full path, issue 26's parts off
 
 
 def speedups(by_method: dict[str, dict[str, Any]]) -> dict[str, dict[str, float]]:
@@ -75,9 +75,12 @@ def over_bound(by_method: dict[str, dict[str, Any]], ceiling: dict | None,
     both of the same run (issue 13 asks within 1.15x), and for a method with an image, the image's bytes
     over the disk's rate too (disk_out_s / disk_in_s: issue 25 asks within 1.15x); the peer's too, on bytes /
     ceiling (it has no control step), to set beside them. Methods lacking bytes, and runs without a
-    ceiling, are left out."""
+    ceiling, are left out. Where a method of the run scanned for zero chunks, each gpucr method is also set against
+    max(non-zero bytes / ceiling, control s) (nonzero_bound_out_s / _in_s, checkpoint_nonzero / restore_nonzero:
+    issue 26 asks within 1.10x with zero chunks skipped; the same with them off shows what skipping buys)."""
     c = ceiling or {}
     peer = (by_method.get(M.TmsMethod.name) or {}).get("median")
+    nonzero = nonzero_bytes(by_method)
     out: dict[str, dict[str, float]] = {}
     for name, med in _gpucr_methods(by_method) + ([(M.TmsMethod.name, peer)] if peer else []):
         b_out = _bound_s(med.get("bytes_out"), c.get("d2h_gbps"), med.get("control_out_s"))
@@ -90,7 +93,27 @@ def over_bound(by_method: dict[str, dict[str, Any]], ceiling: dict | None,
                      "bound_out_s": b_out, "bound_in_s": b_in}
         if d_out and d_in:
             out[name].update(disk_out_s=d_out, disk_in_s=d_in)
+        z_out = _floor_s(nonzero, c.get("d2h_gbps"), med.get("control_out_s"))
+        z_in = _floor_s(nonzero, c.get("h2d_gbps"), med.get("control_in_s"))
+        if name != M.TmsMethod.name and z_out and z_in:
+            out[name].update(nonzero_bytes=nonzero, nonzero_bound_out_s=z_out, nonzero_bound_in_s=z_in,
+                             checkpoint_nonzero=med["checkpoint_s"] / z_out, restore_nonzero=med["restore_s"] / z_in)
     return out
+
+
+def nonzero_bytes(by_method: dict[str, dict[str, Any]]) -> int | None:
+    """The workload's bytes outside zero chunks, as the run found them: what a restore after a scanned checkpoint had
+    to copy (its zero chunks were set by a memset); the fewest among gpucr's methods that scanned, None where none did."""
+    seen = [med["bytes_over_link_in"] for _name, med in _gpucr_methods(by_method)
+            if med.get("scanned") and med.get("bytes_over_link_in") is not None]
+    return min(seen) if seen else None
+
+
+def _floor_s(nbytes: float | None, gbps: float | None, control_s: float | None) -> float | None:
+    """_bound_s for bytes that may be none at all (all zero): the control time alone then."""
+    if nbytes is None or not gbps:
+        return None
+    return max(nbytes / (gbps * 1e9), control_s or 0.0) or None
 
 
 def derive(wres: dict[str, Any], ceiling: dict | None) -> None:

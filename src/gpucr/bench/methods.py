@@ -382,9 +382,12 @@ class ServerMethod(Method):
     under_agent = True
     splits = True
 
-    def __init__(self, level: str, simulate: bool, timeout: float = STEP_TIMEOUT_S, routes: bool = True) -> None:
-        self.level, self.timeout = level, timeout
-        self.name = f"gpucr-server-{level}" + ("" if routes else "-one-link")
+    def __init__(self, level: str, simulate: bool, timeout: float = STEP_TIMEOUT_S, routes: bool = True,
+                 scan: bool = True) -> None:
+        self.level, self.timeout, self.scan = level, timeout, scan
+        # scan off: 'gpucr-server-plain', the same path with issue 26's two parts off (checkpoint --no-scan): zero
+        # chunks cross the link and nothing is checked, to set beside gpucr-server-full in one run
+        self.name = f"gpucr-server-{level}" + ("" if routes else "-one-link") if scan else "gpucr-server-plain"
         # routes off: only the process's own GPU's host link, to set beside the routes through idle NVLink
         # neighbours on a machine that has them (on one GPU both are the same)
         self._srv = _BenchServer(simulate, *([] if routes else ["--no-routes"]))
@@ -400,7 +403,8 @@ class ServerMethod(Method):
         return route
 
     def checkpoint(self, pids: list[int]) -> dict[str, Any]:
-        return combine(self._api().checkpoint_many(pids, level=self.level, timeout=WARMUP_TIMEOUT_S).processes)
+        return combine(self._api().checkpoint_many(pids, level=self.level, timeout=WARMUP_TIMEOUT_S,
+                                                   scan=self.scan).processes)
 
     def restore(self, pids: list[int]) -> dict[str, Any]:
         return combine(self._api().restore_many(pids, timeout=WARMUP_TIMEOUT_S).processes)
@@ -471,7 +475,7 @@ class ServerMapMethod(ServerMethod):
 
 METHODS = ("ceiling", "driver", "driver-fresh", "gpucr-full", "gpucr-data", "driver-nop2p", "gpucr-cli", "gpucr-cli-server",
            "torch-memory-saver", "gpucr-server-full", "gpucr-server-data", "gpucr-server-full-one-link",
-           "gpucr-server-image", "gpucr-server-map")
+           "gpucr-server-image", "gpucr-server-map", "gpucr-server-plain")
 # the server's path is what `gpucr run` users get: it is in the default, beside the server-less one
 DEFAULT_METHODS = METHODS[:5] + ("gpucr-server-full", "gpucr-server-data")
 JOB_METHODS = ("ceiling", "driver", "driver-nop2p", "gpucr-full", "gpucr-data")   # the default for multi-GPU jobs
@@ -492,6 +496,8 @@ def make(name: str, drv: Driver, simulate: bool, deadline: float = 600.0, image_
         return ServerMethod(name.rsplit("-", 1)[1], simulate)
     if name == "gpucr-server-full-one-link":
         return ServerMethod("full", simulate, routes=False)
+    if name == "gpucr-server-plain":
+        return ServerMethod("full", simulate, scan=False)
     if name == ServerImageMethod.name:
         return ServerImageMethod(simulate, image_dir)
     if name == ServerMapMethod.name:

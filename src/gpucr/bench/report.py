@@ -121,6 +121,7 @@ def markdown(res: dict[str, Any]) -> str:
                 _times_bound((w.get("over_bound") or {}).get(mname)), _plane(m.get("data_plane")),
                 "yes" if m.get("correct") else "**NO**"]) + " |")
     lines += jobs_table(res)
+    lines += zero_table(res)
     lines += disk_lines(res)
     sp = [f"{w}: {k.replace('_vs_', ' vs ')} checkpoint {faster(v['checkpoint'])}, restore {faster(v['restore'])}"
           for w, wr in res.get("workloads", {}).items() for k, v in (wr.get("speedups") or {}).items()]
@@ -141,13 +142,42 @@ def markdown(res: dict[str, Any]) -> str:
               "link only (gpucr-server-full also goes through idle GPUs joined to it by NVLink: routes_bytes); "
               "gpucr-server-image: `checkpoint --image` then `restore --image` through the server, set against the "
               "disk's rate measured in the same run for as many bytes; gpucr-server-map: the restore with `--map` "
-              "naming every GPU onto itself; data plane: which plane moved the data, as gpucr's results say; "
+              "naming every GPU onto itself; gpucr-server-plain: gpucr-server-full with its zero scan and checked resume "
+              "off (`checkpoint --no-scan`): zero chunks cross the link and nothing is checked; data plane: which "
+              "plane moved the data, as gpucr's results say; "
               "torch-memory-saver, the "
               "peer: its own process, whose data (raw buffer, or weights and KV cache) is in a torch_memory_saver "
               "region with CPU backup kept, paused and resumed by the app when asked: its data out / in s are the "
               "pause / resume timed inside the app (its GB/s are on them and the region's bytes), its checkpoint / "
               "restore s the same asked from the bench, round trip included."]
     return "\n".join(lines)
+
+
+def zero_table(res: dict[str, Any]) -> list[str]:
+    """Issue 26's parts of each gpucr row that says them: zero chunks (the checkpoint's scan, the bytes it skipped, the
+    restore's memsets), the bytes that crossed the link each way, the checked resume's seconds and share of the restore,
+    and the times over max(non-zero bytes / link, control). Nothing for a run whose rows do not say (older gpucr)."""
+    rows = []
+    for wname, w in res.get("workloads", {}).items():
+        for mname, m in w.get("methods", {}).items():
+            d = m.get("median") or {}
+            if d.get("scanned") is None:
+                continue
+            ob = (w.get("over_bound") or {}).get(mname) or {}
+            share = d.get("check_share")
+            rows.append(" | ".join([
+                f"| {wname}", mname, "on" if d["scanned"] else "off", "on" if d.get("checked") else "off",
+                _gib(d.get("bytes_scanned")), _gib(d.get("bytes_zero_skipped")), _gib(d.get("bytes_over_link_out")),
+                _gib(d.get("bytes_zeroed")), _gib(d.get("bytes_over_link_in")), _s(d.get("scan_s")), _s(d.get("check_s")),
+                "–" if share is None else f"{share:.1%}", _gib(ob.get("nonzero_bytes")),
+                f"{ob['checkpoint_nonzero']:.2f}x / {ob['restore_nonzero']:.2f}x" if "checkpoint_nonzero" in ob else "–"]) + " |")
+    if not rows:
+        return []
+    return ["", "Zero chunks and the checked resume (issue 26): GiB each way, what crossed the link, and the times over "
+            "max(non-zero bytes / ceiling, control):", "",
+            "| workload | method | zero scan | check | scanned GiB | skipped as zero GiB | over link out GiB | "
+            "zeroed at restore GiB | over link in GiB | scan s | check s | check / restore | non-zero GiB | "
+            "x non-zero bound (ckpt / restore) |", "|" + " --- |" * 14, *rows]
 
 
 GBPS_KEY, TIME_KEY = "_gbps_over_peer", "_time_over_peer"

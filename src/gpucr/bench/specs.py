@@ -3,12 +3,13 @@ processes are started (under gpucr's agent or plain), and what must be the same 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 from ..errors import GpucrError
 from ..workloads import runner
 from ..workloads.job import Job
+from ..workloads.kv_cache import KV_MODES
 from ..workloads.llm_app import MODELS
 
 if TYPE_CHECKING:
@@ -69,11 +70,20 @@ WORKLOADS = (f"{', '.join(k + ':GIB' for k in SIZED)} (raw: one buffer; shared: 
              f"exported and imported as NCCL does; torch / torch-expandable: PyTorch's default allocator or its "
              f"expandable segments; jax: XLA's allocator), an LLM server ({', '.join(MODELS)}), a group of N "
              f"independent ones checkpointed as one (groupN-W, e.g. group2-llama3-8b or group2-raw:8), or a "
-             f"multi-GPU job {'|'.join(JOBS)}-MODEL (e.g. tp2-llama3-8b)")
+             f"multi-GPU job {'|'.join(JOBS)}-MODEL (e.g. tp2-llama3-8b); an LLM server's KV cache contents after "
+             f"@ ({'|'.join(KV_MODES)}, e.g. llama3-8b@served; random by default), a raw buffer's zero share after "
+             f"@zero= (e.g. raw:8@zero=0.75: its first 75 % all zero)")
+ZERO_PREFIX = "zero="
 
 
 def parse_workload(text: str, gpu_util: float) -> Spec:
     text = text.strip()
+    prefix, _, rest = text.partition("-")
+    if prefix.startswith("group") and rest:
+        return _group(text, prefix[5:], parse_workload(rest, gpu_util))
+    base, at, contents = text.partition("@")
+    if at:
+        return _with_contents(text, parse_workload(base, gpu_util), contents)
     if text in MODELS:
         return Spec(text, "llm_app", (text, "--gpu-util", str(gpu_util)), True, needs_gpu=LLM_NEEDS)
     prefix, _, rest = text.partition("-")
@@ -83,8 +93,6 @@ def parse_workload(text: str, gpu_util: float) -> Spec:
         module, launch, world = JOBS[prefix]
         return Spec(text, module, ("--model", rest, "--gpu-util", str(gpu_util)), True, launch, world,
                     gpus=2 if module == "two_gpu_app" else world, needs_gpu=LLM_NEEDS)
-    if prefix.startswith("group") and rest:
-        return _group(text, prefix[5:], parse_workload(rest, gpu_util))
     kind, _, size = text.rpartition(":")
     if kind in SIZED and _positive(size):
         module, launch, world, env, needs = SIZED[kind]
@@ -97,6 +105,28 @@ def _positive(text: str) -> bool:
         return float(text) > 0
     except ValueError:
         return False
+
+
+def _share(text: str) -> float | None:
+    """A share from 0 to 1, or None."""
+    try:
+        f = float(text)
+    except ValueError:
+        return None
+    return f if 0 <= f <= 1 else None
+
+
+def _with_contents(text: str, one: Spec, contents: str) -> Spec:
+    """W@C: workload W with the memory contents C (issue 26's bench): an LLM server's KV cache (llm_app --kv), or
+    the share of a raw buffer that is all zero (raw_app --zero-fraction)."""
+    if one.module == "llm_app" and one.launch == "single" and contents in KV_MODES:
+        return replace(one, name=text, args=(*one.args, "--kv", contents))
+    if one.module == "raw_app" and contents.startswith(ZERO_PREFIX):
+        share = _share(contents[len(ZERO_PREFIX):])
+        if share is not None:
+            return replace(one, name=text, args=(*one.args, "--zero-fraction", str(share)))
+    raise GpucrError(f"workload '{text}': contents are given as MODEL@{'|'.join(KV_MODES)} (an LLM server's KV "
+                     f"cache) or raw:GIB@zero=F (F from 0 to 1)")
 
 
 def _group(text: str, count: str, one: Spec) -> Spec:

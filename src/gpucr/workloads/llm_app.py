@@ -1,5 +1,7 @@
 """An LLM serving process, shaped like a vLLM worker: a real architecture with random bf16 weights
-on the GPU, and a KV cache preallocated up to --gpu-util of the card and filled with random data.
+on the GPU, and a KV cache preallocated up to --gpu-util of the card. Its contents (--kv, kv_cache.py): random
+(the default: no copy can skip zeros), zeros (torch.zeros, never written: a fresh server), or served (zeros, then
+--requests requests prefilled through the model, their keys and values written into the first blocks).
 
 The architectures are the models' own config.json values, written out here (no hub access, no
 download); the weights are random, so the tokens mean nothing, but the memory, the kernels and the
@@ -17,6 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any, Callable
 
 from . import Place
+from .kv_cache import KV_MODES, REQUEST_TOKENS, SERVED_REQUESTS, allocate, serve_requests
 
 if TYPE_CHECKING:
     import torch
@@ -118,20 +121,11 @@ def fixed_prompt(vocab: int, device: str | torch.device) -> torch.Tensor:
     return torch.randint(0, vocab, (1, PROMPT_TOKENS), generator=g).to(device)
 
 
-def kv_cache(layers: int, kv_heads: int, head_dim: int, budget: int, device: str | torch.device) -> list[torch.Tensor]:
+def kv_cache(layers: int, kv_heads: int, head_dim: int, budget: int, device: str | torch.device,
+             mode: str = "random") -> list[torch.Tensor]:
     """A vLLM-style KV cache filling `budget` bytes: one tensor per layer, [2, blocks, block, kv heads,
-    head dim] in bf16, filled with random data so no copy can skip zeros."""
-    import torch
-    per_block = layers * 2 * KV_BLOCK * kv_heads * head_dim * 2   # bf16
-    blocks = budget // per_block
-    if blocks < 1:
-        raise RuntimeError(f"no room for a KV cache: {budget >> 20} MiB left under the --gpu-util share")
-    kv = []
-    for _ in range(layers):
-        t = torch.empty((2, blocks, KV_BLOCK, kv_heads, head_dim), dtype=torch.bfloat16, device=device)
-        t.normal_()
-        kv.append(t)
-    return kv
+    head dim] in bf16, filled with random data so no copy can skip zeros (mode random), or zeros (kv_cache.py)."""
+    return allocate(layers, KV_BLOCK, kv_heads, head_dim, budget, device, mode)
 
 
 def nbytes(t: torch.Tensor) -> int:
@@ -139,9 +133,11 @@ def nbytes(t: torch.Tensor) -> int:
 
 
 class App:
-    def __init__(self, name: str, gpu_util: float, seed: int, place: Place = contextlib.nullcontext) -> None:
+    def __init__(self, name: str, gpu_util: float, seed: int, place: Place = contextlib.nullcontext,
+                 kv: str = "random", requests: int = SERVED_REQUESTS, request_tokens: int = REQUEST_TOKENS) -> None:
         """place: where the weights and the KV cache are allocated (tms_app: a torch_memory_saver
-        region); the warm-up generation's activations and workspaces stay outside it."""
+        region); the warm-up generation's activations and workspaces stay outside it. kv: the KV cache's
+        contents (KV_MODES); served: `requests` of `request_tokens` each prefilled into it."""
         import torch
 
         from ..driver import _nvml_memory
@@ -162,20 +158,28 @@ class App:
         total = torch.cuda.mem_get_info()[1]
         # what this process holds now: context, cuBLAS workspace, weights (as NVML counts it, when it answers)
         held = after.used - before.used if before and after else torch.cuda.memory_reserved()
+        self.kv_mode = kv
         with place():
             self.kv = self._kv_cache(int(gpu_util * total) - held)
+        self.served = {"requests": 0, "blocks": 0}
+        if kv == "served":   # its activations come and go outside the share, as a serving engine's do
+            self.served = serve_requests(self.model, self.kv, KV_BLOCK, requests, request_tokens,
+                                         self.cfg.vocab_size, PROMPT_SEED + 1)
+            torch.cuda.empty_cache()
         torch.cuda.synchronize()
         self.weights = list(self.model.parameters())
         # a few weights for the digest: first (embedding), one in the middle, last
         self.probe = [self.weights[0], self.weights[len(self.weights) // 2], self.weights[-1]]
 
     def _kv_cache(self, budget: int) -> list[torch.Tensor]:
-        return kv_cache(*kv_geometry(self.cfg), budget, "cuda")
+        return kv_cache(*kv_geometry(self.cfg), budget, "cuda", "random" if self.kv_mode == "random" else "zeros")
 
     def info(self) -> dict:
         cuda = self.torch.cuda
         return {"model": self.name, "weights_bytes": sum(nbytes(p) for p in self.weights),
-                "kv_cache_bytes": sum(nbytes(t) for t in self.kv), "kv_tensors": len(self.kv),
+                "kv_cache_bytes": sum(nbytes(t) for t in self.kv), "kv_tensors": len(self.kv), "kv_mode": self.kv_mode,
+                "kv_blocks": self.kv[0].shape[1], "served_requests": self.served["requests"],
+                "served_blocks": self.served["blocks"],
                 "reserved_bytes": cuda.memory_reserved(), "allocated_bytes": cuda.memory_allocated()}
 
     def digest(self) -> dict:
@@ -211,12 +215,17 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("model", choices=sorted(MODELS))
     ap.add_argument("--gpu-util", type=float, default=0.5, help="share of the card this server may hold (vLLM's meaning)")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kv", choices=KV_MODES, default="random", help="the KV cache's contents: random (default), zeros "
+                    "(never written, a fresh server), served (zeros, then --requests requests prefilled into it)")
+    ap.add_argument("--requests", type=int, default=SERVED_REQUESTS, help=f"--kv served: requests (default {SERVED_REQUESTS})")
+    ap.add_argument("--request-tokens", type=int, default=REQUEST_TOKENS,
+                    help=f"--kv served: prompt tokens of each (default {REQUEST_TOKENS})")
     return ap
 
 
 def build(a: argparse.Namespace, place: Place = contextlib.nullcontext) -> tuple[Callable[[list[str]], dict], dict]:
     """The server's protocol handler and its ready line; place as App takes it."""
-    app = App(a.model, a.gpu_util, a.seed, place)
+    app = App(a.model, a.gpu_util, a.seed, place, a.kv, a.requests, a.request_tokens)
     import transformers
     return app.handle, {"framework": "torch", "torch": app.torch.__version__,
                         "transformers": transformers.__version__, **app.info()}

@@ -1,4 +1,6 @@
-"""A raw buffer of --gib GiB of random bytes and nothing else: the plainest thing to checkpoint.
+"""A raw buffer of --gib GiB of random bytes and nothing else: the plainest thing to checkpoint. With
+--zero-fraction F its first F of whole 2 MiB chunks is zero, as a KV cache never written is (issue 26: those
+chunks need not cross the link); on simcuda it stands in for the LLM servers' zeros and served caches.
 
 On a GPU with PyTorch it is one torch tensor (digest computed on the GPU); on simcuda (the
 simulated driver, a test double) or without PyTorch it is one cuMemAlloc buffer through
@@ -15,6 +17,13 @@ from typing import Callable
 
 from . import Place
 
+CHUNK = 2 << 20   # the data plane's zero chunks (gpucr.dataplane.chunks): a zero head of whole ones is skippable
+
+
+def zero_head(nbytes: int, fraction: float) -> int:
+    """Bytes at the buffer's start set to zero for --zero-fraction: `fraction` of it, in whole chunks."""
+    return int(nbytes * fraction) // CHUNK * CHUNK
+
 
 def simulated() -> bool:
     """Whether the libcuda.so.1 this process loads is simcuda (asked without cuInit)."""
@@ -29,6 +38,10 @@ class TorchRaw:
         self.buf = torch.empty(nbytes // 4, dtype=torch.int32, device="cuda")
         self.buf.random_(generator=g)
         torch.cuda.synchronize()
+
+    def zero(self, n: int) -> None:
+        self.buf[:n // 4].zero_()
+        self.torch.cuda.synchronize()
 
     def digest(self) -> dict:
         from .torch_app import tensor_digest
@@ -47,6 +60,11 @@ class DriverRaw:
         from .driver_app import App
         self.app = App([nbytes], pitch=False, vmm_mib=0, seed=seed)
 
+    def zero(self, n: int) -> None:
+        from .driver_app import check, cuCtxSynchronize, cuMemsetD32
+        check(cuMemsetD32(self.app.bufs[0][0], 0, n // 4), "memset")
+        check(cuCtxSynchronize(), "sync")
+
     def digest(self) -> dict:
         return self.app.handle(["digest"])
 
@@ -58,6 +76,8 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python3 -m gpucr.workloads.raw_app")
     ap.add_argument("--gib", type=float, default=8.0)
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--zero-fraction", type=float, default=0.0, metavar="F",
+                    help="the buffer's first F (0 to 1, in whole 2 MiB chunks) set to zero, never written again")
     return ap
 
 
@@ -74,13 +94,19 @@ def build(a: argparse.Namespace, place: Place | None = None) -> tuple[Callable[[
     else:
         app = DriverRaw(nbytes, a.seed)
 
+    if not 0 <= a.zero_fraction <= 1:
+        raise ValueError("--zero-fraction is a share of the buffer, from 0 to 1")
+    zeros = zero_head(nbytes, a.zero_fraction)
+    if zeros:
+        app.zero(zeros)
+
     def handle(words: list[str]) -> dict:
         if words[0] == "digest":
             return app.digest()
         if words[0] == "info":
-            return app.info()
+            return {**app.info(), "zero_bytes": zeros}
         raise ValueError(f"unknown command {words[0]}")
-    return handle, {"simulated": sim, **app.info()}
+    return handle, {"simulated": sim, **app.info(), "zero_bytes": zeros}
 
 
 def main() -> None:
