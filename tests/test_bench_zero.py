@@ -113,6 +113,11 @@ def test_report_shows_issue_26s_table(zero_run):
     med = zero_run["workloads"][WORKLOADS[1]]["methods"][FULL]["median"]
     assert full.startswith(f"| {WORKLOADS[1]} | {FULL} | on | on | 0.06 | 0.05 | 0.02 | 0.05 | 0.02 |"), full
     assert f"| {med['check_share']:.1%} |" in full
+    ob = zero_run["workloads"][WORKLOADS[1]]["over_bound"][FULL]
+    said = next(line for line in md if line.startswith(f"- {WORKLOADS[1]}: {FULL} checkpoint / restore"))
+    assert said.endswith(f"; {ob['checkpoint_nonzero']:.2f}x / {ob['restore_nonzero']:.2f}x max(non-zero bytes / "
+                         f"ceiling, control) = {ob['nonzero_bound_out_s']:.3f} / {ob['nonzero_bound_in_s']:.3f} s "
+                         "(0.02 GiB non-zero)"), said
     assert plain.startswith(f"| {WORKLOADS[1]} | {PLAIN} | off | off | 0.00 | 0.00 | 0.06 | 0.00 | 0.06 | – | – | – |"), plain
 
 

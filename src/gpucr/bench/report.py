@@ -204,7 +204,15 @@ def peer_lines(w: str, vp: dict[str, dict[str, float]]) -> list[str]:
 def bound_lines(w: str, ob: dict[str, dict[str, float]]) -> list[str]:
     """over_bound: each method's times over what its bytes and control state allow (older files lack it)."""
     return [f"{w}: {m} checkpoint / restore {v['checkpoint']:.2f}x / {v['restore']:.2f}x its bound "
-            f"({_bound_said(m, v)} = {v['bound_out_s']:.3f} / {v['bound_in_s']:.3f} s)" for m, v in ob.items()]
+            f"({_bound_said(m, v)} = {v['bound_out_s']:.3f} / {v['bound_in_s']:.3f} s)" + _nonzero_said(v) for m, v in ob.items()]
+
+
+def _nonzero_said(v: dict[str, float]) -> str:
+    """The same against the non-zero bytes (issue 26), where the run found them."""
+    if "checkpoint_nonzero" not in v:
+        return ""
+    return (f"; {v['checkpoint_nonzero']:.2f}x / {v['restore_nonzero']:.2f}x max(non-zero bytes / ceiling, control) = "
+            f"{v['nonzero_bound_out_s']:.3f} / {v['nonzero_bound_in_s']:.3f} s ({_gib(v['nonzero_bytes'])} GiB non-zero)")
 
 
 def _bound_said(method: str, v: dict[str, float]) -> str:
