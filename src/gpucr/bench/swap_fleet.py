@@ -66,8 +66,8 @@ class Member:
 class Fleet:
     """The servers under the swap service, and the `gpucr serve` they run under."""
 
-    def __init__(self, shape: Shape, simulated: bool, serve_flags: list[str]) -> None:
-        self.shape, self.simulated = shape, simulated
+    def __init__(self, shape: Shape, simulated: bool, serve_flags: list[str], server_cost: int) -> None:
+        self.shape, self.simulated, self.server_cost = shape, simulated, server_cost
         self.srv = _BenchServer(simulated, *serve_flags)
         self.reused = self.srv.info() is not None   # one already running is used as it is
         if not self.reused:
@@ -81,9 +81,11 @@ class Fleet:
     def states(self) -> dict[str, str]:
         return {a["name"]: a["state"] for a in self.view()["apps"]}
 
-    def free_bytes(self) -> int | None:
+    def free_bytes(self) -> tuple[int | None, int]:
+        """GPU 0's free memory, and what the gpucr server holds there itself (its context, once it has copied)."""
         g = (self.view().get("gpus") or [{}])[0]
-        return g["total_bytes"] - g["used_bytes"] if g.get("total_bytes") is not None and g.get("used_bytes") is not None else None
+        known = g.get("total_bytes") is not None and g.get("used_bytes") is not None
+        return (g["total_bytes"] - g["used_bytes"] if known else None), g.get("server_bytes") or 0
 
     def start(self, name: str, seed: int, need: int) -> Member:
         """One server under `gpucr run --swap`, after room for `need` bytes was made. The service makes room only
@@ -113,8 +115,13 @@ class Fleet:
         raise GpucrError(f"the swap service did not see {name}'s GPU memory within {timeout:g} s")
 
     def _room_for(self, need: int, timeout: float = 120.0) -> None:
+        """Room for `need` bytes, and for the gpucr server's own context where it holds none yet (its first park
+        makes it: server_cost)."""
         deadline = time.monotonic() + timeout
-        while (free := self.free_bytes()) is not None and free < need and time.monotonic() < deadline:
+        while time.monotonic() < deadline:
+            free, own = self.free_bytes()
+            if free is None or free >= need + (0 if own else self.server_cost):
+                return
             states = self.states()
             resident = [m for m in self.members.values() if states.get(m.name) == "resident"]
             if resident:

@@ -29,7 +29,8 @@ from .swap_fleet import SIM_CONTEXT, Fleet, shape_for
 
 SCHEMA = "gpucr-bench-swap/1"
 STREAM_SHARE = 0.45      # of the time budget, for the setup and the request stream; the ways beside it get the rest
-GPU_SLACK = 1 << 30      # room a server's start is given beyond its share on a GPU: the gpucr server's context and maps
+GPU_SLACK = 256 << 20    # room a server's start is given beyond its share on a GPU: the map of the staging pinned
+SERVER_CONTEXT = 1 << 30  # the gpucr server's context on the H200 (about 520 MiB), with room to spare
 SWITCH_MODE = ("one-way: the service parks the app it makes room from, then resumes the one asked for (the two-way "
                "switch, both at once over the link, is not built yet: issue 28 item 1)")
 
@@ -104,7 +105,7 @@ class Run:
 
 def _fleet_part(run: Run, fleet: Fleet, a: argparse.Namespace, ways: list[str], share: int, t0: float) -> None:
     """The servers started under the service (each one's references), the stream, then (a) on the same servers."""
-    need = share + (SIM_CONTEXT if run.results["simulated"] else GPU_SLACK)
+    need = share + (0 if run.results["simulated"] else GPU_SLACK)
     names = [f"swapbench-{i}" for i in range(a.servers)]
     for i, name in enumerate(names):
         m = fleet.start(name, i, need)
@@ -159,7 +160,7 @@ def main(a: argparse.Namespace) -> int:
     _say(f"measuring the two-way link rate ({gib:g} GiB each way at once)")
     results["two_way"] = B.two_way(simulated, gib)
     _say(f"two-way: {results['two_way']['each_way_gbps']:.1f} GB/s each way")
-    fleet = Fleet(shape, simulated, ["--host-budget", a.host_budget])
+    fleet = Fleet(shape, simulated, ["--host-budget", a.host_budget], SIM_CONTEXT if simulated else SERVER_CONTEXT)
     results["serve"] = {"reused": fleet.reused, "flags": [] if fleet.reused else ["--host-budget", a.host_budget]}
     failed = False
     try:
