@@ -89,3 +89,12 @@ def test_the_stream_is_round_robin_then_a_seeded_zipf_mix():
     assert plan == stream(names, 40, 0.5, 1.2, seed=7) and plan != stream(names, 40, 0.5, 1.2, seed=8)
     counts = [sum(n == x for _, n in stream(names, 2000, 1.0, 1.2, seed=1)) for x in names]
     assert counts == sorted(counts, reverse=True) and counts[0] > 2 * counts[3]   # the first server the busiest
+
+
+def test_the_scenarios_bad_arguments_are_one_line_errors(two_fit):
+    for args, what in ((["--ways", "criu"], "--ways"), (["--servers", "1"], "--servers"),
+                       (["--gpu-util", "1.5"], "--gpu-util"), (["--weights-dir", "/nonexistent"], "--weights-dir")):
+        r = gpucr_cli("bench", "--scenario", "swap", "--simulate", *args)
+        lines = [line for line in r.stderr.splitlines() if line.strip()]
+        assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("gpucr: error: ") and what in lines[0], \
+            r.stderr

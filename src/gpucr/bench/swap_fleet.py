@@ -14,6 +14,7 @@ from ..server import route
 from ..workloads.runner import Workload
 from .methods import _BenchServer
 
+SIM_CARD_MAX = 2 << 30   # on simcuda, the largest card the scenario runs on
 SIM_CONTEXT = 64 << 20   # what simcuda counts for each context: a token server's share less it is its buffer
 START_TIMEOUT_S = 600.0
 ASK_TIMEOUT_S = 600.0    # a request to a parked server waits for its resume, and for others' parks before it
@@ -41,6 +42,9 @@ def shape_for(simulated: bool, model: str, gpu_util: float, total_bytes: int | N
         return Shape("swap_llm_app", (model, "--gpu-util", str(gpu_util)), f"{model} at --gpu-util {gpu_util:g}")
     if not total_bytes:
         raise GpucrError("simcuda did not say its memory (SIMCUDA_TOTAL_MEM)")
+    if total_bytes > SIM_CARD_MAX:   # each server's share is host memory here, and each park copies it
+        raise GpucrError(f"simcuda's card is {total_bytes >> 20} MiB: give the scenario a small one, e.g. "
+                         "SIMCUDA_TOTAL_MEM=419430400 (400 MiB) with --gpu-util 0.4 --servers 3")
     mib = (gpu_util * total_bytes - SIM_CONTEXT) / (1 << 20)
     if mib < 1:
         raise GpucrError(f"--gpu-util {gpu_util:g} of simcuda's {total_bytes >> 20} MiB leaves no room beside a context")

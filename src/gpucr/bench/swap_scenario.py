@@ -13,6 +13,7 @@ import argparse
 import datetime as dt
 import json
 import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -155,6 +156,9 @@ def main(a: argparse.Namespace) -> int:
                                                  "host_budget", "weights_dir")} | {"ways": ways, "shape": shape.what},
         "switch_mode": SWITCH_MODE, "two_way": None, "serve": None, "requests": [], "ways": {}}
     run = Run(out, results)
+    # a time limit's SIGTERM (scripts/gpu-check's timeout) unwinds like an error: the servers are killed, the
+    # bench's gpucr serve stopped, what was measured kept (its summary: python3 -m gpucr.bench.swap_report FILE)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.monotonic()
     gib = a.two_way_gib or (0.0625 if simulated else 8.0)
     _say(f"measuring the two-way link rate ({gib:g} GiB each way at once)")
