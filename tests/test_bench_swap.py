@@ -36,6 +36,9 @@ def test_the_swap_scenario_answers_every_request_right_parks_and_resumes_and_say
         assert res.get(key) is not None, key
     assert res["device"]["driver_version"] == "simcuda" and res["two_way"]["each_way_gbps"] > 0
     assert res["switch_mode"].startswith("one-way")
+    assert sorted(res["servers"]) == [f"swapbench-{i}" for i in range(SERVERS)]
+    assert all(v["ready"]["data_bytes"] == 96 << 20 for v in res["servers"].values())
+    assert res["serve"]["reused"] is False and res["serve"]["host"]["host_budget_bytes"] > 0
     reqs = res["requests"]
     # every request answered, with its server's reference tokens; none lost
     assert all(q["answered"] and q["correct"] for q in reqs), [q for q in reqs if not (q["answered"] and q["correct"])]

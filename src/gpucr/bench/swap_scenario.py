@@ -23,6 +23,7 @@ from ..demo import gpu_present
 from ..driver import SIMULATE_ENV, driver_for, gpu_memory
 from ..errors import GpucrError
 from ..paths import simcuda_dir
+from ..workloads.llm_app import MODELS
 from . import bounds as B
 from . import swap_report as report
 from . import swap_ways as W
@@ -78,6 +79,8 @@ def _check(a: argparse.Namespace) -> list[str]:
         raise GpucrError("--servers is at least 2; --requests, --tokens and --reference-requests at least 1")
     if not 0 < a.gpu_util < 1 or not 0 <= a.zipf_share <= 1 or a.time_budget <= 0:
         raise GpucrError("--gpu-util is between 0 and 1, --zipf-share from 0 to 1, --time-budget above 0")
+    if a.model not in MODELS:
+        raise GpucrError(f"--model {a.model}: use one of {', '.join(MODELS)}")
     if "restart" in ways and not Path(a.weights_dir).is_dir():
         raise GpucrError(f"--weights-dir {a.weights_dir}: not a directory")
     return ways
@@ -110,6 +113,7 @@ def _fleet_part(run: Run, fleet: Fleet, a: argparse.Namespace, ways: list[str], 
     names = [f"swapbench-{i}" for i in range(a.servers)]
     for i, name in enumerate(names):
         m = fleet.start(name, i, need)
+        run.results["servers"][name] = {"pid": m.w.pid, "seed": i, "ready": m.w.info}
         _say(f"{name} started (pid {m.w.pid}); its reference tokens")
         W.references(W.GPUCR, m, a.reference_requests, a.tokens, t0, run.emit)
     run.results["pre_parks"] = fleet.pre_parks
@@ -154,7 +158,7 @@ def main(a: argparse.Namespace) -> int:
         "settings": {k: getattr(a, k) for k in ("servers", "model", "gpu_util", "requests", "zipf_share", "zipf_s", "seed",
                                                  "tokens", "reference_requests", "baseline_switches", "time_budget",
                                                  "host_budget", "weights_dir")} | {"ways": ways, "shape": shape.what},
-        "switch_mode": SWITCH_MODE, "two_way": None, "serve": None, "requests": [], "ways": {}}
+        "switch_mode": SWITCH_MODE, "two_way": None, "serve": None, "servers": {}, "requests": [], "ways": {}}
     run = Run(out, results)
     # a time limit's SIGTERM (scripts/gpu-check's timeout) unwinds like an error: the servers are killed, the
     # bench's gpucr serve stopped, what was measured kept (its summary: python3 -m gpucr.bench.swap_report FILE)
@@ -165,7 +169,11 @@ def main(a: argparse.Namespace) -> int:
     results["two_way"] = B.two_way(simulated, gib)
     _say(f"two-way: {results['two_way']['each_way_gbps']:.1f} GB/s each way")
     fleet = Fleet(shape, simulated, ["--host-budget", a.host_budget], SIM_CONTEXT if simulated else SERVER_CONTEXT)
-    results["serve"] = {"reused": fleet.reused, "flags": [] if fleet.reused else ["--host-budget", a.host_budget]}
+    results["serve"] = {"reused": fleet.reused, "flags": [] if fleet.reused else ["--host-budget", a.host_budget],
+                        "host": fleet.view()["host"]}
+    if fleet.reused and results["serve"]["host"].get("host_budget_bytes") is None:
+        _say("WARNING: the gpucr serve already running has no --host-budget: every server parked once keeps its "
+             "staging, and host memory may not hold them all (stop it, 'gpucr serve --stop', to let the bench start one)")
     failed = False
     try:
         _fleet_part(run, fleet, a, ways, int(a.gpu_util * mem.total), t0)
