@@ -55,7 +55,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--baseline-switches", type=int, default=3, help="switches of each way beside the stream (default 3)")
     g.add_argument("--ways", default="one-way,restart,driver", help="the ways beside the stream (default all three)")
     g.add_argument("--time-budget", type=float, default=480.0, metavar="SECONDS", help="the whole scenario's "
-                   "(default 480): the stream stops at 0.45 of it, and a way starts no switch past it")
+                   "(default 480): the stream stops at --stream-share of it, and a way starts no switch past it")
+    g.add_argument("--stream-share", type=float, default=STREAM_SHARE, help="share of --time-budget by which the "
+                   f"setup and the stream end (default {STREAM_SHARE:g}); the ways beside it get the rest")
     g.add_argument("--weights-dir", default="/var/tmp", metavar="DIR", help="where the restart's safetensors are "
                    "written once (removed after; default /var/tmp)")
     g.add_argument("--host-budget", default="80%", metavar="SIZE", help="the --host-budget of the gpucr serve the "
@@ -63,7 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS", help="a request not answered "
                    "by then is recorded as lost, and the stream stops (default 600)")
     g.add_argument("--two-way-gib", type=float, default=None, help="bytes each way of the two-way rate's copies "
-                   "(default 8; 0.0625 on simcuda)")
+                   "(default 4; 0.0625 on simcuda)")
 
 
 def _say(msg: str) -> None:
@@ -77,8 +79,9 @@ def _check(a: argparse.Namespace) -> list[str]:
             raise GpucrError(f"--ways: '{w}' is not one-way, restart or driver")
     if a.servers < 2 or a.requests < 1 or a.tokens < 1 or a.reference_requests < 1 or a.baseline_switches < 0:
         raise GpucrError("--servers is at least 2; --requests, --tokens and --reference-requests at least 1")
-    if not 0 < a.gpu_util < 1 or not 0 <= a.zipf_share <= 1 or a.time_budget <= 0:
-        raise GpucrError("--gpu-util is between 0 and 1, --zipf-share from 0 to 1, --time-budget above 0")
+    if not 0 < a.gpu_util < 1 or not 0 <= a.zipf_share <= 1 or a.time_budget <= 0 or not 0 < a.stream_share <= 1:
+        raise GpucrError("--gpu-util is between 0 and 1, --zipf-share from 0 to 1, --stream-share above 0 to 1, "
+                         "--time-budget above 0")
     if a.model not in MODELS:
         raise GpucrError(f"--model {a.model}: use one of {', '.join(MODELS)}")
     if "restart" in ways and not Path(a.weights_dir).is_dir():
@@ -117,12 +120,12 @@ def _fleet_part(run: Run, fleet: Fleet, a: argparse.Namespace, ways: list[str], 
         _say(f"{name} started (pid {m.w.pid}); its reference tokens")
         W.references(W.GPUCR, m, a.reference_requests, a.tokens, t0, run.emit)
     run.results["pre_parks"] = fleet.pre_parks
-    stream_end = t0 + STREAM_SHARE * a.time_budget
+    stream_end = t0 + a.stream_share * a.time_budget
     plan = W.stream(names, a.requests, a.zipf_share, a.zipf_s, a.seed)
     for i, (mix, name) in enumerate(plan):
         if time.monotonic() > stream_end:
-            run.results["stream_short"] = f"{i} of {len(plan)} requests sent: the stream's time ({STREAM_SHARE:g} of "\
-                                          f"--time-budget) was spent"
+            run.results["stream_short"] = f"{i} of {len(plan)} requests sent: the stream's time ({a.stream_share:g} "\
+                                          f"of --time-budget) was spent"
             _say(run.results["stream_short"])
             break
         rec = W.fleet_request(fleet, W.GPUCR, mix, fleet.members[name], a.tokens, t0, timeout=a.request_timeout)
@@ -164,10 +167,11 @@ def main(a: argparse.Namespace) -> int:
     # bench's gpucr serve stopped, what was measured kept (its summary: python3 -m gpucr.bench.swap_report FILE)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     t0 = time.monotonic()
-    gib = a.two_way_gib or (0.0625 if simulated else 8.0)
+    gib = a.two_way_gib or (0.0625 if simulated else 4.0)
     _say(f"measuring the two-way link rate ({gib:g} GiB each way at once)")
     results["two_way"] = B.two_way(simulated, gib)
     _say(f"two-way: {results['two_way']['each_way_gbps']:.1f} GB/s each way")
+    idle = gpu_memory(drv)
     fleet = Fleet(shape, simulated, ["--host-budget", a.host_budget], SIM_CONTEXT if simulated else SERVER_CONTEXT)
     results["serve"] = {"reused": fleet.reused, "flags": [] if fleet.reused else ["--host-budget", a.host_budget],
                         "host": fleet.view()["host"]}
@@ -185,6 +189,7 @@ def main(a: argparse.Namespace) -> int:
         results["serve"]["log"] = fleet.server_log()
         fleet.close()
         run.save()
+    _settle(drv, idle)
     deadline = t0 + a.time_budget
     for way, go in (("restart", lambda: W.restart(shape, simulated, a.baseline_switches, a.tokens, a.reference_requests,
                                                   a.weights_dir, t0, deadline, run.emit, _say)),
@@ -211,6 +216,18 @@ def main(a: argparse.Namespace) -> int:
             _say("no chart: matplotlib is not installed (pip install 'gpucr[bench]')")
     _say(f"results: {out}" + (f", chart: {a.chart}" if a.chart else ""))
     return 1 if failed or not results["all_answered_correct"] else 0
+
+
+def _settle(drv: Any, idle: Any, timeout: float = 60.0) -> None:
+    """Wait until the GPU is back to what it held before the servers started (give or take 1 GiB): the ways after
+    them start servers of their own, which would not fit beside memory the driver has not given back yet."""
+    end = time.monotonic() + timeout
+    while idle is not None and time.monotonic() < end:
+        now = gpu_memory(drv)
+        if now is None or now.used <= idle.used + (1 << 30):
+            return
+        time.sleep(0.2)
+    _say("the GPU's memory is not back to idle a minute after the servers ended; going on")
 
 
 def report_banner() -> str:
