@@ -132,8 +132,7 @@ def _fleet_part(run: Run, fleet: Fleet, a: argparse.Namespace, ways: list[str], 
         run.emit(rec)
         if not rec["answered"]:   # its server is stuck (its pipe has an answer owed): nothing more to learn
             raise GpucrError(f"request {i + 1} to {name} was not answered: {rec['error']}")
-        if rec["answered"]:
-            _say(f"{i + 1}/{len(plan)} {mix} {name}: {'resident' if rec['resident'] else 'parked'}, first token "
+        _say(f"{i + 1}/{len(plan)} {mix} {name}: {'resident' if rec['resident'] else 'parked'}, first token "
                  f"{rec['ttft_s']:.3f} s" + (f" (parked {', '.join(rec['parked'])})" if rec["parked"] else ""))
     if "one-way" in ways:
         why = W.one_way(fleet, a.baseline_switches, a.tokens, t0, t0 + a.time_budget, run.emit, _say)
@@ -160,7 +159,7 @@ def main(a: argparse.Namespace) -> int:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **environment(drv, simulated),
         "settings": {k: getattr(a, k) for k in ("servers", "model", "gpu_util", "requests", "zipf_share", "zipf_s", "seed",
                                                  "tokens", "reference_requests", "baseline_switches", "time_budget",
-                                                 "host_budget", "weights_dir")} | {"ways": ways, "shape": shape.what},
+                                                 "stream_share", "request_timeout", "host_budget", "weights_dir")} | {"ways": ways, "shape": shape.what},
         "switch_mode": SWITCH_MODE, "two_way": None, "serve": None, "servers": {}, "requests": [], "ways": {}}
     run = Run(out, results)
     # a time limit's SIGTERM (scripts/gpu-check's timeout) unwinds like an error: the servers are killed, the
