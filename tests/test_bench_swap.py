@@ -56,6 +56,8 @@ def test_the_swap_scenario_answers_every_request_right_parks_and_resumes_and_say
     assert all(q["bytes_in"] >= 96 << 20 for q in missed), missed
     assert sum(len(q["parked"]) for q in missed) >= len(missed) - 1, missed
     assert all(q["bytes_out"] == len(q["parked"]) * q["bytes_in"] for q in missed), missed
+    # the bound counts the driver's part: every park and resume said its control time
+    assert all(q["control_in_s"] > 0 and q["control_s"] >= q["control_in_s"] for q in missed), missed
     log = "\n".join(res["serve"]["log"])
     assert "parked swap app swapbench-" in log and "on demand" in log and "resumed swap app" in log, log
     # the ways beside it, from the same run, each with its switches
@@ -77,12 +79,15 @@ def test_a_switch_is_its_time_to_first_token_less_its_servers_resident_one_and_i
                 "correct": True, **kw}
     res = {"two_way": {"each_way_gbps": 2.0}, "requests": [
         req("a", True, 0.1), req("a", True, 0.3), req("b", True, 0.5),
-        req("a", False, 2.2, bytes_out=4e9, bytes_in=1e9), req("b", False, 1.5, bytes_out=1e9, bytes_in=2e9)]}
+        req("a", False, 2.2, bytes_out=4e9, bytes_in=1e9, control_out_s=None, control_in_s=None),
+        req("b", False, 1.5, bytes_out=1e9, bytes_in=2e9, control_out_s=0.25, control_in_s=0.5)]}
     s = summarize(res)[GPUCR]
     a, b = res["requests"][3], res["requests"][4]
     assert a["switch_s"] == pytest.approx(2.0) and a["bound_s"] == pytest.approx(2.0)   # 0.2 resident; 4 GB at 2 GB/s
-    assert b["switch_s"] == pytest.approx(1.0) and b["bound_s"] == pytest.approx(1.0)
-    assert s["switches"] == 2 and s["median_switch_s"] == pytest.approx(1.5) and s["over_bound"] == pytest.approx(1.0)
+    assert a["control_s"] is None
+    assert b["switch_s"] == pytest.approx(1.0) and b["bound_s"] == pytest.approx(1.5)   # 2 GB at 2 GB/s, control 0.5
+    assert s["switches"] == 2 and s["median_switch_s"] == pytest.approx(1.5)
+    assert s["over_bound"] == pytest.approx(1.5 / 1.75)   # over the median bound
 
 
 def test_the_stream_is_round_robin_then_a_seeded_zipf_mix():

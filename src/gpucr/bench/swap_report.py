@@ -35,8 +35,8 @@ def resident_ttft(requests: list[dict[str, Any]]) -> dict[tuple[str, str], float
 def annotate(results: dict[str, Any]) -> None:
     """Each request that met its server not resident: its switch time (arrival to first token, less its server's
     resident time to first token) and, where the bytes it moved are known, its bound: max(bytes out, bytes in) over
-    the two-way rate of the same run, plus max(control out, control in) where known (not through the service's
-    switch timeline: left out, and said)."""
+    the two-way rate of the same run, plus max(control out, control in) where the service's timeline says them
+    (control_s: None where it does not)."""
     rate = (results.get("two_way") or {}).get("each_way_gbps")
     base = resident_ttft(results["requests"])
     for r in results["requests"]:
@@ -45,8 +45,9 @@ def annotate(results: dict[str, Any]) -> None:
         res = base.get((_pool(r["method"]), r["server"]))
         r["switch_s"] = r["ttft_s"] - res if res is not None else None
         nbytes = max(r.get("bytes_out") or 0, r.get("bytes_in") or 0)
-        r["bound_s"] = nbytes / (rate * 1e9) if nbytes and rate else None
-        r["control_s"] = None
+        known = [c for c in (r.get("control_out_s"), r.get("control_in_s")) if c is not None]
+        r["control_s"] = max(known) if known else None
+        r["bound_s"] = nbytes / (rate * 1e9) + (r["control_s"] or 0.0) if nbytes and rate else None
 
 
 def summarize(results: dict[str, Any]) -> dict[str, Any]:

@@ -33,6 +33,8 @@ SCHEMA = "gpucr-bench-swap/1"
 STREAM_SHARE = 0.45      # of the time budget, for the setup and the request stream; the ways beside it get the rest
 GPU_SLACK = 256 << 20    # room a server's start is given beyond its share on a GPU: the map of the staging pinned
 SERVER_CONTEXT = 1 << 30  # the gpucr server's context on the H200 (about 520 MiB), with room to spare
+SETTINGS = ("servers", "model", "gpu_util", "requests", "zipf_share", "zipf_s", "seed", "tokens", "reference_requests",
+            "baseline_switches", "time_budget", "stream_share", "request_timeout", "host_budget", "weights_dir")
 SWITCH_MODE = ("one-way: the service parks the app it makes room from, then resumes the one asked for (the two-way "
                "switch, both at once over the link, is not built yet: issue 28 item 1)")
 
@@ -157,9 +159,7 @@ def main(a: argparse.Namespace) -> int:
     results: dict[str, Any] = {
         "schema": SCHEMA, "simulated": simulated, "warning": report_banner() if simulated else None,
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **environment(drv, simulated),
-        "settings": {k: getattr(a, k) for k in ("servers", "model", "gpu_util", "requests", "zipf_share", "zipf_s", "seed",
-                                                 "tokens", "reference_requests", "baseline_switches", "time_budget",
-                                                 "stream_share", "request_timeout", "host_budget", "weights_dir")} | {"ways": ways, "shape": shape.what},
+        "settings": {**{k: getattr(a, k) for k in SETTINGS}, "ways": ways, "shape": shape.what},
         "switch_mode": SWITCH_MODE, "two_way": None, "serve": None, "servers": {}, "requests": [], "ways": {}}
     run = Run(out, results)
     # a time limit's SIGTERM (scripts/gpu-check's timeout) unwinds like an error: the servers are killed, the

@@ -57,12 +57,19 @@ def references(method: str, m: Member, count: int, tokens: int, t0: float, emit:
         emit(record(method, "reference", m.name, t0, arrival, True, got, m.reference))
 
 
+def _control(switches: list[dict[str, Any]]) -> float | None:
+    """The driver's control time of these switches together, or None where one does not say it."""
+    known = [s["control_s"] for s in switches if s.get("control_s") is not None]
+    return sum(known) if switches and len(known) == len(switches) else None
+
+
 def _moved(switches: list[dict[str, Any]], target: str) -> dict[str, Any]:
     parks = [s for s in switches if s["direction"] == "park"]
     resumes = [s for s in switches if s["direction"] == "resume" and s["app"] == target]
     return {"parked": [s["app"] for s in parks], "bytes_out": sum(s["bytes_moved"] for s in parks),
             "bytes_in": sum(s["bytes_moved"] for s in resumes), "park_s": sum(s["seconds"] for s in parks),
-            "resume_s": sum(s["seconds"] for s in resumes)}
+            "resume_s": sum(s["seconds"] for s in resumes), "control_out_s": _control(parks),
+            "control_in_s": _control(resumes)}
 
 
 def fleet_request(fleet: Fleet, method: str, phase: str, m: Member, tokens: int, t0: float,
