@@ -71,6 +71,9 @@ def test_the_swap_scenario_answers_every_request_right_parks_and_resumes_and_say
     assert s[ONE_WAY]["over_one_way"] == 1.0 and s[GPUCR]["over_one_way"] > 0
     assert s[RESTART]["bound_from"].startswith(GPUCR)
     assert "median switch s" in r.stdout and "SIMULATED" in r.stdout
+    c = res["issue_28_checks"]
+    assert c["every_request_answered_right"] and c["restart_and_driver_same_run"]
+    assert c["gpucr_switches_at_least_40"] is False   # ten requests: said, not hidden
 
 
 def test_a_switch_is_its_time_to_first_token_less_its_servers_resident_one_and_its_bound_the_larger_way():

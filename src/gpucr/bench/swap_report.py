@@ -79,7 +79,20 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         s["over_one_way"] = m / a if m is not None and a else None
     results["summary"] = out
     results["all_answered_correct"] = all(r["answered"] and r["correct"] for r in reqs)
+    results["issue_28_checks"] = checks(results)
     return out
+
+
+def checks(results: dict[str, Any]) -> dict[str, bool | None]:
+    """Issue 28's done-when for this scenario, as this run measured it (None: not measured here); on simcuda they say
+    nothing of a GPU."""
+    s = results["summary"]
+    g = s.get(GPUCR) or {}
+    return {"every_request_answered_right": results["all_answered_correct"],
+            "gpucr_switches_at_least_40": g.get("switches", 0) >= 40,
+            "median_switch_within_1.3x_bound": None if g.get("over_bound") is None else g["over_bound"] <= 1.3,
+            "median_switch_at_most_0.65x_one_way": None if g.get("over_one_way") is None else g["over_one_way"] <= 0.65,
+            "restart_and_driver_same_run": all((s.get(w) or {}).get("switches", 0) > 0 for w in (RESTART, DRIVER))}
 
 
 def _f(v: float | None, fmt: str = ".3f") -> str:
@@ -93,6 +106,8 @@ def table(results: dict[str, Any]) -> str:
                      _f(s["over_one_way"], ".2f"), _f(s["median_resident_ttft_s"]), f"{s['correct']}/{s['requests']}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    lines.append("issue 28: " + ", ".join(f"{k} {'-' if v is None else 'yes' if v else 'NO'}"
+                                           for k, v in results["issue_28_checks"].items()))
     head = [f"swap scenario: {results['settings']['servers']} servers of {results['settings']['shape']}, "
             f"switch mode {results['switch_mode']}"]
     if results.get("simulated"):

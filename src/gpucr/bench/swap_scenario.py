@@ -151,7 +151,7 @@ def main(a: argparse.Namespace) -> int:
         os.environ[SIMULATE_ENV] = "1"   # the servers, `gpucr run` and the requests to the service: all simcuda
         _say(report_banner())
     drv = driver_for(str(simcuda_dir() / "libcuda.so.1") if simulated else "libcuda.so.1")
-    from .run import environment
+    from .run import _version, environment
     mem = gpu_memory(drv)
     shape = shape_for(simulated, a.model, a.gpu_util, mem.total if mem else None)
     stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
@@ -161,6 +161,7 @@ def main(a: argparse.Namespace) -> int:
         "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"), **environment(drv, simulated),
         "settings": {**{k: getattr(a, k) for k in SETTINGS}, "ways": ways, "shape": shape.what},
         "switch_mode": SWITCH_MODE, "two_way": None, "serve": None, "servers": {}, "requests": [], "ways": {}}
+    results["software"]["safetensors"] = _version("safetensors")   # the restart's loader, on a GPU
     run = Run(out, results)
     # a time limit's SIGTERM (scripts/gpu-check's timeout) unwinds like an error: the servers are killed, the
     # bench's gpucr serve stopped, what was measured kept (its summary: python3 -m gpucr.bench.swap_report FILE)
