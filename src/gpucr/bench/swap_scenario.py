@@ -179,35 +179,23 @@ def main(a: argparse.Namespace) -> int:
         _say("WARNING: the gpucr serve already running has no --host-budget: every server parked once keeps its "
              "staging, and host memory may not hold them all (stop it, 'gpucr serve --stop', to let the bench start one)")
     failed = False
-    try:
-        _fleet_part(run, fleet, a, ways, int(a.gpu_util * mem.total), t0)
-    except (GpucrError, RuntimeError, OSError, TimeoutError) as exc:
-        failed = True
-        results["error"] = f"the servers under the swap service: {exc}"
-        _say(results["error"])
-    finally:
-        results["serve"]["log"] = fleet.server_log()
-        fleet.close()
-        run.save()
-    _settle(drv, idle)
-    deadline = t0 + a.time_budget
-    for way, go in (("restart", lambda: W.restart(shape, simulated, a.baseline_switches, a.tokens, a.reference_requests,
-                                                  a.weights_dir, t0, deadline, run.emit, _say)),
-                    ("driver", lambda: W.driver_switches(shape, simulated, drv, a.driver_deadline, a.baseline_switches,
-                                                         a.tokens, a.reference_requests, t0, deadline, run.emit, _say))):
-        if way not in ways:
-            continue
-        name = W.RESTART if way == "restart" else W.DRIVER
+    try:   # whatever ends it (a SIGTERM too), what was measured is summed up and kept
         try:
-            results["ways"][name] = go()
+            _fleet_part(run, fleet, a, ways, int(a.gpu_util * mem.total), t0)
         except (GpucrError, RuntimeError, OSError, TimeoutError) as exc:
             failed = True
-            results["ways"][name] = {"error": str(exc)}
-            _say(f"{name} failed: {exc}")
+            results["error"] = f"the servers under the swap service: {exc}"
+            _say(results["error"])
+        finally:
+            results["serve"]["log"] = fleet.server_log()
+            fleet.close()
+            run.save()
+        _settle(drv, idle)
+        failed = _beside(run, a, ways, shape, drv, t0) or failed
+    finally:
+        results["elapsed_s"] = time.monotonic() - t0
+        report.summarize(results)
         run.save()
-    results["elapsed_s"] = time.monotonic() - t0
-    report.summarize(results)
-    run.save()
     print(report.table(results))
     if a.chart:
         try:
@@ -216,6 +204,31 @@ def main(a: argparse.Namespace) -> int:
             _say("no chart: matplotlib is not installed (pip install 'gpucr[bench]')")
     _say(f"results: {out}" + (f", chart: {a.chart}" if a.chart else ""))
     return 1 if failed or not results["all_answered_correct"] else 0
+
+
+def _beside(run: Run, a: argparse.Namespace, ways: list[str], shape: Any, drv: Any, t0: float) -> bool:
+    """(b) and (c), once the servers under the service are gone; True when one failed. The driver's steps get at most
+    what is left of the time budget (a minute at least) before they are called hung."""
+    deadline, failed = t0 + a.time_budget, False
+    for way in ("restart", "driver"):
+        if way not in ways:
+            continue
+        name = W.RESTART if way == "restart" else W.DRIVER
+        try:
+            if way == "restart":
+                got = W.restart(shape, run.results["simulated"], a.baseline_switches, a.tokens, a.reference_requests,
+                                a.weights_dir, t0, deadline, run.emit, _say)
+            else:
+                step_s = min(a.driver_deadline, max(60.0, deadline - time.monotonic()))
+                got = W.driver_switches(shape, run.results["simulated"], drv, step_s, a.baseline_switches, a.tokens,
+                                        a.reference_requests, t0, deadline, run.emit, _say)
+            run.results["ways"][name] = got
+        except (GpucrError, RuntimeError, OSError, TimeoutError) as exc:
+            failed = True
+            run.results["ways"][name] = {"error": str(exc)}
+            _say(f"{name} failed: {exc}")
+        run.save()
+    return failed
 
 
 def _settle(drv: Any, idle: Any, timeout: float = 60.0) -> None:
