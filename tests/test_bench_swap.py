@@ -6,10 +6,15 @@ own checkpoint."""
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from conftest import gpucr_cli
+from gpucr.server import client
 from gpucr.bench.swap_report import summarize
 from gpucr.bench.swap_ways import DRIVER, GPUCR, ONE_WAY, RESTART, stream
 
@@ -109,3 +114,25 @@ def test_the_scenarios_bad_arguments_are_one_line_errors(two_fit):
         lines = [line for line in r.stderr.splitlines() if line.strip()]
         assert r.returncode == 1 and len(lines) == 1 and lines[0].startswith("gpucr: error: ") and what in lines[0], \
             r.stderr
+
+
+def test_a_sigterm_mid_stream_kills_the_servers_stops_the_serve_and_keeps_a_summed_up_file(two_fit, tmp_path):
+    out = tmp_path / "cut.json"
+    p = subprocess.Popen([sys.executable, "-m", "gpucr.cli", "bench", "--scenario", "swap", "--simulate", "--servers", "3",
+                          "--gpu-util", "0.4", "--requests", "200", "--ways", "one-way", "--out", str(out)],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in p.stderr:   # the stream has begun: servers under the service, the bench's own gpucr serve
+            if " 2/200 round-robin " in line:
+                break
+        p.send_signal(signal.SIGTERM)
+        p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode == 143
+    res = json.loads(out.read_text())
+    assert res["summary"][GPUCR]["requests"] >= SERVERS * 2 + 2 and "issue_28_checks" in res
+    pids = [v["pid"] for v in res["servers"].values()]
+    assert len(pids) == SERVERS and not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "servers left running"
+    assert client.info(True) is None, "the bench's gpucr serve still runs"
