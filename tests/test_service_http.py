@@ -62,6 +62,7 @@ def test_apps_and_gpus_shown_parked_resumed_and_changed_by_name(swap_server, swa
     switches = api.get("/api/v1/switches")["switches"]
     assert [(s["app"], s["direction"]) for s in switches] == [("alpha", "park"), ("alpha", "resume")]
     assert all(s["bytes_moved"] >= 8 << 20 and s["seconds"] > 0 and s["at"] <= time.time() for s in switches)
+    assert all(0 < s["control_s"] < s["seconds"] for s in switches), "the driver's part of each, as its result said"
 
     r = api.request("PATCH", "/api/v1/apps/beta", body={"priority": 5, "idle_park_s": 1})
     assert r.status == 200 and r.json()["priority"] == 5 and r.json()["idle_park_s"] == 1, r.body

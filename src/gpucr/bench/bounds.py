@@ -131,6 +131,43 @@ def ceiling_all(simulate: bool, gib: float, gpus: int, timeout: float = 600.0) -
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def two_way(simulate: bool, gib: float, timeout: float = 600.0) -> dict[str, Any]:
+    """GB/s each way of a D2H and an H2D of GIB GiB each at once (a two-way switch's link), by a child process."""
+    out = subprocess.run([sys.executable, "-m", "gpucr.bench.bounds", "two-way", str(gib)], capture_output=True,
+                         text=True, env=plain_env(simulate), timeout=timeout)
+    if out.returncode != 0:
+        raise GpucrError(f"the two-way rate could not be measured: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _two_way_child(gib: float, repeat: int = 3) -> dict[str, Any]:
+    """Two links' buffers on GPU 0, each direction on a stream of its own (non-blocking: the legacy default stream
+    would serialise them), both copies started together; the rate each way is its bytes over the time until both
+    are done."""
+    out_link, in_link = _Link(0, int(gib * (1 << 30))), _Link(0, int(gib * (1 << 30)))
+    d, vp = out_link.d, ctypes.c_void_p
+    create = d._sig("cuStreamCreate", ctypes.POINTER(vp), ctypes.c_uint)
+    d2h = d._sig("cuMemcpyDtoHAsync_v2", vp, ctypes.c_uint64, ctypes.c_size_t, vp)
+    h2d = d._sig("cuMemcpyHtoDAsync_v2", ctypes.c_uint64, vp, ctypes.c_size_t, vp)
+    sync = d._sig("cuStreamSynchronize", vp)
+    s_out, s_in = vp(), vp()
+    d.check(create(ctypes.byref(s_out), 1), "stream")
+    d.check(create(ctypes.byref(s_in), 1), "stream")
+    n, rates = out_link.n, []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        d.check(d2h(out_link.host, out_link.dev.value, n, s_out), "D2H")
+        d.check(h2d(in_link.dev.value, in_link.host, n, s_in), "H2D")
+        d.check(sync(s_out), "sync")
+        d.check(sync(s_in), "sync")
+        rates.append(n / (time.perf_counter() - t0) / 1e9)
+    out_link.close()
+    in_link.close()
+    return {"bytes_each_way": n, "each_way_gbps": statistics.median(rates), "samples": rates, "simulated": d.SIM,
+            "how": "a cuMemcpyDtoHAsync and a cuMemcpyHtoDAsync of cuMemHostAlloc (pinned) buffers at once, "
+                   "each on a non-blocking stream of its own, driver API"}
+
+
 # ---- the disk's rate ----
 
 BLOCK = 4096   # O_DIRECT moves whole blocks: sizes are rounded up to this
@@ -183,7 +220,9 @@ def _each_chunk(total: int, move: Callable[[int, int, mmap.mmap], int]) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "ceiling":
         print(json.dumps(_ceiling_child(float(sys.argv[2]))))
+    elif len(sys.argv) == 3 and sys.argv[1] == "two-way":
+        print(json.dumps(_two_way_child(float(sys.argv[2]))))
     elif len(sys.argv) == 4 and sys.argv[1] == "ceiling-all":
         print(json.dumps(_ceiling_all_child(float(sys.argv[2]), int(sys.argv[3]))))
     else:
-        sys.exit("usage: python3 -m gpucr.bench.bounds ceiling GIB | ceiling-all GIB GPUS")
+        sys.exit("usage: python3 -m gpucr.bench.bounds ceiling GIB | two-way GIB | ceiling-all GIB GPUS")

@@ -53,8 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--driver-deadline", type=float, default=600.0, metavar="SECONDS",
                    help="the driver's own path: a step not done by then is reported as hung and the job "
                         "is killed (default 600)")
-    p.add_argument("--gpu-util", type=float, default=0.5, help="share of the GPU an LLM server may hold, "
-                   "weights and KV cache (vLLM's --gpu-memory-utilization; default 0.5)")
+    p.add_argument("--gpu-util", type=float, default=None, help="share of the GPU an LLM server may hold, "
+                   "weights and KV cache (vLLM's --gpu-memory-utilization; default 0.5, 0.3 for --scenario swap)")
     p.add_argument("--repeat", type=int, default=3, help="timed cycles per method and workload (default 3)")
     p.add_argument("--park", type=float, default=0.0, metavar="SECONDS", help="seconds each timed cycle stays "
                    "checkpointed before its restore, as a parked process does (default 0: restored at once)")
@@ -388,6 +388,7 @@ def method_names(text: str | None, specs: list[S.Spec]) -> list[str]:
 
 
 def main(a: argparse.Namespace) -> int:
+    a.gpu_util = 0.5 if a.gpu_util is None else a.gpu_util
     if a.repeat < 1:
         raise GpucrError("--repeat must be at least 1")
     if not 0 < a.gpu_util < 1:

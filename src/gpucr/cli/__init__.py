@@ -197,8 +197,10 @@ def _bench_parser() -> argparse.ArgumentParser:
     """`gpucr bench`'s own parser. Its arguments import the bench (and the coordinator), so they are built
     only for it: the other commands, whose requests may go to the server, do not pay for those imports."""
     from ..bench.run import add_arguments
+    from ..bench.swap_scenario import add_arguments as add_swap_arguments
     p = Parser(prog="gpucr bench", description=BENCH_HELP)
     add_arguments(p)
+    add_swap_arguments(p)
     p.set_defaults(fn=cmd_bench, command="bench")
     return p
 

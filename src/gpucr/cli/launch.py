@@ -114,6 +114,9 @@ def cmd_demo(a: argparse.Namespace) -> int:
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
+    if getattr(a, "scenario", None) == "swap":
+        from ..bench import swap_scenario
+        return swap_scenario.main(a)
     from ..bench import run
     return run.main(a)
 

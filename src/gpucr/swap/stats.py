@@ -29,10 +29,12 @@ class Switch:
     seconds: float
     bytes_moved: int
     bytes_skipped: int     # of bytes_moved, zero chunks not copied over the link
+    control_s: float | None = None   # the driver's part (control out at a park, in at a resume), beside the copy
 
     def row(self) -> dict[str, Any]:
         return {"app": self.app, "direction": self.direction, "at": round(self.at, 3), "seconds": round(self.seconds, 4),
                 "bytes_moved": self.bytes_moved, "bytes_skipped": self.bytes_skipped,
+                "control_s": None if self.control_s is None else round(self.control_s, 4),
                 "bytes_per_second": round(self.bytes_moved / self.seconds) if self.seconds > 0 else None}
 
 
@@ -88,6 +90,14 @@ def moved_of(result: Any) -> tuple[int, int]:
     return int(p.bytes_moved), int(skipped)
 
 
+def control_of(result: Any, direction: str) -> float | None:
+    """The driver's control time of a park's or resume's result (its phases control_out / control_in, level full;
+    a swap bench sets each switch against it), or None where the result does not say."""
+    procs = getattr(result, "processes", None) or []
+    phases = getattr(procs[0], "phases_s", None) if procs else None
+    return (phases or {}).get("control_out" if direction == PARK else "control_in")
+
+
 class SwitchStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -97,7 +107,7 @@ class SwitchStats:
     def switched(self, pid: int, name: str, direction: str, seconds: float, result: Any) -> None:
         """A park or resume of app `name` (process pid) done in `seconds` (just now), with the coordinator's result."""
         moved, skipped = moved_of(result)
-        s = Switch(name, direction, time.time() - seconds, seconds, moved, skipped)
+        s = Switch(name, direction, time.time() - seconds, seconds, moved, skipped, control_of(result, direction))
         with self._lock:
             self._apps.setdefault(pid, AppCounts()).add(s)
             self._recent.append(s)
