@@ -396,3 +396,20 @@ def bring_back_on_the_gpu(pid: int, cli) -> None:
     if st.state != "running" or st.gate_closed or st.driver_state != "running":
         assert cli("restore", str(pid)).returncode == 0
     assert driver_for("libcuda.so.1").state(pid) == ProcessState.RUNNING
+
+
+# ---- where the suite's minutes go: seconds per test file (setup, call and teardown), printed at the end ----
+_FILE_SECONDS: dict[str, float] = {}
+
+
+def pytest_runtest_logreport(report) -> None:
+    path = report.nodeid.split("::", 1)[0]
+    _FILE_SECONDS[path] = _FILE_SECONDS.get(path, 0.0) + report.duration
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    slow = sorted(((s, f) for f, s in _FILE_SECONDS.items() if s >= 1.0), reverse=True)
+    if slow:
+        terminalreporter.section(f"seconds per test file ({sum(_FILE_SECONDS.values()):.0f} s in all)")
+        for s, f in slow:
+            terminalreporter.write_line(f"{s:8.1f}  {f}")
