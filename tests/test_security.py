@@ -496,13 +496,17 @@ def test_a_process_stopped_during_data_out_is_named_and_left_restorable(sim_app)
     app = sim_app("--sizes", "1500M")
     before = app.ask("digest")
     p = subprocess.Popen([sys.executable, "-m", "gpucr.cli", "checkpoint", "--timeout", "2", str(app.pid)],
-                         stderr=subprocess.PIPE, text=True)
+                         stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONFAULTHANDLER": "1"})
     # a second connection sees the data out start: the agent has handed its memory over and the plane copies
     wait_for(lambda: gpucr.status(app.pid).phase == "handed", timeout=20, what="the data out starting")
     os.kill(app.pid, signal.SIGSTOP)
     t0 = time.time()
     try:
-        _, err = p.communicate(timeout=30)
+        try:
+            _, err = p.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGABRT)   # where each of its threads waits, for the failure's report
+            raise AssertionError(f"the controller still ran after 30 s:\n{p.communicate()[1][-6000:]}") from None
         assert time.time() - t0 < 8, "the controller must answer within seconds"
         assert p.returncode == 1 and "is stopped (SIGSTOP)" in err, err
         lines = [line for line in err.splitlines() if line.startswith("gpucr:")]
