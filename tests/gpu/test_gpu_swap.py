@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import faulthandler
 import functools
+import os
 import re
 import signal
 import sys
@@ -28,7 +29,7 @@ import pytest
 from gpucr.driver import driver_for, gpu_memory
 from gpucr.workloads.runner import Workload
 
-from conftest import RunningServer, gpu, kill_all
+from conftest import RunningServer, gpu, gpucr_cli, kill_all
 from test_gpu_cycles import RESULTS, record
 from test_swap import _apps, _state, _until
 
@@ -104,7 +105,6 @@ def swap_apps():
 
     def start(module: str, name: str, *flags: str, args: tuple[str, ...] = ("--gib", "0"),
               env: dict[str, str] | None = None) -> Workload:
-        import os
         argv = [sys.executable, "-m", "gpucr.cli", "run", "--swap", "--name", name, *flags, "--",
                 sys.executable, "-m", f"gpucr.workloads.{module}", *args]
         w = Workload(module, argv=argv, env={**os.environ, **(env or {})})
@@ -125,6 +125,17 @@ def _wakes(srv: RunningServer, name: str) -> list[float]:
     """Each logged wake of the app: ms from its demanding call to the start of its restore."""
     return [float(ms) for ms in re.findall(rf"resuming swap app {re.escape(name)} \(pid \d+\) on demand: ([\d.]+) ms "
                                            r"from its demanding call to the start of its restore", srv.log.read_text())]
+
+
+def _warm(app: Workload) -> float:
+    """The app's staging made and pinned by a park and restore by hand through the server, and kept: the first park
+    of tens of GiB takes tens of seconds (making and pinning its staging, docs/swap.md), and an allocation waits at
+    most 60 s for its room (native/agent/room.c), so the park a room request needs later takes seconds."""
+    t0 = time.perf_counter()
+    for verb in ("checkpoint", "restore"):
+        r = gpucr_cli(verb, str(app.pid), timeout=300)
+        assert r.returncode == 0, f"gpucr {verb} {app.pid}: {r.stderr}"
+    return round(time.perf_counter() - t0, 3)
 
 
 def _room_lines(srv: RunningServer, name: str) -> list[str]:
@@ -163,6 +174,8 @@ def test_three_torch_apps_of_1_3x_the_card_answer_in_turn_each_resumed_on_demand
         row[f"grow_{n}_s"] = round(time.perf_counter() - t0, 3)
         digests[n] = apps[n].ask("digest", timeout=120)["digest"]
         apps[n].ask("release")   # the digest's temporaries out of torch's cache: each app holds its data only
+        if n != "c" and not flags:   # (under a budget a resumed app gives its staging back: nothing to keep warm)
+            row[f"warm_{n}_s"] = _warm(apps[n])
         time.sleep(1.2)          # its activity read by the service (once a second) before the next one asks
     assert len(_room_lines(srv, "c")) >= 1, srv.log.read_text()[-3000:]
     switches: list[dict] = []
@@ -224,9 +237,9 @@ def _room_on_demand(fw: str, serve, swap_apps) -> None:
     before = holder.ask("digest", timeout=120)["digest"]
     if fw != "jax":
         holder.ask("release")
-    _watched(srv, asker_name, holder_name)
     row = {"test": f"swap_room_{fw}", "card_free_bytes": free0, "cache_bytes": cache, "asker_holds_bytes": asker_holds,
-           "holder_bytes": hold, "host_available_bytes": avail}
+           "holder_bytes": hold, "host_available_bytes": avail, "warm_holder_s": _warm(holder)}
+    _watched(srv, asker_name, holder_name)
 
     # its own cache suffices: past the card's free memory, within what its cache gives back (torch, CuPy: one block
     # larger than the cached one, so the allocator frees its cache and retries; XLA: served from its pool)
