@@ -319,11 +319,13 @@ def test_a_polling_app_is_idle_parked_stays_parked_and_its_first_launch_brings_i
     t0 = time.perf_counter()
     assert app.ask("compute", timeout=120) == ref   # its first launch since the park
     back_s = time.perf_counter() - t0
+    # the pollers stopped at once: were it idle-parked again meanwhile, joining a synchronize waiting at its closed
+    # gate would wait for a demand that never comes
+    out = app.ask("poll stop", timeout=120)
+    assert out["errors"] == [], out
     row = _until("resumed by its launch", lambda: (r := _apps(srv)["poller"])["resumes"] >= 1 and r, timeout=30)
     assert row["parks"] >= parks
     assert app.ask("digest", timeout=120) == before   # (another idle park may come between: the digest wakes it too)
-    out = app.ask("poll stop", timeout=120)
-    assert out["errors"] == [], out
     assert all(n > 0 for n in out["counts"].values()), out
     record(test=f"swap_polling_{level}", held_parked_bytes=held_parked, back_s=round(back_s, 3),
            wake_ms=_wakes(srv, "poller"), poll_counts=out["counts"])
