@@ -203,8 +203,9 @@ def test_three_torch_apps_of_1_3x_the_card_answer_in_turn_each_resumed_on_demand
 
 # ---- 2 and 3. room on demand, and a framework's own cache that suffices ----
 
-CACHE_SHARE = 0.3   # of the card: what the asker allocates, then lets go into its framework's cache
-HOLD_SHARE = 0.5    # of the card, at most: the holder (what is left once the asker's cache is made, less HOLD_LEAVES)
+CACHE_SHARE = 0.25  # of the card: what the asker allocates, then lets go into its framework's cache
+HOLD_SHARE = 0.55   # of the card, at most: the holder (what is left once the asker's cache is made, less HOLD_LEAVES;
+                    # and what the host can hold of its staging, less HOST_SPARE)
 HOLD_LEAVES = 8 * GiB
 FRAMEWORKS = {
     "torch": ("torch_app", {}),
