@@ -158,6 +158,28 @@ def test_polling_keeps_nobody_resident_and_each_demanding_call_resumes(swap_serv
     assert out["errors"] == [], out
 
 
+
+def test_an_app_parked_at_level_data_keeps_its_context_and_its_launch_brings_it_back_intact(swap_server, swap_app):
+    """`--park-level data`: the service's park saves the data only; the app's CUDA context stays on the GPU."""
+    app = swap_app("datalevel", "--idle-park", str(IDLE_PARK_S), "--park-level", "data")
+    app.ask("work 3")
+    before = app.ask("digest")["digest"]
+    held = _gpu_bytes(app.pid)
+    _until("the idle app is parked", lambda: _state(swap_server, "datalevel") == "parked")
+    assert _status(app.pid)["level"] == "data"
+    assert 0 < _gpu_bytes(app.pid) < held, "parked at level data, its context stays"
+    app.ask("work 1", timeout=30)   # a launch at the closed gate: demand
+    app.ask("work -1")
+    assert app.ask("digest")["digest"] == before
+    row = _until("resumed", lambda: (r := _apps(swap_server)["datalevel"])["state"] == "resident" and r)
+    assert row["resumes"] >= 1 and row["park_level"] == "data"
+    assert re.search(r"swap app datalevel \(pid \d+\) registered: .*, parked at level data", swap_server.log.read_text())
+
+
+def test_any_gpu_with_a_data_park_is_refused_in_one_line(swap_server):
+    r = gpucr_cli("run", "--simulate", "--swap", "--any-gpu", "--park-level", "data", "--", sys.executable, "-c", "pass")
+    assert r.returncode != 0 and "--any-gpu needs --park-level full" in r.stderr, r.stderr
+
 @pytest.fixture
 def small_gpu(monkeypatch):
     """A simulated GPU of 320 MiB (simcuda counts 64 MiB for each context: each app's and the server's, which parks),

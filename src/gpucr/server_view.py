@@ -7,6 +7,7 @@ import os
 import sys
 from typing import Any, Callable
 
+from .levels import LEVELS
 from .server import route
 
 
@@ -30,6 +31,9 @@ def add_swap_flags(r: argparse.ArgumentParser, seconds: Callable[[str], float]) 
     r.add_argument("--wait-limit", type=seconds, metavar="SECONDS", help="with --swap: an allocation that waits "
                    "longer than this for room or for the app's resume fails with out-of-memory, as without the "
                    "service; other calls (a launch) keep waiting (default: no limit)")
+    r.add_argument("--park-level", choices=LEVELS, default="full", help="with --swap: what a park saves: full (data "
+                   "and the CUDA context, the app's GPU memory goes to zero) or data (data only: its context stays on "
+                   "the GPU, a resume is quicker; default full)")
     r.add_argument("--any-gpu", action="store_true", help="with --swap: the app may be resumed on another GPU of the "
                    "same chip with room when its own has none; its device pointers keep their values (docs/swap.md)")
 
@@ -47,7 +51,7 @@ def register_swap(a: argparse.Namespace, cmd: list[str], env: dict[str, str]) ->
     route.register_swap(a.simulate, {"pid": os.getpid(), "name": name, "priority": a.priority,
                                      "min_resident": a.min_resident, "idle_park": a.idle_park,
                                      "park_deadline": a.park_deadline, "wait_limit": a.wait_limit,
-                                     "any_gpu": a.any_gpu})
+                                     "any_gpu": a.any_gpu, "park_level": a.park_level})
 
 
 def server_lines() -> list[str]:

@@ -377,11 +377,11 @@ class Server:
             except Exception as exc:   # noqa: BLE001 - ending the loop would end the swap service for good
                 log(f"the swap service's tick failed: {_reason(exc)}; going on")
 
-    def _swap_park(self, pid: int, deadline_s: float) -> Any:
-        """The swap service's park: the server's own checkpoint of the process (level full), its data plane copying;
-        its calls in flight must drain within deadline_s, or the park is given up (the app stays resident)."""
+    def _swap_park(self, pid: int, deadline_s: float, level: str = "full") -> Any:
+        """The swap service's park: the server's own checkpoint of the process (at the app's --park-level), its data
+        plane copying; its calls in flight must drain within deadline_s, or the park is given up (it stays resident)."""
         return self._swap_request("checkpoint", pid, lambda mover: coordinator.checkpoint_many(
-            [pid], level="full", timeout=deadline_s, mover=mover))
+            [pid], level=level, timeout=deadline_s, mover=mover))
 
     def _swap_resume(self, pid: int, image: str | None = None, gpu_map: dict[str, str] | None = None,
                      drop_staging: bool = False) -> Any:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..levels import LEVELS
 from ..swap.apps import NAME_MAX, STATES
 from ..swap.service import PRIORITY_MAX, SECONDS_MAX as MAX_SECONDS
 from ..swap.stats import DIRECTIONS, REFUSALS, RECENT_SWITCHES
@@ -28,7 +29,8 @@ APP = _obj({
     "name": STR, "pid": INT, "priority": INT, "state": {"type": "string", "enum": list(STATES)},
     "held_bytes": PER_GPU, "peak_bytes": PER_GPU, "idle_s": NUM, "min_resident_s": NUM, "idle_park_s": NULL_NUM,
     "parks": INT, "resumes": INT, "last_wake_ms": NULL_NUM, "why": STR, "park_deadline_s": NUM,
-    "wait_limit_s": NULL_NUM, "waiting": STR, "waiting_s": NULL_NUM, "any_gpu": BOOL, "host_bytes": BYTES,
+    "wait_limit_s": NULL_NUM, "waiting": STR, "waiting_s": NULL_NUM, "any_gpu": BOOL,
+    "park_level": {"type": "string", "enum": list(LEVELS)}, "host_bytes": BYTES,
     "image": NULL_STR, "gpus": {"type": "array", "items": STR}, "resident_bytes": BYTES, "parked_host_bytes": BYTES,
     "parked_disk_bytes": BYTES, "last_activity_at": NUM, "switches": PER_DIRECTION,
     "switch_seconds_sum": _obj({d: NUM for d in DIRECTIONS}),

@@ -47,6 +47,7 @@ class SwapApp:
     ordinals: dict[int, str] = field(default_factory=dict)   # its device ordinal -> GPU uuid
     watched: bool = False            # the service keeps a watch on its agent
     any_gpu: bool = False            # it may be resumed on another GPU with room (--any-gpu)
+    park_level: str = "full"         # what its park saves (--park-level): full (its context too) or data
     host_bytes: int = 0              # host memory its parked data holds (or a park of it has reserved): the budget's
     vmm_bytes: int = 0               # what its park copies into host memory (its agent's VMM count, all GPUs)
     image: str | None = None         # on disk: the image its data is in
@@ -74,7 +75,7 @@ class SwapApp:
                 "resumes": self.resumes, "last_wake_ms": self.last_wake_ms, "why": self.why,
                 "park_deadline_s": self.park_deadline_s, "wait_limit_s": self.wait_limit_s, "waiting": self.waiting,
                 "waiting_s": round(at - self.waiting_since, 3) if self.waiting else None, "any_gpu": self.any_gpu,
-                "host_bytes": self.host_bytes, "image": self.image}
+                "park_level": self.park_level, "host_bytes": self.host_bytes, "image": self.image}
 
 
 class Apps:

@@ -17,6 +17,7 @@ from typing import Any, Callable
 
 from .. import target as targets
 from ..errors import GpucrError
+from ..levels import LEVELS
 from .apps import NAME_MAX, ON_DISK, PARK_DEADLINE_S, PARKED, PARKING, RESIDENT, RESUMING, Apps, SwapApp, now
 from .disk import HostThenDisk, ParkDir
 from .limits import RateLimit
@@ -59,11 +60,11 @@ def _no_disk(pid: int, image: Path) -> None:
 
 
 class SwapService:
-    def __init__(self, park: Callable[[int, float], Any], resume: Callable[..., Any], log: Callable[[str], None],
+    def __init__(self, park: Callable[[int, float, str], Any], resume: Callable[..., Any], log: Callable[[str], None],
                  gpu: GpuView, let_go: Callable[[int], None] = lambda pid: None,
                  machine: Callable[[], list[tuple[str, str]]] = list, write_image: Callable[[int, Path], Any] = _no_disk,
                  host_budget: int | None = None, park_dir: str | None = None) -> None:
-        """park(pid, deadline_s) / resume(pid, image=, gpu_map=, drop_staging=): the server's checkpoint and restore of
+        """park(pid, deadline_s, level) / resume(pid, image=, gpu_map=, drop_staging=): the server's checkpoint and restore of
         one process (raise on failure, return the coordinator's result); gpu: the GPUs' memory as the driver says; let_go(pid): the server's hold on an
         ended app's staging dropped; machine(): the machine's GPUs as (UUID, chip name); write_image(pid, dir): the
         server's move of a parked process's data to an image (disk.py), past `host_budget` bytes of parked data in
@@ -95,10 +96,16 @@ class SwapService:
         any_gpu = args.get("any_gpu", False)
         if not isinstance(any_gpu, bool):
             raise ValueError(f"any_gpu must be true or false, not {any_gpu!r}")
+        level = args.get("park_level", "full")
+        if level not in LEVELS:
+            raise ValueError(f"a swap app's park level is one of {', '.join(LEVELS)}, not {level!r}")
+        if any_gpu and level != "full":   # a move to another GPU is the driver's restore of a full park
+            raise ValueError("--any-gpu needs --park-level full: only a full park can come back on another GPU")
         return SwapApp(pid, 0, name, priority, _seconds(args.get("min_resident", 0.0), "--min-resident") or 0.0,
                        _seconds(args.get("idle_park"), "--idle-park", allow_none=True),
                        _seconds(args.get("park_deadline", PARK_DEADLINE_S), "--park-deadline") or PARK_DEADLINE_S,
-                       _seconds(args.get("wait_limit"), "--wait-limit", allow_none=True), any_gpu=any_gpu)
+                       _seconds(args.get("wait_limit"), "--wait-limit", allow_none=True), any_gpu=any_gpu,
+                       park_level=level)
 
     def register(self, app: SwapApp) -> dict[str, Any]:
         """Add the app, resident; GpucrError when its process is gone, another user's, or its name is taken."""
@@ -115,7 +122,8 @@ class SwapService:
                   f"{app.min_resident_s:g} s, idle-park {'off' if app.idle_park_s is None else f'{app.idle_park_s:g} s'}, "
                   f"park deadline {app.park_deadline_s:g} s, wait limit "
                   f"{'off' if app.wait_limit_s is None else f'{app.wait_limit_s:g} s'}"
-                  + (", on any GPU with room" if app.any_gpu else ""))
+                  + (", on any GPU with room" if app.any_gpu else "")
+                  + (f", parked at level {app.park_level}" if app.park_level != "full" else ""))
         return app.row(now())
 
     # ---- its policy changed while it runs (the server's `swap_set` request) ----
@@ -233,7 +241,7 @@ class SwapService:
             self.apps.set_state(pid, PARKING)
             t0 = now()
             try:
-                result = self._park(pid, app.park_deadline_s)
+                result = self._park(pid, app.park_deadline_s, app.park_level)
             except Exception as exc:   # noqa: BLE001 - the app stays resident whatever failed; said once per try
                 app.last_submit = now()   # tried again after another idle period, not every tick
                 self.stats.refused(pid, PARK_FAILED)

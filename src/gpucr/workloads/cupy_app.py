@@ -1,7 +1,8 @@
 """A CuPy application holding --gib GiB of random data (CuPy's memory pool over cudaMalloc, or with
 --async-pool CuPy's MemoryAsyncPool over cudaMallocAsync, the stream-ordered allocator).
 
-Commands: digest | compute | work | loop start | loop stop | quit
+Commands: digest | compute | work | loop start | loop stop | grow BYTES | drop | release | meminfo | quit
+(grow, drop, release and meminfo: the swap service's room on demand, issue 27; tests/gpu/test_gpu_swap.py)
 """
 from __future__ import annotations
 
@@ -11,6 +12,8 @@ import threading
 import cupy as cp
 
 from .protocol import serve
+
+FILL = 1 << 27   # elements per piece of a grown array's fill and of a digest (512 MiB of int32): small temporaries
 
 
 def arr_digest(a: "cp.ndarray") -> list[int]:
@@ -30,6 +33,8 @@ class App:
             self.data.append(rs.randint(-2**31, 2**31 - 1, size=n, dtype=cp.int32))
             n_total -= n
         self.w = rs.standard_normal((1024, 1024), dtype=cp.float32)
+        self.rs = rs
+        self.grown: list = []   # arrays added by `grow`, each one allocation of its size
         cp.cuda.Device().synchronize()
         self.stop = threading.Event()
         self.thread = None
@@ -39,9 +44,20 @@ class App:
     def handle(self, words: list[str]) -> dict:
         cmd = words[0]
         if cmd == "digest":
-            d = [arr_digest(a) for a in self.data + [self.w]]
-            return {"digest": d, "ptrs": [a.data.ptr for a in self.data + [self.w]],
-                    "bytes": sum(a.nbytes for a in self.data)}
+            held = self.data + self.grown + [self.w]
+            d = [arr_digest(a[o:o + FILL]) for a in held for o in range(0, a.size, FILL)]
+            return {"digest": d, "ptrs": [a.data.ptr for a in held], "bytes": sum(a.nbytes for a in self.data + self.grown)}
+        if cmd == "grow":
+            return self.grow(int(words[1]))
+        if cmd == "drop":   # the grown arrays go back to CuPy's pool, which keeps them
+            self.grown.clear()
+            cp.cuda.Device().synchronize()
+            return self.memory()
+        if cmd == "release":   # the pool's free blocks given back to the driver
+            cp.get_default_memory_pool().free_all_blocks()
+            return self.memory()
+        if cmd == "meminfo":
+            return self.memory()
         if cmd == "compute":
             y = (self.w @ self.w).sum(axis=0)
             return {"result": [float(v) for v in y[:8].get()], "checksum": float(y.astype(cp.float64).sum())}
@@ -73,6 +89,23 @@ class App:
             self.thread.join()
             return {"iterations": self.iters, "error": self.error}
         raise ValueError(f"unknown command {cmd}")
+
+    def memory(self) -> dict:
+        """The card's free and total memory as the driver says, and what CuPy's pool holds and uses."""
+        free, total = cp.cuda.runtime.memGetInfo()
+        pool = cp.get_default_memory_pool()
+        return {"free_bytes": free, "total_bytes": total, "reserved_bytes": pool.total_bytes(),
+                "allocated_bytes": pool.used_bytes()}
+
+    def grow(self, nbytes: int) -> dict:
+        """One array of nbytes more (one cudaMalloc when the pool has no block for it), filled with random data in
+        pieces, so no temporary near its size is made beside it."""
+        a = cp.empty(nbytes // 4, dtype=cp.int32)
+        for o in range(0, a.size, FILL):
+            a[o:o + FILL] = self.rs.randint(-2**31, 2**31 - 1, size=min(FILL, a.size - o), dtype=cp.int32)
+        cp.cuda.Device().synchronize()
+        self.grown.append(a)
+        return {"grown_bytes": a.nbytes, "ptr": a.data.ptr, **self.memory()}
 
 
 def main() -> None:

@@ -2,7 +2,8 @@
 allocator, or expandable segments through PYTORCH_CUDA_ALLOC_CONF), with a small model to compute on.
 
 Commands: digest | info | compute | work | loop start | loop stop | graph start | graph stop | poll start [MS] |
-poll counts | poll stop | quit
+poll counts | poll stop | grow BYTES | drop | release | meminfo | quit
+(grow, drop, release and meminfo: the swap service's room on demand, issue 27; tests/gpu/test_gpu_swap.py)
 """
 from __future__ import annotations
 
@@ -84,12 +85,29 @@ class App:
         self.error: str | None = None
         self.graph: torch.cuda.CUDAGraph | None = None
         self.pollers = TorchPollers()
+        self.grown: list[torch.Tensor] = []   # tensors added by `grow`, each one allocation of its size
 
     def digest(self) -> dict:
-        d = [tensor_digest(t) for t in self.data + self.small + [self.counter, self.w]]
+        held = self.data + self.grown + self.small + [self.counter, self.w]
+        d = [tensor_digest(t) for t in held]
         torch.cuda.synchronize()
-        ptrs = [t.data_ptr() for t in self.data + self.small + [self.counter, self.w]]
-        return {"digest": d, "ptrs": ptrs, "bytes": sum(t.numel() * t.element_size() for t in self.data)}
+        ptrs = [t.data_ptr() for t in held]
+        return {"digest": d, "ptrs": ptrs, "bytes": sum(t.numel() * t.element_size() for t in self.data + self.grown)}
+
+    def memory(self) -> dict:
+        """The card's free and total memory as the driver says (cuMemGetInfo), and what torch holds and caches."""
+        free, total = torch.cuda.mem_get_info()
+        return {"free_bytes": free, "total_bytes": total, "reserved_bytes": torch.cuda.memory_reserved(),
+                "allocated_bytes": torch.cuda.memory_allocated()}
+
+    def grow(self, nbytes: int) -> dict:
+        """One tensor of nbytes more (one cudaMalloc when torch's cache has no block for it), filled in place with
+        random data: no temporary of its size, so the allocation is the only one past free memory."""
+        t = torch.empty(nbytes // 4, dtype=torch.int32, device="cuda")
+        t.random_(-2**31, 2**31 - 1)
+        torch.cuda.synchronize()
+        self.grown.append(t)
+        return {"grown_bytes": t.numel() * 4, "ptr": t.data_ptr(), **self.memory()}
 
     def info(self) -> dict:
         return {"data_bytes": sum(t.numel() * t.element_size() for t in self.data),
@@ -154,6 +172,17 @@ class App:
             return {"launched": True}
         if cmd == "poll":
             return self.pollers.command(words[1:])
+        if cmd == "grow":
+            return self.grow(int(words[1]))
+        if cmd == "drop":   # the grown tensors go back to torch's cache, which keeps them reserved
+            self.grown.clear()
+            torch.cuda.synchronize()
+            return self.memory()
+        if cmd == "release":   # torch's cache given back to the driver
+            torch.cuda.empty_cache()
+            return self.memory()
+        if cmd == "meminfo":
+            return self.memory()
         if cmd in ("loop", "graph") and words[1] == "start":
             self.stop.clear()
             self.iters = 0
