@@ -259,7 +259,10 @@ class AgentClient:
                 socket.send_fds(self._sock, [line.encode()], send)
             else:
                 self._sock.sendall(line.encode())
-            while b"\n" not in self._buf:
+            # only the newest piece is searched for the end of line, the pieces joined once: a growing buffer
+            # searched whole on every read is quadratic in a large (or hostile) answer
+            parts, size, done = [self._buf], len(self._buf), b"\n" in self._buf
+            while not done:
                 try:
                     chunk = self._recv(want_fds, fds, deadline, watch)
                 except GpucrError:   # the watch gave up: an answer may still come, so this connection is done
@@ -267,10 +270,13 @@ class AgentClient:
                     raise
                 if not chunk:
                     raise GpucrError(f"process {self.pid} closed the control channel during '{verb}' (did it exit?)")
-                self._buf += chunk
-                if len(self._buf) > MAX_REPLY:
+                parts.append(chunk)
+                size += len(chunk)
+                if size > MAX_REPLY:
                     self._sock.close()   # the rest of that answer must not be read as the next one's
                     raise GpucrError(f"process {self.pid} sent an oversized answer to '{verb}'")
+                done = b"\n" in chunk
+            self._buf = b"".join(parts)
         except socket.timeout as exc:
             self._sock.close()   # a late answer must not be read as the next request's
             raise GpucrError(f"process {self.pid} did not answer '{verb}' within {timeout:.0f} s") from exc
