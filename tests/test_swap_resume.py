@@ -1,0 +1,89 @@
+"""The swap service's resume on demand against what its benchmark found (issues 27/28), on simcuda through a real
+`gpucr serve --simulate` and real apps under `gpucr run --swap`: a resume that would fail half way (its context
+back, its data short) is refused up front and gets room; a resume whose try fails is tried again, never left
+hanging; room is made before the restore where the known need does not fit; an app parked before the service read
+its memory gets room from its checkpoint's own count; the fewest apps are parked, the least recently active first."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from conftest import gpucr_cli
+from gpucr.server import route
+import test_swap
+from test_swap import _state, _until, _watched
+
+swap_server, swap_app = test_swap.swap_server, test_swap.swap_app   # its fixtures: a server kept running, its apps
+BY = "test"
+
+
+def _park(name: str) -> None:
+    """The service's own park of an app, by hand (as `gpucr top`'s p): its next demanding call resumes it."""
+    assert route.swap("swap_park", {"name": name, "by": BY}, BY)["state"] == "parked"
+
+
+@pytest.fixture
+def gpu_320(monkeypatch):
+    """A simulated GPU of 320 MiB (simcuda counts 64 MiB for each context), set before the server that reads it."""
+    monkeypatch.setenv("SIMCUDA_TOTAL_MEM", str(320 << 20))
+
+
+def test_a_resume_whose_context_fits_but_not_its_data_is_refused_up_front_and_gets_room(gpu_320, swap_server,
+                                                                                       swap_app):
+    """320 MiB: the server's context (64), b resident (its 64 and 104) leave 88 MiB free: a's context (64) fits,
+    or its data (32), not both. The room check counts the context the park freed, so room is made (b parked) and a
+    comes back intact, instead of its data failing to allocate after its context came back, and hanging."""
+    a = swap_app("a", sizes="32M")
+    _watched(swap_server, "a")
+    before = a.ask("digest")["digest"]
+    _park("a")
+    b = swap_app("b", sizes="104M")
+    _watched(swap_server, "b")
+    b.ask("work 1")
+    assert a.ask("digest", timeout=60)["digest"] == before   # its demand: the resume, with room made
+    _until("a resident", lambda: _state(swap_server, "a") == "resident")
+    assert _state(swap_server, "b") == "parked"
+    log = swap_server.log.read_text()
+    assert "resuming swap app a" in log, log
+    assert not re.search(r"failed at (driver restore|data in)|making \d+ MiB", log), log   # never half way
+    assert b.ask("digest", timeout=60)["digest"]   # and b comes back in turn
+
+
+def test_a_restore_counts_the_context_its_checkpoint_freed_and_is_refused_before_anything_is_restored(
+        gpu_320, swap_server, sim_app):
+    """Through the server, as `gpucr checkpoint` and `gpucr restore`: with 88 MiB free, a process of 32 MiB of data and
+    its context (64 MiB) is refused by the room check (some 94 MiB needed), not half way by the driver or the data plane."""
+    a = sim_app("--sizes", "32M")
+    before = a.ask("digest")["digest"]
+    r = gpucr_cli("checkpoint", str(a.pid))
+    assert r.returncode == 0, r.stderr
+    b = sim_app("--sizes", "104M")
+    b.ask("work 1")
+    r = gpucr_cli("restore", str(a.pid))
+    assert r.returncode != 0
+    m = re.search(r"not enough free GPU memory on \S+ to restore process \d+: (\d+) MiB are needed", r.stderr)
+    assert m and int(m.group(1)) > 88, r.stderr   # its data (32) and its context, as its checkpoint freed it (~62)
+    assert "nothing was restored" in r.stderr, r.stderr
+    b.close()
+    r = gpucr_cli("restore", str(a.pid))
+    assert r.returncode == 0, r.stderr
+    assert a.ask("digest")["digest"] == before
+
+
+def test_a_resume_that_fails_is_tried_again_never_left_hanging_and_counted(swap_server, swap_app, monkeypatch):
+    """The driver refuses the app's first restore (SIMCUDA_FAIL_RESTORE: CUDA_ERROR_UNKNOWN, once): its demanding call
+    does not wait at the gate with nobody working on it; the service tries again, the app comes back intact, and the
+    failed try is logged and counted (refusals: resume_retried)."""
+    monkeypatch.setenv("SIMCUDA_FAIL_RESTORE", "1")   # the app's simcuda reads it; the server runs already
+    app = swap_app("flaky", sizes="8M")
+    _watched(swap_server, "flaky")
+    before = app.ask("digest")["digest"]
+    _park("flaky")
+    assert app.ask("digest", timeout=60)["digest"] == before
+    _until("flaky resident", lambda: _state(swap_server, "flaky") == "resident")
+    row = route.swap("swap_app", {"name": "flaky"}, BY)
+    assert row["refusals"]["resume_retried"] >= 1 and row["refusals"]["resume_failed"] == 0, row
+    assert row["resumes"] == 1, row
+    log = swap_server.log.read_text()
+    assert re.search(r"swap app flaky \(pid \d+\) waits for another try of its resume: .*CUDA error 999", log), log
