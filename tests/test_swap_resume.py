@@ -29,18 +29,24 @@ def gpu_320(monkeypatch):
     monkeypatch.setenv("SIMCUDA_TOTAL_MEM", str(320 << 20))
 
 
-def test_a_resume_whose_context_fits_but_not_its_data_is_refused_up_front_and_gets_room(gpu_320, swap_server,
-                                                                                       swap_app):
-    """320 MiB: the server's context (64), b resident (its 64 and 104) leave 88 MiB free: a's context (64) fits,
-    or its data (32), not both. The room check counts the context the park freed, so room is made (b parked) and a
-    comes back intact, instead of its data failing to allocate after its context came back, and hanging."""
+def _a_parked_beside_b(srv, swap_app):
+    """On 320 MiB: a (32 MiB and its context) parked by hand, then b (104 MiB and its context) resident beside the
+    server's context: 88 MiB free, where a's context (64) fits, or its data, not both. a's digest before its park."""
     a = swap_app("a", sizes="32M")
-    _watched(swap_server, "a")
+    _watched(srv, "a")
     before = a.ask("digest")["digest"]
     _park("a")
     b = swap_app("b", sizes="104M")
-    _watched(swap_server, "b")
+    _watched(srv, "b")
     b.ask("work 1")
+    return a, b, before
+
+
+def test_a_resume_whose_context_fits_but_not_its_data_is_refused_up_front_and_gets_room(gpu_320, swap_server,
+                                                                                       swap_app):
+    """The room check counts the context the park freed, so room is made (b parked) and a comes back intact, instead
+    of its data failing to allocate after its context came back, and hanging."""
+    a, b, before = _a_parked_beside_b(swap_server, swap_app)
     assert a.ask("digest", timeout=60)["digest"] == before   # its demand: the resume, with room made
     _until("a resident", lambda: _state(swap_server, "a") == "resident")
     assert _state(swap_server, "b") == "parked"
@@ -48,6 +54,22 @@ def test_a_resume_whose_context_fits_but_not_its_data_is_refused_up_front_and_ge
     assert "resuming swap app a" in log, log
     assert not re.search(r"failed at (driver restore|data in)|making \d+ MiB", log), log   # never half way
     assert b.ask("digest", timeout=60)["digest"]   # and b comes back in turn
+
+
+def test_room_is_made_before_the_restore_where_the_known_need_does_not_fit_and_it_restores_once(
+        gpu_320, swap_server, swap_app):
+    """a's need (what the driver counted it held when parked: 96 MiB) is more than the 88 MiB free: b is parked
+    first, then a is restored once, with no restore refused for memory before it."""
+    a, b, before = _a_parked_beside_b(swap_server, swap_app)
+    assert a.ask("digest", timeout=60)["digest"] == before
+    _until("a resident", lambda: _state(swap_server, "a") == "resident")
+    log = swap_server.log.read_text()
+    tries = re.findall(rf"restore of process {a.pid} \(swap\): (\w+)", log)
+    assert tries == ["done"], log
+    room = re.search(r"room for swap app a \(pid \d+\): its resume, \d+ bytes on GPU \S+: parked b", log)
+    assert room and room.start() < log.index(f"restore of process {a.pid} (swap): done"), log
+    assert "waits for room for its resume" not in log, log
+    assert route.swap("swap_app", {"name": "a"}, BY)["refusals"]["resume_retried"] == 0
 
 
 def test_a_restore_counts_the_context_its_checkpoint_freed_and_is_refused_before_anything_is_restored(
@@ -87,3 +109,4 @@ def test_a_resume_that_fails_is_tried_again_never_left_hanging_and_counted(swap_
     assert row["resumes"] == 1, row
     log = swap_server.log.read_text()
     assert re.search(r"swap app flaky \(pid \d+\) waits for another try of its resume: .*CUDA error 999", log), log
+

@@ -371,6 +371,7 @@ class SwapService:
             while True:
                 try:
                     moves = self._placement(app)
+                    self._room_first(app, moves)
                     result = self._resume(app.pid, image=app.image, gpu_map=moves, drop_staging=self.disk.drops_staging)
                     return {old: new for old, new in moves.items() if old != new}, result
                 except GpucrError as exc:
@@ -404,6 +405,16 @@ class SwapService:
             self._log(f"swap app {app.name} (pid {app.pid}) comes back on another GPU with room: " + ", ".join(
                 f"{old} -> {new}" for old, new in moves.items() if old != new))
         return moves
+
+    def _room_first(self, app: SwapApp, moves: dict[str, str]) -> None:
+        """Room made before the restore on each GPU where what the app is known to need (what it held when parked,
+        its context included, plus ROOM_SLACK) does not fit the GPU's free memory (less the server's context where it
+        holds none): one restore, instead of one refused for memory, room, then another."""
+        for old, n in app.parked_bytes.items():
+            uuid = moves.get(old, old)
+            mem = self._gpu.memory(uuid)
+            if n and mem is not None and mem[0] - self._gpu.server_cost(uuid) < n + ROOM_SLACK:
+                self.room.make(app, Ask(uuid, n, f"its resume, {n} bytes", ROOM_WAIT_S))
 
     def _room_for_resume(self, app: SwapApp, uuid: str, held: int) -> bool:
         """What it held when parked plus ROOM_SLACK, less what is free, and at least ROOM_SLACK: the restore was short,
