@@ -110,3 +110,20 @@ def test_a_resume_that_fails_is_tried_again_never_left_hanging_and_counted(swap_
     log = swap_server.log.read_text()
     assert re.search(r"swap app flaky \(pid \d+\) waits for another try of its resume: .*CUDA error 999", log), log
 
+
+def test_an_app_parked_before_its_memory_was_read_gets_room_for_its_resume_from_its_checkpoint(
+        gpu_320, swap_server, swap_app):
+    """late (80 MiB and its context) is parked the moment it is up, before the service has read its memory; then b
+    (64 MiB and its context) leaves 128 MiB free. The service knows late's need from its park's own result (bytes
+    per GPU, as the driver counted them), so b is parked for its resume, and it comes back intact."""
+    late = swap_app("late", sizes="80M")
+    before = late.ask("digest")["digest"]
+    _park("late")
+    row = route.swap("swap_app", {"name": "late"}, BY)
+    assert sum(row["peak_bytes"].values()) >= (80 + 64) << 20, row   # its need, read or not
+    b = swap_app("b", sizes="64M")
+    _watched(swap_server, "b")
+    b.ask("work 1")
+    assert late.ask("digest", timeout=60)["digest"] == before
+    _until("late resident", lambda: _state(swap_server, "late") == "resident")
+    assert _state(swap_server, "b") == "parked"

@@ -22,7 +22,8 @@ from .disk import HostThenDisk, ParkDir
 from .limits import RateLimit
 from .placement import GpuRoom, place
 from .room import ROOM_SLACK, Ask, GpuView, RoomMaker
-from .stats import NO_HOST_ROOM, NO_ROOM, PARK, PARK_FAILED, RESUME, RESUME_FAILED, RESUME_RETRIED, SwitchStats
+from .stats import (NO_HOST_ROOM, NO_ROOM, PARK, PARK_FAILED, RESUME, RESUME_FAILED, RESUME_RETRIED, SwitchStats,
+                    counted_of)
 
 WATCH_FOREVER_S = 10 * 365 * 86400.0   # a watch lasts until its app needs us; the app's end or ours closes it
 ROOM_MADE, ROOM_NONE = 1, 2   # the verdict the next watch carries to the agent (gate.c)
@@ -248,6 +249,7 @@ class SwapService:
             app.parks += 1
             self.stats.switched(pid, app.name, PARK, now() - t0, result)
             self.apps.set_state(pid, PARKED)
+            self.apps.parked_counts(pid, counted_of(result))   # its need, though its memory was never read
             self._log(f"parked swap app {app.name} (pid {pid}): {why}; {now() - t0:.3f} s")
         return True
 

@@ -91,6 +91,14 @@ def moved_of(result: Any) -> tuple[int, int]:
     return int(p.bytes_moved), int(skipped)
 
 
+def counted_of(result: Any) -> dict[str, int]:
+    """{GPU uuid: bytes} the process held on each GPU before a park, as the driver counted it (its context included),
+    from the park's own result (the coordinator's CheckpointResult, one process); {} where it does not say."""
+    procs = getattr(result, "processes", None) or []
+    changes = getattr(procs[0], "gpus", None) or [] if procs else []
+    return {c.uuid: int(c.process_before_bytes) for c in changes if c.process_before_bytes}
+
+
 def control_of(result: Any, direction: str) -> float | None:
     """The driver's control time of a park's or resume's result (its phases control_out / control_in, level full;
     a swap bench sets each switch against it), or None where the result does not say."""
