@@ -6,6 +6,7 @@ its memory gets room from its checkpoint's own count; the fewest apps are parked
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 
@@ -127,3 +128,42 @@ def test_an_app_parked_before_its_memory_was_read_gets_room_for_its_resume_from_
     assert late.ask("digest", timeout=60)["digest"] == before
     _until("late resident", lambda: _state(swap_server, "late") == "resident")
     assert _state(swap_server, "b") == "parked"
+
+
+@pytest.fixture
+def gpu_400(monkeypatch):
+    monkeypatch.setenv("SIMCUDA_TOTAL_MEM", str(400 << 20))
+
+
+def _active_in_order(*apps) -> None:
+    """Each app launches work, one after another, more than a status read (a second) apart: the first is the least
+    recently active."""
+    for w in apps:
+        w.ask("work 1")
+        time.sleep(1.5)
+
+
+def test_room_parks_the_one_app_that_makes_it_rather_than_an_older_one_too(gpu_400, swap_server, swap_app):
+    """400 MiB: the server's context, old (8 MiB, 72 with its context), big (96 MiB, 160) and asker (72) leave 32 MiB;
+    asker's 120 MiB need 90 more. old alone is too little: the least recently active first would park old, then big;
+    the fewest that make room is big alone."""
+    old, big, asker = swap_app("old", sizes="8M"), swap_app("big", sizes="96M"), swap_app("asker", sizes="8M")
+    _watched(swap_server, "old", "big", "asker")
+    _active_in_order(old, big)
+    assert asker.ask(f"alloc {120 << 20}", timeout=60).get("ptr")
+    assert _state(swap_server, "big") == "parked" and _state(swap_server, "old") == "resident"
+    assert re.search(r"room for swap app asker \(pid \d+\): \d+ bytes \(\d+ free\) on GPU \S+: parked big\n",
+                     swap_server.log.read_text())
+
+
+def test_room_parks_the_least_recently_active_as_of_the_request_not_of_the_last_status_read(gpu_320, swap_server,
+                                                                                           swap_app):
+    """320 MiB: the server's context and three apps of 8 MiB (72 with their contexts) leave 40 MiB; asker's 64 MiB
+    need one app parked. y was active first, then x, then y again just before the request: x is the least recently
+    active, though the status read a second ago still has y's first launch."""
+    x, y, asker = swap_app("x", sizes="8M"), swap_app("y", sizes="8M"), swap_app("asker", sizes="8M")
+    _watched(swap_server, "x", "y", "asker")
+    _active_in_order(y, x)
+    y.ask("work 1")
+    assert asker.ask(f"alloc {64 << 20}", timeout=60).get("ptr")
+    assert _state(swap_server, "x") == "parked" and _state(swap_server, "y") == "resident"

@@ -77,7 +77,7 @@ class SwapService:
         self.apps = Apps()
         self._park, self._resume, self._log, self._let_go = park, resume, log, let_go
         self._gpu, self._machine = gpu, machine
-        self.room = RoomMaker(self.apps, self.park, log, gpu)
+        self.room = RoomMaker(self.apps, self.park, log, gpu, self._read_now)
         self.limit = RateLimit()
         self.stats = SwitchStats()   # what readers of the service see of its switches (the HTTP API, /metrics, top)
         self._turns: dict[int, threading.Lock] = {}   # per app: one park or resume at a time
@@ -171,7 +171,11 @@ class SwapService:
 
     def observe_resident(self) -> None:
         """With nothing else reading the agents each tick (no pinning ahead), the resident apps' status, once."""
-        for app in self.apps.all():
+        self._read_now(self.apps.all())
+
+    def _read_now(self, apps: list[SwapApp]) -> None:
+        """These apps' status read now, the resident ones (the others' memory is parked, their activity stopped)."""
+        for app in apps:
             if app.state != RESIDENT:
                 continue
             try:
