@@ -62,15 +62,39 @@ def test_enough_is_freed_or_nobody_is_parked_with_why(case):
 
 @settings(max_examples=400, deadline=None)
 @given(apps())
-def test_lower_priority_then_least_recently_active_go_first_and_no_more_than_needed(case):
+def test_lower_priority_first_then_the_fewest_and_none_parked_that_is_not_needed(case):
     all_apps, asker, need = case
     choice = choose(all_apps, asker, need, NOW)
     if not choice.park:
         return
     allowed = sorted((c for c in all_apps if _may_park(c, asker)), key=lambda c: (c.priority, c.last_active, c.name))
-    # the parked ones are the first of that order, and dropping the last of them would not have been enough
-    assert list(choice.park) == [c.name for c in allowed[:len(choice.park)]]
-    assert choice.freed_bytes - allowed[len(choice.park) - 1].held_bytes < need
+    by = {c.name: c for c in allowed}
+    parked = [by[n] for n in choice.park]
+    assert choice.freed_bytes == sum(c.held_bytes for c in parked) >= need
+    # none parked that is not needed: keeping any one of them would still leave enough
+    assert all(choice.freed_bytes - c.held_bytes < need for c in parked)
+    # a priority is touched only when every app below it together would not free enough
+    top = max(c.priority for c in parked)
+    assert sum(c.held_bytes for c in allowed if c.priority < top) < need
+    # no more apps than the old rule (the first of that order until enough): the fewest, not the oldest, decide
+    prefix, freed = 0, 0
+    while freed < need:
+        freed += allowed[prefix].held_bytes
+        prefix += 1
+    assert len(parked) <= prefix
+    # of one priority, no fewer apps of it would have done beside the others parked
+    mine = sorted((c.held_bytes for c in allowed if c.priority == top), reverse=True)
+    others = choice.freed_bytes - sum(c.held_bytes for c in parked if c.priority == top)
+    fewer = len([c for c in parked if c.priority == top]) - 1
+    assert others + sum(mine[:fewer]) < need
+
+
+def test_one_app_that_makes_room_is_parked_rather_than_two_older_ones():
+    old, older, big = (Candidate(n, 0, "resident", b << 20, t, 0.0) for n, b, t in
+                       (("old", 3, 2.0), ("older", 3, 1.0), ("big", 8, 5.0)))
+    asker = Candidate("asker", 0, "resident", 1 << 20, 9.0, 0.0)
+    assert choose([old, older, big, asker], asker, 5 << 20, NOW).park == ("big",)
+    assert choose([old, older, big, asker], asker, 3 << 20, NOW).park == ("older",)   # a tie: the oldest
 
 
 def test_a_refusal_names_each_app_kept_and_why():

@@ -9,6 +9,7 @@ from typing import Any
 
 from .. import gpus, manifest
 from .. import imagefs
+from . import context_share
 from .. import target as targets
 from ..driver import CUDA_ERROR_OUT_OF_MEMORY, DriverError, ProcessState
 from ..errors import GpucrError
@@ -103,10 +104,17 @@ def _driver_lock(m: _Member, timeout: float) -> None:
 
 
 def _driver_checkpoint(m: _Member) -> None:
+    uuids = [str(d.get("uuid", "")) for d in m.status.get("devices") or []]
+    before = context_share.used(m.drv, uuids)   # read outside control_out: it is not the driver's time
     t0 = time.perf_counter()
     m.drv.checkpoint(m.pid)
     m.checkpointed = True
     m.result["phases_s"]["control_out"] = time.perf_counter() - t0
+    # what it freed beside the data (its context): its restore's room check counts it (context_share). Several
+    # processes checkpointed at once free memory together: each is bounded by what the driver counted it held
+    vmm = {str(d.get("uuid", "")): int(d.get("vmm_bytes") or 0) for d in m.status.get("devices") or []}
+    bound = {u: b.process - vmm.get(u, 0) for u, b in m.gpu_before.items() if b.process is not None}
+    context_share.record(m.pid, m.t.start_time, before, context_share.used(m.drv, uuids), bound)
     _test_kill_point("after-driver-checkpoint")
     final = m.drv.state(m.pid)
     if final != ProcessState.CHECKPOINTED:
@@ -220,10 +228,13 @@ def _check_room(members: list[_Member]) -> None:
     for m in members:
         if not m.checkpointed and m.status.get("state") != "checkpointed":
             continue
+        # the driver's own part comes back only from a full checkpoint: its small plain allocations and pools, and
+        # its context, which the agent counts nowhere: what the driver's checkpoint freed, where it was measured
+        freed = context_share.freed(m.pid, m.t.start_time) if m.checkpointed else {}
         for d in m.gpus:
             where = m.gpu_moves.get(d["uuid"], d["uuid"])
-            # the driver's own part (small plain allocations, pools) comes back only from a full checkpoint
-            need[where] = need.get(where, 0) + d["vmm_bytes"] + (d["driver_bytes"] if m.checkpointed else 0)
+            driver = max(d["driver_bytes"], freed.get(d["uuid"], 0)) if m.checkpointed else 0
+            need[where] = need.get(where, 0) + d["vmm_bytes"] + driver
             who.setdefault(where, []).append(m.pid)
     if not need:
         return
@@ -251,6 +262,7 @@ def _driver_restore(m: _Member) -> None:
                              "(the process stays checkpointed)") from exc
         raise GpucrError(f"{exc}; it stays checkpointed, retry 'gpucr restore {m.pid}'") from exc
     m.result["phases_s"]["control_in"] = time.perf_counter() - t0
+    context_share.forget(m.pid, m.t.start_time)
     _test_kill_point("after-driver-restore")
     m.checkpointed, m.locked = False, m.drv.state(m.pid) == ProcessState.LOCKED
 

@@ -137,6 +137,19 @@ class Apps:
                     app.parked_bytes, app.held = dict(app.held), dict.fromkeys(app.held, 0)
             return app
 
+    def parked_counts(self, pid: int, counted: dict[str, int]) -> None:
+        """Parked: what its park's own result says it held on each GPU (the driver's count, its context included), where
+        that is more than the service had read of it (an app parked before its memory was read held "nothing")."""
+        with self._lock:
+            app = self._by_pid.get(pid)
+            if app is None or app.state != PARKED:
+                return
+            for uuid, n in counted.items():
+                if n > app.parked_bytes.get(uuid, 0):
+                    app.parked_bytes[uuid] = n
+                    app.held[uuid] = 0
+                    app.peak[uuid] = max(app.peak.get(uuid, 0), n)
+
     def moved(self, pid: int, moves: dict[str, str]) -> None:
         """Its GPUs moved at a resume ({old UUID: new UUID}): what it held on each is now held on the other."""
         with self._lock:

@@ -1,6 +1,7 @@
 """Whom to park to make room on a GPU: a pure function of what the server knows of the apps on it.
 
-The rules (issue 27, "Room on demand"): lower priority first, then the least recently active; never one of
+The rules (issue 27, "Room on demand"): lower priority first, then the fewest that make room, the least recently
+active first (a park costs a switch each way, whatever its size); never one of
 higher priority than the asker, never one inside its --min-resident, never the asker, never one waiting on
 the asker (parking it would deadlock the two); only resident apps hold memory that parking frees. When the
 apps that may be parked cannot free enough together, nobody is parked and the answer says why.
@@ -59,26 +60,54 @@ def _refusal(c: Candidate, asker: Candidate, now: float) -> str | None:
     return None
 
 
+def _fewest(pool: list[Candidate], need: int) -> list[Candidate]:
+    """The fewest of pool (in the order given: the least recently active first) that free need bytes together; of
+    the sets that few, the one whose apps come first in that order. pool together frees need or more."""
+    k = next(i for i in range(1, len(pool) + 1)
+             if sum(sorted((c.held_bytes for c in pool), reverse=True)[:i]) >= need)
+    chosen: list[Candidate] = []
+    left = need
+    for i, c in enumerate(pool):
+        slots = k - len(chosen)
+        if slots == 0 or left <= 0:
+            break
+        rest = sorted((d.held_bytes for d in pool[i + 1:]), reverse=True)[:slots - 1]
+        if c.held_bytes + sum(rest) >= left:   # with c, the slots left can still make up the rest
+            chosen.append(c)
+            left -= c.held_bytes
+    return chosen
+
+
 def choose(apps: list[Candidate], asker: Candidate, need_bytes: int, now: float) -> Choice:
-    """The apps to park, lowest priority first, then least recently active, until need_bytes are freed.
+    """The apps to park until need_bytes are freed: lower priority first (a priority is touched only when all of
+    those below it would not free enough), and of a priority the fewest apps that make room, the least recently
+    active first; then any parked app that turns out not to be needed is kept (the fewest in all).
     need_bytes <= 0 parks nobody. Nobody is parked when the apps that may be cannot free enough."""
     if need_bytes <= 0:
         return Choice((), 0)
     allowed = [c for c in apps if _refusal(c, asker, now) is None]
     allowed.sort(key=lambda c: (c.priority, c.last_active, c.name))
-    chosen: list[str] = []
-    freed = 0
-    for c in allowed:
-        if freed >= need_bytes:
-            break
-        chosen.append(c.name)
-        freed += c.held_bytes
-    if freed >= need_bytes:
-        return Choice(tuple(chosen), freed)
-    kept = [f"{c.name} ({why})" for c in apps if (why := _refusal(c, asker, now)) is not None and c.name != asker.name]
-    why = (f"parking every app that may be parked frees {freed} of the {need_bytes} bytes asked"
-           + (f"; not parked: {', '.join(kept)}" if kept else ""))
-    return Choice((), 0, why)
+    freed = sum(c.held_bytes for c in allowed)
+    if freed < need_bytes:
+        kept = [f"{c.name} ({why})" for c in apps
+                if (why := _refusal(c, asker, now)) is not None and c.name != asker.name]
+        why = (f"parking every app that may be parked frees {freed} of the {need_bytes} bytes asked"
+               + (f"; not parked: {', '.join(kept)}" if kept else ""))
+        return Choice((), 0, why)
+    chosen: list[Candidate] = []
+    left = need_bytes
+    for prio in sorted({c.priority for c in allowed}):
+        pool = [c for c in allowed if c.priority == prio]
+        if sum(c.held_bytes for c in pool) < left:
+            chosen += pool
+            left -= sum(c.held_bytes for c in pool)
+            continue
+        chosen += _fewest(pool, left)
+        break
+    for c in sorted(chosen, key=lambda c: (-c.priority, -c.last_active, c.name)):   # the last to go, first kept
+        if sum(d.held_bytes for d in chosen) - c.held_bytes >= need_bytes:
+            chosen.remove(c)
+    return Choice(tuple(c.name for c in chosen), sum(c.held_bytes for c in chosen))
 
 
 def ready_at(apps: list[Candidate], asker: Candidate, need_bytes: int, now: float) -> float | None:

@@ -17,6 +17,8 @@ from .queue import RoomQueue
 
 ROOM_SLACK = 2 << 20   # room asked beyond what is needed: the driver's granule, so the retry is not short by one
 LOOK_EVERY_S = 0.5     # while waiting for a --min-resident: memory may also be freed by an app that ends
+FREED_WAIT_S = 1.0     # after its parks, how long a request waits for the memory they gave back to show as free
+FREED_LOOK_S = 0.02    # (within ~0.1 s on simcuda): a retry that came too soon would park one app more
 
 
 class GpuView(Protocol):
@@ -43,8 +45,11 @@ class Ask:
 
 
 class RoomMaker:
-    def __init__(self, apps: Apps, park: Callable[[int, str], bool], log: Callable[[str], None], gpu: GpuView) -> None:
-        self.apps, self._park, self._log, self._gpu = apps, park, log, gpu
+    def __init__(self, apps: Apps, park: Callable[[int, str], bool], log: Callable[[str], None], gpu: GpuView,
+                 refresh: Callable[[list[SwapApp]], None] = lambda apps: None) -> None:
+        """refresh(apps): their activity read now from their agents (the tick's is up to a second old), before the
+        policy orders them by it."""
+        self.apps, self._park, self._log, self._gpu, self._refresh = apps, park, log, gpu, refresh
         self.queue = RoomQueue()
         self._refused: dict[int, str] = {}   # pid -> why its last request found no room, as logged (said once)
 
@@ -63,10 +68,14 @@ class RoomMaker:
         finally:
             asker.waiting, asker.waiting_since = before
 
-    def _need(self, ask: Ask) -> int:
+    def _short(self, ask: Ask) -> int:
+        """Bytes the GPU is short of what is asked, now (<= 0: it fits)."""
         mem = self._gpu.memory(ask.uuid)
         free = mem[0] if mem is not None else ask.free_hint
-        return max(ask.at_least, ask.want + ROOM_SLACK - free + self._gpu.server_cost(ask.uuid))
+        return ask.want + ROOM_SLACK - free + self._gpu.server_cost(ask.uuid)
+
+    def _need(self, ask: Ask) -> int:
+        return max(ask.at_least, self._short(ask))
 
     def _served(self, asker: SwapApp, ask: Ask, deadline: float) -> bool:
         said = False
@@ -77,6 +86,7 @@ class RoomMaker:
                           "fits now, parked nobody")
                 return True
             on_gpu = [a for a in self.apps.all() if ask.uuid in a.held or a.pid == asker.pid]
+            self._refresh([a for a in on_gpu if a.pid != asker.pid])
             waits = self.queue.waits_on(ask.uuid)
             cands = [a.candidate(ask.uuid, waits.get(a.name, frozenset())) for a in on_gpu]
             me, at = asker.candidate(ask.uuid), now()
@@ -104,7 +114,12 @@ class RoomMaker:
         parked = [n for n in names if self._park(by_name[n].pid, f"room for {asker.name} ({ask.what})")]
         self._log(f"room for swap app {asker.name} (pid {asker.pid}): {ask.what} on GPU {ask.uuid}: "
                   f"parked {', '.join(parked) or 'nobody'}")
-        return len(parked) == len(names)
+        if len(parked) != len(names):
+            return False
+        deadline = now() + FREED_WAIT_S   # what the parks gave back shows as free a moment later: the retry waits
+        while self._short(ask) > 0 and now() < deadline:
+            time.sleep(FREED_LOOK_S)
+        return True
 
     def _unparkable(self, uuid: str, on_gpu: list[SwapApp]) -> str:
         """The GPU's memory held by no swap app of this server: its own, other processes', other users' (whose

@@ -23,12 +23,14 @@ from .disk import HostThenDisk, ParkDir
 from .limits import RateLimit
 from .placement import GpuRoom, place
 from .room import ROOM_SLACK, Ask, GpuView, RoomMaker
-from .stats import NO_HOST_ROOM, NO_ROOM, PARK, PARK_FAILED, RESUME, RESUME_FAILED, SwitchStats
+from .stats import (NO_HOST_ROOM, NO_ROOM, PARK, PARK_FAILED, RESUME, RESUME_FAILED, RESUME_RETRIED, SwitchStats,
+                    counted_of)
 
 WATCH_FOREVER_S = 10 * 365 * 86400.0   # a watch lasts until its app needs us; the app's end or ours closes it
 ROOM_MADE, ROOM_NONE = 1, 2   # the verdict the next watch carries to the agent (gate.c)
 ROOM_WAIT_S = 50.0     # the longest a room request waits for a --min-resident to end (the agent waits 60 s)
 RESUME_RETRY_S = 0.5   # a resume short of memory with nobody to park: memory just given back may not be free yet
+RESUME_GIVE_UP_S = 30.0   # a resume failing for anything but memory is tried again this long, then left to a person
 PRIORITY_MAX = 1000
 SECONDS_MAX = 30 * 86400   # the longest a --min-resident, --idle-park and the like may be
 
@@ -52,7 +54,11 @@ def _priority(v: Any) -> int:
 
 
 def _short_of_memory(exc: Exception) -> bool:
-    return isinstance(exc, GpucrError) and "not enough free GPU memory" in str(exc)
+    """The restore was short of GPU memory: refused up front by its room check, its context refused by the driver,
+    or its data not made ("data in": out of memory), half way. Room is made for each alike."""
+    said = str(exc)
+    return isinstance(exc, GpucrError) and ("not enough free GPU memory" in said or "OUT_OF_MEMORY" in said
+                                            or "out of memory" in said.lower())
 
 
 def _no_disk(pid: int, image: Path) -> None:
@@ -72,7 +78,7 @@ class SwapService:
         self.apps = Apps()
         self._park, self._resume, self._log, self._let_go = park, resume, log, let_go
         self._gpu, self._machine = gpu, machine
-        self.room = RoomMaker(self.apps, self.park, log, gpu)
+        self.room = RoomMaker(self.apps, self.park, log, gpu, self._read_now)
         self.limit = RateLimit()
         self.stats = SwitchStats()   # what readers of the service see of its switches (the HTTP API, /metrics, top)
         self._turns: dict[int, threading.Lock] = {}   # per app: one park or resume at a time
@@ -173,7 +179,11 @@ class SwapService:
 
     def observe_resident(self) -> None:
         """With nothing else reading the agents each tick (no pinning ahead), the resident apps' status, once."""
-        for app in self.apps.all():
+        self._read_now(self.apps.all())
+
+    def _read_now(self, apps: list[SwapApp]) -> None:
+        """These apps' status read now, the resident ones (the others' memory is parked, their activity stopped)."""
+        for app in apps:
             if app.state != RESIDENT:
                 continue
             try:
@@ -251,6 +261,7 @@ class SwapService:
             app.parks += 1
             self.stats.switched(pid, app.name, PARK, now() - t0, result)
             self.apps.set_state(pid, PARKED)
+            self.apps.parked_counts(pid, counted_of(result))   # its need, though its memory was never read
             self._log(f"parked swap app {app.name} (pid {pid}): {why}; {now() - t0:.3f} s")
         return True
 
@@ -347,7 +358,9 @@ class SwapService:
             except Exception as exc:   # noqa: BLE001 - said, and left for a person: its callers wait at the gate
                 self.stats.refused(pid, RESUME_FAILED)
                 self.apps.set_state(pid, ON_DISK if app.image else PARKED, f"resume failed: {_reason(exc)}")
-                self._log(f"resuming swap app {app.name} (pid {pid}) failed: {_reason(exc)}; restore it with "
+                limit = f"{app.wait_limit_s:g} s" if app.wait_limit_s is not None else "none set"
+                self._log(f"resuming swap app {app.name} (pid {pid}) failed: {_reason(exc)}; its allocations waiting at "
+                          f"its gate fail with out-of-memory at its --wait-limit ({limit}), its other calls wait until "
                           f"'gpucr restore {f'--image {app.image} ' if app.image else ''}{pid}'")
                 return False
             self.disk.resumed(app)
@@ -360,30 +373,36 @@ class SwapService:
 
     def _resume_with_room(self, app: SwapApp) -> tuple[dict[str, str], Any]:
         """The restore; while the GPU is short, others are parked for it by the policy (as for an allocation: in its
-        turn, waiting for a --min-resident to end) and it is tried again. It waits as long as it takes, shown in
-        `gpucr ps` and logged once: its app's calls wait at the gate anyway (an allocation ends its own wait at
-        --wait-limit, in the agent). It ends with the app or the server. With nobody to park, the next try waits
-        RESUME_RETRY_S: memory given back a moment before is not always free yet (~0.1 s after a park, on simcuda).
-        Returns how its GPUs moved ({old UUID: new UUID}, only those that did: --any-gpu, _placement), and the
-        restore's result."""
+        turn, waiting for a --min-resident to end) and it is tried again, whichever step was short (its room check,
+        its context, its data). It waits as long as it takes, shown in `gpucr ps` and logged once: its app's calls
+        wait at the gate anyway (an allocation ends its own wait at --wait-limit, in the agent, with out-of-memory).
+        A try that fails otherwise is tried again for RESUME_GIVE_UP_S, then raised. Each try that failed is counted
+        (resume_retried). It ends with the app or the server. With nobody to park, the next try waits RESUME_RETRY_S:
+        memory given back a moment before is not always free yet (~0.1 s after a park, on simcuda). Returns how its
+        GPUs moved ({old UUID: new UUID}, only those that did: --any-gpu, _placement), and the restore's result."""
         start = now()
         try:
             while True:
                 try:
                     moves = self._placement(app)
+                    self._room_first(app, moves)
                     result = self._resume(app.pid, image=app.image, gpu_map=moves, drop_staging=self.disk.drops_staging)
                     return {old: new for old, new in moves.items() if old != new}, result
                 except GpucrError as exc:
-                    if not _short_of_memory(exc) or self._stopping or targets.process_ended(app.pid, app.start_time):
+                    short = _short_of_memory(exc)
+                    if self._stopping or targets.process_ended(app.pid, app.start_time) or (
+                            not short and now() - start >= RESUME_GIVE_UP_S):
                         raise
+                    self.stats.refused(app.pid, RESUME_RETRIED)
                     if not app.waiting:
-                        self._log(f"swap app {app.name} (pid {app.pid}) waits for room for its resume: {exc}")
+                        self._log(f"swap app {app.name} (pid {app.pid}) waits for "
+                                  f"{'room for ' if short else 'another try of '}its resume: {exc}")
                     app.wait(f"its resume: {exc}")
-                if not any(self._room_for_resume(app, uuid, n) for uuid, n in app.parked_bytes.items() if n):
+                if not short or not any(self._room_for_resume(app, uuid, n) for uuid, n in app.parked_bytes.items() if n):
                     time.sleep(RESUME_RETRY_S)
         finally:
             if app.waiting:
-                self._log(f"swap app {app.name} (pid {app.pid}) waited {now() - start:.1f} s for room for its resume")
+                self._log(f"swap app {app.name} (pid {app.pid}) waited {now() - start:.1f} s for its resume")
             app.done_waiting()
 
     def _placement(self, app: SwapApp) -> dict[str, str]:
@@ -400,6 +419,16 @@ class SwapService:
             self._log(f"swap app {app.name} (pid {app.pid}) comes back on another GPU with room: " + ", ".join(
                 f"{old} -> {new}" for old, new in moves.items() if old != new))
         return moves
+
+    def _room_first(self, app: SwapApp, moves: dict[str, str]) -> None:
+        """Room made before the restore on each GPU where what the app is known to need (what it held when parked,
+        its context included, plus ROOM_SLACK) does not fit the GPU's free memory (less the server's context where it
+        holds none): one restore, instead of one refused for memory, room, then another."""
+        for old, n in app.parked_bytes.items():
+            uuid = moves.get(old, old)
+            mem = self._gpu.memory(uuid)
+            if n and mem is not None and mem[0] - self._gpu.server_cost(uuid) < n + ROOM_SLACK:
+                self.room.make(app, Ask(uuid, n, f"its resume, {n} bytes", ROOM_WAIT_S))
 
     def _room_for_resume(self, app: SwapApp, uuid: str, held: int) -> bool:
         """What it held when parked plus ROOM_SLACK, less what is free, and at least ROOM_SLACK: the restore was short,

@@ -14,7 +14,8 @@ PARK, RESUME = "park", "resume"
 DIRECTIONS = (PARK, RESUME)
 # why a park or a room request did not happen: the label values of gpucr_app_refusals_total (docs/api.md)
 PARK_FAILED, NO_HOST_ROOM, NO_ROOM, RESUME_FAILED = "park_failed", "no_host_room", "no_room", "resume_failed"
-REFUSALS = (PARK_FAILED, NO_HOST_ROOM, NO_ROOM, RESUME_FAILED)
+RESUME_RETRIED = "resume_retried"   # a try of a resume failed (short of memory, or else) and it was tried again
+REFUSALS = (PARK_FAILED, NO_HOST_ROOM, NO_ROOM, RESUME_FAILED, RESUME_RETRIED)
 # a switch's time, seconds: from a small app's tens of milliseconds to a card's worth at a slow link
 SWITCH_BUCKETS_S = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 RECENT_SWITCHES = 200
@@ -88,6 +89,14 @@ def moved_of(result: Any) -> tuple[int, int]:
         image = getattr(p, "image", None)
         skipped = (image.bytes_zeroed or 0) if image is not None else 0
     return int(p.bytes_moved), int(skipped)
+
+
+def counted_of(result: Any) -> dict[str, int]:
+    """{GPU uuid: bytes} the process held on each GPU before a park, as the driver counted it (its context included),
+    from the park's own result (the coordinator's CheckpointResult, one process); {} where it does not say."""
+    procs = getattr(result, "processes", None) or []
+    changes = getattr(procs[0], "gpus", None) or [] if procs else []
+    return {c.uuid: int(c.process_before_bytes) for c in changes if c.process_before_bytes}
 
 
 def control_of(result: Any, direction: str) -> float | None:
