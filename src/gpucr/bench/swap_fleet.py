@@ -51,6 +51,12 @@ def shape_for(simulated: bool, model: str, gpu_util: float, total_bytes: int | N
     return Shape("token_app", ("--mib", f"{mib:.2f}"), f"a token server of {mib:.1f} MiB (simcuda)")
 
 
+def switched(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """[app, direction, bytes moved] of each switch of the service's timeline: what the bench saw happen, which
+    `--watch` sets against the metrics' counters (swap_watch.bench_counters)."""
+    return [[s["app"], s["direction"], s["bytes_moved"]] for s in rows]
+
+
 def ask(w: Workload, tokens: int, arrival: float, timeout: float = ASK_TIMEOUT_S) -> dict[str, Any]:
     """One request: `generate K`, timed from `arrival` (time.monotonic(), which the server's answer shares)."""
     a = w.ask(f"generate {tokens}", timeout=timeout)
@@ -130,8 +136,10 @@ class Fleet:
             resident = [m for m in self.members.values() if states.get(m.name) == "resident"]
             if resident:
                 victim = min(resident, key=lambda m: m.last_request)
+                wall = time.time()
                 self.park(victim.name)
-                self.pre_parks.append({"parked": victim.name, "free_before_bytes": free, "need_bytes": need})
+                self.pre_parks.append({"parked": victim.name, "free_before_bytes": free, "need_bytes": need,
+                                       "switched": switched(self.switches_since(wall))})
             time.sleep(0.1)   # memory a park gave back is not always free at once
 
     def park(self, name: str) -> dict[str, Any]:
