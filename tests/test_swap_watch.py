@@ -23,6 +23,7 @@ from gpucr.bench.swap_watch import read_recording
 from gpucr.service_http.replay import frames
 
 browser = test_service_page.browser
+until_js, ROW_STATE, BAR_WIDTH = test_service_page._until_js, test_service_page.ROW_STATE, test_service_page.BAR_WIDTH
 SERVERS = 3
 SWITCHES = ("const c = document.querySelector(`tr[data-app='${arguments[0]}'] td[data-label=switches]`); "
             "return c && c.textContent === arguments[1]")
@@ -61,7 +62,9 @@ def test_the_metrics_read_through_the_api_match_the_benchs_own_counts(recorded):
         assert row["bytes_resume"]["bench"] >= row["resumes"]["bench"] * (96 << 20)
     assert got["equal"] and "the metrics' counts EQUAL to the bench's" in stderr
     # the bench's switches under the service: the same number as the metrics' parks and resumes together
-    seen = sum(len(q.get("switched", ())) for q in res["requests"]) + sum(len(p["switched"]) for p in res["pre_parks"])
+    starts = res["start_switches"]
+    assert [s["server"] for s in starts] == names and any(s["switched"] for s in starts)   # the third made room
+    seen = sum(len(q.get("switched", ())) for q in res["requests"]) + sum(len(s["switched"]) for s in starts)
     assert seen == sum(r["parks"]["metrics"] + r["resumes"]["metrics"] for r in got["apps"].values())
 
     lines = read_recording(rec)
@@ -89,16 +92,15 @@ def test_a_recorded_run_replays_into_the_page_in_headless_chromium(recorded, bro
         assert url.startswith("http://127.0.0.1:"), (url, p.stderr.read() if p.poll() is not None else "")
         browser.get(url)
         for a in last["apps"]:   # the replay's last state: each app's state, and its switches so far
-            test_service_page._until_js(browser, f"the page shows {a['name']} {a['state']}", test_service_page.ROW_STATE,
-                                        a["name"], a["state"])
-            test_service_page._until_js(browser, f"the page shows {a['name']}'s switches", SWITCHES, a["name"],
-                                        f"{a['switches']['park']} / {a['switches']['resume']}")
+            until_js(browser, f"the page shows {a['name']} {a['state']}", ROW_STATE, a["name"], a["state"])
+            until_js(browser, f"the page shows {a['name']}'s switches", SWITCHES, a["name"],
+                     f"{a['switches']['park']} / {a['switches']['resume']}")
         shown = browser.execute_script("return [...document.querySelectorAll('#apps tr[data-app]')]"
                                        ".map((r) => r.dataset.app)")
         assert sorted(shown) == sorted(a["name"] for a in last["apps"])
         for name, held in last["gpus"][0]["apps"].items():   # each app's memory bar, where it holds any
             if held > 0:
-                width = browser.execute_script(test_service_page.BAR_WIDTH + "return w", name)
+                width = browser.execute_script(BAR_WIDTH + "return w", name)
                 assert width > 0, name
         assert browser.execute_script("return document.querySelectorAll('#timeline rect').length") >= 1
         assert browser.find_element("id", "conn").text == "live"

@@ -84,6 +84,7 @@ class Fleet:
             self.srv.ensure()
         self.members: dict[str, Member] = {}
         self.pre_parks: list[dict[str, Any]] = []
+        self.starts: list[dict[str, Any]] = []   # each start's switches (its pre-parks, any the service made)
 
     def view(self) -> dict[str, Any]:
         return route.swap("swap_view", {}, BY)
@@ -102,6 +103,7 @@ class Fleet:
         for an app it watches already (from its first status read, up to a second after its start): a server that
         allocates at once would get the out-of-memory error. So the bench parks the least recently used resident
         servers through the service first (each said in the results' pre_parks)."""
+        wall = time.time()
         self._room_for(need)
         argv = [sys.executable, "-m", "gpucr.cli", "run"] + (["--simulate"] if self.simulated else [])
         argv += ["--swap", "--name", name, "--", sys.executable, "-m", f"gpucr.workloads.{self.shape.module}",
@@ -109,6 +111,7 @@ class Fleet:
         w = Workload(self.shape.module, simulate=self.simulated, argv=argv, ready_timeout=START_TIMEOUT_S)
         m = self.members[name] = Member(name, seed, w, last_request=time.monotonic())
         self._seen(name)
+        self.starts.append({"server": name, "switched": switched(self.switches_since(wall))})
         return m
 
     def _seen(self, name: str, timeout: float = 30.0) -> None:
@@ -136,10 +139,8 @@ class Fleet:
             resident = [m for m in self.members.values() if states.get(m.name) == "resident"]
             if resident:
                 victim = min(resident, key=lambda m: m.last_request)
-                wall = time.time()
                 self.park(victim.name)
-                self.pre_parks.append({"parked": victim.name, "free_before_bytes": free, "need_bytes": need,
-                                       "switched": switched(self.switches_since(wall))})
+                self.pre_parks.append({"parked": victim.name, "free_before_bytes": free, "need_bytes": need})
             time.sleep(0.1)   # memory a park gave back is not always free at once
 
     def park(self, name: str) -> dict[str, Any]:

@@ -70,8 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS", help="a request not answered "
                    "by then is recorded as lost, and the stream stops (default 600)")
     g.add_argument("--watch", action="store_true", help="read the serve's page data, /metrics and event stream "
-                   "through its HTTP API every second while the servers run, recorded beside --out (NAME-watch.jsonl.gz), "
-                   "and set the metrics' counts against the bench's at the end (needs gpucr[service])")
+                   "through its HTTP API every second while the servers run, recorded beside --out "
+                   "(NAME-watch.jsonl.gz), and set the metrics' counts against the bench's at the end "
+                   "(needs gpucr[service])")
     g.add_argument("--two-way-gib", type=float, default=None, help="bytes each way of the two-way rate's copies "
                    "(default 4; 0.0625 on simcuda)")
 
@@ -127,7 +128,7 @@ def _fleet_part(run: Run, fleet: Fleet, a: argparse.Namespace, ways: list[str], 
         run.results["servers"][name] = {"pid": m.w.pid, "seed": i, "ready": m.w.info}
         _say(f"{name} started (pid {m.w.pid}); its reference tokens")
         W.references(W.GPUCR, m, a.reference_requests, a.tokens, t0, run.emit)
-    run.results["pre_parks"] = fleet.pre_parks
+    run.results["pre_parks"], run.results["start_switches"] = fleet.pre_parks, fleet.starts
     stream_end = t0 + a.stream_share * a.time_budget
     plan = W.stream(names, a.requests, a.zipf_share, a.zipf_s, a.seed)
     for i, (mix, name) in enumerate(plan):
@@ -197,7 +198,7 @@ def main(a: argparse.Namespace) -> int:
             _say(results["error"])
         finally:
             if watch is not None:   # its last read before the servers go: their series go with them
-                _watched(watch, results, fleet.pre_parks)
+                _watched(watch, results, fleet.starts)
             results["serve"]["log"] = fleet.server_log()
             fleet.close()
             run.save()
@@ -253,10 +254,10 @@ def _watch(simulated: bool, out: Path) -> Watch:
     return Watch(info["http"]["socket"], rec).start()
 
 
-def _watched(watch: Watch, results: dict[str, Any], pre_parks: list[dict[str, Any]]) -> None:
+def _watched(watch: Watch, results: dict[str, Any], starts: list[dict[str, Any]]) -> None:
     """The watch stopped, and its last /metrics set against the bench's own counts of the servers' switches."""
     final = watch.finish()
-    got = compare(final, bench_counters(results["requests"], pre_parks))
+    got = compare(final, bench_counters(results["requests"], starts))
     results["watch"] = {"recording": watch.out.name, "every_s": READ_EVERY_S, "reads": watch.reads,
                         "errors": watch.errors, "metrics_vs_bench": got}
     _say(f"watch: {watch.reads} reads; the metrics' counts {'EQUAL' if got['equal'] else 'NOT EQUAL'} to the bench's"

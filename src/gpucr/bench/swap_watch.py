@@ -50,11 +50,12 @@ def app_counters(metrics_text: str) -> dict[str, dict[str, float]]:
     return out
 
 
-def bench_counters(requests: list[dict[str, Any]], pre_parks: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+def bench_counters(requests: list[dict[str, Any]], starts: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     """The same counts from the bench's own records: each switch it saw in a request's window (swap_ways._moved's
-    `switched`) and each park it made room with before a server's start."""
+    `switched`) and in a server's start (the parks it made room with: Fleet.starts). A switch outside them (none
+    is asked then) would make the two differ, and be said so."""
     out: dict[str, dict[str, float]] = {}
-    for rec in [*requests, *pre_parks]:
+    for rec in [*requests, *starts]:
         for app, direction, moved in rec.get("switched", ()):
             row = out.setdefault(app, dict.fromkeys([f"{d}s" for d in DIRECTIONS] +
                                                     [f"bytes_{d}" for d in DIRECTIONS], 0.0))
