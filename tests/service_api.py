@@ -4,23 +4,12 @@ from __future__ import annotations
 
 import http.client
 import json
-import socket
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from conftest import RunningServer
-
-
-class _UnixConnection(http.client.HTTPConnection):
-    def __init__(self, path: str, timeout: float) -> None:
-        super().__init__("localhost", timeout=timeout)
-        self.path = path
-
-    def connect(self) -> None:
-        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect(self.path)
+from gpucr.bench.swap_watch import UnixHTTP
 
 
 @dataclass
@@ -49,7 +38,7 @@ class Api:
         if self.tcp:
             host, port = self.hostport.rsplit(":", 1)
             return http.client.HTTPConnection(host, int(port), timeout=timeout)
-        return _UnixConnection(self.http["socket"], timeout)
+        return UnixHTTP(self.http["socket"], timeout)
 
     def request(self, method: str, path: str, body: Any = None, token: str | None = None,
                 headers: dict[str, str] | None = None, timeout: float = 60.0) -> Reply:

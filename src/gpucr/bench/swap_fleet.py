@@ -51,6 +51,12 @@ def shape_for(simulated: bool, model: str, gpu_util: float, total_bytes: int | N
     return Shape("token_app", ("--mib", f"{mib:.2f}"), f"a token server of {mib:.1f} MiB (simcuda)")
 
 
+def switched(rows: list[dict[str, Any]]) -> list[list[Any]]:
+    """[app, direction, bytes moved] of each switch of the service's timeline: what the bench saw happen, which
+    `--watch` sets against the metrics' counters (swap_watch.bench_counters)."""
+    return [[s["app"], s["direction"], s["bytes_moved"]] for s in rows]
+
+
 def ask(w: Workload, tokens: int, arrival: float, timeout: float = ASK_TIMEOUT_S) -> dict[str, Any]:
     """One request: `generate K`, timed from `arrival` (time.monotonic(), which the server's answer shares)."""
     a = w.ask(f"generate {tokens}", timeout=timeout)
@@ -78,6 +84,7 @@ class Fleet:
             self.srv.ensure()
         self.members: dict[str, Member] = {}
         self.pre_parks: list[dict[str, Any]] = []
+        self.starts: list[dict[str, Any]] = []   # each start's switches (its pre-parks, any the service made)
 
     def view(self) -> dict[str, Any]:
         return route.swap("swap_view", {}, BY)
@@ -96,6 +103,7 @@ class Fleet:
         for an app it watches already (from its first status read, up to a second after its start): a server that
         allocates at once would get the out-of-memory error. So the bench parks the least recently used resident
         servers through the service first (each said in the results' pre_parks)."""
+        wall = time.time()
         self._room_for(need)
         argv = [sys.executable, "-m", "gpucr.cli", "run"] + (["--simulate"] if self.simulated else [])
         argv += ["--swap", "--name", name, "--", sys.executable, "-m", f"gpucr.workloads.{self.shape.module}",
@@ -103,6 +111,7 @@ class Fleet:
         w = Workload(self.shape.module, simulate=self.simulated, argv=argv, ready_timeout=START_TIMEOUT_S)
         m = self.members[name] = Member(name, seed, w, last_request=time.monotonic())
         self._seen(name)
+        self.starts.append({"server": name, "switched": switched(self.switches_since(wall))})
         return m
 
     def _seen(self, name: str, timeout: float = 30.0) -> None:

@@ -23,11 +23,14 @@ from ..demo import gpu_present
 from ..driver import SIMULATE_ENV, driver_for, gpu_memory
 from ..errors import GpucrError
 from ..paths import simcuda_dir
+from ..server import client
+from ..service_http import missing
 from ..workloads.llm_app import MODELS
 from . import bounds as B
 from . import swap_report as report
 from . import swap_ways as W
 from .swap_fleet import SIM_CONTEXT, Fleet, shape_for
+from .swap_watch import READ_EVERY_S, Watch, bench_counters, compare
 
 SCHEMA = "gpucr-bench-swap/1"
 STREAM_SHARE = 0.45      # of the time budget, for the setup and the request stream; the ways beside it get the rest
@@ -66,6 +69,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "bench starts: one parked server and one in flight must fit in it (default 80%%)")
     g.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS", help="a request not answered "
                    "by then is recorded as lost, and the stream stops (default 600)")
+    g.add_argument("--watch", action="store_true", help="read the serve's page data, /metrics and event stream "
+                   "through its HTTP API every second while the servers run, recorded beside --out "
+                   "(NAME-watch.jsonl.gz), and set the metrics' counts against the bench's at the end "
+                   "(needs gpucr[service])")
     g.add_argument("--two-way-gib", type=float, default=None, help="bytes each way of the two-way rate's copies "
                    "(default 4; 0.0625 on simcuda)")
 
@@ -121,7 +128,7 @@ def _fleet_part(run: Run, fleet: Fleet, a: argparse.Namespace, ways: list[str], 
         run.results["servers"][name] = {"pid": m.w.pid, "seed": i, "ready": m.w.info}
         _say(f"{name} started (pid {m.w.pid}); its reference tokens")
         W.references(W.GPUCR, m, a.reference_requests, a.tokens, t0, run.emit)
-    run.results["pre_parks"] = fleet.pre_parks
+    run.results["pre_parks"], run.results["start_switches"] = fleet.pre_parks, fleet.starts
     stream_end = t0 + a.stream_share * a.time_budget
     plan = W.stream(names, a.requests, a.zipf_share, a.zipf_s, a.seed)
     for i, (mix, name) in enumerate(plan):
@@ -146,6 +153,8 @@ def main(a: argparse.Namespace) -> int:
     if a.gpu_util is None:
         a.gpu_util = 0.3
     ways = _check(a)
+    if a.watch and missing():
+        raise GpucrError(f"--watch: {missing()}")
     simulated = a.simulate or not gpu_present()
     if simulated:
         os.environ[SIMULATE_ENV] = "1"   # the servers, `gpucr run` and the requests to the service: all simcuda
@@ -178,15 +187,18 @@ def main(a: argparse.Namespace) -> int:
     if fleet.reused and results["serve"]["host"].get("host_budget_bytes") is None:
         _say("WARNING: the gpucr serve already running has no --host-budget: every server parked once keeps its "
              "staging, and host memory may not hold them all (stop it, 'gpucr serve --stop', to let the bench start one)")
-    failed = False
+    failed, watch = False, None
     try:   # whatever ends it (a SIGTERM too), what was measured is summed up and kept
         try:
+            watch = _watch(simulated, out) if a.watch else None
             _fleet_part(run, fleet, a, ways, int(a.gpu_util * mem.total), t0)
         except (GpucrError, RuntimeError, OSError, TimeoutError) as exc:
             failed = True
             results["error"] = f"the servers under the swap service: {exc}"
             _say(results["error"])
         finally:
+            if watch is not None:   # its last read before the servers go: their series go with them
+                _watched(watch, results, fleet.starts)
             results["serve"]["log"] = fleet.server_log()
             fleet.close()
             run.save()
@@ -229,6 +241,27 @@ def _beside(run: Run, a: argparse.Namespace, ways: list[str], shape: Any, drv: A
             _say(f"{name} failed: {exc}")
         run.save()
     return failed
+
+
+def _watch(simulated: bool, out: Path) -> Watch:
+    """The watch on the serve's HTTP API (its Unix socket), recording beside the results."""
+    info = client.info(simulated) or {}
+    if not (info.get("http") or {}).get("socket"):
+        raise GpucrError("--watch: the gpucr serve running serves no HTTP API (its 'service' extra is not installed "
+                         "where it runs)")
+    rec = out.with_name(f"{out.stem}-watch.jsonl.gz")
+    _say(f"watching the service through {info['http']['socket']}, recorded in {rec}")
+    return Watch(info["http"]["socket"], rec).start()
+
+
+def _watched(watch: Watch, results: dict[str, Any], starts: list[dict[str, Any]]) -> None:
+    """The watch stopped, and its last /metrics set against the bench's own counts of the servers' switches."""
+    final = watch.finish()
+    got = compare(final, bench_counters(results["requests"], starts))
+    results["watch"] = {"recording": watch.out.name, "every_s": READ_EVERY_S, "reads": watch.reads,
+                        "errors": watch.errors, "metrics_vs_bench": got}
+    _say(f"watch: {watch.reads} reads; the metrics' counts {'EQUAL' if got['equal'] else 'NOT EQUAL'} to the bench's"
+         + ("" if got["equal"] else f": {json.dumps(got['apps'])}"))
 
 
 def _settle(drv: Any, idle: Any, timeout: float = 60.0) -> None:

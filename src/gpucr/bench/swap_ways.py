@@ -16,7 +16,7 @@ from ..driver import Driver
 from ..errors import GpucrError
 from ..workloads.runner import Workload
 from .methods import DriverMethod, JobFailed
-from .swap_fleet import ASK_TIMEOUT_S, START_TIMEOUT_S, Fleet, Member, Shape, ask
+from .swap_fleet import ASK_TIMEOUT_S, START_TIMEOUT_S, Fleet, Member, Shape, ask, switched
 
 GPUCR, ONE_WAY, RESTART, DRIVER = "gpucr-swap", "gpucr-one-way", "restart-safetensors", "driver-checkpoint"
 Say = Callable[[str], None]
@@ -66,7 +66,7 @@ def _control(switches: list[dict[str, Any]]) -> float | None:
 def _moved(switches: list[dict[str, Any]], target: str) -> dict[str, Any]:
     parks = [s for s in switches if s["direction"] == "park"]
     resumes = [s for s in switches if s["direction"] == "resume" and s["app"] == target]
-    return {"parked": [s["app"] for s in parks], "bytes_out": sum(s["bytes_moved"] for s in parks),
+    return {"parked": [s["app"] for s in parks], "switched": switched(switches), "bytes_out": sum(s["bytes_moved"] for s in parks),
             "bytes_in": sum(s["bytes_moved"] for s in resumes), "park_s": sum(s["seconds"] for s in parks),
             "resume_s": sum(s["seconds"] for s in resumes), "control_out_s": _control(parks),
             "control_in_s": _control(resumes)}
