@@ -157,9 +157,9 @@ def test_three_torch_apps_of_1_3x_the_card_answer_in_turn_each_resumed_on_demand
     # a switch holds two apps' staging at once (the one resuming, the one parked for it): 0.87 of the card
     if avail < 2 * each + HOST_SPARE:
         record(**row, skipped="host memory")
-        pytest.skip(f"a switch holds two apps' staging in host memory at once: {2 * each / GiB:.1f} GiB, and "
-                    f"{avail / GiB:.1f} GiB is available (needs {HOST_SPARE / GiB:.0f} GiB beside): run it on a host "
-                    "with more memory (the lent nvidia-h200-x2 has 256 GiB)")
+        pytest.skip(f"needs {(2 * each + HOST_SPARE) / GiB:.0f} GiB of available host memory, {avail / GiB:.1f} GiB "
+                    f"here: a switch holds two apps' staging at once ({2 * each / GiB:.1f} GiB) and "
+                    f"{HOST_SPARE / GiB:.0f} GiB beside")
     # where all three stagings do not fit, a resumed app gives its staging back (--host-budget), so at most two are held
     flags = [] if avail >= 3 * each + HOST_SPARE else ["--host-budget", str(2 * each + 6 * GiB)]
     row["serve_flags"] = flags

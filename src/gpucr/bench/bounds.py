@@ -23,13 +23,19 @@ from ..image import CHUNK, IN_FLIGHT
 from ..imagefs import try_direct
 from .specs import plain_env
 
+def _measured_by_child(what: str, args: list[str], simulate: bool, timeout: float) -> dict[str, Any]:
+    """A rate measured by a child process of this module (`python -m gpucr.bench.bounds ARGS`) that then exits, so
+    its contexts and pinned buffers are gone before the bench goes on; its last line of output, as JSON."""
+    out = subprocess.run([sys.executable, "-m", "gpucr.bench.bounds", *args], capture_output=True, text=True,
+                         env=plain_env(simulate), timeout=timeout)
+    if out.returncode != 0:
+        raise GpucrError(f"{what} could not be measured: {out.stderr.strip()[-500:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def ceiling(simulate: bool, gib: float, timeout: float = 600.0) -> dict[str, Any]:
     """D2H and H2D GB/s of one pinned copy of GIB GiB, measured by a child process that then exits."""
-    out = subprocess.run([sys.executable, "-m", "gpucr.bench.bounds", "ceiling", str(gib)], capture_output=True,
-                         text=True, env=plain_env(simulate), timeout=timeout)
-    if out.returncode != 0:
-        raise GpucrError(f"the pinned-copy ceiling could not be measured: {out.stderr.strip()[-500:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _measured_by_child("the pinned-copy ceiling", ["ceiling", str(gib)], simulate, timeout)
 
 
 class _Link:
@@ -123,21 +129,13 @@ def _ceiling_all_child(gib: float, gpus: int, repeat: int = 3) -> dict[str, Any]
 
 def ceiling_all(simulate: bool, gib: float, gpus: int, timeout: float = 600.0) -> dict[str, Any]:
     """The pinned-copy ceiling of every GPU's link at once, by a child process that then exits."""
-    out = subprocess.run([sys.executable, "-m", "gpucr.bench.bounds", "ceiling-all", str(gib), str(gpus)],
-                         capture_output=True, text=True, env=plain_env(simulate), timeout=timeout)
-    if out.returncode != 0:
-        raise GpucrError(f"the pinned-copy ceiling of {gpus} GPUs at once could not be measured: "
-                         f"{out.stderr.strip()[-500:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _measured_by_child(f"the pinned-copy ceiling of {gpus} GPUs at once", ["ceiling-all", str(gib), str(gpus)],
+                              simulate, timeout)
 
 
 def two_way(simulate: bool, gib: float, timeout: float = 600.0) -> dict[str, Any]:
     """GB/s each way of a D2H and an H2D of GIB GiB each at once (a two-way switch's link), by a child process."""
-    out = subprocess.run([sys.executable, "-m", "gpucr.bench.bounds", "two-way", str(gib)], capture_output=True,
-                         text=True, env=plain_env(simulate), timeout=timeout)
-    if out.returncode != 0:
-        raise GpucrError(f"the two-way rate could not be measured: {out.stderr.strip()[-500:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return _measured_by_child("the two-way rate", ["two-way", str(gib)], simulate, timeout)
 
 
 def _two_way_child(gib: float, repeat: int = 3) -> dict[str, Any]:
