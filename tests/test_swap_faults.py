@@ -264,6 +264,26 @@ def test_a_retrying_allocator_whose_cache_suffices_parks_nobody(gpu_320, swap_se
     assert "room for swap app torchy" not in swap_server.log.read_text()
 
 
+def test_cupy_s_memory_pool_is_known_to_retry_with_no_setting(gpu_320, swap_server, swap_app, monkeypatch, tmp_path):
+    """CuPy's pool frees its blocks and retries a failed allocation, as PyTorch's allocator does: an app with its module
+    loaded (here a library of that name, cupy/cuda/memory.*.so: simcuda runs no CuPy) lets its first failure through
+    with GPUCR_SWAP_ASK_ON_RETRY unset, so its own cache suffices and nobody is parked."""
+    pool = tmp_path / "site" / "cupy" / "cuda" / "memory.cpython-311-x86_64-linux-gnu.so"
+    pool.parent.mkdir(parents=True)
+    subprocess.run(["gcc", "-shared", "-fPIC", "-o", str(pool), "-x", "c", "-"], input="int gpucr_test_pool;\n",
+                   text=True, check=True)
+    monkeypatch.delenv("GPUCR_SWAP_ASK_ON_RETRY", raising=False)
+    monkeypatch.setenv("LD_PRELOAD", str(pool))   # gpucr run puts its agent before it
+    swap_app("other", sizes="64M")
+    cupyish = swap_app("cupyish", "--priority", "1", sizes="16M")
+    _watched(swap_server, "other", "cupyish")
+    cupyish.ask(f"cache {40 << 20}")   # 312 of 320 MiB held
+    got = cupyish.ask(f"alloc-retry {40 << 20}", timeout=60)
+    assert got["tries"] == 2, got
+    assert _state(swap_server, "other") == "resident"
+    assert "room for swap app cupyish" not in swap_server.log.read_text()
+
+
 def test_a_retrying_allocator_asks_room_on_its_retry_and_a_plain_app_at_once(gpu_320, swap_server, swap_app,
                                                                               monkeypatch):
     monkeypatch.setenv("GPUCR_SWAP_ASK_ON_RETRY", "1")

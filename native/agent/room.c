@@ -6,10 +6,10 @@
  * file's locks, never one a checkpoint takes. One request at a time per process. The wait (for room, then for its
  * app's resume if it was parked meanwhile) ends at the swap service's wait limit, with the out-of-memory error.
  *
- * An app that frees its cache and retries a failed allocation once (PyTorch's caching allocator: measured, one
- * retry, then OutOfMemoryError) gets its first failure as is, and room is asked on its retry of the same size from
- * the same thread: a torch app whose own cache suffices parks no one. Any other app asks at once, as it may not
- * retry at all. */
+ * An app that frees its cache and retries a failed allocation (PyTorch's caching allocator: measured, one retry,
+ * then OutOfMemoryError; CuPy's memory pool: frees its blocks and retries, then collects garbage and retries once
+ * more) gets its first failure as is, and room is asked on its retry of the same size from the same thread: an app
+ * whose own cache suffices parks no one. Any other app asks at once, as it may not retry at all. */
 #define _GNU_SOURCE
 #include <link.h>
 #include <pthread.h>
@@ -48,12 +48,13 @@ void gpucr_room_verdict(bool granted)
 }
 
 static __thread size_t t_let_fail;   /* this thread's last allocation let fail for its allocator to retry (bytes) */
-static atomic_bool g_torch;           /* libc10_cuda was seen loaded (it is never unloaded) */
+static atomic_bool g_retrying;        /* a retrying allocator's library was seen loaded (neither is ever unloaded) */
 
-static int is_torch_cuda(struct dl_phdr_info *info, size_t size, void *data)
+/* PyTorch's CUDA allocator (libc10_cuda) or CuPy's memory pool (the extension module cupy/cuda/memory). */
+static int is_retrying_allocator(struct dl_phdr_info *info, size_t size, void *data)
 {
     (void)size; (void)data;
-    return info->dlpi_name && strstr(info->dlpi_name, "libc10_cuda") != NULL;
+    return info->dlpi_name && (strstr(info->dlpi_name, "libc10_cuda") || strstr(info->dlpi_name, "/cupy/cuda/memory."));
 }
 
 /* Whether this app retries a failed allocation after freeing its cache (looked at only on out-of-memory). */
@@ -61,8 +62,8 @@ static bool app_retries(void)
 {
     const char *v = gpucr_setting_str(SET_SWAP_ASK_ON_RETRY);
     if (strcmp(v, "auto")) return !strcmp(v, "1");
-    if (!atomic_load(&g_torch) && dl_iterate_phdr(is_torch_cuda, NULL)) atomic_store(&g_torch, true);
-    return atomic_load(&g_torch);
+    if (!atomic_load(&g_retrying) && dl_iterate_phdr(is_retrying_allocator, NULL)) atomic_store(&g_retrying, true);
+    return atomic_load(&g_retrying);
 }
 
 void gpucr_room_allocated(void) { t_let_fail = 0; }

@@ -50,7 +50,7 @@ SETTINGS: dict[str, Setting] = {
         "under the swap service: an allocation that waits longer for room or for its app's resume fails with out-of-memory; 0: no limit (`gpucr run --swap --wait-limit`)"),
     'GPUCR_SWAP_ASK_ON_RETRY': Setting(
         'GPUCR_SWAP_ASK_ON_RETRY', 'ENUM', 'auto', 0, 0, 'auto|0|1',
-        "1: the app retries a failed allocation once after freeing its cache, so room is asked on that retry only; auto: when PyTorch's libc10_cuda is loaded"),
+        "1: the app retries a failed allocation once after freeing its cache, so room is asked on that retry only; auto: when PyTorch's libc10_cuda or CuPy's memory pool is loaded"),
     'GPUCR_RUNTIME_DIR': Setting(
         'GPUCR_RUNTIME_DIR', 'PATH', '', 0, 0, 'a directory',
         'where the control sockets live; unset: $XDG_RUNTIME_DIR/gpucr or /tmp/gpucr-UID'),
