@@ -254,14 +254,19 @@ def test_room_counts_the_servers_own_context_measured_where_it_holds_none(gpu_mi
 def test_a_retrying_allocator_whose_cache_suffices_parks_nobody(gpu_320, swap_server, swap_app, monkeypatch):
     """As PyTorch: the first failure goes through, the app frees its cache and retries, and it fits: no room asked."""
     monkeypatch.setenv("GPUCR_SWAP_ASK_ON_RETRY", "1")
+    _own_cache_suffices(swap_server, swap_app, "torchy")
+
+
+def _own_cache_suffices(server: RunningServer, swap_app, name: str) -> None:
+    """App `name`'s allocation fails, it frees its cache and retries, and it fits: no room asked, nobody parked."""
     swap_app("other", sizes="64M")
-    torchy = swap_app("torchy", "--priority", "1", sizes="16M")
-    _watched(swap_server, "other", "torchy")
-    torchy.ask(f"cache {40 << 20}")   # 312 of 320 MiB held
-    got = torchy.ask(f"alloc-retry {40 << 20}", timeout=60)
+    app = swap_app(name, "--priority", "1", sizes="16M")
+    _watched(server, "other", name)
+    app.ask(f"cache {40 << 20}")   # 312 of 320 MiB held
+    got = app.ask(f"alloc-retry {40 << 20}", timeout=60)
     assert got["tries"] == 2, got
-    assert _state(swap_server, "other") == "resident"
-    assert "room for swap app torchy" not in swap_server.log.read_text()
+    assert _state(server, "other") == "resident"
+    assert f"room for swap app {name}" not in server.log.read_text()
 
 
 def test_cupy_s_memory_pool_is_known_to_retry_with_no_setting(gpu_320, swap_server, swap_app, monkeypatch, tmp_path):
@@ -274,14 +279,7 @@ def test_cupy_s_memory_pool_is_known_to_retry_with_no_setting(gpu_320, swap_serv
                    text=True, check=True)
     monkeypatch.delenv("GPUCR_SWAP_ASK_ON_RETRY", raising=False)
     monkeypatch.setenv("LD_PRELOAD", str(pool))   # gpucr run puts its agent before it
-    swap_app("other", sizes="64M")
-    cupyish = swap_app("cupyish", "--priority", "1", sizes="16M")
-    _watched(swap_server, "other", "cupyish")
-    cupyish.ask(f"cache {40 << 20}")   # 312 of 320 MiB held
-    got = cupyish.ask(f"alloc-retry {40 << 20}", timeout=60)
-    assert got["tries"] == 2, got
-    assert _state(swap_server, "other") == "resident"
-    assert "room for swap app cupyish" not in swap_server.log.read_text()
+    _own_cache_suffices(swap_server, swap_app, "cupyish")
 
 
 def test_a_retrying_allocator_asks_room_on_its_retry_and_a_plain_app_at_once(gpu_320, swap_server, swap_app,

@@ -136,14 +136,16 @@ def _used(drv: Driver) -> Callable[[], int | None]:
     return read
 
 
-def _settle(used: Callable[[], int | None], idle: int | None, timeout: float = 30.0) -> None:
-    """Wait for an exited process's memory to be given back, so the next idle reading is true."""
+def settle(used: Callable[[], int | None], idle: int | None, timeout: float = 30.0, slack: int = 64 << 20) -> bool:
+    """Wait for an exited process's memory to be given back (the GPU's use within `slack` of `idle`), so the next
+    idle reading is true and the next process fits; False when it was not back within `timeout`."""
     end = time.monotonic() + timeout
     while idle is not None and time.monotonic() < end:
         now = used()
-        if now is None or now <= idle + (64 << 20):
-            return
+        if now is None or now <= idle + slack:
+            return True
         time.sleep(0.2)
+    return idle is None
 
 
 def _diff(a: int | None, b: int | None) -> int | None:
@@ -305,7 +307,7 @@ def run_group(spec: S.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
                 out[m.name] = {**_failed_entry(proc, exc, samples), "server_log": m.server_log()}
                 saved()
                 w.close(graceful=False)
-                _settle(used, idle)
+                settle(used, idle)
                 if k < len(group) - 1:
                     w, proc, ref = _start(spec, group[k + 1:], simulate, drv, idle, idle_gpus)
                     proc["bytes_per_gpu"] = _bytes_per_gpu(group[k + 1], w, proc)
@@ -320,7 +322,7 @@ def run_group(spec: S.Spec, group: list[M.Method], simulate: bool, drv: Driver, 
         ok_exit = True
     finally:
         w.close(graceful=ok_exit)   # not graceful: it may be parked by a checkpoint half done
-        _settle(used, idle)
+        settle(used, idle)
 
 
 def _hugepages_for(a: argparse.Namespace, spec: S.Spec, group: list[M.Method], done: dict[str, Any],

@@ -264,16 +264,16 @@ def _watched(watch: Watch, results: dict[str, Any], starts: list[dict[str, Any]]
          + ("" if got["equal"] else f": {json.dumps(got['apps'])}"))
 
 
-def _settle(drv: Any, idle: Any, timeout: float = 60.0) -> None:
+def _settle(drv: Any, idle: Any) -> None:
     """Wait until the GPU is back to what it held before the servers started (give or take 1 GiB): the ways after
     them start servers of their own, which would not fit beside memory the driver has not given back yet."""
-    end = time.monotonic() + timeout
-    while idle is not None and time.monotonic() < end:
-        now = gpu_memory(drv)
-        if now is None or now.used <= idle.used + (1 << 30):
-            return
-        time.sleep(0.2)
-    _say("the GPU's memory is not back to idle a minute after the servers ended; going on")
+    from .run import settle
+
+    def used() -> int | None:
+        m = gpu_memory(drv)
+        return m.used if m is not None else None
+    if not settle(used, idle.used if idle is not None else None, timeout=60.0, slack=1 << 30):
+        _say("the GPU's memory is not back to idle a minute after the servers ended; going on")
 
 
 def report_banner() -> str:

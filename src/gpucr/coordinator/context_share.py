@@ -11,20 +11,18 @@ from __future__ import annotations
 import threading
 
 from .. import gpus
-from ..driver import Driver, gpu_memory
+from ..driver import Driver
 
 _lock = threading.Lock()
 _freed: dict[tuple[int, int], dict[str, int]] = {}   # (pid, start time) -> {GPU uuid: bytes its checkpoint freed}
 KEPT_MAX = 4096   # processes remembered at once: the oldest go first (an ended one's entry is never asked again)
 
 
-def used(drv: Driver, uuids: list[str]) -> dict[str, int]:
+def used(drv: Driver, uuids: list[str], machine: list[gpus.Gpu]) -> dict[str, int]:
     """Each GPU's used memory now, as the driver says (NVML; simcuda's count), for the GPUs it can read."""
-    machine = {g.uuid: g for g in gpus.machine_gpus(drv)}
     out = {}
     for u in uuids:
-        g = machine.get(u)
-        mem = gpu_memory(drv, g.ordinal, u) if g is not None else None
+        mem = gpus.memory_of(drv, u, machine)
         if mem is not None:
             out[u] = mem.used
     return out

@@ -105,7 +105,8 @@ def _driver_lock(m: _Member, timeout: float) -> None:
 
 def _driver_checkpoint(m: _Member) -> None:
     uuids = [str(d.get("uuid", "")) for d in m.status.get("devices") or []]
-    before = context_share.used(m.drv, uuids)   # read outside control_out: it is not the driver's time
+    machine = gpus.machine_gpus(m.drv)   # once: the GPUs are read before and after
+    before = context_share.used(m.drv, uuids, machine)   # read outside control_out: it is not the driver's time
     t0 = time.perf_counter()
     m.drv.checkpoint(m.pid)
     m.checkpointed = True
@@ -114,7 +115,7 @@ def _driver_checkpoint(m: _Member) -> None:
     # processes checkpointed at once free memory together: each is bounded by what the driver counted it held
     vmm = {str(d.get("uuid", "")): int(d.get("vmm_bytes") or 0) for d in m.status.get("devices") or []}
     bound = {u: b.process - vmm.get(u, 0) for u, b in m.gpu_before.items() if b.process is not None}
-    context_share.record(m.pid, m.t.start_time, before, context_share.used(m.drv, uuids), bound)
+    context_share.record(m.pid, m.t.start_time, before, context_share.used(m.drv, uuids, machine), bound)
     _test_kill_point("after-driver-checkpoint")
     final = m.drv.state(m.pid)
     if final != ProcessState.CHECKPOINTED:

@@ -68,14 +68,14 @@ class RoomMaker:
         finally:
             asker.waiting, asker.waiting_since = before
 
-    def _short(self, ask: Ask) -> int:
+    def short(self, ask: Ask) -> int:
         """Bytes the GPU is short of what is asked, now (<= 0: it fits)."""
         mem = self._gpu.memory(ask.uuid)
         free = mem[0] if mem is not None else ask.free_hint
         return ask.want + ROOM_SLACK - free + self._gpu.server_cost(ask.uuid)
 
     def _need(self, ask: Ask) -> int:
-        return max(ask.at_least, self._short(ask))
+        return max(ask.at_least, self.short(ask))
 
     def _served(self, asker: SwapApp, ask: Ask, deadline: float) -> bool:
         said = False
@@ -117,7 +117,7 @@ class RoomMaker:
         if len(parked) != len(names):
             return False
         deadline = now() + FREED_WAIT_S   # what the parks gave back shows as free a moment later: the retry waits
-        while self._short(ask) > 0 and now() < deadline:
+        while self.short(ask) > 0 and now() < deadline:
             time.sleep(FREED_LOOK_S)
         return True
 

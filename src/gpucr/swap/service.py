@@ -425,10 +425,10 @@ class SwapService:
         its context included, plus ROOM_SLACK) does not fit the GPU's free memory (less the server's context where it
         holds none): one restore, instead of one refused for memory, room, then another."""
         for old, n in app.parked_bytes.items():
-            uuid = moves.get(old, old)
-            mem = self._gpu.memory(uuid)
-            if n and mem is not None and mem[0] - self._gpu.server_cost(uuid) < n + ROOM_SLACK:
-                self.room.make(app, Ask(uuid, n, f"its resume, {n} bytes", ROOM_WAIT_S))
+            ask = Ask(moves.get(old, old), n, f"its resume, {n} bytes", ROOM_WAIT_S)
+            # where the GPU's memory cannot be read, the restore is tried and a refusal makes room (_room_for_resume)
+            if n and self._gpu.memory(ask.uuid) is not None and self.room.short(ask) > 0:
+                self.room.make(app, ask)
 
     def _room_for_resume(self, app: SwapApp, uuid: str, held: int) -> bool:
         """What it held when parked plus ROOM_SLACK, less what is free, and at least ROOM_SLACK: the restore was short,

@@ -76,14 +76,19 @@ def _at(s: Switch | None) -> float | None:
     return round(s.at, 3) if s is not None else None
 
 
-def moved_of(result: Any) -> tuple[int, int]:
-    """(bytes moved, bytes skipped) of a park's or resume's result (the coordinator's CheckpointResult or
-    RestoreResult, one process); (0, 0) for a result that says nothing. A resume skips what its image held as zero
-    chunks; from host memory the result does not say, and 0 is counted."""
+def _process(result: Any) -> Any:
+    """The one process of a park's or resume's result (the coordinator's CheckpointResult or RestoreResult), or None
+    for a result that says nothing."""
     procs = getattr(result, "processes", None) or []
-    if not procs:
+    return procs[0] if procs else None
+
+
+def moved_of(result: Any) -> tuple[int, int]:
+    """(bytes moved, bytes skipped) of a park's or resume's result; (0, 0) for a result that says nothing. A resume
+    skips what its image held as zero chunks; from host memory the result does not say, and 0 is counted."""
+    p = _process(result)
+    if p is None:
         return 0, 0
-    p = procs[0]
     skipped = getattr(p, "bytes_zero_skipped", None)
     if skipped is None:
         image = getattr(p, "image", None)
@@ -94,17 +99,15 @@ def moved_of(result: Any) -> tuple[int, int]:
 def counted_of(result: Any) -> dict[str, int]:
     """{GPU uuid: bytes} the process held on each GPU before a park, as the driver counted it (its context included),
     from the park's own result (the coordinator's CheckpointResult, one process); {} where it does not say."""
-    procs = getattr(result, "processes", None) or []
-    changes = getattr(procs[0], "gpus", None) or [] if procs else []
+    changes = getattr(_process(result), "gpus", None) or []
     return {c.uuid: int(c.process_before_bytes) for c in changes if c.process_before_bytes}
 
 
 def control_of(result: Any, direction: str) -> float | None:
     """The driver's control time of a park's or resume's result (its phases control_out / control_in, level full;
     a swap bench sets each switch against it), or None where the result does not say."""
-    procs = getattr(result, "processes", None) or []
-    phases = getattr(procs[0], "phases_s", None) if procs else None
-    return (phases or {}).get("control_out" if direction == PARK else "control_in")
+    phases = getattr(_process(result), "phases_s", None) or {}
+    return phases.get("control_out" if direction == PARK else "control_in")
 
 
 class SwitchStats:
