@@ -14,6 +14,7 @@ import datetime as dt
 import json
 import os
 import signal
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -33,7 +34,10 @@ from .swap_fleet import SIM_CONTEXT, Fleet, shape_for
 from .swap_watch import READ_EVERY_S, Watch, bench_counters, compare
 
 SCHEMA = "gpucr-bench-swap/1"
-STREAM_SHARE = 0.45      # of the time budget, for the setup and the request stream; the ways beside it get the rest
+STREAM_SHARE = 0.45      # of the time budget, for the setup and the request stream; the ways beside it get the rest:
+ONE_WAY_SHARE = 0.05     # (a), on the servers already running: a few seconds a switch
+RESTART_SHARE = 0.2      # (b): its weights written once, then a start each switch; (c), the driver's, gets what is left
+MAX_STREAM_SHARE = 1 - ONE_WAY_SHARE - RESTART_SHARE
 GPU_SLACK = 256 << 20    # room a server's start is given beyond its share on a GPU: the map of the staging pinned
 SERVER_CONTEXT = 1 << 30  # the gpucr server's context on the H200 (about 520 MiB), with room to spare
 SETTINGS = ("servers", "model", "gpu_util", "requests", "zipf_share", "zipf_s", "seed", "tokens", "reference_requests",
@@ -62,7 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--time-budget", type=float, default=480.0, metavar="SECONDS", help="the whole scenario's "
                    "(default 480): the stream stops at --stream-share of it, and a way starts no switch past it")
     g.add_argument("--stream-share", type=float, default=STREAM_SHARE, help="share of --time-budget by which the "
-                   f"setup and the stream end (default {STREAM_SHARE:g}); the ways beside it get the rest")
+                   f"setup and the stream end (default {STREAM_SHARE:g}); then (a) until {ONE_WAY_SHARE:g} more, (b) until "
+                   f"{RESTART_SHARE:g} more, (c) until the end")
     g.add_argument("--weights-dir", default="/var/tmp", metavar="DIR", help="where the restart's safetensors are "
                    "written once (removed after; default /var/tmp)")
     g.add_argument("--host-budget", default="80%", metavar="SIZE", help="the --host-budget of the gpucr serve the "
@@ -88,8 +93,9 @@ def _check(a: argparse.Namespace) -> list[str]:
             raise GpucrError(f"--ways: '{w}' is not one-way, restart or driver")
     if a.servers < 2 or a.requests < 1 or a.tokens < 1 or a.reference_requests < 1 or a.baseline_switches < 0:
         raise GpucrError("--servers is at least 2; --requests, --tokens and --reference-requests at least 1")
-    if not 0 < a.gpu_util < 1 or not 0 <= a.zipf_share <= 1 or a.time_budget <= 0 or not 0 < a.stream_share <= 1:
-        raise GpucrError("--gpu-util is between 0 and 1, --zipf-share from 0 to 1, --stream-share above 0 to 1, "
+    if not 0 < a.gpu_util < 1 or not 0 <= a.zipf_share <= 1 or a.time_budget <= 0 or not 0 < a.stream_share <= MAX_STREAM_SHARE:
+        raise GpucrError(f"--gpu-util is between 0 and 1, --zipf-share from 0 to 1, --stream-share above 0 to "
+                         f"{MAX_STREAM_SHARE:g} (the ways beside it get the rest), "
                          "--time-budget above 0")
     if a.model not in MODELS:
         raise GpucrError(f"--model {a.model}: use one of {', '.join(MODELS)}")
@@ -144,7 +150,9 @@ def _fleet_part(run: Run, fleet: Fleet, a: argparse.Namespace, ways: list[str], 
         _say(f"{i + 1}/{len(plan)} {mix} {name}: {'resident' if rec['resident'] else 'parked'}, first token "
                  f"{rec['ttft_s']:.3f} s" + (f" (parked {', '.join(rec['parked'])})" if rec["parked"] else ""))
     if "one-way" in ways:
-        why = W.one_way(fleet, a.baseline_switches, a.tokens, t0, t0 + a.time_budget, run.emit, _say)
+        done = [r["switch_s"] for r in run.results["requests"] if r.get("switch_s") is not None]
+        why = W.one_way(fleet, a.baseline_switches, a.tokens, t0, t0 + (a.stream_share + ONE_WAY_SHARE) * a.time_budget,
+                        run.emit, _say, expect_s=statistics.median(done) if done else 0.0)
         if why:
             run.results["ways"][W.ONE_WAY] = {"short": why}
 
@@ -197,9 +205,13 @@ def main(a: argparse.Namespace) -> int:
             results["error"] = f"the servers under the swap service: {exc}"
             _say(results["error"])
         finally:
-            if watch is not None:   # its last read before the servers go: their series go with them
-                _watched(watch, results, fleet.starts)
             results["serve"]["log"] = fleet.server_log()
+            if watch is not None:   # its last read before the servers go: their series go with them
+                try:
+                    _watched(watch, results, fleet.starts)
+                except Exception as exc:   # noqa: BLE001 - the servers must still be closed and the results kept
+                    results["watch"] = {"error": f"{type(exc).__name__}: {exc}"}
+                    _say(f"watch: its end failed: {results['watch']['error']}")
             fleet.close()
             run.save()
         _settle(drv, idle)
@@ -221,11 +233,13 @@ def main(a: argparse.Namespace) -> int:
 def _beside(run: Run, a: argparse.Namespace, ways: list[str], shape: Any, drv: Any, t0: float) -> bool:
     """(b) and (c), once the servers under the service are gone; True when one failed. The driver's steps get at most
     what is left of the time budget (a minute at least) before they are called hung."""
-    deadline, failed = t0 + a.time_budget, False
+    failed = False
     for way in ("restart", "driver"):
         if way not in ways:
             continue
         name = W.RESTART if way == "restart" else W.DRIVER
+        share = a.stream_share + ONE_WAY_SHARE + RESTART_SHARE if way == "restart" else 1.0
+        deadline = t0 + share * a.time_budget
         try:
             if way == "restart":
                 got = W.restart(shape, run.results["simulated"], a.baseline_switches, a.tokens, a.reference_requests,

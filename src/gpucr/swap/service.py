@@ -23,7 +23,7 @@ from .disk import HostThenDisk, ParkDir
 from .limits import RateLimit
 from .placement import GpuRoom, place
 from .room import ROOM_SLACK, Ask, GpuView, RoomMaker
-from .stats import (NO_HOST_ROOM, NO_ROOM, PARK, PARK_FAILED, RESUME, RESUME_FAILED, RESUME_RETRIED, SwitchStats,
+from .stats import (NO_HOST_ROOM, NO_ROOM, PARK, PARK_FAILED, RESUME, RESUME_FAILED, RESUME_RETRIED, Began, SwitchStats,
                     counted_of)
 
 WATCH_FOREVER_S = 10 * 365 * 86400.0   # a watch lasts until its app needs us; the app's end or ours closes it
@@ -249,7 +249,7 @@ class SwapService:
             if app is None or app.state != RESIDENT:
                 return False
             self.apps.set_state(pid, PARKING)
-            t0 = now()
+            began = Began()
             try:
                 result = self._park(pid, app.park_deadline_s, app.park_level)
             except Exception as exc:   # noqa: BLE001 - the app stays resident whatever failed; said once per try
@@ -259,10 +259,10 @@ class SwapService:
                 self._log(f"parking swap app {app.name} (pid {pid}) failed, it stays resident: {_reason(exc)}")
                 return False
             app.parks += 1
-            self.stats.switched(pid, app.name, PARK, now() - t0, result)
+            self.stats.switched(pid, app.name, PARK, began, result)
             self.apps.set_state(pid, PARKED)
             self.apps.parked_counts(pid, counted_of(result))   # its need, though its memory was never read
-            self._log(f"parked swap app {app.name} (pid {pid}): {why}; {now() - t0:.3f} s")
+            self._log(f"parked swap app {app.name} (pid {pid}): {why}; {began.seconds():.3f} s")
         return True
 
     def _watch(self, app: SwapApp) -> None:
@@ -346,9 +346,9 @@ class SwapService:
             if app is None or app.state not in (PARKED, ON_DISK):
                 return False
             self.apps.set_state(pid, RESUMING)
-            start = now()
+            began = Began()
             if demand_ns:
-                app.last_wake_ms = round((start * 1e9 - demand_ns) / 1e6, 3)
+                app.last_wake_ms = round((began.mono * 1e9 - demand_ns) / 1e6, 3)
             waking = (f": {app.last_wake_ms} ms from its demanding call to the start of its restore" if demand_ns else "")
             self._log(f"resuming swap app {app.name} (pid {pid}) {why}{waking}"
                       + (f", from its image {app.image}" if app.image else ""))
@@ -365,10 +365,10 @@ class SwapService:
                 return False
             self.disk.resumed(app)
             app.resumes += 1
-            self.stats.switched(pid, app.name, RESUME, now() - start, result)
+            self.stats.switched(pid, app.name, RESUME, began, result)
             app.last_submit = now()
             self.apps.set_state(pid, RESIDENT)
-            self._log(f"resumed swap app {app.name} (pid {pid}) in {now() - start:.3f} s")
+            self._log(f"resumed swap app {app.name} (pid {pid}) in {began.seconds():.3f} s")
         return True
 
     def _resume_with_room(self, app: SwapApp) -> tuple[dict[str, str], Any]:

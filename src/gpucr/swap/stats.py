@@ -110,16 +110,29 @@ def control_of(result: Any, direction: str) -> float | None:
     return phases.get("control_out" if direction == PARK else "control_in")
 
 
+@dataclass(frozen=True)
+class Began:
+    """When a switch began: the wall clock for its timeline (the bench matches it against its requests' arrivals, so
+    it is read at the start: the end's wall clock less a monotonic duration drifts by milliseconds while NTP slews)
+    and the monotonic clock for its duration."""
+    wall: float = field(default_factory=time.time)
+    mono: float = field(default_factory=time.monotonic)
+
+    def seconds(self) -> float:
+        return time.monotonic() - self.mono
+
+
 class SwitchStats:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._apps: dict[int, AppCounts] = {}
         self._recent: deque[Switch] = deque(maxlen=RECENT_SWITCHES)
 
-    def switched(self, pid: int, name: str, direction: str, seconds: float, result: Any) -> None:
-        """A park or resume of app `name` (process pid) done in `seconds` (just now), with the coordinator's result."""
+    def switched(self, pid: int, name: str, direction: str, began: Began, result: Any) -> None:
+        """A park or resume of app `name` (process pid), begun at `began` and done just now, with the coordinator's
+        result."""
         moved, skipped = moved_of(result)
-        s = Switch(name, direction, time.time() - seconds, seconds, moved, skipped, control_of(result, direction))
+        s = Switch(name, direction, began.wall, began.seconds(), moved, skipped, control_of(result, direction))
         with self._lock:
             self._apps.setdefault(pid, AppCounts()).add(s)
             self._recent.append(s)
