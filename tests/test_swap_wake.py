@@ -2,16 +2,27 @@
 driver, a test double), real processes, real sockets, a real `gpucr serve` where the service is under test.
 
 - the agent: a connection that watches is never evicted as idle between two watches, and a demand the server
-  declined does not lock out the next demand of the same closed period."""
+  declined does not lock out the next demand of the same closed period;
+- the service: a watch that ends while its app lives is started again, saying why it ended; and a demand that no
+  watch acted on (the agent told to lose its wakes) is found in the status the server reads each second, the app
+  resumed and the lost wake said loudly."""
 from __future__ import annotations
 
 import json
+import os
+import re
+import signal
 import socket
+import sys
 import threading
 import time
 
-from conftest import gpucr_cli
+import pytest
+
+from conftest import RunningServer, gpucr_cli, kill_all
 from gpucr import target as targets
+from gpucr.workloads.runner import Workload
+from test_swap import _apps, _state, _until
 
 MAX_CLIENTS = 8   # native/agent/channel.c: an agent serves this many connections at once
 EVICT_GRACE_S = 0.6   # a newcomer younger than channel.c's EVICT_GRACE_MS (0.5 s) is not evicted
@@ -99,3 +110,85 @@ def test_a_demand_the_server_declined_does_not_lock_out_the_next_one(sim_app):
     t.join(30)
     assert done == {"done": True}
     assert app.ask("loop stop")["error"] is None
+
+
+# ---- the service ----
+
+@pytest.fixture
+def serve(request):
+    """A `gpucr serve` on simcuda with these flags, and apps under `gpucr run --swap` (driver_app, 8M and 3M) with
+    extra environment; all ended at the end."""
+    servers: list[RunningServer] = []
+    apps: list[Workload] = []
+
+    def server(*flags: str) -> RunningServer:
+        servers.append(RunningServer(True, *flags))
+        return servers[-1]
+
+    def app(name: str, *flags: str, env: dict[str, str] | None = None) -> Workload:
+        argv = [sys.executable, "-m", "gpucr.cli", "run", "--simulate", "--swap", "--name", name, *flags, "--",
+                sys.executable, "-m", "gpucr.workloads.driver_app", "--sizes", "8M,3M"]
+        apps.append(Workload("driver_app", simulate=True, argv=argv, env={**os.environ, **(env or {})}))
+        return apps[-1]
+
+    yield server, app
+    kill_all(apps)
+    for s in servers:
+        s.stop()
+
+
+def _parked(srv: RunningServer, name: str, parks: int = 1) -> None:
+    _until(f"{name} parked", lambda: _apps(srv)[name]["parks"] >= parks and _state(srv, name) == "parked", timeout=30)
+
+
+def test_a_watch_that_ends_while_its_app_lives_is_started_again_and_its_next_demand_resumes_it(serve):
+    """The app stopped (SIGSTOP) under its watch: the server gives the watch up; it is started again once the app
+    runs, saying why it ended, and the next demand after an idle park wakes the app through it."""
+    server, start = serve
+    srv = server()
+    app = start("stopped", "--idle-park", "2")
+    before = app.ask("digest")["digest"]
+    _until("its watch started", lambda: re.search(rf"pid {app.pid}", srv.log.read_text()) and
+           _apps(srv)["stopped"]["held_bytes"], timeout=20)
+    time.sleep(0.6)   # the next swap tick starts the watch
+    os.kill(app.pid, signal.SIGSTOP)
+    try:
+        _until("the watch ended", lambda: "the watch on swap app stopped" in srv.log.read_text(), timeout=20)
+    finally:
+        os.kill(app.pid, signal.SIGCONT)
+    log = srv.log.read_text()
+    assert re.search(rf"the watch on swap app stopped \(pid {app.pid}\) ended: .*stopped \(SIGSTOP\).*watching it "
+                     r"again", log), log
+    assert "no longer woken on demand" not in log
+    _until("watched again", lambda: _apps(srv)["stopped"]["watch_restarts"] >= 1, timeout=20)
+    _parked(srv, "stopped")
+    time.sleep(1.0)   # any restart's backoff over: the watch waits on the parked app's gate
+    assert app.ask("work 1", timeout=30) == {"done": True}   # a launch at the closed gate: demand
+    row = _until("resumed", lambda: (r := _apps(srv)["stopped"])["resumes"] >= 1 and r, timeout=20)
+    assert row["missed_wakes"] == 0, srv.log.read_text()   # its watch woke it, not the net
+    assert re.search(rf"resuming swap app stopped \(pid {app.pid}\) on demand: [\d.]+ ms", srv.log.read_text())
+    app.ask("work -1")
+    assert app.ask("digest")["digest"] == before
+
+
+@pytest.mark.parametrize("reads", ["pin-ahead", "swap-tick"])
+def test_a_demand_no_watch_acted_on_is_found_in_the_status_and_resumes_the_app_loudly(serve, reads):
+    """The agent told to lose its wakes (GPUCR_TEST_LOSE_WAKES: the demand noted, its watch not woken): the status the
+    server reads each second (its pinning-ahead round, or without one the swap tick's own read) shows the demand,
+    and within about a second more the app is resumed, the lost wake said and counted."""
+    server, start = serve
+    srv = server(*(["--give-back-context"] if reads == "swap-tick" else []))
+    app = start("deaf", "--idle-park", "1", env={"GPUCR_TEST_LOSE_WAKES": "1"})
+    before = app.ask("digest")["digest"]
+    _parked(srv, "deaf")
+    t0 = time.monotonic()
+    assert app.ask("work 1", timeout=30) == {"done": True}   # waits at the gate until the net resumes it
+    waited = time.monotonic() - t0
+    row = _until("resumed", lambda: (r := _apps(srv)["deaf"])["resumes"] >= 1 and r, timeout=10)
+    assert row["missed_wakes"] == 1 and waited < 5.0, (row, waited)
+    log = srv.log.read_text()
+    assert re.search(rf"LOST WAKE: swap app deaf \(pid {app.pid}\) has had a demand waiting at its closed gate for "
+                     r"[\d.]+ s that its watch did not act on \(its watch is connected\)", log), log
+    assert re.search(rf"resuming swap app deaf \(pid {app.pid}\) on a demand its watch missed: [\d.]+ ms", log), log
+    app.ask("work -1")
+    assert app.ask("digest")["digest"] == before
