@@ -134,6 +134,7 @@ void gpucr_gate_json(struct jb *j);
  * request (room=1 made, room=2 none). */
 void gpucr_gate_watch(struct jb *j, const char *req, int client_fd);   /* watch.c */
 long long gpucr_gate_demand_ns(void);
+void gpucr_gate_demand_declined(long long demand_ns);
 long gpucr_gate_opens(void);
 int gpucr_gate_demand_fd(void);
 void gpucr_gate_wake_watch(void);

@@ -48,11 +48,22 @@ void gpucr_gate_wake_watch(void)
     if (fd >= 0 && write(fd, &one, sizeof one) < 0) { /* a full counter is already a wake-up */ }
 }
 
-/* The first demanding call at the closed gate since it closed: noted once, the watch woken. */
+/* The first demanding call at the closed gate since it closed (or since the server declined the last one): noted
+ * once, the watch woken. GPUCR_TEST_LOSE_WAKES notes it without the wake: the swap service's net must find it. */
 static void raise_demand(void)
 {
     long long none = 0;
-    if (atomic_compare_exchange_strong(&g_demand_ns, &none, (long long)gpucr_now_ns())) gpucr_gate_wake_watch();
+    if (atomic_compare_exchange_strong(&g_demand_ns, &none, (long long)gpucr_now_ns())
+        && !gpucr_setting_on(SET_TEST_LOSE_WAKES))
+        gpucr_gate_wake_watch();
+}
+
+/* The server declined this demand (not a park of its own, or its resume failed): the next demanding call of this
+ * closed period is noted again, so a later demand is never locked out by one answered already. */
+void gpucr_gate_demand_declined(long long demand_ns)
+{
+    long long seen = demand_ns;
+    if (demand_ns) atomic_compare_exchange_strong(&g_demand_ns, &seen, 0);
 }
 
 /* Through the gate; at the closed gate, wait for it to open: for ever, or (limit_ms > 0) at most that long, then false

@@ -222,7 +222,12 @@ void verbs_handle(const char *req, struct jb *j, struct client *c)
         if (from < 0) reply_error(j, "memory takes from=INDEX");
         else { dp_memory_fds(j, (int)from, c->fds, &c->nfds, STAGING_MAX_SEGS); c->close_sent = c->nfds > 0; }
     }
-    else if (!strcmp(verb, "watch")) gpucr_gate_watch(j, req, c->fd);   /* the swap service: until demand (gate.c) */
+    else if (!strcmp(verb, "watch")) {   /* the swap service: until demand (watch.c) */
+        /* a server's watch lives between two watches too (while it resumes, parks others for room, ...): like a
+         * controller's, its connection is never evicted as idle nor timed out after IDLE_TIMEOUT_S (channel.c) */
+        c->acted = true;
+        gpucr_gate_watch(j, req, c->fd);
+    }
     else if (!strcmp(verb, "contexts")) {   /* the controller asks only while the driver does not hold the process */
         jb_bool(j, "ok", true);
         jb_int(j, "contexts", gpucr_contexts_held());

@@ -19,7 +19,7 @@ struct client {
     bool close_sent;            /* the fds sent are ours to close afterwards (a re-export) */
     int in[MAX_IN_FDS];         /* received with the request (SCM_RIGHTS) */
     int nin;
-    bool acted;                 /* it asked for a change (handle_op): a controller, never evicted as idle */
+    bool acted;                 /* it asked for a change (handle_op) or watches (watch.c): never evicted as idle */
     int slot;                   /* its place in channel.c's slots while it holds it */
     unsigned long id;
 };

@@ -22,9 +22,11 @@ void gpucr_gate_watch(struct jb *j, const char *req, int client_fd)
     /* the verdict on the room request the last watch forwarded: room=1 made, room=2 none */
     if (strstr(req, " room=1")) gpucr_room_verdict(true);
     else if (strstr(req, " room=2")) gpucr_room_verdict(false);
-    /* seen=NS: that demand was answered already (the server did not resume: not its park); wait for another */
+    /* seen=NS: the server declined that demand (not its park, or its resume failed); wait for another, which the
+     * gate notes again from now (a later demand of this closed period is not locked out by the first) */
     const char *seen_at = strstr(req, " seen=");
     long long seen = seen_at ? strtoll(seen_at + 6, NULL, 10) : 0;
+    gpucr_gate_demand_declined(seen);
     int efd = gpucr_gate_demand_fd();
     if (efd < 0) { jb_error(j, "watch: no eventfd can be made"); return; }
     struct pollfd pf[2] = {{.fd = efd, .events = POLLIN}, {.fd = client_fd, .events = POLLIN}};

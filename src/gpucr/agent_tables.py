@@ -66,6 +66,9 @@ SETTINGS: dict[str, Setting] = {
     'GPUCR_TEST_ROLLBACK_DELAY_MS': Setting(
         'GPUCR_TEST_ROLLBACK_DELAY_MS', 'INT_OR_0', '0', 1, 60000, '0 or 1 to 60000',
         "the test suite's stand-in for a busy machine: the agent waits this long before rolling back a checkpoint whose controller went away"),
+    'GPUCR_TEST_LOSE_WAKES': Setting(
+        'GPUCR_TEST_LOSE_WAKES', 'BOOL', '0', 0, 1, '0 or 1',
+        "the test suite's lost wake: a demand at the closed gate is noted (status shows it) but the swap service's watch is not woken"),
 }
 
 # rules.h GPUCR_RUNTIME_DIRS: (setting, suffix); the first set names the runtime dir, its value + suffix

@@ -38,6 +38,7 @@ APP = _obj({
     "bytes_moved": PER_DIRECTION, "bytes_skipped": PER_DIRECTION, "refusals": _obj({r: INT for r in REFUSALS}),
     "last_park_at": NULL_NUM, "last_resume_at": NULL_NUM,
     "last_bytes_per_second": {"type": "object", "additionalProperties": NULL_NUM},
+    "missed_wakes": INT, "watch_restarts": INT,
 })
 GPU = _obj({"uuid": STR, "name": STR, "total_bytes": {**BYTES, "nullable": True},
             "used_bytes": {**BYTES, "nullable": True}, "apps_bytes": BYTES, "server_bytes": BYTES,

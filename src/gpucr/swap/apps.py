@@ -51,6 +51,10 @@ class SwapApp:
     host_bytes: int = 0              # host memory its parked data holds (or a park of it has reserved): the budget's
     vmm_bytes: int = 0               # what its park copies into host memory (its agent's VMM count, all GPUs)
     image: str | None = None         # on disk: the image its data is in
+    demand_ns: int = 0               # its agent's last status: a demand waiting at its closed gate since (0: none)
+    watch_saw_ns: int = 0            # the last demand its watch (or the net for lost wakes) acted on
+    missed_wakes: int = 0            # demands its watch missed, found by the net in the status the server reads
+    watch_restarts: int = 0          # its watch ended while it lived, and was started again
 
     def idle_s(self, at: float) -> float:
         return max(0.0, at - self.last_submit)
@@ -75,7 +79,8 @@ class SwapApp:
                 "resumes": self.resumes, "last_wake_ms": self.last_wake_ms, "why": self.why,
                 "park_deadline_s": self.park_deadline_s, "wait_limit_s": self.wait_limit_s, "waiting": self.waiting,
                 "waiting_s": round(at - self.waiting_since, 3) if self.waiting else None, "any_gpu": self.any_gpu,
-                "park_level": self.park_level, "host_bytes": self.host_bytes, "image": self.image}
+                "park_level": self.park_level, "host_bytes": self.host_bytes, "image": self.image,
+                "missed_wakes": self.missed_wakes, "watch_restarts": self.watch_restarts}
 
 
 class Apps:
@@ -128,6 +133,8 @@ class Apps:
         with self._lock:
             app = self._by_pid.get(pid)
             if app is not None:
+                if state == PARKING:   # a new closed period: a demand read of an earlier one is not this one's
+                    app.demand_ns = 0
                 app.state, app.why = state, why
                 if state == RESIDENT:
                     app.resident_since = now()
@@ -171,6 +178,8 @@ class Apps:
             if last_ns:
                 app.last_submit = max(app.last_submit, last_ns / 1e9)
             app.cuda = bool(status.get("cuda"))
+            if app.state in (PARKED, ON_DISK):   # the net for lost wakes looks at it (SwapService.tick)
+                app.demand_ns = int(swap.get("demand_ns") or 0)
             if status.get("state") != "running" or app.state in (PARKING, PARKED):
                 return   # parked: what it held is in host memory; the agent still lists the sizes
             app.vmm_bytes = sum(int(d.get("vmm_bytes") or 0) for d in status.get("devices") or [])

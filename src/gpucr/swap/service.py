@@ -27,6 +27,8 @@ from .stats import (NO_HOST_ROOM, NO_ROOM, PARK, PARK_FAILED, RESUME, RESUME_FAI
                     counted_of)
 
 WATCH_FOREVER_S = 10 * 365 * 86400.0   # a watch lasts until its app needs us; the app's end or ours closes it
+WATCH_RESTART_S = (0.2, 0.5, 1.0, 2.0, 5.0)   # a watch that ended while its app lives starts again after these
+MISSED_DEMAND_S = 1.0   # a parked app's demand no watch acted on for this long is a lost wake: the net resumes it
 ROOM_MADE, ROOM_NONE = 1, 2   # the verdict the next watch carries to the agent (gate.c)
 ROOM_WAIT_S = 50.0     # the longest a room request waits for a --min-resident to end (the agent waits 60 s)
 RESUME_RETRY_S = 0.5   # a resume short of memory with nobody to park: memory just given back may not be free yet
@@ -178,13 +180,15 @@ class SwapService:
         self.apps.observe(pid, status, counted)
 
     def observe_resident(self) -> None:
-        """With nothing else reading the agents each tick (no pinning ahead), the resident apps' status, once."""
-        self._read_now(self.apps.all())
+        """With nothing else reading the agents each tick (no pinning ahead), the resident apps' status, once, and the
+        parked ones' (a demand at their closed gate that their watch missed: the net in tick)."""
+        self._read_now(self.apps.all(), (RESIDENT, PARKED, ON_DISK))
 
-    def _read_now(self, apps: list[SwapApp]) -> None:
-        """These apps' status read now, the resident ones (the others' memory is parked, their activity stopped)."""
+    def _read_now(self, apps: list[SwapApp], states: tuple[str, ...] = (RESIDENT,)) -> None:
+        """These apps' status read now, those in `states` (by default the resident ones: the others' memory is
+        parked, their activity stopped)."""
         for app in apps:
-            if app.state != RESIDENT:
+            if app.state not in states:
                 continue
             try:
                 with targets.resolve(app.pid).connect() as agent:
@@ -203,13 +207,33 @@ class SwapService:
             if app.cuda and not app.watched:
                 app.watched = True
                 threading.Thread(target=self._watch, args=(app,), daemon=True, name=f"gpucr-swap-{app.pid}").start()
-            if self._idle_for_parking(app, at):
+            if self._missed_demand(app, at):
+                self._resume_missed(app, at)
+            elif self._idle_for_parking(app, at):
                 self.park(app.pid, f"idle {app.idle_s(at):.1f} s (--idle-park {app.idle_park_s:g})")
 
     @staticmethod
     def _idle_for_parking(app: SwapApp, at: float) -> bool:
         return (app.state == RESIDENT and app.idle_park_s is not None and sum(app.held.values()) > 0
                 and app.idle_s(at) >= app.idle_park_s and at - app.resident_since >= app.min_resident_s)
+
+    @staticmethod
+    def _missed_demand(app: SwapApp, at: float) -> bool:
+        """The net for lost wakes: the status the server reads each second shows a demand at the parked app's closed
+        gate (the agent's clock is ours: CLOCK_MONOTONIC) that no watch acted on within MISSED_DEMAND_S."""
+        return (app.state in (PARKED, ON_DISK) and app.demand_ns != 0 and app.demand_ns != app.watch_saw_ns
+                and at - app.demand_ns / 1e9 >= MISSED_DEMAND_S)
+
+    def _resume_missed(self, app: SwapApp, at: float) -> None:
+        """Resume it, said loudly (its watch should have: the next GPU run must tell), beside the tick."""
+        app.watch_saw_ns = app.demand_ns   # acted on, once
+        app.missed_wakes += 1
+        watch = "its watch is connected" if app.pid in self._watches else "no watch is connected to its agent"
+        self._log(f"LOST WAKE: swap app {app.name} (pid {app.pid}) has had a demand waiting at its closed gate for "
+                  f"{at - app.demand_ns / 1e9:.1f} s that its watch did not act on ({watch}); found in its status, "
+                  f"resuming it (missed wakes so far: {app.missed_wakes})")
+        threading.Thread(target=self.resume, args=(app.pid, app.demand_ns, "on a demand its watch missed"),
+                         daemon=True, name=f"gpucr-swap-net-{app.pid}").start()
 
     def _forget(self, app: SwapApp, why: str) -> None:
         if self.apps.drop(app.pid) is not None:
@@ -268,33 +292,63 @@ class SwapService:
     def _watch(self, app: SwapApp) -> None:
         """The app's watch, for its life: its agent answers when a demanding call meets its closed gate (resume it),
         when an allocation asks for room (park others, then say so with the next watch), or when someone else
-        restored it. No polling: one connection, one answer per event."""
-        verdict = seen = 0
-        try:
-            with targets.resolve(app.pid).connect() as agent:
-                self._watches[app.pid] = agent
-                while not self._stopping:
-                    ans = agent.call("watch", timeout=WATCH_FOREVER_S, seen=seen, **({"room": verdict} if verdict else {}))
-                    verdict = 0
-                    woke = ans.get("woke")
-                    if woke in ("demand", "room"):
-                        self._slowed(app, woke)
-                    if woke == "demand" and not self.resume(app.pid, int(ans.get("demand_ns") or 0)):
-                        seen = int(ans.get("demand_ns") or 0)   # not a park of ours: wait for the next demand
-                    elif woke == "room":
-                        verdict = ROOM_MADE if self.make_room(app, ans) else ROOM_NONE
-                    elif woke == "opened":   # restored by someone else (`gpucr restore`)
-                        self._restored_elsewhere(app)
-                    elif woke == "hung up":
-                        return
-        except (OSError, GpucrError) as exc:
+        restored it. No polling: one connection, one answer per event. A watch that ends while the app lives (its
+        agent unreachable, its connection failed or ended by the agent) is started again, why it ended logged; a
+        demand meanwhile is found by the net (tick)."""
+        said, tries = "", 0
+        while not self._stopping and self.apps.get(app.pid) is app:
+            why, answered = self._watch_once(app)
+            if why is None:   # ended by the server itself (the app dropped, or the server stopping)
+                return
             if self._ends_soon(app):
                 self._forget(app, "it ended")
-            elif not self._stopping and self._watches.get(app.pid) is not None:
-                self._log(f"watching swap app {app.name} (pid {app.pid}) failed: {_reason(exc)}; it is no longer woken "
-                          f"on demand (restore it with 'gpucr restore {app.pid}')")
+                return
+            if self._stopping or self.apps.get(app.pid) is not app:
+                return
+            tries = 0 if answered else tries + 1
+            delay = WATCH_RESTART_S[min(tries, len(WATCH_RESTART_S) - 1)]
+            app.watch_restarts += 1
+            if why != said:   # once per reason: an agent that stays unreachable is said once, not every try
+                self._log(f"the watch on swap app {app.name} (pid {app.pid}) ended: {why}; watching it again "
+                          f"(in {delay:g} s, then on; a demand meanwhile is found in the status the server reads)")
+            said = why
+            time.sleep(delay)
+
+    def _watch_once(self, app: SwapApp) -> tuple[str | None, bool]:
+        """One connection's watches, until it ends: why (None: the server ended it), and whether any was answered."""
+        answered = False
+        try:
+            agent = targets.resolve(app.pid).connect()
+        except Exception as exc:   # noqa: BLE001 - whatever failed, the watch is tried again
+            return f"its agent could not be reached: {_reason(exc)}", answered
+        self._watches[app.pid] = agent
+        try:
+            verdict = seen = 0
+            while not self._stopping:
+                ans = agent.call("watch", timeout=WATCH_FOREVER_S, seen=seen, **({"room": verdict} if verdict else {}))
+                answered, verdict, seen = True, 0, 0
+                woke, demand_ns = ans.get("woke"), int(ans.get("demand_ns") or 0)
+                if woke == "demand":
+                    app.watch_saw_ns = demand_ns   # acted on: the net leaves it alone
+                if woke in ("demand", "room"):
+                    self._slowed(app, woke)
+                if woke == "demand" and not self.resume(app.pid, demand_ns):
+                    seen = demand_ns   # declined (not a park of ours, or its resume failed): the agent notes the
+                    #                    next demand of this closed period again
+                elif woke == "room":
+                    verdict = ROOM_MADE if self.make_room(app, ans) else ROOM_NONE
+                elif woke == "opened":   # restored by someone else (`gpucr restore`)
+                    self._restored_elsewhere(app)
+                elif woke not in ("demand", "room"):   # the server did not hang up: the agent saw its fd end or fail
+                    return (None if self._watches.get(app.pid) is not agent
+                            else f"its agent answered {woke!r} though the server did not hang up"), answered
+            return None, answered
+        except Exception as exc:   # noqa: BLE001 - said by the caller, and the watch tried again
+            return (None if self._stopping or self._watches.get(app.pid) is not agent else _reason(exc)), answered
         finally:
-            self._watches.pop(app.pid, None)
+            if self._watches.get(app.pid) is agent:
+                self._watches.pop(app.pid, None)
+            agent.close()
 
     def _restored_elsewhere(self, app: SwapApp) -> None:
         with self._turn(app.pid):   # (our own park or resume holds it: they set the state themselves)

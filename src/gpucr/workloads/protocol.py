@@ -1,8 +1,10 @@
 """The line protocol every workload speaks: a JSON 'ready' line, then one JSON answer per command."""
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
+import signal
 import sys
 from typing import Callable, Iterable, TextIO
 
@@ -27,6 +29,8 @@ def claim_stdout() -> TextIO:
 def serve(handle: Callable[[list[str]], dict], ready: dict, out: TextIO | None = None,
           lines: Iterable[str] | None = None) -> None:
     out = out or sys.stdout
+    # SIGUSR1: every Python thread's stack on stderr, for a test that finds the workload stuck (tests/gpu)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
     print(json.dumps({"ready": True, "pid": os.getpid(), **ready}), file=out, flush=True)
     for line in lines if lines is not None else sys.stdin:
         words = line.split()
