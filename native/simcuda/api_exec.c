@@ -10,7 +10,7 @@
  * the PLT could land in an interposer (gpucr's agent) and be counted twice.
  *
  * Kernels come from two images: a pseudo-image, any NUL-terminated string starting
- * "simcuda-builtin", whose functions are the builtins below; and gpucr's own fatbin, whose two
+ * "simcuda-builtin", whose functions are the builtins below; and gpucr's own fatbin, whose
  * kernels run in C (gpucr_kernels.c). A kernel validates its pointer arguments like the copies
  * do, and fails with CUDA_ERROR_ILLEGAL_ADDRESS instead of faulting.
  *
@@ -40,8 +40,9 @@ static bool reaches(const struct sim_ctx *ctx, uintptr_t p, size_t n, int need)
     return sim_mem_accessible(ctx, p, n, need, SIM_ENGINE_SM);
 }
 
-static CUresult k_fill_u32(const struct sim_ctx *ctx, void **params)
+static CUresult k_fill_u32(const struct sim_ctx *ctx, CUstream stream, void **params)
 {
+    (void)stream;
     uintptr_t p = ARG(CUdeviceptr, 0);
     unsigned v = ARG(unsigned, 1);
     unsigned long long n = ARG(unsigned long long, 2);
@@ -56,8 +57,9 @@ static CUresult k_fill_u32(const struct sim_ctx *ctx, void **params)
     return rc;
 }
 
-static CUresult k_add_u32(const struct sim_ctx *ctx, void **params)
+static CUresult k_add_u32(const struct sim_ctx *ctx, CUstream stream, void **params)
 {
+    (void)stream;
     uintptr_t p = ARG(CUdeviceptr, 0);
     unsigned v = ARG(unsigned, 1);
     unsigned long long n = ARG(unsigned long long, 2);
@@ -73,8 +75,9 @@ static CUresult k_add_u32(const struct sim_ctx *ctx, void **params)
 }
 
 /* A long-running kernel: holds no lock, only its place in the API gate. */
-static CUresult k_spin_ms(const struct sim_ctx *ctx, void **params)
+static CUresult k_spin_ms(const struct sim_ctx *ctx, CUstream stream, void **params)
 {
+    (void)stream;
     (void)ctx;
     unsigned ms = ARG(unsigned, 0);
     struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
@@ -83,8 +86,9 @@ static CUresult k_spin_ms(const struct sim_ctx *ctx, void **params)
     return CUDA_SUCCESS;
 }
 
-static CUresult k_checksum_u32(const struct sim_ctx *ctx, void **params)
+static CUresult k_checksum_u32(const struct sim_ctx *ctx, CUstream stream, void **params)
 {
+    (void)stream;
     uintptr_t p = ARG(CUdeviceptr, 0);
     unsigned long long n = ARG(unsigned long long, 1);
     uintptr_t out = ARG(CUdeviceptr, 2);
@@ -105,7 +109,7 @@ static CUresult k_checksum_u32(const struct sim_ctx *ctx, void **params)
 struct builtin {
     const char *name;
     unsigned nparams;
-    CUresult (*run)(const struct sim_ctx *ctx, void **params);
+    CUresult (*run)(const struct sim_ctx *ctx, CUstream stream, void **params);
 };
 
 static const struct builtin builtins[] = {
@@ -119,6 +123,8 @@ static const struct builtin builtins[] = {
 static const struct builtin gpucr_kernels[] = {
     {"gpucr_zero_scan", 3, sim_k_gpucr_zero_scan},
     {"gpucr_digest", 3, sim_k_gpucr_digest},
+    {"gpucr_scan_table", 4, sim_k_gpucr_scan_table},
+    {"gpucr_check_table", 4, sim_k_gpucr_check_table},
 };
 #define NGPUCR (sizeof(gpucr_kernels) / sizeof(gpucr_kernels[0]))
 #define MAX_FUNCS (NBUILTINS > NGPUCR ? NBUILTINS : NGPUCR)
@@ -877,7 +883,7 @@ static CUresult launch_kernel(CUfunction f, unsigned gx, unsigned gy, unsigned g
             return CUDA_ERROR_INVALID_VALUE;
     /* The grid shape does not matter: a builtin does all of its work in one call. No lock is
      * held here, so a long kernel only occupies its place in the API gate. */
-    return b->run(c, params);
+    return b->run(c, stream, params);
 }
 SIMAPI CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
                                unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,

@@ -213,6 +213,7 @@ class Vmm:
                            ("cuDeviceCanAccessPeer", (ctypes.POINTER(i), i, i)),
                            ("cuEventCreate", (ctypes.POINTER(p), ctypes.c_uint)), ("cuEventRecord", (p, p)),
                            ("cuEventSynchronize", (p,)), ("cuEventDestroy_v2", (p,)),
+                           ("cuStreamWaitEvent", (p, p, ctypes.c_uint)),
                            ("cuMemHostAlloc", (ctypes.POINTER(p), sz, ctypes.c_uint)), ("cuMemFreeHost", (p,)),
                            ("cuModuleLoadData", (ctypes.POINTER(p), p)), ("cuModuleUnload", (p,)),
                            ("cuModuleGetFunction", (ctypes.POINTER(p), p, ctypes.c_char_p)),
@@ -345,6 +346,10 @@ class Vmm:
 
     def wait_event(self, event: int) -> None:
         self._ok(self._cu.cuEventSynchronize(ctypes.c_void_p(event)), "cuEventSynchronize")
+
+    def wait_for(self, stream: int, event: int) -> None:
+        """Work queued next on `stream` runs after what `event` recorded (on another stream), the host not waiting."""
+        self._ok(self._cu.cuStreamWaitEvent(ctypes.c_void_p(stream), ctypes.c_void_p(event), 0), "cuStreamWaitEvent")
 
     def destroy_event(self, event: int) -> None:
         self._ok(self._cu.cuEventDestroy_v2(ctypes.c_void_p(event)), "cuEventDestroy")
