@@ -164,7 +164,8 @@ def memcpy_rate(gib: int = 8) -> None:
 
 
 def fill_rate(gib: int = int(os.environ.get("EXP_FILL_GIB", "16"))) -> None:
-    from gpucr.driver import Vmm, controller_driver
+    from gpucr.driver import controller_driver
+    from gpucr.vmm import Vmm
     vmm = Vmm(controller_driver())
     ctx = vmm.retain_context(0)
     vmm.use(ctx)
@@ -259,7 +260,8 @@ def fill_rate(gib: int = int(os.environ.get("EXP_FILL_GIB", "16"))) -> None:
 
 
 def fill_matrix(gib: int = int(os.environ.get("EXP_FILL_GIB", "8"))) -> None:
-    from gpucr.driver import Vmm, controller_driver
+    from gpucr.driver import controller_driver
+    from gpucr.vmm import Vmm
     vmm = Vmm(controller_driver())
     ctx = vmm.retain_context(0)
     vmm.use(ctx)
@@ -395,7 +397,8 @@ def fill_matrix(gib: int = int(os.environ.get("EXP_FILL_GIB", "8"))) -> None:
 def kernel_rate(gib: int = int(os.environ.get("EXP_KERNEL_GIB", "32")),
                 runs: int = int(os.environ.get("EXP_KERNEL_RUNS", "7"))) -> None:
     from gpucr.dataplane import kernels as kmod
-    from gpucr.driver import Vmm, controller_driver
+    from gpucr.driver import controller_driver
+    from gpucr.vmm import Vmm
     vmm = Vmm(controller_driver())
     ctx = vmm.retain_context(0)
     vmm.use(ctx)
@@ -490,7 +493,7 @@ def split_map(vmm, ctx: int, count: int, size: int) -> dict:
     """Where a map's time goes (reserve, map, set access, each per allocation), against one reservation for all
     with one cuMemSetAccess over the whole range (ms per allocation)."""
     import ctypes as C
-    from gpucr.driver import _AccessDesc, _MemLocation, _DEVICE, _READ_WRITE
+    from gpucr.vmm import _AccessDesc, _MemLocation, _DEVICE, _READ_WRITE
     cu = vmm._cu
     acc = (_AccessDesc * 1)(_AccessDesc(location=_MemLocation(_DEVICE, 0), flags=_READ_WRITE))
     hs = [vmm.create(size, 0) for _ in range(count)]
@@ -530,7 +533,8 @@ def split_map(vmm, ctx: int, count: int, size: int) -> dict:
 
 
 def vmm_calls(count: int = int(os.environ.get("EXP_VMM_COUNT", "1500")), size: int = 20 << 20) -> None:
-    from gpucr.driver import Vmm, controller_driver
+    from gpucr.driver import controller_driver
+    from gpucr.vmm import Vmm
     vmm = Vmm(controller_driver())
     ctx = vmm.retain_context(0)
     vmm.use(ctx)

@@ -17,7 +17,8 @@ from gpucr.dataplane.digest import CHUNK
 from gpucr.dataplane.kernels import Kernels
 from gpucr.dataplane.scan import Scanner
 from gpucr.dataplane.sweep import Sweep, parts_of
-from gpucr.driver import DriverError, Vmm, driver_for
+from gpucr.driver import DriverError, driver_for
+from gpucr.vmm import Vmm
 from gpucr.errors import GpucrError
 
 CUDA_ERROR_INVALID_IMAGE, CUDA_ERROR_ILLEGAL_STATE, CUDA_ERROR_NOT_FOUND, CUDA_ERROR_ILLEGAL_ADDRESS = 200, 401, 500, 700

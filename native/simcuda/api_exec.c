@@ -504,11 +504,12 @@ SIMAPI CUresult cuMemcpyPeerAsync_ptsz(CUdeviceptr dstDevice, CUcontext dstConte
 
 /* ---- memsets ---- */
 
-/* A memset runs on the device like a kernel: no unified-addressing reach into other devices. */
-static CUresult memset_n(uintptr_t dst, uint32_t value, unsigned elem, size_t n, CUstream stream)
+/* A memset runs on the device like a kernel: no unified-addressing reach into other devices. *pos: its
+ * place in the stream's order. */
+static CUresult memset_at(uintptr_t dst, uint32_t value, unsigned elem, size_t n, CUstream stream, struct sim_pos *pos)
 {
     struct sim_ctx *c;
-    CUresult rc = work_ctx(stream, &c);
+    CUresult rc = work_at(stream, &c, pos);
     if (rc != CUDA_SUCCESS || n == 0)
         return rc;
     if (dst % elem != 0 || n > SIZE_MAX / elem)
@@ -528,6 +529,23 @@ static CUresult memset_n(uintptr_t dst, uint32_t value, unsigned elem, size_t n,
     return rc;
 }
 
+static CUresult memset_n(uintptr_t dst, uint32_t value, unsigned elem, size_t n, CUstream stream)
+{
+    struct sim_pos p;
+    return memset_at(dst, value, elem, n, stream, &p);
+}
+
+/* An asynchronous memset, like an asynchronous copy, is remembered by the memory it writes: not unmapped, nor
+ * read by gpucr's check, before it is ordered first (noted). */
+static CUresult memset_async(uintptr_t dst, uint32_t value, unsigned elem, size_t n, CUstream stream)
+{
+    struct sim_pos p;
+    CUresult rc = memset_at(dst, value, elem, n, stream, &p);
+    if (rc == CUDA_SUCCESS && n)
+        sim_vmm_note_work(dst, n * elem, p);
+    return rc;
+}
+
 SIMAPI CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N) { SIM_GATED(memset_n(U(dstDevice), uc, 1, N, NULL)); }
 SIMAPI CUresult cuMemsetD8_v2_ptds(CUdeviceptr dstDevice, unsigned char uc, size_t N) { SIM_GATED(memset_n(U(dstDevice), uc, 1, N, NULL)); }
 SIMAPI CUresult cuMemsetD16_v2(CUdeviceptr dstDevice, unsigned short us, size_t N) { SIM_GATED(memset_n(U(dstDevice), us, 2, N, NULL)); }
@@ -537,27 +555,27 @@ SIMAPI CUresult cuMemsetD32_v2_ptds(CUdeviceptr dstDevice, unsigned int ui, size
 
 SIMAPI CUresult cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream)
 {
-    SIM_GATED(memset_n(U(dstDevice), uc, 1, N, hStream));
+    SIM_GATED(memset_async(U(dstDevice), uc, 1, N, hStream));
 }
 SIMAPI CUresult cuMemsetD8Async_ptsz(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream)
 {
-    SIM_GATED(memset_n(U(dstDevice), uc, 1, N, hStream));
+    SIM_GATED(memset_async(U(dstDevice), uc, 1, N, hStream));
 }
 SIMAPI CUresult cuMemsetD16Async(CUdeviceptr dstDevice, unsigned short us, size_t N, CUstream hStream)
 {
-    SIM_GATED(memset_n(U(dstDevice), us, 2, N, hStream));
+    SIM_GATED(memset_async(U(dstDevice), us, 2, N, hStream));
 }
 SIMAPI CUresult cuMemsetD16Async_ptsz(CUdeviceptr dstDevice, unsigned short us, size_t N, CUstream hStream)
 {
-    SIM_GATED(memset_n(U(dstDevice), us, 2, N, hStream));
+    SIM_GATED(memset_async(U(dstDevice), us, 2, N, hStream));
 }
 SIMAPI CUresult cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream)
 {
-    SIM_GATED(memset_n(U(dstDevice), ui, 4, N, hStream));
+    SIM_GATED(memset_async(U(dstDevice), ui, 4, N, hStream));
 }
 SIMAPI CUresult cuMemsetD32Async_ptsz(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream)
 {
-    SIM_GATED(memset_n(U(dstDevice), ui, 4, N, hStream));
+    SIM_GATED(memset_async(U(dstDevice), ui, 4, N, hStream));
 }
 
 /* ---- streams ---- */

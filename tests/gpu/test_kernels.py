@@ -14,7 +14,8 @@ from gpucr.dataplane.chunks import chunk_count
 from gpucr.dataplane.digest import CHUNK
 from gpucr.dataplane.kernels import Kernels
 from gpucr.dataplane.sweep import Sweep
-from gpucr.driver import Vmm, driver_for
+from gpucr.driver import driver_for
+from gpucr.vmm import Vmm
 
 from conftest import gpu
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..driver import Vmm
+from ..vmm import Vmm
 from ..errors import GpucrError
 from .chunks import DIGEST_BYTES, chunk_count
 

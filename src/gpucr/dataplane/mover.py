@@ -20,7 +20,8 @@ import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from ..driver import Driver, DriverError, Vmm, process_gpu_memory
+from ..driver import Driver, DriverError, process_gpu_memory
+from ..vmm import Vmm
 from ..errors import GpucrError
 from ..target import process_ended, process_start_time
 from .checked import Checker, Taken, forget_zeroed, note_zero, note_zeros, stage_data, staged_zeros
@@ -97,7 +98,9 @@ class Mover(StagingMaker):
         self._wanted = 0
         self._ordinals: dict[str, int] | None = None
         self._ctx: dict[int, tuple[int, list[int]]] = {}      # ordinal -> (context, copy streams)
-        self._kstreams: dict[int, int] = {}                   # context -> the stream its kernels run on
+        # context -> the stream its kernels run on, and the one a fill's zero chunks are set on: neither waits for the
+        # copies, so a part all zero is set and checked while the copies of others still run
+        self._side: dict[int, tuple[int, int]] = {}
         self._taken: dict[Owner, Taken] = {}   # process -> what its last copy out took: plan, zero chunks, digests
         self.said: Callable[[str], None] = lambda line: None   # where the server's log lines go
         self.held = Held(self.vmm, lambda: self.plane_wait_s, lambda line: self.said(line))   # each process's staging
@@ -300,6 +303,7 @@ class Mover(StagingMaker):
         fds: list[tuple[int, int]] = []           # (index, fd) of it, exported as it is made
         placed: list[tuple[int, int, int, int, int]] = []   # (size, seg, off, va, dev)
         where: dict[int, tuple[int, int, int, int, int]] = {}   # the same by allocation index
+        touched: dict[int, set[int]] = {}   # GPU -> the streams that wrote its parts not checked yet (a fill)
         turn = 0
         # routes through idle NVLink neighbours of the process's GPUs (lanes.py), chosen before anything is
         # mapped: each mapping must let the neighbours' copy engines reach it
@@ -340,8 +344,9 @@ class Mover(StagingMaker):
                 if out:
                     (note_zero if zero else stage_data)(g, off + start, length)
                 if zero and not out:   # nothing to carry over the link
-                    turn += 1
-                    self.vmm.memset(va + start, length, streams[turn % len(streams)])
+                    s = self._side[ctx][1]
+                    self.vmm.memset(va + start, length, s)
+                    touched.setdefault(dev, set()).add(s)
                     st.zeroed += length
                     continue
                 if ring is not None:   # the staging is not pinned here: through the ring, a piece at a time
@@ -356,6 +361,7 @@ class Mover(StagingMaker):
                     else:
                         s = streams[turn % len(streams)]
                         (self.vmm.d2h(host, dva, n, s) if out else self.vmm.h2d(dva, host, n, s))
+                        touched.setdefault(dev, set()).add(s)
             st.bytes += hi - lo
             st.allocations += lo == 0
             st.queue_s += time.perf_counter() - tq
@@ -413,7 +419,7 @@ class Mover(StagingMaker):
                     if checker is not None:   # after this part's copies, beside the next ones
                         checker.add(dev, ctx, idx, va, lo, n)
                         if checker.due(dev) and ring is None and routing.share(dev) == 1:   # else once all are synced
-                            checker.launch(dev, self._ctx[dev][1])
+                            checker.launch(dev, sorted(touched.pop(dev, ())))   # after what wrote its parts
                     if scanner is not None:
                         scanner.add(dev, ctx, idx, va, lo, n)
                         if not early:
@@ -509,7 +515,7 @@ class Mover(StagingMaker):
 
     def _kernel_stream(self, ctx: int) -> int:
         """The stream gpucr's kernels run on in ctx, beside its copy streams (ordered after them by events)."""
-        return self._kstreams[ctx]
+        return self._side[ctx][0]
 
     def _sync(self, placed: list[tuple[int, int, int, int, int]], ring: Ring | None, quiet: bool = False) -> None:
         """Every straight copy queued so far on the process's GPUs done; quiet: errors aside, each GPU still
@@ -519,7 +525,7 @@ class Mover(StagingMaker):
         for ctx, streams in [self._ctx[d] for d in {p[4] for p in placed} if d in self._ctx]:
             try:
                 self.vmm.use(ctx)
-                for s in [*streams, self._kstreams[ctx]]:   # the kernels too: they read what is unmapped next
+                for s in [*streams, *self._side[ctx]]:   # the kernels and zero chunks too: on what is unmapped next
                     self.vmm.sync(s)
             except DriverError:
                 if not quiet:
@@ -577,10 +583,10 @@ class Mover(StagingMaker):
             try:
                 self.vmm.use(ctx)
                 streams = [self.vmm.stream() for _ in range(STREAMS)]
-                self._kstreams[ctx] = self.vmm.stream()
+                self._side[ctx] = (self.vmm.stream(), self.vmm.stream())
                 self.kernels.load(ctx)   # here, once per context: a copy never waits for a module to load
             except (DriverError, GpucrError):
-                self._kstreams.pop(ctx, None)
+                self._side.pop(ctx, None)
                 self.vmm.release_context(dev)
                 raise
             self._ctx[dev] = (ctx, streams)
@@ -588,7 +594,7 @@ class Mover(StagingMaker):
 
     def _release_context(self, dev: int) -> None:
         """The context on `dev` given back, gpucr's kernels unloaded from it first (their result buffers are in it)."""
-        self._kstreams.pop(self._ctx[dev][0], None)
+        self._side.pop(self._ctx[dev][0], None)
         try:
             self.kernels.unload(self._ctx[dev][0])
         except DriverError:

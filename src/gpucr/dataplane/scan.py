@@ -66,12 +66,13 @@ class Scanner:
 
     def ready(self, every: bool = False) -> list[Part]:
         """The parts whose results came back since the last call, in the order added: those of every batch launched
-        but the newest (which runs while the next allocations are mapped); every: all, the rest launched first."""
+        but the newest, waited for, and the newest too if it is done (else it runs while the next allocations are
+        mapped); every: all, the rest launched first."""
         if every:
             for sweep in self.sweeps.by_dev.values():
                 self._launch(sweep)
-        todo = self._launched if every else self._launched[:-1]
-        self._launched = [] if every else self._launched[-1:]
+        keep = 0 if every or not self._launched or self._launched[-1][0].done(self._launched[-1][1]) else 1
+        todo, self._launched = self._launched[:len(self._launched) - keep], self._launched[len(self._launched) - keep:]
         t0, out = time.perf_counter(), []
         for sweep, batch in todo:
             for part, zero, digests in sweep.read(batch):

@@ -6,8 +6,9 @@ added: the batch's slice of the range table (and, for the check, of the checkpoi
 on the kernel stream, which then waits for the copy streams' events when the kernel must read what they wrote
 (a restore's check), and one launch sweeps every chunk of the batch. All of a sweep lives in one buffer taken from
 the kernels' kept ones: the table, then the scan's zero flags and digests or the check's expected digests and its
-verdict, mirrored in pinned host memory. A scan's batch is read back on its own event; a check sends back only a
-mismatch count and the first mismatching chunk, once, at the end.
+verdict, mirrored in pinned host memory. The scan writes its results straight into the host's copy (no copy back
+that could queue behind a copy out's on the copy engine), read once its batch's event is done; a check sends back
+only a mismatch count and the first mismatching chunk, once, at the end.
 """
 from __future__ import annotations
 
@@ -65,21 +66,25 @@ class Sweep:
         self.vmm, self.ctx, self.stream, self.kind = kernels.vmm, ctx, stream, kind
         self.function = kernels.function(ctx, kind)
         self.capacity = (ranges, chunks)
-        self.table = 0
+        table = _up(ranges * RANGE.size)   # the buffer: the table first, then the results at these two offsets
         if kind == "scan":   # flags, then digests
-            self.out = (_up(ranges * RANGE.size), _up(ranges * RANGE.size) + _up(chunks))
+            self.out, end = (table, table + _up(chunks)), table + _up(chunks) + chunks * DIGEST_BYTES
         else:                # expected digests, then the verdict
-            self.out = (_up(ranges * RANGE.size), _up(ranges * RANGE.size) + chunks * DIGEST_BYTES)
+            self.out, end = (table, table + chunks * DIGEST_BYTES), table + chunks * DIGEST_BYTES + VERDICT.size
         self._buffers = kernels.buffers
-        self.buf: _Buffer | None = kernels.buffers.take(ctx, self.out[1] + (chunks * DIGEST_BYTES if kind == "scan" else VERDICT.size))
+        self.buf: _Buffer | None = kernels.buffers.take(ctx, end)
         self.parts: list[Part] = []
         self.chunks = 0      # chunks added
         self._sent = 0       # parts launched
         self._waits: dict[int, int] = {}   # copy stream -> its event the kernel stream waits on (re-recorded per batch)
         self._batches: list[Batch] = []    # launched, not read yet
+        self._results = 0   # where the kernel writes its results: the scan's straight into the host's copy
         try:
-            if kind == "check":   # no mismatch yet, and none first
-                self.vmm.use(ctx)
+            self.vmm.use(ctx)
+            if kind == "scan":   # read by the host as soon as its kernel is done, no copy queued behind copies out
+                self._results = self.vmm.mapped(self.buf.host)
+            else:   # no mismatch yet, and none first; on the GPU: its atomics stay there
+                self._results = self.buf.dev
                 self.vmm.memset(self._dev(self.out[1]), 8, stream)
                 self.vmm.memset(self._dev(self.out[1] + 8), 8, stream, 0xFF)
         except Exception:
@@ -136,18 +141,20 @@ class Sweep:
             vmm.record(self._waits[copies], copies)
             vmm.wait_for(s, self._waits[copies])
         args = [ctypes.c_uint64(self._dev(self._sent * RANGE.size)), ctypes.c_uint64(len(parts)),
-                ctypes.c_uint64(self._dev(self.out[0])), ctypes.c_uint64(self._dev(self.out[1]))]
+                ctypes.c_uint64(self._results + self.out[0]), ctypes.c_uint64(self._results + self.out[1])]
         vmm.launch(self.function, min(n, MAX_GRID), THREADS, s, args)
         self._sent = len(self.parts)
         if self.kind == "check":
             return None
-        vmm.d2h(self._host(self.out[0] + first), self._dev(self.out[0] + first), n, s)
-        vmm.d2h(self._host(self.out[1] + first * DIGEST_BYTES), self._dev(self.out[1] + first * DIGEST_BYTES),
-                n * DIGEST_BYTES, s)
         batch = Batch(parts, vmm.event())
         self._batches.append(batch)
         vmm.record(batch.event, s)
         return batch
+
+    def done(self, batch: Batch) -> bool:
+        """Whether a scan's batch can be read without waiting."""
+        self.vmm.use(self.ctx)
+        return self.vmm.done(batch.event)
 
     def read(self, batch: Batch) -> list[tuple[Part, list[bool], list[bytes]]]:
         """A scan's batch, once its kernel is done: each part with its chunks' zero flags and digests."""
