@@ -22,7 +22,9 @@
    non-zero memory (it leaves each chunk at its first non-zero batch), the digest, for 256, 512 and 1024
    threads a block, each timed to the end of its stream and again with its results read into Python (_read);
    next to a device-to-device copy of the same memory (read + write) as the bound; and the fatbin's load time
-   in a fresh context.
+   in a fresh context. Then the data plane's table kernels (gpucr.dataplane.sweep), 512 threads, over the same
+   memory cut into 1 GiB parts, one launch each kind: the scan (zero flags and digests, read back) and the
+   check (digests compared on the GPU with those the scan took, one verdict back).
 8. vmm-calls: what each driver call of a fill and of an adopt costs per allocation, for EXP_VMM_COUNT (1500)
    allocations of 20 MiB (torch's expandable segments): create, map (reserve + map + access), export, then
    import + map as the agent's adopt does, by 1, 2 and 4 threads at once, with the link idle and with a copy
@@ -162,7 +164,8 @@ def memcpy_rate(gib: int = 8) -> None:
 
 
 def fill_rate(gib: int = int(os.environ.get("EXP_FILL_GIB", "16"))) -> None:
-    from gpucr.driver import Vmm, controller_driver
+    from gpucr.driver import controller_driver
+    from gpucr.vmm import Vmm
     vmm = Vmm(controller_driver())
     ctx = vmm.retain_context(0)
     vmm.use(ctx)
@@ -257,7 +260,8 @@ def fill_rate(gib: int = int(os.environ.get("EXP_FILL_GIB", "16"))) -> None:
 
 
 def fill_matrix(gib: int = int(os.environ.get("EXP_FILL_GIB", "8"))) -> None:
-    from gpucr.driver import Vmm, controller_driver
+    from gpucr.driver import controller_driver
+    from gpucr.vmm import Vmm
     vmm = Vmm(controller_driver())
     ctx = vmm.retain_context(0)
     vmm.use(ctx)
@@ -393,7 +397,8 @@ def fill_matrix(gib: int = int(os.environ.get("EXP_FILL_GIB", "8"))) -> None:
 def kernel_rate(gib: int = int(os.environ.get("EXP_KERNEL_GIB", "32")),
                 runs: int = int(os.environ.get("EXP_KERNEL_RUNS", "7"))) -> None:
     from gpucr.dataplane import kernels as kmod
-    from gpucr.driver import Vmm, controller_driver
+    from gpucr.driver import controller_driver
+    from gpucr.vmm import Vmm
     vmm = Vmm(controller_driver())
     ctx = vmm.retain_context(0)
     vmm.use(ctx)
@@ -443,17 +448,52 @@ def kernel_rate(gib: int = int(os.environ.get("EXP_KERNEL_GIB", "32")),
             print(json.dumps(rows[-1]), flush=True)
     half = n // 2
     copy = tbps(lambda: vmm.d2d(va + half, va, half, stream))   # half read and half written: n bytes of traffic
+    kmod.THREADS = 512
+    tables = table_rates(k, ctx, stream, va, n, runs)
     vmm.free(va)
     k.close()
     emit(experiment="kernel-rate", bytes=n, runs=runs, module_load_s=round(load_s, 4), rows=rows,
-         d2d_copy_read_plus_write_tbps=round(copy, 3))
+         d2d_copy_read_plus_write_tbps=round(copy, 3), **tables)
+
+
+def table_rates(k, ctx: int, stream: int, va: int, n: int, runs: int) -> dict:
+    """The table kernels over [va, va + n) in 1 GiB parts, one sweep each, timed to its results on the host (TB/s,
+    median of runs): the scan with its flags and digests read back, the check with its verdict."""
+    from gpucr.dataplane.chunks import chunk_count
+    from gpucr.dataplane.sweep import PART, Sweep, parts_of
+    parts = parts_of(n, PART)
+
+    def sweep(kind: str, digests: list[bytes]):
+        s = Sweep(k, ctx, stream, kind, len(parts), chunk_count(n))
+        try:
+            for at, size in parts:
+                first = at // (2 << 20)
+                s.add(0, first, va + at, size, b"".join(digests[first:first + chunk_count(size)]) if kind == "check" else b"")
+            if kind == "scan":
+                return [d for _p, _z, ds in s.read(s.flush()) for d in ds]
+            return s.verdict()
+        finally:
+            s.close()
+
+    taken = sweep("scan", [])
+    out = {}
+    for kind in ("scan", "check"):
+        samples = []
+        for _ in range(runs):
+            t0 = time.perf_counter()
+            got = sweep(kind, taken)
+            samples.append(n / (time.perf_counter() - t0) / 1e12)
+        assert got == taken if kind == "scan" else got == (0, None), "the table kernels disagree with themselves"
+        out[f"{kind}_table_tbps"] = round(statistics.median(samples), 3)
+    print(json.dumps(out), flush=True)
+    return out
 
 
 def split_map(vmm, ctx: int, count: int, size: int) -> dict:
     """Where a map's time goes (reserve, map, set access, each per allocation), against one reservation for all
     with one cuMemSetAccess over the whole range (ms per allocation)."""
     import ctypes as C
-    from gpucr.driver import _AccessDesc, _MemLocation, _DEVICE, _READ_WRITE
+    from gpucr.vmm import _AccessDesc, _MemLocation, _DEVICE, _READ_WRITE
     cu = vmm._cu
     acc = (_AccessDesc * 1)(_AccessDesc(location=_MemLocation(_DEVICE, 0), flags=_READ_WRITE))
     hs = [vmm.create(size, 0) for _ in range(count)]
@@ -493,7 +533,8 @@ def split_map(vmm, ctx: int, count: int, size: int) -> dict:
 
 
 def vmm_calls(count: int = int(os.environ.get("EXP_VMM_COUNT", "1500")), size: int = 20 << 20) -> None:
-    from gpucr.driver import Vmm, controller_driver
+    from gpucr.driver import controller_driver
+    from gpucr.vmm import Vmm
     vmm = Vmm(controller_driver())
     ctx = vmm.retain_context(0)
     vmm.use(ctx)

@@ -13,6 +13,7 @@ from gpucr.errors import GpucrError
 from gpucr import memory as server_memory
 from gpucr import paths
 from gpucr.agent import AgentClient
+from gpucr.dataplane.sweep import STEP_ENV
 from gpucr.target import agent_socket_name
 from conftest import gpucr_cli
 
@@ -119,3 +120,31 @@ def test_no_scan_turns_both_parts_off_for_its_cycle(reused_server, sim_app):
     assert gpucr.status(app.pid).state == "checkpointed"
     assert gpucr.restore(app.pid, accept_mismatch=True).state == "running"
     assert app.ask("digest")["digest"] == before["digest"], "flipped twice: the bytes it had before"
+
+
+@pytest.fixture
+def small_sweeps(monkeypatch, request):
+    """A gpucr server whose scans and checks go in parts and batches of one 2 MiB chunk (GPUCR_TEST_SWEEP_BYTES)."""
+    monkeypatch.setenv(STEP_ENV, str(2 * MiB))
+    return request.getfixturevalue("server")
+
+
+def test_scan_and_check_run_part_by_part_beside_the_copies(small_sweeps, sim_app):
+    """Each part's copies out are queued once its scan comes back, the next parts scanned meanwhile, and a fill checks
+    each part once its copies are queued, on the kernel stream after them (simcuda refuses a check its copies are not
+    ordered before): byte-exact over cycles, the zero chunks skipped, every chunk checked, a damaged byte named."""
+    app = sim_app("--sizes", "16M,8M,100K")
+    app.ask("zero 0")
+    before = app.ask("digest")
+    for cycle in range(3):
+        ck = gpucr.checkpoint(app.pid)
+        assert ck.scanned and ck.bytes_zero_skipped == (16 * MiB if cycle else 0), ck
+        rs = gpucr.restore(app.pid)
+        assert rs.state == "running" and app.ask("digest") == before, f"cycle {cycle}"
+        assert rs.checked and rs.chunks_checked == rs.bytes_moved // (2 * MiB) == 12 and rs.bytes_zeroed == 16 * MiB, rs
+    gpucr.checkpoint(app.pid)
+    [seg] = staging_fds(app.pid)
+    flip_byte(seg, 5 * MiB + 3)   # the 8 MiB of data come first in the staging: its chunk 2
+    with pytest.raises(GpucrError, match=r"in 1 chunk: allocation \d+ chunk 2 .*--accept-mismatch"):
+        gpucr.restore(app.pid)
+    assert gpucr.restore(app.pid, accept_mismatch=True).state == "running"

@@ -267,7 +267,8 @@ def test_the_clis_ring_makes_no_pageable_copy(sim_app, monkeypatch):
     the ring is pinned (the staging is not), every byte is back, and once done this process holds nothing on
     the GPU and no thread of the ring."""
     from gpucr.dataplane import mover as mv
-    from gpucr.driver import Vmm, sim_pageable_async_copies
+    from gpucr.driver import sim_pageable_async_copies
+    from gpucr.vmm import Vmm
     monkeypatch.setenv("GPUCR_NO_SERVER", "1")
     monkeypatch.setattr(mv, "CHUNK", 1 * MiB)
     pins: list[int] = []

@@ -130,7 +130,8 @@ def test_an_adopt_that_fails_part_way_leaves_the_process_parked_whole(sim_app, m
 def test_a_driver_call_failing_in_a_restore_is_reported_by_name(sim_app, monkeypatch):
     """The data plane's cuMemCreate fails while it makes the process's memory again: the error names the call,
     the process stays checkpointed with its data in staging, and the next restore completes."""
-    from gpucr.driver import DriverError, Vmm
+    from gpucr.driver import DriverError
+    from gpucr.vmm import Vmm
     app = sim_app("--sizes", "16M")
     before = app.ask("digest")
     gpucr.checkpoint(app.pid)

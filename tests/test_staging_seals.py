@@ -100,7 +100,8 @@ def test_simcuda_never_faults_on_a_pinned_range_whose_file_was_truncated(tmp_pat
         import ctypes, mmap, os, sys
         sys.path.insert(0, {str(ROOT / "src")!r})
         from gpucr import paths
-        from gpucr.driver import DriverError, Vmm, driver_for
+        from gpucr.driver import DriverError, driver_for
+        from gpucr.vmm import Vmm
         vmm = Vmm(driver_for(str(paths.simcuda_dir() / "libcuda.so.1")))
         vmm.use(vmm.retain_context(0))
         s, n = vmm.stream(), 4 << 20

@@ -10,7 +10,7 @@
  * the PLT could land in an interposer (gpucr's agent) and be counted twice.
  *
  * Kernels come from two images: a pseudo-image, any NUL-terminated string starting
- * "simcuda-builtin", whose functions are the builtins below; and gpucr's own fatbin, whose two
+ * "simcuda-builtin", whose functions are the builtins below; and gpucr's own fatbin, whose
  * kernels run in C (gpucr_kernels.c). A kernel validates its pointer arguments like the copies
  * do, and fails with CUDA_ERROR_ILLEGAL_ADDRESS instead of faulting.
  *
@@ -40,8 +40,9 @@ static bool reaches(const struct sim_ctx *ctx, uintptr_t p, size_t n, int need)
     return sim_mem_accessible(ctx, p, n, need, SIM_ENGINE_SM);
 }
 
-static CUresult k_fill_u32(const struct sim_ctx *ctx, void **params)
+static CUresult k_fill_u32(const struct sim_ctx *ctx, CUstream stream, void **params)
 {
+    (void)stream;
     uintptr_t p = ARG(CUdeviceptr, 0);
     unsigned v = ARG(unsigned, 1);
     unsigned long long n = ARG(unsigned long long, 2);
@@ -56,8 +57,9 @@ static CUresult k_fill_u32(const struct sim_ctx *ctx, void **params)
     return rc;
 }
 
-static CUresult k_add_u32(const struct sim_ctx *ctx, void **params)
+static CUresult k_add_u32(const struct sim_ctx *ctx, CUstream stream, void **params)
 {
+    (void)stream;
     uintptr_t p = ARG(CUdeviceptr, 0);
     unsigned v = ARG(unsigned, 1);
     unsigned long long n = ARG(unsigned long long, 2);
@@ -73,8 +75,9 @@ static CUresult k_add_u32(const struct sim_ctx *ctx, void **params)
 }
 
 /* A long-running kernel: holds no lock, only its place in the API gate. */
-static CUresult k_spin_ms(const struct sim_ctx *ctx, void **params)
+static CUresult k_spin_ms(const struct sim_ctx *ctx, CUstream stream, void **params)
 {
+    (void)stream;
     (void)ctx;
     unsigned ms = ARG(unsigned, 0);
     struct timespec ts = {.tv_sec = ms / 1000, .tv_nsec = (long)(ms % 1000) * 1000000L};
@@ -83,8 +86,9 @@ static CUresult k_spin_ms(const struct sim_ctx *ctx, void **params)
     return CUDA_SUCCESS;
 }
 
-static CUresult k_checksum_u32(const struct sim_ctx *ctx, void **params)
+static CUresult k_checksum_u32(const struct sim_ctx *ctx, CUstream stream, void **params)
 {
+    (void)stream;
     uintptr_t p = ARG(CUdeviceptr, 0);
     unsigned long long n = ARG(unsigned long long, 1);
     uintptr_t out = ARG(CUdeviceptr, 2);
@@ -105,7 +109,7 @@ static CUresult k_checksum_u32(const struct sim_ctx *ctx, void **params)
 struct builtin {
     const char *name;
     unsigned nparams;
-    CUresult (*run)(const struct sim_ctx *ctx, void **params);
+    CUresult (*run)(const struct sim_ctx *ctx, CUstream stream, void **params);
 };
 
 static const struct builtin builtins[] = {
@@ -119,6 +123,8 @@ static const struct builtin builtins[] = {
 static const struct builtin gpucr_kernels[] = {
     {"gpucr_zero_scan", 3, sim_k_gpucr_zero_scan},
     {"gpucr_digest", 3, sim_k_gpucr_digest},
+    {"gpucr_scan_table", 4, sim_k_gpucr_scan_table},
+    {"gpucr_check_table", 4, sim_k_gpucr_check_table},
 };
 #define NGPUCR (sizeof(gpucr_kernels) / sizeof(gpucr_kernels[0]))
 #define MAX_FUNCS (NBUILTINS > NGPUCR ? NBUILTINS : NGPUCR)
@@ -498,11 +504,12 @@ SIMAPI CUresult cuMemcpyPeerAsync_ptsz(CUdeviceptr dstDevice, CUcontext dstConte
 
 /* ---- memsets ---- */
 
-/* A memset runs on the device like a kernel: no unified-addressing reach into other devices. */
-static CUresult memset_n(uintptr_t dst, uint32_t value, unsigned elem, size_t n, CUstream stream)
+/* A memset runs on the device like a kernel: no unified-addressing reach into other devices. *pos: its
+ * place in the stream's order. */
+static CUresult memset_at(uintptr_t dst, uint32_t value, unsigned elem, size_t n, CUstream stream, struct sim_pos *pos)
 {
     struct sim_ctx *c;
-    CUresult rc = work_ctx(stream, &c);
+    CUresult rc = work_at(stream, &c, pos);
     if (rc != CUDA_SUCCESS || n == 0)
         return rc;
     if (dst % elem != 0 || n > SIZE_MAX / elem)
@@ -522,6 +529,23 @@ static CUresult memset_n(uintptr_t dst, uint32_t value, unsigned elem, size_t n,
     return rc;
 }
 
+static CUresult memset_n(uintptr_t dst, uint32_t value, unsigned elem, size_t n, CUstream stream)
+{
+    struct sim_pos p;
+    return memset_at(dst, value, elem, n, stream, &p);
+}
+
+/* An asynchronous memset, like an asynchronous copy, is remembered by the memory it writes: not unmapped, nor
+ * read by gpucr's check, before it is ordered first (noted). */
+static CUresult memset_async(uintptr_t dst, uint32_t value, unsigned elem, size_t n, CUstream stream)
+{
+    struct sim_pos p;
+    CUresult rc = memset_at(dst, value, elem, n, stream, &p);
+    if (rc == CUDA_SUCCESS && n)
+        sim_vmm_note_work(dst, n * elem, p);
+    return rc;
+}
+
 SIMAPI CUresult cuMemsetD8_v2(CUdeviceptr dstDevice, unsigned char uc, size_t N) { SIM_GATED(memset_n(U(dstDevice), uc, 1, N, NULL)); }
 SIMAPI CUresult cuMemsetD8_v2_ptds(CUdeviceptr dstDevice, unsigned char uc, size_t N) { SIM_GATED(memset_n(U(dstDevice), uc, 1, N, NULL)); }
 SIMAPI CUresult cuMemsetD16_v2(CUdeviceptr dstDevice, unsigned short us, size_t N) { SIM_GATED(memset_n(U(dstDevice), us, 2, N, NULL)); }
@@ -531,27 +555,27 @@ SIMAPI CUresult cuMemsetD32_v2_ptds(CUdeviceptr dstDevice, unsigned int ui, size
 
 SIMAPI CUresult cuMemsetD8Async(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream)
 {
-    SIM_GATED(memset_n(U(dstDevice), uc, 1, N, hStream));
+    SIM_GATED(memset_async(U(dstDevice), uc, 1, N, hStream));
 }
 SIMAPI CUresult cuMemsetD8Async_ptsz(CUdeviceptr dstDevice, unsigned char uc, size_t N, CUstream hStream)
 {
-    SIM_GATED(memset_n(U(dstDevice), uc, 1, N, hStream));
+    SIM_GATED(memset_async(U(dstDevice), uc, 1, N, hStream));
 }
 SIMAPI CUresult cuMemsetD16Async(CUdeviceptr dstDevice, unsigned short us, size_t N, CUstream hStream)
 {
-    SIM_GATED(memset_n(U(dstDevice), us, 2, N, hStream));
+    SIM_GATED(memset_async(U(dstDevice), us, 2, N, hStream));
 }
 SIMAPI CUresult cuMemsetD16Async_ptsz(CUdeviceptr dstDevice, unsigned short us, size_t N, CUstream hStream)
 {
-    SIM_GATED(memset_n(U(dstDevice), us, 2, N, hStream));
+    SIM_GATED(memset_async(U(dstDevice), us, 2, N, hStream));
 }
 SIMAPI CUresult cuMemsetD32Async(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream)
 {
-    SIM_GATED(memset_n(U(dstDevice), ui, 4, N, hStream));
+    SIM_GATED(memset_async(U(dstDevice), ui, 4, N, hStream));
 }
 SIMAPI CUresult cuMemsetD32Async_ptsz(CUdeviceptr dstDevice, unsigned int ui, size_t N, CUstream hStream)
 {
-    SIM_GATED(memset_n(U(dstDevice), ui, 4, N, hStream));
+    SIM_GATED(memset_async(U(dstDevice), ui, 4, N, hStream));
 }
 
 /* ---- streams ---- */
@@ -877,7 +901,7 @@ static CUresult launch_kernel(CUfunction f, unsigned gx, unsigned gy, unsigned g
             return CUDA_ERROR_INVALID_VALUE;
     /* The grid shape does not matter: a builtin does all of its work in one call. No lock is
      * held here, so a long kernel only occupies its place in the API gate. */
-    return b->run(c, params);
+    return b->run(c, stream, params);
 }
 SIMAPI CUresult cuLaunchKernel(CUfunction f, unsigned int gridDimX, unsigned int gridDimY, unsigned int gridDimZ,
                                unsigned int blockDimX, unsigned int blockDimY, unsigned int blockDimZ,

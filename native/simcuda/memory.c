@@ -679,6 +679,21 @@ void sim_vmm_note_work(uintptr_t p, size_t n, struct sim_pos pos)
     sim_mem_unlock();
 }
 
+bool sim_vmm_work_ordered(CUstream s, uintptr_t p, size_t n)
+{
+    size_t i;
+    if (n == 0 || !sim_mem_in_arena(p) || !map_find(p, &i))
+        return true;
+    bool ordered = true;
+    pthread_mutex_lock(&work_mu);
+    for (; ordered && i < mem.nmaps && mem.maps[i]->va < p + n; i++)
+        for (int k = 0; ordered && k < SIM_MAP_WORK; k++)
+            if (mem.maps[i]->work[k].seq)
+                ordered = sim_order_relation(s, mem.maps[i]->work[k]) != 0;
+    pthread_mutex_unlock(&work_mu);
+    return ordered;
+}
+
 /* Whether an asynchronous copy the host has not seen complete still touches mappings i.. below end. */
 static bool work_pending(size_t i, uintptr_t end)
 {

@@ -271,6 +271,9 @@ bool sim_order_done(const struct sim_clock *ev);
 bool sim_order_pos_done(struct sim_pos p);
 /* An asynchronous copy at p touched [ptr, ptr + n): its mappings are not unmapped before p is seen done. */
 void sim_vmm_note_work(uintptr_t ptr, size_t n, struct sim_pos p);
+/* Whether work enqueued next on s is ordered after every asynchronous copy that touched the mappings of
+ * [ptr, ptr + n) (a kernel that reads what copies wrote must be); the caller holds the memory lock. */
+bool sim_vmm_work_ordered(CUstream s, uintptr_t ptr, size_t n);
 /* How the next work on s is ordered after p (0: it is not): on the same stream, through events
  * waited on, or because the host saw p complete. */
 enum { SIM_ORDER_SAME_STREAM = 1, SIM_ORDER_EVENTS = 2, SIM_ORDER_COMPLETE = 4 };
@@ -315,11 +318,14 @@ void sim_unheld_exit(void);
 
 /* ---- gpucr_kernels.c: gpucr's own kernels ---- */
 
-/* Whether a module image is gpucr's kernels' fatbin (its header, and both kernels' names in it). */
+/* Whether a module image is gpucr's kernels' fatbin (its header, and every kernel's name in it). */
 bool sim_gpucr_image(const void *image);
-/* The kernels, params as cuLaunchKernel's: (base, nbytes, out). */
-CUresult sim_k_gpucr_digest(const struct sim_ctx *ctx, void **params);
-CUresult sim_k_gpucr_zero_scan(const struct sim_ctx *ctx, void **params);
+/* The kernels, params as cuLaunchKernel's: (base, nbytes, out) over one range; (table, n, out, out2) over
+ * a table of ranges in device memory. stream: the one they were launched on. */
+CUresult sim_k_gpucr_digest(const struct sim_ctx *ctx, CUstream stream, void **params);
+CUresult sim_k_gpucr_zero_scan(const struct sim_ctx *ctx, CUstream stream, void **params);
+CUresult sim_k_gpucr_scan_table(const struct sim_ctx *ctx, CUstream stream, void **params);
+CUresult sim_k_gpucr_check_table(const struct sim_ctx *ctx, CUstream stream, void **params);
 
 #pragma GCC visibility pop
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .agent import close_held
-from .driver import AllocFlags
+from .vmm import AllocFlags
 
 
 @dataclass

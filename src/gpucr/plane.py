@@ -20,8 +20,8 @@ class Stats:
     zero_skipped: int = 0         # of those, in chunks all zero: not copied out (staging holds zeros there)
     checked: bool = False         # the fill's new memory was digested and compared with the checkpoint's (fill)
     digests_compared: int = 0     # chunks compared
-    scan_s: float = 0.0           # the copy out's scan, before its copies
-    check_s: float = 0.0          # the fill's digests and comparison, after its copies
+    scan_s: float = 0.0           # the copy out's waits for its scan (in parts beside the copies: its copies wait here)
+    check_s: float = 0.0          # the fill's check after its copies (the rest of it ran under them): its cost
     seconds: float = 0.0
     pin_s: float = 0.0            # pinning staging not pinned here before (the first cycle of a process)
     wait_s: float = 0.0           # waiting for the data plane (another copy, or pinning ahead, holding it)

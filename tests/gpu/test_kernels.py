@@ -1,6 +1,6 @@
 """gpucr's kernels from the checked-in fatbin on the real GPU, bit-equal to the CPU reference
 (gpucr.dataplane.digest): random data, zero chunks, one byte at chunk edges, odd tails, many chunks, several
-ranges in one enqueue. The CPU suite holds simcuda's C copy to the same reference (tests/test_kernels_sim.py)."""
+ranges in one enqueue; the data plane's table kernels (scan and check) likewise, the check ordered after copies. The CPU suite holds simcuda's C copy to the same reference (tests/test_kernels_sim.py)."""
 from __future__ import annotations
 
 import ctypes
@@ -10,9 +10,12 @@ import time
 import pytest
 
 from gpucr.dataplane import digest
+from gpucr.dataplane.chunks import chunk_count
 from gpucr.dataplane.digest import CHUNK
 from gpucr.dataplane.kernels import Kernels
-from gpucr.driver import Vmm, driver_for
+from gpucr.dataplane.sweep import Sweep
+from gpucr.driver import driver_for
+from gpucr.vmm import Vmm
 
 from conftest import gpu
 
@@ -83,3 +86,61 @@ def test_many_chunks_and_several_ranges(dev):
     zeros, digests = k.enqueue_zero_scan(ctx, ranges, stream), k.enqueue_digests(ctx, ranges, stream)
     assert digests.read() == [digest.digests(data[a - va:a - va + n]) for a, n in ranges]
     assert zeros.read() == [digest.zero_chunks(data[a - va:a - va + n]) for a, n in ranges]
+
+
+def test_the_table_kernels_agree_with_the_reference_and_find_a_changed_chunk(dev):
+    """The data plane's kernels (sweep.py) over ranges with tails, in two launches: the scan's flags and digests are
+    the reference's; the check of those digests finds nothing, and with one digest changed names that chunk."""
+    vmm, ctx, stream, k, va, _ = dev
+    data = bytearray(os.urandom(ROOM))
+    data[3 * CHUNK:5 * CHUNK] = bytes(2 * CHUNK)
+    put(vmm, stream, va, bytes(data))
+    ranges = [(0, 7 * CHUNK + 100), (16, 100), (80 * CHUNK, 80 * CHUNK + 4096), (8 * CHUNK, CHUNK)]
+    chunks = sum(chunk_count(n) for _a, n in ranges)
+    scan, check = (Sweep(k, ctx, stream, kind, len(ranges), chunks) for kind in ("scan", "check"))
+    try:
+        for i, (at, n) in enumerate(ranges[:2]):
+            scan.add(i, 0, va + at, n)
+        first = scan.flush()
+        for i, (at, n) in enumerate(ranges[2:], 2):
+            scan.add(i, 0, va + at, n)
+        got = scan.read(first) + scan.read(scan.flush())
+        assert [z for _p, z, _d in got] == [digest.zero_chunks(data[a:a + n]) for a, n in ranges]
+        assert [d for _p, _z, d in got] == [digest.digests(data[a:a + n]) for a, n in ranges]
+        for i, ((at, n), (_p, _z, d)) in enumerate(zip(ranges, got)):
+            wrong = b"".join(d)
+            if i == 2:   # its chunk 5's digest, one bit off
+                wrong = wrong[:5 * 16] + bytes([wrong[5 * 16] ^ 1]) + wrong[5 * 16 + 1:]
+            check.add(i, 0, va + at, n, wrong)
+            if i == 1:
+                check.flush()
+        assert check.verdict() == (1, (2, 5))
+    finally:
+        scan.close()
+        check.close()
+
+
+def test_a_check_waits_for_the_copies_of_its_memory_on_other_streams(dev):
+    """As a fill checks: 256 MiB copied in on two streams, the check queued on the kernel stream after their events,
+    before the host waits for anything: it sees every copied byte."""
+    vmm, ctx, stream, k, va, _ = dev
+    copies, n = [vmm.stream(), vmm.stream()], 128 * CHUNK
+    data = os.urandom(n)
+    host = vmm.host_alloc(n)
+    try:
+        ctypes.memmove(host, data, n)
+        vmm.memset(va, n, stream)
+        vmm.sync(stream)
+        check = Sweep(k, ctx, stream, "check", 2, chunk_count(n))
+        try:
+            for j, at in enumerate((0, n // 2)):
+                vmm.h2d(va + at, host + at, n // 2, copies[j])
+                check.add(0, at // CHUNK, va + at, n // 2, b"".join(digest.digests(data[at:at + n // 2])))
+            check.flush(copies)
+            assert check.verdict() == (0, None)
+        finally:
+            check.close()
+    finally:
+        for s in copies:
+            vmm.sync(s)
+        vmm.host_free(host)

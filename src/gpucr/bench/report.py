@@ -174,7 +174,8 @@ def zero_table(res: dict[str, Any]) -> list[str]:
     if not rows:
         return []
     return ["", "Zero chunks and the checked resume (issue 26): GiB each way, what crossed the link, and the times over "
-            "max(non-zero bytes / ceiling, control):", "",
+            "max(non-zero bytes / ceiling, control); scan s: what the copies out waited for the scan, check s: the check "
+            "after the last copy in (the rest of both runs beside the copies):", "",
             "| workload | method | zero scan | check | scanned GiB | skipped as zero GiB | over link out GiB | "
             "zeroed at restore GiB | over link in GiB | scan s | check s | check / restore | non-zero GiB | "
             "x non-zero bound (ckpt / restore) |", "|" + " --- |" * 14, *rows]

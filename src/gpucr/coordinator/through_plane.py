@@ -122,9 +122,9 @@ def _server_phases(m: _Member, st: Stats) -> None:
     if st.wait_s >= 0.001:
         m.result["phases_s"]["server_wait"] = st.wait_s
     if st.scan_s:
-        m.result["phases_s"]["server_scan"] = st.scan_s     # a copy out's zero scan and digests, before its copies
+        m.result["phases_s"]["server_scan"] = st.scan_s     # a copy out's waits for its zero scan and digests
     if st.checked:
-        m.result["phases_s"]["server_check"] = st.check_s   # a fill's digests compared, before the fds went back
+        m.result["phases_s"]["server_check"] = st.check_s   # a fill's check after its copies, before the fds went back
     # where the copy's own seconds went on the server's thread (the copy engines ran meanwhile): a copy
     # slower than the link shows whether the server made, queued, waited or exported
     m.result["phases_s"].update(server_stage=st.stage_s, server_make=st.make_s, server_queue=st.queue_s,

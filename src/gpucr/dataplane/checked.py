@@ -1,6 +1,6 @@
 """What the mover keeps of a checkpoint for the fill (issue 26): each allocation's zero chunks, not copied out and
-set by a memset at the fill, and each chunk's digest, compared with the new memory's before its fds are handed
-back, so a resume whose bytes differ is refused naming the allocation and the chunk.
+set by a memset at the fill, and each chunk's digest, compared on the GPU with the new memory's (under the fill's
+copies) before its fds are handed back, so a resume whose bytes differ is refused naming the allocation and the chunk.
 
 A zero chunk crosses the link only where the staging does not hold zeros there already from this mover's last
 copy out of the process (Segment.zeroed, kept while the plan stays the same and forgotten when a copy fails): the
@@ -15,10 +15,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from ..errors import GpucrError
-from .chunks import CHUNK
+from .chunks import CHUNK, chunk_count
 from .kernels import Kernels
 from .pinned import Segment
-from .scan import AllocationScan, Mapped, describe_mismatches, mismatches, scan
+from .scan import AllocationScan
+from .sweep import Sweeps, room
 
 Plan = list[tuple[int, int, int, int]]   # [(index, bytes, segment, offset)]
 Spans = dict[int, list[tuple[int, int]]]   # allocation index -> [(offset, bytes)] in it
@@ -40,22 +41,58 @@ class Taken:
         return sum(len(s.digests) for s in self.scans.values())
 
 
-def scan_taken(kernels: Kernels, mapped: Sequence[Mapped], stream_of: Callable[[int], int]) -> dict[int, AllocationScan]:
-    """Zero flags and digests of every allocation the copy out mapped, before any of it is copied."""
-    return scan(kernels, mapped, stream_of, zero=True, digests=True)
+class Checker:
+    """A fill's check: each part's new memory hashed on the GPU once its copies have landed and compared there with the
+    digests taken at the checkpoint, on each GPU's kernel stream, so the check runs under the copies and only its last
+    batch after them. Only a mismatch count and the first mismatching chunk come back. Allocations given as (index, GPU,
+    bytes), in parts of at most `step` bytes, a check due once `step` bytes are added on a GPU; those `taken` has no
+    digests of are not checked."""
+
+    def __init__(self, kernels: Kernels, stream_of: Callable[[int], int], sizes: Sequence[tuple[int, int, int]],
+                 taken: Taken, step: int) -> None:
+        self.taken, self.step = taken.scans, step
+        self.sweeps = Sweeps(kernels, "check", stream_of, room([(dev, n) for i, dev, n in sizes if i in self.taken], step))
+
+    def add(self, dev: int, ctx: int, index: int, va: int, at: int, size: int) -> None:
+        """Bytes [at, at + size) of allocation `index`, mapped at va (its start) in ctx on GPU dev, whose copies (and
+        memsets) are queued: checked after them."""
+        if index in self.taken:
+            k = at // CHUNK
+            self.sweeps.of(dev, ctx).add(index, k, va + at, size, b"".join(self.taken[index].digests[k:k + chunk_count(size)]))
+
+    def due(self, dev: int) -> bool:
+        sweep = self.sweeps.by_dev.get(dev)
+        return sweep is not None and sweep.queued() >= self.step
+
+    def launch(self, dev: int, copies: Sequence[int]) -> None:
+        """A check of what was added on GPU dev since the last, after the work queued so far on the streams `copies`."""
+        self.sweeps.by_dev[dev].flush(copies)
+
+    def finish(self) -> int:
+        """What is left checked (every copy done: the caller synchronised them) and the verdict: the chunks compared;
+        GpucrError naming the first chunk that differs on each GPU."""
+        found, count = [], 0
+        for sweep in self.sweeps.by_dev.values():
+            n, first = sweep.verdict()
+            count += n
+            found += [first] if first else []
+        if count:
+            raise GpucrError(f"the restored memory differs from its checkpoint in {describe_mismatches(found, count)}: the "
+                             "staging was damaged after the checkpoint; the process stays checkpointed. Restore it from "
+                             "an image if one was written, or accept its bytes as they are: gpucr restore "
+                             "--accept-mismatch PID")
+        return sum(sweep.chunks for sweep in self.sweeps.by_dev.values())
+
+    def close(self, failed: bool = False) -> None:
+        self.sweeps.close(failed)
 
 
-def check_filled(kernels: Kernels, mapped: Sequence[Mapped], stream_of: Callable[[int], int], taken: Taken) -> int:
-    """The new memory's digests compared with those taken at the checkpoint (its copies synchronised); returns
-    the chunks compared. GpucrError naming each chunk that differs."""
-    now = scan(kernels, mapped, stream_of, zero=False, digests=True)
-    found = mismatches({i: s for i, s in taken.scans.items() if i in now}, now)
-    if found:
-        raise GpucrError(f"the restored memory differs from its checkpoint in {describe_mismatches(found)}: the "
-                         "staging was damaged after the checkpoint; the process stays checkpointed. Restore it from "
-                         "an image if one was written, or accept its bytes as they are: gpucr restore "
-                         "--accept-mismatch PID")
-    return sum(len(s.digests) for s in now.values())
+def describe_mismatches(first: Sequence[tuple[int, int]], count: int) -> str:
+    """The chunks whose bytes differ from their checkpoint, named for a refusal: the first of each GPU as allocation,
+    chunk and bytes, and how many more."""
+    named = ", ".join(f"allocation {i} chunk {k} (bytes {k * CHUNK}-{(k + 1) * CHUNK - 1})" for i, k in first)
+    more = count - len(first)
+    return f"{count} chunk{'s' if count > 1 else ''}: {named}" + (f" and {more} more" if more > 0 else "")
 
 
 def forget_zeroed(segments: Sequence[Segment]) -> None:

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Any, Callable, Iterable
 
-from ..driver import Vmm
+from ..vmm import Vmm
 from ..errors import GpucrError
 from ..plane import Stats
 from .layout import reach

@@ -7,6 +7,8 @@ starts, or retains a context), never inside a copy.
 
 Each scan is enqueued on a stream, so it runs beside copies on other streams, and read afterwards: the
 enqueue_ forms give a Pending, whose read() waits for the scan's own event. zero_scan and digests do both.
+The data plane runs the table kernels instead, one launch over many allocations (sweep.py); it takes its
+buffers here and its functions by kind.
 The small result buffers are kept per context and reused, never freed while copies run (cuMemFree may wait
 for the whole device); unload() frees them.
 """
@@ -18,12 +20,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-from ..driver import Vmm
+from ..vmm import Vmm
 from ..errors import GpucrError
 from .chunks import DIGEST_BYTES, chunk_count
 
 FATBIN = Path(__file__).resolve().parent.parent / "_kernels" / "gpucr_kernels.fatbin"
-NAMES = {"zero": "gpucr_zero_scan", "digest": "gpucr_digest"}
+NAMES = {"zero": "gpucr_zero_scan", "digest": "gpucr_digest",   # over one range (a launch each)
+         "scan": "gpucr_scan_table", "check": "gpucr_check_table"}   # over a table of ranges (sweep.py)
 RESULT_BYTES = {"zero": 1, "digest": DIGEST_BYTES}   # per chunk
 THREADS = 512          # per block: a multiple of 32 (the kernels reduce by warps)
 MAX_GRID = 1 << 16     # blocks; the kernels stride over any further chunks
@@ -182,6 +185,19 @@ class Kernels:
         for ctx in list(self._modules):
             self.unload(ctx)
 
+    @property
+    def buffers(self) -> _Buffers:
+        """The result buffers kept per context (a sweep takes its one buffer here)."""
+        return self._buffers
+
+    def function(self, ctx: int, kind: str) -> int:
+        """The kernel `kind` (a key of NAMES) as loaded into ctx."""
+        module = self._modules.get(ctx)
+        if module is None:
+            raise GpucrError(f"gpucr's kernels were not loaded into context {ctx:#x}: load them when the context is "
+                             "retained (Kernels.load), never inside a copy")
+        return module.functions[kind]
+
     def enqueue_zero_scan(self, ctx: int, ranges: Sequence[tuple[int, int]], stream: int) -> Pending:
         """For each (device address, bytes) in ranges, one flag per 2 MiB chunk: all zero."""
         return self._enqueue(ctx, "zero", ranges, stream)
@@ -197,10 +213,7 @@ class Kernels:
         return self.enqueue_digests(ctx, [(dva, nbytes)], stream).read()[0]
 
     def _enqueue(self, ctx: int, kind: str, ranges: Sequence[tuple[int, int]], stream: int) -> Pending:
-        module = self._modules.get(ctx)
-        if module is None:
-            raise GpucrError(f"gpucr's kernels were not loaded into context {ctx:#x}: load them when the context is "
-                             "retained (Kernels.load), never inside a copy")
+        function = self.function(ctx, kind)
         for dva, nbytes in ranges:
             if dva % ALIGN or nbytes < 0:
                 raise GpucrError(f"a scan of {nbytes} bytes at {dva:#x}: the range must start {ALIGN}-byte aligned "
@@ -211,7 +224,7 @@ class Kernels:
             for (dva, nbytes), n in zip(ranges, pending.counts):
                 if n:
                     args = [ctypes.c_uint64(dva), ctypes.c_uint64(nbytes), ctypes.c_uint64(out)]
-                    self.vmm.launch(module.functions[kind], min(n, MAX_GRID), THREADS, stream, args)
+                    self.vmm.launch(function, min(n, MAX_GRID), THREADS, stream, args)
                 out += n * RESULT_BYTES[kind]
             if pending.size:
                 self.vmm.d2h(pending.buf.host, pending.buf.dev, pending.size, stream)

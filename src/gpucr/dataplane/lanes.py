@@ -17,7 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Iterable
 
-from ..driver import DriverError, Vmm
+from ..driver import DriverError
+from ..vmm import Vmm
 from .links import Links, Neighbour
 
 SLOTS = 4    # pieces in flight through one neighbour (its memory while a copy runs: SLOTS x the piece size)

@@ -15,7 +15,8 @@ import os
 import time
 from dataclasses import dataclass
 
-from ..driver import Driver, DriverError, Vmm, gpu_processes, nvlinked
+from ..driver import Driver, DriverError, gpu_processes, nvlinked
+from ..vmm import Vmm
 
 
 LOOK_EVERY_S = 0.002   # the most a neighbour may have been busy, unseen, while a piece still went through it

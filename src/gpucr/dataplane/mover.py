@@ -13,16 +13,18 @@ any mover (a new server, or the CLI's own: cli_plane.py) restores from it.
 """
 from __future__ import annotations
 
+import bisect
 import os
 import threading
 import time
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator
 
-from ..driver import Driver, DriverError, Vmm, process_gpu_memory
+from ..driver import Driver, DriverError, process_gpu_memory
+from ..vmm import Vmm
 from ..errors import GpucrError
 from ..target import process_ended, process_start_time
-from .checked import Taken, check_filled, forget_zeroed, note_zero, note_zeros, scan_taken, stage_data, staged_zeros
+from .checked import Checker, Taken, forget_zeroed, note_zero, note_zeros, stage_data, staged_zeros
 from .kernels import Kernels
 from .lanes import Routing
 from .layout import checked_plan as _checked_plan, reach as _reach
@@ -33,7 +35,8 @@ from .held import Held, Owner
 from .pinned import Segment
 from .pinned import pin as pin_segment
 from .ring import Piece, Ring
-from .scan import Mapped
+from .scan import Scanner
+from .sweep import Part, parts_of, step as sweep_step
 from .staging_make import StagingMaker
 
 Spans = dict[int, list[tuple[int, int]]]   # allocation index -> [(offset, bytes)] in it
@@ -52,19 +55,25 @@ def owner(pid: int) -> Owner:
         raise GpucrError(f"process {pid} has ended") from exc
 
 
-def _spans(size: int, zero: list[tuple[int, int]]) -> Iterator[tuple[int, int, bool]]:
-    """[0, size) as (start, bytes, zero) spans in order, `zero` ([(offset, bytes)]) marking those to set to zero."""
-    at = 0
-    for off, n in sorted(zero):
-        off, end = max(off, at), min(off + n, size)
+def _spans(lo: int, hi: int, zero: list[tuple[int, int]]) -> Iterator[tuple[int, int, bool]]:
+    """[lo, hi) as (start, bytes, zero) spans in order, `zero` ([(offset, bytes)], sorted) marking those to set to zero."""
+    at = lo
+    for off, n in zero:
+        off, end = max(off, at), min(off + n, hi)
         if end <= off:
             continue
         if off > at:
             yield at, off - at, False
         yield off, end - off, True
         at = end
-    if at < size:
-        yield at, size - at, False
+    if at < hi:
+        yield at, hi - at, False
+
+
+def _within(zero: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The spans of `zero` (sorted, not overlapping) that reach into [lo, hi): a part's, without a walk over them all."""
+    first = max(bisect.bisect_right(zero, (lo, 1 << 62)) - 1, 0)
+    return [z for z in zero[first:bisect.bisect_left(zero, (hi, 0))] if z[0] + z[1] > lo]
 
 
 class Mover(StagingMaker):
@@ -88,7 +97,10 @@ class Mover(StagingMaker):
         self._wanting = threading.Lock()   # guards _wanted: copies waiting for or holding the data plane
         self._wanted = 0
         self._ordinals: dict[str, int] | None = None
-        self._ctx: dict[int, tuple[int, list[int]]] = {}      # ordinal -> (context, streams)
+        self._ctx: dict[int, tuple[int, list[int]]] = {}      # ordinal -> (context, copy streams)
+        # context -> the stream its kernels run on, and the one a fill's zero chunks are set on: neither waits for the
+        # copies, so a part all zero is set and checked while the copies of others still run
+        self._side: dict[int, tuple[int, int]] = {}
         self._taken: dict[Owner, Taken] = {}   # process -> what its last copy out took: plan, zero chunks, digests
         self.said: Callable[[str], None] = lambda line: None   # where the server's log lines go
         self.held = Held(self.vmm, lambda: self.plane_wait_s, lambda line: self.said(line))   # each process's staging
@@ -279,8 +291,9 @@ class Mover(StagingMaker):
         declared, plan = _checked_plan(layout)
         taken = self._taken.get(who) if self._took(who, plan) else None
         # zero chunks set on the GPU at a fill: an image's, or those this mover found at the checkpoint; a copy
-        # out's are found once every allocation is mapped (_scan_out)
+        # out's are found by its scan as each allocation is mapped (scan.py)
         zeros: Spans = dict(image) if image is not None else taken.zeros() if taken and not out else {}
+        zeros = {i: sorted(z) for i, z in zeros.items()}
         by_index = {m.index: m for m in memory}
         ring = self._ring_for(who, plan, out, image is not None)
         if not out:
@@ -289,7 +302,8 @@ class Mover(StagingMaker):
         made: list[tuple[int, int]] = []          # (index, handle) of new memory (fill)
         fds: list[tuple[int, int]] = []           # (index, fd) of it, exported as it is made
         placed: list[tuple[int, int, int, int, int]] = []   # (size, seg, off, va, dev)
-        regions: list[Mapped] = []                # what is mapped, for the kernels' scans
+        where: dict[int, tuple[int, int, int, int, int]] = {}   # the same by allocation index
+        touched: dict[int, set[int]] = {}   # GPU -> the streams that wrote its parts not checked yet (a fill)
         turn = 0
         # routes through idle NVLink neighbours of the process's GPUs (lanes.py), chosen before anything is
         # mapped: each mapping must let the neighbours' copy engines reach it
@@ -297,6 +311,12 @@ class Mover(StagingMaker):
         self._neighbours -= devs   # a process's own GPU now: its context is that process's, kept
         routing = Routing(self.vmm, self.links, self._context, devs, self._uuids(), out, CHUNK, st.routes, st.dropped)
         self._neighbours.update(routing.used())
+        # the kernels beside the copies (sweep.py), in parts of each allocation: a copy out's scan, a fill's check
+        sizes, part = [(i, self._ordinal(by_index[i].uuid), size) for i, size, *_ in plan if i in by_index], sweep_step()
+        scanner = Scanner(self.kernels, self._kernel_stream, sizes, part) if out and scan else None
+        checker = (Checker(self.kernels, self._kernel_stream, sizes, taken, part)
+                   if not out and check and image is None and taken is not None and taken.scanned else None)
+        ok = False
 
         def staging() -> dict[int, Segment]:
             ts = time.perf_counter()
@@ -306,22 +326,27 @@ class Mover(StagingMaker):
             st.stage_s += time.perf_counter() - ts
             return staged
 
-        def enqueue(staged: dict[int, Segment], idx: int, size: int, seg: int, off: int, va: int, dev: int) -> None:
+        def enqueue(staged: dict[int, Segment], idx: int, size: int, seg: int, off: int, va: int, dev: int, lo: int = 0,
+                    n: int | None = None, zero_spans: list[tuple[int, int]] | None = None) -> None:
+            """The copies (and memsets) of bytes [lo, lo + n) of allocation idx (default all of it); zero_spans: its
+            zero chunks there, else those `zeros` knows."""
             nonlocal turn
             tq = time.perf_counter()
             ctx, streams = self._ctx[dev]
             self.vmm.use(ctx)
             g = staged[seg]
             share = routing.share(dev)
-            for start, length, zero in _spans(size, zeros.get(idx, [])):
+            hi = size if n is None else lo + n
+            for start, length, zero in _spans(lo, hi, _within(zeros.get(idx, []), lo, hi) if zero_spans is None else zero_spans):
                 if zero and out and staged_zeros(g, off + start, length):   # held in staging already (checked.py)
                     st.zero_skipped += length
                     continue
                 if out:
                     (note_zero if zero else stage_data)(g, off + start, length)
                 if zero and not out:   # nothing to carry over the link
-                    turn += 1
-                    self.vmm.memset(va + start, length, streams[turn % len(streams)])
+                    s = self._side[ctx][1]
+                    self.vmm.memset(va + start, length, s)
+                    touched.setdefault(dev, set()).add(s)
                     st.zeroed += length
                     continue
                 if ring is not None:   # the staging is not pinned here: through the ring, a piece at a time
@@ -336,9 +361,18 @@ class Mover(StagingMaker):
                     else:
                         s = streams[turn % len(streams)]
                         (self.vmm.d2h(host, dva, n, s) if out else self.vmm.h2d(dva, host, n, s))
-            st.bytes += size
-            st.allocations += 1
+                        touched.setdefault(dev, set()).add(s)
+            st.bytes += hi - lo
+            st.allocations += lo == 0
             st.queue_s += time.perf_counter() - tq
+
+        def queue_scanned(staged: dict[int, Segment], parts: list[Part]) -> None:
+            """A copy out's parts whose scan came back: their copies, zero chunks skipped where staging holds them."""
+            assert scanner is not None
+            for p in parts:
+                size, seg, off, va, dev = where[p.index]
+                spans = scanner.scans[p.index].zero_spans(size, p.at, p.size)
+                enqueue(staged, p.index, size, seg, off, va, dev, p.at, p.size, spans)
 
         try:
             # a fill: the staging first (what the server took at the checkpoint, whose sizes the driver checked
@@ -348,11 +382,13 @@ class Mover(StagingMaker):
             staged = staging() if not out or (self.ring is None and self.held.pinned_for(who, plan, seg_fds, declared)) else None
             if out and staged is not None and taken is None:   # another plan: what the staging holds is not known
                 forget_zeroed(list(staged.values()))
-            # a copy out waits for the scan of all it mapped only where it may skip zero chunks: where this mover
-            # knows zeros in the staging from its last copy out; else (a first cycle, the CLI's mover, data with no
-            # zero chunks) each allocation's copies start once it is imported, and the scan runs beside them
-            # (or asked not to scan: nothing is skipped then)
+            # a copy out waits for the scan only where it may skip zero chunks: where this mover knows zeros in the
+            # staging from its last copy out; then each part's copies are queued once its batch of the scan is read,
+            # while the next are scanned (scan.py). Else (a first cycle, data with no zero chunks) each allocation's
+            # copies start once it is imported, and the scan runs beside them (or asked not to scan: nothing is
+            # skipped then); the CLI's mover, whose staging is mapped after every import, queues them after that
             early = not out or (staged is not None and (not scan or not any(g.zeroed for g in staged.values())))
+            due: list[Part] = []   # a copy out's parts scanned, their copies not queued yet
             for idx, size, seg, off in plan:
                 m = by_index.get(idx)
                 if m is None or (out and m.fd is None):
@@ -368,7 +404,6 @@ class Mover(StagingMaker):
                     made.append((idx, h))
                 va = self.vmm.map(h, size, dev, also=routing.access(dev))
                 mapped.append((h, va, size))
-                regions.append(Mapped(idx, ctx, va, size))
                 st.make_s += time.perf_counter() - tm
                 if not out:
                     # exported now, while the copies already queued run, not after the last one drained: the fds
@@ -377,8 +412,21 @@ class Mover(StagingMaker):
                     fds.append((idx, self.vmm.export_fd(h)))
                     st.export_s += time.perf_counter() - te
                 placed.append((size, seg, off, va, dev))
-                if early:
-                    enqueue(staged, idx, size, seg, off, va, dev)
+                where[idx] = placed[-1]
+                for lo, n in parts_of(size, part):
+                    if early:
+                        enqueue(staged, idx, size, seg, off, va, dev, lo, n)
+                    if checker is not None:   # after this part's copies, beside the next ones
+                        checker.add(dev, ctx, idx, va, lo, n)
+                        if checker.due(dev) and ring is None and routing.share(dev) == 1:   # else once all are synced
+                            checker.launch(dev, sorted(touched.pop(dev, ())))   # after what wrote its parts
+                    if scanner is not None:
+                        scanner.add(dev, ctx, idx, va, lo, n)
+                        if not early:
+                            due += scanner.ready()
+                            if staged is not None:
+                                queue_scanned(staged, due)
+                                due = []
             if out:
                 # a copy out not queued yet: every import is mapped first, the driver checking each size against
                 # the real memory, so the staging pinned next is no more than the process has on the GPU
@@ -387,11 +435,17 @@ class Mover(StagingMaker):
                     staged = staging()
                     if taken is None:
                         forget_zeroed(list(staged.values()))
-                taken = self._scan_out(regions, plan, st) if scan else Taken(plan, scanned=False)
+                if scanner is not None:
+                    due += scanner.ready(every=True)
+                    taken = Taken(plan, {i: scanner.scans[i] for i in where})
+                    st.scanned, st.scan_s, st.scan = sum(p[0] for p in placed), scanner.wait_s, True
+                else:
+                    taken = Taken(plan, scanned=False)
                 if queued:   # copied already, zero chunks too: the staging holds zeros there now
                     note_zeros(staged, plan, taken.zeros())
+                elif scanner is not None:
+                    queue_scanned(staged, due)
                 else:
-                    zeros.update(taken.zeros())
                     for (idx, *_rest), (size, seg, off, va, dev) in zip(plan, placed):
                         enqueue(staged, idx, size, seg, off, va, dev)
             td = time.perf_counter()
@@ -401,10 +455,11 @@ class Mover(StagingMaker):
             routing.finish()   # raises what its thread raised
             st.route_s, st.looks_s = time.perf_counter() - t0, routing.looks_s
             self._sync(placed, ring)   # the pieces the routes' thread sent straight after giving a route up
-            if not out and check and image is None and taken is not None and taken.scanned:
+            if checker is not None:
                 tc = time.perf_counter()   # before the fds go back: a fill whose bytes differ is undone
-                st.digests_compared = check_filled(self.kernels, regions, self._scan_stream, taken)
+                st.digests_compared = checker.finish()
                 st.checked, st.check_s = True, time.perf_counter() - tc
+            ok = True
         except (DriverError, GpucrError) as exc:
             for _idx, fd in fds:
                 os.close(fd)   # exported before one failed: they would keep that memory on the GPU
@@ -416,6 +471,9 @@ class Mover(StagingMaker):
             raise GpucrError(f"{self.name}'s copy {'out' if out else 'in'} failed: {exc}") from exc
         finally:
             routing.close()
+            for sweeps in (scanner, checker):
+                if sweeps is not None:
+                    sweeps.close(failed=not ok)
         self._undo(mapped, made, out)   # our mappings go; the fds (theirs or ours) keep the memory
         self.kernels.trim()   # the scans' result buffers: every copy is done, so freeing them waits for none
         if out:
@@ -455,16 +513,9 @@ class Mover(StagingMaker):
         t = self._taken.get(who)
         return t is not None and t.plan == plan
 
-    def _scan_stream(self, ctx: int) -> int:
-        """The stream the kernels' scans of ctx go on: its first copy stream, so a scan runs after its copies."""
-        return next(streams[0] for c, streams in self._ctx.values() if c == ctx)
-
-    def _scan_out(self, regions: list[Mapped], plan: list[tuple[int, int, int, int]], st: Stats) -> Taken:
-        """The zero chunks and digests of what a copy out mapped, before any of it is copied."""
-        ts = time.perf_counter()
-        taken = Taken(plan, scan_taken(self.kernels, regions, self._scan_stream))
-        st.scanned, st.scan_s, st.scan = sum(r.size for r in regions), time.perf_counter() - ts, True
-        return taken
+    def _kernel_stream(self, ctx: int) -> int:
+        """The stream gpucr's kernels run on in ctx, beside its copy streams (ordered after them by events)."""
+        return self._side[ctx][0]
 
     def _sync(self, placed: list[tuple[int, int, int, int, int]], ring: Ring | None, quiet: bool = False) -> None:
         """Every straight copy queued so far on the process's GPUs done; quiet: errors aside, each GPU still
@@ -474,7 +525,7 @@ class Mover(StagingMaker):
         for ctx, streams in [self._ctx[d] for d in {p[4] for p in placed} if d in self._ctx]:
             try:
                 self.vmm.use(ctx)
-                for s in streams:
+                for s in [*streams, *self._side[ctx]]:   # the kernels and zero chunks too: on what is unmapped next
                     self.vmm.sync(s)
             except DriverError:
                 if not quiet:
@@ -532,8 +583,10 @@ class Mover(StagingMaker):
             try:
                 self.vmm.use(ctx)
                 streams = [self.vmm.stream() for _ in range(STREAMS)]
+                self._side[ctx] = (self.vmm.stream(), self.vmm.stream())
                 self.kernels.load(ctx)   # here, once per context: a copy never waits for a module to load
             except (DriverError, GpucrError):
+                self._side.pop(ctx, None)
                 self.vmm.release_context(dev)
                 raise
             self._ctx[dev] = (ctx, streams)
@@ -541,6 +594,7 @@ class Mover(StagingMaker):
 
     def _release_context(self, dev: int) -> None:
         """The context on `dev` given back, gpucr's kernels unloaded from it first (their result buffers are in it)."""
+        self._side.pop(self._ctx[dev][0], None)
         try:
             self.kernels.unload(self._ctx[dev][0])
         except DriverError:

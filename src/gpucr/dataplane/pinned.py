@@ -20,7 +20,8 @@ import stat
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
-from ..driver import DriverError, Vmm
+from ..driver import DriverError
+from ..vmm import Vmm
 from ..errors import GpucrError
 from .staging_file import refuse_unsealed_memfd
 

@@ -22,7 +22,8 @@ import threading
 import time
 from dataclasses import dataclass
 
-from ..driver import DriverError, Vmm
+from ..driver import DriverError
+from ..vmm import Vmm
 from ..errors import GpucrError
 
 # pieces in flight, each slot's thread alternating a device copy and a memmove: the memmoves (~10 GB/s a thread)

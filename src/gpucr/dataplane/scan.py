@@ -1,85 +1,86 @@
-"""Zero chunks and digests of a process's allocations, as the mover maps them (issue 26's two uses of the
-kernels): which 2 MiB chunks are all zero, so a copy out skips them and a fill sets them with a memset;
-and each chunk's digest, taken at the checkpoint and again after the restore's fill, so a resume whose
-bytes differ is refused naming the allocation and the chunk.
+"""Zero chunks and digests of a copy out's allocations, as the mover maps them (issue 26's first use of the kernels):
+which 2 MiB chunks are all zero, so a copy out skips them and a fill sets them with a memset; and each chunk's digest,
+compared on the GPU with the new memory's after the restore's fill (checked.py).
 
-Every GPU's scans are enqueued before any is read, so the GPUs scan at once, each on its own stream.
+The scan runs in parts (sweep.py) while the allocations are mapped, one launch per batch on each GPU's kernel stream,
+each chunk read once for both. A copy out that waits for the scan (it may skip zero chunks) queues a part's copies as
+soon as its batch is read, so its first copies wait for the first batch, not for the whole scan; one that does not
+wait runs its copies beside the scan.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
-from .chunks import CHUNK
-from .kernels import Kernels, Pending
-
-
-@dataclass(frozen=True)
-class Mapped:
-    """One allocation of the process as the mover has it mapped: in context ctx, at va, size bytes."""
-    index: int
-    ctx: int
-    va: int
-    size: int
+from .chunks import CHUNK, chunk_count
+from .kernels import Kernels
+from .sweep import Batch, Part, Sweep, Sweeps, room
 
 
 @dataclass(frozen=True)
 class AllocationScan:
-    zero: list[bool]        # per chunk: all zero (empty when not asked for)
-    digests: list[bytes]    # per chunk: its 16-byte digest (empty when not asked for)
+    zero: list[bool]        # per chunk: all zero
+    digests: list[bytes]    # per chunk: its 16-byte digest
 
-    def zero_spans(self, size: int) -> list[tuple[int, int]]:
-        """The zero chunks as [(offset, bytes)], neighbours joined: the mover's zero spans of an allocation."""
+    def zero_spans(self, size: int, at: int = 0, n: int | None = None) -> list[tuple[int, int]]:
+        """The zero chunks of [at, at + n) (a part; default the whole allocation of `size` bytes) as [(offset, bytes)]
+        in the allocation, neighbours joined: the mover's zero spans."""
+        end = size if n is None else at + n
         spans: list[tuple[int, int]] = []
-        for k, z in enumerate(self.zero):
-            if not z:
+        for k in range(at // CHUNK, chunk_count(end)):
+            if not self.zero[k]:
                 continue
-            off, n = k * CHUNK, min(CHUNK, size - k * CHUNK)
+            off, length = k * CHUNK, min(CHUNK, size - k * CHUNK)
             if spans and spans[-1][0] + spans[-1][1] == off:
-                spans[-1] = (spans[-1][0], spans[-1][1] + n)
+                spans[-1] = (spans[-1][0], spans[-1][1] + length)
             else:
-                spans.append((off, n))
+                spans.append((off, length))
         return spans
 
 
-def scan(kernels: Kernels, mapped: Sequence[Mapped], stream_of: Callable[[int], int], zero: bool = True,
-         digests: bool = True) -> dict[int, AllocationScan]:
-    """{allocation index: its zero flags and digests}; stream_of(ctx) gives the stream each context's scans
-    go on (a copy stream of the mover's, so they run in its order)."""
-    by_ctx: dict[int, list[Mapped]] = {}
-    for m in mapped:
-        by_ctx.setdefault(m.ctx, []).append(m)
-    pending: list[tuple[list[Mapped], Pending | None, Pending | None]] = []
-    try:
-        for ctx, ms in by_ctx.items():
-            ranges, stream = [(m.va, m.size) for m in ms], stream_of(ctx)
-            pending.append((ms, kernels.enqueue_zero_scan(ctx, ranges, stream) if zero else None,
-                            kernels.enqueue_digests(ctx, ranges, stream) if digests else None))
-        out: dict[int, AllocationScan] = {}
-        for ms, pz, pd in pending:
-            zs = pz.read() if pz else [[] for _ in ms]
-            ds = pd.read() if pd else [[] for _ in ms]
-            out.update({m.index: AllocationScan(z, d) for m, z, d in zip(ms, zs, ds)})
+class Scanner:
+    """One copy out's scan of its allocations, given as (index, GPU, bytes), added in parts of at most `step` bytes and
+    launched once `step` bytes are added on a GPU; stream_of(ctx): the kernel stream of a context. wait_s: the seconds
+    spent waiting for a batch's results."""
+
+    def __init__(self, kernels: Kernels, stream_of: Callable[[int], int], sizes: Sequence[tuple[int, int, int]],
+                 step: int) -> None:
+        self.step = step
+        self.sweeps = Sweeps(kernels, "scan", stream_of, room([(dev, size) for _i, dev, size in sizes], step))
+        self.scans = {i: AllocationScan([False] * chunk_count(size), [b""] * chunk_count(size)) for i, _dev, size in sizes}
+        self._launched: list[tuple[Sweep, Batch]] = []
+        self.wait_s = 0.0
+
+    def add(self, dev: int, ctx: int, index: int, va: int, at: int, size: int) -> None:
+        """Bytes [at, at + size) of allocation `index`, mapped at va (its start) in ctx on GPU dev."""
+        sweep = self.sweeps.of(dev, ctx)
+        sweep.add(index, at // CHUNK, va + at, size)
+        if sweep.queued() >= self.step:
+            self._launch(sweep)
+
+    def _launch(self, sweep: Sweep) -> None:
+        batch = sweep.flush()
+        if batch is not None:
+            self._launched.append((sweep, batch))
+
+    def ready(self, every: bool = False) -> list[Part]:
+        """The parts whose results came back since the last call, in the order added: those of every batch launched
+        but the newest, waited for, and the newest too if it is done (else it runs while the next allocations are
+        mapped); every: all, the rest launched first."""
+        if every:
+            for sweep in self.sweeps.by_dev.values():
+                self._launch(sweep)
+        keep = 0 if every or not self._launched or self._launched[-1][0].done(self._launched[-1][1]) else 1
+        todo, self._launched = self._launched[:len(self._launched) - keep], self._launched[len(self._launched) - keep:]
+        t0, out = time.perf_counter(), []
+        for sweep, batch in todo:
+            for part, zero, digests in sweep.read(batch):
+                s, k = self.scans[part.index], part.chunk
+                s.zero[k:k + part.chunks], s.digests[k:k + part.chunks] = zero, digests
+                out.append(part)
+        self.wait_s += time.perf_counter() - t0
         return out
-    finally:
-        for _ms, pz, pd in pending:   # after a failure part way, what was not read is freed (those read are closed)
-            for p in (pz, pd):
-                if p is not None:
-                    p.close(failed=True)
 
-
-def mismatches(taken: dict[int, AllocationScan], now: dict[int, AllocationScan]) -> list[tuple[int, int]]:
-    """(allocation index, chunk) of every chunk whose digest now differs from the one taken, in order; an
-    allocation missing on either side, or of another length, counts from its first chunk that differs."""
-    out = []
-    for idx in sorted(set(taken) | set(now)):
-        a = taken[idx].digests if idx in taken else []
-        b = now[idx].digests if idx in now else []
-        out += [(idx, k) for k in range(max(len(a), len(b))) if k >= len(a) or k >= len(b) or a[k] != b[k]]
-    return out
-
-
-def describe_mismatches(found: Sequence[tuple[int, int]], limit: int = 4) -> str:
-    """The chunks whose bytes differ from their checkpoint, named for a refusal: allocation, chunk, bytes."""
-    named = ", ".join(f"allocation {i} chunk {k} (bytes {k * CHUNK}-{(k + 1) * CHUNK - 1})" for i, k in found[:limit])
-    return named + (f" and {len(found) - limit} more" if len(found) > limit else "")
+    def close(self, failed: bool = False) -> None:
+        self.sweeps.close(failed)

@@ -12,7 +12,8 @@ import threading
 from typing import Any, Callable
 
 from .. import gpus
-from ..driver import Driver, Vmm, gpu_memory
+from ..driver import Driver, gpu_memory
+from ..vmm import Vmm
 
 
 class DriverGpus:
