@@ -132,6 +132,8 @@ class ProcessCheckpoint:
     bytes_zero_skipped: int = 0       # of bytes_moved, in 2 MiB chunks all zero on the GPU: not copied out
     scanned: bool = False             # the plane scanned the memory on the GPU (zero chunks, digests): false with --no-scan
     bytes_scanned: int = 0            # bytes that scan read
+    staging_lent_bytes: int = 0       # staging this checkpoint got from the server's pool made ahead (pinned already)
+    staging_made_bytes: int = 0       # ... and staging made for it at this checkpoint (faulted in, then pinned)
 
 
 @dataclass

@@ -91,6 +91,13 @@ def host_budget(v: str) -> str:
     return v
 
 
+def prepare_staging(v: str) -> str:
+    """--prepare-staging: auto, 0 (none) or a size as --host-budget takes it."""
+    if v in ("auto", "0", "off"):
+        return v
+    return host_budget(v)
+
+
 def group_name(v: str) -> str:
     """--group: what the agent keeps whole (it refuses a longer name rather than cut it)."""
     n = len(v.encode())

@@ -88,7 +88,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if missing:
         route.note(f"{missing}; serving without it")
     return daemon.main(a.idle_exit, keep_context=not a.give_back_context, host_budget=a.host_budget, park_dir=a.park_dir,
-                       routes=not a.no_routes, face=None if missing else service_http.face(a.http))
+                       routes=not a.no_routes, face=None if missing else service_http.face(a.http),
+                       prepare_staging=a.prepare_staging or "")
 
 
 def _show_http(info: dict | None) -> int:

@@ -134,7 +134,7 @@ def make_staging(ask: StagingAsk) -> MadeStaging:
             os.close(entry)
             settle(ask.ledger_dir, ask.entry, held)
         raise
-    return MadeStaging(fds, entry, kind)
+    return MadeStaging(fds, entry, kind, made=need)
 
 
 class StagingMaker:

@@ -1,0 +1,348 @@
+"""Staging prepared ahead by the gpucr server (issue 28 item 2: the first park as fast as the others).
+
+An app's first checkpoint used to make its staging then: memfds faulted in (one thread takes 4.7-7.4 s per 8 GiB
+of 4 KiB pages on the H200 host) and pinned by the server (cuMemHostRegister, the other half): 3.7-15.8 s for a
+park that later takes 0.6-0.8 s. `gpucr serve --prepare-staging SIZE|auto` makes that memory when the server
+starts: sealed memfds of a segment each, faulted in with one thread per segment (staging_make.py), mapped here and
+pinned in the server's context, piece by piece (pinned.py). When an app's agent asks for staging (make_staging),
+each segment it asks for that a pool segment holds is lent from here, whole: it is the app's from then on (its
+agent holds the fd, the server its mapping, already pinned: that checkpoint pins nothing). The rest is made as
+before. The pool is refilled in the background.
+
+The segment: the agent's own segment target (GPUCR_STAGING_SEGMENT_MIB, 2 GiB by default), so the plan of an app
+bigger than one segment asks for exactly pool-sized segments (native/agent/staging.c: every segment after the
+first is at least what is held, up to the target), and nothing lent is wasted but the part of one segment past
+a smaller app's data (the agent keeps it: it gives staging back only when more than a segment is idle). 2 GiB is
+8 registrations of PIN_PIECE and about 60 fds for a whole H200 host. An allocation larger than a segment is
+placed whole in one segment (the agent does not split one), so its segment is made at the checkpoint, as before.
+
+One host budget: the pool's bytes not lent are the pool's entry in the ledger (budget.py), a file whose shared
+flock this server holds (a killed server's entry is stale and reaped); a lend moves bytes from the pool's entry
+to the app's under the ledger's lock, so they count exactly once. The pool grows only while it, every live app's
+staging and one more segment fit the server's --host-budget and leave MARGIN of the memory available; before
+staging is made anew for an app, pool segments are freed until that fits too. A segment given back returns
+here when its app has ended (nobody else holds it), and is freed when a live app gave it back (its agent may
+still hold it, and only it knows); a stopped server frees every segment not lent, and lets go of those lent
+(their apps keep them)."""
+from __future__ import annotations
+
+import os
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from ..agent_tables import SETTINGS
+from ..driver import Vmm
+from ..errors import GpucrError
+from ..plane import MadeStaging, StagingAsk
+from ..sizes import budget_bytes
+from ..target import process_ended
+from . import budget
+from .hostmem import meminfo_kib
+from .pinned import Segment, drop, open_segment, pin
+from .staging_make import FAULT_THREADS, make_segments, make_staging, wanted_kind
+
+SEGMENT_SETTING = SETTINGS["GPUCR_STAGING_SEGMENT_MIB"]   # the agent's segment target (see above)
+MARGIN_MIN = 4 << 30       # auto leaves this much of MemAvailable, or MARGIN_SHARE of MemTotal if more
+MARGIN_SHARE = 10
+TICK_S = 1.0               # how often a full or refused pool looks again (a lend or a give-back wakes it at once)
+WANTED_TICK_S = 0.01       # how often pinning that stopped for a copy asks whether it may go on
+Owner = tuple[int, int]
+
+
+@dataclass
+class Pooled:
+    """One segment: the pool's fd of it, and its mapping here, pinned whole once it is ready."""
+    fd: int
+    seg: Segment
+    kind: str   # hugetlbfs | shm
+
+
+def pool_target(setting: str) -> tuple[bool, int | None]:
+    """`gpucr serve --prepare-staging` as the pool takes it: whether to prepare, and how much (None: auto, what
+    the server's --host-budget and the memory available allow, less the margin). None by default: a server runs
+    for every user who runs `gpucr run` (it starts one unasked), and one with a --host-budget (the swap service's,
+    80% in its benchmark) would otherwise pin most of the host ahead of apps that may never come; whoever wants
+    the first park as fast as the others says how much."""
+    if setting in ("", "0", "off"):
+        return False, None
+    return True, None if setting == "auto" else budget_bytes(setting)
+
+
+def segment_bytes(environ: dict[str, str] | None = None) -> int:
+    """The pool's segment: GPUCR_STAGING_SEGMENT_MIB as the server's environment sets it, the agent's default
+    (2 GiB) otherwise; an app started with the same setting asks for segments of that size."""
+    text = (os.environ if environ is None else environ).get(SEGMENT_SETTING.name, "") or SEGMENT_SETTING.default
+    if not text.isdigit() or not SEGMENT_SETTING.lo <= int(text) <= SEGMENT_SETTING.hi:
+        raise GpucrError(f"{SEGMENT_SETTING.name}={text}: give {SEGMENT_SETTING.accepted} (MiB)")
+    return int(text) << 20
+
+
+def entry_name() -> str:
+    """The pool's entry in the ledger: the server's pid and pid namespace, never an app's name (<pid>-<ns>)."""
+    return f"pool-{os.getpid()}-{os.stat('/proc/self/ns/pid').st_ino}{budget.SUFFIX}"
+
+
+def margin() -> int:
+    return max(MARGIN_MIN, meminfo_kib("MemTotal") * 1024 // MARGIN_SHARE)
+
+
+class StagingPool:
+    """The server's staging made ahead: `target` bytes of it (None: auto, as the budget and memory allow) within
+    `host_budget` (None: none but memory). `ctx`: the context it pins in (the server's, kept until the pool is
+    closed: a registration lasts as long as its context); `wanted()` says a copy wants the data plane (pinning
+    stops between pieces meanwhile)."""
+
+    def __init__(self, vmm: Vmm, ledger_dir: Path, target: int | None, host_budget: int | None,
+                 ctx: int, wanted: Callable[[], bool], said: Callable[[str], None]) -> None:
+        self.vmm, self.ledger_dir, self.target, self.host_budget = vmm, ledger_dir, target, host_budget
+        self._ctx, self._wanted, self._said = ctx, wanted, said
+        self.seg = segment_bytes()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self.free: list[Pooled] = []              # ready: pinned whole, not lent
+        self.lent: dict[tuple[int, int], Pooled] = {}   # by file (st_dev, st_ino): the app holds it
+        self.making = 0                           # bytes reserved for segments being made and pinned
+        self.reserved = 0                         # bytes being made anew for apps, not yet in their entries
+        self.lending = 0                          # bytes picked to lend, not yet in the app's entry
+        self.lent_total = self.made_total = self.returned_total = 0
+        self._entry = budget.write_entry_in(ledger_dir, entry_name(), 0)
+        self._thread = threading.Thread(target=self._run, daemon=True, name="gpucr-staging-pool")
+
+    # ---- what it holds ----
+    def start(self) -> None:
+        self._thread.start()
+
+    def unlent(self) -> int:
+        return len(self.free) * self.seg + self.making + self.lending
+
+    def info(self) -> dict[str, Any]:
+        """What `gpucr serve --status --json` says of it."""
+        with self._lock:
+            return {"target_bytes": self.target, "segment_bytes": self.seg, "free_bytes": len(self.free) * self.seg,
+                    "making_bytes": self.making, "lent_bytes": len(self.lent) * self.seg,
+                    "pinned_bytes": sum(p.seg.bytes for p in self.free), "lent_total_bytes": self.lent_total,
+                    "made_total_bytes": self.made_total, "returned_total_bytes": self.returned_total,
+                    "host_budget_bytes": self.host_budget}
+
+    # ---- lending ----
+    def provide(self, ask: StagingAsk) -> MadeStaging:
+        """The staging `ask` names: each segment a pool segment holds lent from here, the rest made (after freeing
+        pool segments until it fits the budget and memory); admitted in one step. Raises GpucrError (one line)
+        with nothing lent or made."""
+        same_ledger = os.path.realpath(ask.ledger_dir) == os.path.realpath(self.ledger_dir)
+        picks: list[Pooled | None] = []
+        with self._lock:
+            for n in ask.add:
+                usable = [p for p in self.free if p.kind == ask.staging or ask.staging == "auto"]
+                p = usable[0] if usable and same_ledger and n <= self.seg else None
+                if p is not None:
+                    self.free.remove(p)
+                    self.lending += self.seg   # still the pool's in the ledger, until the app's entry says them
+                picks.append(p)
+        lent = [p for p in picks if p is not None]
+        rest = [n for n, p in zip(ask.add, picks) if p is None]
+        try:
+            with self.room_for(0 if ask.staging.startswith("file:") else sum(rest)):
+                return self._lend(ask, picks, rest) if lent else make_staging(ask)
+        except BaseException:
+            with self._lock:
+                self.free.extend(lent)
+                self.lending -= len(lent) * self.seg
+            with budget.locked(self.ledger_dir):
+                budget.say(self._entry, self.unlent())
+            raise
+
+    def _lend(self, ask: StagingAsk, picks: list[Pooled | None], rest: list[int]) -> MadeStaging:
+        """The picks lent and `rest` made: the app's entry says both, the pool's no more the picks."""
+        lent = [p for p in picks if p is not None]
+        n_lent = len(lent) * self.seg
+        kind, _dir = wanted_kind(ask.staging, sum(rest))
+        if kind == "file":   # a pool is never made for file staging, and lends to none
+            raise GpucrError("the gpucr server's staging pool lent memory to an app that stages in files")
+        held = 0 if ask.replace else ask.held_memory
+        room = budget.Room(kind, budget_bytes(ask.host_budget) if ask.host_budget else 0, held, ask.cgroup_root)
+
+        def moved(dirfd: int) -> None:   # under the ledger's lock: the lent bytes leave the pool's entry
+            with self._lock:
+                self.lending -= n_lent
+                for p in lent:
+                    self.lent[p.seg.ident] = p
+            budget.say(self._entry, self.unlent())
+
+        entry = budget.admit(self.ledger_dir, ask.entry, ask.pid, sum(rest), room, lent=n_lent, lender=moved)
+        assert entry is not None
+        made: list[int] = []
+        try:
+            made = make_segments(kind, "", rest) if rest else []
+            fresh = iter(made)
+            fds = [os.dup(p.fd) if p is not None else next(fresh) for p in picks]
+        except BaseException:
+            for fd in made:
+                os.close(fd)
+            os.close(entry)
+            with budget.locked(self.ledger_dir):   # picked again (provide returns them): in the pool's entry first
+                with self._lock:
+                    for p in lent:
+                        self.lent.pop(p.seg.ident, None)
+                    self.lending += n_lent
+                budget.say(self._entry, self.unlent())
+            budget.settle(self.ledger_dir, ask.entry, held)
+            raise
+        with self._lock:
+            self.lent_total += n_lent
+        self._said(f"lent {n_lent >> 20} MiB of staging made ahead to process {ask.pid}"
+                   + (f"; made {sum(rest) >> 20} MiB more for it" if rest else ""))
+        return MadeStaging(fds, entry, lent[0].kind, lent=n_lent, made=sum(rest))
+
+    def adopt(self, fd: int, declared: int) -> Segment | None:
+        """The mapping (pinned) of a segment lent from here that a process states as its file `fd` of `declared`
+        bytes, or None: not one of ours."""
+        st = os.fstat(fd)
+        with self._lock:
+            p = self.lent.get((st.st_dev, st.st_ino))
+        return p.seg if p is not None and p.seg.declared == declared else None
+
+    def give_back(self, seg: Segment, who: Owner) -> bool:
+        """A lent segment let go by the server's cache: back in the pool when its app has ended and the pool
+        has room, else unpinned, unmapped and closed (the app's fd, if it lives, keeps it). False: not ours."""
+        with self._lock:
+            p = self.lent.pop(seg.ident, None)
+            keep = (p is not None and not self._stop.is_set() and process_ended(*who)
+                    and (self.target is None or self.unlent() + self.seg <= self.target))
+            if keep:
+                assert p is not None
+                seg.zeroed.clear()   # what the mover knew of its bytes was the app's
+                seg.abandon = False
+                self.free.append(p)
+                self.returned_total += self.seg
+        if p is None:
+            return False
+        if keep:
+            with budget.locked(self.ledger_dir):
+                budget.say(self._entry, self.unlent())
+        else:
+            self._free(p)
+        self._wake.set()
+        return True
+
+    # ---- the budget ----
+    @contextmanager
+    def room_for(self, need: int) -> Iterator[None]:
+        """While inside, `need` bytes of staging are being made anew for an app: pool segments (not lent) are freed
+        until they fit beside the pool (the server's budget, the memory available less the margin), and the pool
+        does not grow into them until the app's entry counts them (at the end)."""
+        with self._lock:
+            self.reserved += need
+        try:
+            while need:
+                with self._lock:
+                    if not self.free or self._room() >= 0:
+                        break
+                    p = self.free.pop()
+                self._free(p)
+                with budget.locked(self.ledger_dir):
+                    budget.say(self._entry, self.unlent())
+            yield
+        finally:
+            with self._lock:
+                self.reserved -= need
+            self._wake.set()
+
+    def _room(self) -> int:
+        """Bytes more the host may hold now: what the budget leaves beside every entry (the pool's with them),
+        and the memory available less the margin."""
+        room = meminfo_kib("MemAvailable") * 1024 - margin()
+        if self.host_budget is not None:
+            room = min(room, self.host_budget - budget.used_bytes(self.ledger_dir))
+        return room - self.reserved
+
+    # ---- making ----
+    def _run(self) -> None:
+        said = ""
+        while not self._stop.is_set():
+            try:
+                n = self._to_make()
+                if n:
+                    self._make(n)
+                    said = ""
+                    continue
+            except GpucrError as exc:
+                if str(exc) != said:
+                    said = str(exc)
+                    self._said(f"preparing staging ahead: {said}; trying again")
+            self._wake.wait(TICK_S)
+            self._wake.clear()
+
+    def _to_make(self) -> int:
+        """How many segments to make now (at most one per fault thread): 0 when the pool is full or has no room."""
+        with self._lock:
+            have = self.unlent()
+        room = self._room() if self.target is None else min(self.target - have, self._room())
+        return min(FAULT_THREADS, max(0, room // self.seg))
+
+    def _make(self, n: int) -> None:
+        """n segments reserved in the ledger, made and faulted in (one thread each), mapped and pinned here."""
+        with self._lock:
+            self.making += n * self.seg
+        with budget.locked(self.ledger_dir):
+            budget.say(self._entry, self.unlent())
+        kind = wanted_kind("auto", n * self.seg)[0]
+        fds: list[int] = []
+        ready: list[Pooled] = []
+        try:
+            fds = make_segments(kind, "", [self.seg] * n)
+            self.vmm.use(self._ctx)
+            for i, fd in enumerate(fds):
+                p = Pooled(fd, open_segment(fd, i, self.seg), kind)
+                ready.append(p)
+                self._pin(p.seg)
+            if self._stop.is_set():
+                raise GpucrError("the server stops")
+        except BaseException:
+            for p in ready:
+                self._free(p)
+            for fd in fds[len(ready):]:
+                os.close(fd)
+            raise
+        finally:
+            with self._lock:
+                self.making -= n * self.seg
+                self.free.extend(ready if not self._stop.is_set() else [])
+                self.made_total += len(ready) * self.seg if not self._stop.is_set() else 0
+            with budget.locked(self.ledger_dir):
+                budget.say(self._entry, self.unlent())
+
+    def _pin(self, seg: Segment) -> None:
+        """Pinned whole, a piece at a time, waiting between pieces while a copy wants the data plane."""
+        while seg.bytes < seg.declared and not self._stop.is_set():
+            pin(self.vmm, seg, seg.declared, lambda: self._wanted() or self._stop.is_set())
+            if seg.bytes < seg.declared:
+                self._stop.wait(WANTED_TICK_S)
+
+    def _free(self, p: Pooled) -> None:
+        try:
+            self.vmm.use(self._ctx)
+            drop(self.vmm, p.seg)
+        except GpucrError as exc:   # kept mapped, never reused (pinned.drop)
+            self._said(f"freeing staging made ahead: {exc}")
+        os.close(p.fd)
+
+    def close(self) -> None:
+        """The server stops: the refill ends, every segment not lent is freed, those lent are let go (their apps
+        hold them), and the pool's entry leaves the ledger."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread.is_alive():
+            self._thread.join()
+        with self._lock:
+            gone, self.free = self.free, []
+            lent, self.lent = list(self.lent.values()), {}
+        for p in gone + lent:
+            self._free(p)
+        budget.remove_entry(self.ledger_dir, entry_name(), self._entry)
+        self._said(f"freed {len(gone) * self.seg >> 20} MiB of staging made ahead; {len(lent) * self.seg >> 20} MiB "
+                   "lent stays with its apps")

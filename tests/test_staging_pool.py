@@ -1,0 +1,171 @@
+"""Staging prepared ahead by the server (issue 28 item 2; gpucr.dataplane.staging_pool), on simcuda with real
+processes and a real `gpucr serve --prepare-staging`: an app's first checkpoint right after a server start gets its
+staging from the pool and pins nothing then; the pool, what it lent and what was made never pass --host-budget; a
+killed app's segments come back; a stopped server frees its pool."""
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+import gpucr
+from gpucr import paths
+from gpucr.dataplane import budget
+
+from conftest import RunningServer
+
+MiB = 1 << 20
+SEG = 16 * MiB
+
+
+@pytest.fixture(autouse=True)
+def _segments(monkeypatch):
+    """Pool segments and the apps' segment target of 16 MiB (2 GiB by default: too much for CI), alike."""
+    monkeypatch.setenv("GPUCR_STAGING_SEGMENT_MIB", str(SEG // MiB))
+    monkeypatch.setenv("GPUCR_STAGING", "shm")
+
+
+def wait_for(cond, timeout: float = 30.0, what: str = "the condition") -> None:
+    deadline = time.time() + timeout
+    while not cond():
+        assert time.time() < deadline, f"{what} did not happen within {timeout} s"
+        time.sleep(0.05)
+
+
+def pool(server: RunningServer) -> dict:
+    info = server.info()
+    assert info is not None and info["staging_pool"] is not None, info
+    return info["staging_pool"]
+
+
+def ledger_total() -> int:
+    """Every live entry of the ledger, the pool's among them, read under the ledger's lock (as admission reads it)."""
+    with budget.locked(paths.runtime_dir()) as dirfd:
+        return budget.others(dirfd, "", reap=False)
+
+
+def entries() -> list[str]:
+    return sorted(p.name for p in paths.runtime_dir().iterdir() if p.name.endswith(budget.SUFFIX))
+
+
+def shmem() -> int:
+    for line in open("/proc/meminfo"):
+        if line.startswith("Shmem:"):
+            return int(line.split()[1]) << 10
+    raise AssertionError("no Shmem in /proc/meminfo")
+
+
+def started(*extra: str) -> RunningServer:
+    s = RunningServer(True, *extra)
+    try:
+        wait_for(lambda: pool(s)["making_bytes"] == 0 and pool(s)["free_bytes"] > 0, what="the pool to be ready")
+    except BaseException:
+        s.stop()
+        raise
+    return s
+
+
+def test_a_first_checkpoint_after_a_server_start_is_lent_its_staging_and_pins_nothing(sim_app):
+    srv = started("--prepare-staging", "64M")
+    try:
+        assert pool(srv)["free_bytes"] == 64 * MiB and pool(srv)["pinned_bytes"] == 64 * MiB, pool(srv)
+        app = sim_app("--sizes", "8M,8M,8M,6M")   # 30 MiB: two segments of 16 MiB in the agent's plan (first fit)
+        before = app.ask("digest")
+        ck = gpucr.checkpoint(app.pid)
+        assert ck.data_plane == "server", ck
+        assert ck.staging_lent_bytes == 32 * MiB and ck.staging_made_bytes == 0, ck
+        assert "server_pin" not in ck.phases_s and "staging" in ck.phases_s, ck.phases_s
+        assert gpucr.status(app.pid).staging_bytes == 32 * MiB
+        gpucr.restore(app.pid)
+        assert app.ask("digest") == before
+        # lent counts once: in the app's entry, no more in the pool's, which refills beside it
+        wait_for(lambda: pool(srv)["free_bytes"] == 64 * MiB, what="the pool to refill")
+        p = pool(srv)
+        assert p["lent_bytes"] == 32 * MiB and p["lent_total_bytes"] == 32 * MiB and p["made_total_bytes"] == 96 * MiB, p
+        assert ledger_total() == 96 * MiB, entries()
+        # the next cycle uses the same staging: nothing asked, nothing pinned
+        again = gpucr.checkpoint(app.pid)
+        assert again.staging_lent_bytes == 0 and "staging" not in again.phases_s and "server_pin" not in again.phases_s
+        gpucr.restore(app.pid)
+        assert app.ask("digest") == before
+    finally:
+        srv.stop()
+
+
+def test_the_pool_what_it_lent_and_what_was_made_never_pass_the_host_budget(sim_app):
+    limit = 96 * MiB
+    srv = started("--host-budget", "96M", "--prepare-staging", "auto")   # as much as the budget allows
+    seen: list[int] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            seen.append(ledger_total())
+            time.sleep(0.005)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    try:
+        wait_for(lambda: pool(srv)["free_bytes"] == limit, what="the pool to fill the budget")
+        small = sim_app("--sizes", "10M,10M")   # two segments of 16 MiB in the agent's plan: lent
+        ck = gpucr.checkpoint(small.pid)
+        assert (ck.staging_lent_bytes, ck.staging_made_bytes) == (32 * MiB, 0), ck
+        big = sim_app("--sizes", "40M")        # one allocation past a segment: its 40 MiB segment is made
+        big_before = big.ask("digest")
+        ck = gpucr.checkpoint(big.pid)
+        assert (ck.staging_lent_bytes, ck.staging_made_bytes) == (0, 40 * MiB), ck
+        assert "server_pin" in ck.phases_s, ck.phases_s
+        # the pool gave back what the made segment needed: 96 - 32 lent - 40 made leaves one segment
+        assert pool(srv)["free_bytes"] == SEG, pool(srv)
+        gpucr.restore(big.pid)
+        assert big.ask("digest") == big_before
+    finally:
+        stop.set()
+        watcher.join()
+        srv.stop()
+    assert seen and max(seen) <= limit, max(seen)
+    assert max(seen) == limit   # it was full, to the byte
+
+
+def staging_files(pid: int) -> set[int]:
+    """The staging memfds a process holds or maps, by inode."""
+    out = {os.stat(f"/proc/{pid}/fd/{fd}").st_ino for fd in os.listdir(f"/proc/{pid}/fd")
+           if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:gpucr-staging")}
+    for line in open(f"/proc/{pid}/maps"):
+        f = line.split()
+        if len(f) >= 6 and f[5].startswith("/memfd:gpucr-staging"):
+            out.add(int(f[4]))
+    return out
+
+
+def test_a_killed_apps_segments_come_back_and_a_stopped_server_frees_its_pool(sim_app):
+    srv = started("--prepare-staging", "128M")
+    try:
+        app = sim_app("--sizes", "8M,8M,8M,6M")
+        ck = gpucr.checkpoint(app.pid)
+        assert ck.staging_lent_bytes == 32 * MiB, ck
+        wait_for(lambda: pool(srv)["free_bytes"] == 128 * MiB, what="the pool to refill")
+        lent = staging_files(app.pid)
+        assert len(lent) == 2 and lent <= staging_files(srv.pid) and len(staging_files(srv.pid)) == 10
+        os.kill(app.pid, signal.SIGKILL)
+        app.proc.wait()
+        # the server lets go of a dead app's staging at its next look, and the pool (full) frees those segments
+        wait_for(lambda: pool(srv)["lent_bytes"] == 0, what="the killed app's segments to come back")
+        assert pool(srv)["free_bytes"] == 128 * MiB and not [h for h in srv.info()["staging"] if h["pid"] == app.pid]
+        assert len(staging_files(srv.pid)) == 8 and not lent & staging_files(srv.pid)
+        wait_for(lambda: ledger_total() == 128 * MiB, what="the killed app's entry to be reaped")
+        # an app keeps what it was lent when the server stops: its data, and its entry in the budget
+        other = sim_app("--sizes", "8M")
+        before = other.ask("digest")
+        assert gpucr.checkpoint(other.pid).staging_lent_bytes == SEG
+    finally:
+        srv.stop()
+    assert [e for e in entries() if e.startswith("pool-")] == []
+    assert "freed 128 MiB of staging made ahead" in srv.log.read_text()
+    assert ledger_total() == SEG and len(staging_files(other.pid)) == 1
+    assert gpucr.status(other.pid).staging_bytes == SEG
+    gpucr.restore(other.pid)   # with no server: the CLI's own mover, from the staging the app kept
+    assert other.ask("digest") == before
