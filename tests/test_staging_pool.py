@@ -169,3 +169,30 @@ def test_a_killed_apps_segments_come_back_and_a_stopped_server_frees_its_pool(si
     assert gpucr.status(other.pid).staging_bytes == SEG
     gpucr.restore(other.pid)   # with no server: the CLI's own mover, from the staging the app kept
     assert other.ask("digest") == before
+
+
+def test_a_killed_apps_segments_go_back_to_the_pool_and_to_the_next_app(sim_app):
+    srv = started("--host-budget", "64M", "--prepare-staging", "auto")
+    try:
+        wait_for(lambda: pool(srv)["free_bytes"] == 64 * MiB, what="the pool to fill the budget")
+        first = sim_app("--sizes", "8M,8M,8M,6M")
+        assert gpucr.checkpoint(first.pid).staging_lent_bytes == 32 * MiB
+        lent = staging_files(first.pid)
+        time.sleep(0.5)
+        assert pool(srv)["free_bytes"] == 32 * MiB, pool(srv)   # the budget holds it to what is not lent
+        os.kill(first.pid, signal.SIGKILL)
+        first.proc.wait()
+        wait_for(lambda: pool(srv)["lent_bytes"] == 0, what="the killed app's segments to come back")
+        assert pool(srv)["returned_total_bytes"] == 32 * MiB and pool(srv)["free_bytes"] == 64 * MiB, pool(srv)
+        assert lent <= staging_files(srv.pid)   # the same files, still pinned, not made again
+        assert pool(srv)["made_total_bytes"] == 64 * MiB
+        second = sim_app("--sizes", "8M,8M,8M,8M,8M,8M")   # 48 MiB: three of the pool's four segments
+        before = second.ask("digest")
+        ck = gpucr.checkpoint(second.pid)
+        assert (ck.staging_lent_bytes, ck.staging_made_bytes) == (48 * MiB, 0) and "server_pin" not in ck.phases_s
+        assert len(staging_files(second.pid) & lent) >= 1, "a returned segment is lent again"
+        gpucr.restore(second.pid)
+        assert second.ask("digest") == before
+        assert ledger_total() == 64 * MiB
+    finally:
+        srv.stop()

@@ -82,6 +82,9 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return 0 if info else 3
     if a.show_http:
         return _show_http(client.info(simulated))
+    if a.prepare_staging not in (None, "0", "off") and a.give_back_context:
+        raise GpucrError("--prepare-staging pins staging in the server's context, which --give-back-context gives "
+                         "back after each request: use one of them", code=2)
     missing = service_http.missing()
     if missing and a.http:
         raise GpucrError(f"--http: {missing}")

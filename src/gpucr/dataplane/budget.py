@@ -116,15 +116,15 @@ def _entry_bytes(fd: int) -> int:
     return int(text) if text.isdigit() else 0   # read while rewritten (status reads without the lock): 0 this time
 
 
-def used_bytes(ledger_dir: Path) -> int:
-    """What all live apps' staging holds in host memory, read without the lock: a status must answer whoever
-    holds it."""
+def used_bytes(ledger_dir: Path, but: str = "") -> int:
+    """What all live apps' staging holds in host memory (and the server's pool made ahead), but the entry named
+    `but`, read without the lock: a status must answer whoever holds it."""
     try:
         fd = os.open(ledger_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return 0
     try:
-        return others(fd, "", reap=False)
+        return others(fd, but, reap=False)
     finally:
         os.close(fd)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import os
 import threading
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -212,7 +213,8 @@ class StagingPool:
         with self._lock:
             p = self.lent.pop(seg.ident, None)
             keep = (p is not None and not self._stop.is_set() and process_ended(*who)
-                    and (self.target is None or self.unlent() + self.seg <= self.target))
+                    and (self.target is None or self.unlent() + self.seg <= self.target)
+                    and self._budget_left() >= self.seg)
             if keep:
                 assert p is not None
                 seg.zeroed.clear()   # what the mover knew of its bytes was the app's
@@ -253,19 +255,23 @@ class StagingPool:
             self._wake.set()
 
     def _room(self) -> int:
-        """Bytes more the host may hold now: what the budget leaves beside every entry (the pool's with them),
-        and the memory available less the margin."""
-        room = meminfo_kib("MemAvailable") * 1024 - margin()
-        if self.host_budget is not None:
-            room = min(room, self.host_budget - budget.used_bytes(self.ledger_dir))
-        return room - self.reserved
+        """Bytes more the host may hold now: what the budget leaves beside every entry and the pool, and the
+        memory available less the margin; less what is being made for apps. Under the pool's lock."""
+        return min(meminfo_kib("MemAvailable") * 1024 - margin(), self._budget_left()) - self.reserved
+
+    def _budget_left(self) -> int:
+        """What the server's --host-budget leaves beside every live entry and the pool's own bytes as it knows them
+        now (not as its entry last said them); unbounded without one."""
+        if self.host_budget is None:
+            return 1 << 62
+        return self.host_budget - budget.used_bytes(self.ledger_dir, but=entry_name()) - self.unlent()
 
     # ---- making ----
     def _run(self) -> None:
         said = ""
         while not self._stop.is_set():
             try:
-                n = self._to_make()
+                n = self._reserve()
                 if n:
                     self._make(n)
                     said = ""
@@ -277,44 +283,51 @@ class StagingPool:
             self._wake.wait(TICK_S)
             self._wake.clear()
 
-    def _to_make(self) -> int:
-        """How many segments to make now (at most one per fault thread): 0 when the pool is full or has no room."""
+    def _reserve(self) -> int:
+        """How many segments to make now, reserved in the pool's entry (a few rounds of the fault threads at most,
+        so the room is looked at again): 0 when the pool is full or has no room."""
         with self._lock:
-            have = self.unlent()
-        room = self._room() if self.target is None else min(self.target - have, self._room())
-        return min(FAULT_THREADS, max(0, room // self.seg))
-
-    def _make(self, n: int) -> None:
-        """n segments reserved in the ledger, made and faulted in (one thread each), mapped and pinned here."""
-        with self._lock:
+            room = self._room() if self.target is None else min(self.target - self.unlent(), self._room())
+            n = min(4 * FAULT_THREADS, max(0, room // self.seg))
             self.making += n * self.seg
-        with budget.locked(self.ledger_dir):
-            budget.say(self._entry, self.unlent())
-        kind = wanted_kind("auto", n * self.seg)[0]
-        fds: list[int] = []
-        ready: list[Pooled] = []
-        try:
-            fds = make_segments(kind, "", [self.seg] * n)
-            self.vmm.use(self._ctx)
-            for i, fd in enumerate(fds):
-                p = Pooled(fd, open_segment(fd, i, self.seg), kind)
-                ready.append(p)
-                self._pin(p.seg)
-            if self._stop.is_set():
-                raise GpucrError("the server stops")
-        except BaseException:
-            for p in ready:
-                self._free(p)
-            for fd in fds[len(ready):]:
-                os.close(fd)
-            raise
-        finally:
-            with self._lock:
-                self.making -= n * self.seg
-                self.free.extend(ready if not self._stop.is_set() else [])
-                self.made_total += len(ready) * self.seg if not self._stop.is_set() else 0
+        if n:
             with budget.locked(self.ledger_dir):
                 budget.say(self._entry, self.unlent())
+        return n
+
+    def _make(self, n: int) -> None:
+        """n segments (reserved) made and faulted in, one thread each, FAULT_THREADS at a time; each mapped and
+        pinned here as soon as it is faulted in (pinning one while the next ones fault), then ready to lend."""
+        kind = wanted_kind("auto", n * self.seg)[0]
+        failed: list[BaseException] = []
+        with ThreadPoolExecutor(max_workers=min(FAULT_THREADS, n), thread_name_prefix="gpucr-pool") as faults:
+            self.vmm.use(self._ctx)
+            for done in as_completed([faults.submit(make_segments, kind, "", [self.seg]) for _ in range(n)]):
+                p: Pooled | None = None
+                try:
+                    fd = done.result()[0]
+                    try:
+                        p = Pooled(fd, open_segment(fd, 0, self.seg), kind)
+                    except BaseException:
+                        os.close(fd)
+                        raise
+                    self._pin(p.seg)
+                    if self._stop.is_set():
+                        raise GpucrError("the server stops")
+                except BaseException as exc:   # the others are still made (and freed if stopping): none is lost
+                    failed.append(exc)
+                    if p is not None:
+                        self._free(p)
+                    p = None
+                with self._lock:
+                    self.making -= self.seg
+                    if p is not None:
+                        self.free.append(p)
+                        self.made_total += self.seg
+                with budget.locked(self.ledger_dir):
+                    budget.say(self._entry, self.unlent())
+        if failed:
+            raise failed[0]
 
     def _pin(self, seg: Segment) -> None:
         """Pinned whole, a piece at a time, waiting between pieces while a copy wants the data plane."""
