@@ -161,6 +161,7 @@ def test_a_killed_apps_segments_come_back_and_a_stopped_server_frees_its_pool(si
         other = sim_app("--sizes", "8M")
         before = other.ask("digest")
         assert gpucr.checkpoint(other.pid).staging_lent_bytes == SEG
+        wait_for(lambda: pool(srv)["free_bytes"] == 128 * MiB, what="the pool to refill")
     finally:
         srv.stop()
     assert [e for e in entries() if e.startswith("pool-")] == []

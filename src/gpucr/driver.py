@@ -246,6 +246,12 @@ class Vmm:
     def use(self, ctx: int) -> None:
         self._ok(self._cu.cuCtxSetCurrent(ctypes.c_void_p(ctx)), "cuCtxSetCurrent")
 
+    def current(self) -> int:
+        """The calling thread's current context (0: none)."""
+        c = ctypes.c_void_p()
+        self._ok(self._cu.cuCtxGetCurrent(ctypes.byref(c)), "cuCtxGetCurrent")
+        return c.value or 0
+
     def stream(self) -> int:
         s = ctypes.c_void_p()
         self._ok(self._cu.cuStreamCreate(ctypes.byref(s), _STREAM_NON_BLOCKING), "cuStreamCreate")

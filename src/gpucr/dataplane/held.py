@@ -83,10 +83,18 @@ class Held:
     def pinned_for(self, who: Owner, plan: list[tuple[int, int, int, int]], seg_fds: list[int],
                    declared: dict[int, int]) -> bool:
         """Whether every segment a copy out needs is mapped and pinned here already, as far as it reaches: the
-        same file of the same size."""
+        same file of the same size (or one the pool lent, pinned whole)."""
         segs = self.staging.get(who, {})
-        return all(is_segment(segs.get(i), seg_fds, i, declared.get(i, -1)) and segs[i].bytes >= need
+        return all((seg := self._known(segs, seg_fds, i, declared.get(i, -1))) is not None and seg.bytes >= need
                    for i, need in reach(plan).items())
+
+    def _known(self, segs: dict[int, Segment], seg_fds: list[int], i: int, size: int) -> Segment | None:
+        """Segment i as mapped here already: in the process's cache, or lent by the pool (a first checkpoint)."""
+        if is_segment(segs.get(i), seg_fds, i, size):
+            return segs[i]
+        if self.lender is None or not 0 <= i < len(seg_fds):
+            return None
+        return self.lender.adopt(seg_fds[i], size)
 
     def to_pin_ahead(self, who: Owner, declared: dict[int, int], seg_fds: list[int]) -> tuple[list[Segment], list[Segment]]:
         """For pinning ahead: (segments to let go, segments to pin further, marked busy). Each segment the process

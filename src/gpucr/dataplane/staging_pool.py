@@ -28,14 +28,14 @@ from __future__ import annotations
 
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, as_completed
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..agent_tables import SETTINGS
-from ..driver import Vmm
+from ..driver import DriverError, Vmm
 from ..errors import GpucrError
 from ..plane import MadeStaging, StagingAsk
 from ..sizes import budget_bytes
@@ -285,7 +285,9 @@ class StagingPool:
 
     def _reserve(self) -> int:
         """How many segments to make now, reserved in the pool's entry (a few rounds of the fault threads at most,
-        so the room is looked at again): 0 when the pool is full or has no room."""
+        so the room is looked at again): 0 when the pool is full or has no room, or while a copy wants the plane."""
+        if self._wanted():
+            return 0
         with self._lock:
             room = self._room() if self.target is None else min(self.target - self.unlent(), self._room())
             n = min(4 * FAULT_THREADS, max(0, room // self.seg))
@@ -297,37 +299,57 @@ class StagingPool:
 
     def _make(self, n: int) -> None:
         """n segments (reserved) made and faulted in, one thread each, FAULT_THREADS at a time; each mapped and
-        pinned here as soon as it is faulted in (pinning one while the next ones fault), then ready to lend."""
+        pinned here as soon as it is faulted in (pinning one while the next ones fault), then ready to lend. No
+        segment is started while a copy wants the data plane (faulting competes for the host's memory and CPUs),
+        nor once the server stops: their reservations are let go."""
         kind = wanted_kind("auto", n * self.seg)[0]
         failed: list[BaseException] = []
+        todo, pending = n, set()
         with ThreadPoolExecutor(max_workers=min(FAULT_THREADS, n), thread_name_prefix="gpucr-pool") as faults:
             self.vmm.use(self._ctx)
-            for done in as_completed([faults.submit(make_segments, kind, "", [self.seg]) for _ in range(n)]):
-                p: Pooled | None = None
-                try:
-                    fd = done.result()[0]
+            while todo or pending:
+                while todo and len(pending) < FAULT_THREADS and not self._wanted() and not self._stop.is_set():
+                    pending.add(faults.submit(make_segments, kind, "", [self.seg]))
+                    todo -= 1
+                if self._stop.is_set() and todo:
+                    self._ready(None, todo)
+                    todo = 0
+                if not pending:   # a copy wants the plane: the next segment waits for it
+                    self._stop.wait(WANTED_TICK_S)
+                    continue
+                done, pending = wait(pending, timeout=WANTED_TICK_S, return_when=FIRST_COMPLETED)
+                for f in done:
+                    p: Pooled | None = None
                     try:
-                        p = Pooled(fd, open_segment(fd, 0, self.seg), kind)
-                    except BaseException:
-                        os.close(fd)
-                        raise
-                    self._pin(p.seg)
-                    if self._stop.is_set():
-                        raise GpucrError("the server stops")
-                except BaseException as exc:   # the others are still made (and freed if stopping): none is lost
-                    failed.append(exc)
-                    if p is not None:
-                        self._free(p)
-                    p = None
-                with self._lock:
-                    self.making -= self.seg
-                    if p is not None:
-                        self.free.append(p)
-                        self.made_total += self.seg
-                with budget.locked(self.ledger_dir):
-                    budget.say(self._entry, self.unlent())
+                        p = self._mapped(f.result()[0], kind)
+                        self._pin(p.seg)
+                        if self._stop.is_set():
+                            raise GpucrError("the server stops")
+                    except BaseException as exc:   # the others are still made (and freed if stopping): none is lost
+                        failed.append(exc)
+                        if p is not None:
+                            self._free(p)
+                        p = None
+                    self._ready(p, 1)
         if failed:
             raise failed[0]
+
+    def _mapped(self, fd: int, kind: str) -> Pooled:
+        try:
+            return Pooled(fd, open_segment(fd, 0, self.seg), kind)
+        except BaseException:
+            os.close(fd)
+            raise
+
+    def _ready(self, p: Pooled | None, reserved: int) -> None:
+        """`reserved` segments' reservation let go; `p` (one of them) ready to lend."""
+        with self._lock:
+            self.making -= reserved * self.seg
+            if p is not None:
+                self.free.append(p)
+                self.made_total += self.seg
+        with budget.locked(self.ledger_dir):
+            budget.say(self._entry, self.unlent())
 
     def _pin(self, seg: Segment) -> None:
         """Pinned whole, a piece at a time, waiting between pieces while a copy wants the data plane."""
@@ -337,10 +359,17 @@ class StagingPool:
                 self._stop.wait(WANTED_TICK_S)
 
     def _free(self, p: Pooled) -> None:
+        """Unpinned in the pool's context (from whichever thread gives it back: its own context is restored after),
+        unmapped and closed."""
         try:
+            was = self.vmm.current()
             self.vmm.use(self._ctx)
-            drop(self.vmm, p.seg)
-        except GpucrError as exc:   # kept mapped, never reused (pinned.drop)
+            try:
+                drop(self.vmm, p.seg)
+            finally:
+                if was and was != self._ctx:
+                    self.vmm.use(was)
+        except (GpucrError, DriverError) as exc:   # kept mapped, never reused (pinned.drop)
             self._said(f"freeing staging made ahead: {exc}")
         os.close(p.fd)
 
