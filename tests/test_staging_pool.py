@@ -197,3 +197,23 @@ def test_a_killed_apps_segments_go_back_to_the_pool_and_to_the_next_app(sim_app)
         assert ledger_total() == 64 * MiB
     finally:
         srv.stop()
+
+
+def test_staging_a_live_app_gives_back_is_freed_not_lent_again(sim_app):
+    """`restore --drop-staging` (the drop policy): the app's agent closes the segments it was lent, but only it
+    knows that it did, so the server frees them rather than lend them to another app; the pool refills."""
+    srv = started("--prepare-staging", "64M")
+    try:
+        app = sim_app("--sizes", "8M,8M,8M,6M")
+        before = app.ask("digest")
+        assert gpucr.checkpoint(app.pid).staging_lent_bytes == 32 * MiB
+        lent = staging_files(app.pid)
+        gpucr.restore(app.pid, drop_staging=True)
+        assert app.ask("digest") == before
+        assert gpucr.status(app.pid).staging_bytes == 0 and not staging_files(app.pid)
+        wait_for(lambda: pool(srv)["lent_bytes"] == 0 and pool(srv)["free_bytes"] == 64 * MiB,
+                 what="the given-back segments to be let go and the pool to refill")
+        assert pool(srv)["returned_total_bytes"] == 0 and not lent & staging_files(srv.pid), pool(srv)
+        assert ledger_total() == 64 * MiB, entries()
+    finally:
+        srv.stop()

@@ -253,7 +253,7 @@ class ProcessStatus:
     certificate: dict[str, Any] | None  # while checkpointed: what the checkpoint covers (a manifest, see inspect)
     coverage: Coverage | None = None  # the bytes gpucr moves and those left to the driver, by kind with reasons
     host_budget_bytes: int | None = None  # GPUCR_HOST_BUDGET as this process enforces it; None: no budget
-    host_budget_used_bytes: int = 0   # staging in host memory held by all of this user's processes under gpucr
+    host_budget_used_bytes: int = 0   # staging in host memory held by all of this user's processes under gpucr and the server's pool
     memory_cgroup: MemoryCgroup | None = None  # the memory cgroup limit staging is charged to; None: no limit
 
 
