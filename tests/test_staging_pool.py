@@ -217,3 +217,21 @@ def test_staging_a_live_app_gives_back_is_freed_not_lent_again(sim_app):
         assert ledger_total() == 64 * MiB, entries()
     finally:
         srv.stop()
+
+
+def test_an_app_with_smaller_segments_is_lent_at_most_a_segment_more_than_it_asks(sim_app):
+    """An app whose segment target (4 MiB) is below the pool's (16 MiB) asks for four segments of 4 MiB: one pool
+    segment is lent (12 MiB more than asked, one segment's worth at most), the other three are made, in one step."""
+    srv = started("--prepare-staging", "64M")
+    try:
+        app = sim_app("--sizes", "3M,3M,3M,3M", env={**os.environ, "GPUCR_STAGING_SEGMENT_MIB": "4"})
+        before = app.ask("digest")
+        ck = gpucr.checkpoint(app.pid)
+        assert (ck.staging_lent_bytes, ck.staging_made_bytes) == (SEG, 12 * MiB), ck
+        assert gpucr.status(app.pid).staging_bytes == SEG + 12 * MiB
+        gpucr.restore(app.pid)
+        assert app.ask("digest") == before
+        wait_for(lambda: pool(srv)["free_bytes"] == 64 * MiB, what="the pool to refill")
+        assert ledger_total() == 64 * MiB + SEG + 12 * MiB, entries()
+    finally:
+        srv.stop()

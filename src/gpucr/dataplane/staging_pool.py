@@ -136,13 +136,18 @@ class StagingPool:
         with nothing lent or made."""
         same_ledger = os.path.realpath(ask.ledger_dir) == os.path.realpath(self.ledger_dir)
         picks: list[Pooled | None] = []
+        # of the segments lent, the bytes past what was asked: at most one segment's worth an ask (an app whose
+        # segment target is below the pool's gets the rest made, not 4x its data lent)
+        idle = 0
         with self._lock:
             for n in ask.add:
                 usable = [p for p in self.free if p.kind == ask.staging or ask.staging == "auto"]
-                p = usable[0] if usable and same_ledger and n <= self.seg else None
+                fits = usable and same_ledger and n <= self.seg and idle + self.seg - n <= self.seg
+                p = usable[0] if fits else None
                 if p is not None:
                     self.free.remove(p)
                     self.lending += self.seg   # still the pool's in the ledger, until the app's entry says them
+                    idle += self.seg - n
                 picks.append(p)
         lent = [p for p in picks if p is not None]
         rest = [n for n, p in zip(ask.add, picks) if p is None]
