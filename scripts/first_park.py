@@ -25,6 +25,7 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -61,6 +62,28 @@ def pool_of(simulate: bool) -> dict:
     return info.get("staging_pool") or {}
 
 
+def settled(simulate: bool, quiet_s: float = 2.0, timeout: float = 120.0) -> float:
+    """Seconds until the pool has refilled: full, or making nothing for quiet_s (the memory available bounds it)."""
+    t0 = last_busy = time.monotonic()
+    while True:
+        p, now = pool_of(simulate), time.monotonic()
+        if p.get("making_bytes", 1):
+            last_busy = now
+        if (p.get("free_bytes") == p.get("target_bytes") and not p.get("making_bytes")) or now - last_busy >= quiet_s:
+            return now - t0
+        if now - t0 > timeout:
+            raise RuntimeError(f"the pool did not settle within {timeout:.0f} s: {p}")
+        time.sleep(0.05)
+
+
+def watch_pool(simulate: bool, t0: float, ready_at: list[float], stop: threading.Event) -> None:
+    """Until `stop`: when the pool is first full (seconds after t0), into ready_at."""
+    while not stop.wait(0.1) and not ready_at:
+        p = pool_of(simulate)
+        if p and p.get("free_bytes") == p.get("target_bytes") and not p.get("making_bytes"):
+            ready_at.append(time.monotonic() - t0)
+
+
 def timed_park(pid: int) -> tuple[float, gpucr.ProcessCheckpoint]:
     t0 = time.monotonic()
     ck = gpucr.checkpoint(pid)
@@ -85,6 +108,10 @@ def run_case(name: str, spec: tuple[str, list[str], dict[str, str], str, str], s
     app = None
     try:
         row["server_answers_s"] = wait_for(lambda: client.info(simulate) is not None, 60, "the server to answer")
+        ready_at: list[float] = []   # when the pool was first full, from the server's start
+        parked = threading.Event()
+        watcher = threading.Thread(target=watch_pool, args=(simulate, t_server, ready_at, parked), daemon=True)
+        watcher.start()
         t_app = time.monotonic()
         row["server_to_app_s"] = t_app - t_server
         app = Workload(module, *args, simulate=simulate, env=env)
@@ -92,13 +119,16 @@ def run_case(name: str, spec: tuple[str, list[str], dict[str, str], str, str], s
         before = app.ask("digest", timeout=300)
         t_last = time.monotonic()   # the digest's temporaries are the app's last allocations
         gpucr.status(app.pid)       # the client warmed up (its imports, the server's socket), as a later park finds it
+        parked.set()
+        watcher.join()
         row["pool_at_first_park"] = pool_of(simulate)
+        row["pool_full_after_server_start_s"] = ready_at[0] if ready_at else None
         row["last_alloc_to_park_s"] = time.monotonic() - t_last
         first_s, ck = timed_park(app.pid)
         row["first_park_s"], row["first"] = first_s, checkpoint_row(ck)
         gpucr.restore(app.pid)
         digests = [app.ask("digest", timeout=300) == before]
-        row["pool_refill_s"] = wait_for(lambda: pool_of(simulate).get("making_bytes", 1) == 0, 120, "the pool to refill")
+        row["pool_refill_s"] = settled(simulate)   # later parks measured with no refill beside them
         row["later_parks_s"], row["later"] = [], []
         for _ in range(later):
             s, ck = timed_park(app.pid)

@@ -131,7 +131,7 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--prepare-staging", metavar="SIZE", type=prepare_staging, help="staging made, faulted in and "
                     "pinned when the server starts, lent to each app's first checkpoint (then as fast as the later ones) "
                     "and refilled: a size as --host-budget takes it, auto (what --host-budget and the memory available "
-                    "allow, leaving max(4 GiB, 10%% of MemTotal available)) or 0 (the default: the server pins nothing ahead "
+                    "allow, leaving max(4 GiB, 10%% of MemTotal) of the memory available) or 0 (the default: the server pins nothing ahead "
                     "unasked)")
     sv.add_argument("--park-dir", metavar="DIR", help="where parked swap apps past --host-budget go as images: a "
                     "directory of yours, mode 0700 (default: gpucr/parked under $XDG_STATE_HOME or ~/.local/state)")

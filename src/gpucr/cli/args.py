@@ -95,7 +95,9 @@ def prepare_staging(v: str) -> str:
     """--prepare-staging: auto, 0 (none) or a size as --host-budget takes it."""
     if v in ("auto", "0", "off"):
         return v
-    return host_budget(v)
+    if sizes.budget_problem(v):
+        raise argparse.ArgumentTypeError(f"'{v}' is not what to prepare: give auto, 0, or {sizes.BUDGET_FORMS}")
+    return v
 
 
 def group_name(v: str) -> str:
