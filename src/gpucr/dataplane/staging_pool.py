@@ -43,7 +43,7 @@ from ..target import process_ended
 from . import budget
 from .hostmem import meminfo_kib
 from .pinned import Segment, drop, open_segment, pin
-from .staging_make import FAULT_THREADS, make_segments, make_staging, wanted_kind
+from .staging_make import FAULT_THREADS, made_for, make_segments, make_staging, wanted_kind
 
 SEGMENT_SETTING = SETTINGS["GPUCR_STAGING_SEGMENT_MIB"]   # the agent's segment target (see above)
 MARGIN_MIN = 4 << 30       # auto leaves this much of MemAvailable, or MARGIN_SHARE of MemTotal if more
@@ -166,7 +166,7 @@ class StagingPool:
         """The picks lent and `rest` made: the app's entry says both, the pool's no more the picks."""
         lent = [p for p in picks if p is not None]
         n_lent = len(lent) * self.seg
-        kind, _dir = wanted_kind(ask.staging, sum(rest))
+        kind = wanted_kind(ask.staging, sum(rest))[0] if rest else lent[0].kind
         if kind == "file":   # a pool is never made for file staging, and lends to none
             raise GpucrError("the gpucr server's staging pool lent memory to an app that stages in files")
         held = 0 if ask.replace else ask.held_memory
@@ -183,7 +183,7 @@ class StagingPool:
         assert entry is not None
         made: list[int] = []
         try:
-            made = make_segments(kind, "", rest) if rest else []
+            kind, made = made_for(ask, kind, "", rest) if rest else (kind, [])
             fresh = iter(made)
             fds = [os.dup(p.fd) if p is not None else next(fresh) for p in picks]
         except BaseException:
@@ -202,7 +202,7 @@ class StagingPool:
             self.lent_total += n_lent
         self._said(f"lent {n_lent >> 20} MiB of staging made ahead to process {ask.pid}"
                    + (f"; made {sum(rest) >> 20} MiB more for it" if rest else ""))
-        return MadeStaging(fds, entry, lent[0].kind, lent=n_lent, made=sum(rest))
+        return MadeStaging(fds, entry, kind, lent=n_lent, made=sum(rest))
 
     def adopt(self, fd: int, declared: int) -> Segment | None:
         """The mapping (pinned) of a segment lent from here that a process states as its file `fd` of `declared`
