@@ -235,3 +235,44 @@ def test_an_app_with_smaller_segments_is_lent_at_most_a_segment_more_than_it_ask
         assert ledger_total() == 64 * MiB + SEG + 12 * MiB, entries()
     finally:
         srv.stop()
+
+
+def test_a_size_past_a_segment_is_learned_and_made_ahead_for_the_next_app_of_that_shape(sim_app):
+    """An allocation larger than a segment is placed whole: the first app's two segments of 40 MiB (the agent's plan:
+    each at least its largest allocation) are made at its checkpoint, and the pool makes two of that size ahead,
+    plain segments making way within its size, so the next app of that shape is lent all of its staging."""
+    srv = started("--prepare-staging", "128M")
+    try:
+        first = sim_app("--sizes", "40M,8M")
+        ck = gpucr.checkpoint(first.pid)
+        assert (ck.staging_lent_bytes, ck.staging_made_bytes) == (0, 80 * MiB), ck
+        assert "server_pin" in ck.phases_s, ck.phases_s
+        wait_for(lambda: pool(srv)["free_bytes"] == 128 * MiB and pool(srv)["making_bytes"] == 0
+                 and pool(srv)["made_total_bytes"] > 128 * MiB, what="the pool to make the learned sizes")
+        p = pool(srv)
+        assert p["learned_sizes"] == {str(40 * MiB): 2}, p   # (JSON keys are strings)
+        assert p["made_total_bytes"] == 128 * MiB + 80 * MiB, p
+        second = sim_app("--sizes", "40M,8M")
+        before = second.ask("digest")
+        ck = gpucr.checkpoint(second.pid)
+        assert (ck.staging_lent_bytes, ck.staging_made_bytes) == (80 * MiB, 0), ck
+        assert "server_pin" not in ck.phases_s, ck.phases_s
+        gpucr.restore(second.pid)
+        assert second.ask("digest") == before
+        assert ledger_total() <= 128 * MiB + 160 * MiB
+    finally:
+        srv.stop()
+
+
+def test_a_learned_size_past_the_pool_does_not_stop_its_refill(sim_app):
+    """A size larger than the pool itself is remembered but not made: the plain segments lent are made again."""
+    srv = started("--prepare-staging", "48M")
+    try:
+        app = sim_app("--sizes", "8M,8M,8M,8M,64M")   # (placed in reverse: the 64 MiB one first, in its own)
+        ck = gpucr.checkpoint(app.pid)
+        assert (ck.staging_lent_bytes, ck.staging_made_bytes) == (32 * MiB, 64 * MiB), ck
+        wait_for(lambda: pool(srv)["free_bytes"] == 48 * MiB and pool(srv)["making_bytes"] == 0,
+                 what="the pool to refill")
+        assert pool(srv)["learned_sizes"] == {str(64 * MiB): 1} and pool(srv)["made_total_bytes"] == 80 * MiB, pool(srv)
+    finally:
+        srv.stop()

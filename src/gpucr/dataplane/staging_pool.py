@@ -14,7 +14,8 @@ bigger than one segment asks for exactly pool-sized segments (native/agent/stagi
 first is at least what is held, up to the target), and nothing lent is wasted but the part of one segment past
 a smaller app's data (the agent keeps it: it gives staging back only when more than a segment is idle). 2 GiB is
 8 registrations of PIN_PIECE and about 60 fds for a whole H200 host. An allocation larger than a segment is
-placed whole in one segment (the agent does not split one), so its segment is made at the checkpoint, as before.
+placed whole in one segment (the agent does not split one), so its segment is made at the checkpoint, as before;
+the pool remembers that size and makes one ahead for the next app of that shape.
 
 One host budget: the pool's bytes not lent are the pool's entry in the ledger (budget.py), a file whose shared
 flock this server holds (a killed server's entry is stale and reaped); a lend moves bytes from the pool's entry
@@ -49,6 +50,7 @@ SEGMENT_SETTING = SETTINGS["GPUCR_STAGING_SEGMENT_MIB"]   # the agent's segment 
 MARGIN_MIN = 4 << 30       # auto leaves this much of MemAvailable, or MARGIN_SHARE of MemTotal if more
 MARGIN_SHARE = 10
 TICK_S = 1.0               # how often a full or refused pool looks again (a lend or a give-back wakes it at once)
+LEARNED = 4                # sizes past a segment remembered to be made ahead
 WANTED_TICK_S = 0.01       # how often pinning that stopped for a copy asks whether it may go on
 Owner = tuple[int, int]
 
@@ -59,6 +61,10 @@ class Pooled:
     fd: int
     seg: Segment
     kind: str   # hugetlbfs | shm
+
+    @property
+    def size(self) -> int:
+        return self.seg.declared
 
 
 def pool_target(setting: str) -> tuple[bool, int | None]:
@@ -109,7 +115,12 @@ class StagingPool:
         self.making = 0                           # bytes reserved for segments being made and pinned
         self.reserved = 0                         # bytes being made anew for apps, not yet in their entries
         self.lending = 0                          # bytes picked to lend, not yet in the app's entry
+        self.making_sizes: list[int] = []         # the sizes of those being made
         self.lent_total = self.made_total = self.returned_total = 0
+        # sizes past a segment that asks could not be lent (an allocation larger than a segment: XLA's regions, a KV
+        # cache in one tensor), with how many one ask wanted: made first at each refill, for the next app of that
+        # shape (a pool of servers of one model is pre-warmed by loading each and parking it at once)
+        self.learned: dict[int, int] = {}
         self._entry = budget.write_entry_in(ledger_dir, entry_name(), 0)
         self._thread = threading.Thread(target=self._run, daemon=True, name="gpucr-staging-pool")
 
@@ -118,13 +129,14 @@ class StagingPool:
         self._thread.start()
 
     def unlent(self) -> int:
-        return len(self.free) * self.seg + self.making + self.lending
+        return sum(p.size for p in self.free) + self.making + self.lending
 
     def info(self) -> dict[str, Any]:
         """What `gpucr serve --status --json` says of it."""
         with self._lock:
-            return {"target_bytes": self.target, "segment_bytes": self.seg, "free_bytes": len(self.free) * self.seg,
-                    "making_bytes": self.making, "lent_bytes": len(self.lent) * self.seg,
+            return {"target_bytes": self.target, "segment_bytes": self.seg, "free_bytes": sum(p.size for p in self.free),
+                    "making_bytes": self.making, "lent_bytes": sum(p.size for p in self.lent.values()),
+                    "learned_sizes": dict(self.learned),
                     "pinned_bytes": sum(p.seg.bytes for p in self.free), "lent_total_bytes": self.lent_total,
                     "made_total_bytes": self.made_total, "returned_total_bytes": self.returned_total,
                     "host_budget_bytes": self.host_budget}
@@ -141,23 +153,25 @@ class StagingPool:
         idle = 0
         with self._lock:
             for n in ask.add:
-                usable = [p for p in self.free if p.kind == ask.staging or ask.staging == "auto"]
-                fits = usable and same_ledger and n <= self.seg and idle + self.seg - n <= self.seg
-                p = usable[0] if fits else None
+                fits = [p for p in self.free if (p.kind == ask.staging or ask.staging == "auto") and n <= p.size
+                        and idle + p.size - n <= self.seg] if same_ledger else []
+                p = min(fits, key=lambda p: p.size) if fits else None
                 if p is not None:
                     self.free.remove(p)
-                    self.lending += self.seg   # still the pool's in the ledger, until the app's entry says them
-                    idle += self.seg - n
+                    self.lending += p.size   # still the pool's in the ledger, until the app's entry says them
+                    idle += p.size - n
                 picks.append(p)
+            rest = [n for n, p in zip(ask.add, picks) if p is None]
+            if same_ledger and not ask.staging.startswith("file:"):
+                self._learn([n for n in rest if n > self.seg])
         lent = [p for p in picks if p is not None]
-        rest = [n for n, p in zip(ask.add, picks) if p is None]
         try:
             with self.room_for(0 if ask.staging.startswith("file:") else sum(rest)):
                 return self._lend(ask, picks, rest) if lent else make_staging(ask)
         except BaseException:
             with self._lock:
                 self.free.extend(lent)
-                self.lending -= len(lent) * self.seg
+                self.lending -= sum(p.size for p in lent)
             with budget.locked(self.ledger_dir):
                 budget.say(self._entry, self.unlent())
             raise
@@ -165,7 +179,7 @@ class StagingPool:
     def _lend(self, ask: StagingAsk, picks: list[Pooled | None], rest: list[int]) -> MadeStaging:
         """The picks lent and `rest` made: the app's entry says both, the pool's no more the picks."""
         lent = [p for p in picks if p is not None]
-        n_lent = len(lent) * self.seg
+        n_lent = sum(p.size for p in lent)
         kind = wanted_kind(ask.staging, sum(rest))[0] if rest else lent[0].kind
         if kind == "file":   # a pool is never made for file staging, and lends to none
             raise GpucrError("the gpucr server's staging pool lent memory to an app that stages in files")
@@ -218,14 +232,14 @@ class StagingPool:
         with self._lock:
             p = self.lent.pop(seg.ident, None)
             keep = (p is not None and not self._stop.is_set() and process_ended(*who)
-                    and (self.target is None or self.unlent() + self.seg <= self.target)
-                    and self._budget_left() >= self.seg)
+                    and (self.target is None or self.unlent() + p.size <= self.target)
+                    and self._budget_left() >= p.size)
             if keep:
                 assert p is not None
                 seg.zeroed.clear()   # what the mover knew of its bytes was the app's
                 seg.abandon = False
                 self.free.append(p)
-                self.returned_total += self.seg
+                self.returned_total += p.size
         if p is None:
             return False
         if keep:
@@ -276,9 +290,9 @@ class StagingPool:
         said = ""
         while not self._stop.is_set():
             try:
-                n = self._reserve()
-                if n:
-                    self._make(n)
+                sizes = self._reserve()
+                if sizes:
+                    self._make(sizes)
                     said = ""
                     continue
             except GpucrError as exc:
@@ -288,45 +302,77 @@ class StagingPool:
             self._wake.wait(TICK_S)
             self._wake.clear()
 
-    def _reserve(self) -> int:
-        """How many segments to make now, reserved in the pool's entry (a few rounds of the fault threads at most,
-        so the room is looked at again): 0 when the pool is full or has no room, or while a copy wants the plane."""
+    def _learn(self, sizes: list[int]) -> None:
+        """Sizes an ask wanted past a segment, remembered (the last LEARNED of them) to be made ahead. Under the lock."""
+        for n in set(sizes):
+            self.learned[n] = max(self.learned.pop(n, 0), sizes.count(n))   # the most recent last
+        while len(self.learned) > LEARNED:
+            self.learned.pop(next(iter(self.learned)))
+
+    def _reserve(self) -> list[int]:
+        """The sizes of the segments to make now, reserved in the pool's entry (a few rounds of the fault threads at
+        most, so the room is looked at again): learned sizes the pool lacks first, then segments, the room for those
+        learned sizes kept for them; none when the pool is full or has no room, or while a copy wants the plane."""
         if self._wanted():
-            return 0
+            return []
+        given: list[Pooled] = []
         with self._lock:
             room = self._room() if self.target is None else min(self.target - self.unlent(), self._room())
-            n = min(4 * FAULT_THREADS, max(0, room // self.seg))
-            self.making += n * self.seg
-        if n:
+            have = [p.size for p in self.free] + self.making_sizes
+            lacking = [n for n, k in self.learned.items() for _ in range(max(0, k - have.count(n)))]
+            short = sum(lacking) - max(room, 0)
+            plain = [p for p in self.free if p.size == self.seg]
+            if 0 < short <= sum(p.size for p in plain):   # a shape seen before goes first: plain segments make way
+                while short > 0:
+                    given.append(plain.pop())
+                    self.free.remove(given[-1])
+                    short -= self.seg
+                    room += self.seg
+            elif short > 0:   # not to be had within the pool's room: plain segments as before
+                lacking = []
+            sizes = []
+            for n in lacking:
+                if n <= room and len(sizes) < 4 * FAULT_THREADS:
+                    sizes.append(n)
+                    room -= n
+            room -= sum(lacking) - sum(sizes)   # kept for those learned sizes, made once room comes back
+            sizes += [self.seg] * min(4 * FAULT_THREADS - len(sizes), max(0, room // self.seg))
+            self.making += sum(sizes)
+            self.making_sizes += sizes
+        for p in given:
+            self._free(p)
+        if sizes or given:
             with budget.locked(self.ledger_dir):
                 budget.say(self._entry, self.unlent())
-        return n
+        return sizes
 
-    def _make(self, n: int) -> None:
-        """n segments (reserved) made and faulted in, one thread each, FAULT_THREADS at a time; each mapped and
-        pinned here as soon as it is faulted in (pinning one while the next ones fault), then ready to lend. No
-        segment is started while a copy wants the data plane (faulting competes for the host's memory and CPUs),
-        nor once the server stops: their reservations are let go."""
-        kind = wanted_kind("auto", n * self.seg)[0]
+    def _make(self, sizes: list[int]) -> None:
+        """Segments of these sizes (reserved) made and faulted in, one thread each, FAULT_THREADS at a time; each
+        mapped and pinned here as soon as it is faulted in (pinning one while the next ones fault), then ready to
+        lend. No segment is started while a copy wants the data plane (faulting competes for the host's memory and
+        CPUs), nor once the server stops: their reservations are let go."""
+        kind = wanted_kind("auto", sum(sizes))[0]
         failed: list[BaseException] = []
-        todo, pending = n, set()
-        with ThreadPoolExecutor(max_workers=min(FAULT_THREADS, n), thread_name_prefix="gpucr-pool") as faults:
+        todo, pending = list(sizes), {}
+        with ThreadPoolExecutor(max_workers=min(FAULT_THREADS, len(sizes)), thread_name_prefix="gpucr-pool") as faults:
             self.vmm.use(self._ctx)
             while todo or pending:
                 while todo and len(pending) < FAULT_THREADS and not self._wanted() and not self._stop.is_set():
-                    pending.add(faults.submit(make_segments, kind, "", [self.seg]))
-                    todo -= 1
+                    n = todo.pop(0)
+                    pending[faults.submit(make_segments, kind, "", [n])] = n
                 if self._stop.is_set() and todo:
-                    self._ready(None, todo)
-                    todo = 0
+                    for n in todo:
+                        self._ready(None, n)
+                    todo = []
                 if not pending:   # a copy wants the plane: the next segment waits for it
                     self._stop.wait(WANTED_TICK_S)
                     continue
-                done, pending = wait(pending, timeout=WANTED_TICK_S, return_when=FIRST_COMPLETED)
+                done, _ = wait(list(pending), timeout=WANTED_TICK_S, return_when=FIRST_COMPLETED)
                 for f in done:
+                    n = pending.pop(f)
                     p: Pooled | None = None
                     try:
-                        p = self._mapped(f.result()[0], kind)
+                        p = self._mapped(f.result()[0], n, kind)
                         self._pin(p.seg)
                         if self._stop.is_set():
                             raise GpucrError("the server stops")
@@ -335,24 +381,25 @@ class StagingPool:
                         if p is not None:
                             self._free(p)
                         p = None
-                    self._ready(p, 1)
+                    self._ready(p, n)
         if failed:
             raise failed[0]
 
-    def _mapped(self, fd: int, kind: str) -> Pooled:
+    def _mapped(self, fd: int, size: int, kind: str) -> Pooled:
         try:
-            return Pooled(fd, open_segment(fd, 0, self.seg), kind)
+            return Pooled(fd, open_segment(fd, 0, size), kind)
         except BaseException:
             os.close(fd)
             raise
 
     def _ready(self, p: Pooled | None, reserved: int) -> None:
-        """`reserved` segments' reservation let go; `p` (one of them) ready to lend."""
+        """A segment's reservation of `reserved` bytes let go; `p`, that segment, ready to lend (None: not made)."""
         with self._lock:
-            self.making -= reserved * self.seg
+            self.making -= reserved
+            self.making_sizes.remove(reserved)
             if p is not None:
                 self.free.append(p)
-                self.made_total += self.seg
+                self.made_total += p.size
         with budget.locked(self.ledger_dir):
             budget.say(self._entry, self.unlent())
 
@@ -391,5 +438,5 @@ class StagingPool:
         for p in gone + lent:
             self._free(p)
         budget.remove_entry(self.ledger_dir, entry_name(), self._entry)
-        self._said(f"freed {len(gone) * self.seg >> 20} MiB of staging made ahead; {len(lent) * self.seg >> 20} MiB "
+        self._said(f"freed {sum(p.size for p in gone) >> 20} MiB of staging made ahead; {sum(p.size for p in lent) >> 20} MiB "
                    "lent stays with its apps")
