@@ -176,7 +176,9 @@ def test_a_refusal_leaves_no_entry_behind(sim_app, monkeypatch):
 def test_staging_more_than_twice_the_data_is_made_anew(sim_app):
     """The app freed most of its memory: its next checkpoint gives its staging back and has the plane make it at
     the size needed (the agent plans `replace`), the budget's entry saying the new size."""
-    app = sim_app("--sizes", "64M,4M", env={**os.environ, "GPUCR_STAGING": "shm"})
+    # segments of 32 MiB: staging is given back only when more than a segment is idle (a pool segment lent to a
+    # smaller app is kept)
+    app = sim_app("--sizes", "64M,4M", env={**os.environ, "GPUCR_STAGING": "shm", "GPUCR_STAGING_SEGMENT_MIB": "32"})
     gpucr.checkpoint(app.pid)
     gpucr.restore(app.pid)
     assert gpucr.status(app.pid).staging_bytes >= 68 * MiB

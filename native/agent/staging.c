@@ -220,7 +220,10 @@ void staging_plan_json(struct jb *j, bool at_checkpoint)
     int ncaps = S.n;
     for (int i = 0; i < S.n; i++) held += caps[i] = S.segs[i].cap;
     pthread_mutex_unlock(&S.mu);
-    bool replace = held > 2 * need;   /* the data shrank: all given back, made again at the size needed */
+    /* the data shrank: all given back, made again at the size needed; only when more than a segment's target
+     * is idle, so a segment of the target lent by the server's pool of staging made ahead (its segments are that
+     * size: src/gpucr/dataplane/staging_pool.py) to an app with less data is kept, not given back each cycle */
+    bool replace = held > 2 * need && held - need > seg_target();
     if (replace) ncaps = 0, held = 0;
     jb_sub(j, "staging_plan");
     jb_int(j, "need_bytes", (long long)need);

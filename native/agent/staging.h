@@ -26,7 +26,7 @@ int staging_hold(const int *fds, int n, bool replace, int entry_fd, char *err, s
 /* The segments to ask the plane for so that every allocation `staged` picks (at_checkpoint: those a checkpoint
  * moves now; else those staged at the last one, to be read from an image) has a place, first fit, in that
  * order: {"add": [bytes...], "replace": bool, "need_bytes": N} under "staging_plan". Staging holding more than
- * twice what is needed is given back first (replace). */
+ * twice what is needed, and more than a segment's target beyond it, is given back first (replace). */
 void staging_plan_json(struct jb *j, bool at_checkpoint);
 /* Hand out `size` bytes for this cycle (first fit); 0 with its segment and offset, -1 when no segment has room
  * (the caller refuses: the plane makes staging, the agent never does). */

@@ -63,6 +63,8 @@ class MadeStaging:
     fds: list[int]
     entry: int | None
     kind: str
+    lent: int = 0   # bytes of them lent from the server's staging pool (made and pinned ahead)
+    made: int = 0   # bytes of them made now
 
 
 class DataPlane(Protocol):

@@ -132,6 +132,8 @@ class ProcessCheckpoint:
     bytes_zero_skipped: int = 0       # of bytes_moved, in 2 MiB chunks all zero on the GPU: not copied out
     scanned: bool = False             # the plane scanned the memory on the GPU (zero chunks, digests): false with --no-scan
     bytes_scanned: int = 0            # bytes that scan read
+    staging_lent_bytes: int = 0       # staging this checkpoint got from the server's pool made ahead (pinned already)
+    staging_made_bytes: int = 0       # ... and staging made for it at this checkpoint (faulted in, then pinned)
 
 
 @dataclass
@@ -251,7 +253,7 @@ class ProcessStatus:
     certificate: dict[str, Any] | None  # while checkpointed: what the checkpoint covers (a manifest, see inspect)
     coverage: Coverage | None = None  # the bytes gpucr moves and those left to the driver, by kind with reasons
     host_budget_bytes: int | None = None  # GPUCR_HOST_BUDGET as this process enforces it; None: no budget
-    host_budget_used_bytes: int = 0   # staging in host memory held by all of this user's processes under gpucr
+    host_budget_used_bytes: int = 0   # staging in host memory held by all of this user's processes under gpucr and the server's pool
     memory_cgroup: MemoryCgroup | None = None  # the memory cgroup limit staging is charged to; None: no limit
 
 

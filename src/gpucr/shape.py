@@ -52,7 +52,8 @@ def checkpoint(r: dict[str, Any], changes: list[GpuMemoryChange]) -> ProcessChec
                              warnings=list(r.get("warnings", [])), coverage=coverage.from_agent(r.get("coverage")),
                              routes=dict(r.get("routes", {})), data_plane=r.get("data_plane", "agent"),
                              bytes_zero_skipped=r.get("bytes_zero_skipped", 0), scanned=bool(r.get("scanned", False)),
-                             bytes_scanned=r.get("bytes_scanned", 0))
+                             bytes_scanned=r.get("bytes_scanned", 0), staging_lent_bytes=r.get("staging_lent_bytes", 0),
+                             staging_made_bytes=r.get("staging_made_bytes", 0))
 
 
 def restore(r: dict[str, Any], changes: list[GpuMemoryChange], moved: dict[str, str],

@@ -57,7 +57,7 @@ class Vmm:
         for name, args in (("cuDeviceGetCount", (ctypes.POINTER(i),)), ("cuDeviceGet", (ctypes.POINTER(i), i)),
                            ("cuDeviceGetUuid", (ctypes.c_char_p, i)),
                            ("cuDevicePrimaryCtxRetain", (ctypes.POINTER(p), i)), ("cuDevicePrimaryCtxRelease", (i,)),
-                           ("cuCtxSetCurrent", (p,)),
+                           ("cuCtxSetCurrent", (p,)), ("cuCtxGetCurrent", (ctypes.POINTER(p),)),
                            ("cuMemAddressReserve", (pu64, sz, sz, u64, u64)), ("cuMemAddressFree", (u64, sz)),
                            ("cuMemCreate", (pu64, sz, ctypes.POINTER(_AllocProp), u64)), ("cuMemRelease", (u64,)),
                            ("cuMemMap", (u64, sz, sz, u64, u64)), ("cuMemUnmap", (u64, sz)),
@@ -106,6 +106,12 @@ class Vmm:
 
     def use(self, ctx: int) -> None:
         self._ok(self._cu.cuCtxSetCurrent(ctypes.c_void_p(ctx)), "cuCtxSetCurrent")
+
+    def current(self) -> int:
+        """The calling thread's current context (0: none)."""
+        c = ctypes.c_void_p()
+        self._ok(self._cu.cuCtxGetCurrent(ctypes.byref(c)), "cuCtxGetCurrent")
+        return c.value or 0
 
     def stream(self) -> int:
         s = ctypes.c_void_p()

@@ -15,7 +15,7 @@ from ..levels import LEVELS
 from ..results import SCHEMA_VERSION, ErrorResult, to_json
 from ..server import route
 from .args import (CONTROLLER_FLAGS, CONTROLLER_SIMULATE_HELP, GROUP_MAX_BYTES, JSON_HELP, NO_SERVER_HELP, RETIRED_ENV,
-                   STAGING_KINDS, Parser, Retired, check_controller_env, group_name, host_budget, loopback,
+                   STAGING_KINDS, Parser, Retired, check_controller_env, group_name, host_budget, loopback, prepare_staging,
                    positive_seconds, staging_kind)
 from .cycle import cmd_checkpoint, cmd_recover, cmd_restore
 from .launch import cmd_bench, cmd_demo, cmd_doctor, cmd_lib, cmd_run, cmd_serve
@@ -128,6 +128,11 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--host-budget", metavar="SIZE", type=host_budget, help="the most host memory the swap apps "
                     "parked in host memory hold: 64G or 50%% of MemTotal; past it, the least recently used goes to disk "
                     "(--park-dir; default: no budget, docs/swap.md)")
+    sv.add_argument("--prepare-staging", metavar="SIZE", type=prepare_staging, help="staging made, faulted in and "
+                    "pinned when the server starts, lent to each app's first checkpoint (then as fast as the later ones) "
+                    "and refilled: a size as --host-budget takes it, auto (what --host-budget and the memory available "
+                    "allow, leaving max(4 GiB, 10%% of MemTotal) of the memory available) or 0 (the default: the server pins nothing ahead "
+                    "unasked)")
     sv.add_argument("--park-dir", metavar="DIR", help="where parked swap apps past --host-budget go as images: a "
                     "directory of yours, mode 0700 (default: gpucr/parked under $XDG_STATE_HOME or ~/.local/state)")
     sv.add_argument("--http", metavar="HOST:PORT", type=loopback, help="also serve the HTTP API, /metrics and the "

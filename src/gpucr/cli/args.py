@@ -91,6 +91,15 @@ def host_budget(v: str) -> str:
     return v
 
 
+def prepare_staging(v: str) -> str:
+    """--prepare-staging: auto, 0 (none) or a size as --host-budget takes it."""
+    if v in ("auto", "0", "off"):
+        return v
+    if sizes.budget_problem(v):
+        raise argparse.ArgumentTypeError(f"'{v}' is not what to prepare: give auto, 0, or {sizes.BUDGET_FORMS}")
+    return v
+
+
 def group_name(v: str) -> str:
     """--group: what the agent keeps whole (it refuses a longer name rather than cut it)."""
     n = len(v.encode())

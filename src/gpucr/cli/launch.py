@@ -82,13 +82,17 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return 0 if info else 3
     if a.show_http:
         return _show_http(client.info(simulated))
+    if a.prepare_staging not in (None, "0", "off") and a.give_back_context:
+        raise GpucrError("--prepare-staging pins staging in the server's context, which --give-back-context gives "
+                         "back after each request: use one of them", code=2)
     missing = service_http.missing()
     if missing and a.http:
         raise GpucrError(f"--http: {missing}")
     if missing:
         route.note(f"{missing}; serving without it")
     return daemon.main(a.idle_exit, keep_context=not a.give_back_context, host_budget=a.host_budget, park_dir=a.park_dir,
-                       routes=not a.no_routes, face=None if missing else service_http.face(a.http))
+                       routes=not a.no_routes, face=None if missing else service_http.face(a.http),
+                       prepare_staging=a.prepare_staging or "")
 
 
 def _show_http(info: dict | None) -> int:

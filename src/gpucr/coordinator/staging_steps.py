@@ -46,6 +46,8 @@ def provide_staging(m: _Member, plane: DataPlane, status: dict[str, Any] | None 
         for fd in made.fds + ([made.entry] if made.entry is not None else []):
             os.close(fd)
     m.result.setdefault("phases_s", {})["staging"] = time.perf_counter() - t0
+    m.result["staging_lent_bytes"] = m.result.get("staging_lent_bytes", 0) + made.lent
+    m.result["staging_made_bytes"] = m.result.get("staging_made_bytes", 0) + made.made
 
 
 def _hand_to_agent(m: _Member, made: MadeStaging, replace: bool) -> None:

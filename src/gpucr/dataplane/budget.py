@@ -22,7 +22,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 from ..errors import GpucrError
 from ..paths import LEDGER_SUFFIX
@@ -116,15 +116,15 @@ def _entry_bytes(fd: int) -> int:
     return int(text) if text.isdigit() else 0   # read while rewritten (status reads without the lock): 0 this time
 
 
-def used_bytes(ledger_dir: Path) -> int:
-    """What all live apps' staging holds in host memory, read without the lock: a status must answer whoever
-    holds it."""
+def used_bytes(ledger_dir: Path, but: str = "") -> int:
+    """What all live apps' staging holds in host memory (and the server's pool made ahead), but the entry named
+    `but`, read without the lock: a status must answer whoever holds it."""
     try:
         fd = os.open(ledger_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     except OSError:
         return 0
     try:
-        return others(fd, "", reap=False)
+        return others(fd, but, reap=False)
     finally:
         os.close(fd)
 
@@ -135,14 +135,35 @@ def write_entry(dirfd: int, name: str, held: int) -> int:
     fd = os.open(name, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600, dir_fd=dirfd)
     try:
         fcntl.flock(fd, fcntl.LOCK_SH)
-        _say(fd, held)
+        say(fd, held)
     except OSError:
         os.close(fd)
         raise
     return fd
 
 
-def _say(fd: int, held: int) -> None:
+def write_entry_in(ledger_dir: Path, name: str, held: int) -> int:
+    """write_entry, taking the ledger's lock: an entry of the server's own (its staging pool's)."""
+    with locked(ledger_dir) as dirfd:
+        return write_entry(dirfd, name, held)
+
+
+def remove_entry(ledger_dir: Path, name: str, fd: int) -> None:
+    """The entry behind `fd` removed from the ledger (if `name` is still that file), its flock let go, fd closed."""
+    try:
+        with locked(ledger_dir) as dirfd:
+            mine, there = os.fstat(fd), os.stat(name, dir_fd=dirfd, follow_symlinks=False)
+            if (mine.st_dev, mine.st_ino) == (there.st_dev, there.st_ino):
+                os.unlink(name, dir_fd=dirfd)
+    except (OSError, GpucrError):
+        pass   # gone already, or the ledger stuck: the entry is stale once our flock goes, and reaped
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+
+
+def say(fd: int, held: int) -> None:
+    """An entry's bytes rewritten (under the ledger's lock: readers never see half of it)."""
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"{held}\n".encode(), 0)
 
@@ -156,23 +177,31 @@ class Room:
     app_cgroup_root: str = ""   # GPUCR_TEST_CGROUP_ROOT: the test suite's stand-in for "/" (the app's setting)
 
 
-def admit(ledger_dir: Path, entry: str, pid: int, need: int, room: Room) -> int | None:
+def admit(ledger_dir: Path, entry: str, pid: int, need: int, room: Room, lent: int = 0,
+          lender: Callable[[int], None] | None = None) -> int | None:
     """Reserve `need` more bytes of the app's staging in host memory, or raise GpucrError with the one line;
-    returns the app's ledger entry (an fd with its shared flock, saying held + need), None for file staging
-    (on a filesystem: neither the budget's nor host memory's)."""
-    if room.kind == "file":
+    returns the app's ledger entry (an fd with its shared flock, saying held + need + lent), None for file staging
+    (on a filesystem: neither the budget's nor host memory's). `lent`: bytes lent to the app out of the server's
+    pool of staging made ahead (staging_pool.py), which its entry in the ledger counts until now: they move to
+    the app's entry, `lender(dirfd)` rewriting the pool's under the same lock, so they count exactly once."""
+    if room.kind == "file" and not lent:
         return None
-    check_free(room.kind, need, ON_DISK)
+    if need:
+        check_free(room.kind, need, ON_DISK)
     with locked(ledger_dir) as dirfd:
-        held_elsewhere = others(dirfd, entry, reap=True)
+        held_elsewhere = others(dirfd, entry, reap=True) - lent   # the pool's entry still says the lent bytes
+        need += lent
         if room.budget and held_elsewhere + room.held + need > room.budget:
             left = max(room.budget - held_elsewhere - room.held, 0)
             raise GpucrError(f"host-memory budget: staging needs {need // MIB} MiB more, {left // MIB} MiB left of "
                              f"{room.budget // MIB} MiB (other processes hold {held_elsewhere // MIB} MiB); raise "
                              f"GPUCR_HOST_BUDGET, free staging elsewhere (restore --drop-staging) {ON_DISK}")
-        if room.kind == "shm":   # hugepages are not charged to a memory cgroup (its hugetlb controller holds them)
-            check_cgroups(pid, need, room.app_cgroup_root, ON_DISK)
-        return write_entry(dirfd, entry, room.held + need)
+        if room.kind == "shm" and need > lent:   # hugepages are not charged to a memory cgroup (its hugetlb
+            check_cgroups(pid, need - lent, room.app_cgroup_root, ON_DISK)   # controller does); lent: the server's
+        fd = write_entry(dirfd, entry, room.held + need)
+        if lender is not None:
+            lender(dirfd)
+        return fd
 
 
 def settle(ledger_dir: Path, entry: str, held: int) -> None:
@@ -183,7 +212,7 @@ def settle(ledger_dir: Path, entry: str, held: int) -> None:
         except OSError:
             return
         try:
-            _say(fd, held)
+            say(fd, held)
         finally:
             os.close(fd)
 

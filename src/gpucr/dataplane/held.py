@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Protocol
 
 from ..vmm import Vmm
 from ..errors import GpucrError
@@ -18,6 +18,14 @@ from .pinned import Segment, drop, open_segment, same_file
 from .pinned import pin as pin_segment
 
 Owner = tuple[int, int]   # (pid, start time): a pid reused by another process never meets the dead one's staging
+
+
+class Lender(Protocol):
+    """Where segments made and pinned ahead come from (staging_pool.py): a lent one is adopted, not mapped again."""
+
+    def adopt(self, fd: int, declared: int) -> Segment | None: ...
+
+    def give_back(self, seg: Segment, who: Owner) -> bool: ...
 
 
 class Held:
@@ -30,6 +38,13 @@ class Held:
         self.staging: dict[Owner, dict[int, Segment]] = {}   # process -> segment index -> segment
         self.stuck: list[tuple[Owner, Segment]] = []         # let go, but the driver did not unpin them (drop)
         self.idle = threading.Condition()   # a segment's pinning ahead ended (Segment.busy cleared)
+        self.lender: Lender | None = None   # the server's staging pool, when it prepares staging ahead
+
+    def _open(self, seg_fds: list[int], i: int, declared: int) -> Segment:
+        """Segment i mapped here: the pool's mapping, pinned already, when it lent that file; else mapped now."""
+        fd = segment_fd(seg_fds, i)
+        lent = self.lender.adopt(fd, declared) if self.lender is not None else None
+        return lent if lent is not None else open_segment(fd, i, declared)
 
     def holdings(self) -> list[dict[str, Any]]:
         """Mapped and pinned bytes by owner (pid, start time); `stuck`: let go, but the driver did not unpin it."""
@@ -58,7 +73,7 @@ class Held:
             if not is_segment(have, seg_fds, i, declared[i]):
                 if have is not None:
                     self.drop(who, segs.pop(i))
-                have = segs[i] = open_segment(segment_fd(seg_fds, i), i, declared[i])
+                have = segs[i] = self._open(seg_fds, i, declared[i])
             t0 = time.perf_counter()
             if pin and pin_segment(self.vmm, have, size):
                 st.pin_s += time.perf_counter() - t0
@@ -68,10 +83,18 @@ class Held:
     def pinned_for(self, who: Owner, plan: list[tuple[int, int, int, int]], seg_fds: list[int],
                    declared: dict[int, int]) -> bool:
         """Whether every segment a copy out needs is mapped and pinned here already, as far as it reaches: the
-        same file of the same size."""
+        same file of the same size (or one the pool lent, pinned whole)."""
         segs = self.staging.get(who, {})
-        return all(is_segment(segs.get(i), seg_fds, i, declared.get(i, -1)) and segs[i].bytes >= need
+        return all((seg := self._known(segs, seg_fds, i, declared.get(i, -1))) is not None and seg.bytes >= need
                    for i, need in reach(plan).items())
+
+    def _known(self, segs: dict[int, Segment], seg_fds: list[int], i: int, size: int) -> Segment | None:
+        """Segment i as mapped here already: in the process's cache, or lent by the pool (a first checkpoint)."""
+        if is_segment(segs.get(i), seg_fds, i, size):
+            return segs[i]
+        if self.lender is None or not 0 <= i < len(seg_fds):
+            return None
+        return self.lender.adopt(seg_fds[i], size)
 
     def to_pin_ahead(self, who: Owner, declared: dict[int, int], seg_fds: list[int]) -> tuple[list[Segment], list[Segment]]:
         """For pinning ahead: (segments to let go, segments to pin further, marked busy). Each segment the process
@@ -80,8 +103,8 @@ class Held:
         stale = [segs.pop(i) for i in [i for i in segs if i not in declared]]
         for i, n in sorted(declared.items()):
             if not is_segment(segs.get(i), seg_fds, i, n):
-                fresh = open_segment(segment_fd(seg_fds, i), i, n)
-                fresh.want = n
+                fresh = self._open(seg_fds, i, n)
+                fresh.want = max(fresh.want, n)
                 if i in segs:
                     stale.append(segs.pop(i))
                 segs[i] = fresh
@@ -119,7 +142,10 @@ class Held:
     def drop(self, who: Owner, seg: Segment, until: float | None = None) -> None:
         """Unpin and unmap `seg`, once a pin ahead that works on it has stopped, at the end of its piece. One
         that the pin ahead does not leave in time (see settled), or that the driver does not unpin, is said and
-        kept (mapped: its address is never reused) among the stuck, so that the server still shows it."""
+        kept (mapped: its address is never reused) among the stuck, so that the server still shows it. One the
+        pool lent goes back to it (it frees it, or keeps it for another app)."""
+        if self.lender is not None and self.lender.give_back(seg, who):
+            return
         seg.abandon = True
         try:
             self.settled(seg, until)

@@ -18,6 +18,7 @@ import os
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from ..driver import Driver, DriverError, process_gpu_memory
@@ -30,7 +31,7 @@ from .lanes import Routing
 from .layout import checked_plan as _checked_plan, reach as _reach
 from .links import Links, Neighbour
 from ..memory import Managed
-from ..plane import Stats
+from ..plane import MadeStaging, StagingAsk, Stats
 from .held import Held, Owner
 from .pinned import Segment
 from .pinned import pin as pin_segment
@@ -38,6 +39,7 @@ from .ring import Piece, Ring
 from .scan import Scanner
 from .sweep import Part, parts_of, step as sweep_step
 from .staging_make import StagingMaker
+from .staging_pool import StagingPool
 
 Spans = dict[int, list[tuple[int, int]]]   # allocation index -> [(offset, bytes)] in it
 # No wait in the server is without end: a copy from a `file:` staging on a stalled filesystem holds the
@@ -104,6 +106,8 @@ class Mover(StagingMaker):
         self._taken: dict[Owner, Taken] = {}   # process -> what its last copy out took: plan, zero chunks, digests
         self.said: Callable[[str], None] = lambda line: None   # where the server's log lines go
         self.held = Held(self.vmm, lambda: self.plane_wait_s, lambda line: self.said(line))   # each process's staging
+        self.pool: StagingPool | None = None   # staging made ahead (`gpucr serve --prepare-staging`)
+        self._pool_dev: int | None = None      # the GPU whose context pinned it: kept while the pool lives
 
     @property
     def plane(self) -> str:
@@ -122,7 +126,25 @@ class Mover(StagingMaker):
         return sorted(by_ordinal.get(d, str(d)) for d in self._ctx)
 
     def pinned_bytes(self) -> int:
-        return sum(h["pinned_bytes"] for h in self.holdings())
+        """Pinned here: each process's staging, and the pool's not lent."""
+        pool = self.pool.info()["pinned_bytes"] if self.pool is not None else 0
+        return pool + sum(h["pinned_bytes"] for h in self.holdings())
+
+    def start_pool(self, target: int | None, host_budget: int | None, ledger_dir: Path) -> StagingPool:
+        """Prepare staging ahead (staging_pool.py), pinned in the context on the first GPU, kept from now on."""
+        with self._plane("preparing staging ahead"):
+            self._pool_dev = 0   # portable registrations: a copy on any GPU finds them pinned
+            ctx = self._context(self._pool_dev)[0]
+            self._neighbours.discard(self._pool_dev)
+            self.pool = StagingPool(self.vmm, ledger_dir, target, host_budget, ctx, lambda: bool(self._wanted),
+                                    lambda line: self.said(line))
+            self.held.lender = self.pool
+        self.pool.start()
+        return self.pool
+
+    def make_staging(self, ask: StagingAsk) -> MadeStaging:
+        """Lent from the pool where it can, the rest made (staging_pool.py); made as without a pool otherwise."""
+        return self.pool.provide(ask) if self.pool is not None else super().make_staging(ask)
 
     def holdings(self) -> list[dict[str, Any]]:
         """What the server holds of each process's staging (held.py)."""
@@ -182,6 +204,9 @@ class Mover(StagingMaker):
                     ring.close()   # unpinned while its context is still there
             for o in list(self.held.staging):   # what it took stays on record: a restore after this one still fills
                 self._forget(o, keep_record=True)
+            if self.pool is not None:   # unpinned while its context is still there
+                self.pool.close()
+                self.held.lender = self.pool = self._pool_dev = None
             for dev in list(self._ctx):
                 self._release_context(dev)
             self._ctx.clear()
@@ -541,7 +566,7 @@ class Mover(StagingMaker):
             uuids = self._uuids()
             for dev in sorted(self._neighbours):
                 nb = Neighbour(dev, uuids.get(dev, ""))
-                if dev in self._ctx and not self.links.idle(nb):
+                if dev in self._ctx and dev != self._pool_dev and not self.links.idle(nb):
                     self._release_context(dev)
                     del self._ctx[dev]
                     self._neighbours.discard(dev)

@@ -113,6 +113,17 @@ def make_segments(kind: str, directory: str, sizes: list[int]) -> list[int]:
         made.close()
 
 
+def made_for(ask: StagingAsk, kind: str, directory: str, sizes: list[int]) -> tuple[str, list[int]]:
+    """The segments of `sizes` made and faulted in, of `kind`, and that kind: auto's hugetlbfs falls back to shm
+    (hugepages taken meanwhile), as the agent did."""
+    try:
+        return kind, make_segments(kind, directory, sizes)
+    except GpucrError:
+        if ask.staging != "auto" or kind != "hugetlbfs":
+            raise
+        return "shm", make_segments("shm", "", sizes)
+
+
 def make_staging(ask: StagingAsk) -> MadeStaging:
     """The segments `ask` names, admitted against the one host budget before anything is made, then made and
     faulted in; with the app's ledger entry to hold (None for file staging). The caller hands both to the app's
@@ -123,18 +134,13 @@ def make_staging(ask: StagingAsk) -> MadeStaging:
     budget = budget_bytes(ask.host_budget) if ask.host_budget else 0   # the agent kept only a well-formed one
     entry = admit(ask.ledger_dir, ask.entry, ask.pid, need, Room(kind, budget, held, ask.cgroup_root))
     try:
-        try:
-            fds = make_segments(kind, directory, ask.add)
-        except GpucrError:
-            if ask.staging != "auto" or kind != "hugetlbfs":
-                raise
-            kind, fds = "shm", make_segments("shm", "", ask.add)   # hugepages taken meanwhile: as the agent did
+        kind, fds = made_for(ask, kind, directory, ask.add)
     except GpucrError:
         if entry is not None:
             os.close(entry)
             settle(ask.ledger_dir, ask.entry, held)
         raise
-    return MadeStaging(fds, entry, kind)
+    return MadeStaging(fds, entry, kind, made=need)
 
 
 class StagingMaker:

@@ -31,6 +31,7 @@ from ..results import to_json
 from .. import abandon
 from . import swap_ops, wire
 from ..dataplane.mover import Mover
+from ..dataplane.staging_pool import pool_target
 from ..swap.gpu_view import DriverGpus
 from ..swap.service import SwapService
 
@@ -445,6 +446,7 @@ class Server:
                 "keep_context": self.keep_context, "routes": self.routes,
                 "contexts": mover.context_uuids() if mover else [],
                 "pinned_staging_bytes": mover.pinned_bytes() if mover else 0,
+                "staging_pool": mover.pool.info() if mover and mover.pool else None,
                 "staging": mover.holdings() if mover else [],
                 "simulated": self.simulated, "socket": str(self.path),
                 "log": str(self.dir / wire.log_name(self.simulated)), "up_s": round(time.time() - self.started, 1),
@@ -597,7 +599,7 @@ def log(line: str) -> None:
 
 def main(idle_exit_s: float | None = None, keep_context: bool = True, routes: bool = True,
          host_budget: str | None = None, park_dir: str | None = None,
-         face: Callable[[Server], Callable[[], None]] | None = None) -> int:
+         face: Callable[[Server], Callable[[], None]] | None = None, prepare_staging: str = "") -> int:
     """Run the server in the foreground until `gpucr serve --stop`, SIGTERM or SIGINT (or, with
     `idle_exit_s`, that long with no process under gpucr and no request). host_budget: 64G or 50% (gpucr.sizes).
     face(server): another way in, started once the socket is bound (the HTTP API); what it returns stops it."""
@@ -613,6 +615,10 @@ def main(idle_exit_s: float | None = None, keep_context: bool = True, routes: bo
             f"{disk.park_dir.path}" + (f"; for now {why}" if (why := disk.park_dir.problem()) else ""))
     if srv.pins_ahead():
         threading.Thread(target=srv.pin_ahead_loop, daemon=True, name="gpucr-pin-ahead").start()
+        prepare, target = pool_target(prepare_staging)   # (issue 28: the first park)
+        if prepare:
+            srv.data_plane().start_pool(target, srv.swap.disk.budget, srv.dir)
+            log(f"preparing staging ahead: {'auto' if target is None else f'{target} bytes'}, pinned here")
     threading.Thread(target=srv.swap_loop, daemon=True, name="gpucr-swap").start()
     stop_face = None
     try:
