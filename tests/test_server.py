@@ -239,6 +239,28 @@ def test_what_the_server_took_is_kept_past_its_context_and_forgotten_with_its_pr
     assert who not in mover._taken
 
 
+def test_a_mover_giving_back_its_context_leaves_no_stream_in_it():
+    """The CLI's mover may run in a process that holds the context too (an app calling gpucr.checkpoint on another):
+    its release does not end that context, so each request's streams were left in it, hundreds over a day (on
+    simcuda, past 256 they shared one order and its check refusal stopped)."""
+    from gpucr.dataplane.mover import Mover
+    from gpucr.driver import DriverError
+    from gpucr.vmm import Vmm
+    vmm = Vmm(sim_driver())
+    held = vmm.retain_context(0)   # the calling app's own hold
+    try:
+        mover = Mover(sim_driver(), keep_context=False)
+        ctx, streams = mover._context(0)
+        streams = [*streams, *mover._side[ctx]]
+        mover.settle()
+        vmm.use(held)
+        for s in streams:
+            with pytest.raises(DriverError):
+                vmm.sync(s)
+    finally:
+        vmm.release_context(0)
+
+
 def test_memory_exported_for_other_processes_goes_through_the_server_too(server, sim_app):
     """Memory exported for other processes (the agents relink it) is copied by the server, once, from its
     exporter, and put back by it; the result says which plane moved the data."""

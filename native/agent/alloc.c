@@ -4,6 +4,7 @@
  * moves them) because each VMM allocation costs a whole granule. The application's own VMM calls are
  * recorded so the data plane can move that memory too. */
 #include <fcntl.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
@@ -33,14 +34,42 @@ static void free_addresses(CUdeviceptr va, size_t size)
     if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuMemAddressFree of %zu bytes at 0x%llx", size, (unsigned long long)va);
 }
 
-/* Give back what alloc_vmm made when it cannot be used (each failure logged: memory may stay behind). */
-static void undo_vmm(CUdeviceptr va, size_t size, CUmemGenericAllocationHandle h, bool mapped)
+/* The most pieces one allocation is made of: a KV cache of 140 GiB in 32 MiB pieces is 4,480. */
+#define MAX_PIECES 8192
+
+/* Give back what alloc_vmm made when it cannot be used: the first `mapped` of its n pieces mapped (each failure
+ * logged: memory may stay behind). */
+static void undo_vmm(CUdeviceptr va, size_t size, const CUmemGenericAllocationHandle *h, const size_t *psize, int n,
+                     int mapped)
 {
     CUresult rc;
-    if (mapped && (rc = REAL(cuMemUnmap)(va, size)) != CUDA_SUCCESS)
-        gpucr_cu_warn(rc, "cuMemUnmap of %zu bytes at 0x%llx", size, (unsigned long long)va);
-    if ((rc = REAL(cuMemRelease)(h)) != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuMemRelease of %zu bytes", size);
+    size_t off = 0;
+    for (int k = 0; k < n; off += psize[k], k++) {
+        if (k < mapped && (rc = REAL(cuMemUnmap)(va + off, psize[k])) != CUDA_SUCCESS)
+            gpucr_cu_warn(rc, "cuMemUnmap of %zu bytes at 0x%llx", psize[k], (unsigned long long)(va + off));
+        if ((rc = REAL(cuMemRelease)(h[k])) != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuMemRelease of %zu bytes", psize[k]);
+    }
     free_addresses(va, size);
+}
+
+/* How many pieces an allocation of rsize bytes is made of (GPUCR_PIECE_BYTES, rounded to the granule): each its own
+ * physical memory, so a two-way switch gives a large allocation back as it goes out. One when pieces are off, when
+ * it is smaller than GPUCR_PIECES_FROM or no larger than a piece, or when its fds (one each, the agent's own) would
+ * not fit: said once. */
+static int pieces_of(size_t rsize, size_t gran, size_t *piece)
+{
+    size_t want = (size_t)gpucr_setting_int(SET_PIECE_BYTES);
+    *piece = want ? round_up(want, gran) : rsize;
+    if (!want || rsize <= *piece || rsize < (size_t)gpucr_setting_int(SET_PIECES_FROM)) { *piece = rsize; return 1; }
+    size_t n = (rsize + *piece - 1) / *piece;
+    if (n > MAX_PIECES) { *piece = round_up((rsize + MAX_PIECES - 1) / MAX_PIECES, gran); n = (rsize + *piece - 1) / *piece; }
+    if (share_fds_left((int)n)) return (int)n;
+    static atomic_bool said;
+    if (!atomic_exchange(&said, true))
+        gpucr_warn("too few file descriptors left to make an allocation of %zu MiB in %zu pieces (one fd each): made "
+                   "in one piece, which a two-way switch frees only whole (raise 'ulimit -Hn')", rsize >> 20, n);
+    *piece = rsize;
+    return 1;
 }
 
 /* Allocate `size` bytes as VMM; CUDA_ERROR_NOT_SUPPORTED means "use the native path instead". */
@@ -58,14 +87,22 @@ static CUresult alloc_vmm(CUdeviceptr *dptr, size_t size)
         return CUDA_ERROR_NOT_SUPPORTED;
     if (size < (min_vmm_bytes() ? min_vmm_bytes() : gran)) return CUDA_ERROR_NOT_SUPPORTED;
 
-    size_t rsize = round_up(size, gran);
+    size_t rsize = round_up(size, gran), piece = 0;
+    int n = pieces_of(rsize, gran, &piece);
+    CUmemGenericAllocationHandle *h = calloc((size_t)n, sizeof *h);
+    size_t *psize = calloc((size_t)n, sizeof *psize);
+    if (!h || !psize) { free(h); free(psize); return CUDA_ERROR_NOT_SUPPORTED; }
     CUdeviceptr va = 0;
-    CUmemGenericAllocationHandle h = 0;
     CUresult rc = gpucr_drv.cuMemAddressReserve(&va, rsize, gran, 0, 0);
-    if (rc != CUDA_SUCCESS) return CUDA_ERROR_NOT_SUPPORTED;
-    rc = REAL(cuMemCreate)(&h, rsize, &prop, 0);
+    if (rc != CUDA_SUCCESS) { free(h); free(psize); return CUDA_ERROR_NOT_SUPPORTED; }
+    int made = 0;
+    for (size_t off = 0; made < n && rc == CUDA_SUCCESS; off += psize[made], made++) {
+        psize[made] = rsize - off < piece ? rsize - off : piece;
+        if ((rc = REAL(cuMemCreate)(&h[made], psize[made], &prop, 0)) != CUDA_SUCCESS) break;
+    }
     if (rc != CUDA_SUCCESS) {
-        free_addresses(va, rsize);
+        undo_vmm(va, rsize, h, psize, made, 0);
+        free(h); free(psize);
         /* out of memory is the application's answer, not a reason to try the other path */
         return rc == CUDA_ERROR_OUT_OF_MEMORY ? rc : CUDA_ERROR_NOT_SUPPORTED;
     }
@@ -78,31 +115,49 @@ static CUresult alloc_vmm(CUdeviceptr *dptr, size_t size)
     reg_unlock();
     for (int d = 0; d < 32 && nacc < MAX_ACCESS; d++)
         if ((peers >> d & 1) && d != dev) acc[nacc++] = (CUmemAccessDesc){{CU_MEM_LOCATION_TYPE_DEVICE, d}, CU_MEM_ACCESS_FLAGS_PROT_READWRITE};
-    rc = REAL(cuMemMap)(va, rsize, 0, h, 0);
-    bool mapped = rc == CUDA_SUCCESS;
-    if (mapped) rc = REAL(cuMemSetAccess)(va, rsize, acc, (size_t)nacc);
+    int mapped = 0;
+    for (size_t off = 0; mapped < n; off += psize[mapped], mapped++) {
+        if ((rc = REAL(cuMemMap)(va + off, psize[mapped], 0, h[mapped], 0)) != CUDA_SUCCESS) break;
+        if ((rc = REAL(cuMemSetAccess)(va + off, psize[mapped], acc, (size_t)nacc)) != CUDA_SUCCESS) { mapped++; break; }
+    }
     if (rc != CUDA_SUCCESS) {
-        undo_vmm(va, rsize, h, mapped);
+        undo_vmm(va, rsize, h, psize, n, mapped);
+        free(h); free(psize);
         return CUDA_ERROR_NOT_SUPPORTED;
     }
     reg_learn_ctx(ctx);
-    int own = share_keeps_fd(&prop) ? share_export_own(h) : -1;
-    reg_lock();
-    struct phys *p = reg_phys_new(PHYS_CONVERTED, h, rsize, &prop, ctx);
-    struct mapping *m = p ? reg_map_add(p, va, rsize, 0) : NULL;
-    bool ok = m && reg_put(&g_reg.conv_by_va, va, p, "an allocation") == 0;
-    if (m) {
-        reg_map_merge_access(m, acc, (size_t)nacc);
-        p->resv_va = va; p->resv_size = rsize; p->user_size = size;
+    bool ok = true;
+    struct phys *first = NULL, *prev = NULL;
+    size_t off = 0;
+    for (int k = 0; k < n; off += psize[k], k++) {
+        int own = share_keeps_fd(&prop) ? share_export_own(h[k]) : -1;
+        reg_lock();
+        struct phys *p = ok ? reg_phys_new(PHYS_CONVERTED, h[k], psize[k], &prop, ctx) : NULL;
+        struct mapping *m = p ? reg_map_add(p, va + off, psize[k], 0) : NULL;
+        if (p) share_adopt_own(p, own, share_keeps_fd(&prop));
+        else if (own >= 0) close(own);
+        if (m) reg_map_merge_access(m, acc, (size_t)nacc);
+        if (p && k == 0) {
+            p->resv_va = va; p->resv_size = rsize; p->user_size = size;
+            first = p;
+            ok = m && reg_put(&g_reg.conv_by_va, va, p, "an allocation") == 0;
+        } else if (p) {
+            p->piece_tail = true;
+            prev->next_piece = p;
+        }
+        ok = ok && m;
+        if (p) prev = p;
+        reg_unlock();
     }
-    if (p) share_adopt_own(p, own, share_keeps_fd(&prop));
-    else if (own >= 0) close(own);
-    if (!ok && p) reg_phys_free(p);   /* not recorded: given back, the application is told no */
-    reg_unlock();
-    if (!ok) {
-        undo_vmm(va, rsize, h, true);
+    if (!ok) {   /* not recorded whole: given back, the application is told no */
+        reg_lock();
+        for (struct phys *p = first, *next; p; p = next) { next = p->next_piece; reg_phys_free(p); }
+        reg_unlock();
+        undo_vmm(va, rsize, h, psize, n, n);
+        free(h); free(psize);
         return CUDA_ERROR_OUT_OF_MEMORY;
     }
+    free(h); free(psize);
     *dptr = va;
     return CUDA_SUCCESS;
 }
@@ -160,18 +215,32 @@ CUresult alloc_free_converted(CUdeviceptr va)
     reg_lock();
     struct phys *p = hmap_get(&g_reg.conv_by_va, va);
     size_t size = p ? p->resv_size : 0;
-    CUmemGenericAllocationHandle real = p ? p->real : 0;
+    int n = 0;
+    for (struct phys *q = p; q; q = q->next_piece) n++;
+    struct { CUdeviceptr va; size_t size; CUmemGenericAllocationHandle real; } *piece = n ? calloc((size_t)n, sizeof *piece) : NULL;
+    int k = 0;
+    for (struct phys *q = p; q && piece; q = q->next_piece, k++)
+        piece[k].va = q->maps ? q->maps->va : va, piece[k].size = q->size, piece[k].real = q->real;
     reg_unlock();
     if (!p) return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = REAL(cuMemUnmap)(va, size);
-    if (rc != CUDA_SUCCESS) return rc;   /* still mapped: keep the record, the memory is still there */
+    if (!piece) return CUDA_ERROR_OUT_OF_MEMORY;
+    for (k = 0; k < n; k++) {   /* each piece's own mapping */
+        CUresult rc = REAL(cuMemUnmap)(piece[k].va, piece[k].size);
+        if (rc != CUDA_SUCCESS && k == 0) { free(piece); return rc; }   /* still mapped: keep the record */
+        if (rc != CUDA_SUCCESS) gpucr_cu_warn(rc, "cuMemUnmap of the piece at 0x%llx", (unsigned long long)piece[k].va);
+    }
     /* Forgotten before the addresses are given back: once they are, another thread's allocation may
      * get them and be recorded under the same address. */
     reg_lock();
-    if ((p = hmap_get(&g_reg.conv_by_va, va))) reg_phys_free(p);
+    if ((p = hmap_get(&g_reg.conv_by_va, va)))
+        for (struct phys *q = p, *next; q; q = next) { next = q->next_piece; reg_phys_free(q); }
     reg_unlock();
-    CUresult rrc = REAL(cuMemRelease)(real);
-    if (rrc != CUDA_SUCCESS) gpucr_cu_warn(rrc, "cuMemRelease of the %zu bytes at 0x%llx", size, (unsigned long long)va);
+    for (k = 0; k < n; k++) {
+        CUresult rrc = REAL(cuMemRelease)(piece[k].real);
+        if (rrc != CUDA_SUCCESS) gpucr_cu_warn(rrc, "cuMemRelease of the %zu bytes at 0x%llx", piece[k].size,
+                                               (unsigned long long)piece[k].va);
+    }
+    free(piece);
     free_addresses(va, size);
     return CUDA_SUCCESS;
 }

@@ -25,10 +25,10 @@ static void before_end(CUcontext ctx)
     /* the addresses of its converted allocations, taken under the lock; given back without it */
     reg_lock();
     size_t n = 0, k = 0;
-    for (struct phys *p = g_reg.all; p; p = p->next_all) n += p->kind == PHYS_CONVERTED && p->ctx == ctx;
+    for (struct phys *p = g_reg.all; p; p = p->next_all) n += p->kind == PHYS_CONVERTED && p->ctx == ctx && !p->piece_tail;
     CUdeviceptr *vas = n ? malloc(sizeof *vas * n) : NULL;
     for (struct phys *p = g_reg.all; p && vas; p = p->next_all)
-        if (p->kind == PHYS_CONVERTED && p->ctx == ctx) vas[k++] = p->resv_va;
+        if (p->kind == PHYS_CONVERTED && p->ctx == ctx && !p->piece_tail) vas[k++] = p->resv_va;   /* with its pieces */
     if (n && !vas) reg_lost("out of host memory giving back the allocations of context %p", (void *)ctx);
     reg_unlock();
     for (size_t i = 0; i < k; i++)

@@ -169,6 +169,15 @@ int dp_quiesce(int timeout_ms, char *err, size_t errlen)
  * Those whose memory cannot be had back stay released and are said. */
 static int take_back(char *err, size_t errlen)
 {
+    size_t given = 0, bytes = 0;
+    for (struct phys *p = g_reg.all; p; p = p->next_all)
+        if (p->state == AL_GIVEN) { given++; bytes += p->size; }
+    if (given) {   /* refused before anything is mapped: the process stays handed over whole, gate closed */
+        seterr(err, errlen, "%zu allocations (%zu MiB) were given back before the commit (a two-way switch): their "
+               "data is in staging, and they are made again and filled from it first; 'gpucr restore' does", given,
+               bytes >> 20);
+        return -1;
+    }
     if (handle_take_back_all(err, errlen)) return -1;
     staging_rewind();
     move(PH_RUNNING);
@@ -358,7 +367,7 @@ void dp_commit(void)
     if (g_dp.phase != PH_COPIED) return;   /* nothing handed over under this lease */
     reg_lock();
     for (struct phys *p = g_reg.all; p; p = p->next_all)
-        if (p->state == AL_HANDED && reg_alloc_move(p, AL_PARKED)) share_release(p);
+        if ((p->state == AL_HANDED || p->state == AL_GIVEN) && reg_alloc_move(p, AL_PARKED)) share_release(p);
     reg_unlock();
     move(PH_PARKED);
 }
@@ -369,13 +378,16 @@ void dp_commit(void)
 int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t errlen)
 {
     *adopted = 0;
-    if (g_dp.phase != PH_PARKED) {
+    /* handed over and not committed: only what was given back early is adopted (a two-way switch rolled back) */
+    bool given_only = g_dp.phase == PH_HANDED || g_dp.phase == PH_COPIED;
+    if (g_dp.phase != PH_PARKED && !given_only) {
         seterr(err, errlen, "adopt refused: the process is %s, not parked with its data in staging", PHASE_NAME[g_dp.phase]);
         return -1;
     }
     int k = 0, i = 0;
     for (struct phys *p = g_reg.all; p && i < nfds; p = p->next_all, k++) {
         if (k < from || !reg_phys_released(p) || p->kind == PHYS_IMPORTED) continue;
+        if (given_only && p->state != AL_GIVEN) continue;
         gpucr_use_ctx(p->ctx);
         CUmemGenericAllocationHandle h = 0;
         CUresult rc = handle_import_at(p, fds[i], &h);
@@ -385,12 +397,43 @@ int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t
             return -1;
         }
         handle_back_in_place(p, h, fcntl(fds[i], F_DUPFD_CLOEXEC, 3), share_keeps_fd(&p->prop), true);
-        p->adopt_pending = true;
+        p->adopt_pending = !given_only;   /* a roll-back's adoption is not undone: the abort follows it */
         i++;
         (*adopted)++;
         progress(p->size);
     }
     if (i < nfds) { seterr(err, errlen, "%d fds more than released allocations from index %d on", nfds - i, from); return -1; }
+    return 0;
+}
+
+/* Each handed allocation numbered below `upto` let go now: its copy is in staging (the plane says so), and memory
+ * another app waits for on the same GPU leaves it as soon as the plane lets go of its own handle too. Memory shared
+ * with another process is never given back early (refused, nothing touched): its importers map it still. */
+int dp_give_back(int upto, int *given, size_t *bytes, char *err, size_t errlen)
+{
+    *given = 0;
+    *bytes = 0;
+    if (g_dp.phase != PH_HANDED && g_dp.phase != PH_COPIED) {
+        seterr(err, errlen, "give_back refused: the process is %s, not handed over", PHASE_NAME[g_dp.phase]);
+        return -1;
+    }
+    reg_lock();
+    int k = 0;
+    for (struct phys *p = g_reg.all; p && k < upto; p = p->next_all, k++)
+        if (p->state == AL_HANDED && (p->kind == PHYS_IMPORTED || p->share_sid || p->exported)) {
+            reg_unlock();
+            seterr(err, errlen, "give_back refused: allocation %d is shared with another process", k);
+            return -1;
+        }
+    k = 0;
+    for (struct phys *p = g_reg.all; p && k < upto; p = p->next_all, k++) {
+        if (p->state != AL_HANDED || !reg_alloc_move(p, AL_GIVEN)) continue;
+        share_adopt_own(p, -1, false);   /* its fd closed: nothing of ours keeps it on the GPU */
+        (*given)++;
+        *bytes += p->size;
+        progress(p->size);
+    }
+    reg_unlock();
     return 0;
 }
 

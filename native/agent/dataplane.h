@@ -76,4 +76,7 @@ int dp_handed_done(char *err, size_t errlen);
 void dp_commit(void);
 int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t errlen);
 int dp_unadopt(int *undone, char *err, size_t errlen);
+/* A two-way switch (docs/swap.md): the handed allocations numbered below `upto` whose copy landed in staging let go
+ * before the commit (the agent's fd closed, the memory leaves the GPU once the plane lets go of its own). */
+int dp_give_back(int upto, int *given, size_t *bytes, char *err, size_t errlen);
 #endif

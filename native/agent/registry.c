@@ -219,7 +219,7 @@ void reg_phys_free(struct phys *p)
     while (p->maps) reg_map_remove(p->maps);
     reg_set_real(p, 0);
     if (p->app_handle) hmap_del(&g_reg.by_app_handle, p->app_handle);
-    if (p->kind == PHYS_CONVERTED) hmap_del(&g_reg.conv_by_va, p->resv_va);
+    if (p->kind == PHYS_CONVERTED && !p->piece_tail) hmap_del(&g_reg.conv_by_va, p->resv_va);
     if (p->prev_all) p->prev_all->next_all = p->next_all; else g_reg.all = p->next_all;
     if (p->next_all) p->next_all->prev_all = p->prev_all;
     free(p);
@@ -368,13 +368,16 @@ void keep_native(struct hmap *map, size_t *bytes, long *count, CUdeviceptr ptr, 
 }
 
 /* ---- one allocation's state ---- */
-static const char *const ALLOC_STATE_NAME[] = {"live", "handed", "parked"};
+static const char *const ALLOC_STATE_NAME[] = {"live", "handed", "parked", "given"};
 /* LEGAL[from][to]: live -> handed (a handover), handed -> live (taken back: nothing left the GPU), handed -> parked
- * (the commit), parked -> live (adopted, relinked, or replaced by zeroed memory: an orphaned import). */
-static const bool LEGAL[3][3] = {
+ * (the commit), parked -> live (adopted, relinked, or replaced by zeroed memory: an orphaned import); handed -> given
+ * (given back before the commit: a two-way switch), given -> live (made again from staging: a roll-back), given ->
+ * parked (the commit). */
+static const bool LEGAL[4][4] = {
     [AL_LIVE] = {[AL_HANDED] = true},
-    [AL_HANDED] = {[AL_LIVE] = true, [AL_PARKED] = true},
+    [AL_HANDED] = {[AL_LIVE] = true, [AL_PARKED] = true, [AL_GIVEN] = true},
     [AL_PARKED] = {[AL_LIVE] = true},
+    [AL_GIVEN] = {[AL_LIVE] = true, [AL_PARKED] = true},
 };
 
 const char *reg_alloc_state_name(enum alloc_state s) { return ALLOC_STATE_NAME[s]; }

@@ -29,8 +29,10 @@ enum phys_kind { PHYS_CONVERTED, PHYS_APP_VMM, PHYS_IMPORTED };
  *   LIVE     its memory mapped at its addresses (as made, taken back, adopted or relinked)
  *   HANDED   released to gpucr's data plane; the agent's own fd keeps the memory on the GPU (an abort maps it again)
  *   PARKED   committed: the memory off the GPU, the data in staging or an image (an import: unlinked, its
- *            exporter's to save) */
-enum alloc_state { AL_LIVE, AL_HANDED, AL_PARKED };
+ *            exporter's to save)
+ *   GIVEN    handed, then given back before the commit (a two-way switch frees it as soon as its copy landed in
+ *            staging): off the GPU, no fd of it left; an abort first needs it made again and filled from staging */
+enum alloc_state { AL_LIVE, AL_HANDED, AL_PARKED, AL_GIVEN };
 
 struct phys {
     enum phys_kind kind;
@@ -65,6 +67,11 @@ struct phys {
     bool adopt_pending;
     CUdeviceptr resv_va;        /* PHYS_CONVERTED: the VA reservation the agent owns */
     bool pool_seg;              /* PHYS_CONVERTED: a segment of a stream-ordered pool (pool.c), not a plain allocation */
+    /* PHYS_CONVERTED made in pieces (alloc.c, GPUCR_PIECE_BYTES): the first piece holds the reservation and names the
+     * allocation (conv_by_va); each piece is its own physical memory mapped after the one before, so the data plane
+     * moves, and a two-way switch gives back, each on its own. */
+    struct phys *next_piece;
+    bool piece_tail;            /* a piece after the first: no reservation of its own, freed with the first */
     size_t resv_size, user_size;
     /* checkpoint bookkeeping */
     enum alloc_state state;     /* changed only by reg_alloc_move, which checks the change against its table */
@@ -179,6 +186,8 @@ void share_raise_nofile(void);
 /* The agent's own fd of memory it manages: an export of `real` (registry NOT locked: asks the
  * driver), or -1 when none can be had (said once, naming RLIMIT_NOFILE). */
 int share_export_own(CUmemGenericAllocationHandle real);
+/* Whether n more fds of the agent's own fit before the part of the table it leaves to others. */
+bool share_fds_left(int n);
 /* Give p its own fd (fd from share_export_own, or a dup of an imported one; -1: counted as not
  * exportable). Registry locked. */
 void share_adopt_own(struct phys *p, int fd, bool wanted);

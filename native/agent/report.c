@@ -4,6 +4,7 @@
  * is bounded (docs/security.md); the registry lock is held while a page is written. */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <sys/resource.h>
 #include <stdio.h>
 #include <unistd.h>
 #include "dataplane.h"
@@ -100,10 +101,12 @@ void report_status(struct jb *j, const struct dp_status *st, const struct channe
     struct pool_stats ps;
     pool_get_stats(&ps, !dp_checkpointed(st->phase));   /* before the registry lock: pool.c takes its own first */
     reg_lock();
-    long n = 0, conv = 0, app = 0, kept = 0;
+    long n = 0, conv = 0, app = 0, kept = 0, pieces = 0, fds = 0;
     size_t moved = 0, left = 0;
     for (struct phys *p = g_reg.all; p; p = p->next_all) {
         n++;
+        pieces += p->piece_tail || p->next_piece;
+        fds += p->own_fd >= 0;
         if (p->kind == PHYS_CONVERTED) conv++; else if (p->kind == PHYS_APP_VMM) app++;
         if (reg_phys_released(p) || reg_phys_movable(p)) moved += p->size;
         else { kept++; left += p->size; }
@@ -123,6 +126,10 @@ void report_status(struct jb *j, const struct dp_status *st, const struct channe
     jb_int(j, "managed_bytes", (long long)g_reg.managed_bytes);
     jb_int(j, "ipc_exports", g_reg.ipc_exports);
     jb_int(j, "not_exportable", g_reg.unexportable);
+    jb_int(j, "pieces", pieces);   /* each its own memory and fd (alloc.c, GPUCR_PIECE_BYTES) */
+    jb_int(j, "own_fds", fds);
+    struct rlimit rl;
+    jb_int(j, "fd_limit", getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY ? (long long)rl.rlim_cur : 0);
     jb_end(j);
     coverage_json(j, &ps);
     dp_devices_json(j);
@@ -173,11 +180,12 @@ void dp_devices_json(struct jb *j)
         const unsigned char *u = g_reg.ctxs[i].uuid;
         char uuid[48];
         reg_uuid_text(u, uuid);
-        size_t bytes = 0, adopted = 0;
+        size_t bytes = 0, adopted = 0, kept = 0;
         for (struct phys *p = g_reg.all; p; p = p->next_all)
             if (p->kind != PHYS_IMPORTED && p->prop.location.id == dev) {
                 bytes += p->size;
                 if (p->adopted && !reg_phys_released(p)) adopted += p->size;
+                if (p->state == AL_HANDED || p->state == AL_LIVE) kept += p->size;
             }
         jb_sub(j, NULL);
         jb_int(j, "ordinal", dev);
@@ -185,6 +193,9 @@ void dp_devices_json(struct jb *j)
         jb_int(j, "vmm_bytes", (long long)bytes);
         /* held now but made by the gpucr server: per-process counts leave it out, the controller adds it */
         jb_int(j, "adopted_bytes", (long long)adopted);
+        /* on the GPU now: live, or handed over but not committed (our fds keep it; a switch's controller died), so
+         * a restore makes only the rest */
+        jb_int(j, "kept_bytes", (long long)kept);
         jb_int(j, "driver_bytes", (long long)(native_on(&g_reg.native_by_va, dev) + native_on(&g_reg.pool_by_va, dev)));
         jb_end(j);
     }

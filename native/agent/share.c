@@ -137,6 +137,17 @@ static bool in_reserve(int fd)
     return (unsigned long long)fd + reserve >= lim;
 }
 
+bool share_fds_left(int n)
+{
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) != 0 || rl.rlim_cur == RLIM_INFINITY) return true;
+    int lowest = fcntl(0, F_DUPFD_CLOEXEC, 0);   /* fds are handed out lowest first: the next one's number */
+    if (lowest < 0) return false;
+    close(lowest);
+    unsigned long long lim = (unsigned long long)rl.rlim_cur, reserve = lim / 16 < 64 ? 64 : lim / 16;
+    return (unsigned long long)lowest + (unsigned long long)n + reserve < lim;
+}
+
 int share_export_own(CUmemGenericAllocationHandle real)
 {
     int fd = -1;

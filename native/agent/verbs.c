@@ -129,6 +129,14 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
                       : dp_adopt((int)from, c->in, c->nin, &adopted, err, sizeof err);
         if (rc == 0) { jb_bool(j, "ok", true); jb_int(j, "adopted", adopted); }
         status_after = false;
+    } else if (!strcmp(verb, "give_back")) {
+        long long upto = arg_ll(req, "upto", -1, INT32_MAX);
+        int given = 0;
+        size_t bytes = 0;
+        rc = upto < 0 ? (snprintf(err, sizeof err, "give_back takes upto=INDEX"), -1)
+                      : dp_give_back((int)upto, &given, &bytes, err, sizeof err);
+        if (rc == 0) { jb_bool(j, "ok", true); jb_int(j, "given", given); jb_int(j, "bytes", (long long)bytes); }
+        status_after = false;
     } else if (!strcmp(verb, "unadopt")) {
         int undone = 0;
         rc = dp_unadopt(&undone, err, sizeof err);
@@ -245,7 +253,7 @@ void verbs_handle(const char *req, struct jb *j, struct client *c)
              !strcmp(verb, "drop") || !strcmp(verb, "stage") || !strcmp(verb, "export") ||
              !strcmp(verb, "relink") || !strcmp(verb, "orphan") || !strcmp(verb, "resume") ||
              !strcmp(verb, "handover") || !strcmp(verb, "handed_done") || !strcmp(verb, "adopt") ||
-             !strcmp(verb, "unadopt") || !strcmp(verb, "hold"))
+             !strcmp(verb, "unadopt") || !strcmp(verb, "hold") || !strcmp(verb, "give_back"))
         handle_op(verb, req, j, c);
     else reply_error(j, "unknown request verb");
 }

@@ -218,6 +218,7 @@ void sim_exec_drop_ctx(struct sim_ctx *ctx)
     for (struct sim_stream **l = &ex.streams, *s; (s = *l);)
         if (s->ctx == ctx) {
             *l = s->next;
+            sim_order_forget(s);   /* its order id free again: else ids run out and every stream shares one */
             free(s);
         } else {
             l = &s->next;

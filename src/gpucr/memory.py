@@ -37,6 +37,7 @@ class Managed:
     movable: bool = False       # its data is moved by gpucr at a checkpoint
     handable: bool = False      # ... and a gpucr server can take it (device memory with the agent's fd)
     flags: AllocFlags = field(default_factory=lambda: AllocFlags())   # made again with the same
+    state: str = ""             # live | handed | parked | given (given back before its commit: a two-way switch)
 
 
 def _entry(e: dict[str, Any], fds: list[int]) -> Managed:
@@ -46,7 +47,8 @@ def _entry(e: dict[str, Any], fds: list[int]) -> Managed:
                    [Mapping(int(m["va"]), int(m["bytes"]), int(m["offset"])) for m in e["maps"]],
                    fds[idx] if 0 <= idx < len(fds) else None, str(e.get("uuid", "")), bool(e.get("movable")),
                    bool(e.get("handable")),
-                   AllocFlags(int(e.get("rdma", 0)), int(e.get("compression", 0)), int(e.get("usage", 0))))
+                   AllocFlags(int(e.get("rdma", 0)), int(e.get("compression", 0)), int(e.get("usage", 0))),
+                   str(e.get("state", "")))
 
 
 def gather(agent: Any, timeout: float) -> list[Managed]:

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from .memory import Managed
+from .switch_schedule import Room
 
 
 @dataclass
@@ -40,6 +41,7 @@ class Stats:
 
 
 Made = tuple[Stats, list[tuple[int, int]]]   # a fill: what it cost, and (allocation index, fd) of each memory made
+Inputs = tuple[dict[str, Any], list[int], list[Managed]]   # a process's layout, its staging's fds, its memory
 
 
 @dataclass
@@ -82,6 +84,13 @@ class DataPlane(Protocol):
              image: dict[int, list[tuple[int, int]]] | None = None, check: bool = True) -> Made:
         """New memory for each allocation of `layout`, filled from staging (zero spans of an image, or those found at
         the checkpoint, set by memset); `check`: compare its digests with the checkpoint's, where the plane has them."""
+
+    def two_way(self, out_pid: int, out_inputs: Inputs, in_pid: int, in_inputs: Inputs,
+                give_back: Callable[[int], None], room: Room, scan: bool = True, check: bool = True) -> tuple[Stats, Made]:
+        """A two-way switch on one GPU: copy_out of one process and fill of another at once, each of the first's
+        allocations given back as its copy lands (give_back(upto): its agent lets go of those numbered below upto), each
+        of the second's made once `room` holds it. GpucrError when either fails (the first's allocations given back
+        are then in staging; the second's made memory is let go)."""
 
     def make_staging(self, ask: StagingAsk) -> MadeStaging:
         """The staging `ask` names, admitted against the one host budget first (a refusal, one line, before anything

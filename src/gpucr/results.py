@@ -191,6 +191,9 @@ class Allocations:
     managed_bytes: int
     ipc_exports: int
     not_exportable: int = 0           # tracked allocations the agent holds no fd of (RLIMIT_NOFILE ran out)
+    pieces: int = 0                   # of the tracked, pieces of allocations made in pieces (GPUCR_PIECE_BYTES)
+    own_fds: int = 0                  # fds the agent holds of the memory (one per allocation or piece)
+    fd_limit: int = 0                 # the process's soft RLIMIT_NOFILE (0: none)
 
 
 @dataclass

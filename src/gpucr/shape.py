@@ -81,7 +81,7 @@ def process_status(st: dict[str, Any], now: dict[str, gpus.Usage]) -> ProcessSta
                                   gpu_total_bytes=u.total if u else None))
     counts = ("tracked", "tracked_bytes", "converted", "app_vmm", "vmm_left_to_driver", "vmm_left_to_driver_bytes",
               "native", "native_bytes", "pool", "pool_bytes", "managed", "managed_bytes", "ipc_exports",
-              "not_exportable")
+              "not_exportable", "pieces", "own_fds", "fd_limit")
     times = ("gate", "sync", "release")
     return ProcessStatus(
         pid=st["pid"], state=st["state"], phase=st.get("phase", ""), level=st.get("level"),

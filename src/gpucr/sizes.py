@@ -35,3 +35,24 @@ def _mem_total() -> int:
         if line.startswith("MemTotal:"):
             return int(line.split()[1]) << 10
     raise ValueError("/proc/meminfo names no MemTotal: give the budget in bytes, not as a share")
+
+
+PREPARE_AUTO, PREPARE_NONE = "auto", ("0", "off")   # `gpucr serve --prepare-staging`'s words besides a size
+
+
+def pool_target(setting: str) -> tuple[bool, int | None]:
+    """`gpucr serve --prepare-staging` as the pool takes it: whether to prepare, and how much (None: auto, what
+    the server's --host-budget and the memory available allow, less the margin). None by default: a server runs
+    for every user who runs `gpucr run` (it starts one unasked), and one with a --host-budget (the swap service's,
+    80% in its benchmark) would otherwise pin most of the host ahead of apps that may never come; whoever wants
+    the first park as fast as the others says how much."""
+    if setting in ("", *PREPARE_NONE):
+        return False, None
+    return True, None if setting == PREPARE_AUTO else budget_bytes(setting)
+
+
+def prepare_problem(setting: str) -> str | None:
+    """What is wrong with a --prepare-staging value (None: nothing)."""
+    if setting in (PREPARE_AUTO, *PREPARE_NONE) or not budget_problem(setting):
+        return None
+    return f"'{setting}' is not what to prepare: give {PREPARE_AUTO}, 0, or {BUDGET_FORMS}"

@@ -67,6 +67,7 @@ class Vmm:
                            ("cuMemHostRegister_v2", (p, sz, ctypes.c_uint)), ("cuMemHostUnregister", (p,)),
                            ("cuMemcpyDtoHAsync_v2", (p, u64, sz, p)), ("cuMemcpyHtoDAsync_v2", (u64, p, sz, p)),
                            ("cuStreamCreate", (ctypes.POINTER(p), ctypes.c_uint)), ("cuStreamSynchronize", (p,)),
+                           ("cuStreamDestroy_v2", (p,)),
                            ("cuMemAlloc_v2", (pu64, sz)), ("cuMemFree_v2", (u64,)), ("cuMemcpyAsync", (u64, u64, sz, p)),
                            ("cuMemsetD8Async", (u64, ctypes.c_ubyte, sz, p)),
                            ("cuDeviceCanAccessPeer", (ctypes.POINTER(i), i, i)),
@@ -117,6 +118,10 @@ class Vmm:
         s = ctypes.c_void_p()
         self._ok(self._cu.cuStreamCreate(ctypes.byref(s), _STREAM_NON_BLOCKING), "cuStreamCreate")
         return s.value or 0
+
+    def destroy_stream(self, stream: int) -> None:
+        """A stream of ours gone (it would outlive a context someone else, the application, still holds)."""
+        self._ok(self._cu.cuStreamDestroy_v2(ctypes.c_void_p(stream)), "cuStreamDestroy")
 
     def sync(self, stream: int) -> None:
         self._ok(self._cu.cuStreamSynchronize(ctypes.c_void_p(stream)), "cuStreamSynchronize")

@@ -77,10 +77,22 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         m = s["median_switch_s"]
         s["over_bound"] = m / s["median_bound_s"] if m is not None and s["median_bound_s"] else None
         s["over_one_way"] = m / a if m is not None and a else None
+    for way, s in out.items():
+        s["two_way_switches"] = sum(bool(r.get("two_way")) for r in reqs if r["method"] == way and r["answered"]
+                                    and not r["resident"])
     results["summary"] = out
+    results["switch_mode"] = switch_mode(out)
     results["all_answered_correct"] = all(r["answered"] and r["correct"] for r in reqs)
     results["issue_28_checks"] = checks(results)
     return out
+
+
+def switch_mode(summary: dict[str, Any]) -> str:
+    """How gpucr's ways switched in this run, as the service's timeline says (each request's `two_way`): the
+    service's switches on demand (two-way where it could), and (a)'s (one-way by hand: parked, then resumed)."""
+    said = [f"{way}: {s['two_way_switches']} of {s['switches']} switches two-way (the rest one-way: park, then resume)"
+            for way, s in summary.items() if way in (GPUCR, ONE_WAY)]
+    return "; ".join(said) or "no gpucr switch measured"
 
 
 def checks(results: dict[str, Any]) -> dict[str, bool | None]:

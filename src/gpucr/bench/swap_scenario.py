@@ -42,8 +42,8 @@ GPU_SLACK = 256 << 20    # room a server's start is given beyond its share on a 
 SERVER_CONTEXT = 1 << 30  # the gpucr server's context on the H200 (about 520 MiB), with room to spare
 SETTINGS = ("servers", "model", "gpu_util", "requests", "zipf_share", "zipf_s", "seed", "tokens", "reference_requests",
             "baseline_switches", "time_budget", "stream_share", "request_timeout", "host_budget", "weights_dir")
-SWITCH_MODE = ("one-way: the service parks the app it makes room from, then resumes the one asked for (the two-way "
-               "switch, both at once over the link, is not built yet: issue 28 item 1)")
+SWITCH_MODE = ("not measured yet: the service switches both ways at once where one app's park makes the room "
+               "(docs/swap.md), (a) parks by hand, then resumes; the summary says how each switch went")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -69,7 +69,8 @@ def _moved(switches: list[dict[str, Any]], target: str) -> dict[str, Any]:
     return {"parked": [s["app"] for s in parks], "switched": switched(switches), "bytes_out": sum(s["bytes_moved"] for s in parks),
             "bytes_in": sum(s["bytes_moved"] for s in resumes), "park_s": sum(s["seconds"] for s in parks),
             "resume_s": sum(s["seconds"] for s in resumes), "control_out_s": _control(parks),
-            "control_in_s": _control(resumes)}
+            "control_in_s": _control(resumes),
+            "two_way": any(s.get("two_way") for s in switches)}   # the service switched both at once (docs/swap.md)
 
 
 def fleet_request(fleet: Fleet, method: str, phase: str, m: Member, tokens: int, t0: float,

@@ -10,6 +10,7 @@ from typing import Any, NoReturn
 
 from .. import sizes
 from ..agent_tables import SETTINGS
+
 from ..errors import GpucrError
 from ..server import route
 from ..service_http.listen import Loopback, parse_loopback
@@ -93,10 +94,9 @@ def host_budget(v: str) -> str:
 
 def prepare_staging(v: str) -> str:
     """--prepare-staging: auto, 0 (none) or a size as --host-budget takes it."""
-    if v in ("auto", "0", "off"):
-        return v
-    if sizes.budget_problem(v):
-        raise argparse.ArgumentTypeError(f"'{v}' is not what to prepare: give auto, 0, or {sizes.BUDGET_FORMS}")
+    why = sizes.prepare_problem(v)
+    if why:
+        raise argparse.ArgumentTypeError(why)
     return v
 
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 from .. import paths, server_view, service_http
+from ..sizes import pool_target
 from ..errors import GpucrError
 from ..server import route
 from .args import say_retired_env
@@ -82,7 +83,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         return 0 if info else 3
     if a.show_http:
         return _show_http(client.info(simulated))
-    if a.prepare_staging not in (None, "0", "off") and a.give_back_context:
+    if pool_target(a.prepare_staging or "")[0] and a.give_back_context:
         raise GpucrError("--prepare-staging pins staging in the server's context, which --give-back-context gives "
                          "back after each request: use one of them", code=2)
     missing = service_http.missing()

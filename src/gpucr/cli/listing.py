@@ -51,6 +51,9 @@ def _status_lines(st: ProcessStatus) -> list[str]:
     for i, g in enumerate(st.gpus):
         lines.insert(2 + i, f"  gpu          device {g.ordinal} {g.uuid}: this process {mib(g.process_bytes)}, "
                             f"GPU used {mib(g.gpu_used_bytes)} of {mib(g.gpu_total_bytes)}")
+    if al.pieces:   # each piece is its own memory, with an fd of its own (docs/swap.md, the two-way switch)
+        lines.append(f"  pieces       {al.pieces} pieces of large allocations; the agent holds {al.own_fds} fds of GPU "
+                     f"memory" + (f" (limit {al.fd_limit})" if al.fd_limit else ""))
     if al.not_exportable:
         lines.append(f"  exportable   {plural(al.not_exportable, 'allocation is', 'allocations are')} not: no file descriptor was left for them "
                      "(RLIMIT_NOFILE; raise 'ulimit -n' before starting the application)")

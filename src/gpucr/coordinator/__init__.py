@@ -21,6 +21,7 @@ from .checkpointing import checkpoint_many
 from .members import PhaseError
 from .restoring import restore_many
 from .spill import write_image_of_checkpointed
+from .switching import NotTwoWay, switch
 
 
-__all__ = ["LEVELS", "PhaseError", "checkpoint_many", "restore_many", "write_image_of_checkpointed"]
+__all__ = ["LEVELS", "NotTwoWay", "PhaseError", "checkpoint_many", "restore_many", "switch", "write_image_of_checkpointed"]

@@ -15,13 +15,17 @@ from .members import (PhaseError, STALL_GRACE_S, _Member, _app_resume, _check_re
 from .steps import _agent_restored, _check_room, _driver_restore, _driver_unlock, _vet_for_restore
 from .through_plane import _restore_with_server, _server_restorable
 from .image_steps import _data_in_from_image
+from .given_back import refill_given
 from .relink import _ends_soon, _orphans, _relink
 
 
 def _data_in(m: _Member, timeout: float, drop_staging: bool) -> None:
     if m.status.get("checkpoint_phase") == "handed":
         # its checkpoint was never committed (its controller or server died): the agent's fds kept the memory on
-        # the GPU, and with the driver holding the process it could not map it again then; now it can, no copy
+        # the GPU, and with the driver holding the process it could not map it again then; now it can, no copy,
+        # except what a two-way switch gave back before its commit: made again from staging first, with one
+        if m.plane is not None:
+            refill_given(m, m.plane, timeout)
         try:
             m.status = m.agent.call("abort", timeout=120.0)
         except GpucrError:

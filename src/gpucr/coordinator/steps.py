@@ -235,7 +235,8 @@ def _check_room(members: list[_Member]) -> None:
         for d in m.gpus:
             where = m.gpu_moves.get(d["uuid"], d["uuid"])
             driver = max(d["driver_bytes"], freed.get(d["uuid"], 0)) if m.checkpointed else 0
-            need[where] = need.get(where, 0) + d["vmm_bytes"] + driver
+            # what is on the GPU still (handed over but not committed: a switch's controller died) is not made again
+            need[where] = need.get(where, 0) + d["vmm_bytes"] - d.get("kept_bytes", 0) + driver
             who.setdefault(where, []).append(m.pid)
     if not need:
         return

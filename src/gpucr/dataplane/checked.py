@@ -15,14 +15,13 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from ..errors import GpucrError
-from .chunks import CHUNK, chunk_count
+from .chunks import CHUNK, Spans, chunk_count
 from .kernels import Kernels
 from .pinned import Segment
 from .scan import AllocationScan
 from .sweep import Sweeps, room
 
 Plan = list[tuple[int, int, int, int]]   # [(index, bytes, segment, offset)]
-Spans = dict[int, list[tuple[int, int]]]   # allocation index -> [(offset, bytes)] in it
 
 
 @dataclass

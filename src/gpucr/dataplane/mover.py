@@ -13,11 +13,10 @@ any mover (a new server, or the CLI's own: cli_plane.py) restores from it.
 """
 from __future__ import annotations
 
-import bisect
 import os
 import threading
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -25,13 +24,16 @@ from ..driver import Driver, DriverError, process_gpu_memory
 from ..vmm import Vmm
 from ..errors import GpucrError
 from ..target import process_ended, process_start_time
+from .chunks import Spans, spans, zero_within
 from .checked import Checker, Taken, forget_zeroed, note_zero, note_zeros, stage_data, staged_zeros
 from .kernels import Kernels
 from .lanes import Routing
 from .layout import checked_plan as _checked_plan, reach as _reach
 from .links import Links, Neighbour
 from ..memory import Managed
-from ..plane import MadeStaging, StagingAsk, Stats
+from ..plane import Inputs, Made, MadeStaging, StagingAsk, Stats
+from ..switch_schedule import Room
+from .two_way import Landing, Making, both
 from .held import Held, Owner
 from .pinned import Segment
 from .pinned import pin as pin_segment
@@ -41,12 +43,11 @@ from .sweep import Part, parts_of, step as sweep_step
 from .staging_make import StagingMaker
 from .staging_pool import StagingPool
 
-Spans = dict[int, list[tuple[int, int]]]   # allocation index -> [(offset, bytes)] in it
 # No wait in the server is without end: a copy from a `file:` staging on a stalled filesystem holds the
 # data plane as long as the filesystem stalls, and every request behind it would wait as long.
 PLANE_WAIT_S = 300.0
 CHUNK = 64 << 20        # copies queued in pieces, round-robin over the streams, so the copy engines stay busy
-STREAMS = 4
+STREAMS = 4             # per direction: a two-way switch copies out and in at once, on streams of their own
 
 
 def owner(pid: int) -> Owner:
@@ -55,27 +56,6 @@ def owner(pid: int) -> Owner:
         return pid, process_start_time(pid)
     except (OSError, ValueError, IndexError) as exc:
         raise GpucrError(f"process {pid} has ended") from exc
-
-
-def _spans(lo: int, hi: int, zero: list[tuple[int, int]]) -> Iterator[tuple[int, int, bool]]:
-    """[lo, hi) as (start, bytes, zero) spans in order, `zero` ([(offset, bytes)], sorted) marking those to set to zero."""
-    at = lo
-    for off, n in zero:
-        off, end = max(off, at), min(off + n, hi)
-        if end <= off:
-            continue
-        if off > at:
-            yield at, off - at, False
-        yield off, end - off, True
-        at = end
-    if at < hi:
-        yield at, hi - at, False
-
-
-def _within(zero: list[tuple[int, int]], lo: int, hi: int) -> list[tuple[int, int]]:
-    """The spans of `zero` (sorted, not overlapping) that reach into [lo, hi): a part's, without a walk over them all."""
-    first = max(bisect.bisect_right(zero, (lo, 1 << 62)) - 1, 0)
-    return [z for z in zero[first:bisect.bisect_left(zero, (hi, 0))] if z[0] + z[1] > lo]
 
 
 class Mover(StagingMaker):
@@ -100,9 +80,9 @@ class Mover(StagingMaker):
         self._wanted = 0
         self._ordinals: dict[str, int] | None = None
         self._ctx: dict[int, tuple[int, list[int]]] = {}      # ordinal -> (context, copy streams)
-        # context -> the stream its kernels run on, and the one a fill's zero chunks are set on: neither waits for the
-        # copies, so a part all zero is set and checked while the copies of others still run
-        self._side: dict[int, tuple[int, int]] = {}
+        # context -> the streams a copy out's scan runs on, a fill's zero chunks are set on and its check runs on:
+        # none waits for the copies, so a part all zero is set and checked while the copies of others still run
+        self._side: dict[int, tuple[int, int, int]] = {}
         self._taken: dict[Owner, Taken] = {}   # process -> what its last copy out took: plan, zero chunks, digests
         self.said: Callable[[str], None] = lambda line: None   # where the server's log lines go
         self.held = Held(self.vmm, lambda: self.plane_wait_s, lambda line: self.said(line))   # each process's staging
@@ -234,6 +214,18 @@ class Mover(StagingMaker):
         return self._locked(f"the fill of process {pid}",
                             lambda: self._move(owner(pid), layout, seg_fds, memory, out=False, image=image, check=check))
 
+    def two_way(self, out_pid: int, out_inputs: Inputs, in_pid: int, in_inputs: Inputs,
+                give_back: Callable[[int], None], room: Room, scan: bool = True, check: bool = True) -> tuple[Stats, Made]:
+        """DataPlane.two_way: both directions under the data plane's lock, taken once (two_way.py)."""
+        def go() -> tuple[Stats, Made]:
+            for m in out_inputs[2] + in_inputs[2]:   # contexts made before two threads use them
+                if m.uuid:
+                    self._context(self._ordinal(m.uuid))
+            landing = Landing(self.vmm, out_inputs[2], give_back, room)
+            return both(lambda: self._move(owner(out_pid), *out_inputs, out=True, scan=scan, switch=landing)[0],
+                        lambda: self._move(owner(in_pid), *in_inputs, out=False, check=check, switch=Making(room)), room)
+        return self._locked(f"the two-way switch of processes {out_pid} and {in_pid}", go)
+
     def pin_ahead(self, pid: int, layout: dict[str, Any], seg_fds: list[int], uuid: str) -> int:
         """Map and pin the staging a running process holds (kept from an earlier cycle this server did not make), so
         its next checkpoint through the server pins nothing; returns the bytes newly pinned. `uuid`: a GPU the
@@ -310,7 +302,10 @@ class Mover(StagingMaker):
 
     # ---- inside ----
     def _move(self, who: Owner, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed], out: bool,
-              image: Spans | None = None, check: bool = True, scan: bool = True) -> tuple[Stats, list[tuple[int, int]]]:
+              image: Spans | None = None, check: bool = True, scan: bool = True,
+              switch: Any = None) -> tuple[Stats, list[tuple[int, int]]]:
+        """switch: a two-way switch's hooks (two_way.py): out, each allocation handed to `switch.queued` once all its
+        copies are queued (it gives it back as they land); in, each made through `switch.make` (it waits for room)."""
         st = Stats()
         t0 = time.perf_counter()
         declared, plan = _checked_plan(layout)
@@ -328,18 +323,22 @@ class Mover(StagingMaker):
         fds: list[tuple[int, int]] = []           # (index, fd) of it, exported as it is made
         placed: list[tuple[int, int, int, int, int]] = []   # (size, seg, off, va, dev)
         where: dict[int, tuple[int, int, int, int, int]] = {}   # the same by allocation index
+        handles: dict[int, int] = {}   # allocation index -> its handle here (a switch gives it back)
+        unqueued: dict[int, int] = {}  # allocation index -> its bytes whose copies are not queued yet (a switch's out)
         touched: dict[int, set[int]] = {}   # GPU -> the streams that wrote its parts not checked yet (a fill)
         turn = 0
         # routes through idle NVLink neighbours of the process's GPUs (lanes.py), chosen before anything is
         # mapped: each mapping must let the neighbours' copy engines reach it
         devs = {self._ordinal(by_index[i].uuid) for i, *_ in plan if i in by_index}
         self._neighbours -= devs   # a process's own GPU now: its context is that process's, kept
-        routing = Routing(self.vmm, self.links, self._context, devs, self._uuids(), out, CHUNK, st.routes, st.dropped)
+        routing = Routing(self.vmm, self.links, lambda d: (self._context(d)[0], self._streams(d, out)), devs,
+                          self._uuids(), out, CHUNK, st.routes, st.dropped)   # this direction's streams only
         self._neighbours.update(routing.used())
         # the kernels beside the copies (sweep.py), in parts of each allocation: a copy out's scan, a fill's check
         sizes, part = [(i, self._ordinal(by_index[i].uuid), size) for i, size, *_ in plan if i in by_index], sweep_step()
-        scanner = Scanner(self.kernels, self._kernel_stream, sizes, part) if out and scan else None
-        checker = (Checker(self.kernels, self._kernel_stream, sizes, taken, part)
+        # each on a stream of its own: a two-way switch scans its copy out while it checks its fill
+        scanner = Scanner(self.kernels, lambda c: self._side[c][0], sizes, part) if out and scan else None
+        checker = (Checker(self.kernels, lambda c: self._side[c][2], sizes, taken, part)
                    if not out and check and image is None and taken is not None and taken.scanned else None)
         ok = False
 
@@ -357,12 +356,12 @@ class Mover(StagingMaker):
             zero chunks there, else those `zeros` knows."""
             nonlocal turn
             tq = time.perf_counter()
-            ctx, streams = self._ctx[dev]
+            ctx, streams = self._ctx[dev][0], self._streams(dev, out)
             self.vmm.use(ctx)
             g = staged[seg]
-            share = routing.share(dev)
+            share = 1 if switch is not None else routing.share(dev)   # a switch's way is the GPU's own link
             hi = size if n is None else lo + n
-            for start, length, zero in _spans(lo, hi, _within(zeros.get(idx, []), lo, hi) if zero_spans is None else zero_spans):
+            for start, length, zero in spans(lo, hi, zero_within(zeros.get(idx, []), lo, hi) if zero_spans is None else zero_spans):
                 if zero and out and staged_zeros(g, off + start, length):   # held in staging already (checked.py)
                     st.zero_skipped += length
                     continue
@@ -390,6 +389,10 @@ class Mover(StagingMaker):
             st.bytes += hi - lo
             st.allocations += lo == 0
             st.queue_s += time.perf_counter() - tq
+            if switch is not None and out:
+                unqueued[idx] = unqueued.get(idx, size) - (hi - lo)
+                if unqueued[idx] == 0:   # given back as soon as all its copies land
+                    switch.queued(idx, handles[idx], va, size, ctx, streams)
 
         def queue_scanned(staged: dict[int, Segment], parts: list[Part]) -> None:
             """A copy out's parts whose scan came back: their copies, zero chunks skipped where staging holds them."""
@@ -412,7 +415,8 @@ class Mover(StagingMaker):
             # while the next are scanned (scan.py). Else (a first cycle, data with no zero chunks) each allocation's
             # copies start once it is imported, and the scan runs beside them (or asked not to scan: nothing is
             # skipped then); the CLI's mover, whose staging is mapped after every import, queues them after that
-            early = not out or (staged is not None and (not scan or not any(g.zeroed for g in staged.values())))
+            early = not out or (staged is not None and switch is None
+                                and (not scan or not any(g.zeroed for g in staged.values())))
             due: list[Part] = []   # a copy out's parts scanned, their copies not queued yet
             for idx, size, seg, off in plan:
                 m = by_index.get(idx)
@@ -424,9 +428,11 @@ class Mover(StagingMaker):
                 self.vmm.use(ctx)
                 if out:
                     h = self.vmm.import_fd(m.fd)
-                else:
-                    h = self.vmm.create(size, dev, flags=m.flags)   # as the allocation was made
+                else:   # as the allocation was made; in a switch, once room for it is free
+                    h = (switch.make(lambda: self.vmm.create(size, dev, flags=m.flags), size) if switch is not None
+                         else self.vmm.create(size, dev, flags=m.flags))
                     made.append((idx, h))
+                handles[idx] = h
                 va = self.vmm.map(h, size, dev, also=routing.access(dev))
                 mapped.append((h, va, size))
                 st.make_s += time.perf_counter() - tm
@@ -474,12 +480,12 @@ class Mover(StagingMaker):
                     for (idx, *_rest), (size, seg, off, va, dev) in zip(plan, placed):
                         enqueue(staged, idx, size, seg, off, va, dev)
             td = time.perf_counter()
-            self._sync(placed, ring)
+            self._sync(placed, ring, out)
             st.straight_s = time.perf_counter() - t0
             st.drain_s = time.perf_counter() - td
             routing.finish()   # raises what its thread raised
             st.route_s, st.looks_s = time.perf_counter() - t0, routing.looks_s
-            self._sync(placed, ring)   # the pieces the routes' thread sent straight after giving a route up
+            self._sync(placed, ring, out)   # the pieces the routes' thread sent straight after giving a route up
             if checker is not None:
                 tc = time.perf_counter()   # before the fds go back: a fill whose bytes differ is undone
                 st.digests_compared = checker.finish()
@@ -489,18 +495,23 @@ class Mover(StagingMaker):
             for _idx, fd in fds:
                 os.close(fd)   # exported before one failed: they would keep that memory on the GPU
             routing.close()
-            self._sync(placed, ring, quiet=True)   # nothing may still copy into what is unmapped next
+            self._sync(placed, ring, out, quiet=True)   # nothing may still copy into what is unmapped next
             if out:   # a copy that did not finish: what the staging holds where is no longer known
                 forget_zeroed(list(self.held.staging.get(who, {}).values()))
-            self._undo(mapped, made, out)
+            self._undo(switch.kept(mapped) if switch is not None and out else mapped, made, out)
             raise GpucrError(f"{self.name}'s copy {'out' if out else 'in'} failed: {exc}") from exc
         finally:
             routing.close()
             for sweeps in (scanner, checker):
                 if sweeps is not None:
                     sweeps.close(failed=not ok)
+        if switch is not None and out:
+            mapped = switch.kept(mapped)   # the last pieces given back; what was not stays ours to undo
         self._undo(mapped, made, out)   # our mappings go; the fds (theirs or ours) keep the memory
         self.kernels.trim()   # the scans' result buffers: every copy is done, so freeing them waits for none
+        if switch is not None and out and switch.error is not None:   # after the undo: nothing of ours stays
+            raise GpucrError(f"{self.name}'s copy out failed: giving back memory as its copy landed failed: "
+                             f"{switch.error}")
         if out:
             self._taken[who] = taken
         st.seconds = time.perf_counter() - t0
@@ -538,19 +549,20 @@ class Mover(StagingMaker):
         t = self._taken.get(who)
         return t is not None and t.plan == plan
 
-    def _kernel_stream(self, ctx: int) -> int:
-        """The stream gpucr's kernels run on in ctx, beside its copy streams (ordered after them by events)."""
-        return self._side[ctx][0]
-
-    def _sync(self, placed: list[tuple[int, int, int, int, int]], ring: Ring | None, quiet: bool = False) -> None:
-        """Every straight copy queued so far on the process's GPUs done; quiet: errors aside, each GPU still
-        waited for (a path already failing: the memory the copies touch is unmapped next)."""
+    def _sync(self, placed: list[tuple[int, int, int, int, int]], ring: Ring | None, out: bool,
+              quiet: bool = False) -> None:
+        """Every straight copy of this direction queued so far on the process's GPUs done (a two-way switch's other
+        direction is not waited for); quiet: errors aside, each GPU still waited for (a path already failing: the
+        memory the copies touch is unmapped next)."""
         if ring is not None:
             ring.drain(quiet)
-        for ctx, streams in [self._ctx[d] for d in {p[4] for p in placed} if d in self._ctx]:
+        for dev in {p[4] for p in placed} & self._ctx.keys():
+            ctx = self._ctx[dev][0]
+            side = self._side[ctx]
             try:
                 self.vmm.use(ctx)
-                for s in [*streams, *self._side[ctx]]:   # the kernels and zero chunks too: on what is unmapped next
+                # the kernels and zero chunks too: on what is unmapped next
+                for s in [*self._streams(dev, out), *((side[0],) if out else side[1:])]:
                     self.vmm.sync(s)
             except DriverError:
                 if not quiet:
@@ -574,21 +586,17 @@ class Mover(StagingMaker):
         return gone
 
     def _undo(self, mapped: list[tuple[int, int, int]], made: list[tuple[int, int]], out: bool) -> None:
+        """Our mappings, and the handles of what we imported (out) or made (a fill), gone; each step whatever the
+        others did (the fds, theirs or ours, keep the memory)."""
         for h, va, size in mapped:
-            try:
+            with suppress(DriverError):
                 self.vmm.unmap(va, size)
-            except DriverError:
-                pass
             if out:
-                self._release_quiet(h)
+                with suppress(DriverError):
+                    self.vmm.release(h)
         for _idx, h in made:
-            self._release_quiet(h)
-
-    def _release_quiet(self, h: int) -> None:
-        try:
-            self.vmm.release(h)
-        except DriverError:
-            pass
+            with suppress(DriverError):
+                self.vmm.release(h)
 
     def _ordinal(self, uuid: str) -> int:
         """This server's number for the GPU a process names by UUID (it may number its GPUs otherwise)."""
@@ -607,8 +615,8 @@ class Mover(StagingMaker):
             ctx = self.vmm.retain_context(dev)
             try:
                 self.vmm.use(ctx)
-                streams = [self.vmm.stream() for _ in range(STREAMS)]
-                self._side[ctx] = (self.vmm.stream(), self.vmm.stream())
+                streams = [self.vmm.stream() for _ in range(2 * STREAMS)]   # out, then in
+                self._side[ctx] = (self.vmm.stream(), self.vmm.stream(), self.vmm.stream())
                 self.kernels.load(ctx)   # here, once per context: a copy never waits for a module to load
             except (DriverError, GpucrError):
                 self._side.pop(ctx, None)
@@ -617,17 +625,24 @@ class Mover(StagingMaker):
             self._ctx[dev] = (ctx, streams)
         return self._ctx[dev]
 
+    def _streams(self, dev: int, out: bool) -> list[int]:
+        """The streams of the GPU's context a direction's copies go on: a copy out and a fill never queue behind each
+        other (a two-way switch runs both at once)."""
+        streams = self._ctx[dev][1]
+        return streams[:STREAMS] if out else streams[STREAMS:]
+
     def _release_context(self, dev: int) -> None:
-        """The context on `dev` given back, gpucr's kernels unloaded from it first (their result buffers are in it)."""
-        self._side.pop(self._ctx[dev][0], None)
-        try:
-            self.kernels.unload(self._ctx[dev][0])
-        except DriverError:
-            pass
-        try:
+        """The context on `dev` given back, gpucr's kernels unloaded from it and our streams destroyed first (their
+        result buffers are in it; a context the application also holds outlives our release)."""
+        ctx, streams = self._ctx[dev]
+        streams = [*streams, *self._side.pop(ctx, ())]
+        with suppress(DriverError):
+            self.kernels.unload(ctx)
+            self.vmm.use(ctx)
+            for s in streams:
+                self.vmm.destroy_stream(s)
+        with suppress(DriverError):
             self.vmm.release_context(dev)
-        except DriverError:
-            pass
 
     def _forget(self, who: Owner, keep_record: bool = False) -> None:
         if not keep_record:

@@ -20,6 +20,7 @@ import os
 import queue
 import threading
 import time
+from contextlib import suppress
 from dataclasses import dataclass
 
 from ..driver import DriverError
@@ -141,6 +142,10 @@ class Ring:
                 with self._idle:
                     self._pending -= 1
                     self._idle.notify_all()
+        for ctx, s in streams.items():   # the application's context outlives the ring: its streams must not
+            with suppress(DriverError):
+                self.vmm.use(ctx)
+                self.vmm.destroy_stream(s)
 
     def _pin(self, slot: int, ctx: int) -> None:
         """Register one slot with the driver (a registration per slot: no copy spans two)."""

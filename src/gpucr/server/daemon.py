@@ -25,13 +25,13 @@ from .. import coordinator, gpus, recover, sizes
 from .. import reading
 from .. import target as targets
 from ..agent import peer_credentials
-from ..driver import controller_driver, controller_simulated
+from ..driver import DriverError, controller_driver, controller_simulated
 from ..errors import GpucrError
 from ..results import to_json
 from .. import abandon
 from . import swap_ops, wire
 from ..dataplane.mover import Mover
-from ..dataplane.staging_pool import pool_target
+from ..sizes import pool_target
 from ..swap.gpu_view import DriverGpus
 from ..swap.service import SwapService
 
@@ -111,8 +111,10 @@ class Server:
         self._starved_s = 0.0   # the pause between tries to accept while out of fds (0: not out of them)
         self._pin_ahead_said: dict[int, str] = {}   # pid -> why pinning ahead for it last failed, as logged
         self.http: dict[str, Any] = {}   # where its HTTP API listens (gpucr.service_http), once it does
-        gpu_view = DriverGpus(controller_driver, lambda: self._mover.context_uuids() if self._mover else [], log)
+        self.gpu_view = gpu_view = DriverGpus(controller_driver, lambda: self._mover.context_uuids() if self._mover else [], log)
+        two_way = os.environ.get("GPUCR_SWAP_TWO_WAY", "1") != "0"   # 0: every switch a park, then a resume
         self.swap = SwapService(self._swap_park, self._swap_resume, log, gpu_view, lambda pid: self.let_go([pid]),
+                                switch=self._swap_switch if two_way else None,
                                 machine=self._gpu_names, write_image=self._swap_to_disk, host_budget=host_budget,
                                 park_dir=park_dir)
 
@@ -394,6 +396,15 @@ class Server:
         self.let_go([pid] if drop_staging else [])   # given back: our mapping would keep it
         return result
 
+    def _swap_switch(self, out_pid: int, in_pid: int, deadline_s: float, level: str = "full",
+                     drop_staging: bool = False) -> Any:
+        """The swap service's two-way switch: out_pid parked while in_pid resumes, both through the data plane at once
+        (coordinator.switch); out_pid's calls in flight must drain within deadline_s."""
+        result = self._swap_request("two-way switch", in_pid, lambda mover: coordinator.switch(
+            out_pid, in_pid, mover, timeout=deadline_s, level=level, drop_staging=drop_staging))
+        self.let_go([in_pid] if drop_staging else [])   # given back: our mapping would keep it
+        return result
+
     def _swap_to_disk(self, pid: int, image: Path) -> None:
         """The swap service's move of a parked app to disk: its image written from its staging, which is then freed."""
         self._swap_request("image write", pid, lambda mover: coordinator.write_image_of_checkpointed(
@@ -613,6 +624,10 @@ def main(idle_exit_s: float | None = None, keep_context: bool = True, routes: bo
         disk = srv.swap.disk
         log(f"swap apps park in host memory up to {disk.budget} bytes (--host-budget {host_budget}), then on disk in "
             f"{disk.park_dir.path}" + (f"; for now {why}" if (why := disk.park_dir.problem()) else ""))
+    try:   # before it serves: measured later, when room is asked, it took memory an app was allocating
+        srv.gpu_view.measure_all()
+    except (DriverError, GpucrError) as exc:
+        log(f"the server's context is measured when room is first asked, not at its start: {_reason(exc)}")
     if srv.pins_ahead():
         threading.Thread(target=srv.pin_ahead_loop, daemon=True, name="gpucr-pin-ahead").start()
         prepare, target = pool_target(prepare_staging)   # (issue 28: the first park)

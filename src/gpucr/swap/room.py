@@ -53,9 +53,11 @@ class RoomMaker:
         self.queue = RoomQueue()
         self._refused: dict[int, str] = {}   # pid -> why its last request found no room, as logged (said once)
 
-    def make(self, asker: SwapApp, ask: Ask) -> bool:
+    def make(self, asker: SwapApp, ask: Ask, switch: Callable[[SwapApp], bool] | None = None) -> bool:
         """Park others on the GPU for the asker, in its turn; False (nobody parked) when the policy finds too little,
-        now and within ask.wait_s. Shown as the asker's wait in `gpucr ps` meanwhile."""
+        now and within ask.wait_s. Shown as the asker's wait in `gpucr ps` meanwhile. switch(app): where the policy
+        parks one app, a two-way switch of it with the asker instead (True: done, the asker resumed; False: parked
+        then as before)."""
         before = (asker.waiting, asker.waiting_since)   # (a resume that waits for room waits for its resume)
         asker.wait(f"room: {ask.what} on GPU {ask.uuid}")
         ahead = self.queue.queued(ask.uuid)
@@ -64,7 +66,7 @@ class RoomMaker:
                       f"{', '.join(ahead)} on GPU {ask.uuid}")
         try:
             with self.queue.turn(ask.uuid, asker.name, asker.priority):
-                return self._served(asker, ask, now() + ask.wait_s)
+                return self._served(asker, ask, now() + ask.wait_s, switch)
         finally:
             asker.waiting, asker.waiting_since = before
 
@@ -77,7 +79,7 @@ class RoomMaker:
     def _need(self, ask: Ask) -> int:
         return max(ask.at_least, self.short(ask))
 
-    def _served(self, asker: SwapApp, ask: Ask, deadline: float) -> bool:
+    def _served(self, asker: SwapApp, ask: Ask, deadline: float, switch: Callable[[SwapApp], bool] | None) -> bool:
         said = False
         while True:
             need = self._need(ask)
@@ -92,6 +94,11 @@ class RoomMaker:
             me, at = asker.candidate(ask.uuid), now()
             choice = choose(cands, me, need, at)
             if choice.suffices:
+                if switch is not None and len(choice.park) == 1 and switch({a.name: a for a in on_gpu}[choice.park[0]]):
+                    self._refused.pop(asker.pid, None)
+                    self._log(f"room for swap app {asker.name} (pid {asker.pid}): {ask.what} on GPU {ask.uuid}: "
+                              f"switched both ways with {choice.park[0]}")
+                    return True
                 return self._park_chosen(asker, ask, choice.park, {a.name: a for a in on_gpu})
             ready = ready_at(cands, me, need, at)
             if ready is None or ready > deadline:

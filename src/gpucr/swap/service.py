@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from .. import target as targets
+from ..coordinator import NotTwoWay
 from ..errors import GpucrError
 from ..levels import LEVELS
 from .apps import NAME_MAX, ON_DISK, PARK_DEADLINE_S, PARKED, PARKING, RESIDENT, RESUMING, Apps, SwapApp, now
@@ -71,13 +72,18 @@ class SwapService:
     def __init__(self, park: Callable[[int, float, str], Any], resume: Callable[..., Any], log: Callable[[str], None],
                  gpu: GpuView, let_go: Callable[[int], None] = lambda pid: None,
                  machine: Callable[[], list[tuple[str, str]]] = list, write_image: Callable[[int, Path], Any] = _no_disk,
-                 host_budget: int | None = None, park_dir: str | None = None) -> None:
+                 host_budget: int | None = None, park_dir: str | None = None,
+                 switch: Callable[..., Any] | None = None) -> None:
         """park(pid, deadline_s, level) / resume(pid, image=, gpu_map=, drop_staging=): the server's checkpoint and restore of
         one process (raise on failure, return the coordinator's result); gpu: the GPUs' memory as the driver says; let_go(pid): the server's hold on an
         ended app's staging dropped; machine(): the machine's GPUs as (UUID, chip name); write_image(pid, dir): the
         server's move of a parked process's data to an image (disk.py), past `host_budget` bytes of parked data in
-        host memory."""
+        host memory. switch(out_pid, in_pid, deadline_s, level, drop_staging): the server's two-way switch (one app
+        parked while another resumes, coordinator.switch: (checkpoint result, restore result, its own numbers)), used
+        where a resume needs room that parking one app gives; None: every switch is one-way, a park then a resume."""
         self.apps = Apps()
+        self._switch = switch
+        self._one_way: set[int] = set()   # apps whose two-way switch failed: their next tries park, then resume
         self._park, self._resume, self._log, self._let_go = park, resume, log, let_go
         self._gpu, self._machine = gpu, machine
         self.room = RoomMaker(self.apps, self.park, log, gpu, self._read_now)
@@ -352,7 +358,8 @@ class SwapService:
 
     def _restored_elsewhere(self, app: SwapApp) -> None:
         with self._turn(app.pid):   # (our own park or resume holds it: they set the state themselves)
-            if app.state in (PARKED, ON_DISK):
+            # and it runs now: a gate our own roll-back opened (a failed switch) may be answered after its next park
+            if app.state in (PARKED, ON_DISK) and self._runs(app.pid):
                 self.disk.resumed(app)
                 self.apps.set_state(app.pid, RESIDENT)
                 self._log(f"swap app {app.name} (pid {app.pid}) was restored by someone else: resident")
@@ -407,7 +414,7 @@ class SwapService:
             self._log(f"resuming swap app {app.name} (pid {pid}) {why}{waking}"
                       + (f", from its image {app.image}" if app.image else ""))
             try:
-                moves, result = self._resume_with_room(app)
+                moves, result, two_way = self._resume_with_room(app)
                 self.apps.moved(pid, moves)
             except Exception as exc:   # noqa: BLE001 - said, and left for a person: its callers wait at the gate
                 self.stats.refused(pid, RESUME_FAILED)
@@ -419,13 +426,13 @@ class SwapService:
                 return False
             self.disk.resumed(app)
             app.resumes += 1
-            self.stats.switched(pid, app.name, RESUME, began, result)
+            self.stats.switched(pid, app.name, RESUME, began, result, two_way)
             app.last_submit = now()
             self.apps.set_state(pid, RESIDENT)
             self._log(f"resumed swap app {app.name} (pid {pid}) in {began.seconds():.3f} s")
         return True
 
-    def _resume_with_room(self, app: SwapApp) -> tuple[dict[str, str], Any]:
+    def _resume_with_room(self, app: SwapApp) -> tuple[dict[str, str], Any, bool]:
         """The restore; while the GPU is short, others are parked for it by the policy (as for an allocation: in its
         turn, waiting for a --min-resident to end) and it is tried again, whichever step was short (its room check,
         its context, its data). It waits as long as it takes, shown in `gpucr ps` and logged once: its app's calls
@@ -433,15 +440,18 @@ class SwapService:
         A try that fails otherwise is tried again for RESUME_GIVE_UP_S, then raised. Each try that failed is counted
         (resume_retried). It ends with the app or the server. With nobody to park, the next try waits RESUME_RETRY_S:
         memory given back a moment before is not always free yet (~0.1 s after a park, on simcuda). Returns how its
-        GPUs moved ({old UUID: new UUID}, only those that did: --any-gpu, _placement), and the restore's result."""
+        GPUs moved ({old UUID: new UUID}, only those that did: --any-gpu, _placement), the restore's result, and
+        whether it came back through a two-way switch (_room_first)."""
         start = now()
         try:
             while True:
                 try:
                     moves = self._placement(app)
-                    self._room_first(app, moves)
+                    switched = self._room_first(app, moves)
+                    if switched is not None:
+                        return {}, switched, True
                     result = self._resume(app.pid, image=app.image, gpu_map=moves, drop_staging=self.disk.drops_staging)
-                    return {old: new for old, new in moves.items() if old != new}, result
+                    return {old: new for old, new in moves.items() if old != new}, result, False
                 except GpucrError as exc:
                     short = _short_of_memory(exc)
                     if self._stopping or targets.process_ended(app.pid, app.start_time) or (
@@ -474,15 +484,79 @@ class SwapService:
                 f"{old} -> {new}" for old, new in moves.items() if old != new))
         return moves
 
-    def _room_first(self, app: SwapApp, moves: dict[str, str]) -> None:
+    def _room_first(self, app: SwapApp, moves: dict[str, str]) -> Any:
         """Room made before the restore on each GPU where what the app is known to need (what it held when parked,
         its context included, plus ROOM_SLACK) does not fit the GPU's free memory (less the server's context where it
-        holds none): one restore, instead of one refused for memory, room, then another."""
+        holds none): one restore, instead of one refused for memory, room, then another. Where the policy parks one
+        app for it, on its one GPU, from host memory, that app goes out as this one comes in (a two-way switch,
+        _two_way): the restore's result then, else None (the restore follows)."""
+        box: dict[str, Any] = {}
+        two_way = (self._switch is not None and len(app.parked_bytes) == 1 and not app.image and not moves
+                   and app.pid not in self._one_way)
         for old, n in app.parked_bytes.items():
             ask = Ask(moves.get(old, old), n, f"its resume, {n} bytes", ROOM_WAIT_S)
             # where the GPU's memory cannot be read, the restore is tried and a refusal makes room (_room_for_resume)
             if n and self._gpu.memory(ask.uuid) is not None and self.room.short(ask) > 0:
-                self.room.make(app, ask)
+                self.room.make(app, ask, (lambda out: self._two_way(out, app, box)) if two_way else None)
+        return box.get("result")
+
+    def _two_way(self, out: SwapApp, into: SwapApp, box: dict[str, Any]) -> bool:
+        """Park `out` while `into` resumes, at once (the server's two-way switch); False, with `out` as it was, where
+        the pair cannot (said in the log: the room then parks it as before). The restore's result lands in box."""
+        if not self.disk.room_for(out):
+            return False
+        ok = False
+        try:
+            ok = self._two_way_turn(out, into, box)
+        finally:
+            self.disk.parked(out, ok)   # its host memory as its staging says, or the reservation given back
+        return ok
+
+    def _two_way_turn(self, out: SwapApp, into: SwapApp, box: dict[str, Any]) -> bool:
+        with self._turn(out.pid):
+            if self.apps.get(out.pid) is None or out.state != RESIDENT:
+                return False
+            self.apps.set_state(out.pid, PARKING)
+            began = Began()
+            try:
+                parked, resumed, info = self._switch(out.pid, into.pid, out.park_deadline_s, out.park_level,
+                                                     self.disk.drops_staging)
+            except GpucrError as exc:
+                return self._two_way_failed(out, into, exc)
+            out.parks += 1
+            self.stats.switched(out.pid, out.name, PARK, began, parked, two_way=True)
+            self.apps.set_state(out.pid, PARKED)
+            self.apps.parked_counts(out.pid, counted_of(parked))
+            self._log(f"two-way switch: parked swap app {out.name} (pid {out.pid}) while {into.name} (pid {into.pid}) "
+                      f"came in: {info['bytes_out'] >> 20} MiB out, {info['bytes_in'] >> 20} MiB in, "
+                      f"{info['seconds']:.3f} s ({info['waited_for_room_s']:.3f} s of it waiting for room, "
+                      f"{info['made_while_out']} pieces made while the other's were still going out)")
+        box["result"] = resumed
+        return True
+
+    def _two_way_failed(self, out: SwapApp, into: SwapApp, exc: GpucrError) -> bool:
+        """The switch did not happen: refused before touching anything (NotTwoWay), or failed and rolled back. `out`
+        is resident, or parked and restorable where its roll-back could not finish (its agent says which); `into`
+        comes back the one-way path next."""
+        if not isinstance(exc, NotTwoWay):
+            self._one_way.add(into.pid)
+            self.stats.refused(out.pid, PARK_FAILED)
+        runs = self._runs(out.pid)
+        self.apps.set_state(out.pid, RESIDENT if runs else PARKED,
+                            "" if isinstance(exc, NotTwoWay) else f"two-way switch failed: {_reason(exc)}")
+        self._log(f"two-way switch of swap apps {out.name} (out) and {into.name} (in): {_reason(exc)}; {out.name} "
+                  f"{'stays resident' if runs else 'is parked (restorable)'}, {into.name} comes back one way")
+        return False
+
+    @staticmethod
+    def _runs(pid: int) -> bool:
+        """Whether the process runs resident now, its gate open, as its agent says."""
+        try:
+            with targets.resolve(pid).connect() as agent:
+                st = agent.call("status", timeout=5.0)
+        except (OSError, GpucrError):
+            return False
+        return st.get("state") == "running" and not st.get("gate_closed")
 
     def _room_for_resume(self, app: SwapApp, uuid: str, held: int) -> bool:
         """What it held when parked plus ROOM_SLACK, less what is free, and at least ROOM_SLACK: the restore was short,

@@ -31,11 +31,12 @@ class Switch:
     bytes_moved: int
     bytes_skipped: int     # of bytes_moved, zero chunks not copied over the link
     control_s: float | None = None   # the driver's part (control out at a park, in at a resume), beside the copy
+    two_way: bool = False  # one side of a two-way switch: this app's park and another's resume at once
 
     def row(self) -> dict[str, Any]:
         return {"app": self.app, "direction": self.direction, "at": round(self.at, 3), "seconds": round(self.seconds, 4),
                 "bytes_moved": self.bytes_moved, "bytes_skipped": self.bytes_skipped,
-                "control_s": None if self.control_s is None else round(self.control_s, 4),
+                "control_s": None if self.control_s is None else round(self.control_s, 4), "two_way": self.two_way,
                 "bytes_per_second": round(self.bytes_moved / self.seconds) if self.seconds > 0 else None}
 
 
@@ -128,11 +129,11 @@ class SwitchStats:
         self._apps: dict[int, AppCounts] = {}
         self._recent: deque[Switch] = deque(maxlen=RECENT_SWITCHES)
 
-    def switched(self, pid: int, name: str, direction: str, began: Began, result: Any) -> None:
+    def switched(self, pid: int, name: str, direction: str, began: Began, result: Any, two_way: bool = False) -> None:
         """A park or resume of app `name` (process pid), begun at `began` and done just now, with the coordinator's
-        result."""
+        result; two_way: one side of a two-way switch (its bytes_moved is this side's way)."""
         moved, skipped = moved_of(result)
-        s = Switch(name, direction, began.wall, began.seconds(), moved, skipped, control_of(result, direction))
+        s = Switch(name, direction, began.wall, began.seconds(), moved, skipped, control_of(result, direction), two_way)
         with self._lock:
             self._apps.setdefault(pid, AppCounts()).add(s)
             self._recent.append(s)

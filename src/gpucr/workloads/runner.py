@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 from .. import paths

@@ -21,7 +21,6 @@ torch and torch_memory_saver are imported where they are used: this module impor
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import importlib.metadata
 import json

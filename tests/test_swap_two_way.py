@@ -1,0 +1,222 @@
+"""The two-way switch (issue 28 item 1, docs/swap.md) on simcuda: real `gpucr serve`, real apps under `gpucr run
+--swap`, real sockets. A resume that needs the room one app's park gives switches both at once: the one going out
+gives back each allocation as its copy lands, the one coming in is made and filled meanwhile; both keep their data.
+A server killed in the middle leaves each app resident, or parked and restorable, with its data intact."""
+from __future__ import annotations
+
+import re
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+import pytest
+
+import gpucr
+import test_swap
+from conftest import RunningServer, gpucr_cli, kill_all
+from gpucr.switch_schedule import plan
+from gpucr.errors import GpucrError
+from gpucr import memory
+from gpucr import target as targets
+from gpucr.server import client
+from gpucr.workloads.runner import Workload
+from test_swap import IDLE_PARK_S, _state, _status, _until, _watched
+from test_swap_faults import _in_thread
+
+swap_server, swap_app = test_swap.swap_server, test_swap.swap_app
+SIZES = "32M,32M,32M"   # three allocations: the one going out frees them one by one
+
+
+@pytest.fixture
+def gpu_for_one(monkeypatch):
+    """320 MiB: the server's context (64) and one app of 96 MiB with its context (64) fit; a second one's do not."""
+    monkeypatch.setenv("SIMCUDA_TOTAL_MEM", str(320 << 20))
+
+
+def _switches(srv: RunningServer) -> list[dict]:
+    """The server's recent switches, as its swap view (the HTTP API's timeline) shows them."""
+    conn = client.connect(True)
+    assert conn is not None
+    return conn.ask("swap_view")["switches"]
+
+
+def test_the_schedule_says_which_piece_going_out_makes_room_for_each_coming_in():
+    assert plan(10, [32, 32, 32], [32, 32, 32], 2) == [1, 2, 3]   # each waits for one more of A's
+    assert plan(40, [32, 32], [32, 32], 2) == [0, 1]              # the first fits in what is free
+    assert plan(0, [64, 32], [16, 16, 32], 0) == [1, 1, 1]        # one big piece out makes room for three
+    with pytest.raises(GpucrError, match="cannot fit"):
+        plan(0, [32], [16, 32], 0)
+
+
+def test_a_two_way_switch_moves_both_apps_with_their_data_intact(gpu_for_one, swap_server, swap_app):
+    b = swap_app("b", "--idle-park", str(IDLE_PARK_S), sizes=SIZES)
+    digest_b = b.ask("digest")["digest"]
+    _until("b parked", lambda: _state(swap_server, "b") == "parked")
+    a = swap_app("a", sizes=SIZES)
+    _watched(swap_server, "a")
+    digest_a = a.ask("digest")["digest"]
+    assert b.ask("digest", timeout=60)["digest"] == digest_b   # demand: b comes in as a goes out
+    assert _state(swap_server, "a") == "parked" and _state(swap_server, "b") == "resident"
+    log = swap_server.log.read_text()
+    assert re.search(r"two-way switch: parked swap app a \(pid \d+\) while b \(pid \d+\) came in: 96 MiB out, 96 MiB "
+                     r"in", log), log
+    assert a.ask("digest", timeout=60)["digest"] == digest_a   # and back: a in, b out, both ways again
+    assert _state(swap_server, "b") == "parked" and b.ask("digest", timeout=60)["digest"] == digest_b
+    two_way = [s for s in _switches(swap_server) if s["two_way"]]
+    assert {(s["app"], s["direction"]) for s in two_way} >= {("a", "park"), ("b", "resume"), ("b", "park"),
+                                                             ("a", "resume")}, two_way
+    assert all(s["bytes_moved"] == 96 << 20 for s in two_way), two_way   # each way's own bytes
+    assert "comes back one way" not in swap_server.log.read_text()
+
+
+@pytest.mark.parametrize("piece", ["32M", "0"])
+def test_large_allocations_in_pieces_free_as_they_go_out_and_status_counts_their_fds(monkeypatch, piece):
+    """One allocation of 160 MiB each, on a GPU where the one coming in finds 32 MiB free: in pieces of 32 MiB
+    (GPUCR_PIECE_BYTES, the default), some of its pieces are made while the other's are still going out; in one piece
+    (0), none is, since the one going out frees its memory only whole. Data intact either way; status counts pieces
+    and the agent's fds."""
+    monkeypatch.setenv("SIMCUDA_TOTAL_MEM", str(320 << 20))   # 64 (server) + 64 + 160 (a) = 288: 32 left
+    monkeypatch.setenv("GPUCR_PIECE_BYTES", str(32 << 20) if piece == "32M" else "0")
+    monkeypatch.setenv("GPUCR_PIECES_FROM", str(64 << 20))   # (default 512 MiB: more than this simulated GPU)
+    srv = RunningServer(True)
+    try:
+        with _pair(srv, "160M") as (a, b, digests):
+            st = gpucr.status(a.pid)
+            assert st.allocations.pieces == (5 if piece == "32M" else 0), st.allocations
+            assert st.allocations.own_fds >= (5 if piece == "32M" else 1) and st.allocations.fd_limit > 0
+            assert b.ask("digest", timeout=60)["digest"] == digests[b.pid]
+            made = re.search(r"two-way switch: parked swap app a .* (\d+) pieces made while the other's were still "
+                             r"going out", srv.log.read_text())
+            assert made, srv.log.read_text()
+            assert (int(made[1]) >= 1) if piece == "32M" else int(made[1]) == 0, made[0]
+            assert a.ask("digest", timeout=60)["digest"] == digests[a.pid]
+            assert "pieces of large allocations" in gpucr_cli("status", str(a.pid)).stdout or piece == "0"
+    finally:
+        srv.stop()
+
+
+def test_with_two_way_off_the_same_switch_is_a_park_then_a_resume(gpu_for_one, monkeypatch):
+    """GPUCR_SWAP_TWO_WAY=0 for the server: the bench's one-way comparison (a)."""
+    monkeypatch.setenv("GPUCR_SWAP_TWO_WAY", "0")
+    srv = RunningServer(True)
+    try:
+        with _pair(srv) as (a, b, digests):
+            assert b.ask("digest", timeout=60)["digest"] == digests[b.pid]
+            assert _state(srv, "a") == "parked"
+            assert not [s for s in _switches(srv) if s["two_way"]] and "two-way switch" not in srv.log.read_text()
+    finally:
+        srv.stop()
+
+
+@contextmanager
+def _pair(srv: RunningServer, sizes: str = SIZES) -> Iterator[tuple[Workload, Workload, dict[int, str]]]:
+    """Apps a (resident) and b (parked), each of `sizes`, under srv, with their digests; killed at the end."""
+    apps: list[Workload] = []
+    try:
+        apps.append(Workload("driver_app", simulate=True, argv=_argv("b", "--idle-park", str(IDLE_PARK_S), sizes=sizes)))
+        digest_b = apps[0].ask("digest")["digest"]
+        _until("b parked", lambda: _state(srv, "b") == "parked")
+        apps.append(Workload("driver_app", simulate=True, argv=_argv("a", sizes=sizes)))
+        _watched(srv, "a")
+        b, a = apps
+        yield a, b, {a.pid: a.ask("digest")["digest"], b.pid: digest_b}
+    finally:
+        kill_all(apps)
+
+
+def _argv(name: str, *flags: str, sizes: str = SIZES) -> list[str]:
+    return [sys.executable, "-m", "gpucr.cli", "run", "--simulate", "--swap", "--name", name, *flags, "--",
+            sys.executable, "-m", "gpucr.workloads.driver_app", "--sizes", sizes]
+
+
+def _settled(pid: int) -> dict:
+    return _until(f"process {pid} settled", lambda: (s := _status(pid)) and not s["busy"] and not s.get("rolling_back")
+                  and s, timeout=30)
+
+
+def test_a_switch_that_fails_after_a_give_back_rolls_back_from_staging_and_goes_one_way(gpu_for_one, monkeypatch):
+    """The switch fails once A gave memory back (before its commit): A runs again with its data (what it gave back
+    made again from staging, with a copy; the rest taken back from its fds), B stays parked, then comes back one way."""
+    monkeypatch.setenv("GPUCR_TEST_FAIL_AT", "switch-after-give-back")
+    srv = RunningServer(True)
+    monkeypatch.delenv("GPUCR_TEST_FAIL_AT")
+    try:
+        with _pair(srv) as (a, b, digests):
+            assert b.ask("digest", timeout=60)["digest"] == digests[b.pid]   # one way, after the failed two-way
+            log = srv.log.read_text()
+            assert re.search(r"the two-way switch of processes \d+ \(out\) and \d+ \(in\) failed: .*failed on purpose.*"
+                             r"rolled back: process \d+ runs, process \d+ is parked \(restorable\)", log), log
+            assert "b comes back one way" in log and re.search(r"parked swap app a \(pid \d+\): room for b", log), log
+            try:   # its data back, then parked and resumed
+                assert a.ask("digest", timeout=60)["digest"] == digests[a.pid]
+            except TimeoutError as exc:
+                raise AssertionError(f"{exc}; the server's log:\n{srv.log.read_text()}") from exc
+    finally:
+        srv.stop()
+
+
+@pytest.mark.parametrize("point", ["switch-after-handover", "switch-after-give-back", "switch-after-driver-steps",
+                                   "switch-after-commit"])
+def test_a_server_killed_in_a_two_way_switch_leaves_each_app_resident_or_parked_and_restorable(
+        gpu_for_one, monkeypatch, point):
+    """Never both, never neither: each app either runs with its data, or is parked and `gpucr restore` brings it back
+    with its data (what the one going out gave back early made again from staging, with a copy)."""
+    monkeypatch.setenv("GPUCR_TEST_KILL_AT", point)
+    srv = RunningServer(True)
+    monkeypatch.delenv("GPUCR_TEST_KILL_AT")
+    try:
+        with _pair(srv) as (a, b, digests):
+            _killed_in_a_switch(srv, point, a, b, digests)
+    finally:
+        srv.stop()
+
+
+def test_a_server_killed_after_a_give_back_leaves_the_app_going_out_restorable_where_only_its_given_part_fits(
+        monkeypatch):
+    """As on the H200 (contexts of 0.5 GiB beside apps of 14 GiB): 160 MiB, contexts of 4 MiB. What the app going
+    out still holds through its fds is on the GPU: its restore needs room only for what it gave back (it was refused,
+    92 MiB free for 96 needed, when the room check counted all of it)."""
+    monkeypatch.setenv("SIMCUDA_TOTAL_MEM", str(160 << 20))
+    monkeypatch.setenv("SIMCUDA_CTX_BYTES", str(4 << 20))
+    monkeypatch.setenv("GPUCR_TEST_KILL_AT", "switch-after-give-back")
+    srv = RunningServer(True)
+    monkeypatch.delenv("GPUCR_TEST_KILL_AT")
+    try:
+        with _pair(srv) as (a, b, digests):
+            _killed_in_a_switch(srv, "switch-after-give-back", a, b, digests)
+    finally:
+        srv.stop()
+
+
+def _killed_in_a_switch(srv: RunningServer, point: str, a: Workload, b: Workload, digests: dict[int, str]) -> None:
+    waker, got = _in_thread(lambda: b.ask("digest", timeout=90)["digest"])   # demand: the switch starts
+    _until("the server died in the switch", lambda: srv.proc.poll() is not None, timeout=30)
+    runs = {w.pid: (st := _settled(w.pid))["state"] == "running" and not st.get("gate_closed") for w in (a, b)}
+    assert any(runs.values()) or point != "switch-after-handover", runs   # its agent took A back itself
+    if point == "switch-after-give-back":   # A gave memory back early: its agent alone cannot take it back
+        st = _status(a.pid)
+        assert not runs[a.pid] and st["checkpoint_phase"] == "handed", st
+        with targets.resolve(a.pid).connect() as agent:
+            held = memory.gather(agent, 10.0)
+        memory.close_all(held)
+        given = [e for e in held if e.state == "given"]
+        assert given, "nothing was given back before the commit"
+    for w in (a, b):   # resident: its data intact now
+        if runs[w.pid]:
+            assert w.ask("digest", timeout=30)["digest"] == digests[w.pid], point
+    for w in (a, b):   # parked: restorable, with its data, once the other (if it runs) is parked by hand
+        if runs[w.pid]:
+            continue
+        for other in (a, b):
+            if other is not w and runs[other.pid]:
+                r = gpucr_cli("checkpoint", "--no-server", str(other.pid))
+                assert r.returncode == 0, (point, r.stderr)
+                runs[other.pid] = False
+        r = gpucr_cli("restore", "--no-server", str(w.pid))
+        assert r.returncode == 0, (point, w.pid, r.stderr)
+        runs[w.pid] = True
+        if w is b:
+            waker.join(60)
+            assert got.get("result") == digests[b.pid], (point, got)
+        assert w.ask("digest", timeout=30)["digest"] == digests[w.pid], point
+    assert a.proc.poll() is None and b.proc.poll() is None
