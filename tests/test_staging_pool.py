@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import textwrap
 import threading
 import time
 
@@ -14,6 +17,7 @@ import pytest
 import gpucr
 from gpucr import paths
 from gpucr.dataplane import budget
+from gpucr.target import held_files
 
 from conftest import RunningServer
 
@@ -199,9 +203,10 @@ def test_a_killed_apps_segments_go_back_to_the_pool_and_to_the_next_app(sim_app)
         srv.stop()
 
 
-def test_staging_a_live_app_gives_back_is_freed_not_lent_again(sim_app):
-    """`restore --drop-staging` (the drop policy): the app's agent closes the segments it was lent, but only it
-    knows that it did, so the server frees them rather than lend them to another app; the pool refills."""
+def test_staging_a_live_app_gives_back_goes_back_to_the_pool_and_to_the_next_app(sim_app):
+    """`restore --drop-staging` (the drop policy, the swap service's drop of a resumed app's staging): the app's agent
+    closes and unmaps the segments it was lent, so they go back to the pool, pinned still, and the next app is lent
+    them: its park pins nothing (a swap bench's parks each faulted and pinned theirs anew before)."""
     srv = started("--prepare-staging", "64M")
     try:
         app = sim_app("--sizes", "8M,8M,8M,6M")
@@ -212,11 +217,60 @@ def test_staging_a_live_app_gives_back_is_freed_not_lent_again(sim_app):
         assert app.ask("digest") == before
         assert gpucr.status(app.pid).staging_bytes == 0 and not staging_files(app.pid)
         wait_for(lambda: pool(srv)["lent_bytes"] == 0 and pool(srv)["free_bytes"] == 64 * MiB,
-                 what="the given-back segments to be let go and the pool to refill")
-        assert pool(srv)["returned_total_bytes"] == 0 and not lent & staging_files(srv.pid), pool(srv)
-        assert ledger_total() == 64 * MiB, entries()
+                 what="the given-back segments to come back to the pool")
+        assert pool(srv)["returned_total_bytes"] == 32 * MiB and lent <= staging_files(srv.pid), pool(srv)
+        assert pool(srv)["made_total_bytes"] == 64 * MiB, "nothing made again"
+        other = sim_app("--sizes", ",".join(["8M"] * 8))   # 64 MiB: the whole pool, the returned segments too
+        before = other.ask("digest")
+        ck = gpucr.checkpoint(other.pid)
+        assert ck.staging_lent_bytes == 64 * MiB and "server_pin" not in ck.phases_s, ck.phases_s
+        assert staging_files(other.pid) & lent, "a returned segment is lent again"
+        gpucr.restore(other.pid)
+        assert other.ask("digest") == before
+        wait_for(lambda: pool(srv)["free_bytes"] == 64 * MiB, what="the pool to refill")
+        assert ledger_total() == 128 * MiB, entries()   # the pool's 64 and the app's 64 lent
     finally:
         srv.stop()
+
+
+def test_a_file_a_process_or_its_child_holds_open_or_mapped_is_held_and_one_let_go_is_not():
+    """What decides whether a segment given back may be lent again: any process's fd or mapping of it (an agent that
+    closed its fd but still maps it holds it; a child forked after the lend holds it too), none once all let go."""
+    child = subprocess.Popen([sys.executable, "-c", textwrap.dedent("""
+        import mmap, os, signal, sys
+        fd = os.memfd_create("seg")
+        os.ftruncate(fd, 1 << 20)
+        st = os.fstat(fd)
+        print(st.st_dev, st.st_ino, flush=True)
+        m = mmap.mmap(fd, 1 << 20)
+        kid = 0
+        for step in sys.stdin:
+            step = step.strip()
+            if step == "fork":
+                kid = os.fork()
+                if kid == 0:   # holds the fd and the mapping until killed (reading nothing of the steps)
+                    signal.pause()
+            elif step == "close":
+                os.close(fd)
+            elif step == "unmap":
+                m.close()
+            elif step == "reap":
+                os.kill(kid, 9)
+                os.waitpid(kid, 0)
+            print("done", flush=True)
+        """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    me = os.getpid()
+    try:
+        ident = tuple(map(int, child.stdout.readline().split()))
+        assert ident in held_files(me), "open and mapped"
+        for step, held in (("fork", True), ("close", True), ("unmap", True), ("reap", False)):
+            child.stdin.write(step + "\n")
+            child.stdin.flush()
+            child.stdout.readline()
+            assert (ident in held_files(me)) == held, step
+    finally:
+        child.kill()
+        child.wait()
 
 
 def test_an_app_with_smaller_segments_is_lent_at_most_a_segment_more_than_it_asks(sim_app):

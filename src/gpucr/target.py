@@ -7,6 +7,7 @@ to validate: nothing in it is a path to open or a library to load.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import os
@@ -73,6 +74,30 @@ def process_ended(pid: int, start_time: int | None = None) -> bool:
         return fields[0] in ("Z", "X") or (start_time is not None and int(fields[19]) != start_time)
     except (OSError, ValueError, IndexError):
         return True
+
+
+def held_files(skip: int) -> set[tuple[int, int]]:
+    """The files, as (st_dev, st_ino), that processes other than `skip` hold open or mapped, of those whose /proc this
+    process may read (all as root; this user's otherwise: another user's process cannot have been handed ours but
+    by one of this user's, which then holds it too). A forked child holds what its parent did, so an app's file is
+    free only when no process holds it."""
+    held: set[tuple[int, int]] = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == skip:
+            continue
+        with contextlib.suppress(OSError):   # ended meanwhile, or not ours to read
+            for fd in os.scandir(f"/proc/{entry.name}/fd"):
+                with contextlib.suppress(OSError):
+                    if os.readlink(fd.path).startswith(("socket:", "pipe:", "anon_inode:", "/dev/")):
+                        continue
+                    st = os.stat(fd.path)
+                    held.add((st.st_dev, st.st_ino))
+            for line in Path(f"/proc/{entry.name}/maps").read_text().splitlines():
+                fields = line.split(maxsplit=5)   # address perms offset dev inode [path]
+                if len(fields) > 4 and fields[4] != "0":
+                    major, minor = fields[3].split(":")
+                    held.add((os.makedev(int(major, 16), int(minor, 16)), int(fields[4])))
+    return held
 
 
 def process_start_time(pid: int) -> int:

@@ -72,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "written once (removed after; default /var/tmp)")
     g.add_argument("--host-budget", default="80%", metavar="SIZE", help="the --host-budget of the gpucr serve the "
                    "bench starts: one parked server and one in flight must fit in it (default 80%%)")
+    g.add_argument("--prepare-staging", default="auto", metavar="SIZE", help="the --prepare-staging of the gpucr "
+                   "serve the bench starts: staging a resumed server gives back goes back to its pool, pinned, and the "
+                   "next park is lent it (default auto; 0: each park makes and pins its own)")
     g.add_argument("--request-timeout", type=float, default=600.0, metavar="SECONDS", help="a request not answered "
                    "by then is recorded as lost, and the stream stops (default 600)")
     g.add_argument("--watch", action="store_true", help="read the serve's page data, /metrics and event stream "
@@ -189,8 +192,9 @@ def main(a: argparse.Namespace) -> int:
     results["two_way"] = B.two_way(simulated, gib)
     _say(f"two-way: {results['two_way']['each_way_gbps']:.1f} GB/s each way")
     idle = gpu_memory(drv)
-    fleet = Fleet(shape, simulated, ["--host-budget", a.host_budget], SIM_CONTEXT if simulated else SERVER_CONTEXT)
-    results["serve"] = {"reused": fleet.reused, "flags": [] if fleet.reused else ["--host-budget", a.host_budget],
+    flags = ["--host-budget", a.host_budget, "--prepare-staging", a.prepare_staging]
+    fleet = Fleet(shape, simulated, flags, SIM_CONTEXT if simulated else SERVER_CONTEXT)
+    results["serve"] = {"reused": fleet.reused, "flags": [] if fleet.reused else flags,
                         "host": fleet.view()["host"]}
     if fleet.reused and results["serve"]["host"].get("host_budget_bytes") is None:
         _say("WARNING: the gpucr serve already running has no --host-budget: every server parked once keeps its "

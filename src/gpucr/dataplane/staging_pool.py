@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -41,7 +42,7 @@ from ..vmm import Vmm
 from ..errors import GpucrError
 from ..plane import MadeStaging, StagingAsk
 from ..sizes import budget_bytes
-from ..target import process_ended
+from ..target import held_files
 from . import budget
 from .hostmem import meminfo_kib
 from .pinned import Segment, drop, open_segment, pin
@@ -53,6 +54,7 @@ MARGIN_SHARE = 10
 TICK_S = 1.0               # how often a full or refused pool looks again (a lend or a give-back wakes it at once)
 LEARNED = 4                # sizes past a segment remembered to be made ahead
 WANTED_TICK_S = 0.01       # how often pinning that stopped for a copy asks whether it may go on
+HELD_FRESH_S = 0.5         # a scan of who holds which file serves the give-backs of one drop (read anew after a lend)
 Owner = tuple[int, int]
 
 
@@ -97,6 +99,8 @@ class StagingPool:
         self.vmm, self.ledger_dir, self.target, self.host_budget = vmm, ledger_dir, target, host_budget
         self._ctx, self._wanted, self._said = ctx, wanted, said
         self._said_pages = False   # the note that the pool is made on 4 KiB pages, once
+        self._held: set[tuple[int, int]] = set()
+        self._held_at = float("-inf")
         self.seg = segment_bytes()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -182,6 +186,7 @@ class StagingPool:
                 self.lending -= n_lent
                 for p in lent:
                     self.lent[p.seg.ident] = p
+                    self._held_at = float("-inf")   # held now: a scan from before must not say otherwise
             budget.say(self._entry, self.unlent())
 
         entry = budget.admit(self.ledger_dir, ask.entry, ask.pid, sum(rest), room, lent=n_lent, lender=moved)
@@ -218,11 +223,14 @@ class StagingPool:
         return p.seg if p is not None and p.seg.declared == declared else None
 
     def give_back(self, seg: Segment, who: Owner) -> bool:
-        """A lent segment let go by the server's cache: back in the pool when its app has ended and the pool
-        has room, else unpinned, unmapped and closed (the app's fd, if it lives, keeps it). False: not ours."""
+        """A lent segment let go by the server's cache: back in the pool, pinned still, when its app no longer holds
+        it (ended, or its agent closed and unmapped it: `restore --drop-staging`, the swap service's drop of a
+        resumed app's staging) and the pool has room; else unpinned, unmapped and closed (the app's fd keeps it).
+        False: not ours."""
+        free_of_it = seg.ident not in self._held_files()
         with self._lock:
             p = self.lent.pop(seg.ident, None)
-            keep = (p is not None and not self._stop.is_set() and process_ended(*who)
+            keep = (p is not None and not self._stop.is_set() and free_of_it
                     and (self.target is None or self.unlent() + p.size <= self.target)
                     and self._budget_left() >= p.size)
             if keep:
@@ -240,6 +248,13 @@ class StagingPool:
             self._free(p)
         self._wake.set()
         return True
+
+    def _held_files(self) -> set[tuple[int, int]]:
+        """held_files, read once for the segments one app gives back together (each is given back on its own)."""
+        now = time.monotonic()
+        if now - self._held_at > HELD_FRESH_S:
+            self._held, self._held_at = held_files(os.getpid()), now
+        return self._held
 
     # ---- the budget ----
     @contextmanager
