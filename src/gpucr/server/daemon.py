@@ -25,7 +25,7 @@ from .. import coordinator, gpus, recover, sizes
 from .. import reading
 from .. import target as targets
 from ..agent import peer_credentials
-from ..driver import DriverError, controller_driver, controller_simulated
+from ..driver import controller_driver, controller_simulated
 from ..errors import GpucrError
 from ..results import to_json
 from .. import abandon
@@ -111,7 +111,7 @@ class Server:
         self._starved_s = 0.0   # the pause between tries to accept while out of fds (0: not out of them)
         self._pin_ahead_said: dict[int, str] = {}   # pid -> why pinning ahead for it last failed, as logged
         self.http: dict[str, Any] = {}   # where its HTTP API listens (gpucr.service_http), once it does
-        self.gpu_view = gpu_view = DriverGpus(controller_driver, lambda: self._mover.context_uuids() if self._mover else [], log)
+        gpu_view = DriverGpus(controller_driver, lambda: self._mover.context_uuids() if self._mover else [], log)
         two_way = os.environ.get("GPUCR_SWAP_TWO_WAY", "1") != "0"   # 0: every switch a park, then a resume
         self.swap = SwapService(self._swap_park, self._swap_resume, log, gpu_view, lambda pid: self.let_go([pid]),
                                 switch=self._swap_switch if two_way else None,
@@ -624,10 +624,6 @@ def main(idle_exit_s: float | None = None, keep_context: bool = True, routes: bo
         disk = srv.swap.disk
         log(f"swap apps park in host memory up to {disk.budget} bytes (--host-budget {host_budget}), then on disk in "
             f"{disk.park_dir.path}" + (f"; for now {why}" if (why := disk.park_dir.problem()) else ""))
-    try:   # before it serves: measured later, when room is asked, it took memory an app was allocating
-        srv.gpu_view.measure_all()
-    except (DriverError, GpucrError) as exc:
-        log(f"the server's context is measured when room is first asked, not at its start: {_reason(exc)}")
     if srv.pins_ahead():
         threading.Thread(target=srv.pin_ahead_loop, daemon=True, name="gpucr-pin-ahead").start()
         prepare, target = pool_target(prepare_staging)   # (issue 28: the first park)

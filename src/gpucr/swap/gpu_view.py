@@ -3,8 +3,8 @@ app there costs the server itself (room.GpuView).
 
 A park copies through the server's own context on the app's GPU, made at its first copy there. Where it is not
 made yet, room must count it: about 520 MiB a GPU on the H200, 64 MiB on simcuda by default. It is measured, once
-per GPU at the server's start, as the driver reports it: the GPU's used memory before and after the server makes its
-context there (and lets it go at once; the data plane makes its own when it copies). A context kept between requests costs nothing
+per GPU, as the driver reports it: the GPU's used memory before and after the server makes its context there (and
+lets it go at once; the data plane makes its own when it copies). A context kept between requests costs nothing
 more; a server that gives its context back after each request (--give-back-context) pays it at each park."""
 from __future__ import annotations
 
@@ -34,12 +34,6 @@ class DriverGpus:
         too), with what the server made for it at a restore (its agent's status says; the driver charges nobody)."""
         uuids = [str(d.get("uuid", "")) for d in status.get("devices") or []]
         return {u: n.process for u, n in gpus.process_usage(pid, uuids, status).items() if n.process is not None}
-
-    def measure_all(self) -> None:
-        """Each GPU's cost measured now, at the server's start: measuring makes a context, which, made when room is
-        asked (an app allocating on a full GPU), took the memory that app was about to get."""
-        for gpu in gpus.machine_gpus(self._drv()):
-            self.server_cost(gpu.uuid)
 
     def server_cost(self, uuid: str) -> int:
         if uuid in self._contexts():
