@@ -180,12 +180,12 @@ void dp_devices_json(struct jb *j)
         const unsigned char *u = g_reg.ctxs[i].uuid;
         char uuid[48];
         reg_uuid_text(u, uuid);
-        size_t bytes = 0, adopted = 0, kept = 0;
+        size_t bytes = 0, adopted = 0, resident = 0;
         for (struct phys *p = g_reg.all; p; p = p->next_all)
             if (p->kind != PHYS_IMPORTED && p->prop.location.id == dev) {
                 bytes += p->size;
                 if (p->adopted && !reg_phys_released(p)) adopted += p->size;
-                if (p->state == AL_HANDED || p->state == AL_LIVE) kept += p->size;
+                if (p->state == AL_HANDED || p->state == AL_LIVE) resident += p->size;
             }
         jb_sub(j, NULL);
         jb_int(j, "ordinal", dev);
@@ -195,7 +195,7 @@ void dp_devices_json(struct jb *j)
         jb_int(j, "adopted_bytes", (long long)adopted);
         /* on the GPU now: live, or handed over but not committed (our fds keep it; a switch's controller died), so
          * a restore makes only the rest */
-        jb_int(j, "kept_bytes", (long long)kept);
+        jb_int(j, "resident_bytes", (long long)resident);
         jb_int(j, "driver_bytes", (long long)(native_on(&g_reg.native_by_va, dev) + native_on(&g_reg.pool_by_va, dev)));
         jb_end(j);
     }

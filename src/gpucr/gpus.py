@@ -109,7 +109,7 @@ def process_gpus(status: dict[str, Any], machine: list[Gpu]) -> list[dict[str, A
     names = {g.uuid: g.name for g in machine}
     return [{"ordinal": d["ordinal"], "uuid": d["uuid"], "name": names.get(d["uuid"], "unknown"),
              "vmm_bytes": d.get("vmm_bytes", 0), "driver_bytes": d.get("driver_bytes", 0),
-             "kept_bytes": d.get("kept_bytes", 0)}
+             "resident_bytes": d.get("resident_bytes", 0)}
             for d in status.get("devices", [])]
 
 

@@ -236,7 +236,7 @@ def _check_room(members: list[_Member]) -> None:
             where = m.gpu_moves.get(d["uuid"], d["uuid"])
             driver = max(d["driver_bytes"], freed.get(d["uuid"], 0)) if m.checkpointed else 0
             # what is on the GPU still (handed over but not committed: a switch's controller died) is not made again
-            need[where] = need.get(where, 0) + d["vmm_bytes"] - d.get("kept_bytes", 0) + driver
+            need[where] = need.get(where, 0) + d["vmm_bytes"] - d.get("resident_bytes", 0) + driver
             who.setdefault(where, []).append(m.pid)
     if not need:
         return

@@ -65,12 +65,12 @@ def _handover(m: _Member, timeout: float) -> None:
         m.data_out_t0 = time.perf_counter()
     # lease=1: should this controller die before it commits, the agent takes its memory back itself. The
     # agent refuses, touching nothing, memory the plane cannot take (not plain device memory, or no fd of it)
-    for tries_left in range(HANDOVER_TRIES - 1, -1, -1):
+    for attempt in range(1, HANDOVER_TRIES + 1):
         try:
             _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1)
             break
         except GpucrError as exc:
-            if not refused_for_room(exc) or m.plane is None or not tries_left:
+            if not refused_for_room(exc) or m.plane is None or attempt == HANDOVER_TRIES:
                 raise
             # it allocated since its staging was made (nothing was released): more staging, then again (threads
             # that allocate all the time can do it again between the status and the next handover: seen in CI)

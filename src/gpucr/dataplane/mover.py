@@ -632,14 +632,14 @@ class Mover(StagingMaker):
         return streams[:STREAMS] if out else streams[STREAMS:]
 
     def _release_context(self, dev: int) -> None:
-        """The context on `dev` given back, gpucr's kernels unloaded from it and our streams destroyed first (their
-        result buffers are in it; a context the application also holds outlives our release)."""
+        """The context on `dev` given back after our kernels and streams in it (an app may hold the context still)."""
         ctx, streams = self._ctx[dev]
-        streams = [*streams, *self._side.pop(ctx, ())]
-        with suppress(DriverError):
+        side = self._side.pop(ctx, ())
+        with suppress(DriverError):   # each step whatever the one before did
             self.kernels.unload(ctx)
+        with suppress(DriverError):
             self.vmm.use(ctx)
-            for s in streams:
+            for s in (*streams, *side):
                 self.vmm.destroy_stream(s)
         with suppress(DriverError):
             self.vmm.release_context(dev)
