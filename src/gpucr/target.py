@@ -78,8 +78,8 @@ def process_ended(pid: int, start_time: int | None = None) -> bool:
 
 def held_files(skip: int) -> set[tuple[int, int]]:
     """The files, as (st_dev, st_ino), that processes other than `skip` hold open or mapped, of those whose /proc this
-    process may read (all as root; this user's otherwise: another user's process cannot have been handed ours but
-    by one of this user's, which then holds it too). A forked child holds what its parent did, so an app's file is
+    process may read: all as root; this user's otherwise, so a file one of this user's processes handed to another
+    user's (SCM_RIGHTS) and then closed is not seen. A forked child holds what its parent did, so an app's file is
     free only when no process holds it."""
     held: set[tuple[int, int]] = set()
     for entry in os.scandir("/proc"):

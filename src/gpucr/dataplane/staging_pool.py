@@ -54,7 +54,7 @@ MARGIN_SHARE = 10
 TICK_S = 1.0               # how often a full or refused pool looks again (a lend or a give-back wakes it at once)
 LEARNED = 4                # sizes past a segment remembered to be made ahead
 WANTED_TICK_S = 0.01       # how often pinning that stopped for a copy asks whether it may go on
-HELD_FRESH_S = 0.5         # a scan of who holds which file serves the give-backs of one drop (read anew after a lend)
+HELD_FRESH_S = 0.5         # a scan of who holds which file serves the give-backs of one app's drop
 Owner = tuple[int, int]
 
 
@@ -100,7 +100,7 @@ class StagingPool:
         self._ctx, self._wanted, self._said = ctx, wanted, said
         self._said_pages = False   # the note that the pool is made on 4 KiB pages, once
         self._held: set[tuple[int, int]] = set()
-        self._held_at = float("-inf")
+        self._held_at, self._held_for = float("-inf"), (0, 0)   # when held_files was read, for whose give-back
         self.seg = segment_bytes()
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -227,7 +227,7 @@ class StagingPool:
         it (ended, or its agent closed and unmapped it: `restore --drop-staging`, the swap service's drop of a
         resumed app's staging) and the pool has room; else unpinned, unmapped and closed (the app's fd keeps it).
         False: not ours."""
-        free_of_it = seg.ident not in self._held_files()
+        free_of_it = seg.ident not in self._held_files(who)
         with self._lock:
             p = self.lent.pop(seg.ident, None)
             keep = (p is not None and not self._stop.is_set() and free_of_it
@@ -249,11 +249,12 @@ class StagingPool:
         self._wake.set()
         return True
 
-    def _held_files(self) -> set[tuple[int, int]]:
-        """held_files, read once for the segments one app gives back together (each is given back on its own)."""
+    def _held_files(self, who: Owner) -> set[tuple[int, int]]:
+        """held_files, read once for the segments one app gives back together (each is given back on its own): read
+        anew for another app, after a lend, or past HELD_FRESH_S."""
         now = time.monotonic()
-        if now - self._held_at > HELD_FRESH_S:
-            self._held, self._held_at = held_files(os.getpid()), now
+        if who != self._held_for or now - self._held_at > HELD_FRESH_S:
+            self._held, self._held_at, self._held_for = held_files(os.getpid()), now, who
         return self._held
 
     # ---- the budget ----
