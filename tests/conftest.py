@@ -302,7 +302,7 @@ class ReusedServer:
 
     def check_clean(self) -> None:
         """Nothing of a process that has gone stays in the server: staging mapped or pinned, GPU memory."""
-        from gpucr.target import process_ended
+        from gpucr.proc import process_ended
         info = self.server.info() if self.server is not None else None
         if info is None:
             return   # killed by the test itself (a fault test): started again by the next

@@ -17,6 +17,7 @@ from typing import Any, Iterator
 import pytest
 
 from gpucr import coordinator, gpus
+from gpucr import proc
 from gpucr import target as targets
 from gpucr.plane import Stats
 from gpucr.driver import DriverError, ProcessState
@@ -72,7 +73,7 @@ class FakeTarget:
     def __init__(self, pid: int, world: World) -> None:
         self.pid, self.world = pid, world
         # its real start time: with the pid, it names the (real, sleeping) process, as target.resolve's does
-        self.uid, self.start_time = os.getuid(), targets.process_start_time(pid)
+        self.uid, self.start_time = os.getuid(), proc.process_start_time(pid)
         self.hello = {"cuda": True, "simulated": True}
 
     def connect(self) -> FakeAgent:

@@ -489,6 +489,18 @@ def test_a_stopped_process_is_named_at_once(sim_app):
     assert gpucr.status(app.pid).state == "running" and app.ask("digest") == before
 
 
+def _recovered_whole(app, before: str) -> None:
+    """`gpucr recover` of a process left held when it was stopped: every byte back, and it cycles again."""
+    r = gpucr_cli("recover", str(app.pid))
+    assert r.returncode == 0, r.stderr
+    wait_for(lambda: (lambda s: s.state == "running" and not s.busy)(gpucr.status(app.pid)), timeout=30,
+             what="the recover")
+    assert app.ask("digest") == before
+    gpucr.checkpoint(app.pid)
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == before
+
+
 def test_a_process_stopped_during_data_out_is_named_and_left_restorable(sim_app):
     """The driver's checkpoint runs beside the plane's copy, so a process stopped then is held by the driver: the
     controller names the stop within seconds, says it left the process checkpointed whole, and `gpucr recover`
@@ -513,15 +525,31 @@ def test_a_process_stopped_during_data_out_is_named_and_left_restorable(sim_app)
         assert len(lines) == 1 and f"gpucr recover {app.pid}" in lines[0], err
     finally:
         os.kill(app.pid, signal.SIGCONT)
-    r = gpucr_cli("recover", str(app.pid))
-    assert r.returncode == 0, r.stderr
-    wait_for(lambda: (lambda s: s.state == "running" and not s.busy)(gpucr.status(app.pid)), timeout=30,
-             what="the recover")
-    assert app.ask("digest") == before
-    gpucr.checkpoint(app.pid)
-    gpucr.restore(app.pid)
-    assert app.ask("digest") == before
+    _recovered_whole(app, before)
 
+
+
+@pytest.mark.parametrize("step", ["driver-lock", "driver-checkpoint"])
+def test_a_process_stopped_as_the_driver_is_asked_never_hangs_the_controller(sim_app, step):
+    """A stopped process cannot answer the driver, whose call then waits for it to run again: the controller names
+    the stop within seconds instead of waiting with it, and the step it asked is finished by the driver later on,
+    so `gpucr recover` brings every byte back once the process runs again (seen in CI: a controller hung here)."""
+    app = sim_app("--sizes", "600M")
+    before = app.ask("digest")
+    env = {**os.environ, "GPUCR_TEST_KILL_TARGET": f"{step}:{app.pid}:SIGSTOP"}
+    t0 = time.time()
+    try:
+        try:
+            r = subprocess.run([sys.executable, "-m", "gpucr.cli", "checkpoint", "--timeout", "2", str(app.pid)],
+                               capture_output=True, text=True, env=env, timeout=30)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the controller still ran after 30 s with the process stopped at {step}") from None
+        assert time.time() - t0 < 10, "the controller must answer within seconds"
+        line = one_line(r, "is stopped (SIGSTOP)", f"gpucr recover {app.pid}")
+        assert f"kill -CONT {app.pid}" in line
+    finally:
+        os.kill(app.pid, signal.SIGCONT)
+    _recovered_whole(app, before)
 
 # ---- 6: idle connections ----
 

@@ -17,7 +17,7 @@ import pytest
 import gpucr
 from gpucr import paths
 from gpucr.dataplane import budget
-from gpucr.target import held_files
+from gpucr.proc import held_files
 
 from conftest import RunningServer
 

@@ -11,9 +11,11 @@ import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .agent_tables import UUID_TEXT
 from .errors import GpucrError
+from .proc import check_not_stopped
 
 
 class ProcessState(enum.IntEnum):
@@ -43,6 +45,7 @@ class _RestoreArgs(ctypes.Structure):
 assert ctypes.sizeof(_LockArgs) == 64 and ctypes.sizeof(_Args8) == 64 and ctypes.sizeof(_RestoreArgs) == 64
 
 CUDA_ERROR_TIMEOUT = 909
+WATCH_EVERY_S = 0.05   # how often a driver call into a process looks whether the process was stopped
 CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_NOT_INITIALIZED = 3
 
@@ -101,7 +104,6 @@ class Driver:
         except AttributeError as exc:
             raise GpucrError(f"the CUDA driver {self.path} has no checkpoint API (driver 555 or newer is needed)") from exc
         self.simulated = hasattr(cu, "simcudaIsSimulated")
-        self._lock = threading.Lock()
         self._check(cu.cuInit(0), "cuInit")
 
     # ---- helpers ----
@@ -121,19 +123,42 @@ class Driver:
         return v.value
 
     # ---- the process checkpoint API ----
+    def _asking(self, target_pid: int, call: Callable[[], int]) -> int:
+        """call() (a request the target process's own driver threads answer) in a thread of its own, watched: a
+        process stopped meanwhile (SIGSTOP, a debugger) cannot answer until it runs again, so it is named at once
+        instead of hanging the controller. The call itself cannot be taken back: it goes on, and is done by the
+        driver once the process runs again (its state then says so: `gpucr recover` reads it)."""
+        rc: list[int] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                rc.append(call())
+            finally:
+                done.set()
+        threading.Thread(target=run, name=f"gpucr-driver-{target_pid}", daemon=True).start()
+        while not done.wait(WATCH_EVERY_S):
+            check_not_stopped(target_pid)
+        if not rc:
+            raise GpucrError(f"the driver's call for process {target_pid} failed inside ctypes")
+        return rc[0]
+
     def state(self, target_pid: int) -> ProcessState:
         s = ctypes.c_int()
-        self._check(self._cu.cuCheckpointProcessGetState(target_pid, ctypes.byref(s)), f"reading the CUDA state of process {target_pid}")
+        rc = self._asking(target_pid, lambda: self._cu.cuCheckpointProcessGetState(target_pid, ctypes.byref(s)))
+        self._check(rc, f"reading the CUDA state of process {target_pid}")
         return ProcessState(s.value)
 
     def lock(self, target_pid: int, timeout_ms: int) -> None:
         args = _LockArgs(timeoutMs=max(1, int(timeout_ms)))
-        rc = self._cu.cuCheckpointProcessLock(target_pid, ctypes.byref(args))
+        rc = self._asking(target_pid, lambda: self._cu.cuCheckpointProcessLock(target_pid, ctypes.byref(args)))
         # measured on the H200: the driver refuses a process run under compute-sanitizer this way
         self._check(rc, f"driver lock of process {target_pid}", LOCK_NOT_SUPPORTED if rc == CUDA_ERROR_NOT_SUPPORTED else "")
 
     def checkpoint(self, target_pid: int) -> None:
-        self._check(self._cu.cuCheckpointProcessCheckpoint(target_pid, ctypes.byref(_Args8())), f"driver checkpoint of process {target_pid}")
+        args = _Args8()
+        rc = self._asking(target_pid, lambda: self._cu.cuCheckpointProcessCheckpoint(target_pid, ctypes.byref(args)))
+        self._check(rc, f"driver checkpoint of process {target_pid}")
 
     def restore(self, target_pid: int, gpu_pairs: list[tuple[bytes, bytes]] | None = None) -> None:
         args = _RestoreArgs()
@@ -144,10 +169,13 @@ class Driver:
                 pairs[i].newUuid[:] = list(new)
             args.gpuPairs = ctypes.cast(pairs, ctypes.POINTER(_GpuPair))
             args.gpuPairsCount = len(gpu_pairs)
-        self._check(self._cu.cuCheckpointProcessRestore(target_pid, ctypes.byref(args)), f"driver restore of process {target_pid}")
+        rc = self._asking(target_pid, lambda: self._cu.cuCheckpointProcessRestore(target_pid, ctypes.byref(args)))
+        self._check(rc, f"driver restore of process {target_pid}")
 
     def unlock(self, target_pid: int) -> None:
-        self._check(self._cu.cuCheckpointProcessUnlock(target_pid, ctypes.byref(_Args8())), f"driver unlock of process {target_pid}")
+        args = _Args8()
+        rc = self._asking(target_pid, lambda: self._cu.cuCheckpointProcessUnlock(target_pid, ctypes.byref(args)))
+        self._check(rc, f"driver unlock of process {target_pid}")
 
 
 _drivers: dict[str, Driver] = {}

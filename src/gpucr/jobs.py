@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import proc
 from . import target as targets
 from .driver import DriverError, ProcessState, controller_driver
 from .errors import GpucrError
@@ -80,7 +81,7 @@ def select(pids: list[int], why_considered: str) -> Job:
         if pid not in under:
             left.append(LeftOut(pid, cmd, f"not running under gpucr ({why_considered})"))
             continue
-        targets.check_not_stopped(pid)
+        proc.check_not_stopped(pid)
         t = targets.resolve(pid)
         problem = gpu_state_problem(t)
         if problem:
@@ -96,7 +97,7 @@ def of_group(name: str) -> Job:
     for pid, _sock in targets.list_sockets():
         if _group_of(pid) != name:
             continue
-        targets.check_not_stopped(pid)
+        proc.check_not_stopped(pid)
         if targets.resolve(pid).hello.get("group") == name:
             members.append(pid)
     if not members:

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 from typing import Callable, TypeVar
 
+from . import proc
 from . import target as targets
 from .driver import SIMULATE_ENV
 from .errors import GpucrError
@@ -29,7 +30,7 @@ def _age_s(pid: int) -> float:
     try:
         ticks = os.sysconf("SC_CLK_TCK")
         uptime = float(Path("/proc/uptime").read_text().split()[0])
-        return uptime - targets.process_start_time(pid) / ticks
+        return uptime - proc.process_start_time(pid) / ticks
     except OSError:
         return math.inf
 
@@ -41,7 +42,7 @@ def _not_ready(pid: int, need_cuda: bool = True) -> tuple[targets.Target | None,
     try:
         t = targets.resolve(pid)
     except GpucrError:
-        targets.check_not_stopped(pid)
+        proc.check_not_stopped(pid)
         if not targets.starting_under_gpucr(pid) or _age_s(pid) >= STARTING_S:
             raise
         return None, "its agent does not answer yet"

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import gpus
+from . import proc
 from . import target as targets
 from .agent import close_held
 from .driver import Driver
@@ -106,7 +107,7 @@ def candidate_pids(drv: Driver, members: list[int], uuids: set[str]) -> list[int
 
 def _ask_outsider(pid: int, timeout: float) -> list[Shared]:
     try:
-        targets.check_not_stopped(pid)
+        proc.check_not_stopped(pid)
         t = targets.resolve(pid)
         with t.connect() as agent:
             return gather(pid, agent, timeout)
@@ -144,7 +145,7 @@ def check_and_bind(members: dict[int, Any], drv: Driver, uuids: set[str], timeou
                                      "checkpoint (its exporter); checkpoint them together (name every pid, or use --group)")
                 if o.key != e.key or o.owner != e.pid:
                     members[o.pid].call("bind", timeout=10.0, sid=o.sid, key=e.key, owner=e.pid,
-                                        owner_start=targets.process_start_time(e.pid))
+                                        owner_start=proc.process_start_time(e.pid))
                     o.key = e.key
             elif e is not None and e.pid in members:
                 raise GpucrError(f"process {e.pid} shares GPU memory with process {o.pid}, which is not in this "

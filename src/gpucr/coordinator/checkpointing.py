@@ -5,7 +5,7 @@ import time
 from pathlib import Path
 
 from .. import shape
-from .. import target as targets
+from .. import proc
 from ..errors import GpucrError
 from ..results import SCHEMA_VERSION, CheckpointResult
 from ..levels import LEVELS
@@ -85,7 +85,7 @@ def checkpoint_many(pids: list[int], mover: DataPlane, level: str = "full", time
                 raise GpucrError(f"{exc}; the driver holds process {pids} checkpointed, with every byte safe: once it "
                                  f"runs again (kill -CONT {pids}), 'gpucr recover {pids}' brings it back") from exc
             if len(members) > 1:
-                alive = [m for m in members if not targets.process_ended(m.pid)]
+                alive = [m for m in members if not proc.process_ended(m.pid)]
                 lost = "".join(f"; process {m.pid}: {w}" for m in alive for w in m.result.get("warnings", []))
                 ended = [str(m.pid) for m in members if m not in alive]
                 who = (f"all {len(members)} processes run on" if not ended else

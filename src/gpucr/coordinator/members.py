@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Callable, TypeVar
 
 from .. import gpus
+from .. import proc
 from .. import target as targets
 from ..app import AppChannel
 from ..driver import CUDA_ERROR_NOT_INITIALIZED, Driver, DriverError, ProcessState
@@ -52,8 +53,6 @@ def _test_kill_point(point: str) -> None:
 STALL_GRACE_S = 10.0        # beyond the user's deadline, which bounds staging, drain and sync together
 
 
-
-
 IMAGE_STAGE_MIN_S = 300.0   # making staging for an image (touching every page of it) reports no progress
 
 
@@ -80,9 +79,9 @@ class _Watch:
 
     def __call__(self) -> None:
         pid = self.t.pid
-        if targets.process_ended(pid, self.t.start_time):
+        if proc.process_ended(pid, self.t.start_time):
             raise GpucrError(f"process {pid} exited during '{self.verb}'")
-        targets.check_not_stopped(pid)
+        proc.check_not_stopped(pid)
         now = time.monotonic()
         if now < self.next_look:
             return
@@ -154,6 +153,7 @@ class _Member:
     image_dir: Path | None = None
     held: bool = False            # quiesced or copied (gate closed), nothing released: "abort" undoes it
     data_out_t0: float = 0.0
+    asked_driver: bool = False    # a driver step was asked: it may hold the process though no answer came (stopped)
     locked: bool = False
     checkpointed: bool = False
     left_held: str = ""           # a roll-back could not undo the driver's steps: why (a stopped process)
@@ -275,7 +275,7 @@ def _settled_status(agent, timeout: float) -> dict[str, Any]:
         st = agent.call("status", timeout=10.0)
         if not st.get("busy"):
             return st
-        targets.check_not_stopped(agent.pid)
+        proc.check_not_stopped(agent.pid)
         progress = st.get("progress")
         if progress != seen:
             seen, since = progress, time.monotonic()
@@ -315,6 +315,8 @@ def _app_resume(app: AppChannel | None) -> None:
 
 def _test_kill_target(pid: int, phase: str) -> None:
     """Fault injection for the test suite: GPUCR_TEST_KILL_TARGET=<phase>:<pid> kills that target
-    process (SIGKILL) just before its <phase>, as a worker that dies mid-checkpoint would."""
-    if os.environ.get("GPUCR_TEST_KILL_TARGET") == f"{phase}:{pid}":
-        os.kill(pid, signal.SIGKILL)
+    process (SIGKILL) just before its <phase>, as a worker that dies mid-checkpoint would;
+    <phase>:<pid>:SIGSTOP stops it there instead, as a user's Ctrl-Z or a debugger would."""
+    spec = os.environ.get("GPUCR_TEST_KILL_TARGET", "")
+    if spec in (f"{phase}:{pid}", f"{phase}:{pid}:SIGSTOP"):
+        os.kill(pid, signal.SIGSTOP if spec.endswith(":SIGSTOP") else signal.SIGKILL)

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 from .. import sharing
+from .. import proc
 from .. import target as targets
 from ..errors import GpucrError
 from .members import PhaseError, _Member
@@ -23,14 +24,14 @@ def _relink(restoring: list[_Member], shared_before: dict[int, list[dict[str, An
                 owners[o["key"]] = o.get("owner", 0)
     if not wanted:
         return
-    by_key = {o["key"]: m for m in sources if not targets.process_ended(m.pid)
+    by_key = {o["key"]: m for m in sources if not proc.process_ended(m.pid)
               for o in m.status.get("shared", []) if o["role"] == "exporter"}
     outside: dict[int, Any] = {}
     try:
         for key, importers in wanted.items():
             exp_pid, exp = (by_key[key].pid, by_key[key].agent) if key in by_key else (owners[key], None)
             if exp is None:   # an exporter running outside this restore (it never stopped): ask it directly
-                if not exp_pid or targets.process_ended(exp_pid):
+                if not exp_pid or proc.process_ended(exp_pid):
                     continue  # gone: _orphans deals with it
                 try:
                     if exp_pid not in outside:
@@ -60,7 +61,7 @@ def _ends_soon(pid: int, within_s: float = 1.0) -> bool:
     """Whether a process whose agent just failed has ended or ends within a moment: a SIGKILLed
     process closes its sockets a little before it becomes a zombie."""
     deadline = time.monotonic() + within_s
-    while not targets.process_ended(pid):
+    while not proc.process_ended(pid):
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.02)
@@ -69,7 +70,7 @@ def _ends_soon(pid: int, within_s: float = 1.0) -> bool:
 
 def _owner_gone(o: dict[str, Any]) -> bool:
     """Whether the exporter an importer was bound to has ended (pid and start time name it)."""
-    return bool(o.get("owner")) and targets.process_ended(o["owner"], o.get("owner_start"))
+    return bool(o.get("owner")) and proc.process_ended(o["owner"], o.get("owner_start"))
 
 
 def _orphans(restoring: list[_Member], shared_before: dict[int, list[dict[str, Any]]]) -> None:

@@ -5,7 +5,7 @@ import time
 from pathlib import Path
 
 from .. import gpus, shape
-from .. import target as targets
+from .. import proc
 from ..app import AppChannel
 from ..errors import GpucrError
 from ..results import SCHEMA_VERSION, RestoreResult
@@ -62,7 +62,7 @@ def _data_in_all(members: list[_Member], timeout: float, drop_staging: bool, pha
     # one that died meanwhile (a rank killed mid-checkpoint) is no more: the others go on, and what they
     # imported from it is replaced (_orphans)
     if drop_ended:
-        restoring = [m for m in restoring if not targets.process_ended(m.pid)]
+        restoring = [m for m in restoring if not proc.process_ended(m.pid)]
     shared_before = {m.pid: list(m.status.get("shared", [])) for m in restoring}
     _relink(restoring, shared_before, sources if sources is not None else members)
     _orphans(restoring, shared_before)

@@ -10,6 +10,7 @@ from typing import Any
 from .. import gpus, manifest
 from .. import imagefs
 from . import context_share
+from .. import proc
 from .. import target as targets
 from ..driver import CUDA_ERROR_OUT_OF_MEMORY, DriverError, ProcessState
 from ..errors import GpucrError
@@ -97,6 +98,7 @@ def _data_out_done(m: _Member, out: dict[str, Any]) -> None:
 def _driver_lock(m: _Member, timeout: float) -> None:
     _test_kill_target(m.pid, "driver-lock")
     t0 = time.perf_counter()
+    m.asked_driver = True
     m.drv.lock(m.pid, int(timeout * 1000))
     m.locked = True
     m.result["phases_s"]["driver_lock"] = time.perf_counter() - t0
@@ -108,6 +110,7 @@ def _driver_checkpoint(m: _Member) -> None:
     machine = gpus.machine_gpus(m.drv)   # once: the GPUs are read before and after
     before = context_share.used(m.drv, uuids, machine)   # read outside control_out: it is not the driver's time
     t0 = time.perf_counter()
+    _test_kill_target(m.pid, "driver-checkpoint")
     m.drv.checkpoint(m.pid)
     m.checkpointed = True
     m.result["phases_s"]["control_out"] = time.perf_counter() - t0
@@ -138,12 +141,12 @@ def _warnings(m: _Member) -> list[str]:
 def _roll_back_driver(m: _Member) -> None:
     """Undo the driver's steps for this process; never raises (the process may be gone)."""
     try:
-        if targets.process_ended(m.pid, m.t.start_time):
+        if proc.process_ended(m.pid, m.t.start_time):
             return
         try:
-            targets.check_not_stopped(m.pid)   # a stopped process cannot answer the driver: left restorable
+            proc.check_not_stopped(m.pid)   # a stopped process cannot answer the driver: left restorable
         except GpucrError as exc:
-            if m.locked or m.checkpointed:
+            if m.asked_driver or m.locked or m.checkpointed:
                 m.left_held = str(exc)
             return
         s = m.drv.state(m.pid)
@@ -159,7 +162,7 @@ def _roll_back_driver(m: _Member) -> None:
 def _abort_held(m: _Member) -> None:
     """A process quiesced, or handed over and not committed: its agent reopens the gate, mapping its memory again
     from its own fds if it was released (the memory never left the GPU): no copy."""
-    if m.held and not targets.process_ended(m.pid, m.t.start_time):
+    if m.held and not proc.process_ended(m.pid, m.t.start_time):
         try:
             m.agent.call("abort", timeout=60.0)
         except GpucrError:

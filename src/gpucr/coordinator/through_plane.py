@@ -11,7 +11,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator
 
 from ..errors import GpucrError
-from .. import target as targets
+from .. import proc
 from .. import memory as server_memory
 from ..memory import Managed
 from ..plane import DataPlane, Made, Stats
@@ -86,7 +86,7 @@ def _held_inputs(held: ExitStack, m: _Member, timeout: float, phase: str) -> tup
         return held.enter_context(_server_inputs(m, timeout))
     except GpucrError as exc:
         try:
-            targets.check_not_stopped(m.pid)
+            proc.check_not_stopped(m.pid)
         except GpucrError as stopped:
             raise PhaseError(m.pid, phase, stopped) from exc
         raise PhaseError(m.pid, phase, exc) from exc

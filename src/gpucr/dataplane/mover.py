@@ -23,7 +23,7 @@ from typing import Any, Callable, Iterator
 from ..driver import Driver, DriverError, process_gpu_memory
 from ..vmm import Vmm
 from ..errors import GpucrError
-from ..target import process_ended, process_start_time
+from ..proc import process_ended, process_start_time
 from .chunks import Spans, spans, zero_within
 from .checked import Checker, Taken, forget_zeroed, note_zero, note_zeros, stage_data, staged_zeros
 from .kernels import Kernels

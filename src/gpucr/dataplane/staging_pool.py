@@ -42,7 +42,7 @@ from ..vmm import Vmm
 from ..errors import GpucrError
 from ..plane import MadeStaging, StagingAsk
 from ..sizes import budget_bytes
-from ..target import held_files
+from ..proc import held_files
 from . import budget
 from .hostmem import meminfo_kib
 from .pinned import Segment, drop, open_segment, pin

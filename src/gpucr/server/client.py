@@ -19,7 +19,7 @@ from typing import Any
 from .. import paths
 from ..agent import peer_credentials
 from ..errors import GpucrError
-from ..target import check_not_stopped, process_ended
+from ..proc import check_not_stopped, process_ended
 from . import wire
 
 AUTO_IDLE_EXIT_S = 60.0   # a server `gpucr run` started goes away this long after the last process under gpucr

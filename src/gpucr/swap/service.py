@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from .. import proc
 from .. import target as targets
 from ..coordinator import NotTwoWay
 from ..errors import GpucrError
@@ -124,7 +125,7 @@ class SwapService:
     def register(self, app: SwapApp) -> dict[str, Any]:
         """Add the app, resident; GpucrError when its process is gone, another user's, or its name is taken."""
         try:
-            app.start_time = targets.process_start_time(app.pid)
+            app.start_time = proc.process_start_time(app.pid)
             owner = os.stat(f"/proc/{app.pid}").st_uid
         except (OSError, ValueError, IndexError):
             raise GpucrError(f"no process with pid {app.pid} to register as a swap app") from None
@@ -207,7 +208,7 @@ class SwapService:
     def tick(self) -> None:
         at = now()
         for app in self.apps.all():
-            if targets.process_ended(app.pid, app.start_time):
+            if proc.process_ended(app.pid, app.start_time):
                 self._forget(app, "it ended")
                 continue
             if app.cuda and not app.watched:
@@ -368,7 +369,7 @@ class SwapService:
     def _ends_soon(app: SwapApp, within_s: float = 1.0) -> bool:
         """Whether the app has ended, or does within a moment: its agent's channel closes as it exits."""
         deadline = now() + within_s
-        while not targets.process_ended(app.pid, app.start_time):
+        while not proc.process_ended(app.pid, app.start_time):
             if now() >= deadline:
                 return False
             time.sleep(0.05)
@@ -454,7 +455,7 @@ class SwapService:
                     return {old: new for old, new in moves.items() if old != new}, result, False
                 except GpucrError as exc:
                     short = _short_of_memory(exc)
-                    if self._stopping or targets.process_ended(app.pid, app.start_time) or (
+                    if self._stopping or proc.process_ended(app.pid, app.start_time) or (
                             not short and now() - start >= RESUME_GIVE_UP_S):
                         raise
                     self.stats.refused(app.pid, RESUME_RETRIED)

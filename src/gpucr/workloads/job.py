@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
-from ..target import process_ended
+from ..proc import process_ended
 from .ranks import merge
 from .runner import Workload, kill_tree
 
