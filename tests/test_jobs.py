@@ -134,6 +134,7 @@ def test_tree_of_a_launcher_checkpoints_its_workers(tmp_path):
         proc.wait()
 
 
+@pytest.mark.serial   # `gpucr recover` with no pid acts on every process of the machine (root)
 def test_recover_brings_back_what_a_killed_controller_left(sim_app):
     a = sim_app("--sizes", "8M")
     b = sim_app("--sizes", "4M")
@@ -156,6 +157,7 @@ def test_recover_brings_back_what_a_killed_controller_left(sim_app):
     assert gpucr_cli("recover", "--list").stdout.startswith("no stuck process")
 
 
+@pytest.mark.serial   # `gpucr recover` with no pid acts on every process of the machine (root)
 def test_recover_unlocks_a_process_gpucr_never_saw():
     """The driver can hold a process that runs without gpucr (another tool locked it and died)."""
     w = Workload("driver_app", "--sizes", "4M", simulate=True, agent=False)

@@ -100,6 +100,7 @@ def _wait_for_server(uid: int, env: dict[str, str]) -> None:
         time.sleep(0.2)
 
 
+@pytest.mark.serial   # its recover acts on every process of the victim user, whom other tests run as too
 @pytest.mark.parametrize("via_server", [False, True], ids=["in-process", "server"])
 def test_recover_brings_back_a_committed_checkpoint_whose_restore_died_after_the_driver_let_go(users, via_server):
     """A committed level-full checkpoint, then its restore's controller (or the server doing it) killed after the

@@ -55,8 +55,9 @@ def users() -> dict[str, int]:
     for name in ("gpucr-attacker", "gpucr-victim"):
         try:
             pwd.getpwnam(name)
-        except KeyError:
-            subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", name], check=True)
+        except KeyError:   # another test worker may make it at the same moment: then useradd says it exists (9)
+            r = subprocess.run(["useradd", "-M", "-s", "/usr/sbin/nologin", name], capture_output=True, text=True)
+            assert r.returncode in (0, 9), r.stderr
         out[name.split("-")[1]] = pwd.getpwnam(name).pw_uid
     return out
 
