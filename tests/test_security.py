@@ -25,9 +25,9 @@ import gpucr
 from gpucr import paths
 from gpucr import target as targets
 from gpucr.agent import PROTOCOL
-from gpucr.driver import Driver
+from gpucr.driver import Driver, ProcessState
 
-from conftest import ROOT, gpucr_cli
+from conftest import ROOT, RunningServer, gpucr_cli, sim_driver
 
 MiB = 1 << 20
 SYS_PY = "/usr/bin/python3"
@@ -551,6 +551,30 @@ def test_a_process_stopped_as_the_driver_is_asked_never_hangs_the_controller(sim
     finally:
         os.kill(app.pid, signal.SIGCONT)
     _recovered_whole(app, before)
+
+
+@pytest.mark.parametrize("via_server", [False, True], ids=["in-process", "server"])
+def test_a_driver_that_does_not_answer_is_given_up_on_and_the_process_left_to_it(sim_app, via_server):
+    """A driver that does not answer a checkpoint (stuck, or slow past its limit) cannot hang the controller, nor
+    the server serving many: it gives up at the limit and says the driver holds the process and that `gpucr recover`
+    brings it back; once the driver has finished the step it was asked, it does, every byte intact."""
+    srv = RunningServer(True) if via_server else None
+    try:
+        app = sim_app("--sizes", "64M", env={**os.environ, "SIMCUDA_CHECKPOINT_DELAY_MS": "5000"})
+        before = app.ask("digest")
+        t0 = time.time()
+        r = gpucr_cli("checkpoint", str(app.pid), env={**os.environ, "GPUCR_TEST_DRIVER_LIMIT_S": "1"}, timeout=60)
+        assert time.time() - t0 < 4.5, "given up at its limit, not when the driver answered"
+        one_line(r, f"the driver did not answer the checkpoint of process {app.pid} within 1 s",
+                 "once the driver answers for it again", f"gpucr recover {app.pid}")
+        wait_for(lambda: sim_driver().state(app.pid) == ProcessState.CHECKPOINTED, timeout=20,
+                 what="the driver's checkpoint")
+        _recovered_whole(app, before)
+        if srv is not None:
+            assert srv.info()["pid"] == srv.pid, "the server serves on"
+    finally:
+        if srv is not None:
+            srv.stop()
 
 # ---- 6: idle connections ----
 

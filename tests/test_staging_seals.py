@@ -4,6 +4,7 @@ file shorter than it says right before each request's copies; simcuda, as the dr
 pinned, never faults on a pinned range whose file was truncated (the copy fails instead)."""
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import subprocess
@@ -19,8 +20,12 @@ from conftest import ROOT
 
 def _staging_fds(pid: int) -> list[str]:
     """Paths under /proc/PID/fd of the process's staging memfds."""
-    fds = f"/proc/{pid}/fd"
-    return [f"{fds}/{n}" for n in os.listdir(fds) if os.readlink(f"{fds}/{n}").startswith("/memfd:gpucr-staging")]
+    fds, out = f"/proc/{pid}/fd", []
+    for n in os.listdir(fds):
+        with contextlib.suppress(FileNotFoundError):   # closed meanwhile by one of its threads
+            if os.readlink(f"{fds}/{n}").startswith("/memfd:gpucr-staging"):
+                out.append(f"{fds}/{n}")
+    return out
 
 
 @pytest.mark.parametrize("kind", ["shm", "hugetlbfs"])

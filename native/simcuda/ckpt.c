@@ -33,6 +33,7 @@
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "simcuda.h"
@@ -65,6 +66,7 @@ static struct {
     int listen_fd;
     bool fail_restore;
     bool fail_lock;
+    size_t checkpoint_delay_ms;
     bool die_after_reply; /* a CHECKPOINT an unheld call overlapped: the process dies once it is answered */
     char path[PATH_MAX];
 } ck = {.listen_fd = -1};
@@ -230,6 +232,12 @@ static CUresult handle(const struct sim_ctl_req *req)
     case OP_CHECKPOINT:
         if (ck.state != CU_PROCESS_STATE_LOCKED)
             return CUDA_ERROR_ILLEGAL_STATE;
+        if (ck.checkpoint_delay_ms) { /* SIMCUDA_CHECKPOINT_DELAY_MS: a driver slow or stuck, once; it then goes on */
+            struct timespec ts = {.tv_sec = (time_t)(ck.checkpoint_delay_ms / 1000),
+                                  .tv_nsec = (long)(ck.checkpoint_delay_ms % 1000) * 1000000L};
+            nanosleep(&ts, NULL);
+            ck.checkpoint_delay_ms = 0;
+        }
         return checkpoint_unless_overlapped();
     case OP_RESTORE: {
         if (ck.state != CU_PROCESS_STATE_CHECKPOINTED)
@@ -315,6 +323,7 @@ CUresult sim_ctl_start(void)
 {
     ck.fail_restore = sim_cfg.fail_restore;
     ck.fail_lock = sim_cfg.fail_lock;
+    ck.checkpoint_delay_ms = sim_cfg.checkpoint_delay_ms;
     CUresult rc = sim_rundir_path(ck.path, sizeof(ck.path), sim_cfg.pid, ".ctl");
     if (rc != CUDA_SUCCESS)
         return rc;

@@ -45,6 +45,7 @@ void sim_config_load(struct sim_config *cfg)
     cfg->fail_restore = fail && strcmp(fail, "1") == 0;
     const char *fail_lock = getenv("SIMCUDA_FAIL_LOCK");
     cfg->fail_lock = fail_lock && strcmp(fail_lock, "1") == 0;
+    cfg->checkpoint_delay_ms = env_size("SIMCUDA_CHECKPOINT_DELAY_MS", 0);
     const char *call = getenv("SIMCUDA_FAIL_CALL");
     if (call && *call) {
         const char *colon = strchr(call, ':');

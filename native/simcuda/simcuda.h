@@ -51,6 +51,7 @@ struct sim_config {
     size_t ctx_bytes;    /* SIMCUDA_CTX_BYTES per live context, default 64 MiB */
     bool fail_restore;   /* SIMCUDA_FAIL_RESTORE=1: the next RESTORE fails (one shot) */
     bool fail_lock;      /* SIMCUDA_FAIL_LOCK=1: the next LOCK times out (one shot), as if a call never drained */
+    size_t checkpoint_delay_ms; /* SIMCUDA_CHECKPOINT_DELAY_MS: the next CHECKPOINT answers this late (one shot) */
     char fail_call[64];  /* SIMCUDA_FAIL_CALL=NAME[:N]: the N-th call (default the first) of entry point */
     unsigned fail_nth;   /* NAME fails with CUDA_ERROR_UNKNOWN (one shot); see sim_fault_injected */
     pid_t pid;           /* the process that ran cuInit (a forked child is not it) */

@@ -9,6 +9,7 @@ import ctypes
 import enum
 import os
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -46,6 +47,9 @@ assert ctypes.sizeof(_LockArgs) == 64 and ctypes.sizeof(_Args8) == 64 and ctypes
 
 CUDA_ERROR_TIMEOUT = 909
 WATCH_EVERY_S = 0.05   # how often a driver call into a process looks whether the process was stopped
+ANSWER_LIMIT_S = 60.0  # a state query or an unlock (beyond a lock's own timeout): the driver answers these at once
+MOVE_LIMIT_S = 600.0   # a checkpoint or restore: it copies what gpucr did not take at 2 GB/s, 1.2 TB in that time
+TEST_LIMIT_ENV = "GPUCR_TEST_DRIVER_LIMIT_S"   # the test suite's shorter limit for every driver call
 CUDA_ERROR_OUT_OF_MEMORY = 2
 CUDA_ERROR_NOT_INITIALIZED = 3
 
@@ -54,6 +58,10 @@ class DriverError(GpucrError):
     def __init__(self, what: str, rc: int, text: str, hint: str = "") -> None:
         super().__init__(f"{what} failed: {text} (CUDA error {rc})" + (f"; {hint}" if hint else ""))
         self.rc = rc
+
+
+class DriverSilent(GpucrError):
+    """The driver did not answer a request about a process within its limit: it may still finish it."""
 
 
 CUDA_ERROR_NOT_SUPPORTED = 801
@@ -123,11 +131,12 @@ class Driver:
         return v.value
 
     # ---- the process checkpoint API ----
-    def _asking(self, target_pid: int, call: Callable[[], int]) -> int:
-        """call() (a request the target process's own driver threads answer) in a thread of its own, watched: a
-        process stopped meanwhile (SIGSTOP, a debugger) cannot answer until it runs again, so it is named at once
-        instead of hanging the controller. The call itself cannot be taken back: it goes on, and is done by the
-        driver once the process runs again (its state then says so: `gpucr recover` reads it)."""
+    def _asking(self, target_pid: int, what: str, call: Callable[[], int], limit: float) -> int:
+        """call() (a request the target process's own driver threads answer) in a thread of its own, watched, so
+        that no target hangs its controller (a server serving many): a process stopped meanwhile (SIGSTOP, a
+        debugger) cannot answer until it runs again, so it is named at once; a driver that has not answered within
+        `limit` seconds is given up on. The call itself cannot be taken back: it goes on, and the driver may finish
+        it later (its state then says so, which `gpucr recover` reads)."""
         rc: list[int] = []
         done = threading.Event()
 
@@ -137,27 +146,35 @@ class Driver:
             finally:
                 done.set()
         threading.Thread(target=run, name=f"gpucr-driver-{target_pid}", daemon=True).start()
+        limit = float(os.environ.get(TEST_LIMIT_ENV) or limit)
+        end = time.monotonic() + limit
         while not done.wait(WATCH_EVERY_S):
             check_not_stopped(target_pid)
+            if time.monotonic() > end:
+                raise DriverSilent(f"the driver did not answer the {what} of process {target_pid} within {limit:.0f} s "
+                                   "(the driver may still finish it)")
         if not rc:
-            raise GpucrError(f"the driver's call for process {target_pid} failed inside ctypes")
+            raise GpucrError(f"the driver's {what} of process {target_pid} failed inside ctypes")
         return rc[0]
 
     def state(self, target_pid: int) -> ProcessState:
         s = ctypes.c_int()
-        rc = self._asking(target_pid, lambda: self._cu.cuCheckpointProcessGetState(target_pid, ctypes.byref(s)))
+        rc = self._asking(target_pid, "state query", lambda: self._cu.cuCheckpointProcessGetState(target_pid, ctypes.byref(s)),
+                          ANSWER_LIMIT_S)
         self._check(rc, f"reading the CUDA state of process {target_pid}")
         return ProcessState(s.value)
 
     def lock(self, target_pid: int, timeout_ms: int) -> None:
         args = _LockArgs(timeoutMs=max(1, int(timeout_ms)))
-        rc = self._asking(target_pid, lambda: self._cu.cuCheckpointProcessLock(target_pid, ctypes.byref(args)))
+        rc = self._asking(target_pid, "lock", lambda: self._cu.cuCheckpointProcessLock(target_pid, ctypes.byref(args)),
+                          args.timeoutMs / 1000 + ANSWER_LIMIT_S)
         # measured on the H200: the driver refuses a process run under compute-sanitizer this way
         self._check(rc, f"driver lock of process {target_pid}", LOCK_NOT_SUPPORTED if rc == CUDA_ERROR_NOT_SUPPORTED else "")
 
     def checkpoint(self, target_pid: int) -> None:
         args = _Args8()
-        rc = self._asking(target_pid, lambda: self._cu.cuCheckpointProcessCheckpoint(target_pid, ctypes.byref(args)))
+        rc = self._asking(target_pid, "checkpoint", lambda: self._cu.cuCheckpointProcessCheckpoint(target_pid, ctypes.byref(args)),
+                          MOVE_LIMIT_S)
         self._check(rc, f"driver checkpoint of process {target_pid}")
 
     def restore(self, target_pid: int, gpu_pairs: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -169,12 +186,14 @@ class Driver:
                 pairs[i].newUuid[:] = list(new)
             args.gpuPairs = ctypes.cast(pairs, ctypes.POINTER(_GpuPair))
             args.gpuPairsCount = len(gpu_pairs)
-        rc = self._asking(target_pid, lambda: self._cu.cuCheckpointProcessRestore(target_pid, ctypes.byref(args)))
+        rc = self._asking(target_pid, "restore", lambda: self._cu.cuCheckpointProcessRestore(target_pid, ctypes.byref(args)),
+                          MOVE_LIMIT_S)
         self._check(rc, f"driver restore of process {target_pid}")
 
     def unlock(self, target_pid: int) -> None:
         args = _Args8()
-        rc = self._asking(target_pid, lambda: self._cu.cuCheckpointProcessUnlock(target_pid, ctypes.byref(args)))
+        rc = self._asking(target_pid, "unlock", lambda: self._cu.cuCheckpointProcessUnlock(target_pid, ctypes.byref(args)),
+                          ANSWER_LIMIT_S)
         self._check(rc, f"driver unlock of process {target_pid}")
 
 

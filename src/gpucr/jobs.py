@@ -30,8 +30,7 @@ def children_of(pid: int) -> list[int]:
         if not entry.isdigit():
             continue
         try:
-            text = Path(f"/proc/{entry}/stat").read_text()
-            kids_of.setdefault(int(text[text.rindex(")") + 2:].split()[1]), []).append(int(entry))
+            kids_of.setdefault(proc.parent_pid(int(entry)), []).append(int(entry))
         except (OSError, ValueError, IndexError):
             continue   # gone meanwhile
     out, todo = [], [pid]

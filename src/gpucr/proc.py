@@ -52,6 +52,10 @@ def process_start_time(pid: int) -> int:
     return int(_stat_fields(pid)[19])
 
 
+def parent_pid(pid: int) -> int:
+    return int(_stat_fields(pid)[1])
+
+
 def check_not_stopped(pid: int) -> None:
     """Name a stopped process at once: its agent cannot answer until it runs again."""
     try:

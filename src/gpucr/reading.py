@@ -9,7 +9,7 @@ from . import gpus, manifest, shape
 from .dataplane import budget
 from . import target as targets
 from .app import AppChannel
-from .driver import DriverError, ProcessState
+from .driver import ProcessState
 from .errors import GpucrError
 from .results import SCHEMA_VERSION, ProcessStatus, StatusResult, Unreachable
 
@@ -35,7 +35,7 @@ def read(t: targets.Target) -> dict[str, Any]:
     if st.get("cuda"):
         try:
             drv_state = t.driver().state(pid)
-        except DriverError as exc:
+        except GpucrError as exc:   # no CUDA state, a stopped process, a driver that did not answer
             st["driver_state"] = f"unknown: {exc}"
             st["level"], st["committed"] = None, False
             return st

@@ -47,6 +47,8 @@ def _driver_holds(drv: Driver, pid: int) -> str | None:
         state = drv.state(pid)
     except DriverError:
         return None   # no CUDA state of its own: nothing the driver holds
+    except GpucrError as exc:   # stopped, or the driver did not answer: it may hold it
+        return f"the driver cannot say ({exc})"
     if state == ProcessState.LOCKED:
         return "driver locked"
     if state in (ProcessState.CHECKPOINTED, ProcessState.FAILED):

@@ -82,8 +82,8 @@ def checkpoint_many(pids: list[int], mover: DataPlane, level: str = "full", time
             held = [m for m in members if m.left_held]
             if held:   # its memory stays safe on the GPU behind the agent's fds, its control state with the driver
                 pids = " ".join(str(m.pid) for m in held)
-                raise GpucrError(f"{exc}; the driver holds process {pids} checkpointed, with every byte safe: once it "
-                                 f"runs again (kill -CONT {pids}), 'gpucr recover {pids}' brings it back") from exc
+                raise GpucrError(f"{exc}; the driver holds process {pids}, with every byte safe: {held[0].left_held}, "
+                                 f"'gpucr recover {pids}' brings it back") from exc
             if len(members) > 1:
                 alive = [m for m in members if not proc.process_ended(m.pid)]
                 lost = "".join(f"; process {m.pid}: {w}" for m in alive for w in m.result.get("warnings", []))

@@ -156,7 +156,7 @@ class _Member:
     asked_driver: bool = False    # a driver step was asked: it may hold the process though no answer came (stopped)
     locked: bool = False
     checkpointed: bool = False
-    left_held: str = ""           # a roll-back could not undo the driver's steps: why (a stopped process)
+    left_held: str = ""           # the driver's steps could not be undone: when they can ("once it runs again")
     gpus: list[dict[str, Any]] = field(default_factory=list)    # the GPUs it uses (gpus.process_gpus)
     gpu_moves: dict[str, str] = field(default_factory=dict)   # restore: {old UUID: new UUID} for the driver
     gpu_before: dict[str, gpus.Usage] = field(default_factory=dict)   # its GPUs' memory before it all began

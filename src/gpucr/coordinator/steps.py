@@ -2,17 +2,18 @@
 checkpoint, restore and unlock, and their undoing. The data itself moves through gpucr.plane (through_plane.py)."""
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from .. import gpus, manifest
 from .. import imagefs
 from . import context_share
 from .. import proc
 from .. import target as targets
-from ..driver import CUDA_ERROR_OUT_OF_MEMORY, DriverError, ProcessState
+from ..driver import CUDA_ERROR_OUT_OF_MEMORY, DriverError, DriverSilent, ProcessState
 from ..errors import GpucrError
 from .members import (STALL_GRACE_S, _Member, _app_prepare, _driver_state, _need_cuda, _settled_status,
                       _test_kill_point, _test_kill_target, _watched_call)
@@ -95,11 +96,22 @@ def _data_out_done(m: _Member, out: dict[str, Any]) -> None:
     _test_kill_point("after-data-out")
 
 
+@contextlib.contextmanager
+def _silent_driver_holds(m: _Member) -> Iterator[None]:
+    """A driver that did not answer a step may still take it: the process is then left to it, not rolled back."""
+    try:
+        yield
+    except DriverSilent:
+        m.left_held = "once the driver answers for it again"
+        raise
+
+
 def _driver_lock(m: _Member, timeout: float) -> None:
     _test_kill_target(m.pid, "driver-lock")
     t0 = time.perf_counter()
     m.asked_driver = True
-    m.drv.lock(m.pid, int(timeout * 1000))
+    with _silent_driver_holds(m):
+        m.drv.lock(m.pid, int(timeout * 1000))
     m.locked = True
     m.result["phases_s"]["driver_lock"] = time.perf_counter() - t0
     _test_kill_point("after-driver-lock")
@@ -111,7 +123,8 @@ def _driver_checkpoint(m: _Member) -> None:
     before = context_share.used(m.drv, uuids, machine)   # read outside control_out: it is not the driver's time
     t0 = time.perf_counter()
     _test_kill_target(m.pid, "driver-checkpoint")
-    m.drv.checkpoint(m.pid)
+    with _silent_driver_holds(m):
+        m.drv.checkpoint(m.pid)
     m.checkpointed = True
     m.result["phases_s"]["control_out"] = time.perf_counter() - t0
     # what it freed beside the data (its context): its restore's room check counts it (context_share). Several
@@ -141,13 +154,13 @@ def _warnings(m: _Member) -> list[str]:
 def _roll_back_driver(m: _Member) -> None:
     """Undo the driver's steps for this process; never raises (the process may be gone)."""
     try:
-        if proc.process_ended(m.pid, m.t.start_time):
+        if m.left_held or proc.process_ended(m.pid, m.t.start_time):
             return
         try:
             proc.check_not_stopped(m.pid)   # a stopped process cannot answer the driver: left restorable
-        except GpucrError as exc:
+        except GpucrError:
             if m.asked_driver or m.locked or m.checkpointed:
-                m.left_held = str(exc)
+                m.left_held = f"once it runs again (kill -CONT {m.pid})"
             return
         s = m.drv.state(m.pid)
         if s == ProcessState.CHECKPOINTED:
@@ -161,8 +174,9 @@ def _roll_back_driver(m: _Member) -> None:
 
 def _abort_held(m: _Member) -> None:
     """A process quiesced, or handed over and not committed: its agent reopens the gate, mapping its memory again
-    from its own fds if it was released (the memory never left the GPU): no copy."""
-    if m.held and not proc.process_ended(m.pid, m.t.start_time):
+    from its own fds if it was released (the memory never left the GPU): no copy. Not one the driver was left
+    holding: its agent undoes it by itself once the driver lets go (its lease ends with this controller)."""
+    if m.held and not m.left_held and not proc.process_ended(m.pid, m.t.start_time):
         try:
             m.agent.call("abort", timeout=60.0)
         except GpucrError:
@@ -175,6 +189,12 @@ def _vet_for_restore(pid: int, image_dir: Path | None, force: bool, gpu_map: dic
     _need_cuda(t)
     drv = t.driver()
     dstate = _driver_state(drv, pid)
+    if dstate == ProcessState.LOCKED:
+        # locked and never checkpointed (a controller gone between its steps, or a lock the driver took after its
+        # controller gave up on a stopped process): the lock only holds calls, its agent's status among them (seen
+        # in simcuda: status reads graph memory through the driver), so it is let go first; nothing is lost
+        drv.unlock(pid)
+        dstate = _driver_state(drv, pid)
     m = _Member(t, drv, image_dir=image_dir, result={"pid": pid, "phases_s": {}})
     m.agent = t.connect()
     m.status = m.agent.call("status", timeout=10.0)

@@ -24,7 +24,7 @@ MAX_MESSAGE = 64 << 20       # a request or an answer (ps of many processes with
 REQUEST_IDLE_S = 30.0        # a connection that sends no whole request within this is closed
 # Settings of the client's own environment that change what a request does: each travels with the request
 # (the server's environment is the one it started with). Nothing else of the client's environment does.
-REQUEST_ENV = ("GPUCR_TEST_KILL_AT", "GPUCR_TEST_KILL_TARGET")
+REQUEST_ENV = ("GPUCR_TEST_KILL_AT", "GPUCR_TEST_KILL_TARGET", "GPUCR_TEST_DRIVER_LIMIT_S")
 
 
 def _stem(simulated: bool) -> str:
