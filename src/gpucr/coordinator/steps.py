@@ -189,15 +189,23 @@ def _vet_for_restore(pid: int, image_dir: Path | None, force: bool, gpu_map: dic
     _need_cuda(t)
     drv = t.driver()
     dstate = _driver_state(drv, pid)
-    if dstate == ProcessState.LOCKED:
-        # locked and never checkpointed (a controller gone between its steps, or a lock the driver took after its
-        # controller gave up on a stopped process): the lock only holds calls, its agent's status among them (seen
-        # in simcuda: status reads graph memory through the driver), so it is let go first; nothing is lost
-        drv.unlock(pid)
-        dstate = _driver_state(drv, pid)
     m = _Member(t, drv, image_dir=image_dir, result={"pid": pid, "phases_s": {}})
     m.agent = t.connect()
-    m.status = m.agent.call("status", timeout=10.0)
+    unlocked_here = False
+    try:
+        m.status = m.agent.call("status", timeout=10.0)
+    except GpucrError:
+        if dstate != ProcessState.LOCKED:
+            m.close()
+            raise
+        # locked, never checkpointed (a lock the driver took after its controller gave up on a stopped process):
+        # the lock holds calls, its agent's status among them (simcuda's reads graph memory through the driver),
+        # so it is let go first, losing nothing, and the agent asked again
+        m.close()
+        drv.unlock(pid)
+        dstate, unlocked_here = _driver_state(drv, pid), True
+        m.agent = t.connect()
+        m.status = m.agent.call("status", timeout=10.0)
     if m.status.get("rolling_back") and dstate == ProcessState.RUNNING:
         # its checkpoint's controller died after data out: the agent is undoing it alone, wait for that
         # (with the driver holding the process, the roll-back waits for this restore instead)
@@ -205,6 +213,9 @@ def _vet_for_restore(pid: int, image_dir: Path | None, force: bool, gpu_map: dic
     st = m.status
     if dstate == ProcessState.RUNNING and st["state"] == "running" and not st.get("gate_closed"):
         m.close()
+        if unlocked_here:
+            raise GpucrError(f"process {pid} was only locked by the driver, not checkpointed: unlocked, it runs on "
+                             "with its data")
         raise GpucrError(f"process {pid} is not checkpointed: nothing to restore")
     machine = gpus.machine_gpus(drv)
     m.gpus = gpus.process_gpus(st, machine)
