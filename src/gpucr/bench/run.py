@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import gpucr
+from ..agent_tables import SETTINGS
 
 from . import bounds as B
 from . import methods as M
@@ -425,7 +426,9 @@ def main(a: argparse.Namespace) -> int:
                      "gpu_util": a.gpu_util, "repeat": a.repeat, "park_s": a.park, "generate_tokens": S.GENERATE_TOKENS,
                      "step_timeout_s": M.STEP_TIMEOUT_S,
                      "gpucr_staging": "2 MiB hugepages reserved by the bench for gpucr's methods"
-                     if a.staging_hugepages else "the agent's default (hugepages if free, else shared memory)"},
+                     if a.staging_hugepages else "the agent's default (hugepages if free, else shared memory)",
+                     # the agent's settings the bench's environment gave its apps (e.g. GPUCR_PIECE_BYTES), else defaults
+                     "agent_settings": {k: v for k, v in os.environ.items() if k in SETTINGS}},
         "ceiling": None, "workloads": {}}
     gib = a.ceiling_gib or (0.25 if simulated else 8.0)
     if "ceiling" in names:
