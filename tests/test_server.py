@@ -29,7 +29,7 @@ from gpucr.server import client, daemon, wire
 from gpucr.workloads.runner import Workload
 
 from conftest import RunningServer, cycle_concurrently, gpucr_cli, sim_driver
-from test_security import root_only, users  # noqa: F401 (a second local user, for attacks across users)
+from test_security import users  # noqa: F401 (a second local user, for attacks across users)
 
 
 SIM_CONTEXT_BYTES = 64 << 20   # what simcuda charges for a context (SIMCUDA_CTX_BYTES' default)
@@ -1221,26 +1221,11 @@ def test_ps_shows_the_staging_the_server_holds_by_its_owner_and_none_once_it_die
     assert "holds no staging of any process" in ps and f"process {app.pid}" not in ps, ps
 
 
-@root_only
-def settled_nfds(pid: int, within_s: float = 3.0) -> int:
-    """The process's open fds once the count holds still for 0.2 s: the server closes a connection's fd in that
-    connection's thread a moment after its answer, which a loaded machine may not have run yet."""
-    from test_hostile_answers import nfds
-    deadline, seen = time.monotonic() + within_s, nfds(pid)
-    while time.monotonic() < deadline:
-        time.sleep(0.2)
-        now = nfds(pid)
-        if now == seen:
-            break
-        seen = now
-    return seen
-
-
 def test_roots_server_holds_nothing_of_another_users_process_once_it_died(users):
     """F21: root's server is asked to checkpoint another user's processes one after the other (on simcuda the
     import of their memory fails: their simcuda is theirs alone); once each has died, the server holds no
     staging of it, no fd more than after the one before, and `gpucr ps` says it holds nothing."""
-    from test_hostile_answers import Hostile
+    from test_hostile_answers import Hostile, fd_floor
     srv, after = RunningServer(True), []
     try:
         for _ in range(3):   # the first warms the server (its context's fds)
@@ -1252,7 +1237,7 @@ def test_roots_server_holds_nothing_of_another_users_process_once_it_died(users)
             ps = gpucr_cli("ps").stdout
             assert "holds no staging of any process" in ps and f"process {app.pid}" not in ps, ps
             assert srv.info()["staging"] == []
-            after.append(settled_nfds(srv.pid))
+            after.append(fd_floor(srv.pid))
         assert after[2] <= after[1], f"the server's fds after each process: {after}"
     finally:
         srv.stop()
