@@ -31,7 +31,7 @@ SETTINGS: dict[str, Setting] = {
         'GPUCR_MIN_VMM_BYTES', 'INT', '0', 0, 1099511627776, '0 (one VMM granule) to 1099511627776',
         'the smallest allocation turned into VMM (smaller ones stay native)'),
     'GPUCR_PIECE_BYTES': Setting(
-        'GPUCR_PIECE_BYTES', 'INT_OR_0', '33554432', 2097152, 1099511627776, '0 or 2097152 to 1099511627776',
+        'GPUCR_PIECE_BYTES', 'INT_OR_0', '268435456', 2097152, 1099511627776, '0 or 2097152 to 1099511627776',
         'an allocation turned into VMM of at least GPUCR_PIECES_FROM bytes is made of pieces of this size, each its own memory: a two-way switch gives each back as its copy lands; 0: one piece'),
     'GPUCR_PIECES_FROM': Setting(
         'GPUCR_PIECES_FROM', 'INT', '536870912', 0, 1099511627776, '0 to 1099511627776',

@@ -17,11 +17,12 @@ import torch
 from .polling import Pollers
 from .protocol import serve
 
-CHUNK = 1 << 28  # elements of int32 per digest step (1 GiB)
+CHUNK = 1 << 26  # int32 elements per digest step (256 MiB): its int64 temporaries, about 8x a step, must fit beside
+                 # an app sized to the card (a 1 GiB step ran out of memory on an H100); the sums do not depend on it
 
 
 def tensor_digest(t: torch.Tensor) -> list[int]:
-    """A position-sensitive checksum of every byte, computed on the GPU in 1 GiB steps."""
+    """A position-sensitive checksum of every byte, computed on the GPU in steps of CHUNK."""
     flat = t.view(-1).view(torch.int32)
     s1 = torch.zeros((), dtype=torch.int64, device=t.device)
     s2 = torch.zeros((), dtype=torch.int64, device=t.device)
