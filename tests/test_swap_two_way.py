@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import sys
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -13,7 +14,8 @@ import pytest
 
 import gpucr
 import test_swap
-from conftest import RunningServer, gpucr_cli, kill_all
+from conftest import RunningServer, gpucr_cli, kill_all, sim_driver
+from gpucr.driver import ProcessState
 from gpucr.switch_schedule import plan
 from gpucr.errors import GpucrError
 from gpucr import memory
@@ -93,6 +95,38 @@ def test_large_allocations_in_pieces_free_as_they_go_out_and_status_counts_their
             assert "pieces of large allocations" in gpucr_cli("status", str(a.pid)).stdout or piece == "0"
     finally:
         srv.stop()
+
+
+def test_the_driver_restores_the_one_coming_in_while_it_checkpoints_the_one_going_out(gpu_for_one, monkeypatch):
+    """A's checkpoint answers 1.5 s late (the driver copying its control state): B's driver restore is not queued
+    behind it, so the switch's control time is the longer of the two, not their sum (its bound counts the longer)."""
+    monkeypatch.setenv("SIMCUDA_CHECKPOINT_DELAY_MS", "1500")   # each app's first checkpoint: b's idle park, a's switch
+    drv = sim_driver()
+    srv = RunningServer(True)
+    try:
+        with _pair(srv) as (a, b, digests):
+            assert drv.state(b.pid) == ProcessState.CHECKPOINTED
+            asked, out = _in_thread(lambda: b.ask("digest", timeout=60)["digest"])
+            # a's state is asked of a, which answers nothing while its checkpoint waits: watched in a thread of its own
+            a_out, a_at = _in_thread(lambda: _first(lambda: drv.state(a.pid) == ProcessState.CHECKPOINTED))
+            b_at = _first(lambda: drv.state(b.pid) != ProcessState.CHECKPOINTED)
+            asked.join(60)
+            a_out.join(60)
+            assert out.get("result") == digests[b.pid], out
+            assert b_at < a_at["result"] - 1.0, (b_at, a_at)   # b restored while a's checkpoint still waited
+            assert re.search(r"two-way switch: parked swap app a", srv.log.read_text())
+            assert a.ask("digest", timeout=60)["digest"] == digests[a.pid]
+    finally:
+        srv.stop()
+
+
+def _first(cond) -> float:
+    """time.monotonic() when cond() first held (polled every 20 ms, 60 s at most)."""
+    deadline = time.monotonic() + 60
+    while not cond():
+        assert time.monotonic() < deadline, "not within 60 s"
+        time.sleep(0.02)
+    return time.monotonic()
 
 
 def test_with_two_way_off_the_same_switch_is_a_park_then_a_resume(gpu_for_one, monkeypatch):

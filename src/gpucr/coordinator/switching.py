@@ -2,7 +2,8 @@
 (resumed), at the same time, through the plane's one link. A hands its memory over as for any checkpoint; the plane
 copies it out and, beside it, makes and fills B's (DataPlane.two_way), each of A's allocations given back as soon as
 its copy lands in staging, each of B's made once the GPU holds it (gpucr.switch_schedule). The driver's steps run
-beside the copies: A's lock and checkpoint (its context freed), then B's restore (once its context fits) and unlock.
+beside the copies, A's and B's at once: A's lock and checkpoint (its context freed), and B's restore (once its
+context fits) and unlock.
 Then A commits and B adopts its new memory and runs.
 
 Roll-back: a switch that fails leaves each app as it was before it, where it can: B's new memory let go (its
@@ -13,6 +14,7 @@ restorable by `gpucr restore`, never lost."""
 from __future__ import annotations
 
 import os
+import threading
 import time
 from contextlib import ExitStack
 from typing import Any, Callable
@@ -150,24 +152,52 @@ def _both_ways(a: _Member, b: _Member, mover: DataPlane, room: Room, ctx_b: int,
         if os.environ.get("GPUCR_TEST_FAIL_AT") == "switch-after-give-back":   # the test suite's failed switch
             raise GpucrError("failed on purpose after a give-back (GPUCR_TEST_FAIL_AT)")
 
-    def driver_steps() -> None:
+    def out_steps() -> None:
         if level == "full":
             _driver_lock(a, timeout)
             _driver_checkpoint(a)
             room.given()   # its context left the GPU
+
+    def in_steps() -> None:
         with room.taking(ctx_b, f"process {b.pid}'s CUDA context", piece=False):
             _driver_restore(b)
         _driver_unlock(b, timeout)
+
+    def driver_steps() -> None:
+        _at_once(_failing(out_steps, room), _failing(in_steps, room))
         _test_kill_point("switch-after-driver-steps")
     with ExitStack() as held:
         a_in = _held_inputs(held, a, timeout, "data out")
         b_in = held.enter_context(_server_inputs(b, timeout))
         done = _beside(lambda: mover.two_way(a.pid, a_in, b.pid, b_in, give_back, room), "gpucr-switch",
-                       _failing(driver_steps, room), undo=lambda r: _close_made({b.pid: r[1][1]}))
+                       driver_steps, undo=lambda r: _close_made({b.pid: r[1][1]}))
     if isinstance(done, GpucrError):
         raise done
     st_out, made = done
     return st_out, (b_in[0], made)
+
+
+def _at_once(first: Callable[[], None], second: Callable[[], None]) -> None:
+    """Both at once, first in a thread of its own: A's checkpoint and B's restore are each the driver's work in its
+    own process, so the switch's control time is the longer one, not their sum (B's restore still waits in
+    room.taking until its context fits). Raises first's error before second's: A's is the cause where both fail."""
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            first()
+        except BaseException as exc:
+            errors.append(exc)
+    worker = threading.Thread(target=run, name="gpucr-switch-out-driver")
+    worker.start()
+    try:
+        second()
+    except BaseException as exc:
+        worker.join()
+        raise (errors[0] if errors else exc)
+    worker.join()
+    if errors:
+        raise errors[0]
 
 
 def _failing(steps: Callable[[], None], room: Room) -> Callable[[], None]:
