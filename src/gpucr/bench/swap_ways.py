@@ -21,6 +21,7 @@ from .swap_fleet import ASK_TIMEOUT_S, START_TIMEOUT_S, Fleet, Member, Shape, as
 GPUCR, ONE_WAY, RESTART, DRIVER = "gpucr-swap", "gpucr-one-way", "restart-safetensors", "driver-checkpoint"
 Say = Callable[[str], None]
 Emit = Callable[[dict[str, Any]], None]
+RECORD_WAIT_S = 10.0   # how long a request waits for the service to write down the resume made for it
 
 
 def stream(names: list[str], n: int, zipf_share: float, zipf_s: float, seed: int) -> list[tuple[str, str]]:
@@ -89,7 +90,20 @@ def fleet_request(fleet: Fleet, method: str, phase: str, m: Member, tokens: int,
     if resident:
         m.resident_ttft.append(got["ttft_s"])
     return record(method, phase, m.name, t0, arrival, resident, got, m.reference, **done,
-                  **_moved(fleet.switches_since(wall), m.name))
+                  **_moved(_switches_of(fleet, wall, m.name, resident), m.name))
+
+
+def _switches_of(fleet: Fleet, wall: float, name: str, resident: bool) -> list[dict[str, Any]]:
+    """The service's switches since `wall`. A server parked at the request's arrival was resumed for it, but the
+    service writes the switch in its timeline once the switch's call returns, which can be after the server's gate
+    opened and its first token came: so wait for that resume (RECORD_WAIT_S at most), or its switch is missed."""
+    deadline = time.monotonic() + RECORD_WAIT_S
+    while True:
+        seen = fleet.switches_since(wall)
+        if resident or time.monotonic() > deadline or any(
+                s["app"] == name and s["direction"] == "resume" for s in seen):
+            return seen
+        time.sleep(0.05)
 
 
 def one_way(fleet: Fleet, switches: int, tokens: int, t0: float, deadline: float, emit: Emit, say: Say,
