@@ -4,8 +4,9 @@ of 0.4 of a simulated card that holds two are parked and resumed on demand, the 
 metrics' counters against its own counts. Then the recording is replayed into the page (gpucr.service_http.replay),
 which headless Chromium renders from it, as the docs' screenshot of a GPU run is made.
 
-GPUCR_REPLAY=FILE replays that recording (a GPU run's swap-watch.jsonl.gz) in the page test instead of the one made
-here; GPUCR_SCREENSHOT_DIR=DIR saves the page's screenshot there (service-page-replay.png)."""
+The page test also replays the recording of a GPU run (`scripts/gpu-check swap`, committed under bench/results): the
+GPU machine has no browser. GPUCR_REPLAY=FILE replays that file in both instead; GPUCR_SCREENSHOT_DIR=DIR saves the
+GPU run's screenshot there (service-page-replay.png, the one in docs/)."""
 from __future__ import annotations
 
 import json
@@ -25,6 +26,7 @@ from gpucr.service_http.replay import frames
 browser = test_service_page.browser
 until_js, ROW_STATE, BAR_WIDTH = test_service_page._until_js, test_service_page.ROW_STATE, test_service_page.BAR_WIDTH
 SERVERS = 3
+GPU_RECORDING = Path(__file__).parents[1] / "bench" / "results" / "2026-12-05-h100-swap-watch.jsonl.gz"   # gpu-check swap
 SWITCHES = ("const c = document.querySelector(`tr[data-app='${arguments[0]}'] td[data-label=switches]`); "
             "return c && c.textContent === arguments[1]")
 
@@ -80,8 +82,11 @@ def test_the_metrics_read_through_the_api_match_the_benchs_own_counts(recorded):
     assert {a["name"] for x in by["events"] for a in x["state"]["apps"]} == set(names)
 
 
-def test_a_recorded_run_replays_into_the_page_in_headless_chromium(recorded, browser, tmp_path):
-    rec = Path(os.environ.get("GPUCR_REPLAY") or recorded[1])
+@pytest.mark.parametrize("run", ["here", "gpu"])
+def test_a_recorded_run_replays_into_the_page_in_headless_chromium(run, request, browser, tmp_path):
+    """run: the scenario recorded here on simcuda, or the committed recording of a GPU run (GPU_RECORDING), whose
+    screenshot is the docs' (GPUCR_SCREENSHOT_DIR)."""
+    rec = Path(os.environ.get("GPUCR_REPLAY") or (GPU_RECORDING if run == "gpu" else request.getfixturevalue("recorded")[1]))
     played = frames(rec)
     last = played[-1]["state"]   # where the replay ends and stays: the last state that shows every app
     span = played[-1]["t"] - played[0]["t"]
@@ -107,7 +112,7 @@ def test_a_recorded_run_replays_into_the_page_in_headless_chromium(recorded, bro
         errors = [e for e in browser.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors   # the replay serves the page with its own CSP: nothing refused
         browser.save_screenshot(str(tmp_path / "service-page-replay.png"))
-        if os.environ.get("GPUCR_SCREENSHOT_DIR"):
+        if os.environ.get("GPUCR_SCREENSHOT_DIR") and run == "gpu":
             shutil.copy(tmp_path / "service-page-replay.png", Path(os.environ["GPUCR_SCREENSHOT_DIR"]))
     finally:
         p.kill()
