@@ -151,7 +151,8 @@ def _fleet_part(run: Run, fleet: Fleet, a: argparse.Namespace, ways: list[str], 
         if not rec["answered"]:   # its server is stuck (its pipe has an answer owed): nothing more to learn
             raise GpucrError(f"request {i + 1} to {name} was not answered: {rec['error']}")
         _say(f"{i + 1}/{len(plan)} {mix} {name}: {'resident' if rec['resident'] else 'parked'}, first token "
-                 f"{rec['ttft_s']:.3f} s" + (f" (parked {', '.join(rec['parked'])})" if rec["parked"] else ""))
+             f"{rec['ttft_s']:.3f} s, {'right tokens' if rec['correct'] else 'WRONG TOKENS'}"   # said as it goes: a
+             + (f" (parked {', '.join(rec['parked'])})" if rec["parked"] else ""))   # cut run's log still tells
     if "one-way" in ways:
         done = [r["switch_s"] for r in run.results["requests"] if r.get("switch_s") is not None]
         why = W.one_way(fleet, a.baseline_switches, a.tokens, t0, t0 + (a.stream_share + ONE_WAY_SHARE) * a.time_budget,
