@@ -220,21 +220,33 @@ def test_llm_configs_are_the_real_architectures(name):
     assert all(p.dtype == torch.bfloat16 for p in params)
 
 
-def test_hugepages_reserved_for_gpucrs_methods_and_given_back(tmp_path, monkeypatch):
+class _Sysctl:
+    """vm.nr_hugepages as the kernel keeps it: a write asks, and reads back what it could grant (here at most `cap`)."""
+
+    def __init__(self, value: int, cap: int) -> None:
+        self.value, self.cap, self.writable = value, cap, True
+
+    def read_text(self) -> str:
+        return f"{self.value}\n"
+
+    def write_text(self, text: str) -> None:
+        if not self.writable:
+            raise PermissionError(13, "Permission denied")
+        self.value = min(int(text), self.cap)
+
+
+def test_hugepages_reserved_for_gpucrs_methods_and_given_back(monkeypatch):
     from gpucr.bench import run
-    sysctl = tmp_path / "nr_hugepages"
-    sysctl.write_text("100\n")
-    monkeypatch.setattr(run, "HUGEPAGES_SYSCTL", sysctl)
-    # the kernel may grant fewer than asked: what it granted is read back from /proc/meminfo's total
-    monkeypatch.setattr(run, "meminfo", lambda: {"HugePages_Total": int(sysctl.read_text()) - 7})
+    from gpucr.dataplane import hostmem
+    sysctl = _Sysctl(100, cap=100 + 5120 + 1024 - 7)   # the kernel may grant fewer than asked
+    monkeypatch.setattr(hostmem, "NR_HUGEPAGES", sysctl)
     with run.Hugepages(10 << 30) as h:
-        assert int(sysctl.read_text()) == 100 + 5120 + 1024
+        assert sysctl.value == 100 + 5120 + 1024 - 7
         assert h.got == 5120 + 1024 - 7
-    assert sysctl.read_text() == "100", "the previous reservation is put back"
-    sysctl.chmod(0o400)
-    if os.geteuid() != 0:   # root writes through the mode bits
-        with pytest.raises(run.GpucrError, match="run the bench as root"):
-            run.Hugepages(1 << 30).__enter__()
+    assert sysctl.value == 100, "the previous reservation is put back"
+    sysctl.writable = False
+    with pytest.raises(run.GpucrError, match="run the bench as root"):
+        run.Hugepages(1 << 30).__enter__()
 
 
 def test_results_are_saved_after_every_method():

@@ -33,6 +33,7 @@ from .compare import ceiling_of as _ceiling_of, derive
 from ..demo import gpu_present
 from ..doctor import meminfo
 from ..driver import Driver, device_count, device_info, driver_for, gpu_memory
+from ..dataplane.hostmem import HUGE_PAGE, add_hugepages, drop_hugepages
 from ..errors import GpucrError
 from ..paths import simcuda_dir
 
@@ -153,31 +154,23 @@ def _diff(a: int | None, b: int | None) -> int | None:
     return a - b if a is not None and b is not None else None
 
 
-HUGEPAGES_SYSCTL = Path("/proc/sys/vm/nr_hugepages")
-HUGE_PAGE = 2 << 20
-
-
 class Hugepages:
     """Reserve 2 MiB hugepages for the agent's staging while gpucr's methods run, and give them back."""
 
     def __init__(self, nbytes: int) -> None:
         self.want = nbytes // HUGE_PAGE + 1024   # + 2 GiB: segments are rounded up
-        self.before: int | None = None
         self.got = 0
 
     def __enter__(self) -> "Hugepages":
         try:
-            self.before = int(HUGEPAGES_SYSCTL.read_text())
-            HUGEPAGES_SYSCTL.write_text(str(self.before + self.want))
+            self.got = add_hugepages(self.want)
         except (OSError, ValueError) as exc:
             raise GpucrError(f"--staging-hugepages: cannot reserve hugepages ({exc}); run the bench as root") from exc
-        self.got = meminfo()["HugePages_Total"] - self.before
         _say(f"reserved {self.got} of {self.want} hugepages ({self.got * HUGE_PAGE / 2**30:.1f} GiB) for gpucr's staging")
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.before is not None:
-            HUGEPAGES_SYSCTL.write_text(str(self.before))
+        drop_hugepages(self.got)
 
 
 def _used_per_gpu(drv: Driver) -> dict[str, int]:

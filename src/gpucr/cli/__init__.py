@@ -133,6 +133,9 @@ def _parser() -> argparse.ArgumentParser:
                     "and refilled: a size as --host-budget takes it, auto (what --host-budget and the memory available "
                     "allow, leaving max(4 GiB, 10%% of MemTotal) of the memory available) or 0 (the default: the server pins nothing ahead "
                     "unasked)")
+    sv.add_argument("--reserve-hugepages", action="store_true", help="as root, reserve --prepare-staging's SIZE in 2 MiB "
+                    "hugepages when the server starts and give them back when it stops: staging made ahead is then on "
+                    "hugepages, ready sooner after the start (docs/server.md)")
     sv.add_argument("--park-dir", metavar="DIR", help="where parked swap apps past --host-budget go as images: a "
                     "directory of yours, mode 0700 (default: gpucr/parked under $XDG_STATE_HOME or ~/.local/state)")
     sv.add_argument("--http", metavar="HOST:PORT", type=loopback, help="also serve the HTTP API, /metrics and the "

@@ -68,7 +68,7 @@ def cmd_lib(a: argparse.Namespace) -> int:
 
 def cmd_serve(a: argparse.Namespace) -> int:
     from ..driver import controller_simulated
-    from ..server import client, daemon
+    from ..server import client, foreground
     simulated = controller_simulated()   # --simulate, or GPUCR_SIMULATE=1 (gpucr.cli sets it for --simulate)
     if a.stop:
         pid = client.stop(simulated)
@@ -86,14 +86,25 @@ def cmd_serve(a: argparse.Namespace) -> int:
     if pool_target(a.prepare_staging or "")[0] and a.give_back_context:
         raise GpucrError("--prepare-staging pins staging in the server's context, which --give-back-context gives "
                          "back after each request: use one of them", code=2)
+    if a.reserve_hugepages and not _prepares_a_size(a.prepare_staging or ""):
+        raise GpucrError("--reserve-hugepages reserves --prepare-staging's size: give one, e.g. --prepare-staging 48G",
+                         code=2)
+    if a.reserve_hugepages and os.geteuid() != 0:
+        raise GpucrError("--reserve-hugepages writes /proc/sys/vm/nr_hugepages, which needs root: run gpucr serve as "
+                         "root, or reserve them yourself (docs/server.md)", code=2)
     missing = service_http.missing()
     if missing and a.http:
         raise GpucrError(f"--http: {missing}")
     if missing:
         route.note(f"{missing}; serving without it")
-    return daemon.main(a.idle_exit, keep_context=not a.give_back_context, host_budget=a.host_budget, park_dir=a.park_dir,
-                       routes=not a.no_routes, face=None if missing else service_http.face(a.http),
-                       prepare_staging=a.prepare_staging or "")
+    return foreground.main(a.idle_exit, keep_context=not a.give_back_context, host_budget=a.host_budget,
+                           park_dir=a.park_dir, routes=not a.no_routes, face=None if missing else service_http.face(a.http),
+                           prepare_staging=a.prepare_staging or "", reserve_hugepages=a.reserve_hugepages)
+
+
+def _prepares_a_size(setting: str) -> bool:
+    prepare, target = pool_target(setting)
+    return prepare and target is not None
 
 
 def _show_http(info: dict | None) -> int:

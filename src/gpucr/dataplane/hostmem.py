@@ -7,6 +7,7 @@ from ..errors import GpucrError
 
 HUGE_PAGE = 2 << 20
 MIB = 1 << 20
+NR_HUGEPAGES = Path("/proc/sys/vm/nr_hugepages")
 
 
 def meminfo_kib(key: str) -> int:
@@ -16,6 +17,19 @@ def meminfo_kib(key: str) -> int:
         if name == key:
             return int(rest.split()[0])
     return 0
+
+
+def add_hugepages(n: int) -> int:
+    """n more 2 MiB hugepages reserved (root only; OSError else): how many the kernel gave, which can be fewer when
+    memory is fragmented."""
+    before = int(NR_HUGEPAGES.read_text())
+    NR_HUGEPAGES.write_text(str(before + n))
+    return int(NR_HUGEPAGES.read_text()) - before
+
+
+def drop_hugepages(n: int) -> None:
+    """n hugepages given back: those still in use become surplus, freed when their last holder lets go."""
+    NR_HUGEPAGES.write_text(str(max(0, int(NR_HUGEPAGES.read_text()) - n)))
 
 
 def free_hugepage_bytes() -> int:

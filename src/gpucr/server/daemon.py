@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import os
-import signal
 import socket
 import sys
 import threading
@@ -21,7 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from .. import coordinator, gpus, recover, sizes
+from .. import coordinator, gpus, recover
 from .. import reading
 from .. import target as targets
 from ..agent import peer_credentials
@@ -31,7 +30,6 @@ from ..results import to_json
 from .. import abandon
 from . import swap_ops, wire
 from ..dataplane.mover import Mover
-from ..sizes import pool_target
 from ..swap.gpu_view import DriverGpus
 from ..swap.service import SwapService
 
@@ -606,41 +604,3 @@ def log(line: str) -> None:
     now = time.time()   # milliseconds: lines are read beside cycles of about a second
     stamp = time.strftime('%Y-%m-%dT%H:%M:%S', time.localtime(now)) + f".{int(now * 1000) % 1000:03d}"
     print(f"{stamp} gpucr serve [{os.getpid()}]: {line}", file=sys.stderr, flush=True)
-
-
-def main(idle_exit_s: float | None = None, keep_context: bool = True, routes: bool = True,
-         host_budget: str | None = None, park_dir: str | None = None,
-         face: Callable[[Server], Callable[[], None]] | None = None, prepare_staging: str = "") -> int:
-    """Run the server in the foreground until `gpucr serve --stop`, SIGTERM or SIGINT (or, with
-    `idle_exit_s`, that long with no process under gpucr and no request). host_budget: 64G or 50% (gpucr.sizes).
-    face(server): another way in, started once the socket is bound (the HTTP API); what it returns stops it."""
-    controller_driver()   # cuInit once, here: a server that cannot reach its driver does not start
-    srv = Server(idle_exit_s, keep_context, routes, sizes.budget_bytes(host_budget) if host_budget else None, park_dir)
-    srv.bind()
-    signal.signal(signal.SIGTERM, lambda *_: srv.stopping.set())
-    signal.signal(signal.SIGINT, lambda *_: srv.stopping.set())
-    log(f"serving uid {os.getuid()} on {srv.path} ({'simcuda' if srv.simulated else 'the system CUDA driver'})")
-    if host_budget:
-        disk = srv.swap.disk
-        log(f"swap apps park in host memory up to {disk.budget} bytes (--host-budget {host_budget}), then on disk in "
-            f"{disk.park_dir.path}" + (f"; for now {why}" if (why := disk.park_dir.problem()) else ""))
-    if srv.pins_ahead():
-        threading.Thread(target=srv.pin_ahead_loop, daemon=True, name="gpucr-pin-ahead").start()
-        prepare, target = pool_target(prepare_staging)   # (issue 28: the first park)
-        if prepare:
-            srv.data_plane().start_pool(target, srv.swap.disk.budget, srv.dir)
-            log(f"preparing staging ahead: {'auto' if target is None else f'{target} bytes'}, pinned here")
-    threading.Thread(target=srv.swap_loop, daemon=True, name="gpucr-swap").start()
-    stop_face = None
-    try:
-        stop_face = face(srv) if face is not None else None
-        srv.serve()
-    finally:
-        if stop_face is not None:
-            stop_face()
-        srv.swap.close()
-        srv.close()
-        if srv._mover is not None:
-            srv._mover.close()
-    log("stopped")
-    return 0

@@ -35,7 +35,7 @@ def missing() -> str | None:
 
 
 def face(http: Loopback | None) -> Callable[[Server], Callable[[], None]]:
-    """What `gpucr serve` starts once its socket is bound (daemon.main's face): the HTTP API; it returns its stop."""
+    """What `gpucr serve` starts once its socket is bound (foreground.main's face): the HTTP API; it returns its stop."""
     def start(srv: Server) -> Callable[[], None]:
         from .serve import start as start_api
         return start_api(srv, http)
