@@ -111,11 +111,15 @@ static void ctx_deactivate(struct sim_ctx *c)
 
 /* ---- devices ---- */
 
+/* A query's first check: somewhere to write the answer (else INVALID_VALUE), then a device that exists. */
+static CUresult out_and_device(const void *out, CUdevice dev)
+{
+    return out ? sim_device_check(dev) : CUDA_ERROR_INVALID_VALUE;
+}
+
 static CUresult device_get(CUdevice *device, int ordinal)
 {
-    if (!device)
-        return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = sim_device_check(ordinal);
+    CUresult rc = out_and_device(device, ordinal);
     if (rc == CUDA_SUCCESS)
         *device = ordinal;
     return rc;
@@ -133,9 +137,7 @@ SIMAPI CUresult cuDeviceGetCount(int *count) { SIM_GATED(device_get_count(count)
 
 static CUresult device_get_name(char *name, int len, CUdevice dev)
 {
-    if (!name || len <= 0)
-        return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = sim_device_check(dev);
+    CUresult rc = out_and_device(len > 0 ? name : NULL, dev);
     if (rc == CUDA_SUCCESS)
         snprintf(name, (size_t)len, "simcuda simulated GPU (test double)");
     return rc;
@@ -160,9 +162,7 @@ void sim_device_uuid(int phys, CUuuid *uuid)
 
 static CUresult device_get_uuid(CUuuid *uuid, CUdevice dev)
 {
-    if (!uuid)
-        return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = sim_device_check(dev);
+    CUresult rc = out_and_device(uuid, dev);
     if (rc == CUDA_SUCCESS)
         sim_device_uuid(sim_acct_physical(dev), uuid);
     return rc;
@@ -172,9 +172,7 @@ SIMAPI CUresult cuDeviceGetUuid_v2(CUuuid *uuid, CUdevice dev) { SIM_GATED(devic
 
 static CUresult device_total_mem(size_t *bytes, CUdevice dev)
 {
-    if (!bytes)
-        return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = sim_device_check(dev);
+    CUresult rc = out_and_device(bytes, dev);
     if (rc == CUDA_SUCCESS)
         *bytes = sim_cfg.total_mem;
     return rc;
@@ -229,9 +227,7 @@ static int attribute_value(CUdevice_attribute attrib, CUdevice dev)
 
 static CUresult device_get_attribute(int *pi, CUdevice_attribute attrib, CUdevice dev)
 {
-    if (!pi)
-        return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = sim_device_check(dev);
+    CUresult rc = out_and_device(pi, dev);
     if (rc == CUDA_SUCCESS)
         *pi = attribute_value(attrib, dev);
     return rc;
@@ -243,9 +239,7 @@ SIMAPI CUresult cuDeviceGetAttribute(int *pi, CUdevice_attribute attrib, CUdevic
 
 static CUresult device_get_pci_bus_id(char *pciBusId, int len, CUdevice dev)
 {
-    if (!pciBusId || len <= 0)
-        return CUDA_ERROR_INVALID_VALUE;
-    CUresult rc = sim_device_check(dev);
+    CUresult rc = out_and_device(len > 0 ? pciBusId : NULL, dev);
     if (rc == CUDA_SUCCESS)
         snprintf(pciBusId, (size_t)len, "0000:%02x:00.0", 0x10 + sim_acct_physical(dev));
     return rc;

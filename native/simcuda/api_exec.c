@@ -40,38 +40,33 @@ static bool reaches(const struct sim_ctx *ctx, uintptr_t p, size_t n, int need)
     return sim_mem_accessible(ctx, p, n, need, SIM_ENGINE_SM);
 }
 
-static CUresult k_fill_u32(const struct sim_ctx *ctx, CUstream stream, void **params)
+/* fill_u32 and add_u32: v written to, or added to, each of n 32-bit words at p */
+static CUresult u32_kernel(const struct sim_ctx *ctx, void **params, bool add)
 {
-    (void)stream;
     uintptr_t p = ARG(CUdeviceptr, 0);
     unsigned v = ARG(unsigned, 1);
     unsigned long long n = ARG(unsigned long long, 2);
     CUresult rc = CUDA_ERROR_ILLEGAL_ADDRESS;
     sim_mem_rdlock();
     if (n <= SIZE_MAX / 4 && reaches(ctx, p, n * 4, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) {
-        for (uint32_t *q = (uint32_t *)p; n--;)
-            *q++ = v;
+        for (uint32_t *q = (uint32_t *)p; n--; q++)
+            *q = add ? *q + v : v;
         rc = CUDA_SUCCESS;
     }
     sim_mem_unlock();
     return rc;
 }
 
+static CUresult k_fill_u32(const struct sim_ctx *ctx, CUstream stream, void **params)
+{
+    (void)stream;
+    return u32_kernel(ctx, params, false);
+}
+
 static CUresult k_add_u32(const struct sim_ctx *ctx, CUstream stream, void **params)
 {
     (void)stream;
-    uintptr_t p = ARG(CUdeviceptr, 0);
-    unsigned v = ARG(unsigned, 1);
-    unsigned long long n = ARG(unsigned long long, 2);
-    CUresult rc = CUDA_ERROR_ILLEGAL_ADDRESS;
-    sim_mem_rdlock();
-    if (n <= SIZE_MAX / 4 && reaches(ctx, p, n * 4, CU_MEM_ACCESS_FLAGS_PROT_READWRITE)) {
-        for (uint32_t *q = (uint32_t *)p; n--;)
-            *q++ += v;
-        rc = CUDA_SUCCESS;
-    }
-    sim_mem_unlock();
-    return rc;
+    return u32_kernel(ctx, params, true);
 }
 
 /* A long-running kernel: holds no lock, only its place in the API gate. */

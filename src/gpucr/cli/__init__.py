@@ -14,8 +14,8 @@ from ..errors import GpucrError
 from ..levels import LEVELS
 from ..results import SCHEMA_VERSION, ErrorResult, to_json
 from ..server import route
-from .args import (CONTROLLER_FLAGS, CONTROLLER_SIMULATE_HELP, GROUP_MAX_BYTES, JSON_HELP, NO_SERVER_HELP, RETIRED_ENV,
-                   STAGING_KINDS, Parser, Retired, check_controller_env, group_name, host_budget, loopback, prepare_staging,
+from .args import (CONTROLLER_FLAGS, GROUP_MAX_BYTES, JSON_HELP, RETIRED_ENV, STAGING_KINDS, Parser, Retired,
+                   add_controller_flags, check_controller_env, group_name, host_budget, loopback, prepare_staging,
                    positive_seconds, staging_kind)
 from .cycle import cmd_checkpoint, cmd_recover, cmd_restore
 from .launch import cmd_bench, cmd_demo, cmd_doctor, cmd_lib, cmd_run, cmd_serve
@@ -66,8 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     def pid_cmd(name: str, fn: Callable, help_: str, level: bool, image_help: str) -> None:
         c = sub.add_parser(name, help=help_)
         c.add_argument("pids", type=int, nargs="*", metavar="PID")
-        c.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
-        c.add_argument("--no-server", action="store_true", help=NO_SERVER_HELP)
+        add_controller_flags(c, json=False)
         c.add_argument("--group", metavar="NAME", type=group_name,
                        help="the processes started with 'gpucr run --group NAME' that hold GPU state (others are listed)")
         c.add_argument("--tree", metavar="PID", type=int, help="the processes of the tree under PID (a launcher such as "
@@ -109,9 +108,7 @@ def _parser() -> argparse.ArgumentParser:
     rc.add_argument("--all", action="store_true", help="also processes checkpointed on purpose (a completed "
                     "'gpucr checkpoint'), left alone otherwise")
     rc.add_argument("--timeout", type=positive_seconds, default=60.0, metavar="SECONDS", help="deadline for each step (default 60)")
-    rc.add_argument("--json", action="store_true", help=JSON_HELP)
-    rc.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
-    rc.add_argument("--no-server", action="store_true", help=NO_SERVER_HELP)
+    add_controller_flags(rc)
     rc.set_defaults(fn=cmd_recover)
 
     sv = sub.add_parser("serve", help="run the gpucr server (per user: checkpoints without a fresh interpreter and "
@@ -158,9 +155,7 @@ def _parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("status", help="state, tracked memory and last cycle's timings of one or all processes")
     s.add_argument("pid", type=int, nargs="?", metavar="PID")
-    s.add_argument("--json", action="store_true", help=JSON_HELP)
-    s.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
-    s.add_argument("--no-server", action="store_true", help=NO_SERVER_HELP)
+    add_controller_flags(s)
     s.set_defaults(fn=cmd_status)
 
     w = sub.add_parser("wait", help="wait until a process started under gpucr is ready for a checkpoint (its agent "
@@ -170,9 +165,7 @@ def _parser() -> argparse.ArgumentParser:
     w.set_defaults(fn=cmd_wait)
 
     ps = sub.add_parser("ps", help="list the processes under gpucr")
-    ps.add_argument("--json", action="store_true", help=JSON_HELP)
-    ps.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
-    ps.add_argument("--no-server", action="store_true", help=NO_SERVER_HELP)
+    add_controller_flags(ps)
     ps.set_defaults(fn=cmd_ps)
 
     tp = sub.add_parser("top", help="the swap service's apps and GPUs, refreshing; keys park and resume the selected app")

@@ -31,6 +31,14 @@ CONTROLLER_SIMULATE_HELP = ("act through simcuda, the simulated driver (test dou
 JSON_HELP = "print the result as JSON (docs/api.md); an error, too, is printed as a JSON object"
 
 
+def add_controller_flags(p: argparse.ArgumentParser, json: bool = True) -> None:
+    """--json (where asked), --simulate and --no-server: the flags of every command that reaches a process's agent."""
+    if json:
+        p.add_argument("--json", action="store_true", help=JSON_HELP)
+    p.add_argument("--simulate", action="store_true", help=CONTROLLER_SIMULATE_HELP)
+    p.add_argument("--no-server", action="store_true", help=NO_SERVER_HELP)
+
+
 class Parser(argparse.ArgumentParser):
     """argparse with gpucr's one-line errors, `gpucr: error: ...` (its default prints the usage block first)."""
 

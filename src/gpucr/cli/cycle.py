@@ -11,7 +11,8 @@ from typing import Callable, Iterator, TypeVar
 
 from .. import coverage, gpus
 from ..errors import GpucrError
-from ..results import SCHEMA_VERSION, GpuMemoryChange, ImageTransfer, LeftOut, RecoverResult, to_json
+from ..results import (SCHEMA_VERSION, GpuMemoryChange, ImageTransfer, LeftOut, ProcessCheckpoint, ProcessRestore,
+                       RecoverResult, to_json)
 from ..server import route
 from .text import gbps, mib, plural, print_json
 
@@ -113,56 +114,52 @@ def _warn(processes: list) -> None:
             print(f"gpucr: warning: process {r.pid}: {w}", file=sys.stderr)
 
 
-def cmd_checkpoint(a: argparse.Namespace) -> int:
+def _cycled(a: argparse.Namespace, what: str, ask: Callable[[list[int]], T]) -> T | None:
+    """A checkpoint or restore of the processes named (PIDs, --group or --tree), timed as the user waited for it,
+    its warnings said; None when it was printed as JSON (--json), else the result for the caller to print."""
     pids, left_out = _targets(a)
-    result, result.total_s = _timed(f"checkpointing {plural(len(pids), 'process', 'processes')}",
+    result, result.total_s = _timed(f"{what} {plural(len(pids), 'process', 'processes')}",
                                     not a.json and not a.image,   # an image shows its own bar
-                                    lambda: settled(pids, a.timeout, lambda: route.checkpoint_many(
-                                        pids, level=a.level, timeout=a.timeout, images=_images(a, pids),
-                                        scan=not a.no_scan)))
+                                    lambda: settled(pids, a.timeout, lambda: ask(pids)))
     result.left_out = left_out
     _warn(result.processes)
     if a.json:
         print_json(to_json(result))
-        return 0
-    for r in result.processes:
+        return None
+    return result
+
+
+def _print_details(a: argparse.Namespace, r: ProcessCheckpoint | ProcessRestore, image_verb: str) -> None:
+    if a.phases:
+        print(f"  phases       {_fmt_phases(r.phases_s)}")
+    if r.gpus:
+        print(f"  memory       {_fmt_gpus(r.gpus)}")
+    if r.image is not None:
+        print(_fmt_image(r.image, image_verb) + ("; host staging released" if image_verb == "written" else ""))
+
+
+def cmd_checkpoint(a: argparse.Namespace) -> int:
+    result = _cycled(a, "checkpointing", lambda pids: route.checkpoint_many(
+        pids, level=a.level, timeout=a.timeout, images=_images(a, pids), scan=not a.no_scan))
+    for r in result.processes if result else []:
         print(f"process {r.pid}: checkpointed (level {r.level}) in {result.total_s:.2f} s; {mib(r.bytes_moved)} "
               f"moved by gpucr ({gbps(r.bytes_moved, result.total_s)} over that time), "
               f"{mib(r.bytes_left_to_driver)} left to the driver"
               f"{coverage.left_summary(r.coverage.left_to_driver if r.coverage else [])}")
-        if a.phases:
-            print(f"  phases       {_fmt_phases(r.phases_s)}")
-        if r.gpus:
-            print(f"  memory       {_fmt_gpus(r.gpus)}")
-        if r.image is not None:
-            print(_fmt_image(r.image, "written") + "; host staging released")
+        _print_details(a, r, "written")
     return 0
 
 
 def cmd_restore(a: argparse.Namespace) -> int:
-    pids, left_out = _targets(a)
     gpu_map = gpus.parse_map(a.map or [])   # checked before any process is asked anything
-    result, result.total_s = _timed(f"restoring {plural(len(pids), 'process', 'processes')}",
-                                    not a.json and not a.image,
-                                    lambda: settled(pids, a.timeout, lambda: route.restore_many(
-                                        pids, timeout=a.timeout, drop_staging=a.drop_staging, force=a.force,
-                                        images=_images(a, pids), gpu_map=gpu_map,
-                                        accept_mismatch=a.accept_mismatch)))
-    result.left_out = left_out
-    _warn(result.processes)
-    if a.json:
-        print_json(to_json(result))
-        return 0
-    for r in result.processes:
+    result = _cycled(a, "restoring", lambda pids: route.restore_many(
+        pids, timeout=a.timeout, drop_staging=a.drop_staging, force=a.force, images=_images(a, pids), gpu_map=gpu_map,
+        accept_mismatch=a.accept_mismatch))
+    for r in result.processes if result else []:
         moved = "".join(f"; moved from {o} to {n}" for o, n in r.moved.items())
         print(f"process {r.pid}: restored and running in {result.total_s:.2f} s; {mib(r.bytes_moved)} copied back "
               f"({gbps(r.bytes_moved, result.total_s)} over that time){moved}")
-        if a.phases:
-            print(f"  phases       {_fmt_phases(r.phases_s)}")
-        if r.gpus:
-            print(f"  memory       {_fmt_gpus(r.gpus)}")
-        if r.image is not None:
-            print(_fmt_image(r.image, "read"))
+        _print_details(a, r, "read")
     return 0
 
 
