@@ -112,6 +112,58 @@ def test_a_demand_the_server_declined_does_not_lock_out_the_next_one(sim_app):
     assert app.ask("loop stop")["error"] is None
 
 
+def test_a_room_request_between_two_watches_waits_for_the_next_and_a_server_gone_refuses_it_at_once(sim_app):
+    """A server watches from its first watch until its connection ends, between its watches too: an allocation that
+    fails while the server is busy with the last one (its verdict, a park, a resume) waits for the next watch, where
+    it used to fail without asking (CI saw 15 of 16 requests of a loop asked). And once the server hangs up, such a
+    request is refused at once, not at its 60 s deadline."""
+    app = sim_app("--sizes", "4M")
+    watch = Line(str(targets.resolve(app.pid).socket))
+    too_big = 8 << 30   # more than simcuda's 4 GiB: out of memory, so it asks for room
+    errors: list[str] = []
+
+    def allocate() -> threading.Thread:
+        def run() -> None:
+            try:
+                app.ask(f"alloc {too_big}", timeout=90)
+                errors.append("allocated")
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        t = threading.Thread(target=run, daemon=True)
+        t.start()
+        return t
+
+    try:
+        watch.send("watch")
+        time.sleep(0.3)
+        watch.send("status")   # ends that watch: the server is now between two watches
+        assert watch.answer(10)["woke"] == "hung up"
+        assert watch.answer(10)["ok"]
+        asker = allocate()
+        asker.join(1.0)
+        assert asker.is_alive(), f"the allocation did not wait for the server's next watch: {errors}"
+        watch.send("watch")
+        woke = watch.answer(10)
+        assert woke["woke"] == "room" and woke["bytes"] == too_big, woke
+        watch.send("watch room=2")   # no room: the allocation fails as it would have
+        asker.join(10)
+        assert not asker.is_alive() and "CUDA error 2" in errors[0], errors
+        watch.send("status")
+        assert watch.answer(10)["woke"] == "hung up" and watch.answer(10)["ok"]
+
+        asker = allocate()   # between watches again; then the server goes
+        asker.join(0.5)
+        assert asker.is_alive()
+        t0 = time.monotonic()
+        watch.close()
+        asker.join(10)
+        assert not asker.is_alive() and "CUDA error 2" in errors[1], errors
+        assert time.monotonic() - t0 < 5, "a request whose server hung up waited for its deadline"
+    finally:
+        watch.close()
+    assert app.ask("digest")   # the app goes on
+
+
 # ---- the service ----
 
 @pytest.fixture

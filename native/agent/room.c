@@ -1,6 +1,6 @@
 /* Room on demand (issue 27): an allocation the driver refuses for lack of GPU memory asks the gpucr server, through
  * the `watch` it keeps on this process (gate.c), to park other apps on the GPU; it is retried once if the server
- * made room. With no watch waiting (no swap service) the error goes back as before, at once.
+ * made room. With no server watching (no swap service) the error goes back as before, at once.
  *
  * The asking thread steps out of the gate while it waits (its own app may be parked meanwhile) and takes only this
  * file's locks, never one a checkpoint takes. One request at a time per process. The wait (for room, then for its
@@ -28,7 +28,19 @@ static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
 static atomic_int g_state, g_watchers, g_dev;
 static atomic_llong g_bytes, g_free;
 
-void gpucr_room_watching(int delta) { atomic_fetch_add(&g_watchers, delta); }
+/* A server watches from its first `watch` on a connection until that connection ends (verbs.c), between its watches
+ * too: an allocation that fails while the server answers the last watch (makes room, resumes this app, ...) waits
+ * for its next one, where it used to find no watch and fail without asking (CI saw 15 of 16 requests asked). When
+ * the last server hangs up, a request waiting for it is refused at once, not at its deadline. */
+void gpucr_room_watching(int delta)
+{
+    if (atomic_fetch_add(&g_watchers, delta) + delta > 0) return;
+    pthread_mutex_lock(&g_mu);
+    int s = atomic_load(&g_state);
+    if (s == ROOM_ASKED || s == ROOM_FORWARDED) atomic_store(&g_state, ROOM_REFUSED);
+    pthread_cond_broadcast(&g_cv);
+    pthread_mutex_unlock(&g_mu);
+}
 bool gpucr_room_pending(void) { return atomic_load(&g_state) == ROOM_ASKED; }
 
 void gpucr_room_json(struct jb *j)
@@ -96,6 +108,7 @@ bool gpucr_room_ask(size_t bytes)
     atomic_store(&g_dev, dev);
     atomic_store(&g_free, (long long)free_b);
     atomic_store(&g_state, ROOM_ASKED);
+    if (!atomic_load(&g_watchers)) atomic_store(&g_state, ROOM_REFUSED);   /* its server hung up meanwhile */
     gpucr_gate_wake_watch();
     int depth = gpucr_gate_step_out();
     int64_t deadline = start + (limit > 0 && limit * 1000000LL < ROOM_WAIT_NS ? limit * 1000000LL : ROOM_WAIT_NS);

@@ -234,6 +234,7 @@ void verbs_handle(const char *req, struct jb *j, struct client *c)
         /* a server's watch lives between two watches too (while it resumes, parks others for room, ...): like a
          * controller's, its connection is never evicted as idle nor timed out after IDLE_TIMEOUT_S (channel.c) */
         c->acted = true;
+        if (!c->watches) { c->watches = true; gpucr_room_watching(1); }   /* until the connection ends (room.c) */
         gpucr_gate_watch(j, req, c->fd);
     }
     else if (!strcmp(verb, "contexts")) {   /* the controller asks only while the driver does not hold the process */
@@ -300,6 +301,7 @@ void verbs_connection_ended(const struct client *c)
 {
     if (c->lease) roll_back_abandoned();
     if (c->stage_lease) drop_abandoned_staging();
+    if (c->watches) gpucr_room_watching(-1);
 }
 
 /* The child of fork(): no change runs in it (agent.h says what may be done there). */

@@ -20,6 +20,7 @@ struct client {
     int in[MAX_IN_FDS];         /* received with the request (SCM_RIGHTS) */
     int nin;
     bool acted;                 /* it asked for a change (handle_op) or watches (watch.c): never evicted as idle */
+    bool watches;               /* a server's watch (watch.c): room requests wait for its next watch until it ends */
     int slot;                   /* its place in channel.c's slots while it holds it */
     unsigned long id;
 };

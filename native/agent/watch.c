@@ -19,9 +19,6 @@ static bool watch_done(long opens, long long seen)
 
 void gpucr_gate_watch(struct jb *j, const char *req, int client_fd)
 {
-    /* Counted as watching before the verdict wakes the asker: an app that retries at once (or asks again in a loop)
-     * found no watch in between, and its allocation failed without asking for room (seen in CI: 15 of 16 asked). */
-    gpucr_room_watching(1);
     /* the verdict on the room request the last watch forwarded: room=1 made, room=2 none */
     if (strstr(req, " room=1")) gpucr_room_verdict(true);
     else if (strstr(req, " room=2")) gpucr_room_verdict(false);
@@ -31,7 +28,7 @@ void gpucr_gate_watch(struct jb *j, const char *req, int client_fd)
     long long seen = seen_at ? strtoll(seen_at + 6, NULL, 10) : 0;
     gpucr_gate_demand_declined(seen);
     int efd = gpucr_gate_demand_fd();
-    if (efd < 0) { gpucr_room_watching(-1); jb_error(j, "watch: no eventfd can be made"); return; }
+    if (efd < 0) { jb_error(j, "watch: no eventfd can be made"); return; }
     struct pollfd pf[2] = {{.fd = efd, .events = POLLIN}, {.fd = client_fd, .events = POLLIN}};
     long opens = gpucr_gate_opens();
     /* the conditions are looked at after the fd is published: what was raised before is seen here, what is raised
@@ -42,7 +39,6 @@ void gpucr_gate_watch(struct jb *j, const char *req, int client_fd)
         if (pf[0].revents & POLLIN && read(efd, &n, sizeof n) < 0) { /* drained by another watch */ }
         if (pf[1].revents) break;   /* the server hung up, or sent something: this watch ends */
     }
-    gpucr_room_watching(-1);
     long long demand = gpucr_gate_demand_ns();
     jb_bool(j, "ok", true);
     if (gpucr_room_pending()) { jb_str(j, "woke", "room"); gpucr_room_json(j); }
