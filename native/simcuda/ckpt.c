@@ -64,7 +64,7 @@ static struct {
     CUprocessState state; /* the control thread writes it, and a dying unheld call (FAILED); read atomically */
     pid_t tid;
     int listen_fd;
-    bool fail_restore;
+    CUresult fail_restore;
     bool fail_lock;
     size_t checkpoint_delay_ms;
     bool die_after_reply; /* a CHECKPOINT an unheld call overlapped: the process dies once it is answered */
@@ -188,9 +188,10 @@ static CUresult remap(const struct sim_ctl_req *req, const int cur[SIM_MAX_DEVIC
 
 static CUresult do_restore(const struct sim_ctl_req *req)
 {
-    if (ck.fail_restore) { /* SIMCUDA_FAIL_RESTORE=1: fail once, stay restorable */
-        ck.fail_restore = false;
-        return CUDA_ERROR_UNKNOWN;
+    if (ck.fail_restore != CUDA_SUCCESS) { /* SIMCUDA_FAIL_RESTORE: fail once, stay restorable */
+        CUresult rc = ck.fail_restore;
+        ck.fail_restore = CUDA_SUCCESS;
+        return rc;
     }
     size_t need[SIM_MAX_DEVICES] = {0};
     int cur[SIM_MAX_DEVICES], next[SIM_MAX_DEVICES];

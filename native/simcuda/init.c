@@ -42,7 +42,8 @@ void sim_config_load(struct sim_config *cfg)
     cfg->total_mem = env_size("SIMCUDA_TOTAL_MEM", 16ull << 30);
     cfg->ctx_bytes = env_size("SIMCUDA_CTX_BYTES", 64ull << 20);
     const char *fail = getenv("SIMCUDA_FAIL_RESTORE");
-    cfg->fail_restore = fail && strcmp(fail, "1") == 0;
+    cfg->fail_restore = !fail ? CUDA_SUCCESS : !strcmp(fail, "1") ? CUDA_ERROR_UNKNOWN
+                        : !strcmp(fail, "oom") ? CUDA_ERROR_OUT_OF_MEMORY : CUDA_SUCCESS;
     const char *fail_lock = getenv("SIMCUDA_FAIL_LOCK");
     cfg->fail_lock = fail_lock && strcmp(fail_lock, "1") == 0;
     cfg->checkpoint_delay_ms = env_size("SIMCUDA_CHECKPOINT_DELAY_MS", 0);

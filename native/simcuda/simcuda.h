@@ -49,7 +49,8 @@ struct sim_config {
     int ndevices;        /* SIMCUDA_DEVICES, default 1 */
     size_t total_mem;    /* SIMCUDA_TOTAL_MEM bytes per device, default 16 GiB */
     size_t ctx_bytes;    /* SIMCUDA_CTX_BYTES per live context, default 64 MiB */
-    bool fail_restore;   /* SIMCUDA_FAIL_RESTORE=1: the next RESTORE fails (one shot) */
+    CUresult fail_restore; /* SIMCUDA_FAIL_RESTORE=1 (CUDA_ERROR_UNKNOWN) or oom (OUT_OF_MEMORY): the next RESTORE
+                            * fails so (one shot) */
     bool fail_lock;      /* SIMCUDA_FAIL_LOCK=1: the next LOCK times out (one shot), as if a call never drained */
     size_t checkpoint_delay_ms; /* SIMCUDA_CHECKPOINT_DELAY_MS: the next CHECKPOINT answers this late (one shot) */
     char fail_call[64];  /* SIMCUDA_FAIL_CALL=NAME[:N]: the N-th call (default the first) of entry point */

@@ -285,6 +285,11 @@ def _check_room(members: list[_Member]) -> None:
                              "retry (nothing was restored; the processes stay checkpointed)")
 
 
+class NoRoomForContext(GpucrError):
+    """The driver found too little free memory to restore a process's context; it stays checkpointed, so it can be
+    tried again once more is free."""
+
+
 def _driver_restore(m: _Member) -> None:
     if not m.checkpointed:
         return
@@ -294,7 +299,7 @@ def _driver_restore(m: _Member) -> None:
         m.drv.restore(m.pid, [(gpus.to_bytes(o), gpus.to_bytes(n)) for o, n in pairs] or None)
     except DriverError as exc:
         if exc.rc == CUDA_ERROR_OUT_OF_MEMORY:
-            raise GpucrError("not enough free GPU memory to restore its CUDA context; free GPU memory and retry "
+            raise NoRoomForContext("not enough free GPU memory to restore its CUDA context; free GPU memory and retry "
                              "(the process stays checkpointed)") from exc
         raise GpucrError(f"{exc}; it stays checkpointed, retry 'gpucr restore {m.pid}'") from exc
     m.result["phases_s"]["control_in"] = time.perf_counter() - t0

@@ -31,8 +31,8 @@ from .given_back import refill_given
 from .members import (PhaseError, _Member, _app_resume, _beside, _test_kill_point, _usage, _usage_at_end)
 from .restoring import _data_in_all
 from .staging_steps import provide_staging
-from .steps import (_abort_held, _driver_checkpoint, _driver_lock, _driver_restore, _driver_unlock, _prepare,
-                    _roll_back_driver, _vet_for_checkpoint, _vet_for_restore)
+from .steps import (NoRoomForContext, _abort_held, _driver_checkpoint, _driver_lock, _driver_restore, _driver_unlock,
+                    _prepare, _roll_back_driver, _vet_for_checkpoint, _vet_for_restore)
 from .through_plane import (_adopt, _close_made, _handed_done, _handover, _held_inputs, _server_inputs,
                             _server_restorable, _unadopt)
 
@@ -159,8 +159,13 @@ def _both_ways(a: _Member, b: _Member, mover: DataPlane, room: Room, ctx_b: int,
             room.given()   # its context left the GPU
 
     def in_steps() -> None:
-        with room.taking(ctx_b, f"process {b.pid}'s CUDA context", piece=False):
-            _driver_restore(b)
+        while True:
+            try:
+                with room.taking(ctx_b, f"process {b.pid}'s CUDA context", piece=False):
+                    _driver_restore(b)
+                break
+            except NoRoomForContext:   # memory A gave back is not always free at once: as B's pieces, it waits for
+                room.wait_given()      # more of A to go (GpucrError once all of A went a while ago)
         _driver_unlock(b, timeout)
 
     def driver_steps() -> None:
@@ -170,11 +175,18 @@ def _both_ways(a: _Member, b: _Member, mover: DataPlane, room: Room, ctx_b: int,
         a_in = _held_inputs(held, a, timeout, "data out")
         b_in = held.enter_context(_server_inputs(b, timeout))
         done = _beside(lambda: mover.two_way(a.pid, a_in, b.pid, b_in, give_back, room), "gpucr-switch",
-                       driver_steps, undo=lambda r: _close_made({b.pid: r[1][1]}))
+                       driver_steps, undo=_let_go_of_fill(b.pid))
     if isinstance(done, GpucrError):
         raise done
     st_out, made = done
     return st_out, (b_in[0], made)
+
+
+def _let_go_of_fill(pid: int) -> Callable[[tuple[Stats, Made]], None]:
+    """The undo of a two-way copy that finished while the driver's steps failed: the memory made for process pid
+    (the in-direction's Made) let go, our fds of it closed. (It once passed the fd list for the Made: an IndexError
+    that skipped the roll-back and left the app coming in waiting at its gate.)"""
+    return lambda done: _close_made({pid: done[1]})
 
 
 def _at_once(first: Callable[[], None], second: Callable[[], None]) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Callable
 
@@ -41,6 +42,12 @@ SECONDS_MAX = 30 * 86400   # the longest a --min-resident, --idle-park and the l
 
 def _reason(exc: Exception) -> str:
     return str(exc) if isinstance(exc, GpucrError) else f"{type(exc).__name__}: {exc}"
+
+
+def _log_internal(log: Callable[[str], None], exc: Exception) -> None:
+    """An error that is not gpucr's own (GpucrError: said in one line) is a defect: its traceback goes to the log."""
+    if not isinstance(exc, GpucrError):
+        log("internal error:\n" + "".join(traceback.format_exception(exc)).rstrip())
 
 
 def _seconds(v: Any, what: str, allow_none: bool = False) -> float | None:
@@ -418,6 +425,7 @@ class SwapService:
                 moves, result, two_way = self._resume_with_room(app)
                 self.apps.moved(pid, moves)
             except Exception as exc:   # noqa: BLE001 - said, and left for a person: its callers wait at the gate
+                _log_internal(self._log, exc)
                 self.stats.refused(pid, RESUME_FAILED)
                 self.apps.set_state(pid, ON_DISK if app.image else PARKED, f"resume failed: {_reason(exc)}")
                 limit = f"{app.wait_limit_s:g} s" if app.wait_limit_s is not None else "none set"
