@@ -96,14 +96,14 @@ def checkpoint_row(ck: gpucr.ProcessCheckpoint) -> dict:
 
 
 def run_case(name: str, spec: tuple[str, list[str], dict[str, str], str, str], simulate: bool, later: int,
-             log) -> dict:
+             log, hugepages: bool = False) -> dict:
     module, args, app_env, pool, segment = spec
     env = {**os.environ, **app_env, **({"GPUCR_STAGING_SEGMENT_MIB": segment} if segment else {})}
     row: dict = {"case": name, "module": module, "args": args, "env": app_env, "prepare_staging": pool,
-                 "segment_mib": int(segment or 2048)}
+                 "segment_mib": int(segment or 2048), "reserve_hugepages": hugepages}
     t_server = time.monotonic()
     srv = subprocess.Popen([sys.executable, "-m", "gpucr.cli", "serve", "--prepare-staging", pool]
-                           + (["--simulate"] if simulate else []), env=env, stdin=subprocess.DEVNULL, stdout=log,
+                           + (["--simulate"] if simulate else []) + (["--reserve-hugepages"] if hugepages else []), env=env, stdin=subprocess.DEVNULL, stdout=log,
                            stderr=subprocess.STDOUT)
     app = None
     try:
@@ -162,6 +162,8 @@ def main() -> int:
     ap.add_argument("--cases", help="a comma-separated subset of " + ", ".join(CASES))
     ap.add_argument("--later", type=int, default=3, help="parks after the first (default 3)")
     ap.add_argument("--out", default=os.environ.get("OUT", "gpu-out"))
+    ap.add_argument("--reserve-hugepages", action="store_true", help="each server reserves its pool in hugepages "
+                    "(gpucr serve --reserve-hugepages; root)")
     a = ap.parse_args()
     cases = SIM_CASES if a.simulate else CASES
     names = a.cases.split(",") if a.cases else list(cases)
@@ -170,7 +172,7 @@ def main() -> int:
     rows = []
     with open(out / "first-park-server.log", "ab") as log:
         for name in names:
-            row = run_case(name, cases[name], a.simulate, a.later, log)
+            row = run_case(name, cases[name], a.simulate, a.later, log, a.reserve_hugepages)
             print(json.dumps({k: v for k, v in row.items() if k not in ("first", "later", "pool_at_end")}), flush=True)
             rows.append(row)
             (out / "first-park.json").write_text(json.dumps({"simulated": a.simulate, "cases": rows}, indent=1))
