@@ -11,9 +11,11 @@ from __future__ import annotations
 import threading
 import time
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Callable, Iterator, TypeVar
 
 from .errors import GpucrError
+
+T = TypeVar("T")
 
 LOOK_S = 0.01         # between looks at free memory while waiting (each piece given back also wakes the wait)
 FREED_WAIT_S = 2.0    # once A has given back everything, how long memory may take to show as free
@@ -131,3 +133,16 @@ class Room:
             with self._cv:
                 self._reserved -= n
                 self._cv.notify_all()
+
+    def make(self, n: int, what: str, create: Callable[[], T], short: Callable[[Exception], bool],
+             piece: bool = True) -> T:
+        """create() once n fits (taking), tried again after more of A is given back (wait_given) each time the driver
+        refuses it for memory, as short(exc) says: memory given back is not always free at once."""
+        while True:
+            with self.taking(n, what, piece):
+                try:
+                    return create()
+                except Exception as exc:
+                    if not short(exc):
+                        raise
+            self.wait_given()

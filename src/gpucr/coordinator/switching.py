@@ -159,13 +159,9 @@ def _both_ways(a: _Member, b: _Member, mover: DataPlane, room: Room, ctx_b: int,
             room.given()   # its context left the GPU
 
     def in_steps() -> None:
-        while True:
-            try:
-                with room.taking(ctx_b, f"process {b.pid}'s CUDA context", piece=False):
-                    _driver_restore(b)
-                break
-            except NoRoomForContext:   # memory A gave back is not always free at once: as B's pieces, it waits for
-                room.wait_given()      # more of A to go (GpucrError once all of A went a while ago)
+        # refused for memory, it is tried again once more of A is gone, as B's pieces are
+        room.make(ctx_b, f"process {b.pid}'s CUDA context", lambda: _driver_restore(b),
+                  lambda exc: isinstance(exc, NoRoomForContext), piece=False)
         _driver_unlock(b, timeout)
 
     def driver_steps() -> None:

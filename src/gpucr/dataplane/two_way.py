@@ -97,14 +97,8 @@ class Making:
         self.room = room
 
     def make(self, create: Callable[[], int], size: int) -> int:
-        while True:
-            with self.room.taking(size, f"an allocation of {size >> 20} MiB"):
-                try:
-                    return create()
-                except DriverError as exc:
-                    if OOM not in str(exc):
-                        raise
-            self.room.wait_given()
+        return self.room.make(size, f"an allocation of {size >> 20} MiB", create,
+                              lambda exc: isinstance(exc, DriverError) and OOM in str(exc))
 
 
 def both(out: Callable[[], Any], into: Callable[[], Any], room: Room) -> tuple[Any, Any]:

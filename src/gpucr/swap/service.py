@@ -291,6 +291,7 @@ class SwapService:
             try:
                 result = self._park(pid, app.park_deadline_s, app.park_level)
             except Exception as exc:   # noqa: BLE001 - the app stays resident whatever failed; said once per try
+                _log_internal(self._log, exc)
                 app.last_submit = now()   # tried again after another idle period, not every tick
                 self.stats.refused(pid, PARK_FAILED)
                 self.apps.set_state(pid, RESIDENT, f"park failed: {_reason(exc)}")
