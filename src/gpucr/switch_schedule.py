@@ -54,7 +54,7 @@ class Room:
         self._out_done_at: float | None = None
         self._failed: BaseException | None = None
         self.waited_s = 0.0   # time the takers spent waiting for A's memory
-        self.out = 0          # A's pieces queued to go out and not given back yet
+        self.out = 0          # A's pieces still on the GPU: not given back yet
         self.landing = 0      # bytes of them landed in staging, not given back yet
         self.made_while_out = 0   # B's pieces made while some of A's were still on the GPU: the switch overlapped
 
@@ -64,6 +64,7 @@ class Room:
             self._cv.notify_all()
 
     def going_out(self, pieces: int) -> None:
+        """A holds these pieces on the GPU, to go out."""
         with self._cv:
             self.out += pieces
 

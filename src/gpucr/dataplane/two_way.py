@@ -33,6 +33,9 @@ class Landing:
         self.released: set[int] = set()   # the server's handles of A let go here (never undone again)
         self.given = 0                    # allocations A's agent let go of
         self.error: BaseException | None = None
+        # every one of A's allocations is on the GPU until given back, queued or not: counting only those queued
+        # read "none left" between two pieces whenever the landing kept up with the copy (made_while_out said 0)
+        room.going_out(len(memory))
         self._thread = threading.Thread(target=self._run, name="gpucr-switch-landing", daemon=True)
         self._thread.start()
 
@@ -43,7 +46,6 @@ class Landing:
             self.vmm.record(e, s)
             events.append(e)
         self._q.put((idx, h, va, size, ctx, events))
-        self._room.going_out(1)
         self._room.open()   # the copy out has made all it needs: B's pieces may take what is free
 
     def _run(self) -> None:
