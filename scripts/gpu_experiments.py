@@ -647,26 +647,18 @@ def image_experiment(directory: Path) -> None:
     emit(experiment="dd", dir=str(directory), **dd(directory / "dd.bin", 8))
 
 
+def image_in_exp_dir() -> None:
+    d = Path(os.environ.get("EXP_IMAGE_DIR", "/var/tmp/gpucr-exp"))
+    d.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=d) as tmp:
+        image_experiment(Path(tmp))
+
+
+EXPERIMENTS = {"pin-rate": pin_rate, "memcpy-rate": memcpy_rate, "fill-rate": fill_rate, "fill-matrix": fill_matrix,
+               "kernel-rate": kernel_rate, "vmm-calls": vmm_calls, "image": image_in_exp_dir}
+
+
 if __name__ == "__main__":
     OUT.mkdir(parents=True, exist_ok=True)
-    which = sys.argv[1:] or ["shm", "hugetlbfs", "image"]
-    for w in which:
-        if w == "pin-rate":
-            pin_rate()
-        elif w == "memcpy-rate":
-            memcpy_rate()
-        elif w == "fill-rate":
-            fill_rate()
-        elif w == "fill-matrix":
-            fill_matrix()
-        elif w == "kernel-rate":
-            kernel_rate()
-        elif w == "vmm-calls":
-            vmm_calls()
-        elif w == "image":
-            d = Path(os.environ.get("EXP_IMAGE_DIR", "/var/tmp/gpucr-exp"))
-            d.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=d) as tmp:
-                image_experiment(Path(tmp))
-        else:
-            staging_experiment(w)
+    for w in sys.argv[1:] or ["shm", "hugetlbfs", "image"]:
+        EXPERIMENTS.get(w, lambda: staging_experiment(w))()   # any other name: a staging kind

@@ -74,6 +74,19 @@ def sim_app(sim_workload):
     return lambda *args, env=None: sim_workload("driver_app", *args, env=env)
 
 
+@pytest.fixture
+def imaged_app(sim_app, tmp_path):
+    """imaged_app(sizes, name): driver_app on simcuda holding `sizes`, its digest, and the image of it written at
+    tmp_path / name (the app stays checkpointed: restore it to go on)."""
+    def start(sizes: str, name: str = "img") -> tuple[Workload, str, Path]:
+        import gpucr
+        app = sim_app("--sizes", sizes)
+        before = app.ask("digest")
+        gpucr.checkpoint(app.pid, image=tmp_path / name)
+        return app, before, tmp_path / name
+    return start
+
+
 def gpucr_cli(*args: str, env: dict[str, str] | None = None, user: int | None = None, timeout: float = 120) -> subprocess.CompletedProcess:
     """Run the gpucr command as a user would."""
     cmd = [sys.executable, "-m", "gpucr.cli", *args]

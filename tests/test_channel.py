@@ -20,18 +20,13 @@ from gpucr.target import agent_socket_name
 
 
 def talk(sock_path, data: bytes) -> list[dict]:
-    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    s.settimeout(10)
-    s.connect(str(sock_path))
-    s.sendall(data)
-    s.shutdown(socket.SHUT_WR)
-    out = b""
-    while True:
-        chunk = s.recv(65536)
-        if not chunk:
-            break
-        out += chunk
-    s.close()
+    """data sent whole, then every answer line until the agent hangs up."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(10)
+        s.connect(str(sock_path))
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        out = b"".join(iter(lambda: s.recv(65536), b""))
     return [json.loads(l) for l in out.splitlines() if l]
 
 

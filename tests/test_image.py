@@ -90,11 +90,8 @@ def test_zero_chunks_are_recorded_not_written(sim_app, tmp_path):
     assert app.ask("digest") == before
 
 
-def test_broken_and_foreign_images_are_refused(sim_app, tmp_path):
-    app = sim_app("--sizes", "64M,8M")
-    before = app.ask("digest")
-    old = tmp_path / "gen1"
-    gpucr.checkpoint(app.pid, image=old)
+def test_broken_and_foreign_images_are_refused(imaged_app, tmp_path):
+    app, before, old = imaged_app("64M,8M", "gen1")
     gpucr.restore(app.pid, image=old)
     assert app.ask("digest") == before
 
@@ -117,9 +114,7 @@ def test_broken_and_foreign_images_are_refused(sim_app, tmp_path):
     no_manifest = broken("nomanifest")
     (no_manifest / "manifest.json").unlink()
 
-    other = sim_app("--sizes", "64M,8M")
-    foreign = tmp_path / "foreign"
-    gpucr.checkpoint(other.pid, image=foreign)
+    other, _, foreign = imaged_app("64M,8M", "foreign")
 
     cases = [(corrupt, "does not match its digest"), (truncated, "truncated"), (no_manifest, "no checkpoint manifest"),
              (foreign, f"not of process {app.pid}"), (old, "stale image")]

@@ -371,11 +371,8 @@ def test_a_link_planted_in_the_image_dir_is_never_followed(sim_app, tmp_path, mo
     assert app.ask("digest") == before
 
 
-def test_image_reads_follow_no_link_and_no_hard_link(sim_app, tmp_path):
-    app = sim_app("--sizes", "16M,4M")
-    before = app.ask("digest")
-    good = tmp_path / "good"
-    gpucr.checkpoint(app.pid, image=good)
+def test_image_reads_follow_no_link_and_no_hard_link(imaged_app, tmp_path):
+    app, before, good = imaged_app("16M,4M", "good")
     elsewhere = tmp_path / "elsewhere.bin"
     shutil.copy(good / "data.bin", elsewhere)     # the very same bytes: only the way to them differs
     linked = tmp_path / "linked"
@@ -459,11 +456,8 @@ def test_a_full_disk_leaves_no_partial_image(sim_app, tmp_path):
 
 # ---- 4: a controller killed during an image restore ----
 
-def test_controller_killed_during_image_restore_frees_the_agent_at_once(sim_app, tmp_path):
-    app = sim_app("--sizes", "200M,8M")
-    before = app.ask("digest")
-    img = tmp_path / "img"
-    gpucr.checkpoint(app.pid, image=img)
+def test_controller_killed_during_image_restore_frees_the_agent_at_once(imaged_app):
+    app, before, img = imaged_app("200M,8M")
     r = gpucr_cli("restore", "--image", str(img), str(app.pid), env=dict(os.environ, GPUCR_TEST_KILL_AT="during-image-read"))
     assert r.returncode == -signal.SIGKILL
     t0 = time.time()
@@ -762,11 +756,8 @@ def test_a_peer_with_the_overflow_uid_is_told_why(sim_app):
 # ---- 8: the certificate covers every byte ----
 
 @pytest.mark.parametrize("edit,why", [("drop", "gap"), ("dup", "overlap"), ("short", "cover")])
-def test_an_image_that_does_not_cover_every_byte_is_refused(sim_app, tmp_path, edit, why):
-    app = sim_app("--sizes", "200M")
-    before = app.ask("digest")
-    good = tmp_path / "good"
-    gpucr.checkpoint(app.pid, image=good)
+def test_an_image_that_does_not_cover_every_byte_is_refused(imaged_app, tmp_path, edit, why):
+    app, before, good = imaged_app("200M", "good")
     bad = tmp_path / "bad"
     shutil.copytree(good, bad)
     m = json.loads((bad / "manifest.json").read_text())

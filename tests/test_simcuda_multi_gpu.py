@@ -550,23 +550,20 @@ def test_restore_onto_swapped_gpus_moves_devices_and_keeps_data(children):
     assert other.ask("mem_free()") == TOTAL - (CTX + B_BYTES) - CTX
     other.close()
 
-    # identity pairs (by the UUIDs the process sees now) move nothing
-    lock_and_checkpoint(app.pid)
-    assert restore(app.pid, [(u1, u1), (u0, u0)]) == SUCCESS
-    unlock(app.pid)
-    again = app.ask("check()")
-    assert_intact(again)
-    assert again["uuids"] == [u1, u0]
-    assert [device_used(0), device_used(1)] == [CTX + B_BYTES, CTX + A_BYTES + 6 * MiB]
+    # identity pairs (by the UUIDs the process sees now) move nothing; then back, with the pairs in the other order
+    _cycle_onto(app, [(u1, u1), (u0, u0)], [u1, u0], [CTX + B_BYTES, CTX + A_BYTES + 6 * MiB])
+    _cycle_onto(app, [(u0, u1), (u1, u0)], [u0, u1], [CTX + A_BYTES + 6 * MiB, CTX + B_BYTES])
 
-    # and back, with the pairs in the other order
+
+def _cycle_onto(app, pairs: list[tuple[str, str]], uuids: list[str], used: list[int]) -> None:
+    """A checkpoint, then a restore onto `pairs`: the app sees `uuids`, its data intact, and each GPU holds `used`."""
     lock_and_checkpoint(app.pid)
-    assert restore(app.pid, [(u0, u1), (u1, u0)]) == SUCCESS
+    assert restore(app.pid, pairs) == SUCCESS
     unlock(app.pid)
-    back = app.ask("check()")
-    assert_intact(back)
-    assert back["uuids"] == [u0, u1]
-    assert [device_used(0), device_used(1)] == [CTX + A_BYTES + 6 * MiB, CTX + B_BYTES]
+    after = app.ask("check()")
+    assert_intact(after)
+    assert after["uuids"] == uuids
+    assert [device_used(0), device_used(1)] == used
 
 
 def test_refused_gpu_pairs_leave_the_process_checkpointed(children):

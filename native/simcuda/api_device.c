@@ -349,8 +349,7 @@ static CUresult ctx_create(CUcontext *pctx, unsigned int flags, CUdevice dev)
     sim_ctx_lock();
     rc = ctx_activate(c);
     if (rc == CUDA_SUCCESS) {
-        c->next = ctxs.created;
-        ctxs.created = c;
+        SIM_PUSH(ctxs.created, c);
     }
     sim_ctx_unlock();
     if (rc != CUDA_SUCCESS) {

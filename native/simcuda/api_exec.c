@@ -818,10 +818,7 @@ static CUresult module_load_data(CUmodule *pmod, const void *image)
     m->nfuncs = n;
     for (size_t i = 0; i < n; i++)
         m->funcs[i] = (struct sim_func){.mod = m, .builtin = &table[i]};
-    pthread_mutex_lock(&ex.mu);
-    m->next = ex.modules;
-    ex.modules = m;
-    pthread_mutex_unlock(&ex.mu);
+    SIM_PUSH_LOCKED(&ex.mu, ex.modules, m);
     *pmod = m;
     return CUDA_SUCCESS;
 }

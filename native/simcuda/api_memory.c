@@ -78,15 +78,23 @@ static CUresult mem_free(CUdeviceptr dptr)
 }
 SIMAPI CUresult cuMemFree_v2(CUdeviceptr dptr) { SIM_GATED(mem_free(dptr)); }
 
-static CUresult mem_get_address_range(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)
+/* What dptr is part of, when it is memory of `type` (else CUDA_ERROR_NOT_FOUND): asked, as of the driver, from a
+ * thread with a current context. */
+static CUresult ptrinfo_of(CUdeviceptr dptr, int type, struct sim_ptrinfo *info)
 {
     struct sim_ctx *c;
     CUresult rc = sim_ctx_current(&c);
     if (rc != CUDA_SUCCESS)
         return rc;
+    return sim_ptrinfo(dptr, info) == CUDA_SUCCESS && info->memory_type == type ? CUDA_SUCCESS : CUDA_ERROR_NOT_FOUND;
+}
+
+static CUresult mem_get_address_range(CUdeviceptr *pbase, size_t *psize, CUdeviceptr dptr)
+{
     struct sim_ptrinfo info;
-    if (sim_ptrinfo(dptr, &info) != CUDA_SUCCESS || info.memory_type != CU_MEMORYTYPE_DEVICE)
-        return CUDA_ERROR_NOT_FOUND;
+    CUresult rc = ptrinfo_of(dptr, CU_MEMORYTYPE_DEVICE, &info);
+    if (rc != CUDA_SUCCESS)
+        return rc;
     if (pbase)
         *pbase = info.base;
     if (psize)
@@ -520,13 +528,11 @@ SIMAPI CUresult cuMemHostUnregister(void *p) { SIM_GATED(sim_host_unregister(p))
 
 static CUresult mem_host_get_device_pointer(CUdeviceptr *pdptr, void *p, unsigned flags)
 {
-    struct sim_ctx *c;
-    CUresult rc = sim_ctx_current(&c);
-    if (rc != CUDA_SUCCESS)
-        return rc;
     struct sim_ptrinfo info;
-    if (!pdptr || flags != 0 || sim_ptrinfo((CUdeviceptr)(uintptr_t)p, &info) != CUDA_SUCCESS ||
-        info.memory_type != CU_MEMORYTYPE_HOST)
+    CUresult rc = ptrinfo_of((CUdeviceptr)(uintptr_t)p, CU_MEMORYTYPE_HOST, &info);
+    if (rc != CUDA_SUCCESS && rc != CUDA_ERROR_NOT_FOUND)
+        return rc;
+    if (rc != CUDA_SUCCESS || !pdptr || flags != 0)
         return CUDA_ERROR_INVALID_VALUE;
     *pdptr = (CUdeviceptr)(uintptr_t)p; /* unified addressing: the same address */
     return CUDA_SUCCESS;

@@ -105,8 +105,7 @@ bool sim_graph_alloc(CUdeviceptr *va, size_t size, CUstream s, struct sim_ctx *c
         } else {
             int d = ctx->device;
             a->size = need; a->ctx = ctx; a->graph = g; a->in_use = true;
-            a->next = gm.allocs;
-            gm.allocs = a;
+            SIM_PUSH(gm.allocs, a);
             gm.used[d] += need;
             gm.reserved[d] += need;
             if (gm.used[d] > gm.used_high[d]) gm.used_high[d] = gm.used[d];
@@ -167,8 +166,7 @@ static CUresult begin_capture(CUstream s, int mode)
     rc = capture_of(s) ? CUDA_ERROR_ILLEGAL_STATE : g ? CUDA_SUCCESS : CUDA_ERROR_OUT_OF_MEMORY;
     if (g) {
         g->capturing = s;
-        g->next = gm.graphs;
-        gm.graphs = g;
+        SIM_PUSH(gm.graphs, g);
     }
     pthread_mutex_unlock(&gm.mu);
     return rc;

@@ -550,8 +550,7 @@ static CUresult phys_new(size_t size, const CUmemAllocationProp *prop, struct si
 static void phys_link_locked(struct sim_phys *ph)
 {
     ph->id = ++mem.next_id;
-    ph->next = mem.phys;
-    mem.phys = ph;
+    SIM_PUSH(mem.phys, ph);
 }
 
 /* Frees physical memory that is not (or no longer) in the list. */

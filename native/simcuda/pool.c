@@ -138,8 +138,7 @@ static CUresult alloc_from(CUdeviceptr *dptr, size_t size, struct sim_pool *p, C
         } else {
             b->size = need;
             b->ctx = c;
-            b->next = p->blocks;
-            p->blocks = b;
+            SIM_PUSH(p->blocks, b);
             p->used += need;
             p->reserved += need;
             *dptr = b->va;
@@ -291,10 +290,7 @@ static CUresult pool_create(CUmemoryPool *out, const CUmemPoolProps *props)
     struct sim_pool *p = malloc(sizeof *p);
     if (!p) return CUDA_ERROR_OUT_OF_MEMORY;
     pool_init(p, props->location.id, props);
-    pthread_mutex_lock(&pl.mu);
-    p->next = pl.pools;
-    pl.pools = p;
-    pthread_mutex_unlock(&pl.mu);
+    SIM_PUSH_LOCKED(&pl.mu, pl.pools, p);
     *out = p;
     return CUDA_SUCCESS;
 }

@@ -91,6 +91,20 @@ void sim_gate_open(void);
 /* Runs an entry point's body inside the gate: blocks while the process is locked. */
 #define SIM_GATED(expr) SIM_BETWEEN(sim_gate_enter, sim_gate_exit, expr)
 
+/* Every registry of simcuda (contexts, modules, pools, their blocks, graphs, physical memory) is a list linked
+ * through `next`, newest first. */
+#define SIM_PUSH(head, node)                                                                  \
+    do {                                                                                      \
+        (node)->next = (head);                                                                \
+        (head) = (node);                                                                      \
+    } while (0)
+#define SIM_PUSH_LOCKED(mu, head, node)                                                       \
+    do {                                                                                      \
+        pthread_mutex_lock(mu);                                                               \
+        SIM_PUSH(head, node);                                                                 \
+        pthread_mutex_unlock(mu);                                                             \
+    } while (0)
+
 /* ---- accounting.c ---- */
 
 /* Resolves, creates (0700) and checks the per-user runtime dir into buf. */

@@ -6,12 +6,11 @@ Commands: digest | compute | work | loop start | loop stop | grow BYTES | drop |
 """
 from __future__ import annotations
 
-import argparse
 import threading
 
 import cupy as cp
 
-from .protocol import serve
+from .protocol import serve, sized_parser
 
 FILL = 1 << 27   # elements per piece of a grown array's fill and of a digest (512 MiB of int32): small temporaries
 
@@ -109,9 +108,7 @@ class App:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap = sized_parser("cupy_app", "gib", 1.0)
     ap.add_argument("--async-pool", action="store_true", help="allocate through cupy.cuda.MemoryAsyncPool")
     a = ap.parse_args()
     if a.async_pool:   # before the first allocation: every array then comes from cudaMallocAsync

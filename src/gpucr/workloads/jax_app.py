@@ -4,21 +4,17 @@ grow BYTES | drop | meminfo | quit (grow, drop and meminfo: the swap service's r
 tests/gpu/test_gpu_swap.py). XLA's allocator never gives its pool back, so there is no `release`."""
 from __future__ import annotations
 
-import argparse
 
 import jax
 import jax.numpy as jnp
 
-from .protocol import serve
+from .protocol import serve, sized_parser
 
 PER = 1 << 27   # elements of int32 per array (512 MiB)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
+    a = sized_parser("jax_app", "gib", 1.0).parse_args()
     key = jax.random.PRNGKey(a.seed)
     n = int(a.gib * (1 << 30)) // 4
     per = PER

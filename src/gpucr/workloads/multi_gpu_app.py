@@ -6,13 +6,12 @@ Commands: digest | peer-copy | uuids | quit
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 
 import torch
 
 from ..driver import uuid_text
-from .protocol import serve
+from .protocol import serve, sized_parser
 from .torch_app import tensor_digest
 
 
@@ -58,10 +57,7 @@ class App:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--gib", type=float, default=2.0)
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
+    a = sized_parser("multi_gpu_app", "gib", 2.0).parse_args()
     app = App(a.gib, a.seed)
     serve(app.handle, {"framework": "torch", "gpus": app.n})
 

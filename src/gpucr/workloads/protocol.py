@@ -1,12 +1,30 @@
 """The line protocol every workload speaks: a JSON 'ready' line, then one JSON answer per command."""
 from __future__ import annotations
 
+import argparse
 import faulthandler
 import json
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Callable, Iterable, TextIO
+
+
+def sized_parser(module: str, size: str, default: float, seed: int = 0) -> argparse.ArgumentParser:
+    """A workload's parser with the two arguments every one takes: how much it holds (--gib or --mib) and the --seed
+    of its data, so that a restore that loses a byte shows in its digest."""
+    ap = argparse.ArgumentParser(prog=f"python3 -m gpucr.workloads.{module}")
+    ap.add_argument(f"--{size}", type=float, default=default)
+    ap.add_argument("--seed", type=int, default=seed)
+    return ap
+
+
+def weights_arguments(ap: argparse.ArgumentParser, what: str, where: str) -> None:
+    """--weights and --save-weights: a swap bench server loads `what` from a safetensors `where` (file or directory),
+    as a restarted model server loads its checkpoint, and writes it there once."""
+    ap.add_argument("--weights", type=Path, default=None, help=f"load {what} from this safetensors {where}")
+    ap.add_argument("--save-weights", type=Path, default=None, help=f"write {what} to this safetensors {where}")
 
 
 def answer(handle: Callable[[list[str]], dict], words: list[str]) -> dict:

@@ -16,6 +16,7 @@ import importlib.util
 from typing import Callable
 
 from . import Place
+from .protocol import serve, sized_parser
 
 CHUNK = 2 << 20   # the data plane's zero chunks (gpucr.dataplane.chunks): a zero head of whole ones is skippable
 
@@ -73,9 +74,7 @@ class DriverRaw:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python3 -m gpucr.workloads.raw_app")
-    ap.add_argument("--gib", type=float, default=8.0)
-    ap.add_argument("--seed", type=int, default=3)
+    ap = sized_parser("raw_app", "gib", 8.0, seed=3)
     ap.add_argument("--zero-fraction", type=float, default=0.0, metavar="F",
                     help="the buffer's first F (0 to 1, in whole 2 MiB chunks) set to zero, never written again")
     return ap
@@ -110,7 +109,6 @@ def build(a: argparse.Namespace, place: Place | None = None) -> tuple[Callable[[
 
 
 def main() -> None:
-    from .protocol import serve
     serve(*build(parser().parse_args()))
 
 

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Callable
 
 from . import llm_app as L
+from .protocol import serve, weights_arguments
 
 CONTEXT_GUESS = 600 << 20   # what a context and cuBLAS hold beside torch's cache, when NVML cannot say
 
@@ -89,8 +90,7 @@ def parser() -> argparse.ArgumentParser:
     ap.add_argument("model", choices=sorted(L.MODELS))
     ap.add_argument("--gpu-util", type=float, default=0.3)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--weights", type=Path, default=None, help="load the model from this safetensors directory")
-    ap.add_argument("--save-weights", type=Path, default=None, help="write the model to this directory (safetensors)")
+    weights_arguments(ap, "the model", "directory")
     return ap
 
 
@@ -100,7 +100,6 @@ def build(a: argparse.Namespace) -> tuple[Callable[[list[str]], dict], dict]:
 
 
 def main() -> None:
-    from .protocol import serve
     serve(*build(parser().parse_args()))
 
 

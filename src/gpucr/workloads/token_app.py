@@ -19,6 +19,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from .protocol import serve, sized_parser, weights_arguments
+
 VOCAB = 128256   # llama3's, so the tokens look like the LLM servers'
 TENSOR = "weights"
 
@@ -81,11 +83,8 @@ class TokenServer:
 
 
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python3 -m gpucr.workloads.token_app")
-    ap.add_argument("--mib", type=float, default=32.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--weights", type=Path, default=None, help="load the buffer from this safetensors file")
-    ap.add_argument("--save-weights", type=Path, default=None, help="write the buffer to this safetensors file")
+    ap = sized_parser("token_app", "mib", 32.0)
+    weights_arguments(ap, "the buffer", "file")
     return ap
 
 
@@ -95,7 +94,6 @@ def build(a: argparse.Namespace) -> tuple[Callable[[list[str]], dict], dict]:
 
 
 def main() -> None:
-    from .protocol import serve
     serve(*build(parser().parse_args()))
 
 

@@ -7,7 +7,6 @@ poll counts | poll stop | grow BYTES | drop | release | meminfo | quit
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import os
 import threading
@@ -15,7 +14,7 @@ import threading
 import torch
 
 from .polling import Pollers
-from .protocol import serve
+from .protocol import serve, sized_parser
 
 CHUNK = 1 << 26  # int32 elements per digest step (256 MiB): its int64 temporaries, about 8x a step, must fit beside
                  # an app sized to the card (a 1 GiB step ran out of memory on an H100); the sums do not depend on it
@@ -201,10 +200,7 @@ class App:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--gib", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args()
+    a = sized_parser("torch_app", "gib", 1.0).parse_args()
     app = App(a.gib, a.seed)
     serve(app.handle, {"framework": "torch", "torch": torch.__version__,
                        "reserved_bytes": torch.cuda.memory_reserved()})
