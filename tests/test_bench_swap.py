@@ -67,6 +67,8 @@ def test_the_swap_scenario_answers_every_request_right_parks_and_resumes_and_say
     assert all(q["bytes_out"] == len(q["parked"]) * q["bytes_in"] for q in missed), missed
     # the bound counts the driver's part: every park and resume said its control time
     assert all(q["control_in_s"] > 0 and q["control_s"] >= q["control_in_s"] for q in missed), missed
+    # and where each switch's time went: every resume's phases, the data's and the driver's among them
+    assert all(p["data_in"] >= 0 and p["control_in"] > 0 for q in missed for p in q["phases_s"]["resume"]), missed
     log = "\n".join(res["serve"]["log"])
     assert "parked swap app swapbench-" in log and "on demand" in log and "resumed swap app" in log, log
     # the ways beside it, from the same run, each with its switches
@@ -80,6 +82,8 @@ def test_the_swap_scenario_answers_every_request_right_parks_and_resumes_and_say
     assert s[ONE_WAY]["over_one_way"] == 1.0 and s[GPUCR]["over_one_way"] > 0
     assert s[RESTART]["bound_from"].startswith(GPUCR)
     assert "median switch s" in r.stdout and "SIMULATED" in r.stdout
+    assert {"control_out", "handover"} <= set(s[GPUCR]["median_phases_s"]["park"])
+    assert re.search(r"gpucr-swap resumes, median s per phase", r.stdout), r.stdout
     c = res["issue_28_checks"]
     assert c["every_request_answered_right"] and c["restart_and_driver_same_run"]
     assert c["gpucr_switches_at_least_40"] is False   # ten requests: said, not hidden
@@ -92,8 +96,10 @@ def test_a_switch_is_its_time_to_first_token_less_its_servers_resident_one_and_i
     res = {"two_way": {"each_way_gbps": 2.0}, "requests": [
         req("a", True, 0.1), req("a", True, 0.3), req("b", True, 0.5),
         req("a", False, 2.2, bytes_out=4e9, bytes_in=1e9, control_out_s=None, control_in_s=None),
-        req("b", False, 1.5, bytes_out=1e9, bytes_in=2e9, control_out_s=0.25, control_in_s=0.5)]}
+        req("b", False, 1.5, bytes_out=1e9, bytes_in=2e9, control_out_s=0.25, control_in_s=0.5,
+            phases_s={"park": [{"handover": 0.2, "commit": 0.1}], "resume": [{"adopt": 0.3}, {"adopt": 0.5}]})]}
     s = summarize(res)[GPUCR]
+    assert s["median_phases_s"] == {"park": {"commit": 0.1, "handover": 0.2}, "resume": {"adopt": 0.4}}
     a, b = res["requests"][3], res["requests"][4]
     assert a["switch_s"] == pytest.approx(2.0) and a["bound_s"] == pytest.approx(2.0)   # 0.2 resident; 4 GB at 2 GB/s
     assert a["control_s"] is None

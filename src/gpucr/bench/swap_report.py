@@ -78,12 +78,28 @@ def summarize(results: dict[str, Any]) -> dict[str, Any]:
         s["over_bound"] = m / s["median_bound_s"] if m is not None and s["median_bound_s"] else None
         s["over_one_way"] = m / a if m is not None and a else None
     for way, s in out.items():
-        s["two_way_switches"] = sum(bool(r.get("two_way")) for r in reqs if r["method"] == way and r["answered"]
-                                    and not r["resident"])
+        switched = [r for r in reqs if r["method"] == way and r["answered"] and not r["resident"]]
+        s["two_way_switches"] = sum(bool(r.get("two_way")) for r in switched)
+        s["median_phases_s"] = median_phases(switched)
     results["summary"] = out
     results["switch_mode"] = switch_mode(out)
     results["all_answered_correct"] = all(r["answered"] and r["correct"] for r in reqs)
     results["issue_28_checks"] = checks(results)
+    return out
+
+
+def median_phases(requests: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Where the switches of these requests went, per direction: each phase's median over the parks (or resumes)
+    that name it (the coordinator's phases_s, as the service's timeline carries them); {} where none says."""
+    out: dict[str, dict[str, float]] = {}
+    for direction in ("park", "resume"):
+        seen: dict[str, list[float]] = {}
+        for r in requests:
+            for phases in (r.get("phases_s") or {}).get(direction, []):
+                for name, v in phases.items():
+                    seen.setdefault(name, []).append(v)
+        if seen:
+            out[direction] = {name: round(statistics.median(v), 4) for name, v in sorted(seen.items())}
     return out
 
 
@@ -118,6 +134,10 @@ def table(results: dict[str, Any]) -> str:
                      _f(s["over_one_way"], ".2f"), _f(s["median_resident_ttft_s"]), f"{s['correct']}/{s['requests']}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)) for r in rows]
+    for way, s in results["summary"].items():
+        for direction, phases in (s.get("median_phases_s") or {}).items():
+            big = ", ".join(f"{k} {v:.3f}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1]) if v >= 0.01)
+            lines.append(f"{way} {direction}s, median s per phase (0.01 s and more): {big or '-'}")
     lines.append("issue 28: " + ", ".join(f"{k} {'-' if v is None else 'yes' if v else 'NO'}"
                                            for k, v in results["issue_28_checks"].items()))
     head = [f"swap scenario: {results['settings']['servers']} servers of {results['settings']['shape']}, "

@@ -71,7 +71,9 @@ def _moved(switches: list[dict[str, Any]], target: str) -> dict[str, Any]:
             "bytes_in": sum(s["bytes_moved"] for s in resumes), "park_s": sum(s["seconds"] for s in parks),
             "resume_s": sum(s["seconds"] for s in resumes), "control_out_s": _control(parks),
             "control_in_s": _control(resumes),
-            "two_way": any(s.get("two_way") for s in switches)}   # the service switched both at once (docs/swap.md)
+            "two_way": any(s.get("two_way") for s in switches),   # the service switched both at once (docs/swap.md)
+            "phases_s": {"park": [s.get("phases_s") or {} for s in parks],   # where each one's time went
+                         "resume": [s.get("phases_s") or {} for s in resumes]}}
 
 
 def fleet_request(fleet: Fleet, method: str, phase: str, m: Member, tokens: int, t0: float,

@@ -28,7 +28,7 @@ from ..switch_schedule import Room, plan
 from . import context_share
 from .checkpointing import _commit
 from .given_back import refill_given
-from .members import (PhaseError, _Member, _app_resume, _beside, _test_kill_point, _usage, _usage_at_end)
+from .members import (PhaseError, _Member, _app_resume, _beside, _lap, _test_kill_point, _usage, _usage_at_end)
 from .restoring import _data_in_all
 from .staging_steps import provide_staging
 from .steps import (NoRoomForContext, _abort_held, _driver_checkpoint, _driver_lock, _driver_restore, _driver_unlock,
@@ -104,24 +104,31 @@ def switch(out_pid: int, in_pid: int, mover: DataPlane, timeout: float = 30.0, l
         b.result["data_plane"] = mover.plane
         room = Room(free, SLACK, f"GPU {uuid}")
         held_b = b.checkpointed   # the driver holds B (a full park): a failed switch puts it back so
+        t = _lap([a, b], "vet", t0)   # each result's phases cover the whole switch, where a slow one went
         _prepare(a, timeout)
+        t = _lap([a], "prepare", t)
         try:
             st_out, made = _both_ways(a, b, mover, room, ctx_b, level, timeout)
         except GpucrError as exc:
             _roll_back(a, b, mover, timeout, held_b)
             raise GpucrError(f"the two-way switch of processes {out_pid} (out) and {in_pid} (in) failed: {exc}; "
                              f"rolled back: {_said(a)}, {_said(b)}") from exc
+        t = _lap([a, b], "both_ways", t)
         _handed_done(a, st_out)
         _commit(a, level)
+        t = _lap([a], "commit", t)
         _test_kill_point("switch-after-commit")
         try:
             _adopt(b, made[0], *made[1])
         finally:
             _close_made({b.pid: made[1]})
         _data_in_all([b], timeout, drop_staging, "data in")
+        t = time.perf_counter()   # adopt and finish are phases of their own
         _app_resume(_app_of(b))
         b.result["state"] = "running"
+        t = _lap([b], "resume", t)
         mover.settle()
+        _lap([a, b], "settle", t)
         out = CheckpointResult(SCHEMA_VERSION, "checkpoint",
                                [shape.checkpoint(a.result, shape.gpu_changes(a.gpu_before, _usage_at_end(a, mover)))])
         into = RestoreResult(SCHEMA_VERSION, "restore", [shape.restore(

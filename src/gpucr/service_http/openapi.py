@@ -45,7 +45,9 @@ GPU = _obj({"uuid": STR, "name": STR, "total_bytes": {**BYTES, "nullable": True}
             "others_bytes": {**BYTES, "nullable": True},
             "apps": {"type": "object", "additionalProperties": BYTES, "description": "app name -> bytes"}})
 SWITCH = _obj({"app": STR, "direction": {"type": "string", "enum": list(DIRECTIONS)}, "at": NUM, "seconds": NUM,
-               "bytes_moved": BYTES, "bytes_skipped": BYTES, "control_s": NULL_NUM, "bytes_per_second": NULL_NUM})
+               "bytes_moved": BYTES, "bytes_skipped": BYTES, "control_s": NULL_NUM, "bytes_per_second": NULL_NUM,
+               "two_way": BOOL, "phases_s": {"type": "object", "additionalProperties": NUM,
+                                             "description": "phase -> seconds (the result's phases_s)"}})
 STATE = _obj({"at": NUM, "server": {"type": "object"}, "host": {"type": "object"},
               "gpus": {"type": "array", "items": _ref("Gpu")}, "apps": {"type": "array", "items": _ref("App")},
               "switches": {"type": "array", "items": _ref("Switch")}})

@@ -32,11 +32,13 @@ class Switch:
     bytes_skipped: int     # of bytes_moved, zero chunks not copied over the link
     control_s: float | None = None   # the driver's part (control out at a park, in at a resume), beside the copy
     two_way: bool = False  # one side of a two-way switch: this app's park and another's resume at once
+    phases_s: dict[str, float] = field(default_factory=dict)   # where its time went: its result's phases
 
     def row(self) -> dict[str, Any]:
         return {"app": self.app, "direction": self.direction, "at": round(self.at, 3), "seconds": round(self.seconds, 4),
                 "bytes_moved": self.bytes_moved, "bytes_skipped": self.bytes_skipped,
                 "control_s": None if self.control_s is None else round(self.control_s, 4), "two_way": self.two_way,
+                "phases_s": {k: round(v, 4) for k, v in self.phases_s.items()},
                 "bytes_per_second": round(self.bytes_moved / self.seconds) if self.seconds > 0 else None}
 
 
@@ -107,8 +109,12 @@ def counted_of(result: Any) -> dict[str, int]:
 def control_of(result: Any, direction: str) -> float | None:
     """The driver's control time of a park's or resume's result (its phases control_out / control_in, level full;
     a swap bench sets each switch against it), or None where the result does not say."""
-    phases = getattr(_process(result), "phases_s", None) or {}
-    return phases.get("control_out" if direction == PARK else "control_in")
+    return phases_of(result).get("control_out" if direction == PARK else "control_in")
+
+
+def phases_of(result: Any) -> dict[str, float]:
+    """The seconds of each phase of a park's or resume's result ({} where it does not say)."""
+    return dict(getattr(_process(result), "phases_s", None) or {})
 
 
 @dataclass(frozen=True)
@@ -133,7 +139,8 @@ class SwitchStats:
         """A park or resume of app `name` (process pid), begun at `began` and done just now, with the coordinator's
         result; two_way: one side of a two-way switch (its bytes_moved is this side's way)."""
         moved, skipped = moved_of(result)
-        s = Switch(name, direction, began.wall, began.seconds(), moved, skipped, control_of(result, direction), two_way)
+        s = Switch(name, direction, began.wall, began.seconds(), moved, skipped, control_of(result, direction), two_way,
+                   phases_of(result))
         with self._lock:
             self._apps.setdefault(pid, AppCounts()).add(s)
             self._recent.append(s)
