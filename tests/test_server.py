@@ -329,7 +329,7 @@ def test_memory_figures_add_up_through_the_server(server, sim_app):
     gpucr.checkpoint(app.pid)
     r = gpucr_cli("restore", str(app.pid))
     assert r.returncode == 0, r.stderr
-    assert re.search(r"this process 0 MiB -> 100 MiB \(36 MiB of it re-made by gpucr's server\), "
+    assert re.search(r"this process 0 MiB -> 100 MiB \(36 MiB of it re-made by gpucr\), "
                      r"GPU used 64 MiB -> 164 MiB; gpucr server 64 MiB \(its context\)", r.stdout), r.stdout
     out = json.loads(gpucr_cli("checkpoint", "--json", str(app.pid)).stdout)["processes"][0]["gpus"][0]
     assert (out["process_before_bytes"], out["server_made_before_bytes"], out["server_after_bytes"]) == \

@@ -288,7 +288,10 @@ static void roll_back_abandoned(void)
          * the process checkpointed this fails, and 'gpucr recover' (or a restore) takes it back after the driver's */
         if (dp_abort(aerr, sizeof aerr) == 0)
             gpucr_warn("the controller went away before committing the checkpoint: taken back, the application runs on");
-        else gpucr_warn("taking back the memory handed to gpucr's data plane failed: %s; run 'gpucr recover'", aerr);
+        else gpucr_warn("the controller went away before committing the checkpoint, and its memory cannot be taken back "
+                        "now (%s: the driver holds the process checkpointed, if its controller got that far): the "
+                        "process stays checkpointed, its data on the GPU; 'gpucr restore %d' brings it back",
+                        aerr, (int)getpid());
     } else if (st.phase == PH_QUIESCED) {   /* nothing was released yet: reopening the gate undoes it */
         if (dp_abort(aerr, sizeof aerr) == 0)
             gpucr_warn("the controller went away during a checkpoint: aborted, the application runs on");

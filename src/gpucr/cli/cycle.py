@@ -32,8 +32,9 @@ def _fmt_gpus(changes: list[GpuMemoryChange]) -> str:
 
 
 def _fmt_held(process: int | None, server_made: int) -> str:
-    # nvidia-smi lists what the server made under no process: said, so that its figure can be matched
-    return mib(process) + (f" ({mib(server_made)} of it re-made by gpucr's server)" if server_made else "")
+    # nvidia-smi lists what gpucr's data plane made (the server's, or the CLI's with no server) under no process:
+    # said, so that its figure can be matched
+    return mib(process) + (f" ({mib(server_made)} of it re-made by gpucr)" if server_made else "")
 
 
 def _fmt_server(before: int | None, after: int | None) -> str:
