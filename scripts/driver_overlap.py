@@ -1,0 +1,113 @@
+"""Does the driver checkpoint one process while it restores another, or one after the other? (issue 28: a two-way
+switch runs A's lock and checkpoint beside B's restore and unlock; on the H100 A's took 0.70-0.82 s beside B's,
+against 0.43-0.51 s alone, about alone + B's 0.24-0.40 s.)
+
+Two processes without gpucr (the driver's own path: it copies their device memory too, so they hold little):
+A running, B checkpointed by the driver. Each round times A's lock + checkpoint and B's restore + unlock alone,
+then both at once from two threads (as coordinator/switching.py does), each step's start and end on one clock; then
+puts them back (A restored, B checkpointed) for the next round. Prints a table and writes $OUT/driver-overlap.json:
+per round, the steps' [start, end] seconds, and the medians. Serialised steps show as overlap_s near 0 and
+together_s near the sum of the two alone; overlapping ones as together_s near the longer.
+
+    python3 scripts/driver_overlap.py [--rounds 5] [--workload torch_app] [--gib 0.25] [--simulate]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from gpucr.driver import Driver, ProcessState, controller_driver
+from gpucr.workloads.runner import Workload
+
+Span = tuple[float, float]
+
+
+def _timed(step: Callable[[], None], t0: float) -> Span:
+    start = time.monotonic() - t0
+    step()
+    return start, time.monotonic() - t0
+
+
+def _out(drv: Driver, pid: int) -> None:
+    drv.lock(pid, 30_000)
+    drv.checkpoint(pid)
+
+
+def _in(drv: Driver, pid: int) -> None:
+    drv.restore(pid)
+    drv.unlock(pid)
+
+
+def _together(drv: Driver, a: int, b: int) -> tuple[Span, Span]:
+    """A out and B in at once, A's on a thread of its own: each one's [start, end] from the same origin."""
+    t0 = time.monotonic()
+    got: dict[str, Span] = {}
+    worker = threading.Thread(target=lambda: got.__setitem__("out", _timed(lambda: _out(drv, a), t0)))
+    worker.start()
+    got["in"] = _timed(lambda: _in(drv, b), t0)
+    worker.join()
+    return got["out"], got["in"]
+
+
+def one_round(drv: Driver, a: int, b: int) -> dict[str, float]:
+    """A running and B checkpointed before and after it."""
+    out_alone = _timed(lambda: _out(drv, a), time.monotonic())
+    _in(drv, a)
+    in_alone = _timed(lambda: _in(drv, b), time.monotonic())
+    _out(drv, b)
+    out, into = _together(drv, a, b)
+    _in(drv, a)   # back as it was: A running, B checkpointed
+    _out(drv, b)
+    return {"out_alone_s": out_alone[1] - out_alone[0], "in_alone_s": in_alone[1] - in_alone[0],
+            "out_together_s": out[1] - out[0], "in_together_s": into[1] - into[0],
+            "together_s": max(out[1], into[1]) - min(out[0], into[0]),
+            "overlap_s": max(0.0, min(out[1], into[1]) - max(out[0], into[0])),
+            "out_span": out, "in_span": into}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--workload", default="torch_app", help="a gpucr.workloads module taking --gib (default torch_app)")
+    ap.add_argument("--gib", default="0.25", help="what each process holds (the driver copies it too)")
+    ap.add_argument("--simulate", action="store_true", help="on simcuda, the simulated driver (a test double)")
+    a = ap.parse_args()
+    if a.simulate:
+        os.environ["GPUCR_SIMULATE"] = "1"
+    module, size = (a.workload, ["--gib", a.gib]) if a.workload != "driver_app" else (a.workload, ["--sizes", "8M"])
+    apps = [Workload(module, *size, simulate=a.simulate, agent=False) for _ in range(2)]
+    try:
+        drv = controller_driver()
+        pa, pb = apps[0].proc.pid, apps[1].proc.pid
+        _out(drv, pb)
+        rounds = [one_round(drv, pa, pb) for _ in range(a.rounds)]
+        _in(drv, pb)
+        assert drv.state(pa) == ProcessState.RUNNING and drv.state(pb) == ProcessState.RUNNING
+        keys = ("out_alone_s", "in_alone_s", "out_together_s", "in_together_s", "together_s", "overlap_s")
+        medians = {k: statistics.median(r[k] for r in rounds) for k in keys}
+        medians["serialised"] = medians["together_s"] > 0.85 * (medians["out_alone_s"] + medians["in_alone_s"])
+        print(f"{'':22s}" + "".join(f"{k:>16s}" for k in keys))
+        for i, r in enumerate(rounds):
+            print(f"round {i + 1:<16d}" + "".join(f"{r[k]:16.3f}" for k in keys))
+        print(f"{'median':22s}" + "".join(f"{medians[k]:16.3f}" for k in keys))
+        print(f"A out beside B in: {'one after the other' if medians['serialised'] else 'at once'} "
+              f"(together {medians['together_s']:.3f} s; alone {medians['out_alone_s']:.3f} + {medians['in_alone_s']:.3f} s)")
+        out = Path(os.environ.get("OUT", ".")) / "driver-overlap.json"
+        out.write_text(json.dumps({"workload": module, "size": size, "simulated": drv.simulated,
+                                   "driver_version": drv.version(), "rounds": rounds, "medians": medians}, indent=1))
+        print(f"written {out}")
+    finally:
+        for w in apps:
+            w.proc.kill()
+            w.proc.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
