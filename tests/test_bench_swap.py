@@ -108,6 +108,18 @@ def test_a_switch_is_its_time_to_first_token_less_its_servers_resident_one_and_i
     assert s["over_bound"] == pytest.approx(1.5 / 1.75)   # over the median bound
 
 
+def test_a_resume_begun_before_a_request_arrived_and_ended_after_is_that_requests_switch():
+    """A request that meets its server resuming (begun a moment before it arrived) waits for that resume: the
+    switch is set against it. One that ended before the arrival is another request's."""
+    from types import SimpleNamespace
+    from gpucr.bench.swap_fleet import Fleet
+    rows = [{"app": "a", "direction": "park", "at": 90.0, "seconds": 1.0},      # ended before: not this one's
+            {"app": "b", "direction": "resume", "at": 99.7, "seconds": 1.2},    # in flight at the arrival
+            {"app": "c", "direction": "park", "at": 100.5, "seconds": 0.5}]
+    fleet = SimpleNamespace(view=lambda: {"switches": rows})
+    assert [r["app"] for r in Fleet.switches_since(fleet, 100.0)] == ["b", "c"]
+
+
 def test_the_stream_is_round_robin_then_a_seeded_zipf_mix():
     names = ["s0", "s1", "s2", "s3"]
     plan = stream(names, 40, 0.5, 1.2, seed=7)

@@ -155,8 +155,10 @@ class Fleet:
         return min(resident, key=lambda m: m.last_request) if resident else None
 
     def switches_since(self, wall: float) -> list[dict[str, Any]]:
-        """The parks and resumes the service did from `wall` (time.time()) on, oldest first."""
-        return [s for s in self.view()["switches"] if s["at"] >= wall - 0.001]
+        """The parks and resumes the service ended from `wall` (time.time()) on, oldest first: those begun before
+        too, which a request arriving then waited for (its server met resuming, not yet resident). Counted from their
+        start only, 7 of the 47 switches of the H100's swap run (2026-12-05) were set against no bytes and no bound."""
+        return [s for s in self.view()["switches"] if s["at"] + s["seconds"] >= wall - 0.001]
 
     def close(self) -> None:
         """Every server killed (a parked one's quit would first be resumed: its exit reaches the GPU), then the
