@@ -1,6 +1,7 @@
 """Does the driver checkpoint one process while it restores another, or one after the other? (issue 28: a two-way
-switch runs A's lock and checkpoint beside B's restore and unlock; on the H100 A's took 0.70-0.82 s beside B's,
-against 0.43-0.51 s alone, about alone + B's 0.24-0.40 s.)
+switch runs A's lock and checkpoint beside B's restore and unlock, since 953f8e4. In the H100 run of 2026-12-05, made
+before that, A's took 0.70-0.82 s beside the copies against 0.43-0.51 s alone, and B's 0.23-0.40 s after it. If the
+driver serialises the two, their sum is the switch's floor whatever the order we ask them in.)
 
 Two processes without gpucr (the driver's own path: it copies their device memory too, so they hold little):
 A running, B checkpointed by the driver. Each round times A's lock + checkpoint and B's restore + unlock alone,
