@@ -247,7 +247,8 @@ def test_a_piece_made_after_the_first_give_back_counts_as_made_while_the_rest_of
     def give_back(upto: int) -> None:
         given.append(upto)
         free[0] += 32 << 20
-    mem = [memory.Managed(i, "converted", 32 << 20, 0, False, False) for i in range(3)]
+    mem = [memory.Managed(i, "converted", 32 << 20, 0, False, False, movable=True) for i in range(3)]
+    mem.append(memory.Managed(3, "app_vmm", 2 << 20, 0, False, True))   # left to the driver: never goes out here
     landing = Landing(_Vmm(), mem, give_back, room)
     landing.queued(0, 10, 0x1000, 32 << 20, 1, [5])
     with room.taking(32 << 20, "B's first piece"):   # waits for A's first give-back

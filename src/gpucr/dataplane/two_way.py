@@ -33,9 +33,10 @@ class Landing:
         self.released: set[int] = set()   # the server's handles of A let go here (never undone again)
         self.given = 0                    # allocations A's agent let go of
         self.error: BaseException | None = None
-        # every one of A's allocations is on the GPU until given back, queued or not: counting only those queued
-        # read "none left" between two pieces whenever the landing kept up with the copy (made_while_out said 0)
-        room.going_out(len(memory))
+        # every allocation of A the copy moves is on the GPU until given back, queued or not: counting only those
+        # queued read "none left" between two pieces whenever the landing kept up with the copy (made_while_out
+        # said 0); one left to the driver (not movable) is never queued nor given back here
+        room.going_out(sum(m.movable for m in memory))
         self._thread = threading.Thread(target=self._run, name="gpucr-switch-landing", daemon=True)
         self._thread.start()
 
