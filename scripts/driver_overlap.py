@@ -5,7 +5,7 @@ driver serialises the two, their sum is the switch's floor whatever the order we
 
 Two processes without gpucr (the driver's own path: it copies their device memory too, so they hold little):
 A running, B checkpointed by the driver. Each round times A's lock + checkpoint and B's restore + unlock alone,
-then both at once from two threads (as coordinator/switching.py does), each step's start and end on one clock; then
+then both at once from two threads (coordinator/switching.py's _at_once), each step's start and end on one clock; then
 puts them back (A restored, B checkpointed) for the next round. Prints a table and writes $OUT/driver-overlap.json:
 per round, the steps' [start, end] seconds, and the medians. Serialised steps show as overlap_s near 0 and
 together_s near the sum of the two alone; overlapping ones as together_s near the longer.
@@ -19,11 +19,11 @@ import json
 import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Any, Callable
 
+from gpucr.coordinator.switching import _at_once
 from gpucr.driver import Driver, ProcessState, controller_driver
 from gpucr.workloads.runner import Workload
 
@@ -47,17 +47,15 @@ def _in(drv: Driver, pid: int) -> None:
 
 
 def _together(drv: Driver, a: int, b: int) -> tuple[Span, Span]:
-    """A out and B in at once, A's on a thread of its own: each one's [start, end] from the same origin."""
+    """A out and B in at once, through the switch's own _at_once: each one's [start, end] from the same origin."""
     t0 = time.monotonic()
     got: dict[str, Span] = {}
-    worker = threading.Thread(target=lambda: got.__setitem__("out", _timed(lambda: _out(drv, a), t0)))
-    worker.start()
-    got["in"] = _timed(lambda: _in(drv, b), t0)
-    worker.join()
+    _at_once(lambda: got.__setitem__("out", _timed(lambda: _out(drv, a), t0)),
+             lambda: got.__setitem__("in", _timed(lambda: _in(drv, b), t0)))
     return got["out"], got["in"]
 
 
-def one_round(drv: Driver, a: int, b: int) -> dict[str, float]:
+def one_round(drv: Driver, a: int, b: int) -> dict[str, Any]:
     """A running and B checkpointed before and after it."""
     out_alone = _timed(lambda: _out(drv, a), time.monotonic())
     _in(drv, a)

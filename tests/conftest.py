@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+import gpucr
 from gpucr import paths
 from gpucr.target import agent_socket_name
 from gpucr.workloads.runner import Workload
@@ -79,7 +80,6 @@ def imaged_app(sim_app, tmp_path):
     """imaged_app(sizes, name): driver_app on simcuda holding `sizes`, its digest, and the image of it written at
     tmp_path / name (the app stays checkpointed: restore it to go on)."""
     def start(sizes: str, name: str = "img") -> tuple[Workload, str, Path]:
-        import gpucr
         app = sim_app("--sizes", sizes)
         before = app.ask("digest")
         gpucr.checkpoint(app.pid, image=tmp_path / name)
