@@ -83,3 +83,43 @@ def test_dlsym_and_cuGetProcAddress_hand_out_the_wrappers():
             assert via_gpa == wrapper, f"cuGetProcAddress({sym}) did not return the wrapper"
             resolved += 1
     assert resolved >= 40, "the simulated driver resolves too few of the table's entry points to prove anything"
+
+
+OUTSIDE = r"""
+import ctypes, json, sys
+cu = ctypes.CDLL("libcuda.so.1")
+cu.cuInit(0)
+libc = ctypes.CDLL(None)
+libc.dlsym.restype = ctypes.c_void_p
+libc.dlsym.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+
+class Info(ctypes.Structure):
+    _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p), ("sname", ctypes.c_char_p), ("saddr", ctypes.c_void_p)]
+
+def where(sym, how):
+    if how == "dlsym":
+        p = libc.dlsym(cu._handle, sym.encode())
+    else:
+        p = ctypes.c_void_p(); st = ctypes.c_int()
+        gpa = ctypes.cast(libc.dlsym(cu._handle, b"cuGetProcAddress_v2"), ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_char_p, ctypes.POINTER(ctypes.c_void_p), ctypes.c_int, ctypes.c_uint64, ctypes.POINTER(ctypes.c_int)))
+        assert gpa(sym.encode(), ctypes.byref(p), 12000, 1, ctypes.byref(st)) == 0, sym
+        p = p.value
+    info = Info()
+    assert libc.dladdr(ctypes.c_void_p(p), ctypes.byref(info)), sym
+    return info.fname.decode().rsplit("/", 1)[-1]
+
+print(json.dumps({f"{s} {h}": where(s, h) for s in sys.argv[1:] for h in ("dlsym", "gpa")}))
+"""
+
+
+def test_a_driver_call_outside_the_table_is_handed_out_through_a_thunk_and_a_query_the_driver_answers_is_not():
+    """thunk.c: what the driver holds while it holds the process (cuStreamIsCapturing, cuModuleGetFunction) comes
+    from the agent, so it waits at the closed gate; a device query the driver answers then comes from the driver."""
+    names = ["cuStreamIsCapturing", "cuModuleGetFunction", "cuDeviceGetAttribute", "cuDeviceGetCount"]
+    r = subprocess.run([sys.executable, "-c", OUTSIDE, *names], env=paths.run_env(simulate=True),
+                       capture_output=True, text=True, check=True)
+    lib = json.loads(r.stdout)
+    agent = paths.agent_lib().name
+    for how in ("dlsym", "gpa"):
+        assert lib[f"cuStreamIsCapturing {how}"] == lib[f"cuModuleGetFunction {how}"] == agent, lib
+        assert lib[f"cuDeviceGetAttribute {how}"] != agent and lib[f"cuDeviceGetCount {how}"] != agent, lib

@@ -134,6 +134,20 @@ def test_an_idle_app_is_parked_its_memory_given_back_and_its_launch_brings_it_ba
     assert re.search(r"resuming swap app idle \(pid \d+\) on demand: [\d.]+ ms from its demanding call", log), log
 
 
+def test_a_driver_call_outside_the_table_brings_an_app_parked_at_level_full_back(swap_server, swap_app):
+    """cuStreamIsCapturing is not one of the agent's wrapped calls, and the driver holds it while the process is
+    checkpointed (simcuda does, as the real driver did to cuBLAS's calls before a matmul on the H100). It reaches
+    the gate through a thunk: it waits there as demand, and is answered once the app is back."""
+    app = swap_app("outside", "--idle-park", str(IDLE_PARK_S))
+    app.ask("work 3")
+    before = app.ask("digest")["digest"]
+    _until("the idle app is parked", lambda: _state(swap_server, "outside") == "parked")
+    assert app.ask("capturing", timeout=30) == {"capturing": 0}
+    row = _until("resumed", lambda: (r := _apps(swap_server)["outside"])["state"] == "resident" and r)
+    assert row["resumes"] == 1 and 0 <= row["last_wake_ms"] < WAKE_BOUND_MS, row
+    assert app.ask("digest")["digest"] == before
+
+
 def test_polling_keeps_nobody_resident_and_each_demanding_call_resumes(swap_server, swap_app):
     """The table: queries, synchronizes and records do not count as activity and do not wake a parked app;
     launches, copies, memsets and allocations do, each with the app's data intact."""

@@ -68,6 +68,10 @@ const struct gpucr_entry *gpucr_entry_by_real(void *real);
 bool gpucr_is_wrapper(void *p);
 void *gpucr_wrapper_of(const struct gpucr_entry *e);
 void *gpucr_substitute(void *p);
+/* What the application is handed for the driver function `real` named `name`: its wrapper, a thunk that waits at
+ * the closed gate (thunk.c), or `real` itself. */
+void *gpucr_hand_out(const char *name, void *real);
+void *gpucr_thunk_for(const char *name, void *real);
 
 /* Driver functions the agent calls itself but does not wrap (resolved in entry.c). None copies or pins: the
  * data plane runs in another process (tests/test_agent_calls.py holds this list, and REAL()'s, to that). */
@@ -165,6 +169,8 @@ bool gpucr_gate_query(void);
 /* The closed gate's calls drained and the device synchronised: queries are answered from here to open. */
 void gpucr_gate_settle(void);
 bool gpucr_gate_is_closed(void);
+/* The checkpoint held now was committed at level data: the process keeps its context, the driver holds nothing. */
+bool gpucr_parked_at_data_level(void);
 void gpucr_gate_reset_after_fork(void);
 
 /* ---- time and logging (util.c) ---- */

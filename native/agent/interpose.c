@@ -69,7 +69,7 @@ GPUCR_EXPORT void *dlsym(void *handle, const char *name)
     /* The wrapper itself resolves its real function lazily, so nothing is initialised here: the
      * driver may call dlsym while it is being loaded. */
     const struct gpucr_entry *e = gpucr_entry_by_symbol(name);
-    return e ? gpucr_wrapper_of(e) : p;
+    return e ? gpucr_wrapper_of(e) : gpucr_thunk_for(name, p);
 }
 
 #endif
@@ -108,7 +108,7 @@ static void *cudart_sym(const char *name)
         if (!real) real = (cudaError_t(*) params)cudart_sym(#fn);              \
         if (!real) return 801; /* cudaErrorNotSupported */                     \
         cudaError_t rc = real args;                                            \
-        if (rc == 0 && pfn) *pfn = gpucr_substitute(*pfn);                           \
+        if (rc == 0 && pfn) *pfn = gpucr_hand_out(sym, *pfn);                  \
         return rc;                                                             \
     }
 

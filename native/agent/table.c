@@ -102,12 +102,18 @@ void *gpucr_substitute(void *p)
     return e ? gpucr_wrapper_of(e) : p;
 }
 
+void *gpucr_hand_out(const char *name, void *real)
+{
+    void *p = gpucr_substitute(real);
+    return p != real ? p : gpucr_thunk_for(name, real);
+}
+
 GPUCR_EXPORT CUresult cuGetProcAddress_v2(const char *sym, void **pfn, int ver, cuuint64_t flags, int *status)
 {
     gpucr_init();
     if (!REAL(cuGetProcAddress_v2)) return CUDA_ERROR_NOT_SUPPORTED;
     CUresult rc = REAL(cuGetProcAddress_v2)(sym, pfn, ver, flags, status);
-    if (rc == CUDA_SUCCESS && pfn) *pfn = gpucr_substitute(*pfn);
+    if (rc == CUDA_SUCCESS && pfn) *pfn = gpucr_hand_out(sym, *pfn);
     return rc;
 }
 
@@ -116,6 +122,6 @@ GPUCR_EXPORT CUresult cuGetProcAddress(const char *sym, void **pfn, int ver, cuu
     gpucr_init();
     if (!REAL(cuGetProcAddress)) return CUDA_ERROR_NOT_SUPPORTED;
     CUresult rc = REAL(cuGetProcAddress)(sym, pfn, ver, flags);
-    if (rc == CUDA_SUCCESS && pfn) *pfn = gpucr_substitute(*pfn);
+    if (rc == CUDA_SUCCESS && pfn) *pfn = gpucr_hand_out(sym, *pfn);
     return rc;
 }

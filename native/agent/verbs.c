@@ -25,6 +25,8 @@ static atomic_bool g_rolling_back;   /* status says so: a new controller waits f
  * state tells whether it is still as that controller left it (a restore killed after the driver's steps leaves it
  * "running"). */
 static atomic_int g_committed;
+
+bool gpucr_parked_at_data_level(void) { return atomic_load(&g_committed) == COMMITTED_DATA; }
 /* requests served since the channel started (a fork child counts its own), status says it: a test caps the
  * round trips a checkpoint and a restore take, so that no move adds one unseen */
 static atomic_ulong g_requests_served;

@@ -88,6 +88,8 @@ cuEventQuery = _sig("cuEventQuery", vp)
 cuEventSynchronize = _sig("cuEventSynchronize", vp)
 cuStreamQuery = _sig("cuStreamQuery", vp)
 cuStreamSynchronize = _sig("cuStreamSynchronize", vp)
+# outside gpucr's table of wrapped calls, and held by the driver's lock like any call into a context
+cuStreamIsCapturing = _sig("cuStreamIsCapturing", vp, ctypes.POINTER(ctypes.c_int))
 CUDA_ERROR_NOT_READY = 600
 
 
@@ -339,6 +341,10 @@ class App:
             if self.loop_thread:
                 self.loop_thread.join()
             return {"iterations": self.loop_iters, "error": self.loop_error}
+        if cmd == "capturing":   # a call the agent does not wrap (as cuBLAS makes before a launch)
+            status = ctypes.c_int(-1)
+            check(cuStreamIsCapturing(None, ctypes.byref(status)), "cuStreamIsCapturing")
+            return {"capturing": status.value}
         if cmd == "poll":   # poll start [MS] | poll counts | poll stop: a thread per family of GPU-watching calls
             return self.pollers.command(words[1:])
         if cmd == "enter":   # enter start | enter state: a thread started now enters the context and queries
