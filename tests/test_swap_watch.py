@@ -26,7 +26,7 @@ from gpucr.service_http.replay import frames
 browser = test_service_page.browser
 until_js, ROW_STATE, BAR_WIDTH = test_service_page._until_js, test_service_page.ROW_STATE, test_service_page.BAR_WIDTH
 SERVERS = 3
-GPU_RECORDING = Path(__file__).parents[1] / "bench" / "results" / "2026-12-05-h100-swap-watch.jsonl.gz"   # gpu-check swap
+GPU_RECORDING = Path(__file__).parents[1] / "bench" / "results" / "2026-12-06-h100-swap-watch.jsonl.gz"   # gpu-check swap
 SWITCHES = ("const c = document.querySelector(`tr[data-app='${arguments[0]}'] td[data-label=switches]`); "
             "return c && c.textContent === arguments[1]")
 
