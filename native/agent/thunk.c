@@ -20,8 +20,12 @@
 #include <string.h>
 #include "agent.h"
 
-#define THUNKS 1024
+/* CUDA 13's cuda.h declares about 500 driver functions; with their versions and per-thread variants, and
+ * every runtime in a process resolving them, the distinct real ones stay well under this. */
+#define THUNKS 2048
 #define SLOT_BYTES 16
+#define STR_(x) #x
+#define STR(x) STR_(x)
 
 /* Answered by the driver while it holds a process locked or checkpointed (measured on the H200, driver 580;
  * entrypoints.def's table), or not a call into a context at all: handed out as they are. */
@@ -74,12 +78,11 @@ __asm__(
     "  .balign 16\n"
     ".endm\n"
     ".set gpucr_n, 0\n"
-    ".rept 1024\n"
+    ".rept " STR(THUNKS) "\n"
     "  gpucr_slot %gpucr_n\n"
     "  .set gpucr_n, gpucr_n + 1\n"
     ".endr\n"
     ".noaltmacro\n");
-_Static_assert(THUNKS == 1024, "the .rept count above is THUNKS");
 
 void *gpucr_thunk_before(unsigned slot)
 {
