@@ -25,3 +25,7 @@ def test_the_driver_overlap_probe_times_both_steps_alone_and_together_and_puts_b
         assert rnd["together_s"] >= max(o1 - o0, i1 - i0) - 1e-9
         assert rnd["overlap_s"] <= min(o1 - o0, i1 - i0) + 1e-9
     assert isinstance(got["medians"]["serialised"], bool)
+    for rnd in got["rounds"]:   # what a switch runs beside A's checkpoint, each timed and each under way
+        for what in ("copies", "makes"):
+            assert rnd[f"out_beside_{what}_s"] > 0 and rnd[f"{what}_done"] >= 1, rnd
+    assert "A out beside copies:" in r.stdout and "A out beside makes:" in r.stdout, r.stdout
