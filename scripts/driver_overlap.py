@@ -11,10 +11,14 @@ per round, the steps' [start, end] seconds, and the medians. Serialised steps sh
 together_s near the sum of the two alone; overlapping ones as together_s near the longer.
 
 Then, with --beside (default copies,makes), what a switch runs beside A's checkpoint, one at a time in this process
-on A's GPU: "copies" (a 1 GiB copy out then in, over and over, as the copies both ways) and "makes" (256 MiB of VMM
-memory made, mapped, unmapped and released, over and over, as the memory made for B). A's lock + checkpoint beside
+on A's GPU: "copies" (a 1 GiB copy out then in, over and over, as the copies both ways), "chunks" (the same in
+copies of 32 MiB) and "makes" (256 MiB of VMM memory made, mapped, unmapped and released, over and over, as the
+memory made for B). A's lock + checkpoint beside
 each, in the same rounds, is out_beside_<what>_s: the 2026-12-06 H100 run found the driver doing A out and B in at
 once (0.394 s together), while in a switch A's checkpoint took 0.74 s against 0.41 s alone.
+
+On one H100 (bench/results/2026-12-06-h100-driver-overlap-beside.json) A's checkpoint took 0.52-0.59 s alone, about
+the same beside B's restore, 1.16-1.25 s beside the copies (1.24 s in 32 MiB chunks) and 0.96 s beside the makes.
 
     python3 scripts/driver_overlap.py [--rounds 5] [--workload torch_app] [--gib 0.25] [--beside copies,makes] [--simulate]
 """
@@ -76,12 +80,15 @@ class Beside:
     def _run(self) -> None:
         vmm = self.vmm
         vmm.use(self.ctx)
-        if self.what == "copies":
+        if self.what in ("copies", "chunks"):   # chunks: the same bytes in copies of 32 MiB
             h = vmm.create(self.COPY, 0)
             va, host, s = vmm.map(h, self.COPY, 0), vmm.host_alloc(self.COPY), vmm.stream()
+            step = self.COPY if self.what == "copies" else 32 << 20
             while not self.stop.is_set():
-                vmm.d2h(host, va, self.COPY, s)
-                vmm.h2d(va, host, self.COPY, s)
+                for k in range(0, self.COPY, step):
+                    vmm.d2h(host + k, va + k, step, s)
+                for k in range(0, self.COPY, step):
+                    vmm.h2d(va + k, host + k, step, s)
                 vmm.sync(s)
                 self.done += 1
             vmm.destroy_stream(s)
@@ -146,8 +153,8 @@ def main() -> None:
         drv = controller_driver()
         pa, pb = apps[0].proc.pid, apps[1].proc.pid
         beside = tuple(w for w in a.beside.split(",") if w)
-        if set(beside) - {"copies", "makes"}:
-            raise SystemExit(f"--beside: copies and/or makes, not {a.beside}")
+        if set(beside) - {"copies", "chunks", "makes"}:
+            raise SystemExit(f"--beside: copies, chunks and/or makes, not {a.beside}")
         vmm = Vmm(drv) if beside else None
         ctx = vmm.retain_context(0) if vmm is not None else 0
         _out(drv, pb)
