@@ -148,3 +148,30 @@ def test_scan_and_check_run_part_by_part_beside_the_copies(small_sweeps, sim_app
     with pytest.raises(GpucrError, match=r"in 1 chunk: allocation \d+ chunk 2 .*--accept-mismatch"):
         gpucr.restore(app.pid)
     assert gpucr.restore(app.pid, accept_mismatch=True).state == "running"
+
+
+def test_chunks_unchanged_since_the_last_copy_out_are_not_copied_again_and_a_changed_one_is(reused_server, sim_app):
+    """Beyond zero chunks (checked.py): a chunk whose digest on the GPU equals the one the server's last copy out left
+    in the same place of the staging is not copied again (weights between two parks); one the app changed is, and
+    the restore is byte-exact either way, checked."""
+    app = sim_app("--sizes", "16M,8M")   # random bytes: no zero chunk
+    first = gpucr.checkpoint(app.pid)
+    assert first.bytes_zero_skipped == first.bytes_unchanged_skipped == 0, first   # nothing known yet: all copied
+    gpucr.restore(app.pid)
+    before = app.ask("digest")
+    again = gpucr.checkpoint(app.pid)   # nothing changed on the GPU since
+    assert again.bytes_unchanged_skipped == 24 * MiB and again.bytes_zero_skipped == 0, again
+    rs = gpucr.restore(app.pid)
+    assert rs.checked and app.ask("digest") == before
+    app.ask("work 1")   # every byte of both buffers changed (the driver app adds to each)
+    changed = app.ask("digest")
+    third = gpucr.checkpoint(app.pid)
+    assert third.bytes_unchanged_skipped == 0, third
+    rs = gpucr.restore(app.pid)
+    assert rs.checked and app.ask("digest") == changed
+    plain = gpucr.checkpoint(app.pid, scan=False)   # no digests taken: the staging's record goes
+    gpucr.restore(app.pid)
+    assert plain.bytes_unchanged_skipped == 0
+    assert gpucr.checkpoint(app.pid).bytes_unchanged_skipped == 0, "after a copy out with no digests, all is copied"
+    gpucr.restore(app.pid)
+    assert app.ask("digest") == changed

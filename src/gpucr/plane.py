@@ -19,6 +19,7 @@ class Stats:
     scanned: int = 0              # bytes the zero scan read on the GPU (copy out; 0 when asked not to scan)
     scan: bool = False            # the copy out scanned its memory on the GPU: zero chunks and digests
     zero_skipped: int = 0         # of those, in chunks all zero: not copied out (staging holds zeros there)
+    unchanged_skipped: int = 0    # of those, in chunks not all zero the staging holds already: not copied out
     checked: bool = False         # the fill's new memory was digested and compared with the checkpoint's (fill)
     digests_compared: int = 0     # chunks compared
     scan_s: float = 0.0           # the copy out's waits for its scan (in parts beside the copies: its copies wait here)
@@ -38,6 +39,13 @@ class Stats:
     export_s: float = 0.0         # exporting the new memory's fds (in), handed to the process to map
     routes: dict[str, int] = field(default_factory=dict)   # bytes moved through each neighbour GPU, by UUID
     dropped: list[str] = field(default_factory=list)       # neighbours given up mid-copy (a process appeared)
+
+    def skipped(self, n: int, zero: bool) -> None:
+        """n bytes a copy out did not copy: the staging held them already, all zero or not."""
+        if zero:
+            self.zero_skipped += n
+        else:
+            self.unchanged_skipped += n
 
 
 Made = tuple[Stats, list[tuple[int, int]]]   # a fill: what it cost, and (allocation index, fd) of each memory made

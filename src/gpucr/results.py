@@ -130,6 +130,8 @@ class ProcessCheckpoint:
     routes: dict[str, int] = field(default_factory=dict)   # bytes the server moved through each neighbour GPU
     data_plane: str = ""              # what moved the data: server | cli (the gpucr command's, no server) | agent
     bytes_zero_skipped: int = 0       # of bytes_moved, in 2 MiB chunks all zero on the GPU: not copied out
+    bytes_unchanged_skipped: int = 0  # ... and in chunks not all zero that the staging held already (their digest
+    #                                   unchanged since this server's last copy out of the process): not copied out
     scanned: bool = False             # the plane scanned the memory on the GPU (zero chunks, digests): false with --no-scan
     bytes_scanned: int = 0            # bytes that scan read
     staging_lent_bytes: int = 0       # staging this checkpoint got from the server's pool made ahead (pinned already)

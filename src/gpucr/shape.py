@@ -51,7 +51,8 @@ def checkpoint(r: dict[str, Any], changes: list[GpuMemoryChange]) -> ProcessChec
                              gpus=changes, image=image(im, im["dir"], im["id"]) if im else None,
                              warnings=list(r.get("warnings", [])), coverage=coverage.from_agent(r.get("coverage")),
                              routes=dict(r.get("routes", {})), data_plane=r.get("data_plane", "agent"),
-                             bytes_zero_skipped=r.get("bytes_zero_skipped", 0), scanned=bool(r.get("scanned", False)),
+                             bytes_zero_skipped=r.get("bytes_zero_skipped", 0),
+                             bytes_unchanged_skipped=r.get("bytes_unchanged_skipped", 0), scanned=bool(r.get("scanned", False)),
                              bytes_scanned=r.get("bytes_scanned", 0), staging_lent_bytes=r.get("staging_lent_bytes", 0),
                              staging_made_bytes=r.get("staging_made_bytes", 0))
 

@@ -37,7 +37,8 @@ def _zero_and_check(results: list[ProcessCheckpoint] | list[ProcessRestore]) -> 
     zero chunks not copied out), a restore's memsets (zero chunks set on the GPU, not copied) and check. Bytes add up;
     scanned / checked hold only where every process's did. Only the keys that kind of result has."""
     out: dict[str, Any] = {}
-    for flag, counts in (("scanned", ("bytes_scanned", "bytes_zero_skipped")), ("checked", ("bytes_zeroed",))):
+    for flag, counts in (("scanned", ("bytes_scanned", "bytes_zero_skipped", "bytes_unchanged_skipped")),
+                         ("checked", ("bytes_zeroed",))):
         if results and all(hasattr(r, flag) for r in results):
             out[flag] = all(getattr(r, flag) for r in results)
             out.update({k: sum(getattr(r, k) for r in results) for k in counts})
@@ -127,7 +128,8 @@ def zero_parts(ck: dict[str, Any], rs: dict[str, Any]) -> dict[str, Any]:
     skipped, zeroed = ck.get("bytes_zero_skipped"), rs.get("bytes_zeroed")
     return {"scanned": scanned, "checked": checked, "bytes_scanned": ck.get("bytes_scanned"),
             "bytes_zero_skipped": skipped, "bytes_zeroed": zeroed,
-            "bytes_over_link_out": None if skipped is None else ck["bytes_moved"] - skipped,
+            "bytes_unchanged_skipped": ck.get("bytes_unchanged_skipped", 0),
+            "bytes_over_link_out": None if skipped is None else ck["bytes_moved"] - skipped - ck.get("bytes_unchanged_skipped", 0),
             "bytes_over_link_in": None if zeroed is None else rs["bytes_moved"] - zeroed,
             "scan_s": ck["steps_s"].get("server_scan") if scanned else None, "check_s": check_s,
             "check_share": check_s / rs["wall_s"] if check_s is not None and rs.get("wall_s") else None}

@@ -114,6 +114,7 @@ def _handed_done(m: _Member, st: Stats) -> None:
     m.result["phases_s"]["data_out"] = st.seconds   # the server's copy (the handover has its own phase)
     m.result["data_plane"] = m.plane.plane
     m.result["bytes_zero_skipped"] = st.zero_skipped   # in chunks all zero on the GPU: not copied out
+    m.result["bytes_unchanged_skipped"] = st.unchanged_skipped   # the staging held them already: not copied out
     m.result["scanned"], m.result["bytes_scanned"] = st.scan, st.scanned   # off with --no-scan: neither part then
     _server_phases(m, st)
 

@@ -2,12 +2,15 @@
 set by a memset at the fill, and each chunk's digest, compared on the GPU with the new memory's (under the fill's
 copies) before its fds are handed back, so a resume whose bytes differ is refused naming the allocation and the chunk.
 
-A zero chunk crosses the link only where the staging does not hold zeros there already from this mover's last
-copy out of the process (Segment.zeroed, kept while the plan stays the same and forgotten when a copy fails): the
-first cycle copies it, the next ones skip it. So the staging always holds the process's bytes: an image written
-from it, a fill by another mover (the CLI's, a server started since) that has no record of the zero chunks, copy
-zeros, never stale bytes; and the host never writes the staging itself (setting tens of GiB to zero on the host
-costs more than the link does, and a `file:` staging shrunk under a mapping faults).
+A chunk crosses the link at a copy out only where the staging does not hold the same bytes there already from this
+mover's last copy out of the process (Segment.held: each chunk's digest, kept while the plan stays the same and
+forgotten when a copy fails or takes no digests): the first cycle copies everything, the next ones skip each chunk
+whose digest on the GPU is unchanged: the zero chunks of a KV cache never written, and weights that never change. So
+the staging always holds the process's bytes: an image written from it, a fill by another mover (the CLI's, a server
+started since) that has no record of them, copy them all, never stale bytes; and the host never writes the staging
+itself (setting tens of GiB to zero on the host costs more than the link does, and a `file:` staging shrunk under a
+mapping faults). A staging changed behind the mover's back since (a fault in host memory) is what the fill's check
+finds: the GPU's digest was taken at the copy out, not from the staging.
 """
 from __future__ import annotations
 
@@ -94,33 +97,39 @@ def describe_mismatches(first: Sequence[tuple[int, int]], count: int) -> str:
     return f"{count} chunk{'s' if count > 1 else ''}: {named}" + (f" and {more} more" if more > 0 else "")
 
 
-def forget_zeroed(segments: Sequence[Segment]) -> None:
-    """What the segments hold is no longer known (another plan, or another writer): every zero range forgotten."""
+def forget_held(segments: Sequence[Segment]) -> None:
+    """What the segments hold is no longer known (another plan, another writer, a copy that failed or took no
+    digests): every chunk will be copied again."""
     for g in segments:
-        g.zeroed.clear()
+        g.held.clear()
 
 
-def staged_zeros(g: Segment, at: int, n: int) -> bool:
-    """Whether [at, at + n) of g holds zeros from this mover's last copy out of the process (Segment.zeroed): a zero
-    chunk there need not cross the link again."""
-    return all((k, min(CHUNK, at + n - k)) in g.zeroed for k in range(at, at + n, CHUNK))
+def out_runs(g: Segment, off: int, lo: int, hi: int, scan: AllocationScan) -> list[tuple[int, int, bool, bool]]:
+    """A copy out's bytes [lo, hi) of an allocation staged at `off` in g, scanned, as runs of chunks (start, bytes,
+    held, zero): held where g holds the same bytes already (the digest of its last copy out there equals the GPU's),
+    which need not cross the link again; zero where the chunk is all zero."""
+    assert lo % CHUNK == 0, lo
+    runs: list[tuple[int, int, bool, bool]] = []
+    for k in range(lo // CHUNK, chunk_count(hi)):
+        at = k * CHUNK
+        n = min(CHUNK, hi - at)
+        kind = (bool(scan.digests[k]) and g.held.get((off + at, n)) == scan.digests[k], scan.zero[k])
+        if runs and runs[-1][2:] == kind:
+            runs[-1] = (runs[-1][0], runs[-1][1] + n, *kind)
+        else:
+            runs.append((at, n, *kind))
+    return runs
 
 
-def note_zero(g: Segment, at: int, n: int) -> None:
-    """[at, at + n) of g is being copied into from memory the scan found all zero: it holds zeros once done."""
-    for k in range(at, at + n, CHUNK):
-        g.zeroed.add((k, min(CHUNK, at + n - k)))
-
-
-def note_zeros(staged: dict[int, Segment], plan: Plan, zeros: Spans) -> None:
-    """The zero spans of a copy out queued before its scan (all of it copied): the staging holds zeros there."""
-    for idx, _size, seg, off in plan:
-        for start, length in zeros.get(idx, []):
-            note_zero(staged[seg], off + start, length)
-
-
-def stage_data(g: Segment, at: int, n: int) -> None:
-    """[at, at + n) of g is being copied into: no longer known to hold zeros."""
-    if g.zeroed:
-        for k in range(at, at + n, CHUNK):
-            g.zeroed.discard((k, min(CHUNK, at + n - k)))
+def note_held(staged: dict[int, Segment], plan: Plan, taken: Taken) -> None:
+    """A copy out done and drained: the staging holds, chunk by chunk, the bytes whose digests its scan took; one
+    that took no digests (`--no-scan`) leaves nothing known."""
+    if not taken.scanned:
+        forget_held(list(staged.values()))
+    for idx, size, seg, off in plan:
+        scan = taken.scans.get(idx)
+        if scan is not None:
+            g = staged[seg]
+            for k, digest in enumerate(scan.digests):
+                if digest:
+                    g.held[(off + k * CHUNK, min(CHUNK, size - k * CHUNK))] = digest

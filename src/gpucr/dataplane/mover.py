@@ -25,7 +25,7 @@ from ..vmm import Vmm
 from ..errors import GpucrError
 from ..proc import process_ended, process_start_time
 from .chunks import Spans, spans, zero_within
-from .checked import Checker, Taken, forget_zeroed, note_zero, note_zeros, stage_data, staged_zeros
+from .checked import Checker, Taken, forget_held, note_held, out_runs
 from .kernels import Kernels
 from .lanes import Routing
 from .layout import checked_plan as _checked_plan, reach as _reach
@@ -38,7 +38,7 @@ from .held import Held, Owner
 from .pinned import Segment
 from .pinned import pin as pin_segment
 from .ring import Piece, Ring
-from .scan import Scanner
+from .scan import AllocationScan, Scanner
 from .sweep import Part, parts_of, step as sweep_step
 from .staging_make import StagingMaker
 from .staging_pool import StagingPool
@@ -351,9 +351,9 @@ class Mover(StagingMaker):
             return staged
 
         def enqueue(staged: dict[int, Segment], idx: int, size: int, seg: int, off: int, va: int, dev: int, lo: int = 0,
-                    n: int | None = None, zero_spans: list[tuple[int, int]] | None = None) -> None:
-            """The copies (and memsets) of bytes [lo, lo + n) of allocation idx (default all of it); zero_spans: its
-            zero chunks there, else those `zeros` knows."""
+                    n: int | None = None, scan: AllocationScan | None = None) -> None:
+            """The copies (and memsets) of bytes [lo, lo + n) of allocation idx (default all of it); scan: a copy
+            out's scan of it, whose chunks the staging holds already are skipped; a fill's zero chunks: `zeros`."""
             nonlocal turn
             tq = time.perf_counter()
             ctx, streams = self._ctx[dev][0], self._streams(dev, out)
@@ -361,12 +361,12 @@ class Mover(StagingMaker):
             g = staged[seg]
             share = 1 if switch is not None else routing.share(dev)   # a switch's way is the GPU's own link
             hi = size if n is None else lo + n
-            for start, length, zero in spans(lo, hi, zero_within(zeros.get(idx, []), lo, hi) if zero_spans is None else zero_spans):
-                if zero and out and staged_zeros(g, off + start, length):   # held in staging already (checked.py)
-                    st.zero_skipped += length
+            runs = (out_runs(g, off, lo, hi, scan) if scan is not None else
+                    [(a, b, False, z) for a, b, z in spans(lo, hi, zero_within(zeros.get(idx, []), lo, hi))])
+            for start, length, held, zero in runs:
+                if held:   # the staging holds these bytes already (checked.py)
+                    st.skipped(length, zero)
                     continue
-                if out:
-                    (note_zero if zero else stage_data)(g, off + start, length)
                 if zero and not out:   # nothing to carry over the link
                     s = self._side[ctx][1]
                     self.vmm.memset(va + start, length, s)
@@ -399,8 +399,7 @@ class Mover(StagingMaker):
             assert scanner is not None
             for p in parts:
                 size, seg, off, va, dev = where[p.index]
-                spans = scanner.scans[p.index].zero_spans(size, p.at, p.size)
-                enqueue(staged, p.index, size, seg, off, va, dev, p.at, p.size, spans)
+                enqueue(staged, p.index, size, seg, off, va, dev, p.at, p.size, scanner.scans[p.index])
 
         try:
             # a fill: the staging first (what the server took at the checkpoint, whose sizes the driver checked
@@ -409,14 +408,13 @@ class Mover(StagingMaker):
             # pinned on the process's word then, so each allocation's copies start once it is imported
             staged = staging() if not out or (self.ring is None and self.held.pinned_for(who, plan, seg_fds, declared)) else None
             if out and staged is not None and taken is None:   # another plan: what the staging holds is not known
-                forget_zeroed(list(staged.values()))
-            # a copy out waits for the scan only where it may skip zero chunks: where this mover knows zeros in the
-            # staging from its last copy out; then each part's copies are queued once its batch of the scan is read,
-            # while the next are scanned (scan.py). Else (a first cycle, data with no zero chunks) each allocation's
-            # copies start once it is imported, and the scan runs beside them (or asked not to scan: nothing is
-            # skipped then); the CLI's mover, whose staging is mapped after every import, queues them after that
+                forget_held(list(staged.values()))
+            # a copy out waits for the scan only where it may skip chunks the staging holds from its last copy out:
+            # each part's copies are queued once its batch of the scan is read, while the next are scanned (scan.py).
+            # Else (a first cycle, or asked not to scan) each allocation's copies start once it is imported, the scan
+            # beside them; the CLI's mover, whose staging is mapped after every import, queues them after that
             early = not out or (staged is not None and switch is None
-                                and (not scan or not any(g.zeroed for g in staged.values())))
+                                and (not scan or not any(g.held for g in staged.values())))
             due: list[Part] = []   # a copy out's parts scanned, their copies not queued yet
             for idx, size, seg, off in plan:
                 m = by_index.get(idx)
@@ -465,18 +463,16 @@ class Mover(StagingMaker):
                 if staged is None:
                     staged = staging()
                     if taken is None:
-                        forget_zeroed(list(staged.values()))
+                        forget_held(list(staged.values()))
                 if scanner is not None:
                     due += scanner.ready(every=True)
                     taken = Taken(plan, {i: scanner.scans[i] for i in where})
                     st.scanned, st.scan_s, st.scan = sum(p[0] for p in placed), scanner.wait_s, True
                 else:
                     taken = Taken(plan, scanned=False)
-                if queued:   # copied already, zero chunks too: the staging holds zeros there now
-                    note_zeros(staged, plan, taken.zeros())
-                elif scanner is not None:
+                if scanner is not None and not queued:
                     queue_scanned(staged, due)
-                else:
+                elif not queued:
                     for (idx, *_rest), (size, seg, off, va, dev) in zip(plan, placed):
                         enqueue(staged, idx, size, seg, off, va, dev)
             td = time.perf_counter()
@@ -486,6 +482,8 @@ class Mover(StagingMaker):
             routing.finish()   # raises what its thread raised
             st.route_s, st.looks_s = time.perf_counter() - t0, routing.looks_s
             self._sync(placed, ring, out)   # the pieces the routes' thread sent straight after giving a route up
+            if out:   # what the staging holds now, chunk by chunk (checked.py)
+                note_held(staged, plan, taken)
             if checker is not None:
                 tc = time.perf_counter()   # before the fds go back: a fill whose bytes differ is undone
                 st.digests_compared = checker.finish()
@@ -497,7 +495,7 @@ class Mover(StagingMaker):
             routing.close()
             self._sync(placed, ring, out, quiet=True)   # nothing may still copy into what is unmapped next
             if out:   # a copy that did not finish: what the staging holds where is no longer known
-                forget_zeroed(list(self.held.staging.get(who, {}).values()))
+                forget_held(list(self.held.staging.get(who, {}).values()))
             self._undo(switch.kept(mapped) if switch is not None and out else mapped, made, out)
             raise GpucrError(f"{self.name}'s copy {'out' if out else 'in'} failed: {exc}") from exc
         finally:
@@ -523,7 +521,9 @@ class Mover(StagingMaker):
         a server that did not take it, an image, whose layout the caller matched to the manifest) each allocation
         must be one the agent lists, released, of the same size. Such a fill pins no staging (_ring_for), and what
         it makes goes to that process alone, which could make as much memory itself."""
-        if not from_image and self._took(who, plan):
+        if from_image:   # the image's reader wrote the staging: what this mover's last copy out left there is gone
+            self._taken.pop(who, None)
+        elif self._took(who, plan):
             return
         for idx, size, _seg, _off in plan:
             m = by_index.get(idx)

@@ -47,7 +47,8 @@ class Segment:
     busy: bool = False            # a pin ahead is pinning it, outside the data plane's lock (mover.py)
     abandon: bool = False         # ... and is to stop at the end of its piece: the segment is let go
     stuck: int = 0                # bytes the driver did not unpin when it was let go (kept mapped: drop)
-    zeroed: set[tuple[int, int]] = field(default_factory=set)   # (offset, bytes) the mover set to zero here (checked.py)
+    held: dict[tuple[int, int], bytes] = field(default_factory=dict)   # (offset, bytes) -> the digest of what the
+    #                             mover's last copy out left there (checked.py): not copied again while the GPU's is equal
 
     @property
     def bytes(self) -> int:

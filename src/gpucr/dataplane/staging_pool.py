@@ -235,7 +235,7 @@ class StagingPool:
                     and self._budget_left() >= p.size)
             if keep:
                 assert p is not None
-                seg.zeroed.clear()   # what the mover knew of its bytes was the app's
+                seg.held.clear()   # what the mover knew of its bytes was the app's
                 seg.abandon = False
                 self.free.append(p)
                 self.returned_total += p.size

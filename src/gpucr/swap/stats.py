@@ -93,7 +93,9 @@ def moved_of(result: Any) -> tuple[int, int]:
     if p is None:
         return 0, 0
     skipped = getattr(p, "bytes_zero_skipped", None)
-    if skipped is None:
+    if skipped is not None:   # a park: what the staging held already was not copied either
+        skipped += getattr(p, "bytes_unchanged_skipped", 0)
+    else:
         image = getattr(p, "image", None)
         skipped = (image.bytes_zeroed or 0) if image is not None else 0
     return int(p.bytes_moved), int(skipped)
