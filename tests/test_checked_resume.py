@@ -15,7 +15,7 @@ from gpucr import paths
 from gpucr.agent import AgentClient
 from gpucr.dataplane.sweep import STEP_ENV
 from gpucr.target import agent_socket_name
-from conftest import gpucr_cli
+from conftest import RunningServer, gpucr_cli
 
 MiB = 1 << 20
 
@@ -150,28 +150,42 @@ def test_scan_and_check_run_part_by_part_beside_the_copies(small_sweeps, sim_app
     assert gpucr.restore(app.pid, accept_mismatch=True).state == "running"
 
 
-def test_chunks_unchanged_since_the_last_copy_out_are_not_copied_again_and_a_changed_one_is(reused_server, sim_app):
-    """Beyond zero chunks (checked.py): a chunk whose digest on the GPU equals the one the server's last copy out left
-    in the same place of the staging is not copied again (weights between two parks); one the app changed is, and
-    the restore is byte-exact either way, checked."""
-    app = sim_app("--sizes", "16M,8M")   # random bytes: no zero chunk
-    first = gpucr.checkpoint(app.pid)
-    assert first.bytes_zero_skipped == first.bytes_unchanged_skipped == 0, first   # nothing known yet: all copied
-    gpucr.restore(app.pid)
-    before = app.ask("digest")
-    again = gpucr.checkpoint(app.pid)   # nothing changed on the GPU since
-    assert again.bytes_unchanged_skipped == 24 * MiB and again.bytes_zero_skipped == 0, again
-    rs = gpucr.restore(app.pid)
-    assert rs.checked and app.ask("digest") == before
-    app.ask("work 1")   # every byte of both buffers changed (the driver app adds to each)
-    changed = app.ask("digest")
-    third = gpucr.checkpoint(app.pid)
-    assert third.bytes_unchanged_skipped == 0, third
-    rs = gpucr.restore(app.pid)
-    assert rs.checked and app.ask("digest") == changed
-    plain = gpucr.checkpoint(app.pid, scan=False)   # no digests taken: the staging's record goes
-    gpucr.restore(app.pid)
-    assert plain.bytes_unchanged_skipped == 0
-    assert gpucr.checkpoint(app.pid).bytes_unchanged_skipped == 0, "after a copy out with no digests, all is copied"
-    gpucr.restore(app.pid)
-    assert app.ask("digest") == changed
+def test_by_default_every_chunk_not_all_zero_is_copied_out_at_every_cycle(reused_server, sim_app):
+    """Without `gpucr serve --skip-unchanged` each cycle moves the same bytes, unchanged or not (what the bench's
+    repeated cycles measure)."""
+    app = sim_app("--sizes", "16M,8M")
+    for _ in range(2):
+        ck = gpucr.checkpoint(app.pid)
+        assert ck.bytes_unchanged_skipped == 0 and ck.bytes_zero_skipped == 0, ck
+        gpucr.restore(app.pid)
+
+
+def test_with_skip_unchanged_chunks_unchanged_since_the_last_copy_out_are_not_copied_again_and_a_changed_one_is(sim_app):
+    """`gpucr serve --skip-unchanged` (checked.py): a chunk whose digest on the GPU equals the one the server's last
+    copy out left in the same place of the staging is not copied again (weights between two parks); one the app
+    changed is, and the restore is byte-exact either way, checked."""
+    srv = RunningServer(True, "--skip-unchanged")
+    try:
+        app = sim_app("--sizes", "16M,8M")   # random bytes: no zero chunk
+        first = gpucr.checkpoint(app.pid)
+        assert first.data_plane == "server" and first.bytes_unchanged_skipped == 0, first   # nothing known yet
+        gpucr.restore(app.pid)
+        before = app.ask("digest")
+        again = gpucr.checkpoint(app.pid)   # nothing changed on the GPU since
+        assert again.bytes_unchanged_skipped == 24 * MiB and again.bytes_zero_skipped == 0, again
+        rs = gpucr.restore(app.pid)
+        assert rs.checked and app.ask("digest") == before
+        app.ask("work 1")   # every byte of both buffers changed (the driver app adds to each)
+        changed = app.ask("digest")
+        third = gpucr.checkpoint(app.pid)
+        assert third.bytes_unchanged_skipped == 0, third
+        rs = gpucr.restore(app.pid)
+        assert rs.checked and app.ask("digest") == changed
+        plain = gpucr.checkpoint(app.pid, scan=False)   # no digests taken: the staging's record goes
+        gpucr.restore(app.pid)
+        assert plain.bytes_unchanged_skipped == 0
+        assert gpucr.checkpoint(app.pid).bytes_unchanged_skipped == 0, "after a copy out with no digests, all is copied"
+        gpucr.restore(app.pid)
+        assert app.ask("digest") == changed
+    finally:
+        srv.stop()

@@ -133,6 +133,10 @@ def _parser() -> argparse.ArgumentParser:
     sv.add_argument("--reserve-hugepages", action="store_true", help="as root, reserve --prepare-staging's SIZE in 2 MiB "
                     "hugepages when the server starts and give them back when it stops: staging made ahead is then on "
                     "hugepages, ready sooner after the start (docs/server.md)")
+    sv.add_argument("--skip-unchanged", action="store_true", help="a checkpoint copies out only the 2 MiB chunks "
+                    "whose digest changed since this server's last copy out of the process into the same staging, not "
+                    "only those not all zero (default: every chunk not all zero, so each cycle moves the same bytes; "
+                    "docs/server.md)")
     sv.add_argument("--park-dir", metavar="DIR", help="where parked swap apps past --host-budget go as images: a "
                     "directory of yours, mode 0700 (default: gpucr/parked under $XDG_STATE_HOME or ~/.local/state)")
     sv.add_argument("--http", metavar="HOST:PORT", type=loopback, help="also serve the HTTP API, /metrics and the "

@@ -99,7 +99,8 @@ def cmd_serve(a: argparse.Namespace) -> int:
         route.note(f"{missing}; serving without it")
     return foreground.main(a.idle_exit, keep_context=not a.give_back_context, host_budget=a.host_budget,
                            park_dir=a.park_dir, routes=not a.no_routes, face=None if missing else service_http.face(a.http),
-                           prepare_staging=a.prepare_staging or "", reserve_hugepages=a.reserve_hugepages)
+                           prepare_staging=a.prepare_staging or "", reserve_hugepages=a.reserve_hugepages,
+                           skip_unchanged=a.skip_unchanged)
 
 
 def _prepares_a_size(setting: str) -> bool:

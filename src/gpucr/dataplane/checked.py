@@ -104,16 +104,19 @@ def forget_held(segments: Sequence[Segment]) -> None:
         g.held.clear()
 
 
-def out_runs(g: Segment, off: int, lo: int, hi: int, scan: AllocationScan) -> list[tuple[int, int, bool, bool]]:
+def out_runs(g: Segment, off: int, lo: int, hi: int, scan: AllocationScan,
+             unchanged: bool = False) -> list[tuple[int, int, bool, bool]]:
     """A copy out's bytes [lo, hi) of an allocation staged at `off` in g, scanned, as runs of chunks (start, bytes,
     held, zero): held where g holds the same bytes already (the digest of its last copy out there equals the GPU's),
-    which need not cross the link again; zero where the chunk is all zero."""
+    which need not cross the link again: zero chunks, and with `unchanged` (gpucr serve --skip-unchanged) any chunk;
+    zero where the chunk is all zero."""
     assert lo % CHUNK == 0, lo
     runs: list[tuple[int, int, bool, bool]] = []
     for k in range(lo // CHUNK, chunk_count(hi)):
         at = k * CHUNK
         n = min(CHUNK, hi - at)
-        kind = (bool(scan.digests[k]) and g.held.get((off + at, n)) == scan.digests[k], scan.zero[k])
+        same = bool(scan.digests[k]) and g.held.get((off + at, n)) == scan.digests[k]
+        kind = (same and (unchanged or scan.zero[k]), scan.zero[k])
         if runs and runs[-1][2:] == kind:
             runs[-1] = (runs[-1][0], runs[-1][1] + n, *kind)
         else:

@@ -63,6 +63,7 @@ class Mover(StagingMaker):
     process's staging mapped and pinned once. One copy at a time: the link is the limit anyway.
     pinned_staging=False: the CLI's own mover, for one request with no server running (LaterPlane): the
     staging is only mapped, and every copy goes through a small pinned ring (ring.py)."""
+    skip_unchanged = False   # gpucr serve --skip-unchanged: not only zero chunks the staging holds (checked.py)
 
     def __init__(self, drv: Driver, routes: bool = True, keep_context: bool = True,
                  pinned_staging: bool = True) -> None:
@@ -352,8 +353,7 @@ class Mover(StagingMaker):
 
         def enqueue(staged: dict[int, Segment], idx: int, size: int, seg: int, off: int, va: int, dev: int, lo: int = 0,
                     n: int | None = None, scan: AllocationScan | None = None) -> None:
-            """The copies (and memsets) of bytes [lo, lo + n) of allocation idx (default all of it); scan: a copy
-            out's scan of it, whose chunks the staging holds already are skipped; a fill's zero chunks: `zeros`."""
+            """The copies (and memsets) of [lo, lo + n) of allocation idx (default all); scan: a copy out's (checked.py)."""
             nonlocal turn
             tq = time.perf_counter()
             ctx, streams = self._ctx[dev][0], self._streams(dev, out)
@@ -361,7 +361,7 @@ class Mover(StagingMaker):
             g = staged[seg]
             share = 1 if switch is not None else routing.share(dev)   # a switch's way is the GPU's own link
             hi = size if n is None else lo + n
-            runs = (out_runs(g, off, lo, hi, scan) if scan is not None else
+            runs = (out_runs(g, off, lo, hi, scan, self.skip_unchanged) if scan is not None else
                     [(a, b, False, z) for a, b, z in spans(lo, hi, zero_within(zeros.get(idx, []), lo, hi))])
             for start, length, held, zero in runs:
                 if held:   # the staging holds these bytes already (checked.py)

@@ -91,6 +91,7 @@ class Server:
         for parked apps, and where those past it go as images (gpucr.swap.disk)."""
         self.simulated = controller_simulated()
         self.keep_context, self.routes = keep_context, routes
+        self.skip_unchanged = False   # gpucr serve --skip-unchanged (Mover.skip_unchanged)
         self._mover: Mover | None = None
         self._mover_lock = threading.Lock()
         self.idle_exit_s = idle_exit_s
@@ -300,6 +301,7 @@ class Server:
             if self._mover is None:
                 self._mover = Mover(controller_driver(), routes=self.routes, keep_context=self.keep_context)
                 self._mover.said = log
+                self._mover.skip_unchanged = self.skip_unchanged
             self._mover.forget_ended()
             return self._mover
 

@@ -17,12 +17,14 @@ from .daemon import Server, log
 def main(idle_exit_s: float | None = None, keep_context: bool = True, routes: bool = True,
          host_budget: str | None = None, park_dir: str | None = None,
          face: Callable[[Server], Callable[[], None]] | None = None, prepare_staging: str = "",
-         reserve_hugepages: bool = False) -> int:
+         reserve_hugepages: bool = False, skip_unchanged: bool = False) -> int:
     """Serve until stopped (or, with `idle_exit_s`, that long with no process under gpucr and no request).
     host_budget: 64G or 50% (gpucr.sizes). face(server): another way in, started once the socket is bound (the HTTP
-    API); what it returns stops it. reserve_hugepages: prepare_staging's size in hugepages, for as long as it runs."""
+    API); what it returns stops it. reserve_hugepages: prepare_staging's size in hugepages, for as long as it runs.
+    skip_unchanged: copies out skip the chunks whose digest did not change since the last (Mover.skip_unchanged)."""
     controller_driver()   # cuInit once, here: a server that cannot reach its driver does not start
     srv = Server(idle_exit_s, keep_context, routes, sizes.budget_bytes(host_budget) if host_budget else None, park_dir)
+    srv.skip_unchanged = skip_unchanged
     srv.bind()
     signal.signal(signal.SIGTERM, lambda *_: srv.stopping.set())
     signal.signal(signal.SIGINT, lambda *_: srv.stopping.set())
