@@ -72,6 +72,8 @@ void *gpucr_substitute(void *p);
  * the closed gate (thunk.c), or `real` itself. */
 void *gpucr_hand_out(const char *name, void *real);
 void *gpucr_thunk_for(const char *name, void *real);
+bool gpucr_is_driver_handle(void *handle);
+void gpucr_thunks_reset_after_fork(void);
 
 /* Driver functions the agent calls itself but does not wrap (resolved in entry.c). None copies or pins: the
  * data plane runs in another process (tests/test_agent_calls.py holds this list, and REAL()'s, to that). */

@@ -328,6 +328,7 @@ static void after_fork_parent(void) { reg_unlock(); }
 static void after_fork_child(void)
 {
     gpucr_gate_reset_after_fork();
+    gpucr_thunks_reset_after_fork();
     gpucr_room_reset_after_fork();
     reg_reset_after_fork();
     dp_reset_after_fork();

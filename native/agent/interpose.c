@@ -69,7 +69,7 @@ GPUCR_EXPORT void *dlsym(void *handle, const char *name)
     /* The wrapper itself resolves its real function lazily, so nothing is initialised here: the
      * driver may call dlsym while it is being loaded. */
     const struct gpucr_entry *e = gpucr_entry_by_symbol(name);
-    return e ? gpucr_wrapper_of(e) : gpucr_thunk_for(name, p);
+    return e ? gpucr_wrapper_of(e) : gpucr_is_driver_handle(handle) ? gpucr_thunk_for(name, p) : p;
 }
 
 #endif

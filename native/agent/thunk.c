@@ -104,30 +104,29 @@ static bool passes(const char *name)
     return false;
 }
 
-/* Whether `real` lies in a CUDA driver (the system's, or simcuda): an object that exports the driver's resolver.
- * Asked also before gpucr_init (dlsym while a library loads), so it does not rely on the driver being loaded. */
-static bool in_a_driver(void *real)
+/* Whether `handle` (a dlsym's) is a CUDA driver (the system's, or simcuda): it exports the driver's resolver and is
+ * not the agent. Asked inside the application's dlsym, also before gpucr_init: only dlsym itself is called here, no
+ * dlopen or dladdr (each takes the loader's lock, which another thread may hold while it waits for this one). */
+bool gpucr_is_driver_handle(void *handle)
 {
-    static _Atomic(void *) known_base;   /* the last object found to be a driver */
-    Dl_info info;
-    if (!dladdr(real, &info) || !info.dli_fname) return false;
-    if (info.dli_fbase == atomic_load(&known_base)) return true;
-    void *h = dlopen(info.dli_fname, RTLD_LAZY | RTLD_NOLOAD);
-    if (!h) return false;
-    bool driver = gpucr_real_dlsym(h, "cuGetProcAddress_v2") != NULL && gpucr_real_dlsym(h, "gpucr_entry_table") == NULL;
-    dlclose(h);
-    if (driver) atomic_store(&known_base, info.dli_fbase);
-    return driver;
+    if (handle == RTLD_DEFAULT || handle == RTLD_NEXT) return false;
+    return gpucr_real_dlsym(handle, "cuGetProcAddress_v2") != NULL && gpucr_real_dlsym(handle, "gpucr_entry_table") == NULL;
+}
+
+/* A fork child: a thread of the parent that held the lock is not there to release it. */
+void gpucr_thunks_reset_after_fork(void)
+{
+    pthread_mutex_init(&g_mu, NULL);
 }
 
 /* The driver's function `real`, of this name, as the application is to call it: through a thunk where the rule
- * above asks for one; as it is otherwise (and once all THUNKS are used, with a warning). */
+ * above asks for one; as it is otherwise (and once all THUNKS are used, with a warning). The caller knows `real` is
+ * the driver's (cuGetProcAddress, the runtime's resolvers, a dlsym of a driver's handle). */
 void *gpucr_thunk_for(const char *name, void *real)
 {
 #if defined(__x86_64__)
     if (!real || !name || name[0] != 'c' || name[1] != 'u' || name[2] < 'A' || name[2] > 'Z' || passes(name))
         return real;
-    if (!in_a_driver(real)) return real;   /* another library's cu* name */
     pthread_mutex_lock(&g_mu);
     int n = atomic_load(&g_used), i = 0;
     while (i < n && g_thunks[i].real != real) i++;
