@@ -189,3 +189,22 @@ def test_with_skip_unchanged_chunks_unchanged_since_the_last_copy_out_are_not_co
         assert app.ask("digest") == changed
     finally:
         srv.stop()
+
+
+def test_the_staging_notes_only_what_a_later_copy_out_may_skip():
+    """checked.note_held: by default only zero chunks are noted, so staging with no zero chunk keeps no record and the
+    next copy out does not wait for its scan (mover.py's `early`); with --skip-unchanged every chunk is."""
+    from gpucr.dataplane.checked import Taken, note_held
+    from gpucr.dataplane.chunks import CHUNK
+    from gpucr.dataplane.pinned import Segment
+    from gpucr.dataplane.scan import AllocationScan
+    plan = [(0, 3 * CHUNK, 0, 0)]
+    scan = AllocationScan(zero=[False, True, False], digests=[b"a" * 16, b"z" * 16, b"c" * 16])
+    for unchanged, noted in ((False, {(CHUNK, CHUNK): b"z" * 16}),
+                             (True, {(0, CHUNK): b"a" * 16, (CHUNK, CHUNK): b"z" * 16, (2 * CHUNK, CHUNK): b"c" * 16})):
+        g = Segment(ident=(0, 0), addr=0, declared=3 * CHUNK)
+        note_held({0: g}, plan, Taken(plan, {0: scan}), unchanged)
+        assert g.held == noted, unchanged
+    g = Segment(ident=(0, 0), addr=0, declared=3 * CHUNK, held={(0, CHUNK): b"a" * 16})
+    note_held({0: g}, plan, Taken(plan, scanned=False), True)
+    assert g.held == {}, "a copy out with no digests leaves nothing known"

@@ -126,10 +126,10 @@ def zero_parts(ck: dict[str, Any], rs: dict[str, Any]) -> dict[str, Any]:
     scanned, checked = ck.get("scanned"), rs.get("checked")
     check_s = rs["steps_s"].get("server_check") if checked else None
     skipped, zeroed = ck.get("bytes_zero_skipped"), rs.get("bytes_zeroed")
+    unchanged = ck.get("bytes_unchanged_skipped", 0)
     return {"scanned": scanned, "checked": checked, "bytes_scanned": ck.get("bytes_scanned"),
-            "bytes_zero_skipped": skipped, "bytes_zeroed": zeroed,
-            "bytes_unchanged_skipped": ck.get("bytes_unchanged_skipped", 0),
-            "bytes_over_link_out": None if skipped is None else ck["bytes_moved"] - skipped - ck.get("bytes_unchanged_skipped", 0),
+            "bytes_zero_skipped": skipped, "bytes_zeroed": zeroed, "bytes_unchanged_skipped": unchanged,
+            "bytes_over_link_out": None if skipped is None else ck["bytes_moved"] - skipped - unchanged,
             "bytes_over_link_in": None if zeroed is None else rs["bytes_moved"] - zeroed,
             "scan_s": ck["steps_s"].get("server_scan") if scanned else None, "check_s": check_s,
             "check_share": check_s / rs["wall_s"] if check_s is not None and rs.get("wall_s") else None}

@@ -104,19 +104,16 @@ def forget_held(segments: Sequence[Segment]) -> None:
         g.held.clear()
 
 
-def out_runs(g: Segment, off: int, lo: int, hi: int, scan: AllocationScan,
-             unchanged: bool = False) -> list[tuple[int, int, bool, bool]]:
+def out_runs(g: Segment, off: int, lo: int, hi: int, scan: AllocationScan) -> list[tuple[int, int, bool, bool]]:
     """A copy out's bytes [lo, hi) of an allocation staged at `off` in g, scanned, as runs of chunks (start, bytes,
-    held, zero): held where g holds the same bytes already (the digest of its last copy out there equals the GPU's),
-    which need not cross the link again: zero chunks, and with `unchanged` (gpucr serve --skip-unchanged) any chunk;
-    zero where the chunk is all zero."""
+    held, zero): held where g holds the same bytes already (the digest note_held left there equals the GPU's), which
+    need not cross the link again; zero where the chunk is all zero."""
     assert lo % CHUNK == 0, lo
     runs: list[tuple[int, int, bool, bool]] = []
     for k in range(lo // CHUNK, chunk_count(hi)):
         at = k * CHUNK
         n = min(CHUNK, hi - at)
-        same = bool(scan.digests[k]) and g.held.get((off + at, n)) == scan.digests[k]
-        kind = (same and (unchanged or scan.zero[k]), scan.zero[k])
+        kind = (bool(scan.digests[k]) and g.held.get((off + at, n)) == scan.digests[k], scan.zero[k])
         if runs and runs[-1][2:] == kind:
             runs[-1] = (runs[-1][0], runs[-1][1] + n, *kind)
         else:
@@ -124,9 +121,11 @@ def out_runs(g: Segment, off: int, lo: int, hi: int, scan: AllocationScan,
     return runs
 
 
-def note_held(staged: dict[int, Segment], plan: Plan, taken: Taken) -> None:
-    """A copy out done and drained: the staging holds, chunk by chunk, the bytes whose digests its scan took; one
-    that took no digests (`--no-scan`) leaves nothing known."""
+def note_held(staged: dict[int, Segment], plan: Plan, taken: Taken, unchanged: bool) -> None:
+    """A copy out done and drained: the staging holds, chunk by chunk, the bytes whose digests its scan took. Noted
+    are those a later copy out may skip: the zero chunks, and with `unchanged` (gpucr serve --skip-unchanged) every
+    chunk; so where nothing may be skipped nothing is noted, and a copy out does not wait for its scan (mover.py's
+    `early`). One that took no digests (`--no-scan`) leaves nothing known."""
     if not taken.scanned:
         forget_held(list(staged.values()))
     for idx, size, seg, off in plan:
@@ -134,5 +133,5 @@ def note_held(staged: dict[int, Segment], plan: Plan, taken: Taken) -> None:
         if scan is not None:
             g = staged[seg]
             for k, digest in enumerate(scan.digests):
-                if digest:
+                if digest and (unchanged or scan.zero[k]):
                     g.held[(off + k * CHUNK, min(CHUNK, size - k * CHUNK))] = digest

@@ -361,7 +361,7 @@ class Mover(StagingMaker):
             g = staged[seg]
             share = 1 if switch is not None else routing.share(dev)   # a switch's way is the GPU's own link
             hi = size if n is None else lo + n
-            runs = (out_runs(g, off, lo, hi, scan, self.skip_unchanged) if scan is not None else
+            runs = (out_runs(g, off, lo, hi, scan) if scan is not None else
                     [(a, b, False, z) for a, b, z in spans(lo, hi, zero_within(zeros.get(idx, []), lo, hi))])
             for start, length, held, zero in runs:
                 if held:   # the staging holds these bytes already (checked.py)
@@ -483,7 +483,7 @@ class Mover(StagingMaker):
             st.route_s, st.looks_s = time.perf_counter() - t0, routing.looks_s
             self._sync(placed, ring, out)   # the pieces the routes' thread sent straight after giving a route up
             if out:   # what the staging holds now, chunk by chunk (checked.py)
-                note_held(staged, plan, taken)
+                note_held(staged, plan, taken, self.skip_unchanged)
             if checker is not None:
                 tc = time.perf_counter()   # before the fds go back: a fill whose bytes differ is undone
                 st.digests_compared = checker.finish()
