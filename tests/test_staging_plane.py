@@ -39,6 +39,18 @@ def _thread_names(pid: int) -> set[str]:
     return names
 
 
+
+def fd_links(pid: int) -> list[str]:
+    """What each open fd of the process names; an fd closed between the listing and its readlink (the app's
+    threads run on meanwhile) is left out."""
+    links = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            links.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+        except FileNotFoundError:
+            pass
+    return links
+
 def test_the_app_runs_no_thread_to_prepare_its_staging(sim_app):
     """Its first checkpoint makes 192 MiB of staging: faulted in by the plane, never by threads in the app."""
     app = sim_app("--sizes", "128M,64M", env={**os.environ, "GPUCR_STAGING": "shm"})
@@ -58,7 +70,7 @@ def test_the_app_runs_no_thread_to_prepare_its_staging(sim_app):
     assert "staging" in result.phases_s, "the plane made staging before the handover"
     assert not any(n.startswith("gpucr-touch") for n in seen), seen
     assert b"gpucr-touch" not in paths.agent_lib().read_bytes(), "the agent makes no staging any more"
-    held = [os.readlink(f"/proc/{app.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{app.pid}/fd")]
+    held = fd_links(app.pid)
     assert any(link.startswith("/memfd:gpucr-staging") for link in held), "the agent holds the plane's memfds"
     gpucr.restore(app.pid)
 
@@ -110,7 +122,7 @@ def test_file_staging_is_an_unlinked_file_in_the_dir(sim_app, tmp_path):
     before = app.ask("digest")
     gpucr.checkpoint(app.pid)
     assert list(tmp_path.iterdir()) == [], "no name left behind"
-    held = [os.readlink(f"/proc/{app.pid}/fd/{fd}") for fd in os.listdir(f"/proc/{app.pid}/fd")]
+    held = fd_links(app.pid)
     assert any(link.startswith(str(tmp_path)) and link.endswith("(deleted)") for link in held), held
     gpucr.restore(app.pid)
     assert app.ask("digest") == before
