@@ -1,5 +1,5 @@
 """The agent's process phases (issue 25: an explicit state per process, each transition checked in one function
-that refuses an illegal one by name): running -> (quiesced) -> handed -> copied -> parked (-> on disk -> parked)
+that refuses an illegal one by name): running -> (quiesced) -> handed -> copied -> parked (-> on disk)
 -> running; status says the phase, and a step that does not lead from the phase the process is in is refused,
 naming both phases, with nothing touched."""
 from __future__ import annotations
@@ -24,10 +24,9 @@ def phase(pid: int) -> str:
 
 @pytest.mark.parametrize("verb,args,refusal", [
     ("handed_done", {}, "handed_done refused: the process is running, and handed_done does not lead from there to copied"),
-    ("stage", {}, "stage refused: the process is running, and stage does not lead from there to parked"),
     ("drop", {}, "drop refused: the process is running, and drop does not lead from there to on disk"),
     ("restore", {"open_gate": 0}, "restore refused: the process is running, and restore does not lead from there to running"),
-    ("adopt", {"from": 0}, "adopt refused: the process is running, not parked with its data in staging"),
+    ("adopt", {"from": 0}, "adopt refused: the process is running, not parked"),
     ("abort", {}, "no checkpoint in progress to abort (the process is running)"),
 ])
 def test_a_step_that_does_not_lead_from_the_phase_is_refused_by_name(sim_app, verb, args, refusal):
@@ -86,7 +85,9 @@ def test_status_follows_the_phases_of_a_cycle_and_an_image(sim_app, tmp_path):
     assert phase(app.pid) == "running"
     gpucr.checkpoint(app.pid, image=tmp_path / "img")
     assert phase(app.pid) == "on disk"
-    with agent(app.pid) as a, pytest.raises(GpucrError, match="adopt refused: the process is on disk"):
-        a.call("adopt", **{"from": 0})
+    # on disk, the image is filled straight into new memory: a restore before every allocation is adopted is refused
+    with agent(app.pid) as a, pytest.raises(GpucrError, match="were not brought back by gpucr's data plane"):
+        a.call("restore", open_gate=0)
+    assert phase(app.pid) == "on disk"
     gpucr.restore(app.pid, image=tmp_path / "img")
     assert phase(app.pid) == "running" and app.ask("digest") == before

@@ -71,8 +71,11 @@ def test_image_frees_host_memory_and_restores_byte_exact(sim_app, tmp_path, reus
         gpucr.restore(app.pid)
     rs = gpucr.restore(app.pid, image=img)
     assert rs.data_plane == plane and rs.bytes_moved == ck.bytes_moved, rs
-    assert rs.image.bytes == ck.image.bytes
+    assert rs.image.bytes == ck.image.bytes and rs.image.bytes_read == ck.image.bytes_written
     assert app.ask("digest") == before   # every buffer's bytes, read at its own address
+    # read straight from the image into the plane's ring and on to the GPU: no staging was made for it
+    assert gpucr.status(app.pid).staging_bytes == 0 and "stage" not in rs.phases_s, rs.phases_s
+    assert server_staging_of(reused_server, app.pid) == []
 
 
 def test_zero_chunks_are_recorded_not_written(sim_app, tmp_path):
@@ -113,11 +116,18 @@ def test_broken_and_foreign_images_are_refused(imaged_app, tmp_path):
     os.truncate(truncated / "data.bin", (truncated / "data.bin").stat().st_size - 4096)
     no_manifest = broken("nomanifest")
     (no_manifest / "manifest.json").unlink()
+    split = broken("split")   # chunks that still tile every byte, but not in the pieces the data plane reads
+    m = json.loads((split / "manifest.json").read_text())
+    first = m["processes"][0]["data"][0]
+    whole = first["chunks"][0]
+    first["chunks"][:1] = [{**whole, "bytes": whole["bytes"] // 2},
+                           {**whole, "offset": whole["offset"] + whole["bytes"] // 2, "bytes": whole["bytes"] // 2}]
+    (split / "manifest.json").write_text(json.dumps(m))
 
     other, _, foreign = imaged_app("64M,8M", "foreign")
 
     cases = [(corrupt, "does not match its digest"), (truncated, "truncated"), (no_manifest, "no checkpoint manifest"),
-             (foreign, f"not of process {app.pid}"), (old, "stale image")]
+             (foreign, f"not of process {app.pid}"), (old, "stale image"), (split, "MiB pieces (not an image gpucr wrote)")]
     for image, why in cases:
         r = gpucr_cli("restore", "--image", str(image), str(app.pid))
         assert r.returncode != 0, image
@@ -127,6 +137,13 @@ def test_broken_and_foreign_images_are_refused(imaged_app, tmp_path):
     gpucr.restore(app.pid, image=good)
     assert app.ask("digest") == before
     gpucr.restore(other.pid, image=foreign)
+
+
+def test_an_image_is_read_in_the_pieces_the_data_plane_copies():
+    """Each piece the ring reads from an image is one chunk of it, checked whole against its digest."""
+    from gpucr.dataplane.mover import CHUNK as PIECE
+    from gpucr.image import CHUNK
+    assert CHUNK == PIECE
 
 
 def test_app_joins_the_cut(sim_app, tmp_path):

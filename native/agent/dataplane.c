@@ -34,8 +34,8 @@ static const char *const PHASE_NAME[] = {"running", "quiesced", "handed", "copie
 #define R 1
 /* LEGAL[from][to]. A checkpoint: running (-> quiesced, several processes) -> handed -> copied -> parked (commit);
  * undone before its commit: quiesced, handed or copied -> running (abort: the agent's fds kept the memory). An
- * image: parked -> on disk (staging dropped) -> parked (staged to be filled from it). A restore: parked -> running
- * (every allocation adopted; the gate may stay closed for the relink). */
+ * image: parked -> on disk (staging dropped). A restore: parked or on disk -> running (every allocation adopted,
+ * filled from staging or straight from the image; the gate may stay closed for the relink). */
 static const bool LEGAL[6][6] = {
     /*              running quiesced handed copied parked on-disk */
     [PH_RUNNING]  = {0,     R,       R,     0,     0,     0},
@@ -43,7 +43,7 @@ static const bool LEGAL[6][6] = {
     [PH_HANDED]   = {R,     0,       0,     R,     0,     0},
     [PH_COPIED]   = {R,     0,       0,     0,     R,     0},
     [PH_PARKED]   = {R,     0,       0,     0,     0,     R},
-    [PH_ON_DISK]  = {0,     0,       0,     0,     R,     0},
+    [PH_ON_DISK]  = {R,     0,       0,     0,     0,     0},
 };
 #undef R
 
@@ -380,8 +380,8 @@ int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t
     *adopted = 0;
     /* handed over and not committed: only what was given back early is adopted (a two-way switch rolled back) */
     bool given_only = g_dp.phase == PH_HANDED || g_dp.phase == PH_COPIED;
-    if (g_dp.phase != PH_PARKED && !given_only) {
-        seterr(err, errlen, "adopt refused: the process is %s, not parked with its data in staging", PHASE_NAME[g_dp.phase]);
+    if (g_dp.phase != PH_PARKED && g_dp.phase != PH_ON_DISK && !given_only) {
+        seterr(err, errlen, "adopt refused: the process is %s, not parked", PHASE_NAME[g_dp.phase]);
         return -1;
     }
     int k = 0, i = 0;
@@ -469,11 +469,9 @@ int dp_unadopt(int *undone, char *err, size_t errlen)
 
 int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t errlen)
 {
-    /* while it runs: the segments prepared so far (a gpucr server pins them ahead), with no allocations */
-    if (g_dp.phase == PH_ON_DISK) {
-        seterr(err, errlen, "the data is not staged");
-        return -1;
-    }
+    /* while it runs: the segments prepared so far (a gpucr server pins them ahead), with no allocations; on disk:
+     * no segments, and each allocation an image holds at segment -1 (a controller fills it from the image) */
+    (void)err; (void)errlen;
     size_t sizes[STAGING_MAX_SEGS];
     const char *kinds[STAGING_MAX_SEGS];
     *nfds = staging_segments(fds, sizes, kinds, maxfds);
@@ -496,9 +494,11 @@ int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t e
         if (!reg_phys_released(p)) continue;
         int seg = -1;
         size_t off = 0;   /* where in staging: an allocation with none was not moved (an import) */
-        if (!p->staging_seg) continue;
-        seg = p->staging_seg - 1;
-        off = p->staging_off;
+        if (g_dp.phase == PH_ON_DISK ? p->kind == PHYS_IMPORTED : !p->staging_seg) continue;
+        if (p->staging_seg) {
+            seg = p->staging_seg - 1;
+            off = p->staging_off;
+        }
         jb_sub(j, NULL);
         jb_int(j, "index", index);   /* as the memory verb numbers it */
         jb_int(j, "va", (long long)full_mapping_va(p));
@@ -538,17 +538,6 @@ int dp_hold(const int *fds, int n, bool replace, int entry_fd, char *err, size_t
         return -1;
     }
     return staging_hold(fds, n, replace, entry_fd, err, errlen);
-}
-
-/* Every allocation the last checkpoint staged placed again, in the staging the plane made to read an image into
- * (an import it unlinked is its exporter's to save). */
-int dp_stage(char *err, size_t errlen)
-{
-    if (!may_move(PH_PARKED, "stage", err, errlen)) return -1;
-    size_t need = 0;
-    if (place_in_staging(false, &need, err, errlen)) return -1;
-    move(PH_PARKED);
-    return 0;
 }
 
 int dp_resume(char *err, size_t errlen)

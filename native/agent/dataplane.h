@@ -41,11 +41,10 @@ void dp_get_progress(unsigned long long *bytes, unsigned long long *steps);
 /* Coverage problems that make a checkpoint unsafe, as one line; empty when there are none. */
 void dp_preflight(char *why, size_t len);
 void dp_reset_after_fork(void);
-/* Images: describe the staged data and hand out the staging segments' fds; give staging up once
- * the data is safe in an image; place the data again in new staging, to be filled from an image, before a restore. */
+/* Images: describe the staged data and hand out the staging segments' fds (on disk: the allocations an image holds,
+ * in no segment); give staging up once the data is safe in an image. */
 int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t errlen);
 int dp_drop_staged(char *err, size_t errlen);
-int dp_stage(char *err, size_t errlen);
 /* Hold the staging the data plane made (staging.c's staging_hold), refused while staging holds the process's data. */
 int dp_hold(const int *fds, int n, bool replace, int entry_fd, char *err, size_t errlen);
 /* Shared memory (POSIX fds): list it; re-export after a restore; relink an importer; open the gate. */

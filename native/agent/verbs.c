@@ -179,14 +179,9 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
         if (replace < 0 || replace > 1 || entry < 0 || entry > 1 || c->nin < entry)
             rc = (snprintf(err, sizeof err, "hold takes replace=0|1 entry=0|1 and the segments' fds (the entry's last)"), -1);
         else rc = dp_hold(c->in, c->nin - entry, replace == 1, entry ? c->in[c->nin - 1] : -1, err, sizeof err);
-    } else if (!strcmp(verb, "resume")) {
+    } else {   /* resume */
         rc = dp_resume(err, sizeof err);
-    } else {   /* stage; lease=1: a controller fills it from an image itself, then adopts or restores */
-        rc = dp_stage(err, sizeof err);
-        if (rc == 0 && lease) c->stage_lease = true;
     }
-    /* staging filled in part must never be restored from: once used (or dropped), it is no longer at stake */
-    if (rc == 0 && (!strcmp(verb, "adopt") || !strcmp(verb, "restore") || !strcmp(verb, "drop"))) c->stage_lease = false;
     end_change();
     if (rc) { c->nfds = 0; reply_error(j, err); return; }
     if (status_after) reply_status(j);
@@ -253,26 +248,12 @@ void verbs_handle(const char *req, struct jb *j, struct client *c)
         else jb_bool(j, "ok", true);
     }
     else if (!strcmp(verb, "quiesce") || !strcmp(verb, "abort") || !strcmp(verb, "restore") ||
-             !strcmp(verb, "drop") || !strcmp(verb, "stage") || !strcmp(verb, "export") ||
+             !strcmp(verb, "drop") || !strcmp(verb, "export") ||
              !strcmp(verb, "relink") || !strcmp(verb, "orphan") || !strcmp(verb, "resume") ||
              !strcmp(verb, "handover") || !strcmp(verb, "handed_done") || !strcmp(verb, "adopt") ||
              !strcmp(verb, "unadopt") || !strcmp(verb, "hold") || !strcmp(verb, "give_back"))
         handle_op(verb, req, j, c);
     else reply_error(j, "unknown request verb");
-}
-
-/* The controller that made staging for an image's data (stage lease=1) is gone before it used it: what it read
- * may be in part, so it is dropped; the process stays checkpointed, the image its source. */
-static void drop_abandoned_staging(void)
-{
-    begin_change(true);
-    struct dp_status st;
-    dp_get_status(&st);
-    char err[200];
-    if (st.phase == PH_PARKED && dp_drop_staged(err, sizeof err) == 0)
-        gpucr_warn("the controller went away while it read an image: the staging it filled in part is dropped, "
-                   "restore from the image");
-    end_change();
 }
 
 /* The controller that checkpointed under a lease is gone before committing: undo it. */
@@ -305,7 +286,6 @@ static void roll_back_abandoned(void)
 void verbs_connection_ended(const struct client *c)
 {
     if (c->lease) roll_back_abandoned();
-    if (c->stage_lease) drop_abandoned_staging();
     if (c->watches) gpucr_room_watching(-1);
 }
 

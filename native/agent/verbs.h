@@ -13,7 +13,6 @@
 struct client {
     int fd;
     bool lease;                 /* this connection's checkpoint is not committed yet */
-    bool stage_lease;           /* it made staging to fill from an image, not used yet: dropped if it ends first */
     int fds[STAGING_MAX_SEGS];  /* to send with the answer (SCM_RIGHTS) */
     int nfds;
     bool close_sent;            /* the fds sent are ours to close afterwards (a re-export) */

@@ -1,8 +1,10 @@
 """Checkpoint images on disk: the staged data of one process as one data file of 64 MiB chunks,
-each with an xxh3 digest; all-zero chunks are recorded, not written. Writes and reads go several at
-a time, with O_DIRECT where the filesystem allows it (buffered otherwise)."""
+each with an xxh3 digest; all-zero chunks are recorded, not written. Writes go several at a time from
+staging, reads straight into the data plane's ring (ImageSource), both with O_DIRECT where the
+filesystem allows it (buffered otherwise)."""
 from __future__ import annotations
 
+import ctypes
 import mmap
 import os
 import sys
@@ -124,76 +126,79 @@ def write(idir: ImageDir, layout: dict[str, Any], fds: list[int]) -> tuple[list[
                     "gbps": foff / secs / 1e9 if secs else None}
 
 
-def read(idir: ImageDir, allocs: list[dict[str, Any]], layout: dict[str, Any], fds: list[int],
-         on_ready: Callable[[int], None] | None = None, fresh: bool = True,
-         on_zero: Callable[[int, int], None] | None = None,
-         on_chunk: Callable[[], None] | None = None) -> dict[str, Any]:
-    """Read an image into staged memory, verifying every chunk's digest.
+class ImageSource:
+    """An image's data file as a restore's fill reads it (gpucr.plane.ImageData): straight into the data plane's
+    pinned ring, each chunk checked against its digest in the slot it lands in, then copied to the GPU; zero chunks
+    are set on the GPU, not read. No staging is made for it (it used to be read whole into new staging first, which
+    took 6 of a 27 GiB restore's 28 s on the H200, before the fill could start).
 
-    `on_ready(va)` is called as soon as all of an allocation's chunks are in and verified, so the
-    process can copy it to the device while the rest is read. Zero chunks are not read: with
-    `on_zero(va, offset)` the process sets them on the device instead of copying them, and in `fresh`
-    staging (new shared memory, already zero) they cost the host nothing either. `on_chunk()` is called
-    after each chunk is in (the process's wait for the data is not idle); it may raise to stop the read.
-    """
-    check_coverage(allocs)
-    where = {a["va"]: a for a in layout["allocations"]}
-    missing = [hex(a["va"]) for a in allocs if a["va"] not in where or where[a["va"]]["bytes"] != a["bytes"]]
-    if missing or len(allocs) != len(where):
-        raise GpucrError(f"refused: the image's allocations do not match the process's ({len(allocs)} in the image, "
-                         f"{len(where)} in the process)")
-    need = sum(a["bytes"] for a in allocs)
-    try:
-        fd = idir.open_read(DATA)
-    except FileNotFoundError:
-        raise GpucrError("refused: the image's data file is missing") from None
-    size = os.fstat(fd).st_size
-    if size != need:
-        os.close(fd)
-        raise GpucrError(f"refused: the image's data file is {size} bytes, not {need} (truncated?)")
-    jobs = [(a, c) for a in allocs for c in a["chunks"]]
-    left = {a["va"]: len(a["chunks"]) for a in allocs}
-    lock = threading.Lock()
-    for a in allocs:
-        if not a["chunks"] and on_ready:
-            on_ready(a["va"])
-    t0 = time.perf_counter()
-    direct = try_direct(fd)
-    try:
-        with _mapped(fds, [s["bytes"] for s in layout["segments"]], writable=True) as views, \
-                _progress("reading image", need) as tick:
-            def one(job: tuple) -> None:
-                a, c = job
-                dst_alloc = where[a["va"]]
-                off = dst_alloc["offset"] + c["offset"]
-                with views[dst_alloc["segment"]][off:off + c["bytes"]] as dst:
-                    if c.get("zero"):
-                        if on_zero:
-                            on_zero(a["va"], c["offset"])
-                        elif not fresh:
-                            dst[:] = memoryview(_ZERO)[:c["bytes"]]
-                        got, ok = c["bytes"], True
-                    else:
-                        got = os.preadv(fd, [dst], a["file_offset"] + c["offset"])
-                        ok = got == c["bytes"] and xxhash.xxh3_64_hexdigest(dst) == c.get("xxh3_64")
-                if got != c["bytes"]:
-                    raise GpucrError(f"refused: chunk {c['offset']:#x} of allocation {a['va']:#x} is truncated")
-                if not ok:
-                    raise GpucrError(f"refused: chunk {c['offset']:#x} of allocation {a['va']:#x} does not match "
-                                     "its digest (the image is corrupt)")
-                tick(c["bytes"])
-                if on_chunk:
-                    on_chunk()
-                with lock:
-                    left[a["va"]] -= 1
-                    done = left[a["va"]] == 0
-                if done and on_ready:
-                    on_ready(a["va"])
-            with ThreadPoolExecutor(IN_FLIGHT) as pool:
-                list(pool.map(one, jobs))
-    finally:
-        os.close(fd)
-    secs = time.perf_counter() - t0
-    read = sum(c["bytes"] for a in allocs for c in a["chunks"] if not c.get("zero"))
-    return {"bytes": need, "bytes_read": read, "transfer_s": secs, "direct_io": direct,
-            "gbps": need / secs / 1e9 if secs else None}
+    Made against the process's own list of what the image must hold (its agent's layout while its data is on disk:
+    index, va, bytes of each allocation), and refused, before anything is read, when the two differ. `layout` is
+    then the fill's: one segment, the file, with each allocation at its place in it."""
+
+    def __init__(self, idir: ImageDir, allocs: list[dict[str, Any]], process: dict[str, Any],
+                 on_chunk: Callable[[int], None] | None = None) -> None:
+        check_coverage(allocs)
+        where = {int(a["va"]): a for a in process["allocations"]}
+        if len(allocs) != len(where) or any(a["va"] not in where or int(where[a["va"]]["bytes"]) != a["bytes"]
+                                            for a in allocs):
+            raise GpucrError(f"refused: the image's allocations do not match the process's ({len(allocs)} in the "
+                             f"image, {len(where)} in the process)")
+        for a in allocs:
+            for c in a["chunks"]:
+                if c["offset"] % CHUNK or c["bytes"] != min(CHUNK, a["bytes"] - c["offset"]):
+                    raise GpucrError(f"refused: the image's chunk {c['offset']:#x} of allocation {a['va']:#x} is not one "
+                                     f"of its {CHUNK >> 20} MiB pieces (not an image gpucr wrote)")
+        self.size = sum(a["bytes"] for a in allocs)
+        self.layout = {"segments": [{"index": 0, "bytes": self.size}],
+                       "allocations": [{"index": int(where[a["va"]]["index"]), "va": a["va"], "bytes": a["bytes"],
+                                        "segment": 0, "offset": a["file_offset"]} for a in allocs]}
+        self.zeros = {int(where[a["va"]]["index"]): [(c["offset"], c["bytes"]) for c in a["chunks"] if c.get("zero")]
+                      for a in allocs}
+        # file offset -> (bytes, digest, allocation, offset in it) of each chunk read from disk
+        self._chunks = {a["file_offset"] + c["offset"]: (c["bytes"], c.get("xxh3_64"), a["va"], c["offset"])
+                        for a in allocs for c in a["chunks"] if not c.get("zero")}
+        self._on_chunk = on_chunk
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        try:
+            self.fd = idir.open_read(DATA)
+        except FileNotFoundError:
+            raise GpucrError("refused: the image's data file is missing") from None
+        size = os.fstat(self.fd).st_size
+        if size != self.size:
+            os.close(self.fd)
+            raise GpucrError(f"refused: the image's data file is {size} bytes, not {self.size} (truncated?)")
+        self.direct_io = try_direct(self.fd)
+        self._t0 = time.perf_counter()
+
+    def load(self, slot: int, at: int, n: int) -> None:
+        """ImageData.load: the chunk at file offset `at` into the slot, checked (one of the ring's threads)."""
+        chunk = self._chunks.get(at)
+        if chunk is None or chunk[0] != n:
+            raise GpucrError(f"the fill asked for {n} bytes at {at:#x} of the image's data file, which is no chunk "
+                             "of it: gpucr's own mistake")
+        _, digest, va, off = chunk
+        view = memoryview((ctypes.c_char * n).from_address(slot)).cast("B")
+        got = 0
+        while got < n:
+            k = os.preadv(self.fd, [view[got:]], at + got)
+            if k <= 0:
+                raise GpucrError(f"refused: chunk {off:#x} of allocation {va:#x} is truncated")
+            got += k
+        if xxhash.xxh3_64_hexdigest(view) != digest:
+            raise GpucrError(f"refused: chunk {off:#x} of allocation {va:#x} does not match its digest (the image "
+                             "is corrupt)")
+        with self._lock:
+            self.bytes_read += n
+        if self._on_chunk:
+            self._on_chunk(n)
+
+    def stats(self) -> dict[str, Any]:
+        """As image.write's: the bytes the image holds, those read from disk, and the time since it was opened."""
+        secs = time.perf_counter() - self._t0
+        return {"bytes": self.size, "bytes_read": self.bytes_read, "transfer_s": secs, "direct_io": self.direct_io,
+                "gbps": self.size / secs / 1e9 if secs else None}
+
+    def close(self) -> None:
+        os.close(self.fd)

@@ -77,6 +77,17 @@ class MadeStaging:
     made: int = 0   # bytes of them made now
 
 
+class ImageData(Protocol):
+    """An image's data file as a fill reads it, straight into the plane's pinned ring (gpucr.image.ImageSource): one
+    file holding each allocation at an offset the fill's layout names (its one segment, index 0, is the file)."""
+    size: int                                    # the file's bytes
+    zeros: dict[int, list[tuple[int, int]]]      # allocation index -> its zero chunks (offset, bytes): set, not read
+
+    def load(self, slot: int, at: int, n: int) -> None:
+        """n bytes at offset `at` of the file read into host memory at `slot`, each chunk checked against the
+        image's digest; GpucrError when short or different."""
+
+
 class DataPlane(Protocol):
     """What the coordinator asks of a data plane. Each call raises GpucrError when it fails, having undone what
     it did (no memory made is left behind, no copy is left running)."""
@@ -89,9 +100,10 @@ class DataPlane(Protocol):
         fill of this checkpoint copies every byte and has nothing to check against)."""
 
     def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
-             image: dict[int, list[tuple[int, int]]] | None = None, check: bool = True) -> Made:
-        """New memory for each allocation of `layout`, filled from staging (zero spans of an image, or those found at
-        the checkpoint, set by memset); `check`: compare its digests with the checkpoint's, where the plane has them."""
+             image: ImageData | None = None, check: bool = True) -> Made:
+        """New memory for each allocation of `layout`, filled from staging, or with `image` from that image's file
+        (seg_fds then []); zero spans (an image's, or those found at the checkpoint) set by memset; `check`: compare
+        its digests with the checkpoint's, where the plane has them."""
 
     def two_way(self, out_pid: int, out_inputs: Inputs, in_pid: int, in_inputs: Inputs,
                 give_back: Callable[[int], None], room: Room, scan: bool = True, check: bool = True) -> tuple[Stats, Made]:

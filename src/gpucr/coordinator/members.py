@@ -53,9 +53,6 @@ def _test_kill_point(point: str) -> None:
 STALL_GRACE_S = 10.0        # beyond the user's deadline, which bounds staging, drain and sync together
 
 
-IMAGE_STAGE_MIN_S = 300.0   # making staging for an image (touching every page of it) reports no progress
-
-
 HARD_LIMIT_S = 24 * 3600.0  # no wait is longer: progress deadlines end them long before
 
 

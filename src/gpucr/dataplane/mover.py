@@ -31,7 +31,7 @@ from .lanes import Routing
 from .layout import checked_plan as _checked_plan, reach as _reach
 from .links import Links, Neighbour
 from ..memory import Managed
-from ..plane import Inputs, Made, MadeStaging, StagingAsk, Stats
+from ..plane import ImageData, Inputs, Made, MadeStaging, StagingAsk, Stats
 from ..switch_schedule import Room
 from .two_way import Landing, Making, both
 from .held import Held, Owner
@@ -127,8 +127,7 @@ class Mover(StagingMaker):
         """Lent from the pool where it can, the rest made (staging_pool.py); made as without a pool otherwise."""
         return self.pool.provide(ask) if self.pool is not None else super().make_staging(ask)
 
-    def holdings(self) -> list[dict[str, Any]]:
-        """What the server holds of each process's staging (held.py)."""
+    def holdings(self) -> list[dict[str, Any]]:   # what the server holds of each process's staging (held.py)
         return self.held.holdings()
 
     def forget(self, pid: int) -> None:
@@ -204,12 +203,12 @@ class Mover(StagingMaker):
                             lambda: self._move(owner(pid), layout, seg_fds, memory, out=True, scan=scan))[0]
 
     def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
-             image: Spans | None = None, check: bool = True) -> tuple[Stats, list[tuple[int, int]]]:
+             image: ImageData | None = None, check: bool = True) -> tuple[Stats, list[tuple[int, int]]]:
         """New memory for every allocation of `layout`, on its GPU (each Managed's UUID), filled from staging;
         returns [(index, fd)] in index order (the caller hands the fds to the agent, then closes them).
-        The layout must be what the server took at the process's checkpoint, or, with `image`, one the caller
-        read an image into and checked against its manifest; `image` then names each allocation's zero chunks
-        ({index: [(offset, bytes)]}), set to zero on the GPU instead of copied. A fill of what this mover took sets
+        The layout must be what the server took at the process's checkpoint, or, with `image`, the places in that
+        image's data file (checked against its manifest), read through the ring with each chunk checked, its zero
+        chunks set to zero on the GPU: no staging is made, mapped or pinned for it. A fill of what this mover took sets
         the zero chunks it found then likewise and, unless not `check`, compares the new memory's digests with
         those taken at the checkpoint before returning its fds (checked.py): GpucrError on a mismatch."""
         return self._locked(f"the fill of process {pid}",
@@ -303,7 +302,7 @@ class Mover(StagingMaker):
 
     # ---- inside ----
     def _move(self, who: Owner, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed], out: bool,
-              image: Spans | None = None, check: bool = True, scan: bool = True,
+              image: ImageData | None = None, check: bool = True, scan: bool = True,
               switch: Any = None) -> tuple[Stats, list[tuple[int, int]]]:
         """switch: a two-way switch's hooks (two_way.py): out, each allocation handed to `switch.queued` once all its
         copies are queued (it gives it back as they land); in, each made through `switch.make` (it waits for room)."""
@@ -313,7 +312,7 @@ class Mover(StagingMaker):
         taken = self._taken.get(who) if self._took(who, plan) else None
         # zero chunks set on the GPU at a fill: an image's, or those this mover found at the checkpoint; a copy
         # out's are found by its scan as each allocation is mapped (scan.py)
-        zeros: Spans = dict(image) if image is not None else taken.zeros() if taken and not out else {}
+        zeros: Spans = dict(image.zeros) if image is not None else taken.zeros() if taken and not out else {}
         zeros = {i: sorted(z) for i, z in zeros.items()}
         by_index = {m.index: m for m in memory}
         ring = self._ring_for(who, plan, out, image is not None)
@@ -336,7 +335,8 @@ class Mover(StagingMaker):
                           self._uuids(), out, CHUNK, st.routes, st.dropped)   # this direction's streams only
         self._neighbours.update(routing.used())
         # the kernels beside the copies (sweep.py), in parts of each allocation: a copy out's scan, a fill's check
-        sizes, part = [(i, self._ordinal(by_index[i].uuid), size) for i, size, *_ in plan if i in by_index], sweep_step()
+        sizes = [(i, self._ordinal(by_index[i].uuid), size) for i, size, *_ in plan if i in by_index]
+        part = sweep_step() if image is None else 1 << 62   # an image's: whole allocations, so each piece is a chunk of it
         # each on a stream of its own: a two-way switch scans its copy out while it checks its fill
         scanner = Scanner(self.kernels, lambda c: self._side[c][0], sizes, part) if out and scan else None
         checker = (Checker(self.kernels, lambda c: self._side[c][2], sizes, taken, part)
@@ -344,6 +344,8 @@ class Mover(StagingMaker):
         ok = False
 
         def staging() -> dict[int, Segment]:
+            if image is not None:   # its file, read into the ring's slots: nothing here to map or pin
+                return {0: Segment((0, 0), 0, image.size, load=image.load)}
             ts = time.perf_counter()
             if plan and plan[0][0] in by_index:   # pinned in a context on the process's GPU (portable: for all)
                 self.vmm.use(self._context(self._ordinal(by_index[plan[0][0]].uuid))[0])
@@ -375,7 +377,7 @@ class Mover(StagingMaker):
                     continue
                 if ring is not None:   # the staging is not pinned here: through the ring, a piece at a time
                     for k in range(off + start, off + start + length, CHUNK):
-                        ring.put(Piece(ctx, g.addr + k, va + k - off, min(CHUNK, off + start + length - k), out))
+                        ring.put(Piece(ctx, g.addr + k, va + k - off, min(CHUNK, off + start + length - k), out, g.load))
                     continue
                 for k, n in g.cuts(off + start, length, CHUNK):   # never over a pinned piece's end
                     host, dva = g.addr + k, va + k - off
@@ -536,9 +538,9 @@ class Mover(StagingMaker):
 
     def _ring_for(self, who: Owner, plan: list[tuple[int, int, int, int]], out: bool, from_image: bool) -> Ring | None:
         """The ring a move goes through, None for straight copies from pinned staging: the CLI's always; the
-        server's for a fill of what it did not take itself (a checkpoint by the CLI's mover, or by another server),
-        whose staging it pins nothing of on the process's word."""
-        if self.ring is not None or out or from_image or self._took(who, plan):
+        server's for a fill from an image's file, or of what it did not take itself (a checkpoint by the CLI's mover,
+        or by another server), whose staging it pins nothing of on the process's word."""
+        if self.ring is not None or out or (not from_image and self._took(who, plan)):
             return self.ring
         if self._spare is None:
             self._spare = Ring(self.vmm, CHUNK)
@@ -606,8 +608,7 @@ class Mover(StagingMaker):
             return self._ordinals[uuid]
         raise GpucrError(f"the process's GPU {uuid or '(unknown)'} is not one {self.name} sees")
 
-    def _uuids(self) -> dict[int, str]:
-        """{ordinal: UUID} of the GPUs this server has looked up (all it sees, once it has looked up one)."""
+    def _uuids(self) -> dict[int, str]:   # of the GPUs this server has looked up (all it sees, once it looked up one)
         return {o: u for u, o in (self._ordinals or {}).items()}
 
     def _context(self, dev: int) -> tuple[int, list[int]]:
@@ -628,8 +629,7 @@ class Mover(StagingMaker):
     def _streams(self, dev: int, out: bool) -> list[int]:
         """The streams of the GPU's context a direction's copies go on: a copy out and a fill never queue behind each
         other (a two-way switch runs both at once)."""
-        streams = self._ctx[dev][1]
-        return streams[:STREAMS] if out else streams[STREAMS:]
+        return self._ctx[dev][1][:STREAMS] if out else self._ctx[dev][1][STREAMS:]
 
     def _release_context(self, dev: int) -> None:
         """The context on `dev` given back after our kernels and streams in it (an app may hold the context still)."""

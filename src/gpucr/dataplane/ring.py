@@ -1,4 +1,5 @@
-"""A small pinned ring for a mover that runs without pinned staging: the CLI's, with no server running.
+"""A small pinned ring for a mover that runs without pinned staging: the CLI's, with no server running (and the
+server's, for a fill from an image's file or from staging it did not pin itself).
 
 The server pins a process's staging ahead, minutes before a checkpoint. A fresh CLI process cannot: pinning
 69 GiB at the time of the checkpoint costs seconds. So the CLI's mover copies through SLOTS slots of its piece,
@@ -6,7 +7,8 @@ pinned once per request (at its first copy), and moves each piece between its sl
 here, pageable) with a host memmove, several pieces at once:
 
 - out: the device copies a piece into a slot, then the slot is copied into its place in staging;
-- in: a piece of staging is copied into a slot, then the device copies the slot into the new memory.
+- in: a piece of staging is copied into a slot, then the device copies the slot into the new memory; from an
+  image, the piece is read from its data file into the slot and checked there (no staging at all).
 
 Each slot has a thread of its own, which moves its pieces one after the other; with several slots, one slot's
 device copy runs while the others' memmoves do (ctypes.memmove and the driver's calls release the GIL). The
@@ -22,6 +24,7 @@ import threading
 import time
 from contextlib import suppress
 from dataclasses import dataclass
+from typing import Callable
 
 from ..driver import DriverError
 from ..vmm import Vmm
@@ -48,6 +51,9 @@ class Piece:
     dva: int     # where on the GPU (the mover's mapping of the process's memory)
     n: int       # bytes, at most the slot's
     out: bool    # GPU to staging (a checkpoint), else staging to GPU (a restore)
+    # a fill's source that is not mapped here: load(slot, host, n) puts the piece's n bytes into the slot, `host`
+    # then being where they are in that source (an image's data file: image.ImageSource.load), or raises
+    load: Callable[[int, int, int], None] | None = None
 
 
 class Ring:
@@ -90,7 +96,7 @@ class Ring:
             self._idle.wait_for(lambda: self._pending == 0)
             failure, self._failure = self._failure, None
         if failure is not None and not quiet:
-            raise GpucrError(f"a copy through the CLI's pinned ring failed: {failure}") from failure
+            raise GpucrError(f"a copy through the data plane's pinned ring failed: {failure}") from failure
 
     def close(self) -> None:
         """Stop the threads, unpin and unmap the slots. Safe to call again."""
@@ -173,9 +179,10 @@ class Ring:
             t3 = time.perf_counter()
             spent = (t2 - t1, t1 - t0, t3 - t2)
         else:
-            _populate(p.host, p.n)
+            if p.load is None:
+                _populate(p.host, p.n)
             t1 = time.perf_counter()
-            ctypes.memmove(slot, p.host, p.n)
+            (p.load(slot, p.host, p.n) if p.load is not None else ctypes.memmove(slot, p.host, p.n))
             t2 = time.perf_counter()
             self.vmm.h2d(p.dva, slot, p.n, s)
             self.vmm.sync(s)
