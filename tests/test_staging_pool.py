@@ -136,8 +136,13 @@ def test_the_pool_what_it_lent_and_what_was_made_never_pass_the_host_budget(sim_
 
 def staging_files(pid: int) -> set[int]:
     """The staging memfds a process holds or maps, by inode."""
-    out = {os.stat(f"/proc/{pid}/fd/{fd}").st_ino for fd in os.listdir(f"/proc/{pid}/fd")
-           if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:gpucr-staging")}
+    out = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:   # an fd closed between the listing and its look is not held
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("/memfd:gpucr-staging"):
+                out.add(os.stat(f"/proc/{pid}/fd/{fd}").st_ino)
+        except FileNotFoundError:
+            pass
     for line in open(f"/proc/{pid}/maps"):
         f = line.split()
         if len(f) >= 6 and f[5].startswith("/memfd:gpucr-staging"):

@@ -14,6 +14,7 @@
  */
 #define _GNU_SOURCE
 #include <pthread.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -63,7 +64,13 @@ static int slot_of(CUstream s)
     } else {
         for (int i = 1; i < ord.n && id < 0; i++)
             if (!ord.slot[i]->key) id = i;
-        if (id < 0) return 0;
+        if (id < 0) {   /* said once: from here on streams share the legacy stream's order, and checks pass that should not */
+            static bool said;
+            if (!said) fprintf(stderr, "simcuda: more than %d streams alive at once: their order is no longer told apart\n",
+                               SIM_ORDER_MAX);
+            said = true;
+            return 0;
+        }
         ord.host.c[id] = 0;
         for (int i = 0; i < ord.n; i++) ord.slot[i]->clock.c[id] = 0;
         memset(ord.slot[id], 0, sizeof(struct ostream));

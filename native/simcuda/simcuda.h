@@ -266,7 +266,8 @@ CUresult sim_stream_check(CUstream s);
 
 /* ---- order.c: what CUDA promises about the order of work across streams ---- */
 
-#define SIM_ORDER_MAX 256   /* streams whose order is told apart (ids of forgotten ones are reused) */
+#define SIM_ORDER_MAX 1024   /* streams alive at once whose order is told apart (ids of forgotten ones are reused);
+                               * a long-lived server or test process holds hundreds (each thread's per-thread stream too) */
 struct sim_clock { uint64_t c[SIM_ORDER_MAX]; };   /* per stream id: the last position ordered before */
 struct sim_pos { int id; uint64_t seq; };           /* one piece of work: its stream's id and position */
 #define SIM_MAP_WORK 4      /* asynchronous copies a mapping remembers (per stream), so it is not unmapped under them */
