@@ -322,8 +322,9 @@ class ReusedServer:
         def gone_held(info: dict) -> list[dict]:
             return [h for h in info["staging"] if h["stuck"] or process_ended(h["pid"], h["start_time"])]
         # the server lets go of an ended process's staging at its next moment with no copy or pin-ahead round under
-        # way (forget_ended_if_free): asked again for up to 2 s before it counts as kept
-        deadline = time.monotonic() + 2.0
+        # way (forget_ended_if_free): asked again for up to 5 s before it counts as kept (2 s was once too short in CI,
+        # with both cores taken)
+        deadline = time.monotonic() + 5.0
         while gone_held(info) and time.monotonic() < deadline:
             time.sleep(0.1)
             info = self.server.info() or info

@@ -249,16 +249,20 @@ def test_a_real_cgroup_limit_refuses_the_checkpoint(sim_app):
         cg.rmdir()
 
 
-def test_an_image_does_not_lift_the_budget(sim_app, tmp_path):
-    """--image DIR writes an image from staging in host memory: it cannot take data past the budget
-    (the agent's staging kind is fixed when the process starts), so the checkpoint is refused with
-    the way that does: staging in a file (GPUCR_STAGING=file:DIR)."""
+def test_an_image_needs_no_staging_so_no_budget(sim_app, tmp_path):
+    """--image DIR writes the image from the GPU straight to disk through the data plane's ring, with no staging:
+    a process twice the host budget is checkpointed to disk (a plain checkpoint of it is refused, saying so) and
+    comes back byte-exact."""
     app = sim_app("--sizes", "64M", env=_env(GPUCR_HOST_BUDGET="32M"))
-    image = tmp_path / "img"
-    line = _refused(gpucr_cli("checkpoint", "--image", str(image), str(app.pid)), "host-memory budget")
-    assert "gpucr run --staging file:DIR" in line and "an --image alone is written from staging" in line, line
+    before = app.ask("digest")
+    line = _refused(gpucr_cli("checkpoint", str(app.pid)), "host-memory budget")
+    assert "gpucr checkpoint --image DIR" in line, line
     _untouched(app.pid)
-    assert not image.exists() or not any(image.iterdir()), "nothing written"
+    image = tmp_path / "img"
+    ck = gpucr.checkpoint(app.pid, image=image)
+    assert ck.image.bytes >= 64 * MiB and gpucr.status(app.pid).staging_bytes == 0
+    gpucr.restore(app.pid, image=image)
+    assert app.ask("digest") == before
 
 
 def _hold_runtime_dir_lock(seconds: float) -> int:

@@ -54,6 +54,8 @@ def test_image_frees_host_memory_and_restores_byte_exact(sim_app, tmp_path, reus
     img = tmp_path / "img"
     ck = gpucr.checkpoint(app.pid, image=img)
     assert ck.data_plane == plane, ck
+    # written from the GPU straight to the image through the plane's ring: no staging made, pinned or kept
+    assert "staging" not in ck.phases_s and "server_pin" not in ck.phases_s, ck.phases_s
     assert (img / "manifest.json").exists() and (img / "data.bin").exists()
     st = gpucr.status(app.pid)
     assert st.staging_bytes == 0 and st.staged is False

@@ -458,9 +458,9 @@ def test_a_reused_pid_never_meets_the_dead_process_staging(tmp_path):
         # as if pinned for a process that had this pid before: same pid, an earlier start
         mover.held.staging[(pid, start - 1)] = mover.held.staging.pop((pid, start))
         assert mover.pin_ahead(pid, seg, [fd], uuid) == 4 << 20, "the dead one's staging was taken for the new one's"
-        assert {(h["start_time"], h["pinned_bytes"]) for h in mover.holdings()} == {(start - 1, 4 << 20), (start, 4 << 20)}
+        assert {(h["start_time"], h["pinned_bytes"]) for h in mover.held.holdings()} == {(start - 1, 4 << 20), (start, 4 << 20)}
         mover.forget_ended()
-        assert mover.holdings() == [{"pid": pid, "start_time": start, "mapped_bytes": 4 << 20,
+        assert mover.held.holdings() == [{"pid": pid, "start_time": start, "mapped_bytes": 4 << 20,
                                      "pinned_bytes": 4 << 20, "stuck": False}]
     finally:
         new.kill()
@@ -539,11 +539,11 @@ def test_staging_let_go_while_a_pin_ahead_stalls_stays_accounted(tmp_path, monke
         t0 = time.monotonic()
         mover.forget(os.getpid())
         assert time.monotonic() - t0 < 2 * mover.plane_wait_s, "one deadline for the process, not one per segment"
-        held = [(h["pid"], h["start_time"], h["mapped_bytes"], h["stuck"]) for h in mover.holdings()]
+        held = [(h["pid"], h["start_time"], h["mapped_bytes"], h["stuck"]) for h in mover.held.holdings()]
         assert held == [(*owner(os.getpid()), 8 << 20, True)], held
         go.set()   # the stalled piece ends: it stays counted, the pin ahead pins no more of either
         ahead.join(10)
-        assert [h["pinned_bytes"] for h in mover.holdings()] == [1 << 20] and mover.pinned_bytes() == 1 << 20
+        assert [h["pinned_bytes"] for h in mover.held.holdings()] == [1 << 20] and mover.pinned_bytes() == 1 << 20
     finally:
         go.set()
         ahead.join(10)

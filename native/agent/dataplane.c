@@ -297,7 +297,7 @@ bool dp_makeable(const struct phys *p)
 /* ... and that it can take at a handover: with the agent's fd of it. */
 bool dp_handable(const struct phys *p) { return p->own_fd >= 0 && dp_makeable(p); }
 
-int dp_handover(int timeout_ms, char *err, size_t errlen)
+int dp_handover(int timeout_ms, bool to_image, char *err, size_t errlen)
 {
     if (!may_move(PH_HANDED, "handover", err, errlen)) return -1;
     /* checked before anything is touched, the named refusals (coverage.c) first: what the data plane cannot take
@@ -324,7 +324,12 @@ int dp_handover(int timeout_ms, char *err, size_t errlen)
     CUcontext saved = NULL;
     if (gpucr_drv.cuCtxGetCurrent) gpucr_drv.cuCtxGetCurrent(&saved);
     size_t need = 0;
-    if (place_in_staging(true, &need, err, errlen)) {
+    if (to_image) {   /* written by the plane straight to an image: no place in staging (layout lists them at -1) */
+        reg_lock();
+        for (struct phys *p = g_reg.all; p; p = p->next_all)
+            if (reg_phys_movable(p)) { p->staging_seg = 0; need += p->size; }
+        reg_unlock();
+    } else if (place_in_staging(true, &need, err, errlen)) {
         char e2[256] = "";
         take_back(e2, sizeof e2);   /* nothing was released: the gate opens again */
         if (saved) gpucr_use_ctx(saved);
@@ -469,8 +474,9 @@ int dp_unadopt(int *undone, char *err, size_t errlen)
 
 int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t errlen)
 {
-    /* while it runs: the segments prepared so far (a gpucr server pins them ahead), with no allocations; on disk:
-     * no segments, and each allocation an image holds at segment -1 (a controller fills it from the image) */
+    /* while it runs: the segments prepared so far (a gpucr server pins them ahead), with no allocations. An
+     * allocation with no place in staging is at segment -1: on disk (a controller fills it from the image), or
+     * handed over to be written straight to an image */
     (void)err; (void)errlen;
     size_t sizes[STAGING_MAX_SEGS];
     const char *kinds[STAGING_MAX_SEGS];
@@ -494,7 +500,7 @@ int dp_layout(struct jb *j, int *fds, int *nfds, int maxfds, char *err, size_t e
         if (!reg_phys_released(p)) continue;
         int seg = -1;
         size_t off = 0;   /* where in staging: an allocation with none was not moved (an import) */
-        if (g_dp.phase == PH_ON_DISK ? p->kind == PHYS_IMPORTED : !p->staging_seg) continue;
+        if (p->kind == PHYS_IMPORTED) continue;   /* unlinked, not moved: its exporter's */
         if (p->staging_seg) {
             seg = p->staging_seg - 1;
             off = p->staging_off;

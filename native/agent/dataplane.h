@@ -68,9 +68,10 @@ int dp_orphan(unsigned long long key, size_t *bytes, char *err, size_t errlen);
 int dp_resume(char *err, size_t errlen);
 /* gpucr's data plane (docs/server.md): quiesce if need be and release every movable allocation, keeping the
  * agent's own fd of each so the memory stays on the GPU for the plane to copy; refused, nothing touched, when
- * any allocation cannot be handed over. dp_handed_done: the plane's copy is in staging. dp_commit: the fds let
+ * any allocation cannot be handed over (to_image: given no place in staging, the plane writes it to an image
+ * itself). dp_handed_done: the plane's copy is in staging. dp_commit: the fds let
  * go. dp_abort takes a handed process back, before commit. dp_adopt maps the plane's new memory. */
-int dp_handover(int timeout_ms, char *err, size_t errlen);
+int dp_handover(int timeout_ms, bool to_image, char *err, size_t errlen);
 int dp_handed_done(char *err, size_t errlen);
 void dp_commit(void);
 int dp_adopt(int from, const int *fds, int nfds, int *adopted, char *err, size_t errlen);

@@ -120,7 +120,9 @@ static void handle_op(const char *verb, const char *req, struct jb *j, struct cl
         if (rc == 0 && lease) c->lease = true;
     } else if (!strcmp(verb, "handover")) {
         /* gpucr's data plane copies the data (docs/server.md); lease=1: undone unless committed */
-        rc = dp_handover(timeout_ms, err, sizeof err);
+        int image = arg_int(req, "image", 0);
+        rc = image < 0 || image > 1 ? (snprintf(err, sizeof err, "image must be 0 or 1"), -1)
+                                    : dp_handover(timeout_ms, image == 1, err, sizeof err);
         if (rc == 0 && lease) c->lease = true;
     } else if (!strcmp(verb, "handed_done")) {
         rc = dp_handed_done(err, sizeof err);

@@ -71,63 +71,115 @@ def _progress(label: str, total: int) -> Iterator[Callable[[int], None]]:
         yield lambda n: bar.update(task, advance=n)
 
 
+class ImageSink:
+    """A new image's data file, written chunk by chunk as the data comes: from staging (write), or straight from the
+    data plane's pinned ring at a checkpoint --image (gpucr.plane.ImageFile: move), with no staging. Each 64 MiB
+    chunk of each allocation is digested (xxh3); one all zero is recorded as such and not written (the file keeps a
+    hole there), any other is written at its place. finish() names the file data.bin; discard() removes it.
+    `allocations`: the agent's layout's (index, va, bytes, kind), placed in the file one after another."""
+
+    def __init__(self, idir: ImageDir, allocations: list[dict[str, Any]],
+                 on_chunk: Callable[[int], None] | None = None) -> None:
+        self.idir, self._on_chunk = idir, on_chunk
+        self.allocs: list[dict[str, Any]] = []
+        self._chunks: dict[int, tuple[dict[str, Any], int]] = {}   # file offset -> (chunk record, allocation's va)
+        places, foff = [], 0
+        for a in allocations:
+            rec = {"va": a["va"], "bytes": a["bytes"], "kind": a["kind"], "file_offset": foff, "chunks": []}
+            for off in range(0, a["bytes"], CHUNK):
+                rec["chunks"].append({"offset": off, "bytes": min(CHUNK, a["bytes"] - off)})
+                self._chunks[foff + off] = (rec["chunks"][-1], a["va"])
+            places.append({"index": a["index"], "va": a["va"], "bytes": a["bytes"], "segment": 0, "offset": foff})
+            foff += a["bytes"]
+            self.allocs.append(rec)
+        self.size, self.zeros = foff, {}
+        self.layout = {"segments": [{"index": 0, "bytes": foff}], "allocations": places}   # the data plane's
+        self.bytes_written = 0
+        self._lock = threading.Lock()
+        self._t0 = time.perf_counter()
+        self.fd, self._tmp = idir.create(DATA)
+        self.direct_io = try_direct(self.fd)
+
+    def move(self, slot: int, at: int, n: int) -> None:
+        """ImageFile.move: the chunk at file offset `at`, in host memory at `slot`, written (one of the ring's threads)."""
+        try:
+            self.put(memoryview((ctypes.c_char * n).from_address(slot)).cast("B"), at)
+        except OSError as exc:
+            raise GpucrError(f"writing the image to {self.idir.path} failed: {exc.strerror or exc}; the checkpoint "
+                             "is undone, the process runs on") from exc
+
+    def put(self, src: memoryview, at: int) -> None:
+        """The chunk at file offset `at` from `src`: recorded as zero, or digested and written."""
+        chunk, va = self._chunks.get(at, (None, 0))
+        if chunk is None or chunk["bytes"] != len(src):
+            raise GpucrError(f"{len(src)} bytes at {at:#x} of the image's data file are no chunk of it: gpucr's own "
+                             "mistake")
+        digest = xxhash.xxh3_64_hexdigest(src)
+        if _is_zero(src, digest):
+            chunk["zero"] = True
+        else:
+            chunk["xxh3_64"] = digest
+            done = 0
+            while done < len(src):
+                with src[done:] as rest:
+                    done += os.pwrite(self.fd, rest, at + done)
+            with self._lock:
+                self.bytes_written += done
+        if self._on_chunk:
+            self._on_chunk(len(src))
+
+    def finish(self) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+        """The file made whole (holes where zero chunks were), synced and named data.bin; the allocations' manifest
+        records and the write's statistics."""
+        os.ftruncate(self.fd, self.size)
+        os.fsync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        self.idir.publish(self._tmp, DATA)
+        secs = time.perf_counter() - self._t0
+        return self.allocs, {"bytes": self.size, "bytes_written": self.bytes_written, "transfer_s": secs,
+                             "direct_io": self.direct_io, "gbps": self.size / secs / 1e9 if secs else None}
+
+    def discard(self) -> None:
+        """Nothing of an unfinished file left (safe after finish, and again)."""
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+            self.idir.discard(self._tmp)
+
+
 def write(idir: ImageDir, layout: dict[str, Any], fds: list[int]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Write the staged allocations under a temporary name, then name it data.bin (a failed write leaves
-    nothing); returns their manifest records and the write statistics."""
-    segs = layout["segments"]
-    allocs, jobs, foff = [], [], 0
-    for a in layout["allocations"]:
-        rec = {"va": a["va"], "bytes": a["bytes"], "kind": a["kind"], "file_offset": foff, "chunks": []}
-        for off in range(0, a["bytes"], CHUNK):
-            n = min(CHUNK, a["bytes"] - off)
-            chunk = {"offset": off, "bytes": n}
-            rec["chunks"].append(chunk)
-            jobs.append((chunk, a["segment"], a["offset"] + off, foff + off))
-        foff += a["bytes"]
-        allocs.append(rec)
-    t0 = time.perf_counter()
-    fd, tmp = idir.create(DATA)
-    direct = try_direct(fd)
-    written = 0
+    """Write the staged allocations (a checkpointed process's staging: gpucr's swap to disk) under a temporary
+    name, then name it data.bin (a failed write leaves nothing); returns their manifest records and the write's
+    statistics."""
     try:
-        with _mapped(fds, [s["bytes"] for s in segs], writable=False) as views, _progress("writing image", foff) as tick:
-            def one(job: tuple) -> int:
-                chunk, seg, soff, fo = job
-                with views[seg][soff:soff + chunk["bytes"]] as src:
-                    digest = xxhash.xxh3_64_hexdigest(src)
-                    if _is_zero(src, digest):
-                        chunk["zero"] = True
-                        tick(chunk["bytes"])
-                        return 0
-                    chunk["xxh3_64"] = digest
-                    done = 0
-                    while done < chunk["bytes"]:
-                        with src[done:] as rest:
-                            done += os.pwrite(fd, rest, fo + done)
-                tick(chunk["bytes"])
-                return done
+        sink = ImageSink(idir, layout["allocations"])
+    except OSError as exc:
+        raise GpucrError(f"writing the image to {idir.path} failed: {exc.strerror or exc}; the process stays "
+                         "checkpointed with its data in host memory") from exc
+    try:
+        with _mapped(fds, [s["bytes"] for s in layout["segments"]], writable=False) as views, \
+                _progress("writing image", sink.size) as tick:
+            sink._on_chunk = tick
+            jobs = [(views[a["segment"]], a["offset"] + c["offset"], c["bytes"], rec["file_offset"] + c["offset"])
+                    for a, rec in zip(layout["allocations"], sink.allocs) for c in rec["chunks"]]
+
+            def one(job: tuple) -> None:
+                view, soff, n, at = job
+                with view[soff:soff + n] as src:
+                    sink.put(src, at)
             with ThreadPoolExecutor(IN_FLIGHT) as pool:
-                written = sum(pool.map(one, jobs))
-        os.ftruncate(fd, foff)   # holes where zero chunks were skipped
-        os.fsync(fd)
-        os.close(fd)
-        fd = -1
-        idir.publish(tmp, DATA)
+                list(pool.map(one, jobs))
+        return sink.finish()
     except (OSError, GpucrError) as exc:
-        idir.discard(tmp)
+        sink.discard()
         why = (exc.strerror or exc) if isinstance(exc, OSError) else exc
         raise GpucrError(f"writing the image to {idir.path} failed: {why}; the process stays "
                          "checkpointed with its data in host memory") from exc
-    finally:
-        if fd >= 0:
-            os.close(fd)
-    secs = time.perf_counter() - t0
-    return allocs, {"bytes": foff, "bytes_written": written, "transfer_s": secs, "direct_io": direct,
-                    "gbps": foff / secs / 1e9 if secs else None}
 
 
 class ImageSource:
-    """An image's data file as a restore's fill reads it (gpucr.plane.ImageData): straight into the data plane's
+    """An image's data file as a restore's fill reads it (gpucr.plane.ImageFile): straight into the data plane's
     pinned ring, each chunk checked against its digest in the slot it lands in, then copied to the GPU; zero chunks
     are set on the GPU, not read. No staging is made for it (it used to be read whole into new staging first, which
     took 6 of a 27 GiB restore's 28 s on the H200, before the fill could start).
@@ -172,8 +224,8 @@ class ImageSource:
         self.direct_io = try_direct(self.fd)
         self._t0 = time.perf_counter()
 
-    def load(self, slot: int, at: int, n: int) -> None:
-        """ImageData.load: the chunk at file offset `at` into the slot, checked (one of the ring's threads)."""
+    def move(self, slot: int, at: int, n: int) -> None:
+        """ImageFile.move: the chunk at file offset `at` read into the slot, checked (one of the ring's threads)."""
         chunk = self._chunks.get(at)
         if chunk is None or chunk[0] != n:
             raise GpucrError(f"the fill asked for {n} bytes at {at:#x} of the image's data file, which is no chunk "

@@ -77,15 +77,16 @@ class MadeStaging:
     made: int = 0   # bytes of them made now
 
 
-class ImageData(Protocol):
-    """An image's data file as a fill reads it, straight into the plane's pinned ring (gpucr.image.ImageSource): one
-    file holding each allocation at an offset the fill's layout names (its one segment, index 0, is the file)."""
+class ImageFile(Protocol):
+    """An image's data file, which the plane's pinned ring reads a fill from (gpucr.image.ImageSource) or writes a
+    copy out to (gpucr.image.ImageSink), with no staging: one file holding each allocation at the offset the move's
+    layout names (its one segment, index 0, is the file)."""
     size: int                                    # the file's bytes
-    zeros: dict[int, list[tuple[int, int]]]      # allocation index -> its zero chunks (offset, bytes): set, not read
+    zeros: dict[int, list[tuple[int, int]]]      # a fill's: allocation index -> its zero chunks (offset, bytes), set
 
-    def load(self, slot: int, at: int, n: int) -> None:
-        """n bytes at offset `at` of the file read into host memory at `slot`, each chunk checked against the
-        image's digest; GpucrError when short or different."""
+    def move(self, slot: int, at: int, n: int) -> None:
+        """The chunk of n bytes at offset `at` of the file between it and host memory at `slot` (read and checked
+        against its digest, or digested and written); GpucrError when it cannot."""
 
 
 class DataPlane(Protocol):
@@ -94,13 +95,14 @@ class DataPlane(Protocol):
     plane: str   # "server" | "cli": recorded in every result as data_plane
 
     def copy_out(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
-                 scan: bool = True) -> Stats:
+                 scan: bool = True, image: ImageFile | None = None) -> Stats:
         """Every allocation of `memory` (our fds of it, handed over) copied into the process's staging; `scan`: find its
         zero chunks (not copied) and take its digests on the GPU first, where the plane can (scan=False: neither, so the
-        fill of this checkpoint copies every byte and has nothing to check against)."""
+        fill of this checkpoint copies every byte and has nothing to check against). With `image`, written to that image's
+        file instead (seg_fds then []), its zero chunks found on the host as each is written."""
 
     def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
-             image: ImageData | None = None, check: bool = True) -> Made:
+             image: ImageFile | None = None, check: bool = True) -> Made:
         """New memory for each allocation of `layout`, filled from staging, or with `image` from that image's file
         (seg_fds then []); zero spans (an image's, or those found at the checkpoint) set by memset; `check`: compare
         its digests with the checkpoint's, where the plane has them."""

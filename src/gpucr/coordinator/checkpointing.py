@@ -13,27 +13,32 @@ from ..plane import DataPlane
 from .members import PhaseError, _Member, _app_resume, _check_request, _each, _lap, _run_all, _usage, _usage_at_end
 from .steps import _abort_held, _prepare, _roll_back_driver, _vet_for_checkpoint, _warnings
 from .through_plane import _data_out_by_server
-from .image_steps import _write_image
+from .image_steps import _finish_image, _let_go_of_staging
 from .staging_steps import provide_staging
 from .relink import _check_sharing
 
 
 def _commit(m: _Member, level: str) -> None:
-    m.agent.call("commit", timeout=10.0, full=int(level == "full"))
-    m.held = False   # the agent let go of the memory: not undone any more
+    """The agent lets go of the memory. An image its data out wrote is finished first, while the memory is still
+    on the GPU: an image that cannot be finished leaves the checkpoint undone, not the data lost."""
     epoch = None
-    if m.app is not None:
+    if m.app is not None:   # the application's own epoch, for the image's manifest and the result
         try:
             epoch = m.app.ask("epoch", 5.0).get("epoch")
         except (OSError, ValueError):
             epoch = None
+    if m.sink is not None:
+        m.result["image"] = _finish_image(m, level, epoch)
+    m.agent.call("commit", timeout=10.0, full=int(level == "full"))
+    m.held = False   # the agent let go of the memory: not undone any more
+    if m.app is not None:
         m.app.close()
         m.app = None
     m.result["state"] = "checkpointed"
     m.result["level"] = level
     m.result["warnings"] = m.result.get("warnings", []) + _warnings(m)
     if m.image_dir is not None:
-        m.result["image"] = _write_image(m, level, epoch)
+        _let_go_of_staging(m)   # what it kept from an earlier cycle: its data is on disk now
 
 
 def _roll_back(members: list[_Member]) -> None:
@@ -68,8 +73,9 @@ def checkpoint_many(pids: list[int], mover: DataPlane, level: str = "full", time
             img = images.get(pid)
             members.append(_vet_for_checkpoint(pid, Path(img) if img is not None else None, timeout))
         _check_sharing(members, timeout)
-        # made by the plane, held by each agent, where it must grow: a refusal (the host budget) touches nothing
-        _each("staging", members, lambda m: provide_staging(m, mover))
+        # made by the plane, held by each agent, where it must grow: a refusal (the host budget) touches nothing.
+        # None for an image: its data goes from the GPU straight to the image's file, through the plane's ring
+        _each("staging", [m for m in members if m.image_dir is None], lambda m: provide_staging(m, mover))
         for m in members:
             m.gpu_before = _usage(m, m.status, mover)
         t0 = _lap(members, "vet", t0)

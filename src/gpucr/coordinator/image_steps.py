@@ -11,8 +11,48 @@ from .members import _Member, _test_kill_point
 from .through_plane import _adopt, _close_made, _fillable_memory, _moved
 
 
+def _finish_image(m: _Member, level: str, epoch) -> dict:
+    """checkpoint --image: the image its data out wrote (m.sink) synced, named data.bin and given its manifest,
+    before the commit lets the memory leave the GPU: a failure here leaves the checkpoint uncommitted, undone by
+    the agent (its lease), with nothing of the image left."""
+    from ..image import DATA
+    sink, m.sink = m.sink, None
+    layout, fds = m.agent.call_with_fds("layout", timeout=60.0)   # its generation (fds: staging kept from before)
+    for fd in fds:
+        os.close(fd)
+    named = False
+    try:
+        allocs, stats = sink.finish()
+        named = True
+        man = _manifest(m, level, epoch, layout["generation"], allocs)
+        man["image"] = stats
+        manifest.save(sink.idir, man)
+    except BaseException:
+        sink.discard()
+        if named:
+            sink.idir.discard(DATA)
+        raise
+    finally:
+        sink.idir.close()
+    return {"dir": str(m.image_dir), "id": man["id"], **stats}
+
+
+def _manifest(m: _Member, level: str, epoch, generation: int, allocs: list) -> dict:
+    return manifest.build(pid=m.pid, start_time=m.t.start_time, generation=generation, level=level,
+                          gpus=gpus.process_gpus(m.status, gpus.machine_gpus(m.drv)), driver_version=m.drv.version(),
+                          status=m.status, allocations=allocs, epoch=epoch, simulated=m.drv.simulated)
+
+
+def _let_go_of_staging(m: _Member) -> None:
+    """The data is safe on disk: the process gives back its staging (host memory), and the plane what it held of it."""
+    m.agent.call("drop", timeout=60.0)
+    if m.plane is not None:
+        m.plane.forget(m.pid)   # its mapping and pins of the staging would keep that memory alive
+
+
 def _write_image(m: _Member, level: str, epoch) -> dict:
-    """Write the staged data and its manifest, then let the process give its staging back."""
+    """Write the staged data of a checkpointed process (gpucr's swap to disk) and its manifest, then let the
+    process give its staging back."""
     from .. import image as images   # needs xxhash: only image work pays for importing it
     layout, fds = m.agent.call_with_fds("layout", timeout=60.0)
     try:
@@ -21,18 +61,13 @@ def _write_image(m: _Member, level: str, epoch) -> dict:
                 raise GpucrError(f"the image directory {m.image_dir} is no longer empty (someone else writes there); "
                                  "the process stays checkpointed with its data in host memory")
             allocs, stats = images.write(idir, layout, fds)
-            man = manifest.build(pid=m.pid, start_time=m.t.start_time, generation=layout["generation"], level=level,
-                                 gpus=gpus.process_gpus(m.status, gpus.machine_gpus(m.drv)),
-                                 driver_version=m.drv.version(), status=m.status, allocations=allocs,
-                                 epoch=epoch, simulated=m.drv.simulated)
+            man = _manifest(m, level, epoch, layout["generation"], allocs)
             man["image"] = stats
             manifest.save(idir, man)
     finally:
         for fd in fds:
             os.close(fd)
-    m.agent.call("drop", timeout=60.0)   # the data is safe on disk: free the host memory too
-    if m.plane is not None:
-        m.plane.forget(m.pid)   # its mapping and pins of the staging would keep that memory alive
+    _let_go_of_staging(m)
     return {"dir": str(m.image_dir), "id": man["id"], **stats}
 
 

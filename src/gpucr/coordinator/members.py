@@ -159,6 +159,7 @@ class _Member:
     gpu_before: dict[str, gpus.Usage] = field(default_factory=dict)   # its GPUs' memory before it all began
     server_bytes_in: int = 0      # restore: bytes the gpucr server put back itself (its data plane)
     plane: DataPlane | None = None    # the gpucr server's data plane, when it moves this process's data
+    sink: Any = None              # checkpoint --image: the image its data out writes (gpucr.image.ImageSink)
 
     def uuids(self) -> list[str]:
         """The GPUs it is on, and those a restore moves it to."""
@@ -170,6 +171,10 @@ class _Member:
         return self.t.pid
 
     def close(self) -> None:
+        if self.sink is not None:   # an image not finished (the checkpoint failed): nothing of it is left
+            self.sink.discard()
+            self.sink.idir.close()
+            self.sink = None
         if self.app is not None:
             self.app.close()
             self.app = None

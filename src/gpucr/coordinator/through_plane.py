@@ -11,7 +11,7 @@ from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator
 
 from ..errors import GpucrError
-from .. import proc
+from .. import imagefs, proc
 from .. import memory as server_memory
 from ..memory import Managed
 from ..plane import DataPlane, Made, Stats
@@ -67,7 +67,8 @@ def _handover(m: _Member, timeout: float) -> None:
     # agent refuses, touching nothing, memory the plane cannot take (not plain device memory, or no fd of it)
     for attempt in range(1, HANDOVER_TRIES + 1):
         try:
-            _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1)
+            _watched_call(m, "handover", timeout + STALL_GRACE_S, timeout_ms=int(timeout * 1000), lease=1,
+                          image=int(m.image_dir is not None))   # an image's: no place in staging
             break
         except GpucrError as exc:
             if not refused_for_room(exc) or m.plane is None or attempt == HANDOVER_TRIES:
@@ -94,16 +95,38 @@ def _held_inputs(held: ExitStack, m: _Member, timeout: float, phase: str) -> tup
 
 def _copy_all_out(members: list[_Member], inputs: dict[int, tuple[dict[str, Any], list[int], list[Managed]]],
                   mover: DataPlane, stop: threading.Event, scan: bool = True) -> dict[int, Stats]:
-    """Each process's memory copied into its staging by the server, one after another (scan: DataPlane.copy_out's)."""
+    """Each process's memory copied into its staging by the server, or into its image (checkpoint --image), one
+    after another (scan: DataPlane.copy_out's)."""
     done: dict[int, Stats] = {}
     for m in members:
         if stop.is_set():
             break
         try:
-            done[m.pid] = mover.copy_out(m.pid, *inputs[m.pid], scan=scan)
+            if m.image_dir is not None:
+                layout, _no_staging, memory = inputs[m.pid]
+                m.sink = _image_sink(m, layout)
+                done[m.pid] = mover.copy_out(m.pid, m.sink.layout, [], memory, scan=scan, image=m.sink)
+            else:
+                done[m.pid] = mover.copy_out(m.pid, *inputs[m.pid], scan=scan)
         except GpucrError as exc:
             raise PhaseError(m.pid, "data out", exc) from exc
     return done
+
+
+def _image_sink(m: _Member, layout: dict[str, Any]) -> Any:
+    """The image m's data out writes, in its directory (empty, as the vet found it; made 0700 if new), under a
+    temporary name until the commit finishes it (gpucr.image.ImageSink); m.close() removes it should the checkpoint
+    fail. The plane's ring threads write through its fd: only creating and naming files takes the user's identity."""
+    from .. import image as images   # needs xxhash: only image work pays for importing it
+    idir = imagefs.ImageDir(m.image_dir, imagefs.owner_for(m.t.uid, m.pid), create=True)
+    try:
+        if idir.names():
+            raise GpucrError(f"the image directory {m.image_dir} is no longer empty (someone else writes there); the "
+                             "checkpoint is undone, the process runs on")
+        return images.ImageSink(idir, layout["allocations"])
+    except BaseException:
+        idir.close()
+        raise
 
 
 def _handed_done(m: _Member, st: Stats) -> None:

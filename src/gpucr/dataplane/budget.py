@@ -31,9 +31,9 @@ from .cgroups import cgroup_room, check_cgroups
 from .hostmem import check_free
 
 SUFFIX = LEDGER_SUFFIX   # <pid>-<pid ns>.staging (paths.ledger_entry), as the agent names its own to remove it
-# The way past every host-memory limit, said by each refusal: staging in a file. An --image is written from
-# staging, so it does not avoid staging in memory by itself.
-ON_DISK = "or stage on disk: 'gpucr run --staging file:DIR' (an --image alone is written from staging)"
+# The ways past every host-memory limit, said by each refusal: an image, written from the GPU straight to disk (no
+# staging), or staging in a file.
+ON_DISK = "or checkpoint to disk, which needs no staging: 'gpucr checkpoint --image DIR', or stage on disk: 'gpucr run --staging file:DIR'"
 LEDGER_WAIT_S = 5.0   # the lock is held for microseconds: longer means a holder is stuck
 MIB = 1 << 20
 _in_process = threading.Lock()   # the flock is the open file's: this orders the threads of this process

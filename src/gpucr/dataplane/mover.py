@@ -31,12 +31,11 @@ from .lanes import Routing
 from .layout import checked_plan as _checked_plan, reach as _reach
 from .links import Links, Neighbour
 from ..memory import Managed
-from ..plane import ImageData, Inputs, Made, MadeStaging, StagingAsk, Stats
+from ..plane import ImageFile, Inputs, Made, MadeStaging, StagingAsk, Stats
 from ..switch_schedule import Room
 from .two_way import Landing, Making, both
 from .held import Held, Owner
-from .pinned import Segment
-from .pinned import pin as pin_segment
+from .pinned import Segment, pin as pin_segment
 from .ring import Piece, Ring
 from .scan import AllocationScan, Scanner
 from .sweep import Part, parts_of, step as sweep_step
@@ -109,7 +108,7 @@ class Mover(StagingMaker):
     def pinned_bytes(self) -> int:
         """Pinned here: each process's staging, and the pool's not lent."""
         pool = self.pool.info()["pinned_bytes"] if self.pool is not None else 0
-        return pool + sum(h["pinned_bytes"] for h in self.holdings())
+        return pool + sum(h["pinned_bytes"] for h in self.held.holdings())
 
     def start_pool(self, target: int | None, host_budget: int | None, ledger_dir: Path) -> StagingPool:
         """Prepare staging ahead (staging_pool.py), pinned in the context on the first GPU, kept from now on."""
@@ -127,8 +126,6 @@ class Mover(StagingMaker):
         """Lent from the pool where it can, the rest made (staging_pool.py); made as without a pool otherwise."""
         return self.pool.provide(ask) if self.pool is not None else super().make_staging(ask)
 
-    def holdings(self) -> list[dict[str, Any]]:   # what the server holds of each process's staging (held.py)
-        return self.held.holdings()
 
     def forget(self, pid: int) -> None:
         """Unpin and unmap a process's staging (it ended, or its staging changed)."""
@@ -194,16 +191,17 @@ class Mover(StagingMaker):
 
     # ---- the two directions ----
     def copy_out(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
-                 scan: bool = True) -> Stats:
+                 scan: bool = True, image: ImageFile | None = None) -> Stats:
         """Every allocation of `layout` (the agent's, after a handover) copied from the GPU into its place in
-        staging, through our fds of the memory (memory, by index). Raises GpucrError; nothing here changes the
-        process, which the agent takes back on failure. scan=False: no zero scan and no digests (`gpucr checkpoint
-        --no-scan`): every byte crosses the link, and the fill of this checkpoint copies every byte and checks nothing."""
-        return self._locked(f"the copy out of process {pid}",
-                            lambda: self._move(owner(pid), layout, seg_fds, memory, out=True, scan=scan))[0]
+        staging, through our fds of the memory (memory, by index), or with `image` through the ring into that image's
+        file (its zero chunks found as each is written). Raises GpucrError; nothing here changes the process, which
+        the agent takes back on failure. scan=False: no zero scan and no digests (`gpucr checkpoint --no-scan`): every
+        byte crosses the link, and the fill of this checkpoint copies every byte and checks nothing."""
+        return self._locked(f"the copy out of process {pid}", lambda: self._move(
+            owner(pid), layout, seg_fds, memory, out=True, scan=scan and image is None, image=image))[0]
 
     def fill(self, pid: int, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
-             image: ImageData | None = None, check: bool = True) -> tuple[Stats, list[tuple[int, int]]]:
+             image: ImageFile | None = None, check: bool = True) -> tuple[Stats, list[tuple[int, int]]]:
         """New memory for every allocation of `layout`, on its GPU (each Managed's UUID), filled from staging;
         returns [(index, fd)] in index order (the caller hands the fds to the agent, then closes them).
         The layout must be what the server took at the process's checkpoint, or, with `image`, the places in that
@@ -302,7 +300,7 @@ class Mover(StagingMaker):
 
     # ---- inside ----
     def _move(self, who: Owner, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed], out: bool,
-              image: ImageData | None = None, check: bool = True, scan: bool = True,
+              image: ImageFile | None = None, check: bool = True, scan: bool = True,
               switch: Any = None) -> tuple[Stats, list[tuple[int, int]]]:
         """switch: a two-way switch's hooks (two_way.py): out, each allocation handed to `switch.queued` once all its
         copies are queued (it gives it back as they land); in, each made through `switch.make` (it waits for room)."""
@@ -345,7 +343,7 @@ class Mover(StagingMaker):
 
         def staging() -> dict[int, Segment]:
             if image is not None:   # its file, read into the ring's slots: nothing here to map or pin
-                return {0: Segment((0, 0), 0, image.size, load=image.load)}
+                return {0: Segment((0, 0), 0, image.size, file_io=image.move)}
             ts = time.perf_counter()
             if plan and plan[0][0] in by_index:   # pinned in a context on the process's GPU (portable: for all)
                 self.vmm.use(self._context(self._ordinal(by_index[plan[0][0]].uuid))[0])
@@ -377,7 +375,7 @@ class Mover(StagingMaker):
                     continue
                 if ring is not None:   # the staging is not pinned here: through the ring, a piece at a time
                     for k in range(off + start, off + start + length, CHUNK):
-                        ring.put(Piece(ctx, g.addr + k, va + k - off, min(CHUNK, off + start + length - k), out, g.load))
+                        ring.put(Piece(ctx, g.addr + k, va + k - off, min(CHUNK, off + start + length - k), out, g.file_io))
                     continue
                 for k, n in g.cuts(off + start, length, CHUNK):   # never over a pinned piece's end
                     host, dva = g.addr + k, va + k - off
@@ -408,7 +406,8 @@ class Mover(StagingMaker):
             # then), and each allocation's copies queued as soon as it is made, overlapping the making of the next.
             # A copy out likewise when its staging is held pinned already (the cycles after the first): nothing is
             # pinned on the process's word then, so each allocation's copies start once it is imported
-            staged = staging() if not out or (self.ring is None and self.held.pinned_for(who, plan, seg_fds, declared)) else None
+            pinned = image is None and self.ring is None and self.held.pinned_for(who, plan, seg_fds, declared)
+            staged = staging() if not out or pinned else None
             if out and staged is not None and taken is None:   # another plan: what the staging holds is not known
                 forget_held(list(staged.values()))
             # a copy out waits for the scan only where it may skip chunks the staging holds from its last copy out:
@@ -484,7 +483,7 @@ class Mover(StagingMaker):
             routing.finish()   # raises what its thread raised
             st.route_s, st.looks_s = time.perf_counter() - t0, routing.looks_s
             self._sync(placed, ring, out)   # the pieces the routes' thread sent straight after giving a route up
-            if out:   # what the staging holds now, chunk by chunk (checked.py)
+            if out and image is None:   # what the staging holds now, chunk by chunk (checked.py)
                 note_held(staged, plan, taken, self.skip_unchanged)
             if checker is not None:
                 tc = time.perf_counter()   # before the fds go back: a fill whose bytes differ is undone
@@ -512,7 +511,7 @@ class Mover(StagingMaker):
         if switch is not None and out and switch.error is not None:   # after the undo: nothing of ours stays
             raise GpucrError(f"{self.name}'s copy out failed: giving back memory as its copy landed failed: "
                              f"{switch.error}")
-        if out:
+        if out and image is None:   # an image's fill reads the image, never this record
             self._taken[who] = taken
         st.seconds = time.perf_counter() - t0
         return st, fds
@@ -538,9 +537,9 @@ class Mover(StagingMaker):
 
     def _ring_for(self, who: Owner, plan: list[tuple[int, int, int, int]], out: bool, from_image: bool) -> Ring | None:
         """The ring a move goes through, None for straight copies from pinned staging: the CLI's always; the
-        server's for a fill from an image's file, or of what it did not take itself (a checkpoint by the CLI's mover,
+        server's for a move to or from an image's file, or a fill of what it did not take itself (a checkpoint by the CLI's mover,
         or by another server), whose staging it pins nothing of on the process's word."""
-        if self.ring is not None or out or (not from_image and self._took(who, plan)):
+        if self.ring is not None or (not from_image and (out or self._took(who, plan))):
             return self.ring
         if self._spare is None:
             self._spare = Ring(self.vmm, CHUNK)

@@ -49,8 +49,8 @@ class Segment:
     stuck: int = 0                # bytes the driver did not unpin when it was let go (kept mapped: drop)
     held: dict[tuple[int, int], bytes] = field(default_factory=dict)   # (offset, bytes) -> the digest of what the
     #                             mover's last copy out left there (checked.py): not copied again while the GPU's is equal
-    load: Callable[[int, int, int], None] | None = None   # not mapped here: an image's data file, read into the CLI
-    #                             ring's slots (ring.Piece.load); addr is 0, the pieces' places are offsets in that file
+    file_io: Callable[[int, int, int], None] | None = None   # not mapped here: an image's data file, which the ring's
+    #                             slots are read from or written to (ring.Piece.file_io); addr is 0, places are its offsets
 
     @property
     def bytes(self) -> int:

@@ -6,7 +6,8 @@ The server pins a process's staging ahead, minutes before a checkpoint. A fresh 
 pinned once per request (at its first copy), and moves each piece between its slot and the staging (mapped
 here, pageable) with a host memmove, several pieces at once:
 
-- out: the device copies a piece into a slot, then the slot is copied into its place in staging;
+- out: the device copies a piece into a slot, then the slot is copied into its place in staging; to an image,
+  the slot is digested and written to its data file (no staging at all);
 - in: a piece of staging is copied into a slot, then the device copies the slot into the new memory; from an
   image, the piece is read from its data file into the slot and checked there (no staging at all).
 
@@ -51,9 +52,10 @@ class Piece:
     dva: int     # where on the GPU (the mover's mapping of the process's memory)
     n: int       # bytes, at most the slot's
     out: bool    # GPU to staging (a checkpoint), else staging to GPU (a restore)
-    # a fill's source that is not mapped here: load(slot, host, n) puts the piece's n bytes into the slot, `host`
-    # then being where they are in that source (an image's data file: image.ImageSource.load), or raises
-    load: Callable[[int, int, int], None] | None = None
+    # a file, not mapped here, the piece moves between instead of staging: file_io(slot, host, n) reads the piece
+    # into the slot (in) or writes it from there (out), `host` then being its offset in that file (an image's data
+    # file: gpucr.plane.ImageFile.move), or raises
+    file_io: Callable[[int, int, int], None] | None = None
 
 
 class Ring:
@@ -171,18 +173,19 @@ class Ring:
         t0 = time.perf_counter()
         if p.out:
             self.vmm.d2h(slot, p.dva, p.n, s)
-            _populate(p.host, p.n)   # while the device copies
+            if p.file_io is None:
+                _populate(p.host, p.n)   # while the device copies
             t1 = time.perf_counter()
             self.vmm.sync(s)
             t2 = time.perf_counter()
-            ctypes.memmove(p.host, slot, p.n)
+            (p.file_io(slot, p.host, p.n) if p.file_io is not None else ctypes.memmove(p.host, slot, p.n))
             t3 = time.perf_counter()
             spent = (t2 - t1, t1 - t0, t3 - t2)
         else:
-            if p.load is None:
+            if p.file_io is None:
                 _populate(p.host, p.n)
             t1 = time.perf_counter()
-            (p.load(slot, p.host, p.n) if p.load is not None else ctypes.memmove(slot, p.host, p.n))
+            (p.file_io(slot, p.host, p.n) if p.file_io is not None else ctypes.memmove(slot, p.host, p.n))
             t2 = time.perf_counter()
             self.vmm.h2d(p.dva, slot, p.n, s)
             self.vmm.sync(s)

@@ -458,7 +458,7 @@ class Server:
                 "contexts": mover.context_uuids() if mover else [],
                 "pinned_staging_bytes": mover.pinned_bytes() if mover else 0,
                 "staging_pool": mover.pool.info() if mover and mover.pool else None,
-                "staging": mover.holdings() if mover else [],
+                "staging": mover.held.holdings() if mover else [],
                 "simulated": self.simulated, "socket": str(self.path),
                 "log": str(self.dir / wire.log_name(self.simulated)), "up_s": round(time.time() - self.started, 1),
                 "requests": served, "in_flight": busy, "swap": self.swap.apps.rows(),
