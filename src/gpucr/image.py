@@ -82,13 +82,13 @@ class ImageSink:
                  on_chunk: Callable[[int], None] | None = None) -> None:
         self.idir, self._on_chunk = idir, on_chunk
         self.allocs: list[dict[str, Any]] = []
-        self._chunks: dict[int, tuple[dict[str, Any], int]] = {}   # file offset -> (chunk record, allocation's va)
+        self._chunks: dict[int, dict[str, Any]] = {}   # file offset -> its chunk's record
         places, foff = [], 0
         for a in allocations:
             rec = {"va": a["va"], "bytes": a["bytes"], "kind": a["kind"], "file_offset": foff, "chunks": []}
             for off in range(0, a["bytes"], CHUNK):
                 rec["chunks"].append({"offset": off, "bytes": min(CHUNK, a["bytes"] - off)})
-                self._chunks[foff + off] = (rec["chunks"][-1], a["va"])
+                self._chunks[foff + off] = rec["chunks"][-1]
             places.append({"index": a["index"], "va": a["va"], "bytes": a["bytes"], "segment": 0, "offset": foff})
             foff += a["bytes"]
             self.allocs.append(rec)
@@ -110,7 +110,7 @@ class ImageSink:
 
     def put(self, src: memoryview, at: int) -> None:
         """The chunk at file offset `at` from `src`: recorded as zero, or digested and written."""
-        chunk, va = self._chunks.get(at, (None, 0))
+        chunk = self._chunks.get(at)
         if chunk is None or chunk["bytes"] != len(src):
             raise GpucrError(f"{len(src)} bytes at {at:#x} of the image's data file are no chunk of it: gpucr's own "
                              "mistake")
@@ -152,15 +152,11 @@ def write(idir: ImageDir, layout: dict[str, Any], fds: list[int]) -> tuple[list[
     """Write the staged allocations (a checkpointed process's staging: gpucr's swap to disk) under a temporary
     name, then name it data.bin (a failed write leaves nothing); returns their manifest records and the write's
     statistics."""
-    try:
-        sink = ImageSink(idir, layout["allocations"])
-    except OSError as exc:
-        raise GpucrError(f"writing the image to {idir.path} failed: {exc.strerror or exc}; the process stays "
-                         "checkpointed with its data in host memory") from exc
+    sink = None
     try:
         with _mapped(fds, [s["bytes"] for s in layout["segments"]], writable=False) as views, \
-                _progress("writing image", sink.size) as tick:
-            sink._on_chunk = tick
+                _progress("writing image", sum(a["bytes"] for a in layout["allocations"])) as tick:
+            sink = ImageSink(idir, layout["allocations"], on_chunk=tick)
             jobs = [(views[a["segment"]], a["offset"] + c["offset"], c["bytes"], rec["file_offset"] + c["offset"])
                     for a, rec in zip(layout["allocations"], sink.allocs) for c in rec["chunks"]]
 
@@ -172,7 +168,8 @@ def write(idir: ImageDir, layout: dict[str, Any], fds: list[int]) -> tuple[list[
                 list(pool.map(one, jobs))
         return sink.finish()
     except (OSError, GpucrError) as exc:
-        sink.discard()
+        if sink is not None:
+            sink.discard()
         why = (exc.strerror or exc) if isinstance(exc, OSError) else exc
         raise GpucrError(f"writing the image to {idir.path} failed: {why}; the process stays "
                          "checkpointed with its data in host memory") from exc

@@ -126,7 +126,6 @@ class Mover(StagingMaker):
         """Lent from the pool where it can, the rest made (staging_pool.py); made as without a pool otherwise."""
         return self.pool.provide(ask) if self.pool is not None else super().make_staging(ask)
 
-
     def forget(self, pid: int) -> None:
         """Unpin and unmap a process's staging (it ended, or its staging changed)."""
         with self._plane(f"letting go of process {pid}'s staging"):
