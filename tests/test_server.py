@@ -250,7 +250,7 @@ def test_a_mover_giving_back_its_context_leaves_no_stream_in_it():
     held = vmm.retain_context(0)   # the calling app's own hold
     try:
         mover = Mover(sim_driver(), keep_context=False)
-        ctx, streams = mover._context(0)
+        ctx, streams = mover.context(0)
         streams = [*streams, *mover._side[ctx]]
         mover.settle()
         vmm.use(held)
@@ -655,10 +655,10 @@ def test_staging_is_pinned_in_pieces_and_no_copy_spans_two(tmp_path, monkeypatch
     range spans two pieces, which the real driver would copy as pageable memory. simcuda counts such copies:
     none, both ways, bytes equal; and with the cuts at piece ends left out, it counts them."""
     from gpucr.driver import sim_pageable_async_copies
-    from gpucr.dataplane import mover as mv, pinned
+    from gpucr.dataplane import move, mover as mv, pinned
     monkeypatch.setattr(pinned, "PIN_PIECE", 3 << 20)
     monkeypatch.setattr(pinned, "file_page", lambda blksize: pinned.PAGE)   # whatever tmp's filesystem says
-    monkeypatch.setattr(mv, "CHUNK", 2 << 20)
+    monkeypatch.setattr(move, "CHUNK", 2 << 20)
     drv = sim_driver()
     mover = mv.Mover(drv)
     vmm = mover.vmm
@@ -795,7 +795,7 @@ def test_a_copy_that_comes_while_a_segment_is_pinned_ahead_waits_for_that_piece_
 
     def copy() -> None:
         with mover.wanted(), mover._lock:
-            mover.vmm.use(mover._context(mover.vmm.device_by_uuid()[uuid])[0])   # as a copy's staging() does
+            mover.vmm.use(mover.context(mover.vmm.device_by_uuid()[uuid])[0])   # as a copy's staging() does
             seen.update(mover.held.map(owner(1), {0: 5 << 20}, [fd], Stats(), {0: 8 << 20}))
     copier = threading.Thread(target=copy)
     try:

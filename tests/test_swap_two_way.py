@@ -223,6 +223,23 @@ def test_a_copy_done_when_the_driver_steps_fail_has_the_memory_made_for_the_one_
             os.fstat(fd)
 
 
+def test_a_fill_that_finished_beside_a_failed_copy_out_is_let_go():
+    """A's copy out failing after all of A was given back (the landing gave back every piece at once) let B's whole
+    fill finish; its result was dropped with its fds open, and the GPU kept B's new memory (simcuda: the next resume
+    found no room, 64 MiB held by the server)."""
+    from gpucr.dataplane.two_way import both
+    from gpucr.switch_schedule import Room
+
+    def out() -> None:
+        raise GpucrError("failed on purpose")
+    let_go = []
+    with pytest.raises(GpucrError, match="on purpose"):
+        both(out, lambda: "made", Room(lambda: 0, 0), let_go=let_go.append)
+    assert let_go == ["made"]
+    assert both(lambda: "out", lambda: "in", Room(lambda: 0, 0), let_go=let_go.append) == ("out", "in")
+    assert let_go == ["made"], "nothing let go when both finished"
+
+
 class _Vmm:
     """What the landing thread asks of the driver, for a unit test: every event has landed."""
     def use(self, ctx): pass
@@ -250,12 +267,12 @@ def test_a_piece_made_after_the_first_give_back_counts_as_made_while_the_rest_of
     mem = [memory.Managed(i, "converted", 32 << 20, 0, False, False, movable=True) for i in range(3)]
     mem.append(memory.Managed(3, "app_vmm", 2 << 20, 0, False, True))   # left to the driver: never goes out here
     landing = Landing(_Vmm(), mem, give_back, room)
-    landing.queued(0, 10, 0x1000, 32 << 20, 1, [5])
+    landing.queued(0, 10, 0x1000, 32 << 20, 1, [5], landing.vmm.unmap)
     with room.taking(32 << 20, "B's first piece"):   # waits for A's first give-back
         pass
     assert given == [1] and room.made_while_out == 1 and room.out == 2
     for i in (1, 2):
-        landing.queued(i, 10 + i, 0x1000, 32 << 20, 1, [5])
+        landing.queued(i, 10 + i, 0x1000, 32 << 20, 1, [5], landing.vmm.unmap)
     assert landing.kept([]) == [] and room.out == 0 and given[-1] == 3
 
 

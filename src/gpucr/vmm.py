@@ -3,6 +3,7 @@ half and what gpucr reads about the GPU are in driver.py, whose Driver this uses
 from __future__ import annotations
 
 import ctypes
+from contextlib import suppress
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -153,23 +154,45 @@ class Vmm:
     def map(self, handle: int, size: int, dev: int, also: Iterable[int] = ()) -> int:
         """A fresh address range with the memory mapped read-write for `dev` (and the GPUs `also`, whose
         copy engines then reach it over their link: the server's routes through a neighbour GPU)."""
+        va = self.reserve(size)
+        try:
+            self.map_at(va, handle, size)
+        except DriverError:
+            with suppress(DriverError):
+                self.free_range(va, size)
+            raise
+        try:
+            self.set_access(va, size, [dev, *also])
+        except DriverError:
+            with suppress(DriverError):
+                self.unmap(va, size)
+            raise
+        return va
+
+    def reserve(self, size: int) -> int:
+        """An address range of `size` bytes, nothing mapped in it."""
         va = ctypes.c_uint64()
         self._ok(self._cu.cuMemAddressReserve(ctypes.byref(va), size, 0, 0, 0), "cuMemAddressReserve")
-        try:
-            self._ok(self._cu.cuMemMap(va.value, size, 0, handle, 0), "cuMemMap")
-        except DriverError:
-            self._cu.cuMemAddressFree(va.value, size)
-            raise
-        devs = [dev, *also]
-        acc = (_AccessDesc * len(devs))(*[_AccessDesc(location=_MemLocation(_DEVICE, d), flags=_READ_WRITE) for d in devs])
-        rc = self._cu.cuMemSetAccess(va.value, size, acc, len(devs))
-        if rc:
-            self.unmap(va.value, size)
-            self._ok(rc, "cuMemSetAccess")
         return va.value
 
+    def map_at(self, va: int, handle: int, size: int) -> None:
+        """The memory mapped at `va` (in a reserved range), reachable only once set_access gives a GPU access."""
+        self._ok(self._cu.cuMemMap(va, size, 0, handle, 0), "cuMemMap")
+
+    def set_access(self, va: int, size: int, devs: list[int]) -> None:
+        """Read-write access for `devs` to [va, va + size), which may span many mappings (one call for all)."""
+        acc = (_AccessDesc * len(devs))(*[_AccessDesc(location=_MemLocation(_DEVICE, d), flags=_READ_WRITE) for d in devs])
+        self._ok(self._cu.cuMemSetAccess(va, size, acc, len(devs)), "cuMemSetAccess")
+
     def unmap(self, va: int, size: int) -> None:
+        """One mapping of map(): unmapped and its range freed."""
+        self.unmap_only(va, size)
+        self.free_range(va, size)
+
+    def unmap_only(self, va: int, size: int) -> None:
         self._ok(self._cu.cuMemUnmap(va, size), "cuMemUnmap")
+
+    def free_range(self, va: int, size: int) -> None:
         self._ok(self._cu.cuMemAddressFree(va, size), "cuMemAddressFree")
 
     def pin(self, addr: int, size: int) -> None:

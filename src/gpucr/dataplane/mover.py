@@ -24,11 +24,10 @@ from ..driver import Driver, DriverError, process_gpu_memory
 from ..vmm import Vmm
 from ..errors import GpucrError
 from ..proc import process_ended, process_start_time
-from .chunks import Spans, spans, zero_within
-from .checked import Checker, Taken, forget_held, note_held, out_runs
+from .checked import Taken
 from .kernels import Kernels
 from .lanes import Routing
-from .layout import checked_plan as _checked_plan, reach as _reach
+from .layout import checked_plan as _checked_plan
 from .links import Links, Neighbour
 from ..memory import Managed
 from ..plane import ImageFile, Inputs, Made, MadeStaging, StagingAsk, Stats
@@ -36,16 +35,14 @@ from ..switch_schedule import Room
 from .two_way import Landing, Making, both
 from .held import Held, Owner
 from .pinned import Segment, pin as pin_segment
-from .ring import Piece, Ring
-from .scan import AllocationScan, Scanner
-from .sweep import Part, parts_of, step as sweep_step
+from .move import CHUNK, Move
+from .ring import Ring
 from .staging_make import StagingMaker
 from .staging_pool import StagingPool
 
 # No wait in the server is without end: a copy from a `file:` staging on a stalled filesystem holds the
 # data plane as long as the filesystem stalls, and every request behind it would wait as long.
 PLANE_WAIT_S = 300.0
-CHUNK = 64 << 20        # copies queued in pieces, round-robin over the streams, so the copy engines stay busy
 STREAMS = 4             # per direction: a two-way switch copies out and in at once, on streams of their own
 
 
@@ -102,7 +99,7 @@ class Mover(StagingMaker):
     # ---- what it holds ----
     def context_uuids(self) -> list[str]:
         """The GPUs on which the server holds a context now."""
-        by_ordinal = self._uuids()
+        by_ordinal = self.uuids()
         return sorted(by_ordinal.get(d, str(d)) for d in self._ctx)
 
     def pinned_bytes(self) -> int:
@@ -114,7 +111,7 @@ class Mover(StagingMaker):
         """Prepare staging ahead (staging_pool.py), pinned in the context on the first GPU, kept from now on."""
         with self._plane("preparing staging ahead"):
             self._pool_dev = 0   # portable registrations: a copy on any GPU finds them pinned
-            ctx = self._context(self._pool_dev)[0]
+            ctx = self.context(self._pool_dev)[0]
             self._neighbours.discard(self._pool_dev)
             self.pool = StagingPool(self.vmm, ledger_dir, target, host_budget, ctx, lambda: bool(self._wanted),
                                     lambda line: self.said(line))
@@ -155,7 +152,7 @@ class Mover(StagingMaker):
         context (`gpucr serve --give-back-context`). Called before the result measures the GPUs, so the
         card's use it reports is what the card shows once the request is answered."""
         if not self.keep_context:
-            held = {dev: uuid for dev, uuid in self._uuids().items() if dev in self._ctx}
+            held = {dev: uuid for dev, uuid in self.uuids().items() if dev in self._ctx}
             self.close()
             self._wait_until_released(held)
 
@@ -217,10 +214,11 @@ class Mover(StagingMaker):
         def go() -> tuple[Stats, Made]:
             for m in out_inputs[2] + in_inputs[2]:   # contexts made before two threads use them
                 if m.uuid:
-                    self._context(self._ordinal(m.uuid))
+                    self.context(self.ordinal(m.uuid))
             landing = Landing(self.vmm, out_inputs[2], give_back, room)
             return both(lambda: self._move(owner(out_pid), *out_inputs, out=True, scan=scan, switch=landing)[0],
-                        lambda: self._move(owner(in_pid), *in_inputs, out=False, check=check, switch=Making(room)), room)
+                        lambda: self._move(owner(in_pid), *in_inputs, out=False, check=check, switch=Making(room)), room,
+                        let_go=lambda made: [os.close(fd) for _idx, fd in made[1]])
         return self._locked(f"the two-way switch of processes {out_pid} and {in_pid}", go)
 
     def pin_ahead(self, pid: int, layout: dict[str, Any], seg_fds: list[int], uuid: str) -> int:
@@ -243,9 +241,9 @@ class Mover(StagingMaker):
         work: list[Segment] = []
         try:
             with self._plane(f"pinning process {pid}'s staging ahead"):
-                dev = self._ordinal(uuid)
+                dev = self.ordinal(uuid)
                 self._neighbours.discard(dev)   # the staging is pinned in this context: never given back as a lender's
-                ctx = self._context(dev)[0]
+                ctx = self.context(dev)[0]
                 stale, work = self.held.to_pin_ahead(who, declared, seg_fds)
             before = [seg.bytes for seg in work]
             self.vmm.use(ctx)
@@ -301,219 +299,26 @@ class Mover(StagingMaker):
     def _move(self, who: Owner, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed], out: bool,
               image: ImageFile | None = None, check: bool = True, scan: bool = True,
               switch: Any = None) -> tuple[Stats, list[tuple[int, int]]]:
-        """switch: a two-way switch's hooks (two_way.py): out, each allocation handed to `switch.queued` once all its
-        copies are queued (it gives it back as they land); in, each made through `switch.make` (it waits for room)."""
-        st = Stats()
-        t0 = time.perf_counter()
-        declared, plan = _checked_plan(layout)
+        """One copy out or fill (move.py); switch: a two-way switch's hooks (two_way.py)."""
+        plan = _checked_plan(layout)[1]
         taken = self._taken.get(who) if self._took(who, plan) else None
-        # zero chunks set on the GPU at a fill: an image's, or those this mover found at the checkpoint; a copy
-        # out's are found by its scan as each allocation is mapped (scan.py)
-        zeros: Spans = dict(image.zeros) if image is not None else taken.zeros() if taken and not out else {}
-        zeros = {i: sorted(z) for i, z in zeros.items()}
-        by_index = {m.index: m for m in memory}
         ring = self._ring_for(who, plan, out, image is not None)
         if not out:
-            self._check_fill(who, plan, by_index, image is not None)
-        mapped: list[tuple[int, int, int]] = []   # (handle, va, bytes) to unmap and release afterwards
-        made: list[tuple[int, int]] = []          # (index, handle) of new memory (fill)
-        fds: list[tuple[int, int]] = []           # (index, fd) of it, exported as it is made
-        placed: list[tuple[int, int, int, int, int]] = []   # (size, seg, off, va, dev)
-        where: dict[int, tuple[int, int, int, int, int]] = {}   # the same by allocation index
-        handles: dict[int, int] = {}   # allocation index -> its handle here (a switch gives it back)
-        unqueued: dict[int, int] = {}  # allocation index -> its bytes whose copies are not queued yet (a switch's out)
-        touched: dict[int, set[int]] = {}   # GPU -> the streams that wrote its parts not checked yet (a fill)
-        turn = 0
-        # routes through idle NVLink neighbours of the process's GPUs (lanes.py), chosen before anything is
-        # mapped: each mapping must let the neighbours' copy engines reach it
-        devs = {self._ordinal(by_index[i].uuid) for i, *_ in plan if i in by_index}
-        self._neighbours -= devs   # a process's own GPU now: its context is that process's, kept
-        routing = Routing(self.vmm, self.links, lambda d: (self._context(d)[0], self._streams(d, out)), devs,
-                          self._uuids(), out, CHUNK, st.routes, st.dropped)   # this direction's streams only
-        self._neighbours.update(routing.used())
-        # the kernels beside the copies (sweep.py), in parts of each allocation: a copy out's scan, a fill's check
-        sizes = [(i, self._ordinal(by_index[i].uuid), size) for i, size, *_ in plan if i in by_index]
-        part = sweep_step() if image is None else 1 << 62   # an image's: whole allocations, so each piece is a chunk of it
-        # each on a stream of its own: a two-way switch scans its copy out while it checks its fill
-        scanner = Scanner(self.kernels, lambda c: self._side[c][0], sizes, part) if out and scan else None
-        checker = (Checker(self.kernels, lambda c: self._side[c][2], sizes, taken, part)
-                   if not out and check and image is None and taken is not None and taken.scanned else None)
-        ok = False
-
-        def staging() -> dict[int, Segment]:
-            if image is not None:   # its file, read into the ring's slots: nothing here to map or pin
-                return {0: Segment((0, 0), 0, image.size, file_io=image.move)}
-            ts = time.perf_counter()
-            if plan and plan[0][0] in by_index:   # pinned in a context on the process's GPU (portable: for all)
-                self.vmm.use(self._context(self._ordinal(by_index[plan[0][0]].uuid))[0])
-            staged = self.held.map(who, _reach(plan), seg_fds, st, declared, pin=ring is None)
-            st.stage_s += time.perf_counter() - ts
-            return staged
-
-        def enqueue(staged: dict[int, Segment], idx: int, size: int, seg: int, off: int, va: int, dev: int, lo: int = 0,
-                    n: int | None = None, scan: AllocationScan | None = None) -> None:
-            """The copies (and memsets) of [lo, lo + n) of allocation idx (default all); scan: a copy out's (checked.py)."""
-            nonlocal turn
-            tq = time.perf_counter()
-            ctx, streams = self._ctx[dev][0], self._streams(dev, out)
-            self.vmm.use(ctx)
-            g = staged[seg]
-            share = 1 if switch is not None else routing.share(dev)   # a switch's way is the GPU's own link
-            hi = size if n is None else lo + n
-            runs = (out_runs(g, off, lo, hi, scan) if scan is not None else
-                    [(a, b, False, z) for a, b, z in spans(lo, hi, zero_within(zeros.get(idx, []), lo, hi))])
-            for start, length, held, zero in runs:
-                if held:   # the staging holds these bytes already (checked.py)
-                    st.skipped(length, zero)
-                    continue
-                if zero and not out:   # nothing to carry over the link
-                    s = self._side[ctx][1]
-                    self.vmm.memset(va + start, length, s)
-                    touched.setdefault(dev, set()).add(s)
-                    st.zeroed += length
-                    continue
-                if ring is not None:   # the staging is not pinned here: through the ring, a piece at a time
-                    for k in range(off + start, off + start + length, CHUNK):
-                        ring.put(Piece(ctx, g.addr + k, va + k - off, min(CHUNK, off + start + length - k), out, g.file_io))
-                    continue
-                for k, n in g.cuts(off + start, length, CHUNK):   # never over a pinned piece's end
-                    host, dva = g.addr + k, va + k - off
-                    route, turn = turn % share, turn + 1
-                    if route:
-                        routing.put(dev, host, dva, n)
-                    else:
-                        s = streams[turn % len(streams)]
-                        (self.vmm.d2h(host, dva, n, s) if out else self.vmm.h2d(dva, host, n, s))
-                        touched.setdefault(dev, set()).add(s)
-            st.bytes += hi - lo
-            st.allocations += lo == 0
-            st.queue_s += time.perf_counter() - tq
-            if switch is not None and out:
-                unqueued[idx] = unqueued.get(idx, size) - (hi - lo)
-                if unqueued[idx] == 0:   # given back as soon as all its copies land
-                    switch.queued(idx, handles[idx], va, size, ctx, streams)
-
-        def queue_scanned(staged: dict[int, Segment], parts: list[Part]) -> None:
-            """A copy out's parts whose scan came back: their copies, zero chunks skipped where staging holds them."""
-            assert scanner is not None
-            for p in parts:
-                size, seg, off, va, dev = where[p.index]
-                enqueue(staged, p.index, size, seg, off, va, dev, p.at, p.size, scanner.scans[p.index])
-
-        try:
-            # a fill: the staging first (what the server took at the checkpoint, whose sizes the driver checked
-            # then), and each allocation's copies queued as soon as it is made, overlapping the making of the next.
-            # A copy out likewise when its staging is held pinned already (the cycles after the first): nothing is
-            # pinned on the process's word then, so each allocation's copies start once it is imported
-            pinned = image is None and self.ring is None and self.held.pinned_for(who, plan, seg_fds, declared)
-            staged = staging() if not out or pinned else None
-            if out and staged is not None and taken is None:   # another plan: what the staging holds is not known
-                forget_held(list(staged.values()))
-            # a copy out waits for the scan only where it may skip chunks the staging holds from its last copy out:
-            # each part's copies are queued once its batch of the scan is read, while the next are scanned (scan.py).
-            # Else (a first cycle, or asked not to scan) each allocation's copies start once it is imported, the scan
-            # beside them; the CLI's mover, whose staging is mapped after every import, queues them after that
-            early = not out or (staged is not None and switch is None
-                                and (not scan or not any(g.held for g in staged.values())))
-            due: list[Part] = []   # a copy out's parts scanned, their copies not queued yet
-            for idx, size, seg, off in plan:
-                m = by_index.get(idx)
-                if m is None or (out and m.fd is None):
-                    raise GpucrError(f"the process did not hand over its allocation {idx} ({size >> 20} MiB)")
-                dev = self._ordinal(m.uuid)
-                tm = time.perf_counter()
-                ctx, _streams = self._context(dev)
-                self.vmm.use(ctx)
-                if out:
-                    h = self.vmm.import_fd(m.fd)
-                else:   # as the allocation was made; in a switch, once room for it is free
-                    h = (switch.make(lambda: self.vmm.create(size, dev, flags=m.flags), size) if switch is not None
-                         else self.vmm.create(size, dev, flags=m.flags))
-                    made.append((idx, h))
-                handles[idx] = h
-                va = self.vmm.map(h, size, dev, also=routing.access(dev))
-                mapped.append((h, va, size))
-                st.make_s += time.perf_counter() - tm
-                if not out:
-                    # exported now, while the copies already queued run, not after the last one drained: the fds
-                    # reach the process only once this returns, every copy done
-                    te = time.perf_counter()
-                    fds.append((idx, self.vmm.export_fd(h)))
-                    st.export_s += time.perf_counter() - te
-                placed.append((size, seg, off, va, dev))
-                where[idx] = placed[-1]
-                for lo, n in parts_of(size, part):
-                    if early:
-                        enqueue(staged, idx, size, seg, off, va, dev, lo, n)
-                    if checker is not None:   # after this part's copies, beside the next ones
-                        checker.add(dev, ctx, idx, va, lo, n)
-                        if checker.due(dev) and ring is None and routing.share(dev) == 1:   # else once all are synced
-                            checker.launch(dev, sorted(touched.pop(dev, ())))   # after what wrote its parts
-                    if scanner is not None:
-                        scanner.add(dev, ctx, idx, va, lo, n)
-                        if not early:
-                            due += scanner.ready()
-                            if staged is not None:
-                                queue_scanned(staged, due)
-                                due = []
-            if out:
-                # a copy out not queued yet: every import is mapped first, the driver checking each size against
-                # the real memory, so the staging pinned next is no more than the process has on the GPU
-                queued = staged is not None and early
-                if staged is None:
-                    staged = staging()
-                    if taken is None:
-                        forget_held(list(staged.values()))
-                if scanner is not None:
-                    due += scanner.ready(every=True)
-                    taken = Taken(plan, {i: scanner.scans[i] for i in where})
-                    st.scanned, st.scan_s, st.scan = sum(p[0] for p in placed), scanner.wait_s, True
-                else:
-                    taken = Taken(plan, scanned=False)
-                if scanner is not None and not queued:
-                    queue_scanned(staged, due)
-                elif not queued:
-                    for (idx, *_rest), (size, seg, off, va, dev) in zip(plan, placed):
-                        enqueue(staged, idx, size, seg, off, va, dev)
-            td = time.perf_counter()
-            self._sync(placed, ring, out)
-            st.straight_s = time.perf_counter() - t0
-            st.drain_s = time.perf_counter() - td
-            routing.finish()   # raises what its thread raised
-            st.route_s, st.looks_s = time.perf_counter() - t0, routing.looks_s
-            self._sync(placed, ring, out)   # the pieces the routes' thread sent straight after giving a route up
-            if out and image is None:   # what the staging holds now, chunk by chunk (checked.py)
-                note_held(staged, plan, taken, self.skip_unchanged)
-            if checker is not None:
-                tc = time.perf_counter()   # before the fds go back: a fill whose bytes differ is undone
-                st.digests_compared = checker.finish()
-                st.checked, st.check_s = True, time.perf_counter() - tc
-            ok = True
-        except (DriverError, GpucrError) as exc:
-            for _idx, fd in fds:
-                os.close(fd)   # exported before one failed: they would keep that memory on the GPU
-            routing.close()
-            self._sync(placed, ring, out, quiet=True)   # nothing may still copy into what is unmapped next
-            if out:   # a copy that did not finish: what the staging holds where is no longer known
-                forget_held(list(self.held.staging.get(who, {}).values()))
-            self._undo(switch.kept(mapped) if switch is not None and out else mapped, made, out)
-            raise GpucrError(f"{self.name}'s copy {'out' if out else 'in'} failed: {exc}") from exc
-        finally:
-            routing.close()
-            for sweeps in (scanner, checker):
-                if sweeps is not None:
-                    sweeps.close(failed=not ok)
-        if switch is not None and out:
-            mapped = switch.kept(mapped)   # the last pieces given back; what was not stays ours to undo
-        self._undo(mapped, made, out)   # our mappings go; the fds (theirs or ours) keep the memory
-        self.kernels.trim()   # the scans' result buffers: every copy is done, so freeing them waits for none
-        if switch is not None and out and switch.error is not None:   # after the undo: nothing of ours stays
-            raise GpucrError(f"{self.name}'s copy out failed: giving back memory as its copy landed failed: "
-                             f"{switch.error}")
+            self._check_fill(who, plan, {m.index: m for m in memory}, image is not None)
+        st, fds, took = Move(self, who, layout, seg_fds, memory, out, ring, taken, image=image, check=check, scan=scan,
+                             switch=switch).run()
         if out and image is None:   # an image's fill reads the image, never this record
-            self._taken[who] = taken
-        st.seconds = time.perf_counter() - t0
+            self._taken[who] = took
         return st, fds
+
+    def routing(self, devs: set[int], out: bool, st: Stats) -> Routing:
+        """A move's routes through idle NVLink neighbours of the process's GPUs `devs` (lanes.py), this direction's
+        streams only."""
+        self._neighbours -= devs   # a process's own GPU now: its context is that process's, kept
+        routing = Routing(self.vmm, self.links, lambda d: (self.context(d)[0], self.streams(d, out)), devs,
+                          self.uuids(), out, CHUNK, st.routes, st.dropped)
+        self._neighbours.update(routing.used())
+        return routing
 
     def _check_fill(self, who: Owner, plan: list[tuple[int, int, int, int]], by_index: dict[int, Managed],
                     from_image: bool) -> None:
@@ -549,25 +354,6 @@ class Mover(StagingMaker):
         t = self._taken.get(who)
         return t is not None and t.plan == plan
 
-    def _sync(self, placed: list[tuple[int, int, int, int, int]], ring: Ring | None, out: bool,
-              quiet: bool = False) -> None:
-        """Every straight copy of this direction queued so far on the process's GPUs done (a two-way switch's other
-        direction is not waited for); quiet: errors aside, each GPU still waited for (a path already failing: the
-        memory the copies touch is unmapped next)."""
-        if ring is not None:
-            ring.drain(quiet)
-        for dev in {p[4] for p in placed} & self._ctx.keys():
-            ctx = self._ctx[dev][0]
-            side = self._side[ctx]
-            try:
-                self.vmm.use(ctx)
-                # the kernels and zero chunks too: on what is unmapped next
-                for s in [*self._streams(dev, out), *((side[0],) if out else side[1:])]:
-                    self.vmm.sync(s)
-            except DriverError:
-                if not quiet:
-                    raise
-
     def let_go_busy_neighbours(self) -> list[str]:
         """Release the server's context on each neighbour GPU a process now uses (it lent its link while it
         was idle; the context, ~0.5 GiB on an H200, must not stay where someone else now works), unless a
@@ -575,7 +361,7 @@ class Mover(StagingMaker):
         in it). Returns their UUIDs."""
         gone = []
         with self._plane("giving back a lent GPU's context"):
-            uuids = self._uuids()
+            uuids = self.uuids()
             for dev in sorted(self._neighbours):
                 nb = Neighbour(dev, uuids.get(dev, ""))
                 if dev in self._ctx and dev != self._pool_dev and not self.links.idle(nb):
@@ -585,20 +371,7 @@ class Mover(StagingMaker):
                     gone.append(nb.uuid)
         return gone
 
-    def _undo(self, mapped: list[tuple[int, int, int]], made: list[tuple[int, int]], out: bool) -> None:
-        """Our mappings, and the handles of what we imported (out) or made (a fill), gone; each step whatever the
-        others did (the fds, theirs or ours, keep the memory)."""
-        for h, va, size in mapped:
-            with suppress(DriverError):
-                self.vmm.unmap(va, size)
-            if out:
-                with suppress(DriverError):
-                    self.vmm.release(h)
-        for _idx, h in made:
-            with suppress(DriverError):
-                self.vmm.release(h)
-
-    def _ordinal(self, uuid: str) -> int:
+    def ordinal(self, uuid: str) -> int:
         """This server's number for the GPU a process names by UUID (it may number its GPUs otherwise)."""
         if self._ordinals is None:
             self._ordinals = self.vmm.device_by_uuid()
@@ -606,10 +379,12 @@ class Mover(StagingMaker):
             return self._ordinals[uuid]
         raise GpucrError(f"the process's GPU {uuid or '(unknown)'} is not one {self.name} sees")
 
-    def _uuids(self) -> dict[int, str]:   # of the GPUs this server has looked up (all it sees, once it looked up one)
+    def uuids(self) -> dict[int, str]:   # of the GPUs this server has looked up (all it sees, once it looked up one)
         return {o: u for u, o in (self._ordinals or {}).items()}
 
-    def _context(self, dev: int) -> tuple[int, list[int]]:
+    # ---- a GPU's context and streams, made once and kept (for a move: move.py) ----
+    def context(self, dev: int) -> tuple[int, list[int]]:
+        """(context, copy streams) on `dev`, made the first time."""
         if dev not in self._ctx:
             ctx = self.vmm.retain_context(dev)
             try:
@@ -624,10 +399,19 @@ class Mover(StagingMaker):
             self._ctx[dev] = (ctx, streams)
         return self._ctx[dev]
 
-    def _streams(self, dev: int, out: bool) -> list[int]:
+    def streams(self, dev: int, out: bool) -> list[int]:
         """The streams of the GPU's context a direction's copies go on: a copy out and a fill never queue behind each
         other (a two-way switch runs both at once)."""
         return self._ctx[dev][1][:STREAMS] if out else self._ctx[dev][1][STREAMS:]
+
+    def side(self, ctx: int) -> tuple[int, int, int]:
+        """The streams of a context that a copy out's scan runs on, a fill's zero chunks are set on and its check
+        runs on."""
+        return self._side[ctx]
+
+    def contexts_held(self) -> set[int]:
+        """The GPUs on which the mover holds a context now."""
+        return set(self._ctx)
 
     def _release_context(self, dev: int) -> None:
         """The context on `dev` given back after our kernels and streams in it (an app may hold the context still)."""

@@ -78,18 +78,48 @@ def same_file(seg: Segment, fd: int) -> bool:
     return seg.ident == (fs.st_dev, fs.st_ino)
 
 
-def open_segment(fd: int, i: int, declared: int) -> Segment:
-    """Segment i of a process's staging (its file `fd`, of `declared` bytes as it says) mapped here, nothing pinned."""
+def _checked(fd: int, i: int, declared: int) -> os.stat_result:
     fs = os.fstat(fd)
     refuse_unsealed_memfd(fd, i)
     # the process is not trusted: only a plain file as long as it says, or copies could run past it
     if not stat.S_ISREG(fs.st_mode) or declared <= 0 or fs.st_size < declared:
         raise GpucrError(f"the process's staging segment {i} is not a file of {declared} bytes: gpucr's data plane "
                          "will not copy past it")
+    return fs
+
+
+def open_segment(fd: int, i: int, declared: int) -> Segment:
+    """Segment i of a process's staging (its file `fd`, of `declared` bytes as it says) mapped here, nothing pinned."""
+    fs = _checked(fd, i, declared)
     addr = _libc.mmap(None, declared, _PROT_RW, _MAP_SHARED, fd, 0)
     if addr in (None, _MAP_FAILED):
         raise GpucrError(f"mapping the process's staging ({declared >> 20} MiB) failed: {os.strerror(ctypes.get_errno())}")
     return Segment((fs.st_dev, fs.st_ino), addr, declared, page=file_page(fs.st_blksize))
+
+
+def file_segment(fd: int, i: int, declared: int, out: bool) -> Segment | None:
+    """Segment i of a process's staging as the ring moves it without mapping it here: each piece written into its
+    file (out) or read from it with one pwrite or pread from the ring's slot. Mapped, a fresh process (the CLI's
+    mover) took a page fault per 4 KiB page of a copy out, and its ring ran at 8.7 GB/s for 16 GiB on the H200.
+    None for a file with huge pages (hugetlbfs has no write(); its 2 MiB pages fault cheaply), mapped then."""
+    fs = _checked(fd, i, declared)
+    if file_page(fs.st_blksize) != PAGE:
+        return None
+    return Segment((fs.st_dev, fs.st_ino), 0, declared, file_io=lambda slot, at, n: _file_io(fd, slot, at, n, out))
+
+
+def _file_io(fd: int, slot: int, at: int, n: int, out: bool) -> None:
+    view = memoryview((ctypes.c_char * n).from_address(slot)).cast("B")
+    done = 0
+    try:
+        while done < n:
+            k = os.pwrite(fd, view[done:], at + done) if out else os.preadv(fd, [view[done:]], at + done)
+            if k <= 0:
+                raise OSError(0, "the file ended")
+            done += k
+    except OSError as exc:
+        raise GpucrError(f"{'writing' if out else 'reading'} {n} bytes at {at:#x} of the process's staging failed: "
+                         f"{exc.strerror or exc}") from exc
 
 
 def file_page(blksize: int) -> int:

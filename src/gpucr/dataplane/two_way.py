@@ -29,7 +29,8 @@ class Landing:
     def __init__(self, vmm: Vmm, memory: list[Managed], give_back: Callable[[int], None], room: Room) -> None:
         self.vmm, self._give_back, self._room = vmm, give_back, room
         self._fds = {m.index: m for m in memory}
-        self._q: queue.Queue[tuple[int, int, int, int, int, list[int]] | None] = queue.Queue()
+        self._q: queue.Queue[tuple[int, int, int, int, int, list[int], Callable[[int, int], None]] | None] = \
+            queue.Queue()
         self.released: set[int] = set()   # the server's handles of A let go here (never undone again)
         self.given = 0                    # allocations A's agent let go of
         self.error: BaseException | None = None
@@ -40,13 +41,15 @@ class Landing:
         self._thread = threading.Thread(target=self._run, name="gpucr-switch-landing", daemon=True)
         self._thread.start()
 
-    def queued(self, idx: int, h: int, va: int, size: int, ctx: int, streams: list[int]) -> None:
+    def queued(self, idx: int, h: int, va: int, size: int, ctx: int, streams: list[int],
+               unmap: Callable[[int, int], None]) -> None:
+        """unmap(va, size): how the copy out's mapping of it goes (mappings.py)."""
         events = []
         for s in streams:
             e = self.vmm.event()
             self.vmm.record(e, s)
             events.append(e)
-        self._q.put((idx, h, va, size, ctx, events))
+        self._q.put((idx, h, va, size, ctx, events, unmap))
         self._room.open()   # the copy out has made all it needs: B's pieces may take what is free
 
     def _run(self) -> None:
@@ -56,12 +59,12 @@ class Landing:
                 item = self._q.get()
                 if item is None:
                     break
-                idx, h, va, size, ctx, events = item
+                idx, h, va, size, ctx, events, unmap = item
                 self.vmm.use(ctx)
                 for e in events:
                     self.vmm.wait_event(e)
                     self.vmm.destroy_event(e)
-                self.vmm.unmap(va, size)
+                unmap(va, size)
                 self.vmm.release(h)
                 self.released.add(h)
                 m = self._fds.get(idx)
@@ -104,9 +107,12 @@ class Making:
                               lambda exc: isinstance(exc, DriverError) and OOM in str(exc))
 
 
-def both(out: Callable[[], Any], into: Callable[[], Any], room: Room) -> tuple[Any, Any]:
+def both(out: Callable[[], Any], into: Callable[[], Any], room: Room,
+         let_go: Callable[[Any], None] = lambda made: None) -> tuple[Any, Any]:
     """out() and into() at once (out on a thread of its own); each failure ends the other's waits for room. Returns
-    both results, or raises the first failure once both have ended."""
+    both results, or raises the first failure once both have ended, after let_go(what into() made) where into()
+    finished: its memory is no one's then (a copy out that failed once all of A was given back let the whole fill
+    finish, and its fds were left open: the GPU kept that memory)."""
     got: dict[str, Any] = {}
 
     def run_out() -> None:
@@ -124,6 +130,8 @@ def both(out: Callable[[], Any], into: Callable[[], Any], room: Room) -> tuple[A
     except BaseException as exc:   # noqa: BLE001 - raised once the copy out has ended too
         got["in_error"] = exc
     t.join()
+    if "out_error" in got and "in" in got:
+        let_go(got["in"])
     for key in ("out_error", "in_error"):
         if key in got:
             raise got[key]
