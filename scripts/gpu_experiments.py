@@ -524,8 +524,21 @@ def split_map(vmm, ctx: int, count: int, size: int) -> dict:
     rc = cu.cuMemSetAccess(base.value, size * count, acc, 1)
     t2 = time.perf_counter()
     row.update(one_range_map_ms=(t1 - t0), one_set_access_total_ms=(t2 - t1) * count, one_set_access_rc=rc)
+    t0 = time.perf_counter()
     for k in range(count):
         cu.cuMemUnmap(base.value + k * size, size)
+    t1 = time.perf_counter()
+    row.update(unmap_each_ms=(t1 - t0))
+    # the same mapped again, then one cuMemUnmap over all of them: does the driver take it, and at what cost?
+    for k, h in enumerate(hs):
+        cu.cuMemMap(base.value + k * size, size, 0, h, 0)
+    cu.cuMemSetAccess(base.value, size * count, acc, 1)
+    t0 = time.perf_counter()
+    rc = cu.cuMemUnmap(base.value, size * count)
+    row.update(one_unmap_total_ms=(time.perf_counter() - t0) * count, one_unmap_rc=rc)
+    if rc:
+        for k in range(count):
+            cu.cuMemUnmap(base.value + k * size, size)
     cu.cuMemAddressFree(base.value, size * count)
     for h in hs:
         vmm.release(h)

@@ -90,6 +90,7 @@ def switch(out_pid: int, in_pid: int, mover: DataPlane, timeout: float = 30.0, l
     once A is out); GpucrError after a roll-back (the module's doc) when it fails."""
     t0 = time.perf_counter()
     a, b = _vet(out_pid, in_pid, timeout)
+    t = _lap([a, b], "vet", t0)   # each result's phases cover the whole switch, where a slow one went
     try:
         uuid = _one_gpu(a, b)
         machine = gpus.machine_gpus(a.drv)
@@ -99,12 +100,13 @@ def switch(out_pid: int, in_pid: int, mover: DataPlane, timeout: float = 30.0, l
             return mem.free if mem is not None else 0
         a.gpu_before, b.gpu_before = _usage(a, a.status, mover), _usage(b, b.status, mover)
         ctx_b = _fits(a, b, uuid, free())
+        t = _lap([a, b], "room", t)   # the GPUs' memory read, B's fit checked (the H100's two-way vet took 50 ms)
         provide_staging(a, mover)
+        t = _lap([a], "staging", t)
         a.plane = b.plane = mover
         b.result["data_plane"] = mover.plane
         room = Room(free, SLACK, f"GPU {uuid}")
         held_b = b.checkpointed   # the driver holds B (a full park): a failed switch puts it back so
-        t = _lap([a, b], "vet", t0)   # each result's phases cover the whole switch, where a slow one went
         _prepare(a, timeout)
         t = _lap([a], "prepare", t)
         try:
