@@ -17,14 +17,11 @@ def _finish_image(m: _Member, level: str, epoch) -> dict:
     the agent (its lease), with nothing of the image left."""
     from ..image import DATA
     sink, m.sink = m.sink, None
-    layout, fds = m.agent.call_with_fds("layout", timeout=60.0)   # its generation (fds: staging kept from before)
-    for fd in fds:
-        os.close(fd)
     named = False
     try:
         allocs, stats = sink.finish()
         named = True
-        man = _manifest(m, level, epoch, layout["generation"], allocs)
+        man = _manifest(m, level, epoch, m.result["generation"], allocs)   # as its data out's status said
         man["image"] = stats
         manifest.save(sink.idir, man)
     except BaseException:

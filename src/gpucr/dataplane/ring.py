@@ -4,7 +4,8 @@ server's, for a fill from an image's file or from staging it did not pin itself)
 The server pins a process's staging ahead, minutes before a checkpoint. A fresh CLI process cannot: pinning
 69 GiB at the time of the checkpoint costs seconds. So the CLI's mover copies through SLOTS slots of its piece,
 pinned once per request (at its first copy), and moves each piece between its slot and the staging (mapped
-here, pageable) with a host memmove, several pieces at once:
+here, pageable) with a host memmove, or with one pread or pwrite of its file (pinned.file_segment), several
+pieces at once:
 
 - out: the device copies a piece into a slot, then the slot is copied into its place in staging; to an image,
   the slot is digested and written to its data file (no staging at all);
@@ -178,14 +179,20 @@ class Ring:
             t1 = time.perf_counter()
             self.vmm.sync(s)
             t2 = time.perf_counter()
-            (p.file_io(slot, p.host, p.n) if p.file_io is not None else ctypes.memmove(p.host, slot, p.n))
+            if p.file_io is not None:
+                p.file_io(slot, p.host, p.n)
+            else:
+                ctypes.memmove(p.host, slot, p.n)
             t3 = time.perf_counter()
             spent = (t2 - t1, t1 - t0, t3 - t2)
         else:
             if p.file_io is None:
                 _populate(p.host, p.n)
             t1 = time.perf_counter()
-            (p.file_io(slot, p.host, p.n) if p.file_io is not None else ctypes.memmove(slot, p.host, p.n))
+            if p.file_io is not None:
+                p.file_io(slot, p.host, p.n)
+            else:
+                ctypes.memmove(slot, p.host, p.n)
             t2 = time.perf_counter()
             self.vmm.h2d(p.dva, slot, p.n, s)
             self.vmm.sync(s)
