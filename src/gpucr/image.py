@@ -4,7 +4,6 @@ staging, reads straight into the data plane's ring (ImageSource), both with O_DI
 filesystem allows it (buffered otherwise)."""
 from __future__ import annotations
 
-import ctypes
 import mmap
 import os
 import sys
@@ -17,6 +16,7 @@ from typing import Any, Callable, Iterator
 import xxhash
 
 from .errors import GpucrError
+from .fileio import read_full, view_at, write_all
 from .imagefs import ImageDir, try_direct
 from .manifest import check_coverage
 
@@ -103,7 +103,7 @@ class ImageSink:
     def move(self, slot: int, at: int, n: int) -> None:
         """ImageFile.move: the chunk at file offset `at`, in host memory at `slot`, written (one of the ring's threads)."""
         try:
-            self.put(memoryview((ctypes.c_char * n).from_address(slot)).cast("B"), at)
+            self.put(view_at(slot, n), at)
         except OSError as exc:
             raise GpucrError(f"writing the image to {self.idir.path} failed: {exc.strerror or exc}; the checkpoint "
                              "is undone, the process runs on") from exc
@@ -119,12 +119,9 @@ class ImageSink:
             chunk["zero"] = True
         else:
             chunk["xxh3_64"] = digest
-            done = 0
-            while done < len(src):
-                with src[done:] as rest:
-                    done += os.pwrite(self.fd, rest, at + done)
+            write_all(self.fd, src, at)
             with self._lock:
-                self.bytes_written += done
+                self.bytes_written += len(src)
         if self._on_chunk:
             self._on_chunk(len(src))
 
@@ -228,13 +225,9 @@ class ImageSource:
             raise GpucrError(f"the fill asked for {n} bytes at {at:#x} of the image's data file, which is no chunk "
                              "of it: gpucr's own mistake")
         _, digest, va, off = chunk
-        view = memoryview((ctypes.c_char * n).from_address(slot)).cast("B")
-        got = 0
-        while got < n:
-            k = os.preadv(self.fd, [view[got:]], at + got)
-            if k <= 0:
-                raise GpucrError(f"refused: chunk {off:#x} of allocation {va:#x} is truncated")
-            got += k
+        view = view_at(slot, n)
+        if read_full(self.fd, view, at) < n:
+            raise GpucrError(f"refused: chunk {off:#x} of allocation {va:#x} is truncated")
         if xxhash.xxh3_64_hexdigest(view) != digest:
             raise GpucrError(f"refused: chunk {off:#x} of allocation {va:#x} does not match its digest (the image "
                              "is corrupt)")

@@ -33,7 +33,7 @@ class Mappings:
     """sizes: {GPU: bytes this move maps there}, reserved as one range each on first use."""
 
     def __init__(self, vmm: Vmm, sizes: dict[int, int]) -> None:
-        self.vmm, self._sizes, self.batch = vmm, sizes, BATCH
+        self.vmm, self._sizes = vmm, sizes
         self._ranges: dict[int, _Range | None] = {}   # GPU -> its range (None: reserving it failed: each alone)
         self._mapped: list[tuple[int, int, int]] = []   # (handle, va, bytes), in order
         self._alone: set[int] = set()                   # the vas of mappings with a range of their own
@@ -53,7 +53,7 @@ class Mappings:
                 r.used += size
                 self._mapped.append((handle, va, size))
                 r.waiting.append((item, va, size))
-                return va, self.flush(dev) if r.used - r.granted >= self.batch else []
+                return va, self.flush(dev) if r.used - r.granted >= BATCH else []
         va = self.vmm.map(handle, size, dev, also=also)
         self._mapped.append((handle, va, size))
         self._alone.add(va)

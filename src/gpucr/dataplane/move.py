@@ -18,7 +18,7 @@ from .checked import Checker, Taken, forget_held, note_held, out_runs
 from .chunks import Spans, spans, zero_within
 from .held import Owner
 from .lanes import Routing
-from .layout import checked_plan, reach
+from .layout import reach
 from .mappings import Mappings
 from .pinned import Segment, file_segment
 from .ring import Piece, Ring
@@ -37,14 +37,14 @@ class Move:
     switch: a two-way switch's hooks (two_way.py): out, each allocation handed to `switch.queued` once all its
     copies are queued (it gives it back as they land); in, each made through `switch.make` (it waits for room)."""
 
-    def __init__(self, mover: Mover, who: Owner, layout: dict[str, Any], seg_fds: list[int], memory: list[Managed],
-                 out: bool, ring: Ring | None, taken: Taken | None, image: ImageFile | None = None,
+    def __init__(self, mover: Mover, who: Owner, declared: dict[int, int], plan: list[tuple[int, int, int, int]],
+                 seg_fds: list[int], memory: list[Managed], out: bool, ring: Ring | None, taken: Taken | None, image: ImageFile | None = None,
                  check: bool = True, scan: bool = True, switch: Any = None) -> None:
         self.mover, self.vmm, self.who, self.seg_fds, self.out = mover, mover.vmm, who, seg_fds, out
         self.ring, self.taken, self.image, self.switch = ring, taken, image, switch
         self.st = Stats()
         self.t0 = time.perf_counter()
-        self.declared, self.plan = checked_plan(layout)
+        self.declared, self.plan = declared, plan   # the process's layout, checked (layout.checked_plan)
         # zero chunks set on the GPU at a fill: an image's, or those this mover found at the checkpoint; a copy
         # out's are found by its scan as each allocation is mapped (scan.py)
         zeros: Spans = dict(image.zeros) if image is not None else taken.zeros() if taken and not out else {}
@@ -59,8 +59,7 @@ class Move:
         self.maps = Mappings(self.vmm, per_gpu)   # ours, to unmap (and release, out) afterwards
         self.made: list[tuple[int, int]] = []     # (index, handle) of new memory (fill)
         self.fds: list[tuple[int, int]] = []      # (index, fd) of it, exported as it is made
-        self.placed: list[tuple[int, int, int, int, int]] = []   # (size, seg, off, va, dev)
-        self.where: dict[int, tuple[int, int, int, int, int]] = {}   # the same by allocation index
+        self.where: dict[int, tuple[int, int, int, int, int]] = {}   # allocation index -> (size, seg, off, va, dev)
         self.handles: dict[int, int] = {}   # allocation index -> its handle here (a switch gives it back)
         self.unqueued: dict[int, int] = {}  # allocation index -> its bytes whose copies are not queued yet (a switch's out)
         self.touched: dict[int, set[int]] = {}   # GPU -> the streams that wrote its parts not checked yet (a fill)
@@ -182,7 +181,6 @@ class Move:
             te = time.perf_counter()
             self.fds.append((idx, self.vmm.export_fd(self.handles[idx])))
             self.st.export_s += time.perf_counter() - te
-        self.placed.append(self.where[idx])
         for lo, n in parts_of(size, self.part):
             if self.early:
                 self._enqueue(idx, size, seg, off, va, dev, lo, n)
@@ -209,7 +207,7 @@ class Move:
             self.due += self.scanner.ready(every=True)
             self.taken = Taken(self.plan, {i: self.scanner.scans[i] for i in self.where})
             st = self.st
-            st.scanned, st.scan_s, st.scan = sum(p[0] for p in self.placed), self.scanner.wait_s, True
+            st.scanned, st.scan_s, st.scan = sum(w[0] for w in self.where.values()), self.scanner.wait_s, True
         else:
             self.taken = Taken(self.plan, scanned=False)
         if self.scanner is not None and not queued:
@@ -222,13 +220,10 @@ class Move:
         if self.image is not None:   # its file, read into the ring's slots: nothing here to map or pin
             return {0: Segment((0, 0), 0, self.image.size, file_io=self.image.move)}
         ts = time.perf_counter()
-        if self.ring is not None:   # moved through the files with pread/pwrite where they let it: no mapping here
-            want = reach(self.plan)
-            files = {i: file_segment(self.seg_fds[i], i, self.declared[i], self.out) for i in want
-                     if 0 <= i < len(self.seg_fds) and i in self.declared}
-            if len(files) == len(want) and all(files.values()):
-                self.st.stage_s += time.perf_counter() - ts
-                return {i: g for i, g in files.items() if g is not None}
+        files = self._files() if self.ring is not None else None
+        if files is not None:
+            self.st.stage_s += time.perf_counter() - ts
+            return files
         first = self.by_index.get(self.plan[0][0]) if self.plan else None
         if first is not None:   # pinned in a context on the process's GPU (portable: for all)
             self.vmm.use(self.mover.context(self.mover.ordinal(first.uuid))[0])
@@ -236,6 +231,17 @@ class Move:
                                      pin=self.ring is None)
         self.st.stage_s += time.perf_counter() - ts
         return staged
+
+    def _files(self) -> dict[int, Segment] | None:
+        """Each segment the plan reaches as the ring moves it through its file with pread/pwrite, nothing mapped
+        here; None where one must be mapped (hugetlbfs), or has no file handed (held.map refuses it then)."""
+        files = {}
+        for i in reach(self.plan):
+            g = file_segment(self.seg_fds[i], i, self.declared[i], self.out) if i < len(self.seg_fds) else None
+            if g is None:
+                return None
+            files[i] = g
+        return files
 
     def _queue_scanned(self) -> None:
         """A copy out's parts whose scan came back: their copies, zero chunks skipped where staging holds them."""
@@ -299,7 +305,7 @@ class Move:
         memory the copies touch is unmapped next)."""
         if self.ring is not None:
             self.ring.drain(quiet)
-        for dev in {p[4] for p in self.placed} & self.mover.contexts_held():
+        for dev in {w[4] for w in self.where.values()} & self.mover.contexts_held():
             ctx = self.mover.context(dev)[0]
             side = self.mover.side(ctx)
             try:

@@ -300,13 +300,13 @@ class Mover(StagingMaker):
               image: ImageFile | None = None, check: bool = True, scan: bool = True,
               switch: Any = None) -> tuple[Stats, list[tuple[int, int]]]:
         """One copy out or fill (move.py); switch: a two-way switch's hooks (two_way.py)."""
-        plan = _checked_plan(layout)[1]
+        declared, plan = _checked_plan(layout)
         taken = self._taken.get(who) if self._took(who, plan) else None
         ring = self._ring_for(who, plan, out, image is not None)
         if not out:
             self._check_fill(who, plan, {m.index: m for m in memory}, image is not None)
-        st, fds, took = Move(self, who, layout, seg_fds, memory, out, ring, taken, image=image, check=check, scan=scan,
-                             switch=switch).run()
+        st, fds, took = Move(self, who, declared, plan, seg_fds, memory, out, ring, taken, image=image, check=check,
+                             scan=scan, switch=switch).run()
         if out and image is None:   # an image's fill reads the image, never this record
             self._taken[who] = took
         return st, fds

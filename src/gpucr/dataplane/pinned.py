@@ -23,6 +23,7 @@ from typing import Callable, Iterator
 from ..driver import DriverError
 from ..vmm import Vmm
 from ..errors import GpucrError
+from ..fileio import read_full, view_at, write_all
 from .staging_file import refuse_unsealed_memfd
 
 PAGE = 4096
@@ -109,14 +110,12 @@ def file_segment(fd: int, i: int, declared: int, out: bool) -> Segment | None:
 
 
 def _file_io(fd: int, slot: int, at: int, n: int, out: bool) -> None:
-    view = memoryview((ctypes.c_char * n).from_address(slot)).cast("B")
-    done = 0
+    view = view_at(slot, n)
     try:
-        while done < n:
-            k = os.pwrite(fd, view[done:], at + done) if out else os.preadv(fd, [view[done:]], at + done)
-            if k <= 0:
-                raise OSError(0, "the file ended")
-            done += k
+        if out:
+            write_all(fd, view, at)
+        elif read_full(fd, view, at) < n:
+            raise OSError(0, "the file ended")
     except OSError as exc:
         raise GpucrError(f"{'writing' if out else 'reading'} {n} bytes at {at:#x} of the process's staging failed: "
                          f"{exc.strerror or exc}") from exc
