@@ -269,12 +269,28 @@ def process_gpu_memory(driver: Driver, pid: int, device: int = 0, uuid: str | No
     compute processes; simcuda's accounting per pid when simulated); 0 when it holds none there, None
     when it cannot be read. NVML lists host pids: in a container with its own pid namespace a process
     is never found there and this reads 0."""
+    return processes_gpu_memory(driver, [pid], device, uuid)[pid]
+
+
+def processes_gpu_memory(driver: Driver, pids: list[int], device: int = 0,
+                         uuid: str | None = None) -> dict[int, int | None]:
+    """process_gpu_memory of each of `pids`, from one reading of the GPU's process list (where NVML asks the driver)."""
     if driver.simulated:
-        used = ctypes.c_size_t()
         fn = driver._cu.simcudaProcessDeviceMemUsed
         fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]
-        return used.value if fn(pid, device, ctypes.byref(used)) == 0 else None
-    return _nvml_process_memory(pid, device, uuid)
+        out: dict[int, int | None] = {}
+        for pid in pids:
+            used = ctypes.c_size_t()
+            out[pid] = used.value if fn(pid, device, ctypes.byref(used)) == 0 else None
+        return out
+    infos = _nvml_compute_processes(device, uuid)
+    if infos is None:
+        return dict.fromkeys(pids)
+    out = {}
+    for pid in pids:
+        used = [i.usedGpuMemory for i in infos if i.pid == pid]
+        out[pid] = None if any(u == NVML_VALUE_NOT_AVAILABLE for u in used) else sum(used)
+    return out
 
 
 def gpu_processes(driver: Driver, device: int, uuid: str | None = None) -> list[int] | None:
@@ -342,16 +358,6 @@ def _nvml_compute_processes(device: int, uuid: str | None) -> list[_NvmlProcessI
     return list(infos[:count.value]) if rc == 0 else None
 
 
-def _nvml_process_memory(pid: int, device: int, uuid: str | None) -> int | None:
-    infos = _nvml_compute_processes(device, uuid)
-    if infos is None:
-        return None
-    used = [i.usedGpuMemory for i in infos if i.pid == pid]
-    if any(u == NVML_VALUE_NOT_AVAILABLE for u in used):
-        return None
-    return sum(used)
-
-
 def _nvml_handle(device: int, uuid: str | None) -> ctypes.c_void_p | None:
     """NVML's handle of a GPU, by UUID where known (NVML numbers GPUs its own way); None without NVML."""
     try:
@@ -395,9 +401,20 @@ def _nvml_lib() -> ctypes.CDLL | None:
     return _nvml
 
 
+_nvml_gpus: tuple[tuple[str, str], ...] | None = None
+
+
 def nvml_gpu_list() -> list[tuple[str, str]]:
     """(UUID, name) of every GPU of the machine, in NVML's order; [] without NVML. NVML, unlike the
-    driver, ignores CUDA_VISIBLE_DEVICES: this is the whole machine."""
+    driver, ignores CUDA_VISIBLE_DEVICES: this is the whole machine. Read once (NVML lists the GPUs it
+    found at its init): a two-way switch asks three times, before its first copy."""
+    global _nvml_gpus
+    if not _nvml_gpus:
+        _nvml_gpus = tuple(_read_nvml_gpu_list())
+    return list(_nvml_gpus)
+
+
+def _read_nvml_gpu_list() -> list[tuple[str, str]]:
     nvml = _nvml_lib()
     if nvml is None:
         return []

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .driver import (Driver, GpuMemory, controller_driver, device_count, device_info, gpu_memory, nvml_device_node,
-                     nvml_gpu_list, process_gpu_memory, simulated_device_node, uuid_text)
+                     nvml_gpu_list, processes_gpu_memory, simulated_device_node, uuid_text)
 from .errors import GpucrError
 
 
@@ -179,9 +179,10 @@ def usage(drv: Driver, pid: int, uuids: list[str], machine: list[Gpu], server_ma
     for uuid in uuids:
         g = here.get(uuid)
         mem = gpu_memory(drv, g.ordinal, uuid) if g else None
-        own = process_gpu_memory(drv, pid, g.ordinal, uuid) if g else None
+        held = processes_gpu_memory(drv, [pid] + ([server_pid] if server_pid is not None else []), g.ordinal,
+                                    uuid) if g else {}
+        own, server = held.get(pid), held.get(server_pid) if server_pid is not None else None
         made = (server_made or {}).get(uuid, 0)
-        server = process_gpu_memory(drv, server_pid, g.ordinal, uuid) if g and server_pid is not None else None
         out[uuid] = Usage(uuid, g.name if g else "unknown", None if own is None else own + made, made, server,
                           mem.used if mem else None, mem.total if mem else None)
     return out
