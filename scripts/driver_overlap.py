@@ -11,7 +11,8 @@ per round, the steps' [start, end] seconds, and the medians. Serialised steps sh
 together_s near the sum of the two alone; overlapping ones as together_s near the longer.
 
 Then, with --beside (default copies,makes), what a switch runs beside A's checkpoint, one at a time in this process
-on A's GPU: "copies" (a 1 GiB copy out then in, over and over, as the copies both ways), "chunks" (the same in
+on A's GPU (WHAT@child: in a child process of its own, to tell a lock inside one process's driver from the
+GPU's or the link's own limits): "copies" (a 1 GiB copy out then in, over and over, as the copies both ways), "chunks" (the same in
 copies of 32 MiB) and "makes" (256 MiB of VMM memory made, mapped, unmapped and released, over and over, as the
 memory made for B). A's lock + checkpoint beside
 each, in the same rounds, is out_beside_<what>_s: the 2026-12-06 H100 run found the driver doing A out and B in at
@@ -68,14 +69,31 @@ def _together(drv: Driver, a: int, b: int) -> tuple[Span, Span]:
 
 
 class Beside:
-    """One activity of a switch's, run over and over in a thread of this process until stopped; `done` counts them."""
+    """One activity of a switch's, run over and over in a thread of this process until stopped; `done` counts them.
+    "WHAT@child": the same in a child process of its own (its own CUDA context and driver instance), which tells
+    a slowdown inside one process's driver (a lock that the checkpoint call and the copies both take) from one on
+    the GPU or its link."""
     PIECE = 256 << 20
     COPY = 1 << 30
 
     def __init__(self, vmm: Vmm, ctx: int, what: str) -> None:
-        self.vmm, self.ctx, self.what, self.done = vmm, ctx, what, 0
+        self.vmm, self.ctx, self.what, self.done = vmm, ctx, what.removesuffix("@child"), 0
         self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run)
+        self.child = what.endswith("@child")
+        self.thread = threading.Thread(target=self._in_child if self.child else self._run)
+
+    def _in_child(self) -> None:
+        """The activity in a child, until this one closes its stdin; its count comes back on its stdout."""
+        import subprocess
+        code = ("import sys; sys.path.insert(0, %r); import driver_overlap as d; d.child_activity(%r)"
+                % (str(Path(__file__).parent), self.what))
+        child = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert child.stdin is not None and child.stdout is not None
+        child.stdout.readline()   # its context made, the activity under way
+        self.stop.wait()
+        child.stdin.close()
+        self.done = int(child.stdout.readline() or 0)
+        child.wait()
 
     def _run(self) -> None:
         vmm = self.vmm
@@ -105,12 +123,24 @@ class Beside:
 
     def __enter__(self) -> "Beside":
         self.thread.start()
-        time.sleep(0.05)   # under way before A's lock
+        time.sleep(1.5 if self.child else 0.05)   # under way before A's lock (a child makes its context first)
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.stop.set()
         self.thread.join()
+
+
+def child_activity(what: str) -> None:
+    """A child's side of Beside(..., "WHAT@child"): the activity in a thread until stdin closes, then its count."""
+    vmm = Vmm(controller_driver())
+    act = Beside(vmm, vmm.retain_context(0), what)
+    act.thread.start()
+    print("ready", flush=True)
+    sys.stdin.read()
+    act.stop.set()
+    act.thread.join()
+    print(act.done, flush=True)
 
 
 def one_round(drv: Driver, a: int, b: int, beside: tuple[str, ...] = (), vmm: Vmm | None = None,
@@ -142,7 +172,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--workload", default="torch_app", help="a gpucr.workloads module taking --gib (default torch_app)")
     ap.add_argument("--gib", default="0.25", help="what each process holds (the driver copies it too)")
-    ap.add_argument("--beside", default="copies,makes", help="what runs beside A's checkpoint, in turn ('' for none)")
+    ap.add_argument("--beside", default="copies,makes", help="what runs beside A's checkpoint, in turn ('' for none); "
+                    "WHAT@child runs it in a child process of its own")
     ap.add_argument("--simulate", action="store_true", help="on simcuda, the simulated driver (a test double)")
     a = ap.parse_args()
     if a.simulate:
@@ -153,8 +184,8 @@ def main() -> None:
         drv = controller_driver()
         pa, pb = apps[0].proc.pid, apps[1].proc.pid
         beside = tuple(w for w in a.beside.split(",") if w)
-        if set(beside) - {"copies", "chunks", "makes"}:
-            raise SystemExit(f"--beside: copies, chunks and/or makes, not {a.beside}")
+        if {w.removesuffix("@child") for w in beside} - {"copies", "chunks", "makes"}:
+            raise SystemExit(f"--beside: copies, chunks and/or makes (each may end in @child), not {a.beside}")
         vmm = Vmm(drv) if beside else None
         ctx = vmm.retain_context(0) if vmm is not None else 0
         _out(drv, pb)
