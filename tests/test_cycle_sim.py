@@ -4,8 +4,10 @@ from __future__ import annotations
 import ctypes
 import json
 import os
+import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -46,6 +48,37 @@ def test_the_application_pins_nothing_the_server_pins_its_staging(sim_app, reuse
         gpucr.restore(app.pid, timeout=10)
         assert host_pinned(app.pid) == 0
         assert app.ask("digest") == before
+
+
+def checkpoint_caller(pid: int) -> int:
+    """The process that asked simcuda for process `pid`'s last checkpoint or restore."""
+    n = ctypes.c_int()
+    fn = sim_driver()._cu.simcudaCheckpointCaller
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
+    assert fn(pid, ctypes.byref(n)) == 0, f"simcuda knows no process {pid}"
+    return n.value
+
+
+@pytest.mark.in_process   # its own server: it kills that server's helper
+def test_the_server_asks_the_driver_from_its_helper_and_without_it_itself(sim_app, server):
+    """The server copies while the driver checkpoints and restores, and the driver's calls slow beside copies made by
+    the process that asks (driver_helper.py): they come from the server's helper, a child that copies nothing. With
+    the helper gone, the server asks itself, and the cycle still runs."""
+    app = sim_app("--sizes", "8M", "--vmm-mib", "4")
+    before = app.ask("digest")
+    kids = [int(p) for p in Path(f"/proc/{server.pid}/task/{server.pid}/children").read_text().split()]
+    helpers = [k for k in kids if b"gpucr.driver_helper" in Path(f"/proc/{k}/cmdline").read_bytes()]
+    assert len(helpers) == 1, kids
+    gpucr.checkpoint(app.pid, timeout=10)
+    assert checkpoint_caller(app.pid) == helpers[0]
+    gpucr.restore(app.pid, timeout=10)
+    assert checkpoint_caller(app.pid) == helpers[0]
+    os.kill(helpers[0], signal.SIGKILL)
+    time.sleep(0.2)
+    gpucr.checkpoint(app.pid, timeout=10)
+    assert checkpoint_caller(app.pid) == server.pid
+    gpucr.restore(app.pid, timeout=10)
+    assert app.ask("digest") == before
 
 
 @pytest.mark.in_process   # the driver's floor is zero: no server context beside it

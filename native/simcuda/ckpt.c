@@ -41,7 +41,7 @@
 #define SIM_CTL_MAGIC 0x32434d53u /* "SMC2": bump with any change to the structs below */
 #define SIM_CTL_RECV_TIMEOUT_S 5  /* a controller that connects and says nothing is dropped */
 
-enum sim_ctl_op { OP_GET_STATE = 1, OP_LOCK, OP_CHECKPOINT, OP_RESTORE, OP_UNLOCK, OP_GET_TID };
+enum sim_ctl_op { OP_GET_STATE = 1, OP_LOCK, OP_CHECKPOINT, OP_RESTORE, OP_UNLOCK, OP_GET_TID, OP_GET_CALLER };
 
 struct sim_ctl_req {
     uint32_t magic;
@@ -63,6 +63,7 @@ struct sim_ctl_rep {
 static struct {
     CUprocessState state; /* the control thread writes it, and a dying unheld call (FAILED); read atomically */
     pid_t tid;
+    pid_t caller; /* the process that asked for the last checkpoint or restore (simcudaCheckpointCaller) */
     int listen_fd;
     CUresult fail_restore;
     bool fail_lock;
@@ -218,6 +219,7 @@ static CUresult handle(const struct sim_ctl_req *req)
     switch (req->op) {
     case OP_GET_STATE:
     case OP_GET_TID:
+    case OP_GET_CALLER:
         return CUDA_SUCCESS;
     case OP_LOCK:
         if (ck.state != CU_PROCESS_STATE_RUNNING)
@@ -289,8 +291,10 @@ static void serve(int fd)
     if (!io_full(fd, &req, sizeof(req), false))
         return;
     rep.result = req.magic == SIM_CTL_MAGIC ? handle(&req) : CUDA_ERROR_INVALID_VALUE;
+    if (req.op == OP_CHECKPOINT || req.op == OP_RESTORE)
+        ck.caller = cred.pid;
     rep.state = ck.state;
-    rep.tid = ck.tid;
+    rep.tid = req.op == OP_GET_CALLER ? ck.caller : ck.tid;
     io_full(fd, &rep, sizeof(rep), true);
     if (ck.die_after_reply)
         die_failed("a stream or event query or a synchronize overlapped the checkpoint (CUDA error 304)");
@@ -469,5 +473,19 @@ SIMAPI CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
     CUresult rc = ctl_call(pid, &req, &rep);
     if (rc == CUDA_SUCCESS)
         *tid = rep.tid;
+    return rc;
+}
+
+/* The test double's own: which process asked for process pid's last checkpoint or restore (0: none yet). A gpucr
+ * server asks from a helper process, not from the one that copies (gpucr/driver_helper.py says why). */
+SIMAPI CUresult simcudaCheckpointCaller(int pid, int *caller)
+{
+    if (!caller)
+        return CUDA_ERROR_INVALID_VALUE;
+    struct sim_ctl_req req = {.op = OP_GET_CALLER};
+    struct sim_ctl_rep rep;
+    CUresult rc = ctl_call(pid, &req, &rep);
+    if (rc == CUDA_SUCCESS)
+        *caller = rep.tid;
     return rc;
 }

@@ -491,6 +491,9 @@ SIMAPI CUresult simcudaProcessDeviceMemUsed(int pid, int device, size_t *used);
  * two physical devices are joined by NVLink (SIMCUDA_NVLINK: "0-1,2-3" or "none"; unset: all pairs). */
 SIMAPI CUresult simcudaDeviceProcesses(int phys, int *pids, int *n);
 SIMAPI CUresult simcudaDevicesNvlinked(int a, int b, int *joined);
+/* Which process asked for process pid's last checkpoint or restore (0: none yet): a gpucr server asks from a
+ * helper, not from the process that copies. */
+SIMAPI CUresult simcudaCheckpointCaller(int pid, int *caller);
 /* The stream-ordering model (order.c): the position of the last work enqueued on a stream, and
  * whether the next work on a stream is ordered after a position (1), not (0), or a bad stream (-1). */
 SIMAPI CUresult simcudaStreamPosition(CUstream s, unsigned long long *id, unsigned long long *seq);

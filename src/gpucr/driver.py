@@ -12,11 +12,14 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from .agent_tables import UUID_TEXT
 from .errors import GpucrError
 from .proc import check_not_stopped
+
+if TYPE_CHECKING:
+    from .driver_helper import DriverHelper
 
 
 class ProcessState(enum.IntEnum):
@@ -112,6 +115,7 @@ class Driver:
         except AttributeError as exc:
             raise GpucrError(f"the CUDA driver {self.path} has no checkpoint API (driver 555 or newer is needed)") from exc
         self.simulated = hasattr(cu, "simcudaIsSimulated")
+        self.helper: DriverHelper | None = None   # where process calls are made from, if not here (driver_helper.py)
         self._check(cu.cuInit(0), "cuInit")
 
     # ---- helpers ----
@@ -131,18 +135,56 @@ class Driver:
         return v.value
 
     # ---- the process checkpoint API ----
-    def _asking(self, target_pid: int, what: str, call: Callable[[], int], limit: float) -> int:
+    def process_call(self, name: str, pid: int, timeout_ms: int = 0,
+                     pairs: list[tuple[bytes, bytes]] | None = None) -> tuple[int, int]:
+        """One of the driver's calls on another process (lock, checkpoint, restore, unlock, state), made here, in
+        this process: (rc, the state read, or 0). The driver helper (driver_helper.py) makes them with this."""
+        cu = self._cu
+        if name == "lock":
+            return cu.cuCheckpointProcessLock(pid, ctypes.byref(_LockArgs(timeoutMs=max(1, timeout_ms)))), 0
+        if name == "checkpoint":
+            return cu.cuCheckpointProcessCheckpoint(pid, ctypes.byref(_Args8())), 0
+        if name == "unlock":
+            return cu.cuCheckpointProcessUnlock(pid, ctypes.byref(_Args8())), 0
+        if name == "state":
+            s = ctypes.c_int()
+            rc = cu.cuCheckpointProcessGetState(pid, ctypes.byref(s))
+            return rc, s.value
+        if name != "restore":
+            raise ValueError(f"no driver process call {name!r}")
+        args = _RestoreArgs()
+        if pairs:
+            table = (_GpuPair * len(pairs))()
+            for i, (old, new) in enumerate(pairs):
+                table[i].oldUuid[:] = list(old)
+                table[i].newUuid[:] = list(new)
+            args.gpuPairs = ctypes.cast(table, ctypes.POINTER(_GpuPair))
+            args.gpuPairsCount = len(pairs)
+        return cu.cuCheckpointProcessRestore(pid, ctypes.byref(args)), 0
+
+    def _ask(self, name: str, pid: int, what: str, limit: float, **kw: object) -> tuple[int, int]:
+        """process_call, through the helper where this process has one (a server: it copies while it asks), watched
+        as _asking says."""
+        helper = self.helper
+        if helper is not None and helper.alive():
+            return self._asking(pid, what, lambda: helper.call(name, pid, **kw), limit)
+        return self._asking(pid, what, lambda: self.process_call(name, pid, **kw), limit)   # type: ignore[arg-type]
+
+    def _asking(self, target_pid: int, what: str, call: Callable[[], tuple[int, int]], limit: float) -> tuple[int, int]:
         """call() (a request the target process's own driver threads answer) in a thread of its own, watched, so
         that no target hangs its controller (a server serving many): a process stopped meanwhile (SIGSTOP, a
         debugger) cannot answer until it runs again, so it is named at once; a driver that has not answered within
         `limit` seconds is given up on. The call itself cannot be taken back: it goes on, and the driver may finish
         it later (its state then says so, which `gpucr recover` reads)."""
-        rc: list[int] = []
+        got: list[tuple[int, int]] = []
+        failed: list[BaseException] = []
         done = threading.Event()
 
         def run() -> None:
             try:
-                rc.append(call())
+                got.append(call())
+            except GpucrError as exc:   # the helper ended before it answered
+                failed.append(exc)
             finally:
                 done.set()
         threading.Thread(target=run, name=f"gpucr-driver-{target_pid}", daemon=True).start()
@@ -153,47 +195,33 @@ class Driver:
             if time.monotonic() > end:
                 raise DriverSilent(f"the driver did not answer the {what} of process {target_pid} within {limit:.0f} s "
                                    "(the driver may still finish it)")
-        if not rc:
+        if failed:
+            raise GpucrError(f"the driver's {what} of process {target_pid}: {failed[0]}")
+        if not got:
             raise GpucrError(f"the driver's {what} of process {target_pid} failed inside ctypes")
-        return rc[0]
+        return got[0]
 
     def state(self, target_pid: int) -> ProcessState:
-        s = ctypes.c_int()
-        rc = self._asking(target_pid, "state query", lambda: self._cu.cuCheckpointProcessGetState(target_pid, ctypes.byref(s)),
-                          ANSWER_LIMIT_S)
+        rc, s = self._ask("state", target_pid, "state query", ANSWER_LIMIT_S)
         self._check(rc, f"reading the CUDA state of process {target_pid}")
-        return ProcessState(s.value)
+        return ProcessState(s)
 
     def lock(self, target_pid: int, timeout_ms: int) -> None:
-        args = _LockArgs(timeoutMs=max(1, int(timeout_ms)))
-        rc = self._asking(target_pid, "lock", lambda: self._cu.cuCheckpointProcessLock(target_pid, ctypes.byref(args)),
-                          args.timeoutMs / 1000 + ANSWER_LIMIT_S)
+        ms = max(1, int(timeout_ms))
+        rc, _ = self._ask("lock", target_pid, "lock", ms / 1000 + ANSWER_LIMIT_S, timeout_ms=ms)
         # measured on the H200: the driver refuses a process run under compute-sanitizer this way
         self._check(rc, f"driver lock of process {target_pid}", LOCK_NOT_SUPPORTED if rc == CUDA_ERROR_NOT_SUPPORTED else "")
 
     def checkpoint(self, target_pid: int) -> None:
-        args = _Args8()
-        rc = self._asking(target_pid, "checkpoint", lambda: self._cu.cuCheckpointProcessCheckpoint(target_pid, ctypes.byref(args)),
-                          MOVE_LIMIT_S)
+        rc, _ = self._ask("checkpoint", target_pid, "checkpoint", MOVE_LIMIT_S)
         self._check(rc, f"driver checkpoint of process {target_pid}")
 
     def restore(self, target_pid: int, gpu_pairs: list[tuple[bytes, bytes]] | None = None) -> None:
-        args = _RestoreArgs()
-        if gpu_pairs:
-            pairs = (_GpuPair * len(gpu_pairs))()
-            for i, (old, new) in enumerate(gpu_pairs):
-                pairs[i].oldUuid[:] = list(old)
-                pairs[i].newUuid[:] = list(new)
-            args.gpuPairs = ctypes.cast(pairs, ctypes.POINTER(_GpuPair))
-            args.gpuPairsCount = len(gpu_pairs)
-        rc = self._asking(target_pid, "restore", lambda: self._cu.cuCheckpointProcessRestore(target_pid, ctypes.byref(args)),
-                          MOVE_LIMIT_S)
+        rc, _ = self._ask("restore", target_pid, "restore", MOVE_LIMIT_S, pairs=gpu_pairs)
         self._check(rc, f"driver restore of process {target_pid}")
 
     def unlock(self, target_pid: int) -> None:
-        args = _Args8()
-        rc = self._asking(target_pid, "unlock", lambda: self._cu.cuCheckpointProcessUnlock(target_pid, ctypes.byref(args)),
-                          ANSWER_LIMIT_S)
+        rc, _ = self._ask("unlock", target_pid, "unlock", ANSWER_LIMIT_S)
         self._check(rc, f"driver unlock of process {target_pid}")
 
 

@@ -9,6 +9,8 @@ from typing import Callable
 
 from .. import sizes
 from ..driver import controller_driver
+from ..driver_helper import DriverHelper
+from ..errors import GpucrError
 from ..sizes import pool_target
 from . import hugepages
 from .daemon import Server, log
@@ -22,7 +24,7 @@ def main(idle_exit_s: float | None = None, keep_context: bool = True, routes: bo
     host_budget: 64G or 50% (gpucr.sizes). face(server): another way in, started once the socket is bound (the HTTP
     API); what it returns stops it. reserve_hugepages: prepare_staging's size in hugepages, for as long as it runs.
     skip_unchanged: copies out skip the chunks whose digest did not change since the last (Mover.skip_unchanged)."""
-    controller_driver()   # cuInit once, here: a server that cannot reach its driver does not start
+    drv = controller_driver()   # cuInit once, here: a server that cannot reach its driver does not start
     srv = Server(idle_exit_s, keep_context, routes, sizes.budget_bytes(host_budget) if host_budget else None, park_dir)
     srv.skip_unchanged = skip_unchanged
     srv.bind()
@@ -35,6 +37,7 @@ def main(idle_exit_s: float | None = None, keep_context: bool = True, routes: bo
         log(f"swap apps park in host memory up to {disk.budget} bytes (--host-budget {host_budget}), then on disk in "
             f"{disk.park_dir.path}" + (f"; for now {why}" if (why := disk.park_dir.problem()) else ""))
     stop_face = None
+    drv.helper = _driver_helper()
     try:
         if srv.pins_ahead():
             threading.Thread(target=srv.pin_ahead_loop, daemon=True, name="gpucr-pin-ahead").start()
@@ -55,5 +58,20 @@ def main(idle_exit_s: float | None = None, keep_context: bool = True, routes: bo
         if srv._mover is not None:
             srv._mover.close()
         hugepages.give_back(hugepages.record_of(srv.path), log, "reserved for staging made ahead")
+        if drv.helper is not None:
+            drv.helper.close()
+            drv.helper = None
     log("stopped")
     return 0
+
+
+def _driver_helper() -> DriverHelper | None:
+    """The process the driver's calls on apps are made from (driver_helper.py: the server copies beside them);
+    without one they are made here, as before, and the log says why."""
+    try:
+        helper = DriverHelper.start()
+    except (GpucrError, OSError) as exc:
+        log(f"the driver's calls on processes are made in the server itself, which slows them beside its copies: {exc}")
+        return None
+    log(f"the driver's calls on processes are made from its helper, process {helper.proc.pid}")
+    return helper
