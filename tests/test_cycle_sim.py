@@ -26,13 +26,18 @@ def used() -> int:
     return gpu_memory(sim_driver()).used
 
 
-def host_pinned(pid: int) -> int:
-    """Host memory process `pid` pinned through its driver, as simcuda publishes it (no real driver tells)."""
-    n = ctypes.c_size_t()
-    fn = sim_driver()._cu.simcudaProcessHostPinned
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_size_t)]
+def _sim_read(name: str, pid: int, kind: type = ctypes.c_size_t) -> int:
+    """What simcuda's own call `name` reads of process `pid` (what no real driver tells)."""
+    n = kind()
+    fn = getattr(sim_driver()._cu, name)
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(kind)]
     assert fn(pid, ctypes.byref(n)) == 0, f"simcuda knows no process {pid}"
     return n.value
+
+
+def host_pinned(pid: int) -> int:
+    """Host memory process `pid` pinned through its driver."""
+    return _sim_read("simcudaProcessHostPinned", pid)
 
 
 def test_the_application_pins_nothing_the_server_pins_its_staging(sim_app, reused_server):
@@ -51,12 +56,8 @@ def test_the_application_pins_nothing_the_server_pins_its_staging(sim_app, reuse
 
 
 def checkpoint_caller(pid: int) -> int:
-    """The process that asked simcuda for process `pid`'s last checkpoint or restore."""
-    n = ctypes.c_int()
-    fn = sim_driver()._cu.simcudaCheckpointCaller
-    fn.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_int)]
-    assert fn(pid, ctypes.byref(n)) == 0, f"simcuda knows no process {pid}"
-    return n.value
+    """The process that asked for process `pid`'s last checkpoint or restore."""
+    return _sim_read("simcudaCheckpointCaller", pid, ctypes.c_int)
 
 
 @pytest.mark.in_process   # its own server: it kills that server's helper

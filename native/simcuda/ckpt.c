@@ -464,28 +464,27 @@ SIMAPI CUresult cuCheckpointProcessGetState(int pid, CUprocessState *state)
     return rc;
 }
 
-SIMAPI CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
+/* A pid the target answers with (its restore thread, or who asked for its last checkpoint or restore). */
+static CUresult ctl_get_pid(int pid, enum sim_ctl_op op, int *out)
 {
-    if (!tid)
+    if (!out)
         return CUDA_ERROR_INVALID_VALUE;
-    struct sim_ctl_req req = {.op = OP_GET_TID};
+    struct sim_ctl_req req = {.op = op};
     struct sim_ctl_rep rep;
     CUresult rc = ctl_call(pid, &req, &rep);
     if (rc == CUDA_SUCCESS)
-        *tid = rep.tid;
+        *out = rep.tid;
     return rc;
+}
+
+SIMAPI CUresult cuCheckpointProcessGetRestoreThreadId(int pid, int *tid)
+{
+    return ctl_get_pid(pid, OP_GET_TID, tid);
 }
 
 /* The test double's own: which process asked for process pid's last checkpoint or restore (0: none yet). A gpucr
  * server asks from a helper process, not from the one that copies (gpucr/driver_helper.py says why). */
 SIMAPI CUresult simcudaCheckpointCaller(int pid, int *caller)
 {
-    if (!caller)
-        return CUDA_ERROR_INVALID_VALUE;
-    struct sim_ctl_req req = {.op = OP_GET_CALLER};
-    struct sim_ctl_rep rep;
-    CUresult rc = ctl_call(pid, &req, &rep);
-    if (rc == CUDA_SUCCESS)
-        *caller = rep.tid;
-    return rc;
+    return ctl_get_pid(pid, OP_GET_CALLER, caller);
 }
