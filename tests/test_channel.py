@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,42 @@ def test_readers_asking_without_pause_never_make_a_checkpoint_or_restore_busy(si
         for t in readers:
             t.join(10)
     assert app.ask("digest") == before
+
+
+def test_a_controllers_connection_outlives_readers_that_take_the_slots(sim_agent_socket):
+    """A restore's controller asks the agent at its vet (`status controller=1`) and then not until its fill is done,
+    however long that takes. The agent keeps that connection when readers take every slot; a reader's own idle
+    connection is the one given up for a newcomer (eight slots; one idle for 0.5 s goes, the oldest first: here the
+    controller's, were it not a controller's)."""
+    def line(s: socket.socket, req: bytes) -> dict:
+        s.sendall(req)
+        got = b""
+        while not got.endswith(b"\n"):
+            chunk = s.recv(65536)
+            if not chunk:
+                raise ConnectionError("the agent hung up")
+            got += chunk
+        return json.loads(got)
+    socks = []
+    try:
+        for _ in range(2):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(10)
+            s.connect(str(sim_agent_socket))
+            socks.append(s)
+        controller, reader = socks
+        assert "state" in line(controller, b"status controller=1\n")
+        assert "state" in line(reader, b"status\n")
+        time.sleep(0.7)   # both idle past the grace
+        for _ in range(7):   # the slots full at the sixth: the seventh is given the oldest idle one that never acted
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            s.settimeout(10)
+            s.connect(str(sim_agent_socket))
+            socks.append(s)
+            assert "state" in line(s, b"status\n")
+        assert "state" in line(controller, b"status\n"), "the controller's connection was kept"
+        with pytest.raises((ConnectionError, OSError)):
+            line(reader, b"status\n")
+    finally:
+        for s in socks:
+            s.close()

@@ -214,7 +214,12 @@ void verbs_handle(const char *req, struct jb *j, struct client *c)
     memcpy(verb, req, vl);
     jb_open(j);
     if (!strcmp(verb, "hello")) report_hello(j);
-    else if (!strcmp(verb, "status")) reply_status(j);
+    else if (!strcmp(verb, "status")) {
+        /* controller=1: a checkpoint's or restore's controller, whose connection lives through the request's steps,
+         * silent for as long as its copies take (a fill from a slow disk): never timed out as idle nor evicted */
+        if (arg_int(req, "controller", 0) == 1) c->acted = true;
+        reply_status(j);
+    }
     else if (!strcmp(verb, "commit")) handle_commit(req, j, c);
     else if (!strcmp(verb, "layout")) handle_layout(j, c);
     else if (!strcmp(verb, "shared")) {

@@ -23,7 +23,7 @@ def _vetting_status(m: _Member, timeout: float) -> dict[str, Any]:
     """The agent's status before anything is touched, within the request's own deadline: a process busy
     starting up (loading gigabytes) may answer late."""
     try:
-        return m.agent.call("status", timeout=timeout)
+        return m.agent.call("status", timeout=timeout, controller=1)   # (the agent keeps a controller's connection)
     except GpucrError as exc:
         m.close()
         raise GpucrError(f"{exc} (--timeout); nothing was touched. Is it still starting up? Wait until it is up "
@@ -193,7 +193,9 @@ def _vet_for_restore(pid: int, image_dir: Path | None, force: bool, gpu_map: dic
     m.agent = t.connect()
     unlocked_here = False
     try:
-        m.status = m.agent.call("status", timeout=10.0)
+        # controller=1: the agent keeps this connection however long the fill before its `adopt` takes (it dropped
+        # a connection silent for 30 s, and evicted one idle for 0.5 s when a ninth client came)
+        m.status = m.agent.call("status", timeout=10.0, controller=1)
     except GpucrError:
         if dstate != ProcessState.LOCKED:
             m.close()
@@ -205,7 +207,7 @@ def _vet_for_restore(pid: int, image_dir: Path | None, force: bool, gpu_map: dic
         drv.unlock(pid)
         dstate, unlocked_here = _driver_state(drv, pid), True
         m.agent = t.connect()
-        m.status = m.agent.call("status", timeout=10.0)
+        m.status = m.agent.call("status", timeout=10.0, controller=1)
     if m.status.get("rolling_back") and dstate == ProcessState.RUNNING:
         # its checkpoint's controller died after data out: the agent is undoing it alone, wait for that
         # (with the driver holding the process, the roll-back waits for this restore instead)
