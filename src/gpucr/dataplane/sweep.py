@@ -76,6 +76,7 @@ class Sweep:
         self.parts: list[Part] = []
         self.chunks = 0      # chunks added
         self._sent = 0       # parts launched
+        self._unsent = 0     # bytes of the parts added since (asked after every part: a sum would be quadratic)
         self._waits: dict[int, int] = {}   # copy stream -> its event the kernel stream waits on (re-recorded per batch)
         self._batches: list[Batch] = []    # launched, not read yet
         self._results = 0   # where the kernel writes its results: the scan's straight into the host's copy
@@ -116,11 +117,12 @@ class Sweep:
             ctypes.memmove(self._host(self.out[0] + part.first * DIGEST_BYTES), expected, len(expected))
         self.parts.append(part)
         self.chunks += part.chunks
+        self._unsent += size
         return part
 
     def queued(self) -> int:
         """Bytes added since the last flush."""
-        return sum(p.size for p in self.parts[self._sent:])
+        return self._unsent
 
     def flush(self, after: Sequence[int] = ()) -> Batch | None:
         """One launch over the parts added since the last flush (None: there were none), queued on the kernel stream
@@ -143,7 +145,7 @@ class Sweep:
         args = [ctypes.c_uint64(self._dev(self._sent * RANGE.size)), ctypes.c_uint64(len(parts)),
                 ctypes.c_uint64(self._results + self.out[0]), ctypes.c_uint64(self._results + self.out[1])]
         vmm.launch(self.function, min(n, MAX_GRID), THREADS, s, args)
-        self._sent = len(self.parts)
+        self._sent, self._unsent = len(self.parts), 0
         if self.kind == "check":
             return None
         batch = Batch(parts, vmm.event())
