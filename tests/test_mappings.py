@@ -105,12 +105,14 @@ def test_an_allocation_the_range_refuses_is_mapped_alone(mover, tmp_path, monkey
     assert [a[1] for a in alone] == [4 * MiB], "the refused one was mapped in a range of its own, the rest not"
 
 
-def test_the_agents_staging_is_moved_by_file_without_a_mapping_through_the_ring(tmp_path, monkeypatch):
-    """The CLI's mover (a fresh process, its ring not the staging pinned) reads and writes the staging's file with
-    pread and pwrite: it maps none of it (mapped, every 4 KiB page of a copy out was a fault)."""
-    from gpucr.dataplane import held, mover as mv
+def test_the_clis_ring_writes_the_staging_mapped_and_reads_it_by_file(tmp_path, monkeypatch):
+    """The CLI's mover (a fresh process, its ring, not the staging, pinned): a copy out writes the staging mapped here
+    (its file's writes would run one at a time: 5.4 GB/s from 12 threads on an H100), a fill reads it with pread and
+    maps none of it."""
+    from gpucr.dataplane import held, mover as mv, pinned
     maps = []
-    monkeypatch.setattr(held, "open_segment", lambda *a: maps.append(a))
+    real_open = pinned.open_segment
+    monkeypatch.setattr(held, "open_segment", lambda *a: (maps.append(a), real_open(*a))[1])
     m = mv.Mover(sim_driver(), keep_context=False, pinned_staging=False)
     uuid, dev = next(iter(m.vmm.device_by_uuid().items()))
     ctx = m.vmm.retain_context(dev)
@@ -121,4 +123,5 @@ def test_the_agents_staging_is_moved_by_file_without_a_mapping_through_the_ring(
     finally:
         m.close()
         m.vmm.release_context(dev)
-    assert staged == data and back == data and not maps
+    assert staged == data and back == data
+    assert len(maps) == 1, f"the staging's one segment mapped once, for the copy out only: {maps}"

@@ -4,7 +4,7 @@ server's, for a fill from an image's file or from staging it did not pin itself)
 The server pins a process's staging ahead, minutes before a checkpoint. A fresh CLI process cannot: pinning
 69 GiB at the time of the checkpoint costs seconds. So the CLI's mover copies through SLOTS slots of its piece,
 pinned once per request (at its first copy), and moves each piece between its slot and the staging (mapped
-here, pageable) with a host memmove, or with one pread or pwrite of its file (pinned.file_segment), several
+here, pageable) with a host memmove, or, a fill, with one pread of its file (pinned.file_segment), several
 pieces at once:
 
 - out: the device copies a piece into a slot, then the slot is copied into its place in staging; to an image,
