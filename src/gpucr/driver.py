@@ -311,10 +311,19 @@ def processes_gpu_memory(driver: Driver, pids: list[int], device: int = 0,
             used = ctypes.c_size_t()
             out[pid] = used.value if fn(pid, device, ctypes.byref(used)) == 0 else None
         return out
+    return _nvml_processes_memory(pids, device, uuid)
+
+
+def nvml_process_memory(pid: int, device: int = 0, uuid: str | None = None) -> int | None:
+    """process_gpu_memory as NVML reads it, with no driver loaded here (an application asking about itself)."""
+    return _nvml_processes_memory([pid], device, uuid)[pid]
+
+
+def _nvml_processes_memory(pids: list[int], device: int, uuid: str | None) -> dict[int, int | None]:
     infos = _nvml_compute_processes(device, uuid)
     if infos is None:
         return dict.fromkeys(pids)
-    out = {}
+    out: dict[int, int | None] = {}
     for pid in pids:
         used = [i.usedGpuMemory for i in infos if i.pid == pid]
         out[pid] = None if any(u == NVML_VALUE_NOT_AVAILABLE for u in used) else sum(used)

@@ -33,7 +33,7 @@ class Server:
     def __init__(self, model: str, gpu_util: float, seed: int, weights: Path | None, save: Path | None) -> None:
         import torch
 
-        from ..driver import _nvml_process_memory
+        from ..driver import nvml_process_memory
         self.torch = torch
         torch.manual_seed(seed)
         self.name = model
@@ -49,7 +49,7 @@ class Server:
         L.greedy(self.model, self.prompt, 2)   # cuBLAS handles and kernels before the KV cache is sized
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
-        held = _nvml_process_memory(os.getpid(), 0, None) or torch.cuda.memory_reserved() + CONTEXT_GUESS
+        held = nvml_process_memory(os.getpid(), 0, None) or torch.cuda.memory_reserved() + CONTEXT_GUESS
         self.kv = L.kv_cache(*L.kv_geometry(self.cfg), int(gpu_util * torch.cuda.mem_get_info()[1]) - held, "cuda")
         torch.cuda.synchronize()
 
