@@ -118,7 +118,7 @@ class FakeAgent:
         if self.world.driver.state(self.pid) != ProcessState.RUNNING:
             raise GpucrError(f"process {self.pid}: '{verb}' while the driver holds the process")
 
-    def _status(self) -> dict[str, Any]:
+    def _status(self, controller: int = 0) -> dict[str, Any]:   # controller=1: the connection of a request's vet
         return {"state": self.state, "gate_closed": self.gate_closed, "busy": False, "staged": self.state != "running",
                 "generation": self.generation, "devices": [], "shared": [],
                 "checkpoint_phase": "handed" if self.handed else ""}
