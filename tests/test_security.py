@@ -516,10 +516,19 @@ def test_a_process_stopped_during_data_out_is_named_and_left_restorable(sim_app)
         assert time.time() - t0 < 8, "the controller must answer within seconds"
         assert p.returncode == 1 and "is stopped (SIGSTOP)" in err, err
         lines = [line for line in err.splitlines() if line.startswith("gpucr:")]
-        assert len(lines) == 1 and f"gpucr recover {app.pid}" in lines[0], err
+        assert len(lines) == 1, err
+        # stopped before the driver held it (the stop landed while the plane listed its memory, seen under load in
+        # CI): nothing is held, and once it runs its agent takes its memory back from its own fds (the lease)
+        held = f"gpucr recover {app.pid}" in lines[0]
+        assert held or f"kill -CONT {app.pid}" in lines[0], err
     finally:
         os.kill(app.pid, signal.SIGCONT)
-    _recovered_whole(app, before)
+    if held:
+        _recovered_whole(app, before)
+        return
+    wait_for(lambda: (lambda s: s.state == "running" and not s.busy and s.phase != "handed")(gpucr.status(app.pid)),
+             timeout=30, what="its own roll-back")
+    assert app.ask("digest") == before
 
 
 
