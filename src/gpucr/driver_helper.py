@@ -20,6 +20,7 @@ import sys
 import threading
 from typing import IO, Any
 
+from .driver import controller_driver
 from .errors import GpucrError
 
 START_LIMIT_S = 30.0   # the helper's interpreter, imports and cuInit
@@ -124,7 +125,6 @@ class DriverHelper:
 
 
 def _answer(out: IO[str], lock: threading.Lock, request: dict[str, Any]) -> None:
-    from .driver import controller_driver
     reply: dict[str, Any] = {"id": request.get("id")}
     try:
         drv = controller_driver()

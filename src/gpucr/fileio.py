@@ -1,5 +1,5 @@
 """Host memory moved whole to or from a file at an offset: the loops a short pwrite or pread needs, for the image's
-data file (image.py) and the staging's files that the data plane's ring moves without mapping (dataplane/pinned.py)."""
+data file (image.py) and the staging's files that the data plane's ring reads without mapping (dataplane/pinned.py)."""
 from __future__ import annotations
 
 import ctypes
