@@ -28,8 +28,13 @@ def used() -> int:
 
 def ctl_fds(pid: int) -> int:
     """How many of pid's fds are opens of simcuda's control file (as /dev/nvidiactl: every exported fd is one)."""
-    d = f"/proc/{pid}/fd"
-    return sum(1 for f in os.listdir(d) if os.readlink(f"{d}/{f}").endswith("/nvidiactl"))
+    d, n = f"/proc/{pid}/fd", 0
+    for f in os.listdir(d):
+        try:
+            n += os.readlink(f"{d}/{f}").endswith("/nvidiactl")
+        except FileNotFoundError:   # closed since the listing (a fork child closes the agent's fds as it starts)
+            pass
+    return n
 
 
 def import_in_controller(pid: int, want: dict[int, int]) -> dict:
