@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import threading
 import time
 from contextlib import contextmanager
 from typing import Iterator
@@ -63,6 +64,8 @@ def test_a_two_way_switch_moves_both_apps_with_their_data_intact(gpu_for_one, sw
     log = swap_server.log.read_text()
     assert re.search(r"two-way switch: parked swap app a \(pid \d+\) while b \(pid \d+\) came in: 96 MiB out, 96 MiB "
                      r"in", log), log
+    # b's three allocations are a's three, taken over as they are (what was free held b's context): none made
+    assert re.search(r"parked swap app a .* 3 of b's pieces were a's, taken over", log), log
     assert a.ask("digest", timeout=60)["digest"] == digest_a   # and back: a in, b out, both ways again
     assert _state(swap_server, "b") == "parked" and b.ask("digest", timeout=60)["digest"] == digest_b
     two_way = [s for s in _switches(swap_server) if s["two_way"]]
@@ -130,15 +133,22 @@ def _first(cond) -> float:
     return time.monotonic()
 
 
-def test_with_two_way_off_the_same_switch_is_a_park_then_a_resume(gpu_for_one, monkeypatch):
-    """GPUCR_SWAP_TWO_WAY=0 for the server: the bench's one-way comparison (a)."""
-    monkeypatch.setenv("GPUCR_SWAP_TWO_WAY", "0")
+@pytest.mark.parametrize("off", ["GPUCR_SWAP_TWO_WAY", "GPUCR_TAKE_OVER"])
+def test_a_switch_with_two_way_or_take_over_off_keeps_both_apps_data(gpu_for_one, monkeypatch, off):
+    """Set to 0 for the server: GPUCR_SWAP_TWO_WAY makes the switch a park, then a resume (the bench's one-way
+    comparison (a)); GPUCR_TAKE_OVER makes it two-way with every piece of A released and every one of B's made."""
+    monkeypatch.setenv(off, "0")
     srv = RunningServer(True)
     try:
         with _pair(srv) as (a, b, digests):
             assert b.ask("digest", timeout=60)["digest"] == digests[b.pid]
             assert _state(srv, "a") == "parked"
-            assert not [s for s in _switches(srv) if s["two_way"]] and "two-way switch" not in srv.log.read_text()
+            log = srv.log.read_text()
+            if off == "GPUCR_SWAP_TWO_WAY":
+                assert not [s for s in _switches(srv) if s["two_way"]] and "two-way switch" not in log
+            else:
+                assert re.search(r"parked swap app a .* 0 of b's pieces were a's, taken over", log), log
+            assert a.ask("digest", timeout=60)["digest"] == digests[a.pid]
     finally:
         srv.stop()
 
@@ -274,6 +284,66 @@ def test_a_piece_made_after_the_first_give_back_counts_as_made_while_the_rest_of
     for i in (1, 2):
         landing.queued(i, 10 + i, 0x1000, 32 << 20, 1, [5], landing.vmm.unmap)
     assert landing.kept([]) == [] and room.out == 0 and given[-1] == 3
+
+
+MiB = 1 << 20
+
+
+def test_the_pieces_b_takes_over_match_its_own_leave_room_for_its_context_and_never_block_what_it_makes():
+    from gpucr.dataplane.two_way import kept_for_b
+    from gpucr.vmm import AllocFlags
+    k32, k64, rdma = ("G", 32 * MiB, AllocFlags()), ("G", 64 * MiB, AllocFlags()), ("G", 32 * MiB, AllocFlags(rdma=1))
+    a = [(i, k32) for i in range(4)]
+    # room for B's context: every piece of A that B has one of is taken over
+    assert kept_for_b(100 * MiB, 0, 64 * MiB, 64 * MiB, a, [k32] * 4) == {i: k32 for i in range(4)}
+    assert kept_for_b(100 * MiB, 0, 64 * MiB, 64 * MiB, a, [k32] * 2) == {0: k32, 1: k32}
+    # only the very size and flags stand for a piece: the others are made, in what A releases and had free
+    assert kept_for_b(100 * MiB, 0, 0, 64 * MiB, a, [k64, k32, rdma]) == {0: k32}
+    # 40 MiB short of B's context: A's first two pieces are released for it, the rest taken over
+    assert kept_for_b(24 * MiB, 0, 64 * MiB, 64 * MiB, a, [k32] * 4) == {2: k32, 3: k32}
+    # what B makes would not fit in what A releases (and had free) once some are kept: none is
+    assert kept_for_b(16 * MiB, 0, 0, 0, [(0, k32)], [k32, k32]) == {}
+
+
+class _Held(_Vmm):
+    def __init__(self) -> None:
+        self.released: list[int] = []
+
+    def release(self, h):
+        self.released.append(h)
+
+
+def test_a_piece_kept_for_b_is_offered_only_once_as_agent_let_go_of_it_and_what_b_never_took_is_released():
+    from gpucr.dataplane.two_way import Landing, TakeOver
+    from gpucr.switch_schedule import Room
+    vmm, offered_at_give_back = _Held(), []
+    fds = [os.open(os.devnull, os.O_RDONLY) for _ in range(3)]
+    mem = [memory.Managed(i, "converted", 32 * MiB, 0, False, False, fd=fds[i], uuid="G", movable=True)
+           for i in range(3)]
+    k = ("G", 32 * MiB, mem[0].flags)
+    take = TakeOver(vmm, {0: k, 1: k})   # B has two pieces like A's first two
+    landing = Landing(vmm, mem, lambda upto: offered_at_give_back.append(sum(map(len, take._ready.values()))),
+                      Room(lambda: 1 << 40, 0), take)
+    got: dict = {}
+    waiter = threading.Thread(target=lambda: got.update(first=take.take(k)))
+    waiter.start()   # B's first piece waits for A's
+    for i in range(3):
+        landing.queued(i, 10 + i, 0x1000, 32 * MiB, 1, [5], vmm.unmap)
+    assert landing.kept([]) == []
+    waiter.join(10)
+    assert offered_at_give_back and offered_at_give_back[0] == 0, "a piece was offered before A's agent let go of it"
+    assert got["first"] == (10, fds[0]), "B takes the server's handle of A's first piece and its fd, as they are"
+    assert vmm.released == [12], "the landing releases only the piece B has no match for"
+    assert all(m.fd is None for m in mem), "A's memory list no longer closes an fd that is B's now"
+    os.fstat(fds[1])   # A's second piece, offered, still open
+    take.let_go()      # B's fill ended before taking it
+    assert vmm.released == [12, 11]
+    with pytest.raises(OSError):
+        os.fstat(fds[1])
+    take.over()
+    assert take.take(k) is None, "A's copy out over: nothing left to take, B makes its piece"
+    assert take.take(k) is None, "B's third piece was never to be taken over"
+    os.close(fds[0])
 
 
 @pytest.mark.parametrize("point", ["switch-after-handover", "switch-after-give-back", "switch-after-driver-steps",

@@ -37,6 +37,7 @@ class Stats:
     queue_s: float = 0.0          # queueing its copies on the streams
     drain_s: float = 0.0          # waiting, after the last was queued, for the straight copies to finish
     export_s: float = 0.0         # exporting the new memory's fds (in), handed to the process to map
+    taken_over: int = 0           # a two-way switch's fill: pieces of the app going out taken as they are, not made
     routes: dict[str, int] = field(default_factory=dict)   # bytes moved through each neighbour GPU, by UUID
     dropped: list[str] = field(default_factory=list)       # neighbours given up mid-copy (a process appeared)
 

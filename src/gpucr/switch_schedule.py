@@ -46,8 +46,11 @@ class Room:
     ends every wait with that error (the other direction failed). Nothing is taken before `open()`: the copy out
     first makes what it needs itself (its scan's buffers), which B's pieces must not have taken already."""
 
-    def __init__(self, free: Callable[[], int], slack: int, what: str = "the GPU") -> None:
-        self._free, self._slack, self._what = free, slack, what
+    def __init__(self, free: Callable[[], int], slack: int, what: str = "the GPU", ahead: int = 0,
+                 behind: int = 0) -> None:
+        """ahead: bytes B's context takes at its driver restore, beside the copies; behind: bytes A's context frees at
+        the end of its driver checkpoint (two_way.kept_for_b counts both)."""
+        self._free, self.slack, self._what, self.ahead, self.behind = free, slack, what, ahead, behind
         self._cv = threading.Condition()
         self._reserved = 0
         self._open = False
@@ -89,6 +92,12 @@ class Room:
             self._open = True
             self._cv.notify_all()
 
+    def took_over(self) -> None:
+        """One of B's pieces is one of A's, taken over as it is (two_way.TakeOver): it overlapped where A's others are
+        still out."""
+        with self._cv:
+            self.made_while_out += self.out > 0
+
     def fail(self, exc: BaseException) -> None:
         with self._cv:
             self._failed = exc
@@ -105,9 +114,12 @@ class Room:
                                  "was given back")
             self._cv.wait(LOOK_S)
 
+    def free_now(self) -> int:
+        return self._free()
+
     def short(self, n: int) -> int:
         """Bytes missing for n now (<= 0: it fits), reservations counted."""
-        return n + self._slack + self._reserved - self._free()
+        return n + self.slack + self._reserved - self._free()
 
     @contextmanager
     def taking(self, n: int, what: str, piece: bool = True) -> Iterator[None]:

@@ -71,9 +71,10 @@ def _vet(out_pid: int, in_pid: int, timeout: float) -> tuple[_Member, _Member]:
     return a, b
 
 
-def _fits(a: _Member, b: _Member, uuid: str, free: int) -> int:
-    """B's context's bytes (what its checkpoint freed beside its data); NotTwoWay when B does not fit even once all
-    of A is gone, its context too (what the driver counts it holds: plan, the rule the switch runs by, on the sums)."""
+def _fits(a: _Member, b: _Member, uuid: str, free: int) -> tuple[int, int]:
+    """B's context's bytes (what its checkpoint freed beside its data) and A's beside its data (what A holds beyond
+    its allocations: freed at its driver checkpoint); NotTwoWay when B does not fit even once all of A is gone, its
+    context too (what the driver counts it holds: plan, the rule the switch runs by, on the sums)."""
     ctx_b = context_share.freed(b.pid, b.t.start_time).get(uuid, 0)
     held = a.gpu_before.get(uuid)
     vmm_a = sum(int(d["vmm_bytes"]) for d in a.status.get("devices") or [])
@@ -83,7 +84,7 @@ def _fits(a: _Member, b: _Member, uuid: str, free: int) -> int:
         plan(free, out, into, SLACK)
     except GpucrError as exc:
         raise NotTwoWay(f"no two-way switch: {exc}") from exc
-    return ctx_b
+    return ctx_b, out[0] - vmm_a
 
 
 def switch(out_pid: int, in_pid: int, mover: DataPlane, timeout: float = 30.0, level: str = "full",
@@ -103,13 +104,13 @@ def switch(out_pid: int, in_pid: int, mover: DataPlane, timeout: float = 30.0, l
             mem = gpus.memory_of(a.drv, uuid, machine)
             return mem.free if mem is not None else 0
         a.gpu_before, b.gpu_before = _usage(a, a.status, mover), _usage(b, b.status, mover)
-        ctx_b = _fits(a, b, uuid, free())
+        ctx_b, ctx_a = _fits(a, b, uuid, free())
         t = _lap([a, b], "room", t)   # the GPUs' memory read, B's fit checked (the H100's two-way vet took 50 ms)
         provide_staging(a, mover)
         t = _lap([a], "staging", t)
         a.plane = b.plane = mover
         b.result["data_plane"] = mover.plane
-        room = Room(free, SLACK, f"GPU {uuid}")
+        room = Room(free, SLACK, f"GPU {uuid}", ahead=ctx_b, behind=ctx_a)
         held_b = b.checkpointed   # the driver holds B (a full park): a failed switch puts it back so
         _prepare(a, timeout)
         t = _lap([a], "prepare", t)
@@ -141,7 +142,8 @@ def switch(out_pid: int, in_pid: int, mover: DataPlane, timeout: float = 30.0, l
             b.result, shape.gpu_changes(b.gpu_before, _usage_at_end(b, mover)), {}, None)])
         return out, into, {"two_way": True, "bytes_out": int(a.result.get("bytes_moved") or 0),
                            "bytes_in": int(b.server_bytes_in), "seconds": time.perf_counter() - t0,
-                           "waited_for_room_s": room.waited_s, "made_while_out": room.made_while_out}
+                           "waited_for_room_s": room.waited_s, "made_while_out": room.made_while_out,
+                           "taken_over": made[1][0].taken_over}
     finally:
         a.close()
         b.close()

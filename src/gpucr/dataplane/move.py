@@ -24,6 +24,7 @@ from .pinned import Segment, file_segment
 from .ring import Piece, Ring
 from .scan import AllocationScan, Scanner
 from .sweep import Part, parts_of, step as sweep_step
+from .two_way import key
 
 if TYPE_CHECKING:
     from .mover import Mover
@@ -61,6 +62,7 @@ class Move:
         self.fds: list[tuple[int, int]] = []      # (index, fd) of it, exported as it is made
         self.where: dict[int, tuple[int, int, int, int, int]] = {}   # allocation index -> (size, seg, off, va, dev)
         self.handles: dict[int, int] = {}   # allocation index -> its handle here (a switch gives it back)
+        self.taken_over: set[int] = set()   # a switch's fill: allocations that are pieces of the app going out
         self.unqueued: dict[int, int] = {}  # allocation index -> its bytes whose copies are not queued yet (a switch's out)
         self.touched: dict[int, set[int]] = {}   # GPU -> the streams that wrote its parts not checked yet (a fill)
         self.turn = 0
@@ -108,7 +110,7 @@ class Move:
         if self.switch is not None and self.out and self.switch.error is not None:   # after the undo: nothing ours stays
             raise GpucrError(f"{self.mover.name}'s copy out failed: giving back memory as its copy landed failed: "
                              f"{self.switch.error}")
-        self.st.seconds = time.perf_counter() - self.t0
+        self.st.seconds, self.st.taken_over = time.perf_counter() - self.t0, len(self.taken_over)
         return self.st, sorted(self.fds), self.taken
 
     def _go(self) -> None:
@@ -158,10 +160,13 @@ class Move:
         self.vmm.use(ctx)
         if self.out:
             h = self.vmm.import_fd(m.fd)
-        else:   # as the allocation was made; in a switch, once room for it is free
+        else:   # as the allocation was made; in a switch, once room for it is free, or one of A's taken over
             create = lambda: self.vmm.create(size, dev, flags=m.flags)   # noqa: E731 - made here or in the switch
-            h = self.switch.make(create, size) if self.switch is not None else create()
+            h, fd = self.switch.make(create, key(m, size)) if self.switch is not None else (create(), None)
             self.made.append((idx, h))
+            if fd is not None:   # its fd for the process already: closed with the others if the fill fails
+                self.fds.append((idx, fd))
+                self.taken_over.add(idx)
         self.handles[idx] = h
         va, reachable = self.maps.map(h, size, dev, self.routing.access(dev), idx)
         self.where[idx] = (size, seg, off, va, dev)
@@ -175,7 +180,7 @@ class Move:
         """Allocation idx mapped with access: a fill's exported, its copies queued (or its scan started)."""
         size, seg, off, va, dev = self.where[idx]
         ctx = self.mover.context(dev)[0]
-        if not self.out:
+        if not self.out and idx not in self.taken_over:
             # exported now, while the copies already queued run, not after the last one drained: the fds
             # reach the process only once this returns, every copy done
             te = time.perf_counter()

@@ -32,7 +32,7 @@ from .links import Links, Neighbour
 from ..memory import Managed
 from ..plane import ImageFile, Inputs, Made, MadeStaging, StagingAsk, Stats
 from ..switch_schedule import Room
-from .two_way import Landing, Making, both
+from .two_way import Key, Landing, Making, TakeOver, both, kept_for_b, key
 from .held import Held, Owner
 from .pinned import Segment, pin as pin_segment
 from .move import CHUNK, Move
@@ -60,6 +60,9 @@ class Mover(StagingMaker):
     pinned_staging=False: the CLI's own mover, for one request with no server running (LaterPlane): the
     staging is only mapped, and every copy goes through a small pinned ring (ring.py)."""
     skip_unchanged = False   # gpucr serve --skip-unchanged: not only zero chunks the staging holds (checked.py)
+    # a two-way switch's fill takes over the pieces of the app going out that match its own (two_way.TakeOver);
+    # GPUCR_TAKE_OVER=0 in the server's environment: every piece released and made, as before
+    take_over = os.environ.get("GPUCR_TAKE_OVER", "1") != "0"
 
     def __init__(self, drv: Driver, routes: bool = True, keep_context: bool = True,
                  pinned_staging: bool = True) -> None:
@@ -215,11 +218,31 @@ class Mover(StagingMaker):
             for m in out_inputs[2] + in_inputs[2]:   # contexts made before two threads use them
                 if m.uuid:
                     self.context(self.ordinal(m.uuid))
-            landing = Landing(self.vmm, out_inputs[2], give_back, room)
-            return both(lambda: self._move(owner(out_pid), *out_inputs, out=True, scan=scan, switch=landing)[0],
-                        lambda: self._move(owner(in_pid), *in_inputs, out=False, check=check, switch=Making(room)), room,
-                        let_go=lambda made: [os.close(fd) for _idx, fd in made[1]])
+            take = TakeOver(self.vmm, self._kept_for_b(out_inputs, in_inputs, room) if self.take_over else {})
+            landing = Landing(self.vmm, out_inputs[2], give_back, room, take)
+
+            def out() -> Stats:
+                try:
+                    return self._move(owner(out_pid), *out_inputs, out=True, scan=scan, switch=landing)[0]
+                finally:
+                    take.over()   # B's waits for pieces of A end with A's copy out, whatever became of it
+            try:
+                return both(out, lambda: self._move(owner(in_pid), *in_inputs, out=False, check=check,
+                                                    switch=Making(room, take)), room,
+                            let_go=lambda made: [os.close(fd) for _idx, fd in made[1]])
+            finally:
+                take.let_go()
         return self._locked(f"the two-way switch of processes {out_pid} and {in_pid}", go)
+
+    @staticmethod
+    def _kept_for_b(out_inputs: Inputs, in_inputs: Inputs, room: Room) -> dict[int, Key]:
+        """A's pieces B takes over (two_way.kept_for_b), from both processes' plans."""
+        def keys(inputs: Inputs, with_fd: bool) -> list[tuple[int, Key]]:
+            by_index = {m.index: m for m in inputs[2]}
+            return [(i, key(by_index[i], size)) for i, size, *_ in _checked_plan(inputs[0])[1]
+                    if i in by_index and (by_index[i].fd is not None or not with_fd)]
+        return kept_for_b(room.free_now(), room.slack, room.ahead, room.behind, keys(out_inputs, True),
+                          [k for _i, k in keys(in_inputs, False)])
 
     def pin_ahead(self, pid: int, layout: dict[str, Any], seg_fds: list[int], uuid: str) -> int:
         """Map and pin the staging a running process holds (kept from an earlier cycle this server did not make), so

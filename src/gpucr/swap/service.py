@@ -540,7 +540,8 @@ class SwapService:
             self._log(f"two-way switch: parked swap app {out.name} (pid {out.pid}) while {into.name} (pid {into.pid}) "
                       f"came in: {info['bytes_out'] >> 20} MiB out, {info['bytes_in'] >> 20} MiB in, "
                       f"{info['seconds']:.3f} s ({info['waited_for_room_s']:.3f} s of it waiting for room, "
-                      f"{info['made_while_out']} pieces made while the other's were still going out)")
+                      f"{info['made_while_out']} pieces made while the other's were still going out; "
+                      f"{info.get('taken_over', 0)} of {into.name}'s pieces were {out.name}'s, taken over)")
         box["result"] = resumed
         return True
 
