@@ -296,7 +296,7 @@ def test_no_server_cycles_go_through_the_clis_own_mover(sim_app):
 
 @pytest.mark.in_process   # the mover runs in this process, whose pageable copies simcuda counts
 def test_the_clis_ring_makes_no_pageable_copy(sim_app, monkeypatch):
-    """The API with no server runs the same mover here; its copies go through a ring of 4 pinned 1 MiB slots,
+    """The API with no server runs the same mover here; its copies go through a ring of pinned 1 MiB slots (ring.SLOTS),
     each reused many times in both directions, with odd sizes: no asynchronous copy is pageable, nothing but
     the ring is pinned (the staging is not), every byte is back, and once done this process holds nothing on
     the GPU and no thread of the ring."""
@@ -318,7 +318,10 @@ def test_the_clis_ring_makes_no_pageable_copy(sim_app, monkeypatch):
     rs = gpucr.restore(app.pid)
     assert ck.data_plane == rs.data_plane == "cli" and ck.bytes_moved == rs.bytes_moved > 20 * MiB, (ck, rs)
     assert sim_pageable_async_copies(drv) == copies
-    assert pins == [1 * MiB] * 8, "the ring's four slots, once per request"
+    # nothing but the ring's slots, each at most once per request: a slot is pinned at its thread's first piece, and
+    # a thread the others left no piece to pins nothing (7 of 8 seen under load)
+    from gpucr.dataplane.ring import SLOTS
+    assert set(pins) == {1 * MiB} and 2 <= len(pins) <= 2 * SLOTS, pins
     assert app.ask("digest") == before
     assert process_gpu_memory(drv, os.getpid(), 0) == 0, "the CLI's context and memory are given back"
     assert not [t for t in threading.enumerate() if t.name.startswith("gpucr-ring") and t not in earlier]

@@ -23,7 +23,7 @@ from ..switch_schedule import Room, plan
 from ..vmm import AllocFlags
 
 OOM = "OUT_OF_MEMORY"
-Key = tuple[str, int, AllocFlags]   # a piece's GPU (UUID), bytes and flags: what another piece must match to stand for it
+Key = tuple[str, int, AllocFlags]   # a piece's GPU (UUID), bytes and flags: what another must match to stand for it
 BATCH = 64 << 20   # A's agent is told at least this often (bytes landed), not only when the copies outrun the thread
 
 
