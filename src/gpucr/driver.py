@@ -12,14 +12,17 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Any, Callable, Protocol
 
 from .agent_tables import UUID_TEXT
 from .errors import GpucrError
 from .proc import check_not_stopped
 
-if TYPE_CHECKING:
-    from .driver_helper import DriverHelper
+
+class ProcessCaller(Protocol):
+    """Another process that makes the driver's calls on processes for this one (driver_helper.DriverHelper)."""
+    def alive(self) -> bool: ...
+    def call(self, name: str, pid: int, **kw: Any) -> tuple[int, int]: ...
 
 
 class ProcessState(enum.IntEnum):
@@ -115,7 +118,7 @@ class Driver:
         except AttributeError as exc:
             raise GpucrError(f"the CUDA driver {self.path} has no checkpoint API (driver 555 or newer is needed)") from exc
         self.simulated = hasattr(cu, "simcudaIsSimulated")
-        self.helper: DriverHelper | None = None   # where process calls are made from, if not here (driver_helper.py)
+        self.helper: ProcessCaller | None = None   # where process calls are made from, if not here (driver_helper.py)
         self._check(cu.cuInit(0), "cuInit")
 
     # ---- helpers ----
