@@ -112,6 +112,46 @@ def test_a_demand_the_server_declined_does_not_lock_out_the_next_one(sim_app):
     assert app.ask("loop stop")["error"] is None
 
 
+def test_a_demand_made_before_the_server_declines_the_last_one_still_wakes_its_next_watch(sim_app):
+    """A thread that comes to the closed gate after the watch said `demand` but before the server's `seen=NS`
+    reached the agent is a demand the server has not seen: its next watch wakes for it at once. It used to wait for
+    ever: the thread found a demand noted already and noted none, then the decline cleared the first (CI saw this
+    as 'the later demand never woke the watch', when the demanding thread ran before the agent read the decline)."""
+    app = sim_app("--sizes", "4M")
+    app.ask("loop start")
+    r = gpucr_cli("checkpoint", "--no-server", str(app.pid))
+    assert r.returncode == 0, r.stderr
+    watch = Line(str(targets.resolve(app.pid).socket))
+    try:
+        watch.send("watch")
+        first = watch.answer(10)
+        assert first["woke"] == "demand", first
+        done: dict = {}
+        t = threading.Thread(target=lambda: done.update(app.ask("work 1", timeout=60)), daemon=True)
+        t.start()   # a new demand at the gate, before the server's word on the first
+        _until("the new demand counted", lambda: _gate(app.pid)["demands"] > first["demands"], timeout=10)
+        watch.send(f"watch seen={first['demand_ns']}")
+        try:
+            second = watch.answer(10)
+        except TimeoutError:
+            second = None
+        assert second is not None and second["woke"] == "demand", "the demand made before the decline was lost"
+        assert second["demand_ns"] > first["demand_ns"], (first, second)
+    finally:
+        r = gpucr_cli("restore", "--no-server", str(app.pid))
+        watch.close()
+    assert r.returncode == 0, r.stderr
+    t.join(30)
+    assert done == {"done": True}
+    assert app.ask("loop stop")["error"] is None
+
+
+def _gate(pid: int) -> dict:
+    """The agent's swap gate as its status says it."""
+    with targets.resolve(pid).connect() as agent:
+        return agent.call("status", timeout=10.0)["swap"]
+
+
 def test_a_room_request_between_two_watches_waits_for_the_next_and_a_server_gone_refuses_it_at_once(sim_app):
     """A server watches from its first watch until its connection ends, between its watches too: an allocation that
     fails while the server is busy with the last one (its verdict, a park, a resume) waits for the next watch, where

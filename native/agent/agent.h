@@ -141,6 +141,7 @@ void gpucr_gate_json(struct jb *j);
 void gpucr_gate_watch(struct jb *j, const char *req, int client_fd);   /* watch.c */
 long long gpucr_gate_demand_ns(void);
 void gpucr_gate_demand_declined(long long demand_ns);
+long long gpucr_gate_demands_answered(void);   /* a watch answers: the demands counted so far, noted as seen */
 long gpucr_gate_opens(void);
 int gpucr_gate_demand_fd(void);
 void gpucr_gate_wake_watch(void);

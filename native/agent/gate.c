@@ -31,6 +31,11 @@ static atomic_llong g_last_submit_ns;
  * The waiting thread only sets it and writes the watch's eventfd: no lock, no connection, out of the in-flight
  * count. Cleared when the gate opens, so it is forwarded once per park. */
 static atomic_llong g_demand_ns;
+/* every demanding call that found the gate closed, counted (its first since the gate closed sets g_demand_ns), and
+ * the count when a watch last answered: a decline re-notes a demand counted after that answer (the server never saw
+ * it), where clearing it would leave that thread waiting, unnoted, for ever */
+static atomic_llong g_demands;
+static atomic_llong g_demands_answered;
 static atomic_int g_demand_fd = -1;
 static atomic_long g_opens;   /* how many times the gate opened: a watch answers when someone else's restore opens it */   /* the eventfd a `watch` waits on; -1 until the first watch makes it */
 
@@ -52,6 +57,7 @@ void gpucr_gate_wake_watch(void)
  * once, the watch woken. GPUCR_TEST_LOSE_WAKES notes it without the wake: the swap service's net must find it. */
 static void raise_demand(void)
 {
+    atomic_fetch_add(&g_demands, 1);
     long long none = 0;
     if (atomic_compare_exchange_strong(&g_demand_ns, &none, (long long)gpucr_now_ns())
         && !gpucr_setting_on(SET_TEST_LOSE_WAKES))
@@ -63,7 +69,18 @@ static void raise_demand(void)
 void gpucr_gate_demand_declined(long long demand_ns)
 {
     long long seen = demand_ns;
-    if (demand_ns) atomic_compare_exchange_strong(&g_demand_ns, &seen, 0);
+    if (!demand_ns || !atomic_compare_exchange_strong(&g_demand_ns, &seen, 0)) return;
+    if (atomic_load(&g_demands) != atomic_load(&g_demands_answered) && atomic_load(&g_closed)) {
+        long long none = 0;   /* came after the watch's answer: a demand of its own (this watch sees it at once) */
+        atomic_compare_exchange_strong(&g_demand_ns, &none, (long long)gpucr_now_ns());
+    }
+}
+
+long long gpucr_gate_demands_answered(void)
+{
+    long long n = atomic_load(&g_demands);
+    atomic_store(&g_demands_answered, n);
+    return n;
 }
 
 /* Through the gate; at the closed gate, wait for it to open: for ever, or (limit_ms > 0) at most that long, then false
@@ -188,6 +205,7 @@ void gpucr_gate_json(struct jb *j)
     jb_int(j, "now_ns", (long long)gpucr_now_ns());   /* CLOCK_MONOTONIC: the server's clock too */
     jb_int(j, "last_submit_ns", last);
     jb_int(j, "demand_ns", demand);
+    jb_int(j, "demands", atomic_load(&g_demands));   /* demanding calls that found the gate closed, ever */
     jb_end(j);
 }
 

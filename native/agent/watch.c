@@ -39,11 +39,14 @@ void gpucr_gate_watch(struct jb *j, const char *req, int client_fd)
         if (pf[0].revents & POLLIN && read(efd, &n, sizeof n) < 0) { /* drained by another watch */ }
         if (pf[1].revents) break;   /* the server hung up, or sent something: this watch ends */
     }
+    /* counted before the demand is read: a call between the two is taken as unseen (a wake too many, never one lost) */
+    long long demands = gpucr_gate_demands_answered();
     long long demand = gpucr_gate_demand_ns();
     jb_bool(j, "ok", true);
     if (gpucr_room_pending()) { jb_str(j, "woke", "room"); gpucr_room_json(j); }
     else if (demand && demand != seen) jb_str(j, "woke", "demand");
     else jb_str(j, "woke", opened_since(opens) ? "opened" : "hung up");
     jb_int(j, "demand_ns", demand);
+    jb_int(j, "demands", demands);
     jb_int(j, "now_ns", (long long)gpucr_now_ns());
 }
