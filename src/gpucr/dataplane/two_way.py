@@ -74,7 +74,6 @@ class TakeOver:
         self._ready: dict[Key, list[tuple[int, int]]] = {}   # (handle, fd) given back by A, not taken yet
         self._cv = threading.Condition()
         self._over = False   # A's copy out has ended: no more will come
-        self.taken = 0
 
     def keeps(self, idx: int) -> Key | None:
         """The key A's piece idx is kept under for B, or None: released as before."""
@@ -94,10 +93,7 @@ class TakeOver:
             self._claimed[k] += 1
             while not self._ready.get(k) and not self._over:
                 self._cv.wait()
-            if not self._ready.get(k):
-                return None
-            self.taken += 1
-            return self._ready[k].pop(0)
+            return self._ready[k].pop(0) if self._ready.get(k) else None
 
     def over(self) -> None:
         with self._cv:
