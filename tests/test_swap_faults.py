@@ -251,6 +251,73 @@ def test_room_counts_the_servers_own_context_measured_where_it_holds_none(gpu_mi
         srv.stop()
 
 
+def test_room_is_made_where_the_gpu_is_too_full_to_make_the_servers_context(gpu_mib):
+    """A fresh server, a 400 MiB GPU with 18 MiB free: its context (64 MiB) can be made neither to measure it nor for
+    the park's copy, until the driver's checkpoint took the parked app's context off. The request was refused
+    ('retaining a context ... out of memory' ended the server's watch). Now the app is parked, the allocation fits,
+    and the parked app comes back on demand with its data."""
+    gpu_mib(400)
+    srv = RunningServer(True)
+    apps = []
+    try:
+        for name, sizes in (("big", "2M,250M"), ("asker", "2M")):
+            apps.append(Workload("driver_app", simulate=True, argv=_swap_argv(name, sizes=sizes)))
+        _watched(srv, "big", "asker")
+        big, asker = apps
+        digest = big.ask("digest")["digest"]
+        assert asker.ask(f"alloc {100 << 20}", timeout=60).get("ptr"), srv.log.read_text()
+        assert _state(srv, "big") == "parked"
+        log = srv.log.read_text()
+        assert re.search(r"the server's own context on GPU GPU-\S+ cannot be made to measure it", log), log
+        assert re.search(r"room for swap app asker \(pid \d+\): .* on GPU GPU-\S+: parked big", log), log
+        assert big.ask("digest", timeout=60)["digest"] == digest   # back on demand, the asker parked for it
+    finally:
+        kill_all(apps)
+        srv.stop()
+
+
+def test_an_apps_first_allocation_gets_room_on_its_gpu(gpu_mib):
+    """An app that holds no GPU memory yet has no device in its status: its room request was filed under GPU '0',
+    where no app was found to park. The agent names the GPU's UUID in the request."""
+    gpu_mib(600)
+    srv = RunningServer(True)
+    apps = []
+    try:
+        apps.append(Workload("driver_app", simulate=True, argv=_swap_argv("big", sizes="2M,250M")))
+        _watched(srv, "big")
+        apps.append(Workload("driver_app", simulate=True, argv=_swap_argv("fresh", sizes="")))
+        _until("fresh registered", lambda: "fresh" in _apps(srv))
+        time.sleep(1.0)   # the next tick starts its watch
+        assert apps[1].ask(f"alloc {250 << 20}", timeout=60).get("ptr"), srv.log.read_text()   # 220 MiB free
+        assert _state(srv, "big") == "parked"
+        assert re.search(r"room for swap app fresh \(pid \d+\): .* on GPU GPU-\S+: parked big", srv.log.read_text())
+    finally:
+        kill_all(apps)
+        srv.stop()
+
+
+def test_no_app_is_parked_for_an_app_that_ended_while_it_waited_for_room():
+    """An app killed while its room request waits (here: behind another's --min-resident) gets nothing parked for it:
+    the server parked the other one for a dead app after a failed two-way switch."""
+    from gpucr.swap.room import Ask, RoomMaker
+    from gpucr.swap.apps import Apps, SwapApp
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    parks: list[int] = []
+    log: list[str] = []
+    apps = Apps()
+    asker = SwapApp(dead.pid, 1, "gone")
+    room = RoomMaker(apps, lambda pid, why: parks.append(pid) or True, log.append, _NoGpu())
+    assert not room.make(asker, Ask("GPU-x", 1 << 20, "1 MiB", 5.0, free_hint=0))
+    assert parks == [] and any("it ended, parked nobody" in line for line in log), log
+
+
+class _NoGpu:
+    def memory(self, uuid): return (0, 1 << 30)
+    def server_cost(self, uuid): return 0
+    def process_bytes(self, pid, status): return {}
+
+
 def test_a_retrying_allocator_whose_cache_suffices_parks_nobody(gpu_320, swap_server, swap_app, monkeypatch):
     """As PyTorch: the first failure goes through, the app frees its cache and retries, and it fits: no room asked."""
     monkeypatch.setenv("GPUCR_SWAP_ASK_ON_RETRY", "1")

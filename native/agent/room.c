@@ -17,6 +17,7 @@
 #include <string.h>
 #include "agent.h"
 #include "json.h"
+#include "registry.h"
 #include "settings.h"
 
 #define ROOM_WAIT_NS (60LL * 1000000000LL)   /* the server parks and answers within its own deadlines */
@@ -27,6 +28,7 @@ static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
 static atomic_int g_state, g_watchers, g_dev;
 static atomic_llong g_bytes, g_free;
+static char g_uuid[48];   /* the asking context's GPU, written before the request is published (g_state), under g_one */
 
 /* A server watches from its first `watch` on a connection until that connection ends (verbs.c), between its watches
  * too: an allocation that fails while the server answers the last watch (makes room, resumes this app, ...) waits
@@ -48,6 +50,7 @@ void gpucr_room_json(struct jb *j)
     atomic_store(&g_state, ROOM_FORWARDED);
     jb_int(j, "bytes", atomic_load(&g_bytes));
     jb_int(j, "device", atomic_load(&g_dev));
+    jb_str(j, "uuid", g_uuid);   /* the server's name for that GPU: an app that holds no memory yet has no other */
     jb_int(j, "free", atomic_load(&g_free));
 }
 
@@ -104,6 +107,9 @@ bool gpucr_room_ask(size_t bytes)
     if (gpucr_drv.cuCtxGetDevice) gpucr_drv.cuCtxGetDevice(&dev);
     if (gpucr_drv.cuMemGetInfo_v2) gpucr_drv.cuMemGetInfo_v2(&free_b, &total);
     pthread_mutex_lock(&g_one);
+    unsigned char id[16];
+    if (gpucr_drv.cuDeviceGetUuid && gpucr_drv.cuDeviceGetUuid(id, dev) == CUDA_SUCCESS) reg_uuid_text(id, g_uuid);
+    else g_uuid[0] = 0;
     atomic_store(&g_bytes, (long long)bytes);
     atomic_store(&g_dev, dev);
     atomic_store(&g_free, (long long)free_b);

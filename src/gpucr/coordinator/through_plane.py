@@ -10,7 +10,7 @@ import time
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator
 
-from ..errors import GpucrError
+from ..errors import GpucrError, NoRoomForServerContext
 from .. import imagefs, proc
 from .. import memory as server_memory
 from ..memory import Managed
@@ -37,22 +37,27 @@ def _data_out_by_server(members: list[_Member], timeout: float, level: str, move
     _each("data out", members, lambda m: _handover(m, timeout))
     _test_kill_point("after-handover")
     stop = threading.Event()   # a driver step failed: the copies not begun yet are not needed
+    driver_done = threading.Event()   # the driver's steps ended: the processes' contexts are off the GPU (level full)
 
     def driver_steps() -> None:
-        _test_kill_point("during-server-copy")
-        if level != "full":
-            return
-        try:   # the control state, at the same time
-            _each("driver lock", members, lambda m: _driver_lock(m, timeout))
-            _each("driver checkpoint", members, _driver_checkpoint)
-        except BaseException:
-            stop.set()
-            raise
+        try:
+            _test_kill_point("during-server-copy")
+            if level != "full":
+                return
+            try:   # the control state, at the same time
+                _each("driver lock", members, lambda m: _driver_lock(m, timeout))
+                _each("driver checkpoint", members, _driver_checkpoint)
+            except BaseException:
+                stop.set()
+                raise
+        finally:
+            driver_done.set()
     with ExitStack() as held:
         # listed now, after the handover (it trims pools first, so the list and its numbering are the
         # layout's), and before the driver holds any process (its agent may not answer then)
         inputs = {m.pid: _held_inputs(held, m, timeout, "data out") for m in members}
-        copied = _beside(lambda: _copy_all_out(members, inputs, mover, stop, scan), "gpucr-server-copy-out", driver_steps)
+        copied = _beside(lambda: _copy_all_out(members, inputs, mover, stop, scan, driver_done, timeout),
+                         "gpucr-server-copy-out", driver_steps)
     if isinstance(copied, GpucrError):
         raise copied
     _each("release", members, lambda m: _handed_done(m, copied[m.pid]))
@@ -94,23 +99,45 @@ def _held_inputs(held: ExitStack, m: _Member, timeout: float, phase: str) -> tup
 
 
 def _copy_all_out(members: list[_Member], inputs: dict[int, tuple[dict[str, Any], list[int], list[Managed]]],
-                  mover: DataPlane, stop: threading.Event, scan: bool = True) -> dict[int, Stats]:
+                  mover: DataPlane, stop: threading.Event, scan: bool = True,
+                  driver_done: threading.Event | None = None, timeout: float = 30.0) -> dict[int, Stats]:
     """Each process's memory copied into its staging by the server, or into its image (checkpoint --image), one
-    after another (scan: DataPlane.copy_out's)."""
+    after another (scan: DataPlane.copy_out's). One that finds no room for the server's context on its GPU (a GPU
+    filled to the last MiB, the server's first copy there) is tried again once the driver's steps took the
+    processes' own contexts off it (driver_done), within `timeout`."""
     done: dict[int, Stats] = {}
     for m in members:
         if stop.is_set():
             break
         try:
-            if m.image_dir is not None:
-                layout, _no_staging, memory = inputs[m.pid]
-                m.sink = _image_sink(m, layout)
-                done[m.pid] = mover.copy_out(m.pid, m.sink.layout, [], memory, scan=scan, image=m.sink)
-            else:
-                done[m.pid] = mover.copy_out(m.pid, *inputs[m.pid], scan=scan)
+            try:
+                done[m.pid] = _copy_out(m, inputs, mover, scan)
+            except GpucrError as exc:
+                if driver_done is None or m.image_dir is not None or not _caused_by(exc, NoRoomForServerContext):
+                    raise
+                if not driver_done.wait(timeout) or stop.is_set():
+                    raise
+                done[m.pid] = _copy_out(m, inputs, mover, scan)
         except GpucrError as exc:
             raise PhaseError(m.pid, "data out", exc) from exc
     return done
+
+
+def _caused_by(exc: BaseException, kind: type[BaseException]) -> bool:
+    while exc is not None:
+        if isinstance(exc, kind):
+            return True
+        exc = exc.__cause__
+    return False
+
+
+def _copy_out(m: _Member, inputs: dict[int, tuple[dict[str, Any], list[int], list[Managed]]], mover: DataPlane,
+              scan: bool) -> Stats:
+    if m.image_dir is None:
+        return mover.copy_out(m.pid, *inputs[m.pid], scan=scan)
+    layout, _no_staging, memory = inputs[m.pid]
+    m.sink = _image_sink(m, layout)
+    return mover.copy_out(m.pid, m.sink.layout, [], memory, scan=scan, image=m.sink)
 
 
 def _image_sink(m: _Member, layout: dict[str, Any]) -> Any:

@@ -12,7 +12,7 @@ import threading
 from typing import Any, Callable
 
 from .. import gpus
-from ..driver import Driver, gpu_memory
+from ..driver import CUDA_ERROR_OUT_OF_MEMORY, Driver, DriverError, gpu_memory
 from ..vmm import Vmm
 
 
@@ -22,6 +22,7 @@ class DriverGpus:
         """drv: the server's driver; contexts: the GPUs (uuids) where its data plane holds a context now."""
         self._drv, self._contexts, self._log = drv, contexts, log
         self._cost: dict[str, int] = {}
+        self._said: set[str] = set()   # GPUs too full to make the server's context on, said once
         self._lock = threading.Lock()
 
     def memory(self, uuid: str) -> tuple[int, int] | None:
@@ -40,18 +41,37 @@ class DriverGpus:
             return 0
         with self._lock:
             if uuid not in self._cost:
-                self._cost[uuid] = self._measure(uuid)
+                cost = self._measure(uuid)
+                if cost is None:   # no room to make it: counted as what it may be, measured once there is room
+                    return self._guess(uuid)
+                self._cost[uuid] = cost
             return self._cost[uuid]
 
-    def _measure(self, uuid: str) -> int:
-        """The server's context on GPU uuid, in bytes: the GPU's used memory before and after it is made."""
+    def _guess(self, uuid: str) -> int:
+        """The server's context on a GPU too full to make it: as large as on another GPU it was measured on, and more
+        than what is free there now."""
+        mem = self.memory(uuid)
+        return max([*self._cost.values(), (mem[0] if mem is not None else 0) + (2 << 20)])
+
+    def _measure(self, uuid: str) -> int | None:
+        """The server's context on GPU uuid, in bytes: the GPU's used memory before and after it is made (None: the
+        GPU has too little free memory to make it now)."""
         drv = self._drv()
         gpu = next((g for g in gpus.machine_gpus(drv) if g.uuid == uuid), None)
         if gpu is None:
             return 0
         vmm = Vmm(drv)
         before = gpu_memory(drv, gpu.ordinal, uuid)
-        vmm.retain_context(gpu.ordinal)
+        try:
+            vmm.retain_context(gpu.ordinal)
+        except DriverError as exc:
+            if exc.rc != CUDA_ERROR_OUT_OF_MEMORY:
+                raise
+            if uuid not in self._said:
+                self._said.add(uuid)
+                self._log(f"the server's own context on GPU {uuid} cannot be made to measure it: {exc}; counted in "
+                          "room as more than is free there, until it can")
+            return None
         try:
             after = gpu_memory(drv, gpu.ordinal, uuid)
         finally:

@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
+from ..proc import process_ended
 from .apps import Apps, SwapApp, now
 from .policy import choose, ready_at
 from .queue import RoomQueue
@@ -82,6 +83,8 @@ class RoomMaker:
     def _served(self, asker: SwapApp, ask: Ask, deadline: float, switch: Callable[[SwapApp], bool] | None) -> bool:
         said = False
         while True:
+            if self._ended(asker):
+                return False
             need = self._need(ask)
             if need <= 0:
                 self._log(f"room for swap app {asker.name} (pid {asker.pid}): {ask.what} on GPU {ask.uuid}: "
@@ -99,6 +102,8 @@ class RoomMaker:
                     self._log(f"room for swap app {asker.name} (pid {asker.pid}): {ask.what} on GPU {ask.uuid}: "
                               f"switched both ways with {choice.park[0]}")
                     return True
+                if self._ended(asker):   # (the switch failed as it died: it came in for nobody)
+                    return False
                 return self._park_chosen(asker, ask, choice.park, {a.name: a for a in on_gpu})
             ready = ready_at(cands, me, need, at)
             if ready is None or ready > deadline:
@@ -109,6 +114,13 @@ class RoomMaker:
                 self._log(f"swap app {asker.name} (pid {asker.pid}) waits for room ({ask.what}) on GPU {ask.uuid} "
                           f"{ready - at:.1f} s, until an app's --min-resident ends: {choice.why_not}")
             time.sleep(min(max(ready - now(), 0.0), LOOK_EVERY_S))
+
+    def _ended(self, asker: SwapApp) -> bool:
+        """The asker ended (killed while it waited): a park for it would free memory for nobody."""
+        if not process_ended(asker.pid, asker.start_time):
+            return False
+        self._log(f"room for swap app {asker.name} (pid {asker.pid}): it ended, parked nobody")
+        return True
 
     def _refuse(self, asker: SwapApp, why: str) -> None:
         """Said once per app and reason: a resume that waits asks again every half second."""

@@ -395,7 +395,9 @@ class SwapService:
         """An allocation of the asker failed for lack of memory: park others on its GPU by the policy until it
         fits. False (the allocation fails as before) when the policy finds nothing enough, said in the log."""
         want, free, ordinal = int(ans.get("bytes") or 0), int(ans.get("free") or 0), int(ans.get("device") or 0)
-        uuid = asker.ordinals.get(ordinal, str(ordinal))
+        # the agent names the GPU (an app that holds no memory yet has no device in its status to learn it from)
+        uuid = str(ans.get("uuid") or "") or asker.ordinals.get(ordinal, str(ordinal))
+        asker.ordinals.setdefault(ordinal, uuid)
         wait = min(ROOM_WAIT_S, asker.wait_limit_s) if asker.wait_limit_s is not None else ROOM_WAIT_S
         made = self.room.make(asker, Ask(uuid, want, f"{want} bytes ({free} free)", wait, free_hint=free))
         if not made:
