@@ -296,6 +296,25 @@ def test_an_apps_first_allocation_gets_room_on_its_gpu(gpu_mib):
         srv.stop()
 
 
+def test_an_allocation_in_an_apps_first_moments_waits_for_the_servers_first_watch_and_gets_room(gpu_mib):
+    """An app that allocates as it starts, before the server watches it (its next tick), used to get out-of-memory
+    with no word in the server's log; under `gpucr run --swap` it waits for the first watch (GPUCR_SWAP_FIRST_WATCH_MS)
+    and room is made."""
+    gpu_mib(600)
+    srv = RunningServer(True)
+    apps = []
+    try:
+        apps.append(Workload("driver_app", simulate=True, argv=_swap_argv("big", sizes="2M,250M")))
+        _watched(srv, "big")
+        apps.append(Workload("driver_app", simulate=True, argv=_swap_argv("early", sizes="250M")))   # 220 MiB free
+        assert apps[1].ask("digest", timeout=60)["digest"]
+        assert _state(srv, "big") == "parked"
+        assert re.search(r"room for swap app early \(pid \d+\): .*: parked big", srv.log.read_text())
+    finally:
+        kill_all(apps)
+        srv.stop()
+
+
 def test_no_app_is_parked_for_an_app_that_ended_while_it_waited_for_room():
     """An app killed while its room request waits (here: behind another's --min-resident) gets nothing parked for it:
     the server parked the other one for a dead app after a failed two-way switch."""

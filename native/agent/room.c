@@ -27,6 +27,7 @@ static pthread_mutex_t g_one = PTHREAD_MUTEX_INITIALIZER;   /* one request at a 
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
 static atomic_int g_state, g_watchers, g_dev;
+static atomic_bool g_watched;   /* a server has watched this process (an allocation before that may wait for it) */
 static atomic_llong g_bytes, g_free;
 static char g_uuid[48];   /* the asking context's GPU, written before the request is published (g_state), under g_one */
 
@@ -36,6 +37,11 @@ static char g_uuid[48];   /* the asking context's GPU, written before the reques
  * the last server hangs up, a request waiting for it is refused at once, not at its deadline. */
 void gpucr_room_watching(int delta)
 {
+    if (delta > 0 && !atomic_exchange(&g_watched, true)) {   /* a request waiting for the first watch: it is here */
+        pthread_mutex_lock(&g_mu);
+        pthread_cond_broadcast(&g_cv);
+        pthread_mutex_unlock(&g_mu);
+    }
     if (atomic_fetch_add(&g_watchers, delta) + delta > 0) return;
     pthread_mutex_lock(&g_mu);
     int s = atomic_load(&g_state);
@@ -91,9 +97,18 @@ static long long limit_left_ms(long long limit_ms, int64_t start_ns)
     return left > 0 ? left : 1;
 }
 
+/* Under `gpucr run --swap`, an allocation in the app's first moments, before the server's first watch (its next
+ * tick after the app's socket is up), waits up to GPUCR_SWAP_FIRST_WATCH_MS for it, where it used to fail with no
+ * word in the server's log. 0 once a watch came, or where no swap service is to come. */
+static long long first_watch_ms(void)
+{
+    return atomic_load(&g_watched) ? 0 : gpucr_setting_int(SET_SWAP_FIRST_WATCH_MS);
+}
+
 bool gpucr_room_ask(size_t bytes)
 {
-    if (!atomic_load(&g_watchers)) return false;
+    long long first_ms = first_watch_ms();
+    if (!atomic_load(&g_watchers) && !first_ms) return false;
     if (t_let_fail != bytes && app_retries()) {
         t_let_fail = bytes;
         gpucr_log("room for %zu bytes: not asked yet, the app frees its cache and retries first", bytes);
@@ -114,12 +129,17 @@ bool gpucr_room_ask(size_t bytes)
     atomic_store(&g_dev, dev);
     atomic_store(&g_free, (long long)free_b);
     atomic_store(&g_state, ROOM_ASKED);
-    if (!atomic_load(&g_watchers)) atomic_store(&g_state, ROOM_REFUSED);   /* its server hung up meanwhile */
+    if (!atomic_load(&g_watchers) && !first_ms) atomic_store(&g_state, ROOM_REFUSED);   /* its server hung up meanwhile */
     gpucr_gate_wake_watch();
     int depth = gpucr_gate_step_out();
     int64_t deadline = start + (limit > 0 && limit * 1000000LL < ROOM_WAIT_NS ? limit * 1000000LL : ROOM_WAIT_NS);
+    int64_t first_deadline = start + first_ms * 1000000LL;   /* while no watch came: the first watch's wait */
     pthread_mutex_lock(&g_mu);
-    while (atomic_load(&g_state) < ROOM_GRANTED && gpucr_now_ns() < deadline) gpucr_cond_wait_step(&g_cv, &g_mu, deadline);
+    for (;;) {
+        int64_t until = atomic_load(&g_watched) || first_deadline > deadline ? deadline : first_deadline;
+        if (atomic_load(&g_state) >= ROOM_GRANTED || gpucr_now_ns() >= until) break;
+        gpucr_cond_wait_step(&g_cv, &g_mu, until);
+    }
     bool granted = atomic_load(&g_state) == ROOM_GRANTED;
     atomic_store(&g_state, ROOM_NONE);
     pthread_mutex_unlock(&g_mu);
@@ -139,4 +159,5 @@ void gpucr_room_reset_after_fork(void)
     g_cv = (pthread_cond_t)PTHREAD_COND_INITIALIZER;
     atomic_store(&g_state, ROOM_NONE);
     atomic_store(&g_watchers, 0);
+    atomic_store(&g_watched, true);   /* a fork child is no swap app of its own: no watch is to come for it */
 }

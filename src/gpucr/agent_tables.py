@@ -54,6 +54,9 @@ SETTINGS: dict[str, Setting] = {
     'GPUCR_SWAP_WAIT_LIMIT_MS': Setting(
         'GPUCR_SWAP_WAIT_LIMIT_MS', 'INT_OR_0', '0', 1, 2592000000, '0 or 1 to 2592000000',
         "under the swap service: an allocation that waits longer for room or for its app's resume fails with out-of-memory; 0: no limit (`gpucr run --swap --wait-limit`)"),
+    'GPUCR_SWAP_FIRST_WATCH_MS': Setting(
+        'GPUCR_SWAP_FIRST_WATCH_MS', 'INT_OR_0', '0', 1, 600000, '0 or 1 to 600000',
+        'under the swap service: an allocation that fails for memory before the server watches the app (its first second) waits this long for the first watch to ask room of; 0: it fails at once (`gpucr run --swap` sets 10000)'),
     'GPUCR_SWAP_ASK_ON_RETRY': Setting(
         'GPUCR_SWAP_ASK_ON_RETRY', 'ENUM', 'auto', 0, 0, 'auto|0|1',
         "1: the app retries a failed allocation once after freeing its cache, so room is asked on that retry only; auto: when PyTorch's libc10_cuda or CuPy's memory pool is loaded"),

@@ -38,6 +38,9 @@ def add_swap_flags(r: argparse.ArgumentParser, seconds: Callable[[str], float]) 
                    "same chip with room when its own has none; its device pointers keep their values (docs/swap.md)")
 
 
+FIRST_WATCH_MS = 10000   # the server watches a registered app within a tick or two (0.5 s each)
+
+
 def register_swap(a: argparse.Namespace, cmd: list[str], env: dict[str, str]) -> None:
     """This process (the app, once exec'd) registered with the server's swap service."""
     if "XLA_PYTHON_CLIENT_PREALLOCATE" not in env:
@@ -47,6 +50,8 @@ def register_swap(a: argparse.Namespace, cmd: list[str], env: dict[str, str]) ->
               file=sys.stderr)
     if a.wait_limit is not None:   # the agent ends the wait itself: the server may be busy, or gone
         env["GPUCR_SWAP_WAIT_LIMIT_MS"] = str(max(1, round(a.wait_limit * 1000)))
+    # an allocation that fails before the server's first watch on the app (its next tick) waits for it
+    env.setdefault("GPUCR_SWAP_FIRST_WATCH_MS", str(FIRST_WATCH_MS))
     name = a.name or f"{os.path.basename(cmd[0])}-{os.getpid()}"
     route.register_swap(a.simulate, {"pid": os.getpid(), "name": name, "priority": a.priority,
                                      "min_resident": a.min_resident, "idle_park": a.idle_park,
