@@ -12,6 +12,8 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
+from typing import Callable, Iterator
 
 import pytest
 
@@ -230,25 +232,36 @@ def test_room_requests_on_one_gpu_are_served_one_at_a_time_highest_priority_firs
     assert held.is_set() and order == ["high", "mid", "low", "low2"]
 
 
+@contextmanager
+def _fresh_server() -> Iterator[tuple[RunningServer, Callable[..., Workload]]]:
+    """A server started now (no context of its own on the GPU yet) and start(name, sizes): a swap app under it; all
+    killed and stopped at the end."""
+    srv = RunningServer(True)
+    apps: list[Workload] = []
+
+    def start(name: str, sizes: str) -> Workload:
+        apps.append(Workload("driver_app", simulate=True, argv=_swap_argv(name, sizes=sizes)))
+        return apps[-1]
+    try:
+        yield srv, start
+    finally:
+        kill_all(apps)
+        srv.stop()
+
+
 def test_room_counts_the_servers_own_context_measured_where_it_holds_none(gpu_mib):
     """A fresh server holds no context: 160 MiB are free, 200 asked; parking one app of 80 MiB (16 MiB and its context)
     would leave 176 once the server's context (64 MiB on simcuda, measured) is made for the park, so both are parked
     and the allocation fits at once."""
     gpu_mib(400)
-    srv = RunningServer(True)
-    apps = []
-    try:
-        for name, sizes in (("one", "16M"), ("two", "16M"), ("asker", "16M")):
-            apps.append(Workload("driver_app", simulate=True, argv=_swap_argv(name, sizes=sizes)))
+    with _fresh_server() as (srv, start):
+        *_, asker = [start(name, "16M") for name in ("one", "two", "asker")]
         _watched(srv, "one", "two", "asker")
-        assert apps[2].ask(f"alloc {200 << 20}", timeout=60).get("ptr")
+        assert asker.ask(f"alloc {200 << 20}", timeout=60).get("ptr")
         assert _state(srv, "one") == "parked" and _state(srv, "two") == "parked"
         log = srv.log.read_text()
         assert re.search(r"the server's own context on GPU \S+: 64 MiB \(measured", log), log
         assert len(re.findall(r"room for swap app asker", log)) == 1, "one request was enough"
-    finally:
-        kill_all(apps)
-        srv.stop()
 
 
 def test_room_is_made_where_the_gpu_is_too_full_to_make_the_servers_context(gpu_mib):
@@ -257,13 +270,9 @@ def test_room_is_made_where_the_gpu_is_too_full_to_make_the_servers_context(gpu_
     ('retaining a context ... out of memory' ended the server's watch). Now the app is parked, the allocation fits,
     and the parked app comes back on demand with its data."""
     gpu_mib(400)
-    srv = RunningServer(True)
-    apps = []
-    try:
-        for name, sizes in (("big", "2M,250M"), ("asker", "2M")):
-            apps.append(Workload("driver_app", simulate=True, argv=_swap_argv(name, sizes=sizes)))
+    with _fresh_server() as (srv, start):
+        big, asker = start("big", "2M,250M"), start("asker", "2M")
         _watched(srv, "big", "asker")
-        big, asker = apps
         digest = big.ask("digest")["digest"]
         assert asker.ask(f"alloc {100 << 20}", timeout=60).get("ptr"), srv.log.read_text()
         assert _state(srv, "big") == "parked"
@@ -271,29 +280,21 @@ def test_room_is_made_where_the_gpu_is_too_full_to_make_the_servers_context(gpu_
         assert re.search(r"the server's own context on GPU GPU-\S+ cannot be made to measure it", log), log
         assert re.search(r"room for swap app asker \(pid \d+\): .* on GPU GPU-\S+: parked big", log), log
         assert big.ask("digest", timeout=60)["digest"] == digest   # back on demand, the asker parked for it
-    finally:
-        kill_all(apps)
-        srv.stop()
 
 
 def test_an_apps_first_allocation_gets_room_on_its_gpu(gpu_mib):
     """An app that holds no GPU memory yet has no device in its status: its room request was filed under GPU '0',
     where no app was found to park. The agent names the GPU's UUID in the request."""
     gpu_mib(600)
-    srv = RunningServer(True)
-    apps = []
-    try:
-        apps.append(Workload("driver_app", simulate=True, argv=_swap_argv("big", sizes="2M,250M")))
+    with _fresh_server() as (srv, start):
+        start("big", "2M,250M")
         _watched(srv, "big")
-        apps.append(Workload("driver_app", simulate=True, argv=_swap_argv("fresh", sizes="")))
+        fresh = start("fresh", "")
         _until("fresh registered", lambda: "fresh" in _apps(srv))
         time.sleep(1.0)   # the next tick starts its watch
-        assert apps[1].ask(f"alloc {250 << 20}", timeout=60).get("ptr"), srv.log.read_text()   # 220 MiB free
+        assert fresh.ask(f"alloc {250 << 20}", timeout=60).get("ptr"), srv.log.read_text()   # 220 MiB free
         assert _state(srv, "big") == "parked"
         assert re.search(r"room for swap app fresh \(pid \d+\): .* on GPU GPU-\S+: parked big", srv.log.read_text())
-    finally:
-        kill_all(apps)
-        srv.stop()
 
 
 def test_an_allocation_in_an_apps_first_moments_waits_for_the_servers_first_watch_and_gets_room(gpu_mib):
@@ -301,18 +302,13 @@ def test_an_allocation_in_an_apps_first_moments_waits_for_the_servers_first_watc
     with no word in the server's log; under `gpucr run --swap` it waits for the first watch (GPUCR_SWAP_FIRST_WATCH_MS)
     and room is made."""
     gpu_mib(600)
-    srv = RunningServer(True)
-    apps = []
-    try:
-        apps.append(Workload("driver_app", simulate=True, argv=_swap_argv("big", sizes="2M,250M")))
+    with _fresh_server() as (srv, start):
+        start("big", "2M,250M")
         _watched(srv, "big")
-        apps.append(Workload("driver_app", simulate=True, argv=_swap_argv("early", sizes="250M")))   # 220 MiB free
-        assert apps[1].ask("digest", timeout=60)["digest"]
+        early = start("early", "250M")   # allocated as it starts: 220 MiB free
+        assert early.ask("digest", timeout=60)["digest"]
         assert _state(srv, "big") == "parked"
         assert re.search(r"room for swap app early \(pid \d+\): .*: parked big", srv.log.read_text())
-    finally:
-        kill_all(apps)
-        srv.stop()
 
 
 def test_no_app_is_parked_for_an_app_that_ended_while_it_waited_for_room():
