@@ -32,7 +32,9 @@ BY_NAME = {"cuMemUnmap", "cuMemSetAccess", "cuMemRelease", "cuMemMap", "cuMemCre
            "cuMemGetAllocationPropertiesFromHandle", "cuMemFree_v2", "cuMemAlloc_v2", "cuMemAllocPitch_v2",
            "cuMemAllocManaged", "cuIpcGetMemHandle", "cuGetProcAddress_v2", "cuGetProcAddress", "cuEventSynchronize",
            "cuCtxSynchronize_v2", "cuCtxSynchronize", "cuCtxEnablePeerAccess", "cuCtxDestroy_v2", "cuMemsetD8_v2",
-           "cuDevicePrimaryCtxReset_v2", "cuDevicePrimaryCtxReset", "cuCtxSetCurrent"}
+           "cuDevicePrimaryCtxReset_v2", "cuDevicePrimaryCtxReset", "cuCtxSetCurrent",
+           # an application's context made again once the swap service made room for it (context.c)
+           "cuDevicePrimaryCtxRetain", "cuCtxCreate_v2", "cuCtxCreate_v3", "cuCtxCreate_v4"}
 COPY_OR_PIN = re.compile(r"Memcpy|HostRegister|HostUnregister|HostAlloc|MemAllocHost|Prefetch|MemsetD(?!8_v2$)")
 MACRO_ARGS = {"sym", "poolsym", "plainsym"}   # REAL(sym) inside the generated pass-through wrappers
 

@@ -311,6 +311,26 @@ def test_an_allocation_in_an_apps_first_moments_waits_for_the_servers_first_watc
         assert re.search(r"room for swap app early \(pid \d+\): .*: parked big", srv.log.read_text())
 
 
+@pytest.fixture
+def gpu_500(monkeypatch):
+    monkeypatch.setenv("SIMCUDA_TOTAL_MEM", str(500 << 20))
+
+
+def test_an_app_starting_on_a_gpu_too_full_for_its_context_gets_room_for_it(gpu_500, swap_server, swap_app):
+    """A swap app whose context the driver cannot make (the GPU filled by another, idle) used to die at its start
+    with out-of-memory: its context asks room, sized as the server's own context there, and is made again."""
+    big = swap_app("big", sizes="2M,310M")   # with its context and the server's, 440 of 500 MiB: 60 free, a context 64
+    _watched(swap_server, "big")
+    digest = big.ask("digest")["digest"]
+    late = swap_app("late", sizes="2M")
+    assert late.ask("digest", timeout=60)["digest"]
+    assert _state(swap_server, "big") == "parked"
+    log = swap_server.log.read_text()
+    assert re.search(r"room for swap app late \(pid \d+\): a context \(64 MiB, as the server's own there\) on "
+                     r"GPU GPU-\S+: parked big", log), log
+    assert big.ask("digest", timeout=60)["digest"] == digest   # back on demand: the late one parked for it
+
+
 def test_no_app_is_parked_for_an_app_that_ended_while_it_waited_for_room():
     """An app killed while its room request waits (here: behind another's --min-resident) gets nothing parked for it:
     the server parked the other one for a dead app after a failed two-way switch."""

@@ -154,6 +154,7 @@ bool gpucr_gate_step_in(int depth, long long limit_ms);
 /* ---- room on demand (room.c) ---- */
 /* After an allocation failed for lack of memory: true when the gpucr server made room (retry once). */
 bool gpucr_room_ask(size_t bytes);
+bool gpucr_room_ask_context(CUdevice dev);   /* a context the driver could not make for memory: room, then retry */
 /* An allocation of this thread succeeded: its allocator's retry, if any, is over. */
 void gpucr_room_allocated(void);
 bool gpucr_room_pending(void);

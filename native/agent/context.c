@@ -131,3 +131,40 @@ GPUCR_EXPORT CUresult cuCtxSetCurrent(CUcontext ctx)
     gpucr_gate_leave();
     return rc;
 }
+
+/* A context the driver cannot make for lack of GPU memory (an app starting on a GPU its swap service's apps fill)
+ * asks the gpucr server for room, as an allocation does (room.c), and is tried once more if room was made. They wait
+ * at the closed gate, as every context switch does (entrypoints.def). */
+#define MADE_WITH_ROOM(real, dev, ...)                                                \
+    do {                                                                              \
+        gpucr_init();                                                                 \
+        if (!(real)) return CUDA_ERROR_NOT_SUPPORTED;                                 \
+        CUresult rc;                                                                  \
+        for (int try_ = 0;; try_++) {                                                 \
+            gpucr_gate_enter_waiting();                                               \
+            rc = (real)(__VA_ARGS__);                                                 \
+            gpucr_gate_leave();                                                       \
+            if (rc != CUDA_ERROR_OUT_OF_MEMORY || try_ || !gpucr_room_ask_context(dev)) break; \
+        }                                                                             \
+        return rc;                                                                    \
+    } while (0)
+
+GPUCR_EXPORT CUresult cuDevicePrimaryCtxRetain(CUcontext *ctx, CUdevice dev)
+{
+    MADE_WITH_ROOM(REAL(cuDevicePrimaryCtxRetain), dev, ctx, dev);
+}
+
+GPUCR_EXPORT CUresult cuCtxCreate_v2(CUcontext *ctx, unsigned flags, CUdevice dev)
+{
+    MADE_WITH_ROOM(REAL(cuCtxCreate_v2), dev, ctx, flags, dev);
+}
+
+GPUCR_EXPORT CUresult cuCtxCreate_v3(CUcontext *ctx, void *affinity, int n, unsigned flags, CUdevice dev)
+{
+    MADE_WITH_ROOM(REAL(cuCtxCreate_v3), dev, ctx, affinity, n, flags, dev);
+}
+
+GPUCR_EXPORT CUresult cuCtxCreate_v4(CUcontext *ctx, void *params, unsigned flags, CUdevice dev)
+{
+    MADE_WITH_ROOM(REAL(cuCtxCreate_v4), dev, ctx, params, flags, dev);
+}

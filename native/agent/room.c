@@ -29,6 +29,7 @@ static pthread_cond_t g_cv = PTHREAD_COND_INITIALIZER;
 static atomic_int g_state, g_watchers, g_dev;
 static atomic_bool g_watched;   /* a server has watched this process (an allocation before that may wait for it) */
 static atomic_llong g_bytes, g_free;
+static atomic_bool g_context;   /* the request is for a context (its size the server's to say), not bytes */
 static char g_uuid[48];   /* the asking context's GPU, written before the request is published (g_state), under g_one */
 
 /* A server watches from its first `watch` on a connection until that connection ends (verbs.c), between its watches
@@ -58,6 +59,7 @@ void gpucr_room_json(struct jb *j)
     jb_int(j, "device", atomic_load(&g_dev));
     jb_str(j, "uuid", g_uuid);   /* the server's name for that GPU: an app that holds no memory yet has no other */
     jb_int(j, "free", atomic_load(&g_free));
+    jb_bool(j, "context", atomic_load(&g_context));
 }
 
 void gpucr_room_verdict(bool granted)
@@ -105,22 +107,12 @@ static long long first_watch_ms(void)
     return atomic_load(&g_watched) ? 0 : gpucr_setting_int(SET_SWAP_FIRST_WATCH_MS);
 }
 
-bool gpucr_room_ask(size_t bytes)
+/* The request itself, one at a time: `bytes` more on device `dev` (`free_b` free there as this process saw it);
+ * `context`: a context the driver could not make, whose size the server knows better (bytes 0). */
+static bool ask(size_t bytes, CUdevice dev, size_t free_b, bool context, long long first_ms)
 {
-    long long first_ms = first_watch_ms();
-    if (!atomic_load(&g_watchers) && !first_ms) return false;
-    if (t_let_fail != bytes && app_retries()) {
-        t_let_fail = bytes;
-        gpucr_log("room for %zu bytes: not asked yet, the app frees its cache and retries first", bytes);
-        return false;
-    }
-    t_let_fail = 0;
     long long limit = gpucr_gate_wait_limit_ms();
     int64_t start = gpucr_now_ns();
-    CUdevice dev = 0;
-    size_t free_b = 0, total = 0;
-    if (gpucr_drv.cuCtxGetDevice) gpucr_drv.cuCtxGetDevice(&dev);
-    if (gpucr_drv.cuMemGetInfo_v2) gpucr_drv.cuMemGetInfo_v2(&free_b, &total);
     pthread_mutex_lock(&g_one);
     unsigned char id[16];
     if (gpucr_drv.cuDeviceGetUuid && gpucr_drv.cuDeviceGetUuid(id, dev) == CUDA_SUCCESS) reg_uuid_text(id, g_uuid);
@@ -128,6 +120,7 @@ bool gpucr_room_ask(size_t bytes)
     atomic_store(&g_bytes, (long long)bytes);
     atomic_store(&g_dev, dev);
     atomic_store(&g_free, (long long)free_b);
+    atomic_store(&g_context, context);
     atomic_store(&g_state, ROOM_ASKED);
     if (!atomic_load(&g_watchers) && !first_ms) atomic_store(&g_state, ROOM_REFUSED);   /* its server hung up meanwhile */
     gpucr_gate_wake_watch();
@@ -145,11 +138,37 @@ bool gpucr_room_ask(size_t bytes)
     pthread_mutex_unlock(&g_mu);
     pthread_mutex_unlock(&g_one);
     bool in = gpucr_gate_step_in(depth, limit_left_ms(limit, start));
+    const char *what = context ? "a context" : "an allocation";
     if (!in || (!granted && limit > 0 && gpucr_now_ns() - start >= limit * 1000000LL))
-        gpucr_warn("an allocation of %zu bytes waited past its --wait-limit of %lld ms (for room%s): out of memory",
-                   bytes, limit, in ? "" : ", then for its app's resume");
-    else gpucr_log("room for %zu bytes on device %d: %s", bytes, (int)dev, granted ? "made by the gpucr server, retrying" : "none");
+        gpucr_warn("%s of %zu bytes waited past its --wait-limit of %lld ms (for room%s): out of memory",
+                   what, bytes, limit, in ? "" : ", then for its app's resume");
+    else gpucr_log("room for %s of %zu bytes on device %d: %s", what, bytes, (int)dev,
+                   granted ? "made by the gpucr server, retrying" : "none");
     return granted && in;
+}
+
+bool gpucr_room_ask(size_t bytes)
+{
+    long long first_ms = first_watch_ms();
+    if (!atomic_load(&g_watchers) && !first_ms) return false;
+    if (t_let_fail != bytes && app_retries()) {
+        t_let_fail = bytes;
+        gpucr_log("room for %zu bytes: not asked yet, the app frees its cache and retries first", bytes);
+        return false;
+    }
+    t_let_fail = 0;
+    CUdevice dev = 0;
+    size_t free_b = 0, total = 0;
+    if (gpucr_drv.cuCtxGetDevice) gpucr_drv.cuCtxGetDevice(&dev);
+    if (gpucr_drv.cuMemGetInfo_v2) gpucr_drv.cuMemGetInfo_v2(&free_b, &total);
+    return ask(bytes, dev, free_b, false, first_ms);
+}
+
+bool gpucr_room_ask_context(CUdevice dev)
+{
+    long long first_ms = first_watch_ms();
+    if (!atomic_load(&g_watchers) && !first_ms) return false;
+    return ask(0, dev, 0, true, first_ms);   /* no context here to read free memory in: the server reads it */
 }
 
 void gpucr_room_reset_after_fork(void)

@@ -8,11 +8,12 @@ lets it go at once; the data plane makes its own when it copies). A context kept
 more; a server that gives its context back after each request (--give-back-context) pays it at each park."""
 from __future__ import annotations
 
+import os
 import threading
 from typing import Any, Callable
 
 from .. import gpus
-from ..driver import CUDA_ERROR_OUT_OF_MEMORY, Driver, DriverError, gpu_memory
+from ..driver import CUDA_ERROR_OUT_OF_MEMORY, Driver, DriverError, gpu_memory, process_gpu_memory
 from ..vmm import Vmm
 
 
@@ -46,6 +47,19 @@ class DriverGpus:
                     return self._guess(uuid)
                 self._cost[uuid] = cost
             return self._cost[uuid]
+
+    def context_bytes(self, uuid: str) -> int:
+        """What a process's context takes on GPU uuid, for an app whose context the driver could not make: as large
+        as the server's own there (measured once, or as the driver counts the server while it holds one)."""
+        if self._cost.get(uuid):
+            return self._cost[uuid]
+        if uuid in self._contexts():
+            drv = self._drv()
+            gpu = next((g for g in gpus.machine_gpus(drv) if g.uuid == uuid), None)
+            held = process_gpu_memory(drv, os.getpid(), gpu.ordinal, uuid) if gpu is not None else None
+            if held:
+                return held
+        return self.server_cost(uuid) or self._guess(uuid)
 
     def _guess(self, uuid: str) -> int:
         """The server's context on a GPU too full to make it: as large as on another GPU it was measured on, and more

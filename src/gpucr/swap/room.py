@@ -32,6 +32,9 @@ class GpuView(Protocol):
     def process_bytes(self, pid: int, status: dict[str, Any]) -> dict[str, int]:
         """{GPU uuid: bytes} process pid holds as the driver counts them, its context included."""
 
+    def context_bytes(self, uuid: str) -> int:
+        """Bytes a process's context takes on this GPU (an app's the driver could not make)."""
+
 
 @dataclass(frozen=True)
 class Ask:

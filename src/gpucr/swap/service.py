@@ -399,7 +399,12 @@ class SwapService:
         uuid = str(ans.get("uuid") or "") or asker.ordinals.get(ordinal, str(ordinal))
         asker.ordinals.setdefault(ordinal, uuid)
         wait = min(ROOM_WAIT_S, asker.wait_limit_s) if asker.wait_limit_s is not None else ROOM_WAIT_S
-        made = self.room.make(asker, Ask(uuid, want, f"{want} bytes ({free} free)", wait, free_hint=free))
+        if ans.get("context"):   # one the driver could not make: as large as a context there (the server's own)
+            want = self._gpu.context_bytes(uuid)
+            ask = Ask(uuid, want, f"a context ({want >> 20} MiB, as the server's own there)", wait)
+        else:
+            ask = Ask(uuid, want, f"{want} bytes ({free} free)", wait, free_hint=free)
+        made = self.room.make(asker, ask)
         if not made:
             self.stats.refused(asker.pid, NO_ROOM)
         return made
