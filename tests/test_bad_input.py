@@ -30,6 +30,21 @@ def test_pid_that_does_not_exist():
     one_line_error(gpucr_cli("status", "999999999"), "no process with pid")
 
 
+def test_a_bad_pid_beside_a_good_one_is_named_whichever_driver_the_controller_took(sim_app):
+    """`gpucr checkpoint P BAD` (P on simcuda, the controller not told so) said the system's driver could not be
+    loaded, where one process was fine and the other is not one gpucr can act on: the bad one is named now."""
+    app = sim_app("--sizes", "4M")
+    env = {k: v for k, v in os.environ.items() if k != "GPUCR_SIMULATE"}
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        one_line_error(gpucr_cli("checkpoint", str(app.pid), "999999999", env=env), "no process with pid 999999999")
+        one_line_error(gpucr_cli("checkpoint", str(app.pid), str(sleeper.pid), env=env), "not running under gpucr")
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+    assert gpucr_cli("status", str(app.pid), env=env).returncode == 0
+
+
 def test_process_not_under_gpucr():
     p = subprocess.Popen(["sleep", "30"])
     try:
@@ -135,8 +150,10 @@ def test_gpu_map_is_checked_before_anything_is_touched(sim_app):
 def test_bad_timeouts_and_image_dirs_touch_nothing(sim_app, tmp_path):
     app = sim_app("--sizes", "8M")
     before = app.ask("digest")
-    for t in ("nan", "inf", "0", "-3"):
-        one_line_error(gpucr_cli("checkpoint", "--timeout", t, str(app.pid)), "timeout must be a positive number")
+    # refused as given, before the process is gated (0.0001 and 1e9 used to fail after, at the agent's word)
+    for t in ("nan", "inf", "0", "-3", "0.0001", "1e9"):
+        one_line_error(gpucr_cli("checkpoint", "--timeout", t, str(app.pid)), "timeout must be a number of seconds")
+    one_line_error(gpucr_cli("checkpoint", "--image", "", str(app.pid)), "the image directory is empty")
     afile = tmp_path / "afile"
     afile.write_text("x")
     one_line_error(gpucr_cli("checkpoint", "--image", str(afile), str(app.pid)), "is not a directory")

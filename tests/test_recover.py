@@ -67,6 +67,19 @@ def test_recover_from_another_dir_never_uses_the_driver_alone_and_leaves_a_check
     assert app.ask("digest") == before
 
 
+def test_recover_of_a_named_simcuda_process_takes_its_driver_as_checkpoint_and_restore_do(sim_app):
+    """`gpucr recover --all PID` of a simcuda process, the controller not told --simulate, tried the system's driver
+    (on a machine without one: 'cannot load the CUDA driver'), though a failed checkpoint's own advice names it."""
+    import gpucr
+    app = sim_app("--sizes", "8M")
+    before = app.ask("digest")
+    gpucr.checkpoint(app.pid)
+    env = {k: v for k, v in os.environ.items() if k != "GPUCR_SIMULATE"}
+    done = [s for s in _recover("--all", str(app.pid), env=env).processes if s.pid == app.pid]
+    assert len(done) == 1 and done[0].ok, done
+    assert gpucr.status(app.pid).state == "running" and app.ask("digest") == before
+
+
 @pytest.mark.parametrize("level", ["data", "full"])
 def test_a_committed_checkpoint_says_so_and_recover_leaves_it_alone_at_every_level(sim_app, level):
     """The agent says `committed` for a checkpoint its controller committed, until a restore: recover (plain or

@@ -92,15 +92,20 @@ def request(pids: list[int], timeout: float, ask: Callable[[], T], need_cuda: bo
         try:
             return ask()
         except GpucrError as failed:
-            try:
-                looked = [_settle(pid, deadline, timeout, need_cuda) for pid in pids]
-            except StillStarting:
-                raise
-            except GpucrError:
-                raise failed from None   # gone, or never under gpucr: the request said it first
-            waited = any(w for _, w in looked)
-            if not take_kind([t for t, _ in looked]) and not waited:
-                raise failed
+            looked, bad = [], None
+            for pid in pids:
+                try:
+                    looked.append(_settle(pid, deadline, timeout, need_cuda))
+                except StillStarting:
+                    raise
+                except GpucrError as exc:   # gone, stopped, or never under gpucr
+                    bad = bad or exc
+            # through the driver the others run on, the request names the one it cannot act on itself (it said the
+            # system's driver could not load, where a simcuda process was asked beside a pid that is no process)
+            if take_kind([t for t, _ in looked]):
+                continue
+            if bad is not None or not any(w for _, w in looked):
+                raise failed from None
 
 
 def take_kind(found: list[targets.Target]) -> bool:

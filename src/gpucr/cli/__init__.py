@@ -14,7 +14,7 @@ from ..errors import GpucrError
 from ..levels import LEVELS
 from ..results import SCHEMA_VERSION, ErrorResult, to_json
 from ..server import route
-from .args import (CONTROLLER_FLAGS, GROUP_MAX_BYTES, JSON_HELP, RETIRED_ENV, STAGING_KINDS, Parser, Retired,
+from .args import (CONTROLLER_FLAGS, GROUP_MAX_BYTES, JSON_HELP, RETIRED_ENV, STAGING_KINDS, Parser, Retired, image_dir,
                    add_controller_flags, check_controller_env, group_name, host_budget, loopback, prepare_staging,
                    positive_seconds, staging_kind)
 from .cycle import cmd_checkpoint, cmd_recover, cmd_restore
@@ -79,7 +79,7 @@ def _parser() -> argparse.ArgumentParser:
                        help="deadline for draining calls in flight and each driver step (default 30)")
         c.add_argument("--json", action="store_true", help=JSON_HELP)
         c.add_argument("-v", "--phases", action="store_true", help="also print the time of each phase")
-        c.add_argument("--image", metavar="DIR", help=image_help)
+        c.add_argument("--image", metavar="DIR", type=image_dir, help=image_help)
         c.set_defaults(fn=fn)
 
     pid_cmd("checkpoint", cmd_checkpoint, "save a process's GPU memory and give the GPU back", True,

@@ -116,13 +116,22 @@ def group_name(v: str) -> str:
     return v
 
 
+def image_dir(v: str) -> str:
+    """--image DIR: a path, never empty (an empty one was taken as no image: the data went to host memory)."""
+    if not v.strip():
+        raise argparse.ArgumentTypeError("the image directory is empty: name a directory, or leave out --image")
+    return v
+
+
 def positive_seconds(v: str) -> float:
+    from ..coordinator.members import timeout_problem
     try:
         t = float(v)
     except ValueError:
         t = math.nan
-    if not (math.isfinite(t) and t > 0):
-        raise argparse.ArgumentTypeError(f"the timeout must be a positive number of seconds, not '{v}'")
+    why = timeout_problem(t, f"'{v}'")
+    if why:
+        raise argparse.ArgumentTypeError(why)
     return t
 
 

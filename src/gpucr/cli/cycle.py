@@ -174,7 +174,23 @@ def _recover_chosen(a: argparse.Namespace) -> list:
     return recovery.recover(a.timeout, committed_too=a.all, only=only)
 
 
+def _take_kind_of_targets(pids: list[int] | None) -> None:
+    """Act through the driver the processes under gpucr run on, as checkpoint and restore do, when not told which
+    (`gpucr recover PID` on a simcuda process tried the system's driver, which the failure that advised it to run
+    it may not have): the named ones, else every one listed, where all run on the same kind."""
+    from .. import preflight, target as targets
+    found = []
+    for pid in pids or [pid for pid, _ in targets.list_sockets()]:
+        try:
+            found.append(targets.resolve(pid))
+        except GpucrError:
+            pass   # gone or not under gpucr: the recover itself says so
+    if pids or len({t.simulated for t in found}) == 1:
+        preflight.take_kind(found)
+
+
 def cmd_recover(a: argparse.Namespace) -> int:
+    _take_kind_of_targets(a.pids)
     stuck = _recover_chosen(a) if a.all or a.pids else route.recover(a.list, a.timeout)
     if a.json:
         print_json(to_json(RecoverResult(SCHEMA_VERSION, "recover", a.list, stuck)))

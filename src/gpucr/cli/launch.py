@@ -79,7 +79,10 @@ def cmd_serve(a: argparse.Namespace) -> int:
         if a.json:
             print_json({"running": True, **info} if info else {"running": False, "simulated": simulated})
         else:
-            print("\n".join(server_view.service_lines(info)) if info else "server: not running")
+            other = None if info else client.info(not simulated)
+            print("\n".join(server_view.service_lines(info)) if info else "server: not running" + (
+                "" if other is None else (" (a server on simcuda runs: add --simulate)" if not simulated else
+                                          " (a server on the system's driver runs: leave out --simulate)")))
         return 0 if info else 3
     if a.show_http:
         return _show_http(client.info(simulated))

@@ -183,11 +183,24 @@ class _Member:
             self.agent = None
 
 
+TIMEOUT_RANGE_S = (0.001, 2_000_000.0)   # the agent counts a step's deadline in milliseconds, in a C int
+
+
+def timeout_problem(timeout: float, said: str = "") -> str:
+    """Why `timeout` (seconds; `said`: as the user wrote it) cannot be a request's, or '': checked before anything
+    is touched, where the agent used to refuse 0.0001 or 1e9 only once the process was gated."""
+    lo, hi = TIMEOUT_RANGE_S
+    if math.isfinite(timeout) and lo <= timeout <= hi:
+        return ""
+    return f"the timeout must be a number of seconds from {lo:g} to {hi:,.0f}, not {said or repr(timeout)}"
+
+
 def _check_request(pids: list[int], timeout: float) -> None:
     if not pids:
         raise GpucrError("no process named")
-    if not (math.isfinite(timeout) and timeout > 0):
-        raise GpucrError("the timeout must be a positive number of seconds")
+    why = timeout_problem(timeout)
+    if why:
+        raise GpucrError(why)
     twice = sorted({p for p in pids if pids.count(p) > 1})
     if twice:
         raise GpucrError(f"process {', '.join(map(str, twice))} is named twice: name each process once")

@@ -35,21 +35,42 @@ def _vet_for_checkpoint(pid: int, image_dir: Path | None, timeout: float) -> _Me
     _need_cuda(t)
     drv = t.driver()
     dstate = _driver_state(drv, pid)
-    if dstate != ProcessState.RUNNING:
-        raise GpucrError(f"process {pid} is already checkpointed (driver state {dstate.name.lower()}); "
-                         f"restore it with 'gpucr restore {pid}'")
-    if image_dir is not None:
-        _check_image_dir(image_dir, imagefs.owner_for(t.uid, pid))
     m = _Member(t, drv, image_dir=image_dir, result={"pid": pid, "phases_s": {}})
     m.agent = t.connect()
+    if dstate != ProcessState.RUNNING:
+        st = _status_if_any(m)
+        m.close()
+        raise GpucrError(f"process {pid} is already checkpointed (driver state {dstate.name.lower()}); "
+                         f"{_restore_hint(pid, st)}")
+    if image_dir is not None:
+        try:
+            _check_image_dir(image_dir, imagefs.owner_for(t.uid, pid))
+        except GpucrError:
+            m.close()
+            raise
     m.status = _vetting_status(m, timeout)
     if m.status["state"] != "running":
         m.close()
-        raise GpucrError(f"process {pid} is already checkpointed (level data); restore it with 'gpucr restore {pid}'")
+        raise GpucrError(f"process {pid} is already checkpointed (level data); {_restore_hint(pid, m.status)}")
     if m.status.get("refusal"):   # the agent's rule (dp_preflight), said before staging is made for it
         m.close()
         raise GpucrError(f"process {pid}: refused before touching the process: {m.status['refusal']}")
     return m
+
+
+def _status_if_any(m: _Member) -> dict[str, Any] | None:
+    try:
+        return m.agent.call("status", timeout=5.0)
+    except GpucrError:
+        return None
+
+
+def _restore_hint(pid: int, status: dict[str, Any] | None) -> str:
+    """How to bring back a process found checkpointed: from its image where its data is no longer in host memory."""
+    if (status and status.get("state") == "checkpointed" and not status.get("staged", True)
+            and status.get("checkpoint_phase") != "handed"):
+        return f"its data was written to an image: restore it with 'gpucr restore --image DIR {pid}'"
+    return f"restore it with 'gpucr restore {pid}'"
 
 
 def _check_image_dir(d: Path, owner: imagefs.Owner | None) -> None:
