@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -43,6 +44,23 @@ def test_a_bad_pid_beside_a_good_one_is_named_whichever_driver_the_controller_to
         sleeper.kill()
         sleeper.wait()
     assert gpucr_cli("status", str(app.pid), env=env).returncode == 0
+
+
+def test_two_restores_at_once_one_restores_and_the_other_says_there_is_nothing_left(sim_app):
+    """The loser of two `gpucr restore P` at once said it failed at a driver step and to retry, while the process ran
+    restored (found from outside: 2-3 rounds in 5)."""
+    app = sim_app("--sizes", "8M,3M")
+    before = app.ask("digest")
+    for _ in range(3):
+        assert gpucr_cli("checkpoint", str(app.pid)).returncode == 0
+        with ThreadPoolExecutor(2) as pool:
+            got = list(pool.map(lambda _i: gpucr_cli("restore", str(app.pid)), range(2)))
+        assert sorted(r.returncode for r in got) == [0, 1], got
+        lost = next(r for r in got if r.returncode)
+        one_line_error(lost, "")
+        assert "is not checkpointed" in lost.stderr or "restored by another controller meanwhile" in lost.stderr, \
+            lost.stderr
+        assert app.ask("digest") == before
 
 
 def test_process_not_under_gpucr():

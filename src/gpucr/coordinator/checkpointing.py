@@ -97,6 +97,8 @@ def checkpoint_many(pids: list[int], mover: DataPlane, level: str = "full", time
                 who = (f"all {len(members)} processes run on" if not ended else
                        f"{len(alive)} of {len(members)} processes run on (process {', '.join(ended)} ended)")
                 raise GpucrError(f"{exc}; rolled back: {who} with their data intact{lost}") from exc
+            if proc.process_ended(exc.pid):   # killed meanwhile: nothing runs on (it was said to)
+                raise GpucrError(f"{exc}; process {exc.pid} ended during the checkpoint") from exc
             if exc.phase in ("prepare", "data out"):
                 raise GpucrError(str(exc)) from exc   # nothing was released: its own words say it runs on
             raise GpucrError(f"{exc}; rolled back, process {exc.pid} runs on with its data intact") from exc

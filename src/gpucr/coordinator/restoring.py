@@ -6,6 +6,7 @@ from pathlib import Path
 
 from .. import gpus, shape
 from .. import proc
+from .. import target as targets
 from ..app import AppChannel
 from ..errors import GpucrError
 from ..results import SCHEMA_VERSION, RestoreResult
@@ -70,6 +71,20 @@ def _data_in_all(members: list[_Member], timeout: float, drop_staging: bool, pha
     _each("resume", [m for m in restoring if _agent_restored(m)] + parked, lambda m: m.agent.call("resume", timeout=60.0))
 
 
+def _restored_by_another(failed: dict[int, GpucrError]) -> None:
+    """A restore that lost a race with another controller's (two `gpucr restore P` at once) failed at a driver step
+    or the adopt, while the process runs, restored: said so, not as a failure to retry."""
+    for pid, exc in failed.items():
+        try:
+            with targets.resolve(pid).connect() as agent:
+                st = agent.call("status", timeout=5.0)
+        except (GpucrError, OSError):
+            continue
+        if st.get("state") == "running" and not st.get("busy") and not st.get("gate_closed"):
+            raise GpucrError(f"process {pid} was restored by another controller meanwhile and runs (this restore "
+                             f"stopped at {getattr(exc, 'phase', 'a step')}); nothing is left to do") from exc
+
+
 def restore_many(pids: list[int], mover: DataPlane, timeout: float = 30.0, drop_staging: bool = False,
                  images: dict[int, str | Path] | None = None, force: bool = False,
                  gpu_map: dict[str, str] | None = None, accept_mismatch: bool = False) -> RestoreResult:
@@ -118,6 +133,7 @@ def restore_many(pids: list[int], mover: DataPlane, timeout: float = 30.0, drop_
         except PhaseError as exc:
             failed[exc.pid] = exc
         if failed:
+            _restored_by_another(failed)
             ok = [m.pid for m in members if m.pid not in failed]
             first = next(iter(failed.values()))
             rest = f"; processes {', '.join(map(str, ok))} were restored and run" if ok and len(members) > 1 else ""
