@@ -6,7 +6,6 @@ from pathlib import Path
 
 from .. import gpus, shape
 from .. import proc
-from .. import target as targets
 from ..app import AppChannel
 from ..errors import GpucrError
 from ..results import SCHEMA_VERSION, RestoreResult
@@ -71,17 +70,19 @@ def _data_in_all(members: list[_Member], timeout: float, drop_staging: bool, pha
     _each("resume", [m for m in restoring if _agent_restored(m)] + parked, lambda m: m.agent.call("resume", timeout=60.0))
 
 
-def _restored_by_another(failed: dict[int, GpucrError]) -> None:
+def _restored_by_another(members: list[_Member], failed: dict[int, GpucrError]) -> None:
     """A restore that lost a race with another controller's (two `gpucr restore P` at once) failed at a driver step
     or the adopt, while the process runs, restored: said so, not as a failure to retry."""
-    for pid, exc in failed.items():
+    for m in members:
+        exc = failed.get(m.pid)
+        if exc is None or m.agent is None:
+            continue
         try:
-            with targets.resolve(pid).connect() as agent:
-                st = agent.call("status", timeout=5.0)
+            st = m.agent.call("status", timeout=5.0)
         except (GpucrError, OSError):
             continue
         if st.get("state") == "running" and not st.get("busy") and not st.get("gate_closed"):
-            raise GpucrError(f"process {pid} was restored by another controller meanwhile and runs (this restore "
+            raise GpucrError(f"process {m.pid} was restored by another controller meanwhile and runs (this restore "
                              f"stopped at {getattr(exc, 'phase', 'a step')}); nothing is left to do") from exc
 
 
@@ -133,7 +134,7 @@ def restore_many(pids: list[int], mover: DataPlane, timeout: float = 30.0, drop_
         except PhaseError as exc:
             failed[exc.pid] = exc
         if failed:
-            _restored_by_another(failed)
+            _restored_by_another(members, failed)
             ok = [m.pid for m in members if m.pid not in failed]
             first = next(iter(failed.values()))
             rest = f"; processes {', '.join(map(str, ok))} were restored and run" if ok and len(members) > 1 else ""
