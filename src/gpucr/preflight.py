@@ -43,7 +43,8 @@ def _not_ready(pid: int, need_cuda: bool = True) -> tuple[targets.Target | None,
         t = targets.resolve(pid)
     except GpucrError:
         proc.check_not_stopped(pid)
-        if not targets.starting_under_gpucr(pid) or _age_s(pid) >= STARTING_S:
+        # `gpucr run` before its exec is waited for however long its start takes (over 10 s on a loaded CI machine)
+        if not targets.launching(pid) and (not targets.starting_under_gpucr(pid) or _age_s(pid) >= STARTING_S):
             raise
         return None, "its agent does not answer yet"
     return t, "" if t.hello.get("cuda") or not need_cuda else "it has not loaded the CUDA driver yet"

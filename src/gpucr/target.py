@@ -92,8 +92,11 @@ def _environ(pid: int) -> dict[str, str]:
 def starting_under_gpucr(pid: int) -> bool:
     """Whether a process is on its way to running under gpucr: its environment preloads the agent, or it is
     `gpucr run` itself, before it execs the command (its own environment is still the shell's then)."""
-    if "libgpucr" in _environ(pid).get("LD_PRELOAD", ""):
-        return True
+    return "libgpucr" in _environ(pid).get("LD_PRELOAD", "") or launching(pid)
+
+
+def launching(pid: int) -> bool:
+    """Whether the process is `gpucr run` itself, before it execs the command: on its way, however long it takes."""
     try:
         argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
     except OSError:
