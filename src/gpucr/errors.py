@@ -11,11 +11,6 @@ class GpucrError(Exception):
         self.code = code
 
 
-class NoRoomForServerContext(GpucrError):
-    """The GPU has too little free memory for the data plane's context there (the mover makes it at its first copy):
-    a park's copy waits for the driver's checkpoint to take the process's own context off, then tries again."""
-
-
 def note(line: str) -> None:
     """`gpucr: note: ...` on stderr (the server's log when the server says it)."""
     print(f"gpucr: note: {line}", file=sys.stderr, flush=True)

@@ -7,7 +7,13 @@ from contextlib import suppress
 from dataclasses import dataclass
 from typing import Iterable
 
-from .driver import Driver, DriverError, _sig, uuid_text
+from .driver import CUDA_ERROR_OUT_OF_MEMORY, Driver, DriverError, _sig, uuid_text
+
+
+class NoRoomForServerContext(DriverError):
+    """The GPU has too little free memory for this process's context there (the data plane makes it at its first
+    copy): a park's copy waits for the driver's checkpoint to take the process's own context off, then tries again;
+    the swap service's room counts it as more than is free."""
 
 
 class _MemLocation(ctypes.Structure):
@@ -99,8 +105,12 @@ class Vmm:
         return out
 
     def retain_context(self, dev: int) -> int:
+        """NoRoomForServerContext where the GPU has too little free memory for it."""
         c = ctypes.c_void_p()
-        self._ok(self._cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev), f"retaining a context on GPU {dev}")
+        rc, what = self._cu.cuDevicePrimaryCtxRetain(ctypes.byref(c), dev), f"retaining a context on GPU {dev}"
+        if rc == CUDA_ERROR_OUT_OF_MEMORY:
+            raise NoRoomForServerContext(what, rc, self.drv._errstr(rc))
+        self._ok(rc, what)
         return c.value or 0
 
     def release_context(self, dev: int) -> None:

@@ -10,7 +10,8 @@ import time
 from contextlib import ExitStack, contextmanager
 from typing import Any, Callable, Iterator
 
-from ..errors import GpucrError, NoRoomForServerContext
+from ..errors import GpucrError
+from ..vmm import NoRoomForServerContext
 from .. import imagefs, proc
 from .. import memory as server_memory
 from ..memory import Managed

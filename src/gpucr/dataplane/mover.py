@@ -20,9 +20,9 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from ..driver import CUDA_ERROR_OUT_OF_MEMORY, Driver, DriverError, process_gpu_memory
+from ..driver import Driver, DriverError, process_gpu_memory
 from ..vmm import Vmm
-from ..errors import GpucrError, NoRoomForServerContext
+from ..errors import GpucrError
 from ..proc import process_ended, process_start_time
 from .checked import Taken
 from .kernels import Kernels
@@ -410,12 +410,7 @@ class Mover(StagingMaker):
         """(context, copy streams) on `dev`, made the first time; NoRoomForServerContext where the GPU has too little
         free memory for it (a park's copy then waits for the driver to take the process's own context off)."""
         if dev not in self._ctx:
-            try:
-                ctx = self.vmm.retain_context(dev)
-            except DriverError as exc:
-                if exc.rc != CUDA_ERROR_OUT_OF_MEMORY:
-                    raise
-                raise NoRoomForServerContext(f"the server's context on GPU {dev} does not fit: {exc}") from exc
+            ctx = self.vmm.retain_context(dev)
             try:
                 self.vmm.use(ctx)
                 streams = [self.vmm.stream() for _ in range(2 * STREAMS)]   # out, then in

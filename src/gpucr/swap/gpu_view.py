@@ -13,8 +13,8 @@ import threading
 from typing import Any, Callable
 
 from .. import gpus
-from ..driver import CUDA_ERROR_OUT_OF_MEMORY, Driver, DriverError, gpu_memory, process_gpu_memory
-from ..vmm import Vmm
+from ..driver import Driver, gpu_memory, process_gpu_memory
+from ..vmm import NoRoomForServerContext, Vmm
 
 
 class DriverGpus:
@@ -78,9 +78,7 @@ class DriverGpus:
         before = gpu_memory(drv, gpu.ordinal, uuid)
         try:
             vmm.retain_context(gpu.ordinal)
-        except DriverError as exc:
-            if exc.rc != CUDA_ERROR_OUT_OF_MEMORY:
-                raise
+        except NoRoomForServerContext as exc:
             if uuid not in self._said:
                 self._said.add(uuid)
                 self._log(f"the server's own context on GPU {uuid} cannot be made to measure it: {exc}; counted in "
