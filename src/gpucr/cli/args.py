@@ -14,6 +14,7 @@ from ..agent_tables import SETTINGS
 from ..errors import GpucrError
 from ..server import route
 from ..service_http.listen import Loopback, parse_loopback
+from ..timeouts import timeout_problem
 
 # The agent's limits for the settings `gpucr run` passes on, from its table (native/agent/settings.def)
 GROUP_MAX_BYTES = SETTINGS["GPUCR_GROUP"].hi
@@ -124,7 +125,6 @@ def image_dir(v: str) -> str:
 
 
 def positive_seconds(v: str) -> float:
-    from ..coordinator.members import timeout_problem
     try:
         t = float(v)
     except ValueError:

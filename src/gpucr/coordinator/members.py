@@ -2,7 +2,6 @@
 members and naming who failed (PhaseError), the watched agent call, deadlines, and the test suite's kill points."""
 from __future__ import annotations
 
-import math
 import os
 import signal
 import threading
@@ -20,6 +19,7 @@ from ..driver import CUDA_ERROR_NOT_INITIALIZED, Driver, DriverError, ProcessSta
 from ..errors import GpucrError
 from ..abandon import why_abandoned as abandoned
 from ..plane import DataPlane
+from ..timeouts import timeout_problem
 
 
 T = TypeVar("T")
@@ -181,18 +181,6 @@ class _Member:
         if self.agent is not None:
             self.agent.close()
             self.agent = None
-
-
-TIMEOUT_RANGE_S = (0.001, 2_000_000.0)   # the agent counts a step's deadline in milliseconds, in a C int
-
-
-def timeout_problem(timeout: float, said: str = "") -> str:
-    """Why `timeout` (seconds; `said`: as the user wrote it) cannot be a request's, or '': checked before anything
-    is touched, where the agent used to refuse 0.0001 or 1e9 only once the process was gated."""
-    lo, hi = TIMEOUT_RANGE_S
-    if math.isfinite(timeout) and lo <= timeout <= hi:
-        return ""
-    return f"the timeout must be a number of seconds from {lo:g} to {hi:,.0f}, not {said or repr(timeout)}"
 
 
 def _check_request(pids: list[int], timeout: float) -> None:
