@@ -66,6 +66,15 @@ def cmd_lib(a: argparse.Namespace) -> int:
     return 0
 
 
+def _not_running(simulated: bool) -> str:
+    """`gpucr serve --status` with no server of this driver kind: said, with the other kind's where one runs."""
+    from ..server import client
+    if client.info(not simulated) is None:
+        return "server: not running"
+    return ("server: not running (a server on the system's driver runs: leave out --simulate)" if simulated else
+            "server: not running (a server on simcuda runs: add --simulate)")
+
+
 def cmd_serve(a: argparse.Namespace) -> int:
     from ..driver import controller_simulated
     from ..server import client, foreground
@@ -79,10 +88,7 @@ def cmd_serve(a: argparse.Namespace) -> int:
         if a.json:
             print_json({"running": True, **info} if info else {"running": False, "simulated": simulated})
         else:
-            other = None if info else client.info(not simulated)
-            print("\n".join(server_view.service_lines(info)) if info else "server: not running" + (
-                "" if other is None else (" (a server on simcuda runs: add --simulate)" if not simulated else
-                                          " (a server on the system's driver runs: leave out --simulate)")))
+            print("\n".join(server_view.service_lines(info)) if info else _not_running(simulated))
         return 0 if info else 3
     if a.show_http:
         return _show_http(client.info(simulated))
